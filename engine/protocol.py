@@ -1,0 +1,310 @@
+"""The wire protocol between the host agent and its clients (the TUI and the headless CLI).
+
+Stdlib only: this module is shipped to hosts that have nothing but ``python3``.
+
+Wire format: JSON lines, UTF-8, one object per line.
+
+* agent -> client, on the agent's stdout: events, ``{"ev": <kind>, ...}``.
+* client -> agent, on the agent's stdin: commands, ``{"id": <int>, "cmd": <name>, "args": {...}}``.
+  Every command gets exactly one ``reply`` event with the same ``id``.
+
+Bytes of a log are carried losslessly: the agent decodes them as UTF-8 with
+``surrogateescape`` and ``json.dumps`` escapes the lone surrogates, so
+``decode_log_data(encode_log_data(b)) == b`` for any bytes ``b``.
+
+The first line an agent prints is always a ``hello`` event.
+
+Events (``ev``)
+---------------
+hello       protocol, agent_version, hostname, boot_id, python, pid, run_root, simulated,
+            capabilities: {name: {"ok": bool, "detail": str}}   (nvml, psutil, watchfiles, tmux, py_spy)
+gpus        t, simulated, gpus: [GpuInfo], nvml_error (str | None)
+procs       t, run_tree: [ProcInfo], holders: [HolderInfo]
+log         offset, inode, data                 data starts at byte ``offset`` of the file
+log_reset   inode, offset, reason               "created" | "rotated" | "truncated"; following restarts at offset
+engine      offset, event: EngineEvent          one line of the run's events.jsonl; offset = byte after it
+run         run: RunInfo | None                 sent whenever the run state changes
+anomalies   items: [Anomaly]                    the complete current list (replaces the previous one)
+milestone   run_id, milestone, t, ok, cause     a launch milestone reached or failed
+progress    id, message                         progress of a long command (stop, kill_stale) before its reply
+reply       id, ok, result, error               the answer to a command
+warning     message                             something the user should see that is not an error of a command
+error       message                             the agent itself hit a problem it cannot attach to a command
+            (also: a malformed command line is answered with ``error``; the agent never dies of bad input)
+
+Commands (``cmd``)
+------------------
+ping        {}                                          -> {"t": float}
+status      {}                                          -> StatusSnapshot (see ``STATUS_KEYS``)
+subscribe   {gpu_interval_s, procs_interval_s,          -> {}; then streams gpus/procs/anomalies/run events,
+             log: {"offset", "inode"} | None,              log events from that position (None: from the start),
+             engine_offset: int | None}                     engine events from that byte offset of events.jsonl
+tail        {n}                                         -> {"lines": [str], "offset": int, "inode": int}
+launch      LaunchSpec fields                           -> {"run_id", "run_dir", "tmux_session", "attachable"}
+wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
+stop        {grace_s, release_timeout_s}                -> {"stopped", "steps": [str]}   (progress events meanwhile)
+kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
+                                                        -> {"candidates": [HolderInfo], "signalled": [...], "failed": [...]}
+stacks      {timeout_s}                                 -> {"method": str, "text": str}
+doctor      {}                                          -> {"checks": [{"name", "ok", "detail", "fix"}]}
+sim         {gpu, util_pct, mem_used_mib, holder_pid}   -> {}   only with --simulate-gpus: script an anomalous state
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+AGENT_VERSION = "0.1.0"
+
+# Milestones of a launch, in order (DESIGN.md).
+MILESTONES: tuple[str, ...] = ("submitted", "started", "output", "first-step")
+
+# Keys every `status --json` object carries (DESIGN.md contract).
+STATUS_KEYS: tuple[str, ...] = ("host", "gpus", "processes", "run", "anomalies")
+
+# Anomaly kinds (DESIGN.md).
+ANOMALY_KINDS: tuple[str, ...] = (
+    "phantom_utilization",
+    "orphan_memory",
+    "stale_holder",
+    "stalled_run",
+    "dead_thread",
+)
+
+# Run states as reported in RunInfo.state.
+RUN_STATES: tuple[str, ...] = (
+    "starting",  # launch.json not yet written
+    "running",  # pid alive
+    "exited",  # exit.json says code 0
+    "failed",  # exit.json says non-zero code or a signal
+    "vanished",  # pid gone, no exit.json (killed -9 wrapper, tmux server killed, ...)
+    "rebooted",  # launch.json's boot id differs from the host's: ended by reboot
+)
+
+# `launch --wait` exit codes (DESIGN.md).
+EXIT_OK = 0
+EXIT_RUN_FAILED = 1
+EXIT_USAGE = 2
+EXIT_CONNECTION = 3
+EXIT_HUNG = 4
+
+# Engine events (one JSON object per line of <run_dir>/events.jsonl, written by engine/trainer).
+# Every engine event has "t" (unix time, float) and "kind", one of:
+#   stage         stage: "imports" | "target_loaded" | "warmup" | "training" | "checkpoint" | "stopping" | "done"
+#                 thread: str | None, detail: str
+#   heartbeat     thread, state ("starting" | "warmup" | "training" | "waiting" | "stopped" | "error"),
+#                 step, tok_s, queue_depth, last_exception (str | None)
+#   step          thread, step, loss: [float per TTT position], acc: [float per TTT position],
+#                 tok_s, ms: {"fetch", "fwd", "bwd", "opt"}
+#   thread_error  thread, exc_type, message, traceback, policy ("stop" | "continue")
+#   checkpoint    step, path
+#   run_end       ok, reason, step
+ENGINE_EVENT_KINDS: tuple[str, ...] = (
+    "stage",
+    "heartbeat",
+    "step",
+    "thread_error",
+    "checkpoint",
+    "run_end",
+)
+
+# Environment variables the supervisor sets for the job (the engine writes its events there).
+ENV_RUN_DIR = "SPECDEC_RUN_DIR"
+ENV_EVENTS_PATH = "SPECDEC_EVENTS"
+ENV_RUN_ID = "SPECDEC_RUN_ID"
+
+
+class ProtocolError(ValueError):
+    """A line that is not a valid protocol message."""
+
+
+@dataclass
+class HolderInfo:
+    """A process that holds an NVIDIA device (through NVML or a /dev/nvidia* descriptor)."""
+
+    pid: int
+    resolved: bool  # False: NVML reported a PID we cannot see (host PID seen from a container)
+    create_time: float | None = None
+    user: str | None = None
+    cmd: str | None = None
+    gpus: list[int] = field(default_factory=list)
+    used_mib: float | None = None
+    state: str | None = None  # psutil status: "running", "sleeping", "zombie", "disk-sleep", ...
+    age_s: float | None = None
+    in_run: bool = False  # part of the current run's process tree
+    source: str = "fd"  # "fd" | "nvml" | "fd+nvml" | "simulated"
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str
+    util_pct: float | None
+    mem_used_mib: float | None
+    mem_total_mib: float | None
+    temp_c: float | None = None
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    holder_pids: list[int] = field(default_factory=list)
+    simulated: bool = False
+    unsupported: list[str] = field(default_factory=list)  # NVML fields this driver does not answer
+
+
+@dataclass
+class ThreadInfo:
+    tid: int
+    name: str
+
+
+@dataclass
+class ProcInfo:
+    pid: int
+    ppid: int
+    user: str | None
+    cmd: str
+    cpu_pct: float | None
+    rss_mib: float | None
+    create_time: float | None
+    state: str | None
+    threads: list[ThreadInfo] = field(default_factory=list)
+
+
+@dataclass
+class Anomaly:
+    kind: str  # one of ANOMALY_KINDS
+    message: str  # a sentence a person can act on
+    gpu: int | None = None
+    pid: int | None = None
+    thread: str | None = None
+
+
+@dataclass
+class RunInfo:
+    """The current run as read from its run directory and the process table."""
+
+    run_id: str
+    run_dir: str
+    state: str  # one of RUN_STATES
+    command: list[str] = field(default_factory=list)
+    cwd: str | None = None
+    pid: int | None = None
+    pgid: int | None = None
+    boot_id: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    tmux_session: str | None = None
+    attachable: bool = False  # False when tmux was missing and the run was started with setsid
+    exit_code: int | None = None
+    signal: int | None = None
+    milestones: dict[str, float | None] = field(default_factory=dict)  # milestone -> unix time reached
+    stage: str | None = None  # last engine stage, when the job is our engine
+    last_step: int | None = None
+    last_step_at: float | None = None
+    profile: str | None = None
+
+
+@dataclass
+class LaunchSpec:
+    """What to start. ``command`` is an argv list; it is never passed through a shell by the agent."""
+
+    command: list[str]
+    cwd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    run_id: str | None = None  # default: generated, e.g. 20261129-111500-ab12
+    step_pattern: str = r"step=\d+"
+    deadlines_s: dict[str, float] = field(default_factory=dict)  # milestone -> seconds after launch
+    profile: str | None = None
+
+
+@dataclass
+class WaitResult:
+    """The `launch --wait --json` object (DESIGN.md)."""
+
+    ok: bool
+    milestone: str  # the milestone waited for
+    stage: str  # the last milestone (or engine stage) reached
+    cause: str | None  # why it failed; None when ok
+    exit_code: int | None
+    signal: int | None
+    elapsed_s: float
+    last_lines: list[str] = field(default_factory=list)
+    alive: bool | None = None  # process alive at the end of the wait
+    detail: str | None = None  # "alive, silent: 3 threads, 0.0% CPU, no GPU" and the like
+    run_id: str | None = None
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses to dicts; non-finite floats to None (JSON has no NaN)."""
+    if hasattr(obj, "__dataclass_fields__"):
+        obj = asdict(obj)
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    """One protocol line, newline included."""
+    return (json.dumps(to_jsonable(msg), separators=(",", ":"), ensure_ascii=True) + "\n").encode("ascii")
+
+
+def event(ev: str, **fields: Any) -> dict[str, Any]:
+    return {"ev": ev, **fields}
+
+
+def command(cmd_id: int, cmd: str, **args: Any) -> dict[str, Any]:
+    return {"id": cmd_id, "cmd": cmd, "args": args}
+
+
+def decode(line: bytes | str) -> dict[str, Any]:
+    """Parse one protocol line; raises ProtocolError for anything that is not a JSON object."""
+    try:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+        obj = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ProtocolError(f"not a JSON line: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_command(line: bytes | str) -> tuple[int | None, str, dict[str, Any]]:
+    """Validate a command line: returns (id, cmd, args) or raises ProtocolError."""
+    obj = decode(line)
+    cmd_id = obj.get("id")
+    if cmd_id is not None and (not isinstance(cmd_id, int) or isinstance(cmd_id, bool)):
+        raise ProtocolError("command id must be an integer")
+    cmd = obj.get("cmd")
+    if not isinstance(cmd, str) or not cmd:
+        raise ProtocolError("command has no 'cmd' string")
+    args = obj.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise ProtocolError("command 'args' must be an object")
+    return cmd_id, cmd, args
+
+
+def parse_event(line: bytes | str) -> dict[str, Any]:
+    """Validate an event line: returns the object or raises ProtocolError."""
+    obj = decode(line)
+    if not isinstance(obj.get("ev"), str):
+        raise ProtocolError("event has no 'ev' string")
+    return obj
+
+
+def encode_log_data(data: bytes) -> str:
+    return data.decode("utf-8", "surrogateescape")
+
+
+def decode_log_data(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
