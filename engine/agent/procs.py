@@ -1,0 +1,410 @@
+"""Processes from /proc: GPU holders (through /dev/nvidia* descriptors and NVML), run process trees, identity.
+
+Pure /proc and stdlib (works on a host without psutil). Identity is (pid, create_time) with
+create_time = boot time + /proc/<pid>/stat starttime / CLK_TCK, the same formula psutil uses, so a
+PID reused by another process never passes for the one recorded.
+
+NVML reports host PIDs; inside a container's PID namespace those PIDs do not exist (or belong to
+someone else). Such a PID is reported with ``resolved=False``: a state to show, never an error.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.protocol import HolderInfo, ProcInfo, ThreadInfo
+
+PROC = "/proc"
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_GPU_NODE = re.compile(r"nvidia(\d+)")
+
+# /proc/<pid>/stat state letters, named as psutil names them.
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "disk-sleep",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "tracing-stop",
+    "X": "dead",
+    "x": "dead",
+    "I": "idle",
+    "P": "parked",
+    "W": "waking",
+    "K": "wake-kill",
+}
+
+# Driver daemons and monitors that hold /dev/nvidia* by design: holders, but never "stale".
+SYSTEM_HOLDER_NAMES: frozenset[str] = frozenset(
+    {"nvidia-persistenced", "nv-hostengine", "nvidia-smi", "dcgm-exporter", "nvidia-powerd"}
+)
+
+
+def default_dev_dir() -> str:
+    return os.environ.get("SPECDEC_DEV_DIR", "/dev")
+
+
+@dataclass
+class ProcStat:
+    """The fields of /proc/<pid>/stat the agent uses."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    cpu_ticks: int  # utime + stime
+    num_threads: int
+    start_ticks: int
+    rss_pages: int
+
+
+_boot_time: float | None = None
+
+
+def boot_time() -> float:
+    """Unix time of the host's boot (/proc/stat btime)."""
+    global _boot_time
+    if _boot_time is None:
+        with open(f"{PROC}/stat", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"btime "):
+                    _boot_time = float(line.split()[1])
+                    break
+            else:
+                raise OSError("no btime in /proc/stat")
+    return _boot_time
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """Parse /proc/<pid>/stat; None when the process is gone or unreadable."""
+    try:
+        with open(f"{PROC}/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: it ends at the last ')'.
+    lpar, rpar = raw.find(b"("), raw.rfind(b")")
+    if lpar < 0 or rpar < 0:
+        return None
+    comm = raw[lpar + 1 : rpar].decode("utf-8", "replace")
+    rest = raw[rpar + 2 :].split()
+    try:
+        return ProcStat(
+            pid=pid,
+            comm=comm,
+            state=rest[0].decode(),
+            ppid=int(rest[1]),
+            pgrp=int(rest[2]),
+            session=int(rest[3]),
+            cpu_ticks=int(rest[11]) + int(rest[12]),
+            num_threads=int(rest[17]),
+            start_ticks=int(rest[19]),
+            rss_pages=int(rest[21]),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def create_time_of(st: ProcStat) -> float:
+    return boot_time() + st.start_ticks / _CLK_TCK
+
+
+def proc_identity(pid: int) -> tuple[int, float] | None:
+    """(pid, create_time) of a live process, or None when there is no such process."""
+    st = read_stat(pid)
+    if st is None:
+        return None
+    return (pid, create_time_of(st))
+
+
+def same_process(pid: int, create_time: float, tolerance_s: float = 0.05) -> bool:
+    """True when ``pid`` is still the process that had ``create_time`` (PID reuse guard)."""
+    ident = proc_identity(pid)
+    return ident is not None and abs(ident[1] - create_time) <= tolerance_s
+
+
+def state_name(letter: str) -> str:
+    return _STATES.get(letter, letter)
+
+
+def list_pids() -> list[int]:
+    try:
+        names = os.listdir(PROC)
+    except OSError:
+        return []
+    return [int(n) for n in names if n.isdigit()]
+
+
+_user_cache: dict[int, str] = {}
+
+
+def user_of(pid: int) -> str | None:
+    """The real user of a process, by name when the passwd database knows it."""
+    try:
+        with open(f"{PROC}/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Uid:"):
+                    uid = int(line.split()[1])
+                    break
+            else:
+                return None
+    except (OSError, ValueError, IndexError):
+        return None
+    name = _user_cache.get(uid)
+    if name is None:
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            name = str(uid)
+        _user_cache[uid] = name
+    return name
+
+
+def cmdline_of(pid: int, comm: str | None = None) -> str:
+    """The command line joined with spaces; ``[comm]`` for kernel threads and zombies."""
+    try:
+        with open(f"{PROC}/{pid}/cmdline", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        raw = b""
+    parts = [p.decode("utf-8", "replace") for p in raw.rstrip(b"\0").split(b"\0") if p]
+    if parts:
+        return " ".join(parts)
+    if comm is None:
+        st = read_stat(pid)
+        comm = st.comm if st is not None else "?"
+    return f"[{comm}]"
+
+
+def threads_of(pid: int) -> list[ThreadInfo]:
+    """Every thread of a process with its name (/proc/<pid>/task/<tid>/comm)."""
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"{PROC}/{pid}/task") if t.isdigit())
+    except OSError:
+        return []
+    out: list[ThreadInfo] = []
+    for tid in tids:
+        try:
+            with open(f"{PROC}/{pid}/task/{tid}/comm", "rb") as fh:
+                name = fh.read().rstrip(b"\n").decode("utf-8", "replace")
+        except OSError:
+            continue  # the thread ended between listdir and open
+        out.append(ThreadInfo(tid=tid, name=name))
+    return out
+
+
+def nvidia_fds(pid: int, dev_dir: str) -> tuple[bool, set[str]] | None:
+    """Names of the <dev_dir>/nvidia* nodes a process holds open.
+
+    Returns None when the fd table cannot be read (gone, or another user's process without
+    privileges), else (True, {"nvidia0", "nvidiactl", ...}) (the set may be empty).
+    """
+    fd_dir = f"{PROC}/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return None
+    prefix = dev_dir.rstrip("/") + "/nvidia"
+    names: set[str] = set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            names.add(target[len(dev_dir.rstrip("/")) + 1 :])
+    return (True, names)
+
+
+def scan_device_holders(dev_dir: str | None = None, pids: Iterable[int] | None = None) -> dict[int, set[str]]:
+    """pid -> names of the nvidia* nodes it holds, for every process whose fds we can read."""
+    dev = dev_dir if dev_dir is not None else default_dev_dir()
+    found: dict[int, set[str]] = {}
+    for pid in pids if pids is not None else list_pids():
+        res = nvidia_fds(pid, dev)
+        if res is not None and res[1]:
+            found[pid] = res[1]
+    return found
+
+
+def gpu_indices(node_names: Iterable[str]) -> list[int]:
+    """GPU indices from device node names: nvidia3 -> 3; nvidiactl and nvidia-uvm name no GPU."""
+    out = set()
+    for name in node_names:
+        m = _GPU_NODE.fullmatch(name)
+        if m:
+            out.add(int(m.group(1)))
+    return sorted(out)
+
+
+def _holder(pid: int, st: ProcStat, now: float) -> HolderInfo:
+    ct = create_time_of(st)
+    return HolderInfo(
+        pid=pid,
+        resolved=True,
+        create_time=ct,
+        user=user_of(pid),
+        cmd=cmdline_of(pid, st.comm),
+        state=state_name(st.state),
+        age_s=max(0.0, now - ct),
+    )
+
+
+def find_holders(
+    dev_dir: str | None = None,
+    nvml_pids: dict[int, float] | None = None,
+    run_pids: set[int] | frozenset[int] = frozenset(),
+    nvml_pid_gpus: dict[int, list[int]] | None = None,
+) -> list[HolderInfo]:
+    """Every process holding an NVIDIA device, from /proc/*/fd links and NVML's process list.
+
+    ``nvml_pids``: pid -> used MiB as NVML reports it (host PIDs); ``nvml_pid_gpus``: pid -> GPU
+    indices NVML saw it on. A NVML pid that does not exist here (container) or that exists but
+    holds no /dev/nvidia* node (another namespace's PID reused here) is ``resolved=False``.
+    """
+    dev = dev_dir if dev_dir is not None else default_dev_dir()
+    now = time.time()
+    fd_holders = scan_device_holders(dev)
+    nvml = nvml_pids or {}
+    nvml_gpus = nvml_pid_gpus or {}
+    out: dict[int, HolderInfo] = {}
+    for pid, nodes in fd_holders.items():
+        st = read_stat(pid)
+        if st is None:
+            continue  # exited since the scan
+        h = _holder(pid, st, now)
+        h.gpus = gpu_indices(nodes)
+        h.source = "fd"
+        out[pid] = h
+    for pid, used in nvml.items():
+        gpus = sorted(set(nvml_gpus.get(pid, [])))
+        h = out.get(pid)
+        if h is not None:
+            h.source = "fd+nvml"
+            h.used_mib = used
+            h.gpus = sorted(set(h.gpus) | set(gpus))
+            continue
+        st = read_stat(pid)
+        fds = nvidia_fds(pid, dev) if st is not None else None
+        if st is None or (fds is not None and not fds[1]):
+            out[pid] = HolderInfo(pid=pid, resolved=False, gpus=gpus, used_mib=used, source="nvml")
+            continue
+        # Exists, fds unreadable (another user's process without privileges): trust NVML.
+        h = _holder(pid, st, now)
+        h.gpus, h.used_mib, h.source = gpus, used, "nvml"
+        out[pid] = h
+    for h in out.values():
+        h.in_run = h.pid in run_pids
+    return sorted(out.values(), key=lambda h: (not h.resolved, h.pid))
+
+
+def is_system_holder(h: HolderInfo) -> bool:
+    """Driver daemons and monitors (and this agent) hold the device by design."""
+    if h.pid == os.getpid():
+        return True
+    if not h.cmd:
+        return False
+    first = h.cmd.split(" ", 1)[0]
+    return os.path.basename(first.strip("[]")) in SYSTEM_HOLDER_NAMES
+
+
+class CpuTracker:
+    """CPU percent per process between two calls, keyed by identity (a reused PID starts afresh).
+
+    The first time a process is seen its average since start is reported.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, int], tuple[int, float]] = {}
+
+    def percent(self, st: ProcStat) -> float:
+        key = (st.pid, st.start_ticks)
+        now = time.monotonic()
+        prev = self._last.get(key)
+        self._last[key] = (st.cpu_ticks, now)
+        if prev is None:
+            age_s = time.time() - create_time_of(st)
+            return 100.0 * (st.cpu_ticks / _CLK_TCK) / age_s if age_s > 0 else 0.0
+        dt = now - prev[1]
+        if dt <= 0:
+            return 0.0
+        return 100.0 * ((st.cpu_ticks - prev[0]) / _CLK_TCK) / dt
+
+    def forget_except(self, keep: set[tuple[int, int]]) -> None:
+        for key in list(self._last):
+            if key not in keep:
+                del self._last[key]
+
+
+_default_tracker = CpuTracker()
+
+
+def all_stats() -> dict[int, ProcStat]:
+    out: dict[int, ProcStat] = {}
+    for pid in list_pids():
+        st = read_stat(pid)
+        if st is not None:
+            out[pid] = st
+    return out
+
+
+def tree_pids(root_pid: int, stats: dict[int, ProcStat] | None = None) -> list[int]:
+    """The root and its descendants (by ppid), plus members of the root's process group when it
+    leads one (children that a double fork reparented to init). Empty when the root is gone."""
+    table = stats if stats is not None else all_stats()
+    root = table.get(root_pid)
+    if root is None:
+        return []
+    children: dict[int, list[int]] = {}
+    for st in table.values():
+        children.setdefault(st.ppid, []).append(st.pid)
+    seen = {root_pid}
+    order = [root_pid]
+    queue = [root_pid]
+    while queue:
+        pid = queue.pop()
+        for child in sorted(children.get(pid, [])):
+            if child not in seen:
+                seen.add(child)
+                order.append(child)
+                queue.append(child)
+    if root.pgrp == root_pid:
+        for st in sorted(table.values(), key=lambda s: s.pid):
+            if st.pgrp == root_pid and st.pid not in seen:
+                seen.add(st.pid)
+                order.append(st.pid)
+    return order
+
+
+def proc_info(st: ProcStat, tracker: CpuTracker | None = None, with_threads: bool = True) -> ProcInfo:
+    trk = tracker if tracker is not None else _default_tracker
+    return ProcInfo(
+        pid=st.pid,
+        ppid=st.ppid,
+        user=user_of(st.pid),
+        cmd=cmdline_of(st.pid, st.comm),
+        cpu_pct=round(trk.percent(st), 1),
+        rss_mib=round(st.rss_pages * _PAGE_SIZE / (1024 * 1024), 1),
+        create_time=create_time_of(st),
+        state=state_name(st.state),
+        threads=threads_of(st.pid) if with_threads else [],
+    )
+
+
+def process_tree(root_pid: int, tracker: CpuTracker | None = None, with_threads: bool = True) -> list[ProcInfo]:
+    """The run's process tree, root first, each process with its threads, CPU% and RSS."""
+    stats = all_stats()
+    out: list[ProcInfo] = []
+    for pid in tree_pids(root_pid, stats):
+        st = stats.get(pid)
+        if st is not None:
+            out.append(proc_info(st, tracker, with_threads))
+    return out
