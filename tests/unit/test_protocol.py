@@ -1,0 +1,84 @@
+"""The wire protocol: round trips, lossless log bytes, and a parser that rejects junk without crashing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import protocol
+
+FUZZ = settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@given(st.binary(max_size=4096))
+@settings(max_examples=2_000, deadline=None)
+def test_log_bytes_round_trip_through_a_json_line_byte_for_byte(data: bytes) -> None:
+    line = protocol.encode(protocol.event("log", offset=0, inode=1, data=protocol.encode_log_data(data)))
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    back = protocol.parse_event(line)
+    assert protocol.decode_log_data(back["data"]) == data
+
+
+@given(st.binary(max_size=2048))
+@FUZZ
+def test_command_parser_on_arbitrary_bytes_returns_or_raises_protocol_error(line: bytes) -> None:
+    try:
+        cmd_id, cmd, args = protocol.parse_command(line)
+    except protocol.ProtocolError:
+        return
+    assert isinstance(cmd, str) and cmd
+    assert isinstance(args, dict)
+    assert cmd_id is None or isinstance(cmd_id, int)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(json_values)
+@FUZZ
+def test_command_parser_on_arbitrary_json_values_never_crashes(value: object) -> None:
+    line = json.dumps(value)
+    try:
+        protocol.parse_command(line)
+    except protocol.ProtocolError as exc:
+        assert str(exc)
+
+
+def test_deeply_nested_json_is_a_protocol_error_not_a_crash() -> None:
+    with pytest.raises(protocol.ProtocolError):
+        protocol.parse_command("[" * 100_000 + "]" * 100_000)
+
+
+def test_non_finite_floats_become_null_on_the_wire() -> None:
+    line = protocol.encode({"ev": "gpus", "x": float("nan"), "y": [float("inf"), 1.5]})
+    assert json.loads(line) == {"ev": "gpus", "x": None, "y": [None, 1.5]}
+
+
+def test_dataclasses_encode_as_objects() -> None:
+    gpu = protocol.GpuInfo(index=0, name="H200", uuid="GPU-1", util_pct=5.0, mem_used_mib=1.0, mem_total_mib=2.0)
+    obj = json.loads(protocol.encode(protocol.event("gpus", gpus=[gpu])))
+    assert obj["gpus"][0]["name"] == "H200"
+    assert obj["gpus"][0]["holder_pids"] == []
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (b'{"cmd": 3}', "no 'cmd'"),
+        (b'{"cmd": "ping", "id": "7"}', "id must be an integer"),
+        (b'{"cmd": "ping", "id": true}', "id must be an integer"),
+        (b'{"cmd": "ping", "args": [1]}', "'args' must be an object"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b"\xff\xfe", "not a JSON line"),
+    ],
+)
+def test_malformed_commands_say_what_is_wrong(line: bytes, message: str) -> None:
+    with pytest.raises(protocol.ProtocolError, match=message):
+        protocol.parse_command(line)
