@@ -44,7 +44,7 @@ launch      LaunchSpec fields                           -> {"run_id", "run_dir",
 wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
 stop        {grace_s, release_timeout_s}                -> {"stopped", "steps": [str]}   (progress events meanwhile)
 kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
-                                                        -> {"candidates": [HolderInfo], "signalled": [...], "failed": [...]}
+            -> {"candidates": [HolderInfo], "signalled": [...], "failed": [...]}
 stacks      {timeout_s}                                 -> {"method": str, "text": str}
 doctor      {}                                          -> {"checks": [{"name", "ok", "detail", "fix"}]}
 sim         {gpu, util_pct, mem_used_mib, holder_pid}   -> {}   only with --simulate-gpus: script an anomalous state

@@ -96,7 +96,11 @@ class Agent:
         if fn is None:
             self.emit(
                 protocol.event(
-                    "reply", id=cmd_id, ok=False, result=None, error=f"unknown command {cmd!r}; known: {sorted(HANDLERS)}"
+                    "reply",
+                    id=cmd_id,
+                    ok=False,
+                    result=None,
+                    error=f"unknown command {cmd!r}; known: {sorted(HANDLERS)}",
                 )
             )
             return
@@ -145,8 +149,7 @@ def _ping(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 
 def _load_handler_modules() -> None:
     # Importing registers the handlers.
-    import engine.agent.monitor_cmds  # noqa: F401
-    import engine.agent.run_cmds  # noqa: F401
+    from engine.agent import monitor_cmds, run_cmds  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
