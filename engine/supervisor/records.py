@@ -1,0 +1,428 @@
+"""Run records on the host: run ids, the run directory layout, atomic JSON records, and reading a run back.
+
+Layout (DESIGN.md)::
+
+    <run_root>/current            symlink to the newest run directory
+    <run_root>/runs/<run_id>/
+        submitted.json            written by the launcher once tmux (or setsid) accepted the wrapper
+        spec.json                 the LaunchSpec the wrapper runs (restart reuses it)
+        launch.json               written by the wrapper: ids, command, cwd, pids, boot id, start time
+        milestones.json           first output / first step times, as the wrapper saw them
+        output.log                the job's stdout and stderr
+        exit.json                 exit code or signal, written atomically when the job ends
+        events.jsonl              the engine's structured events
+        checkpoints/              the engine's checkpoints
+
+Stdlib only: this module runs on hosts that have nothing but python3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import protocol
+from engine.agent import procs
+
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+RUNS_DIR = "runs"
+CURRENT_LINK = "current"
+SUBMITTED_JSON = "submitted.json"
+SPEC_JSON = "spec.json"
+LAUNCH_JSON = "launch.json"
+MILESTONES_JSON = "milestones.json"
+EXIT_JSON = "exit.json"
+OUTPUT_LOG = "output.log"
+EVENTS_JSONL = "events.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+
+# Bytes of output.log / events.jsonl one read_run call scans at most (status must never stall on a huge log).
+_SCAN_BUDGET_BYTES = 8 * 1024 * 1024
+_KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
+_SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end"})
+
+
+class RunIdError(ValueError):
+    """A run id that is not safe as a directory and tmux session name."""
+
+
+def validate_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or RUN_ID_RE.fullmatch(run_id) is None or run_id in (".", ".."):
+        raise RunIdError(
+            f"invalid run id {run_id!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    return run_id
+
+
+def new_run_id(now: float | None = None) -> str:
+    """A fresh run id like 20261129-113500-ab12 (local time, then 4 random hex digits)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now if now is not None else time.time()))
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+def runs_dir(run_root: Path | str) -> Path:
+    return Path(run_root) / RUNS_DIR
+
+
+def run_dir_for(run_root: Path | str, run_id: str) -> Path:
+    return runs_dir(run_root) / validate_run_id(run_id)
+
+
+def current_run_dir(run_root: Path | str) -> Path | None:
+    """The run directory <run_root>/current points at, or None when there is no (valid) current run."""
+    link = Path(run_root) / CURRENT_LINK
+    try:
+        target = os.readlink(link)
+    except OSError:
+        return None
+    path = Path(target) if os.path.isabs(target) else Path(run_root) / target
+    return path if path.is_dir() else None
+
+
+def set_current(run_root: Path | str, run_dir: Path) -> None:
+    """Point <run_root>/current at run_dir, atomically (a new symlink renamed over the old one)."""
+    root = Path(run_root)
+    rel = os.path.relpath(run_dir, root)
+    tmp = root / f".{CURRENT_LINK}.{os.getpid()}.{secrets.token_hex(4)}"
+    os.symlink(rel, tmp)
+    try:
+        os.replace(tmp, root / CURRENT_LINK)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path | str, obj: Any, mode: int = 0o644) -> None:
+    """Write JSON so a reader sees the old file or the complete new one, never half (tmp + fsync + rename)."""
+    target = Path(path)
+    data = (json.dumps(protocol.to_jsonable(obj), indent=1, sort_keys=True) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    try:
+        dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename itself is atomic
+    finally:
+        os.close(dfd)
+
+
+def read_json(path: Path | str) -> dict[str, Any] | None:
+    """A JSON object from a file; None when missing or not (yet) a JSON object."""
+    try:
+        with open(path, "rb") as fh:
+            obj = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def process_alive(pid: int | None, start_ticks: int | None) -> bool:
+    """True when pid is alive (not a zombie) and, when start_ticks is known, is still the same process."""
+    if not pid or pid <= 0:
+        return False
+    st = procs.read_stat(pid)
+    if st is None or st.state in ("Z", "X", "x"):
+        return False
+    return start_ticks is None or st.start_ticks == start_ticks
+
+
+def start_ticks_of(pid: int) -> int | None:
+    st = procs.read_stat(pid)
+    return st.start_ticks if st is not None else None
+
+
+def last_lines(path: Path | str, n: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last n lines of a file (decoded as UTF-8 with replacement); [] when missing."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if size > max_bytes and lines:
+        lines.pop(0)  # the first line was cut by the window
+    return lines[-n:]
+
+
+@dataclass
+class ScanState:
+    """What an incremental scan of a run's output.log and events.jsonl has found so far."""
+
+    output_seen_at: float | None = None  # when this scanner first saw a byte of job output
+    log_step_seen_at: float | None = None  # when this scanner first saw a line matching the step pattern
+    first_step_t: float | None = None  # "t" of the first engine step event
+    stage: str | None = None
+    last_step: int | None = None
+    last_step_at: float | None = None
+    thread_errors: list[dict[str, Any]] = field(default_factory=list)
+    run_end: dict[str, Any] | None = None
+
+
+class RunScanner:
+    """Reads only what was appended to output.log and events.jsonl since the last poll.
+
+    Used by the wrapper (to time milestones as they happen), by the agent's wait (to end a wait
+    within one poll of a milestone) and by read_run (cached per run dir, for the engine's stage).
+    """
+
+    def __init__(self, run_dir: Path | str, step_pattern: str | None, output_base: int = 0) -> None:
+        self.run_dir = Path(run_dir)
+        self._step_re = re.compile(step_pattern.encode()) if step_pattern else None
+        self._output_base = output_base
+        self._log_offset = output_base
+        self._log_inode: int | None = None
+        self._log_carry = b""
+        self._ev_offset = 0
+        self._ev_inode: int | None = None
+        self._ev_carry = b""
+        self.state = ScanState()
+
+    def poll(self, now: float | None = None, budget_bytes: int = _SCAN_BUDGET_BYTES) -> ScanState:
+        t = now if now is not None else time.time()
+        self._poll_log(t, budget_bytes)
+        self._poll_events(budget_bytes)
+        return self.state
+
+    def _poll_log(self, now: float, budget: int) -> None:
+        path = self.run_dir / OUTPUT_LOG
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        if self._log_inode is not None and (st.st_ino != self._log_inode or st.st_size < self._log_offset):
+            self._log_offset, self._log_carry = 0, b""  # rotated or truncated: scan the new file from its start
+        self._log_inode = st.st_ino
+        if st.st_size <= self._log_offset:
+            return
+        if self.state.output_seen_at is None and st.st_size > self._output_base:
+            self.state.output_seen_at = now
+        if self._step_re is None or self.state.log_step_seen_at is not None:
+            self._log_offset = st.st_size
+            return
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(self._log_offset)
+                data = fh.read(min(budget, st.st_size - self._log_offset))
+        except OSError:
+            return
+        self._log_offset += len(data)
+        chunk = self._log_carry + data
+        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        complete, self._log_carry = (chunk[: cut + 1], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
+        if len(self._log_carry) > 64 * 1024:
+            complete, self._log_carry = chunk, b""  # a line without end: scan what we have
+        if complete and self._step_re.search(complete):
+            self.state.log_step_seen_at = now
+
+    def _poll_events(self, budget: int) -> None:
+        path = self.run_dir / EVENTS_JSONL
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        if self._ev_inode is not None and (st.st_ino != self._ev_inode or st.st_size < self._ev_offset):
+            self._ev_offset, self._ev_carry = 0, b""
+        self._ev_inode = st.st_ino
+        if st.st_size <= self._ev_offset:
+            return
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(self._ev_offset)
+                data = fh.read(min(budget, st.st_size - self._ev_offset))
+        except OSError:
+            return
+        self._ev_offset += len(data)
+        chunk = self._ev_carry + data
+        cut = chunk.rfind(b"\n")
+        if cut < 0:
+            self._ev_carry = chunk
+            return
+        self._ev_carry = chunk[cut + 1 :]
+        for line in chunk[:cut].split(b"\n"):
+            self._event_line(line)
+
+    def _event_line(self, line: bytes) -> None:
+        # Heartbeats are the bulk of the file and change nothing here: skip them before parsing.
+        m = _KIND_RE.search(line)
+        if m is None or m.group(1) not in _SCANNED_KINDS:
+            return
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(ev, dict):
+            return
+        kind = ev.get("kind")
+        t = ev.get("t")
+        t_f = float(t) if isinstance(t, (int, float)) else None
+        if kind == "step":
+            if self.state.first_step_t is None:
+                self.state.first_step_t = t_f if t_f is not None else time.time()
+            step = ev.get("step")
+            if isinstance(step, int):
+                self.state.last_step = step
+            self.state.last_step_at = t_f
+        elif kind == "stage":
+            stage = ev.get("stage")
+            if isinstance(stage, str):
+                self.state.stage = stage
+        elif kind == "thread_error":
+            self.state.thread_errors.append(ev)
+        elif kind == "run_end":
+            self.state.run_end = ev
+
+
+_scanners: dict[str, tuple[float | None, RunScanner]] = {}
+
+
+def _scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
+    key = str(run_dir)
+    started = launch.get("started_at")
+    cached = _scanners.get(key)
+    if cached is not None and cached[0] == started:
+        return cached[1]
+    sc = RunScanner(run_dir, launch.get("step_pattern"), int(launch.get("output_offset_at_start") or 0))
+    if len(_scanners) > 64:
+        _scanners.clear()
+    _scanners[key] = (started, sc)
+    return sc
+
+
+def _alive_from_launch(launch: dict[str, Any]) -> bool:
+    """The wrapper or the job it started is still the process launch.json recorded."""
+    if process_alive(launch.get("wrapper_pid"), launch.get("wrapper_start_ticks")):
+        return True
+    return process_alive(launch.get("job_pid"), launch.get("job_start_ticks"))
+
+
+def read_milestones(run_dir: Path, launch: dict[str, Any] | None, scan: ScanState | None) -> dict[str, float | None]:
+    """milestone -> unix time reached (None: not reached), from the records and what a scan saw."""
+    sub = read_json(run_dir / SUBMITTED_JSON) or {}
+    ms = read_json(run_dir / MILESTONES_JSON) or {}
+    out: dict[str, float | None] = dict.fromkeys(protocol.MILESTONES)
+    out["submitted"] = sub.get("t")
+    if launch is not None:
+        out["started"] = launch.get("started_at")
+        if out["submitted"] is None:
+            out["submitted"] = launch.get("started_at")
+    out["output"] = ms.get("output")
+    out["first-step"] = ms.get("first-step")
+    if scan is not None:
+        if out["output"] is None and scan.output_seen_at is not None:
+            out["output"] = _output_time(run_dir, scan.output_seen_at)
+        if out["first-step"] is None:
+            out["first-step"] = scan.first_step_t or scan.log_step_seen_at
+    return out
+
+
+def _output_time(run_dir: Path, seen_at: float) -> float:
+    # The wrapper was not there to time it: the log's mtime is the best bound we have.
+    try:
+        return min(seen_at, os.stat(run_dir / OUTPUT_LOG).st_mtime)
+    except OSError:
+        return seen_at
+
+
+def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
+    """The run as its records and the process table say it is now."""
+    rd = Path(run_dir)
+    launch = read_json(rd / LAUNCH_JSON)
+    exit_rec = read_json(rd / EXIT_JSON)
+    info = protocol.RunInfo(run_id=rd.name, run_dir=str(rd), state="starting")
+    sub = read_json(rd / SUBMITTED_JSON) or {}
+    raw_spec = sub.get("spec")
+    spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
+    info.command = list(spec.get("command") or [])
+    info.cwd = spec.get("cwd")
+    info.tmux_session = sub.get("tmux_session")
+    info.attachable = bool(sub.get("attachable"))
+    info.profile = spec.get("profile")
+    scan: ScanState | None = None
+    if launch is not None:
+        info.command = list(launch.get("command") or info.command)
+        info.cwd = launch.get("cwd", info.cwd)
+        info.pid = launch.get("job_pid") or launch.get("wrapper_pid")
+        info.pgid = launch.get("job_pgid") or launch.get("pgid")
+        info.boot_id = launch.get("boot_id")
+        info.started_at = launch.get("started_at")
+        info.tmux_session = launch.get("tmux_session", info.tmux_session)
+        info.attachable = bool(launch.get("attachable", info.attachable))
+        info.profile = launch.get("profile", info.profile)
+        scan = _scanner_for(rd, launch).poll()
+        info.stage = scan.stage
+        info.last_step = scan.last_step
+        info.last_step_at = scan.last_step_at
+    if exit_rec is None and launch is not None:
+        if launch.get("boot_id") not in (None, boot_id):
+            info.state = "rebooted"
+        elif _alive_from_launch(launch):
+            info.state = "running"
+        else:
+            exit_rec = read_json(rd / EXIT_JSON)  # the wrapper may have written it between our reads
+            if exit_rec is None:
+                info.state = "vanished"
+    if exit_rec is not None:
+        info.exit_code = exit_rec.get("exit_code")
+        info.signal = exit_rec.get("signal")
+        info.ended_at = exit_rec.get("ended_at")
+        info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
+    info.milestones = read_milestones(rd, launch, scan)
+    return info
+
+
+def list_runs(run_root: Path | str) -> list[Path]:
+    """Run directories, oldest first (by name: generated ids sort by time)."""
+    try:
+        entries = sorted(runs_dir(run_root).iterdir(), key=lambda p: (p.stat().st_mtime, p.name))
+    except OSError:
+        return []
+    return [p for p in entries if p.is_dir()]
