@@ -263,12 +263,14 @@ def find_holders(
     nvml_pids: dict[int, float] | None = None,
     run_pids: set[int] | frozenset[int] = frozenset(),
     nvml_pid_gpus: dict[int, list[int]] | None = None,
+    nvml_source: str = "nvml",
 ) -> list[HolderInfo]:
     """Every process holding an NVIDIA device, from /proc/*/fd links and NVML's process list.
 
     ``nvml_pids``: pid -> used MiB as NVML reports it (host PIDs); ``nvml_pid_gpus``: pid -> GPU
     indices NVML saw it on. A NVML pid that does not exist here (container) or that exists but
     holds no /dev/nvidia* node (another namespace's PID reused here) is ``resolved=False``.
+    ``nvml_source="simulated"``: the pids come from the simulated GPU source; existing is enough.
     """
     dev = dev_dir if dev_dir is not None else default_dev_dir()
     now = time.time()
@@ -286,20 +288,20 @@ def find_holders(
         out[pid] = h
     for pid, used in nvml.items():
         gpus = sorted(set(nvml_gpus.get(pid, [])))
-        h = out.get(pid)
-        if h is not None:
-            h.source = "fd+nvml"
-            h.used_mib = used
-            h.gpus = sorted(set(h.gpus) | set(gpus))
+        known = out.get(pid)
+        if known is not None:
+            known.source = f"fd+{nvml_source}"
+            known.used_mib = used
+            known.gpus = sorted(set(known.gpus) | set(gpus))
             continue
         st = read_stat(pid)
-        fds = nvidia_fds(pid, dev) if st is not None else None
+        fds = nvidia_fds(pid, dev) if st is not None and nvml_source == "nvml" else None
         if st is None or (fds is not None and not fds[1]):
-            out[pid] = HolderInfo(pid=pid, resolved=False, gpus=gpus, used_mib=used, source="nvml")
+            out[pid] = HolderInfo(pid=pid, resolved=False, gpus=gpus, used_mib=used, source=nvml_source)
             continue
         # Exists, fds unreadable (another user's process without privileges): trust NVML.
         h = _holder(pid, st, now)
-        h.gpus, h.used_mib, h.source = gpus, used, "nvml"
+        h.gpus, h.used_mib, h.source = gpus, used, nvml_source
         out[pid] = h
     for h in out.values():
         h.in_run = h.pid in run_pids

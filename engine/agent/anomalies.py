@@ -1,0 +1,250 @@
+"""The anomalies the agent flags (DESIGN.md), as pure functions of samples and engine events.
+
+GPU side, from one GPU sample + the holders + the run's process tree:
+* phantom utilization: util >= 90 % with ~0 MiB used and no holder process at all;
+* orphan memory: memory used with no live holder we can resolve;
+* stale holder: a resolved process holding a GPU that is not in the current run's process tree.
+
+Engine side, from the run's events.jsonl:
+* stalled run: no step for k x the median step interval (clamped to [floor, cap]);
+* dead thread: a ``thread_error`` event, a heartbeat in state "error", or heartbeats older than a bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.agent.procs import is_system_holder
+from engine.protocol import Anomaly, GpuInfo, HolderInfo
+
+PHANTOM_UTIL_PCT = 90.0
+NEAR_ZERO_MIB = 64.0  # "~0 MiB": an idle context-free GPU reports a few MiB at most
+ORPHAN_MIN_MIB = 256.0  # less than this is driver bookkeeping, not someone's tensors
+
+STALL_K = 5.0
+STALL_FLOOR_S = 60.0
+STALL_CAP_S = 1800.0
+HEARTBEAT_TIMEOUT_S = 120.0
+_STEP_HISTORY = 256
+
+
+def _short(cmd: str | None, limit: int = 60) -> str:
+    if not cmd:
+        return "?"
+    return cmd if len(cmd) <= limit else cmd[: limit - 1] + "…"
+
+
+def gpu_anomalies(
+    gpus: list[GpuInfo],
+    holders: list[HolderInfo],
+    run_pids: set[int] | frozenset[int],
+    run_active: bool,
+) -> list[Anomaly]:
+    """Phantom utilization, orphan memory and stale holders, in GPU order then pid order."""
+    out: list[Anomaly] = []
+    for gpu in gpus:
+        on_gpu = [h for h in holders if gpu.index in h.gpus]
+        any_pid = {h.pid for h in on_gpu} | set(gpu.holder_pids)
+        resolved = [h for h in on_gpu if h.resolved and h.state != "zombie"]
+        unresolved = sorted(h.pid for h in on_gpu if not h.resolved)
+        label = "simulated GPU" if gpu.simulated else "GPU"
+        util, mem = gpu.util_pct, gpu.mem_used_mib
+        if util is not None and mem is not None and util >= PHANTOM_UTIL_PCT and mem < NEAR_ZERO_MIB and not any_pid:
+            out.append(
+                Anomaly(
+                    kind="phantom_utilization",
+                    gpu=gpu.index,
+                    message=(
+                        f"{label} {gpu.index} shows {util:.0f}% utilization with {mem:.0f} MiB used and no process "
+                        "holding it: a stuck context or a job outside this view; check `nvidia-smi` on the host, "
+                        "and reset the GPU if it persists"
+                    ),
+                )
+            )
+        if mem is not None and mem >= ORPHAN_MIN_MIB and not resolved:
+            zombies = sorted(h.pid for h in on_gpu if h.resolved and h.state == "zombie")
+            if unresolved:
+                why = (
+                    f"held by pid {', '.join(map(str, unresolved))} which this PID namespace cannot see "
+                    "(another container or the host)"
+                )
+            elif zombies:
+                why = f"its holder {', '.join(map(str, zombies))} is a zombie; its parent must reap it"
+            else:
+                why = "no live process holds it (a dead process whose memory the driver has not released)"
+            out.append(
+                Anomaly(kind="orphan_memory", gpu=gpu.index, message=f"{label} {gpu.index}: {mem:.0f} MiB used, {why}")
+            )
+    for h in holders:
+        if not h.resolved or h.in_run or h.pid in run_pids or is_system_holder(h):
+            continue
+        if not h.gpus and not h.used_mib:
+            continue  # holds only nvidiactl/nvidia-uvm: no GPU of its own
+        where = ", ".join(f"GPU {g}" for g in h.gpus) or "a GPU"
+        mem_txt = f" ({h.used_mib:.0f} MiB)" if h.used_mib else ""
+        who = f"pid {h.pid} ({h.user or '?'}: {_short(h.cmd)})"
+        ctx = "is not part of the current run" if run_active else "no run is active"
+        state = f", {h.state}" if h.state and h.state not in ("sleeping", "running") else ""
+        out.append(
+            Anomaly(
+                kind="stale_holder",
+                gpu=h.gpus[0] if h.gpus else None,
+                pid=h.pid,
+                message=f"{who}{state} holds {where}{mem_txt} but {ctx}; `kill-stale` can stop it",
+            )
+        )
+    return out
+
+
+@dataclass
+class EngineState:
+    """What the anomaly checks need from a run's engine events, folded one event at a time."""
+
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=_STEP_HISTORY))
+    last_step: int | None = None
+    last_step_at: float | None = None
+    heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)  # thread -> last heartbeat
+    thread_errors: dict[str, dict[str, Any]] = field(default_factory=dict)  # thread -> last thread_error
+    stage: str | None = None
+    ended: bool = False
+
+    def feed(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("kind")
+        t = ev.get("t")
+        if not isinstance(t, (int, float)):
+            return
+        if kind == "step":
+            # Several drafter threads report the same step: count one progress time per new step.
+            step = ev.get("step")
+            if isinstance(step, int) and (self.last_step is None or step > self.last_step):
+                self.last_step = step
+                self.step_times.append(float(t))
+            self.last_step_at = float(t)
+        elif kind == "heartbeat":
+            thread = ev.get("thread")
+            if isinstance(thread, str):
+                self.heartbeats[thread] = ev
+        elif kind == "thread_error":
+            thread = ev.get("thread")
+            if isinstance(thread, str):
+                self.thread_errors[thread] = ev
+        elif kind == "stage":
+            stage = ev.get("stage")
+            if isinstance(stage, str):
+                self.stage = stage
+        elif kind == "run_end":
+            self.ended = True
+
+
+def stall_threshold_s(
+    step_times: list[float] | deque[float],
+    k: float = STALL_K,
+    floor_s: float = STALL_FLOOR_S,
+    cap_s: float = STALL_CAP_S,
+) -> float | None:
+    """k x the median interval between steps, clamped to [floor, cap]; None before two steps."""
+    times = list(step_times)
+    if len(times) < 2:
+        return None
+    intervals = [b - a for a, b in itertools.pairwise(times) if b >= a]
+    if not intervals:
+        return None
+    return min(cap_s, max(floor_s, k * statistics.median(intervals)))
+
+
+def stalled_run(
+    state: EngineState,
+    now: float,
+    running: bool,
+    k: float = STALL_K,
+    floor_s: float = STALL_FLOOR_S,
+    cap_s: float = STALL_CAP_S,
+) -> Anomaly | None:
+    if not running or state.ended or state.last_step_at is None:
+        return None
+    threshold = stall_threshold_s(state.step_times, k, floor_s, cap_s)
+    if threshold is None:
+        return None
+    idle_s = now - state.last_step_at
+    if idle_s <= threshold:
+        return None
+    times = list(state.step_times)
+    median = statistics.median([b - a for a, b in itertools.pairwise(times)])
+    return Anomaly(
+        kind="stalled_run",
+        message=(
+            f"no training step for {idle_s:.0f} s after step {state.last_step} (median step {median:.1f} s, "
+            f"threshold {threshold:.0f} s); `stacks` shows where every thread is"
+        ),
+    )
+
+
+def dead_threads(
+    state: EngineState,
+    now: float,
+    running: bool,
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+) -> list[Anomaly]:
+    out: list[Anomaly] = []
+    for thread, err in sorted(state.thread_errors.items()):
+        exc = err.get("exc_type") or "exception"
+        msg = str(err.get("message") or "")
+        out.append(
+            Anomaly(
+                kind="dead_thread",
+                thread=thread,
+                message=f"thread {thread} died: {exc}: {_short(msg, 160)} (policy {err.get('policy', '?')})",
+            )
+        )
+    if not running or state.ended:
+        return out
+    for thread, hb in sorted(state.heartbeats.items()):
+        if thread in state.thread_errors:
+            continue
+        hb_state = hb.get("state")
+        if hb_state == "stopped":
+            continue
+        if hb_state == "error":
+            last = hb.get("last_exception") or "no exception text"
+            out.append(
+                Anomaly(
+                    kind="dead_thread",
+                    thread=thread,
+                    message=f"thread {thread} reports an error: {_short(str(last), 160)}",
+                )
+            )
+            continue
+        age_s = now - float(hb["t"])
+        if age_s > heartbeat_timeout_s:
+            out.append(
+                Anomaly(
+                    kind="dead_thread",
+                    thread=thread,
+                    message=(
+                        f"thread {thread} has not sent a heartbeat for {age_s:.0f} s (last state {hb_state}, step "
+                        f"{hb.get('step')}); `stacks` shows where it is"
+                    ),
+                )
+            )
+    return out
+
+
+def engine_anomalies(state: EngineState, now: float, running: bool, **limits: float) -> list[Anomaly]:
+    """Stalled run and dead threads. ``limits``: k, floor_s, cap_s, heartbeat_timeout_s."""
+    out: list[Anomaly] = []
+    stall = stalled_run(
+        state,
+        now,
+        running,
+        k=limits.get("k", STALL_K),
+        floor_s=limits.get("floor_s", STALL_FLOOR_S),
+        cap_s=limits.get("cap_s", STALL_CAP_S),
+    )
+    if stall is not None:
+        out.append(stall)
+    out.extend(dead_threads(state, now, running, limits.get("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S)))
+    return out

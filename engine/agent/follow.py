@@ -1,0 +1,272 @@
+"""Follow a growing file by byte offset and inode, losslessly (nothing skipped, nothing repeated).
+
+``LogFollower.poll()`` returns protocol events:
+
+* ``log``:       {"offset", "inode", "data"}: ``data`` (``protocol.encode_log_data`` of the bytes) starts
+                 at byte ``offset`` of the file with inode ``inode``; at most ``chunk_bytes`` each.
+* ``log_reset``: {"inode", "offset", "reason"}: following restarts at ``offset`` of file ``inode``.
+  Reasons: "created" (the file appeared after we started waiting for it), "rotated" (the path now names
+  another file, or a resume asked for an inode that is gone), "truncated" (the file shrank below our offset).
+
+Rotation: the old descriptor is read to its end before switching, so lines written just before a
+rename are not lost. Polling ``stat`` every ~50 ms costs microseconds; no inotify needed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from engine.protocol import encode_log_data, event
+
+CHUNK_BYTES = 256 * 1024
+POLL_BYTES = 4 * 1024 * 1024  # per poll, so a burst is streamed in slices, not in one gulp
+POLL_INTERVAL_S = 0.05
+
+
+def _utf8_cut(data: bytes) -> int:
+    """Length of ``data`` without a trailing incomplete UTF-8 sequence (so chunks split between characters)."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        b = data[n - back]
+        if b & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
+            continue
+        if b & 0x80 == 0:
+            return n  # ASCII: complete
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        return n if back >= need else n - back
+    return n  # only continuation bytes: invalid anyway, send as is
+
+
+class LogFollower:
+    """Follows one path. ``offset``/``inode``: resume position a client gave (None: from the start)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        offset: int | None = None,
+        inode: int | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        poll_bytes: int = POLL_BYTES,
+        announce_open: bool = False,
+    ) -> None:
+        """``announce_open``: emit ``log_reset`` "created" on the first open too (a newly followed run)."""
+        self.path = os.fspath(path)
+        self.chunk_bytes = max(1, chunk_bytes)
+        self.poll_bytes = max(self.chunk_bytes, poll_bytes)
+        self._want_offset = max(0, offset or 0)
+        self._want_inode = inode
+        self._fd: int | None = None
+        self.inode: int | None = None
+        self.dev: int | None = None
+        self.offset = 0
+        self._seen_missing = announce_open
+        self._opened_once = False
+        self.more = False  # the last poll stopped at its byte budget: poll again at once
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> LogFollower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def position(self) -> dict[str, int | None]:
+        return {"offset": self.offset, "inode": self.inode}
+
+    def _open(self, out: list[dict[str, Any]]) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            self._seen_missing = True
+            return False
+        st = os.fstat(fd)
+        self._fd, self.inode, self.dev = fd, st.st_ino, st.st_dev
+        if not self._opened_once:
+            self._opened_once = True
+            if self._want_inode is not None and self._want_inode != st.st_ino:
+                self.offset = 0
+                out.append(event("log_reset", inode=st.st_ino, offset=0, reason="rotated"))
+            elif self._want_offset > st.st_size:
+                self.offset = 0
+                out.append(event("log_reset", inode=st.st_ino, offset=0, reason="truncated"))
+            else:
+                self.offset = self._want_offset
+                if self._seen_missing:
+                    out.append(event("log_reset", inode=st.st_ino, offset=self.offset, reason="created"))
+        else:
+            self.offset = 0
+            reason = "rotated" if not self._seen_missing else "created"
+            out.append(event("log_reset", inode=st.st_ino, offset=0, reason=reason))
+        self._seen_missing = False
+        return True
+
+    def _read(self, out: list[dict[str, Any]], budget: int) -> int:
+        """Read from the offset towards EOF, up to ``budget`` bytes; returns the bytes read."""
+        assert self._fd is not None
+        total = 0
+        while total < budget:
+            want = min(self.chunk_bytes, budget - total)
+            data = os.pread(self._fd, want, self.offset)
+            if not data:
+                break
+            if len(data) == want:
+                cut = _utf8_cut(data)
+                if cut > 0:
+                    data = data[:cut]
+            out.append(event("log", offset=self.offset, inode=self.inode, data=encode_log_data(data)))
+            self.offset += len(data)
+            total += len(data)
+        return total
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Everything new since the last poll (up to ``poll_bytes``), as log/log_reset events."""
+        out: list[dict[str, Any]] = []
+        self.more = False
+        if self._fd is None and not self._open(out):
+            return out
+        assert self._fd is not None
+        budget = self.poll_bytes
+        if os.fstat(self._fd).st_size < self.offset:
+            self.offset = 0
+            out.append(event("log_reset", inode=self.inode, offset=0, reason="truncated"))
+        budget -= self._read(out, budget)
+        if budget <= 0:
+            self.more = True
+            return out
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return out  # removed or renamed away: keep the old file until a new one appears
+        if (st.st_ino, st.st_dev) != (self.inode, self.dev):
+            budget -= self._read(out, budget)  # finish the old file first
+            if budget <= 0:
+                self.more = True
+                return out
+            self.close()
+            self._seen_missing = False
+            if self._open(out):
+                budget -= self._read(out, budget)
+                self.more = budget <= 0
+        return out
+
+    def follow(
+        self,
+        emit: Callable[[dict[str, Any]], None],
+        stop: threading.Event,
+        interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
+        """Poll until ``stop`` is set, emitting every event."""
+        while not stop.is_set():
+            for ev in self.poll():
+                emit(ev)
+            if not self.more:
+                stop.wait(interval_s)
+
+
+class JsonlReader:
+    """Reads whole lines of a growing JSON-lines file; a partial last line is held back until complete.
+
+    ``poll()`` returns (end_offset, line_bytes) pairs, ``end_offset`` being the byte after the newline,
+    so a client resuming from it gets the next line. Truncation or rotation restarts at 0 and sets
+    ``reset`` (the caller can tell clients).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], offset: int = 0, max_line_bytes: int = 8 * 1024 * 1024) -> None:
+        self.path = os.fspath(path)
+        self.offset = max(0, offset)  # byte after the last complete line returned
+        self.max_line_bytes = max_line_bytes
+        self._fd: int | None = None
+        self.inode: int | None = None
+        self._dev: int | None = None
+        self._pending = b""
+        self.reset: str | None = None  # reason of the last restart at 0, cleared by the caller
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _restart(self, reason: str) -> None:
+        self.offset, self._pending, self.reset = 0, b"", reason
+
+    def _drain(self, out: list[tuple[int, bytes]]) -> None:
+        assert self._fd is not None
+        while True:
+            data = os.pread(self._fd, CHUNK_BYTES, self.offset + len(self._pending))
+            if not data:
+                return
+            buf = self._pending + data
+            start = 0
+            while True:
+                nl = buf.find(b"\n", start)
+                if nl < 0:
+                    break
+                out.append((self.offset + nl + 1, buf[start:nl]))
+                start = nl + 1
+            self.offset += start
+            self._pending = buf[start:]
+            if len(self._pending) > self.max_line_bytes:  # never hold an unbounded line: pass it on
+                self.offset += len(self._pending)
+                out.append((self.offset, self._pending))
+                self._pending = b""
+
+    def poll(self) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                return out
+            st = os.fstat(self._fd)
+            self.inode, self._dev = st.st_ino, st.st_dev
+            if st.st_size < self.offset:
+                self._restart("truncated")
+        if os.fstat(self._fd).st_size < self.offset + len(self._pending):
+            self._restart("truncated")
+        self._drain(out)
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return out
+        if (st.st_ino, st.st_dev) != (self.inode, self._dev):
+            self._drain(out)
+            self.close()
+            self._restart("rotated")
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            st = os.fstat(self._fd)
+            self.inode, self._dev = st.st_ino, st.st_dev
+            self._drain(out)
+        return out
+
+
+def tail_lines(path: str | os.PathLike[str], n: int, block_bytes: int = 64 * 1024) -> dict[str, Any]:
+    """The last ``n`` lines of a file (lossless text), with the offset of its end and its inode.
+
+    ``offset``/``inode`` are what a follower resumes from to continue right after these lines.
+    """
+    p = os.fspath(path)
+    with open(p, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        size = st.st_size
+        if n <= 0 or size == 0:
+            return {"lines": [], "offset": size, "inode": st.st_ino}
+        pos = size
+        buf = b""
+        # A trailing newline ends the last line; it does not start an empty one.
+        while pos > 0 and buf.count(b"\n") <= n:
+            step = min(block_bytes, pos)
+            pos -= step
+            fh.seek(pos)
+            buf = fh.read(step) + buf
+        body = buf[:-1] if buf.endswith(b"\n") else buf
+        lines = body.split(b"\n")
+        if pos > 0 or len(lines) > n:
+            lines = lines[-n:]
+    return {"lines": [encode_log_data(line) for line in lines], "offset": size, "inode": st.st_ino}

@@ -1,0 +1,215 @@
+"""GPU samples from NVML (nvidia-ml-py, imported as ``pynvml``), initialised once per agent.
+
+Each (GPU, field) call is tried once; a call that answers NOT_SUPPORTED is marked unsupported and
+never made again (btop does the same). No NVML or no driver is a normal state with a reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Protocol
+
+from engine.agent.capabilities import nvml_error_text
+from engine.protocol import GpuInfo
+
+MIB = 1024 * 1024
+
+# Field names as GpuInfo spells them; "processes" is the compute + graphics process list.
+NVML_FIELDS: tuple[str, ...] = (
+    "util_pct",
+    "memory",
+    "temp_c",
+    "power_w",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "processes",
+)
+
+
+@dataclass
+class GpuSample:
+    """One sample of every GPU plus the processes NVML saw on them."""
+
+    t: float
+    gpus: list[GpuInfo]
+    pid_used_mib: dict[int, float] = field(default_factory=dict)  # pid -> MiB summed over GPUs
+    pid_gpus: dict[int, list[int]] = field(default_factory=dict)  # pid -> GPU indices
+
+
+class GpuSource(Protocol):
+    source: str  # "nvml" | "simulated" | "none"
+    error: str | None  # why there are no GPUs (no driver, no library)
+
+    def sample(self, busy_pid: int | None = None) -> GpuSample: ...
+
+
+class NoGpus:
+    """No NVIDIA GPU visible: a normal state, reported with the reason."""
+
+    source = "none"
+
+    def __init__(self, error: str) -> None:
+        self.error: str | None = error
+
+    def sample(self, busy_pid: int | None = None) -> GpuSample:
+        return GpuSample(t=time.time(), gpus=[])
+
+
+def _is_not_supported(nvml: Any, exc: BaseException) -> bool:
+    return getattr(exc, "value", None) == getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class NvmlGpus:
+    """NVML sampler. ``nvmlInit`` once in the constructor; ``sample`` is thread-safe."""
+
+    source = "nvml"
+
+    def __init__(self, nvml: ModuleType | Any | None = None) -> None:
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._nvml: Any = nvml
+        self._handles: list[Any] = []
+        self._names: list[str] = []
+        self._uuids: list[str] = []
+        self.unsupported: list[set[str]] = []
+        self.last_errors: dict[tuple[int, str], str] = {}  # transient failures of the last sample
+        if self._nvml is None:
+            try:
+                self._nvml = importlib.import_module("pynvml")
+            except ImportError:
+                self.error = "python module pynvml not installed (pip install nvidia-ml-py)"
+                return
+        try:
+            self._nvml.nvmlInit()
+        except Exception as exc:  # NVMLError subclasses are generated at runtime
+            self.error = nvml_error_text(exc)
+            return
+        try:
+            count = int(self._nvml.nvmlDeviceGetCount())
+            for i in range(count):
+                h = self._nvml.nvmlDeviceGetHandleByIndex(i)
+                self._handles.append(h)
+                self._names.append(self._static(h, self._nvml.nvmlDeviceGetName, f"GPU {i}"))
+                self._uuids.append(self._static(h, self._nvml.nvmlDeviceGetUUID, f"unknown-{i}"))
+                self.unsupported.append(set())
+        except Exception as exc:
+            self.error = nvml_error_text(exc)
+            self._handles = []
+
+    @staticmethod
+    def _static(handle: Any, fn: Callable[[Any], Any], fallback: str) -> str:
+        try:
+            return _text(fn(handle))
+        except Exception:
+            return fallback
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def _call(self, index: int, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """One NVML call for one field; NOT_SUPPORTED marks the field for good, other errors this sample."""
+        if name in self.unsupported[index]:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if _is_not_supported(self._nvml, exc):
+                self.unsupported[index].add(name)
+            else:
+                self.last_errors[(index, name)] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def sample(self, busy_pid: int | None = None) -> GpuSample:
+        nv = self._nvml
+        with self._lock:
+            self.last_errors = {}
+            out: list[GpuInfo] = []
+            pid_used: dict[int, float] = {}
+            pid_gpus: dict[int, list[int]] = {}
+            for i, h in enumerate(self._handles):
+                rates = self._call(i, "util_pct", nv.nvmlDeviceGetUtilizationRates, h)
+                util = rates.gpu if rates is not None else None
+                mem = self._call(i, "memory", nv.nvmlDeviceGetMemoryInfo, h)
+                temp = self._call(i, "temp_c", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
+                power_mw = self._call(i, "power_w", nv.nvmlDeviceGetPowerUsage, h)
+                sm = self._call(i, "sm_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
+                mclk = self._call(i, "mem_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
+                procs = self._call(i, "processes", self._processes, h)
+                holders: list[int] = []
+                for pid, used_bytes in procs or []:
+                    holders.append(pid)
+                    pid_gpus.setdefault(pid, []).append(i)
+                    if used_bytes is not None:
+                        pid_used[pid] = pid_used.get(pid, 0.0) + used_bytes / MIB
+                    else:
+                        pid_used.setdefault(pid, 0.0)
+                out.append(
+                    GpuInfo(
+                        index=i,
+                        name=self._names[i],
+                        uuid=self._uuids[i],
+                        util_pct=float(util) if util is not None else None,
+                        mem_used_mib=mem.used / MIB if mem is not None else None,
+                        mem_total_mib=mem.total / MIB if mem is not None else None,
+                        temp_c=float(temp) if temp is not None else None,
+                        power_w=power_mw / 1000.0 if power_mw is not None else None,
+                        sm_clock_mhz=float(sm) if sm is not None else None,
+                        mem_clock_mhz=float(mclk) if mclk is not None else None,
+                        holder_pids=sorted(set(holders)),
+                        unsupported=sorted(self.unsupported[i]),
+                    )
+                )
+            return GpuSample(t=time.time(), gpus=out, pid_used_mib=pid_used, pid_gpus=pid_gpus)
+
+    def _processes(self, handle: Any) -> list[tuple[int, int | None]]:
+        """(pid, used bytes | None) of compute and graphics processes; graphics may be unsupported alone."""
+        nv = self._nvml
+        found: dict[int, int | None] = {}
+        for p in nv.nvmlDeviceGetComputeRunningProcesses(handle):
+            found[int(p.pid)] = _used_bytes(p)
+        try:
+            graphics = nv.nvmlDeviceGetGraphicsRunningProcesses(handle)
+        except Exception as exc:
+            if not _is_not_supported(nv, exc):
+                raise
+            graphics = []
+        for p in graphics:
+            found.setdefault(int(p.pid), _used_bytes(p))
+        return sorted(found.items())
+
+    def close(self) -> None:
+        if self._handles or self.error is None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # shutting down: nothing left to report to
+                return
+
+
+def _used_bytes(p: Any) -> int | None:
+    used = getattr(p, "usedGpuMemory", None)
+    # NVML reports "not available" (e.g. under MIG or without privileges) as None or a huge sentinel.
+    if used is None or used >= 2**63:
+        return None
+    return int(used)
+
+
+def open_gpu_source(simulate_gpus: int = 0) -> GpuSource:
+    """The agent's GPU source: simulated when asked, else NVML, else none with the reason."""
+    if simulate_gpus > 0:
+        from engine.agent.simulate import SimulatedGpus
+
+        return SimulatedGpus(simulate_gpus)
+    nv = NvmlGpus()
+    if nv.ok:
+        return nv
+    return NoGpus(nv.error or "NVML unavailable")

@@ -1,0 +1,568 @@
+"""Monitoring commands: status, subscribe, tail, doctor, sim.
+
+One ``Monitor`` per agent (kept in ``agent.extras``) owns the GPU source (NVML initialised once), the
+CPU-percent tracker and the engine-event state used for anomalies. ``subscribe`` starts two threads:
+a sampler (gpus / procs / run / anomalies events) and a follower (log / log_reset / engine events of
+the current run, switching when ``<run_root>/current`` points at a new run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine import protocol
+from engine.agent import anomalies, procs
+from engine.agent.capabilities import probe_capabilities
+from engine.agent.commands import CommandError, handler
+from engine.agent.doctor import run_doctor
+from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, tail_lines
+from engine.agent.gpus import GpuSample, GpuSource, open_gpu_source
+from engine.agent.simulate import SimError, SimulatedGpus
+from engine.protocol import Anomaly, HolderInfo, ProcInfo, RunInfo
+from engine.supervisor import records
+
+if TYPE_CHECKING:
+    from engine.agent.main import Agent
+
+GPU_INTERVAL_DEFAULT_S = 0.5
+PROCS_INTERVAL_DEFAULT_S = 1.0
+MIN_INTERVAL_S = 0.1
+RUN_CHECK_INTERVAL_S = 0.25  # how often the follower looks at <run_root>/current
+TAIL_MAX_LINES = 10000
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _meminfo() -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                key, _, rest = line.partition(b":")
+                if key in (b"MemTotal", b"MemAvailable"):
+                    out[key.decode()] = int(rest.split()[0]) / 1024.0  # kB -> MiB
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def _disk_free_gib(path: Path) -> float | None:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return round(shutil.disk_usage(probe).free / 1024**3, 2)
+    except OSError:
+        return None
+
+
+def _anomaly_keys(items: list[Anomaly]) -> list[tuple[Any, ...]]:
+    # Messages carry live numbers (MiB, seconds): a change of state, not of wording, is news.
+    return [(a.kind, a.gpu, a.pid, a.thread) for a in items]
+
+
+class Snapshot:
+    """One collected view of the host (what ``status`` returns and the sampler streams)."""
+
+    def __init__(
+        self,
+        t: float,
+        sample: GpuSample,
+        holders: list[HolderInfo],
+        run: RunInfo | None,
+        run_pids: set[int],
+        run_tree: list[ProcInfo],
+        items: list[Anomaly],
+    ) -> None:
+        self.t, self.sample, self.holders, self.run = t, sample, holders, run
+        self.run_pids, self.run_tree, self.anomalies = run_pids, run_tree, items
+
+
+class Monitor:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.gpu_source: GpuSource = open_gpu_source(agent.simulate_gpus)
+        self.cpu = procs.CpuTracker()
+        self._lock = threading.Lock()
+        self._engine_dir: Path | None = None
+        self._engine_reader: JsonlReader | None = None
+        self.engine_state = anomalies.EngineState()
+        self.stall_limits: dict[str, float] = {}
+        self.subscription: Subscription | None = None
+        self._sub_lock = threading.Lock()
+
+    @property
+    def run_root(self) -> Path:
+        return Path(self.agent.run_root)
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def current_run(self) -> RunInfo | None:
+        run_dir = records.current_run_dir(self.run_root)
+        if run_dir is None:
+            return None
+        return records.read_run(run_dir, self.agent.boot_id)
+
+    def run_pids(self, run: RunInfo | None) -> set[int]:
+        """Pids of the run's process tree: the wrapper's and the job's trees, and the job's group."""
+        if run is None or run.state != "running":
+            return set()
+        launch = records.read_json(Path(run.run_dir) / records.LAUNCH_JSON) or {}
+        roots = [p for p in (launch.get("wrapper_pid"), run.pid) if isinstance(p, int) and p > 0]
+        stats = procs.all_stats()
+        pids: set[int] = set()
+        for root in roots:
+            pids.update(procs.tree_pids(root, stats))
+        if isinstance(run.pgid, int) and run.pgid > 0:
+            pids.update(p for p, st in stats.items() if st.pgrp == run.pgid)
+        return pids
+
+    def _run_tree(self, run_pids: set[int], with_threads: bool = True) -> list[ProcInfo]:
+        out: list[ProcInfo] = []
+        for pid in sorted(run_pids):
+            st = procs.read_stat(pid)
+            if st is not None:
+                out.append(procs.proc_info(st, self.cpu, with_threads))
+        return out
+
+    def _poll_engine(self, run: RunInfo | None) -> None:
+        run_dir = Path(run.run_dir) if run is not None else None
+        if run_dir != self._engine_dir:
+            if self._engine_reader is not None:
+                self._engine_reader.close()
+            self._engine_dir = run_dir
+            self._engine_reader = JsonlReader(run_dir / records.EVENTS_JSONL) if run_dir is not None else None
+            self.engine_state = anomalies.EngineState()
+        if self._engine_reader is None:
+            return
+        for _, line in self._engine_reader.poll():
+            ev = _parse_engine_line(line)
+            if ev is not None:
+                self.engine_state.feed(ev)
+        if self._engine_reader.reset:
+            self._engine_reader.reset = None
+
+    # -- collection ----------------------------------------------------------------------------
+
+    def gpu_sample(self, run: RunInfo | None) -> GpuSample:
+        busy = run.pid if run is not None and run.state == "running" else None
+        return self.gpu_source.sample(busy)
+
+    def holders(self, sample: GpuSample, run_pids: set[int]) -> list[HolderInfo]:
+        found = procs.find_holders(
+            procs.default_dev_dir(),
+            nvml_pids=sample.pid_used_mib,
+            run_pids=run_pids,
+            nvml_pid_gpus=sample.pid_gpus,
+            nvml_source="simulated" if self.gpu_source.source == "simulated" else "nvml",
+        )
+        by_gpu: dict[int, set[int]] = {}
+        for h in found:
+            for g in h.gpus:
+                by_gpu.setdefault(g, set()).add(h.pid)
+        for gpu in sample.gpus:
+            gpu.holder_pids = sorted(set(gpu.holder_pids) | by_gpu.get(gpu.index, set()))
+        return found
+
+    def anomalies_for(
+        self, sample: GpuSample, holders: list[HolderInfo], run: RunInfo | None, run_pids: set[int]
+    ) -> list[Anomaly]:
+        running = run is not None and run.state == "running"
+        items = anomalies.gpu_anomalies(sample.gpus, holders, run_pids, running)
+        items.extend(anomalies.engine_anomalies(self.engine_state, _now(), running, **self.stall_limits))
+        return items
+
+    def collect(self, with_threads: bool = True) -> Snapshot:
+        with self._lock:
+            run = self.current_run()
+            run_pids = self.run_pids(run)
+            sample = self.gpu_sample(run)
+            holders = self.holders(sample, run_pids)
+            self._poll_engine(run)
+            tree = self._run_tree(run_pids, with_threads)
+            items = self.anomalies_for(sample, holders, run, run_pids)
+            return Snapshot(_now(), sample, holders, run, run_pids, tree, items)
+
+    def host_info(self) -> dict[str, Any]:
+        mem = _meminfo()
+        try:
+            load = list(os.getloadavg())
+        except OSError:
+            load = []
+        return {
+            "hostname": self.agent.hostname,
+            "boot_id": self.agent.boot_id,
+            "kernel": os.uname().release,
+            "python": sys.version.split()[0],
+            "agent_pid": os.getpid(),
+            "agent_uptime_s": round(_now() - self.agent.started_at, 3),
+            "cpu_count": os.cpu_count(),
+            "loadavg": load,
+            "mem_total_mib": mem.get("MemTotal"),
+            "mem_available_mib": mem.get("MemAvailable"),
+            "run_root": str(self.run_root),
+            "run_root_free_gib": _disk_free_gib(self.run_root),
+            "dev_dir": procs.default_dev_dir(),
+        }
+
+    def status(self) -> dict[str, Any]:
+        snap = self.collect()
+        simulated = self.gpu_source.source == "simulated"
+        return {
+            "t": snap.t,
+            "host": self.host_info(),
+            "gpus": snap.sample.gpus,
+            "gpu_source": self.gpu_source.source,
+            "simulated": simulated,
+            "nvml_error": self.gpu_source.error,
+            "processes": {"run_tree": snap.run_tree, "holders": snap.holders},
+            "run": snap.run,
+            "anomalies": snap.anomalies,
+            "capabilities": probe_capabilities(),
+        }
+
+
+def _parse_engine_line(line: bytes) -> dict[str, Any] | None:
+    try:
+        ev = json.loads(line)
+    except ValueError:
+        return None
+    return ev if isinstance(ev, dict) else None
+
+
+def monitor_of(agent: Agent) -> Monitor:
+    mon = agent.extras.get("monitor")
+    if mon is None:
+        with _monitor_lock:
+            mon = agent.extras.get("monitor")
+            if mon is None:
+                mon = Monitor(agent)
+                agent.extras["monitor"] = mon
+    assert isinstance(mon, Monitor)
+    return mon
+
+
+_monitor_lock = threading.Lock()
+
+
+def _interval(args: dict[str, Any], key: str, default: float) -> float:
+    v = args.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+        raise CommandError(f"{key} must be a number of seconds, got {v!r}")
+    return max(MIN_INTERVAL_S, float(v))
+
+
+def _opt_int(obj: dict[str, Any], key: str) -> int | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise CommandError(f"{key} must be a non-negative integer, got {v!r}")
+    return v
+
+
+class Subscription:
+    """The streams of one ``subscribe``: a sampler thread and a follower thread."""
+
+    def __init__(self, monitor: Monitor, args: dict[str, Any]) -> None:
+        self.monitor = monitor
+        self.agent = monitor.agent
+        self.gpu_interval_s = _interval(args, "gpu_interval_s", GPU_INTERVAL_DEFAULT_S)
+        self.procs_interval_s = _interval(args, "procs_interval_s", PROCS_INTERVAL_DEFAULT_S)
+        log = args.get("log")
+        if log is not None and not isinstance(log, dict):
+            raise CommandError("log must be {'offset': int, 'inode': int} or null")
+        self.log_offset = _opt_int(log, "offset") if log else None
+        self.log_inode = _opt_int(log, "inode") if log else None
+        self.engine_offset = _opt_int(args, "engine_offset")
+        self.engine_inode = _opt_int(args, "engine_inode")
+        run_id = args.get("run_id")  # the run the offsets belong to; another run starts from 0
+        if run_id is not None and not isinstance(run_id, str):
+            raise CommandError("run_id must be a string or null")
+        self.resume_run_id = run_id
+        self.stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for name, target in (("sampler", self._sample_loop), ("follower", self._follow_loop)):
+            th = threading.Thread(target=self._guard, args=(target,), name=f"monitor-{name}", daemon=True)
+            self._threads.append(th)
+            th.start()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self.stop.set()
+        for th in self._threads:
+            if th is not threading.current_thread():
+                th.join(timeout_s)
+
+    def _stopped(self) -> bool:
+        return self.stop.is_set() or self.agent.stopping.is_set()
+
+    def _emit(self, msg: dict[str, Any]) -> None:
+        if not self.stop.is_set():
+            self.agent.emit(msg)
+
+    def _guard(self, loop: Any) -> None:
+        # A bug in a stream becomes a visible error event, then the stream retries after a pause.
+        while not self._stopped():
+            try:
+                loop()
+                return
+            except Exception as exc:
+                self._emit(
+                    protocol.event("error", message=f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
+                )
+                self.stop.wait(1.0)
+
+    # -- sampler -------------------------------------------------------------------------------
+
+    def _sample_loop(self) -> None:
+        mon = self.monitor
+        simulated = mon.gpu_source.source == "simulated"
+        last_run_json: str | None = None
+        last_keys: list[tuple[Any, ...]] | None = None
+        holders: list[HolderInfo] = []
+        run: RunInfo | None = None
+        run_pids: set[int] = set()
+        next_procs = 0.0
+        next_gpu = time.monotonic()
+        while not self._stopped():
+            now_m = time.monotonic()
+            with mon._lock:
+                if now_m >= next_procs:
+                    run = mon.current_run()
+                    run_pids = mon.run_pids(run)
+                sample = mon.gpu_sample(run)
+                if now_m >= next_procs:
+                    holders = mon.holders(sample, run_pids)
+                    mon._poll_engine(run)
+                    tree = mon._run_tree(run_pids)
+                else:
+                    by_gpu: dict[int, set[int]] = {}
+                    for h in holders:
+                        for g in h.gpus:
+                            by_gpu.setdefault(g, set()).add(h.pid)
+                    for gpu in sample.gpus:
+                        gpu.holder_pids = sorted(set(gpu.holder_pids) | by_gpu.get(gpu.index, set()))
+                items = mon.anomalies_for(sample, holders, run, run_pids)
+            self._emit(
+                protocol.event(
+                    "gpus",
+                    t=sample.t,
+                    simulated=simulated,
+                    source=mon.gpu_source.source,
+                    gpus=sample.gpus,
+                    nvml_error=mon.gpu_source.error,
+                )
+            )
+            if now_m >= next_procs:
+                next_procs = now_m + self.procs_interval_s
+                self._emit(protocol.event("procs", t=_now(), run_tree=tree, holders=holders))
+                run_json = json.dumps(protocol.to_jsonable(run), sort_keys=True)
+                if run_json != last_run_json:
+                    last_run_json = run_json
+                    self._emit(protocol.event("run", run=run))
+            keys = _anomaly_keys(items)
+            if keys != last_keys:
+                last_keys = keys
+                self._emit(protocol.event("anomalies", t=_now(), items=items))
+            next_gpu += self.gpu_interval_s
+            delay = next_gpu - time.monotonic()
+            if delay < 0:  # fell behind (a slow scan): do not try to catch up in a burst
+                next_gpu = time.monotonic()
+                delay = 0.0
+            self.stop.wait(delay)
+
+    # -- follower ------------------------------------------------------------------------------
+
+    def _follow_loop(self) -> None:
+        root = self.monitor.run_root
+        run_dir: Path | None = None
+        log: LogFollower | None = None
+        engine: JsonlReader | None = None
+        first = True
+        next_check = 0.0
+        try:
+            while not self._stopped():
+                now_m = time.monotonic()
+                if now_m >= next_check:
+                    next_check = now_m + RUN_CHECK_INTERVAL_S
+                    current = records.current_run_dir(root)
+                    if current is not None and current != run_dir:
+                        if log is not None:
+                            self._drain(log, engine, run_dir)  # finish the old run's tail first
+                            log.close()
+                        if engine is not None:
+                            engine.close()
+                        run_dir = current
+                        log, engine = self._open_run(current, resume=first)
+                        first = False
+                if log is not None and run_dir is not None:
+                    busy = self._pump(log, engine, run_dir)
+                    if busy:
+                        continue
+                self.stop.wait(POLL_INTERVAL_S)
+        finally:
+            if log is not None:
+                log.close()
+            if engine is not None:
+                engine.close()
+
+    def _open_run(self, run_dir: Path, resume: bool) -> tuple[LogFollower, JsonlReader]:
+        same_run = self.resume_run_id is None or self.resume_run_id == run_dir.name
+        log_path = run_dir / records.OUTPUT_LOG
+        if resume and same_run:
+            log = LogFollower(log_path, offset=self.log_offset, inode=self.log_inode)
+            engine_offset = self.engine_offset or 0
+            engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=engine_offset)
+            if self.engine_inode is not None and engine_offset:
+                try:
+                    if os.stat(run_dir / records.EVENTS_JSONL).st_ino != self.engine_inode:
+                        engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=0)
+                except OSError:
+                    engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=0)
+        else:
+            # A run the client has not seen: announce it and stream both files from their start.
+            log = LogFollower(log_path, announce_open=True)
+            engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=0)
+        return log, engine
+
+    def _pump(self, log: LogFollower, engine: JsonlReader | None, run_dir: Path) -> bool:
+        """Forward what is new; True when the log follower stopped at its budget (more is waiting)."""
+        run_id = run_dir.name
+        for ev in log.poll():
+            if ev["ev"] == "log_reset":
+                ev["run_id"] = run_id
+            self._emit(ev)
+        if engine is not None:
+            lines = engine.poll()
+            if engine.reset:
+                self._emit(
+                    protocol.event(
+                        "warning", message=f"events.jsonl of {run_id} was {engine.reset}; engine events restart at 0"
+                    )
+                )
+                engine.reset = None
+            for end, line in lines:
+                eng = _parse_engine_line(line)
+                if eng is None:
+                    self._emit(
+                        protocol.event(
+                            "warning", message=f"events.jsonl of {run_id}: unreadable line ending at byte {end}"
+                        )
+                    )
+                    continue
+                self._emit(protocol.event("engine", offset=end, inode=engine.inode, run_id=run_id, event=eng))
+        return log.more
+
+    def _drain(self, log: LogFollower, engine: JsonlReader | None, run_dir: Path | None) -> None:
+        if run_dir is None:
+            return
+        while self._pump(log, engine, run_dir) and not self._stopped():
+            pass
+
+
+def subscribe_to(agent: Agent, args: dict[str, Any]) -> Subscription:
+    mon = monitor_of(agent)
+    sub = Subscription(mon, args)  # validates args before the old streams are stopped
+    with mon._sub_lock:
+        old, mon.subscription = mon.subscription, sub
+        if old is not None:
+            old.close()
+        limits = args.get("stall")
+        if isinstance(limits, dict):
+            mon.stall_limits = {k: float(v) for k, v in limits.items() if isinstance(v, (int, float))}
+        sub.start()
+    return sub
+
+
+@handler("status")
+def _status(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    return monitor_of(agent).status()
+
+
+@handler("subscribe")
+def _subscribe(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    sub = subscribe_to(agent, args)
+    run_dir = records.current_run_dir(sub.monitor.run_root)
+    return {
+        "gpu_interval_s": sub.gpu_interval_s,
+        "procs_interval_s": sub.procs_interval_s,
+        "run_id": run_dir.name if run_dir is not None else None,
+        "gpu_source": sub.monitor.gpu_source.source,
+    }
+
+
+@handler("unsubscribe")
+def _unsubscribe(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    mon = monitor_of(agent)
+    with mon._sub_lock:
+        old, mon.subscription = mon.subscription, None
+    if old is not None:
+        old.close()
+    return {"stopped": old is not None}
+
+
+@handler("tail")
+def _tail(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    n = args.get("n", 50)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise CommandError(f"n must be a non-negative integer, got {n!r}")
+    n = min(n, TAIL_MAX_LINES)
+    run_id = args.get("run_id")
+    root = Path(agent.run_root)
+    if run_id is not None:
+        try:
+            run_dir: Path | None = records.run_dir_for(root, run_id)
+        except records.RunIdError as exc:
+            raise CommandError(str(exc)) from exc
+        if run_dir is None or not run_dir.is_dir():
+            raise CommandError(f"no run {run_id!r} under {root}")
+    else:
+        run_dir = records.current_run_dir(root)
+        if run_dir is None:
+            raise CommandError(f"no run yet under {root} (nothing launched)")
+    try:
+        res = tail_lines(run_dir / records.OUTPUT_LOG, n)
+    except FileNotFoundError:
+        res = {"lines": [], "offset": 0, "inode": None}
+    res["run_id"] = run_dir.name
+    return res
+
+
+@handler("doctor")
+def _doctor(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    mon = monitor_of(agent)
+    agent.progress(cmd_id, "sampling GPUs and processes")
+    snap = mon.collect(with_threads=False)
+    running = snap.run is not None and snap.run.state == "running"
+    agent.progress(cmd_id, "importing torch in a child interpreter")
+    checks = run_doctor(
+        Path(agent.run_root),
+        (mon.gpu_source.source, mon.gpu_source.error, snap.sample.gpus, snap.holders, snap.run_pids, running),
+        python=args.get("python") if isinstance(args.get("python"), str) else None,
+    )
+    return {"checks": checks, "ok": all(c["ok"] or c["level"] == "warn" for c in checks)}
+
+
+@handler("sim")
+def _sim(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    src = monitor_of(agent).gpu_source
+    if not isinstance(src, SimulatedGpus):
+        raise CommandError("sim works only when the agent runs with --simulate-gpus N")
+    try:
+        touched = src.apply(args)
+    except SimError as exc:
+        raise CommandError(str(exc)) from exc
+    return {"gpus": touched, "overrides": src.describe()}
