@@ -1,0 +1,108 @@
+"""The ``specdec-tui`` command line: connect (the dashboard) and the headless commands (DESIGN.md).
+
+Exit codes: 0 ok; 1 the command or the run failed; 2 usage error; 3 connection, authentication or
+host key failure; 4 ``launch --wait``: deadline passed with the process alive but no progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tui import cli_monitor, cli_run
+from tui.cli_common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    common_parser,
+    connect_options,
+    err,
+    run_async,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec-tui",
+        description="Launch, watch and rescue speculative-decoding drafter training on remote GPU hosts.",
+        epilog="Exit codes: 0 ok, 1 failed, 2 usage, 3 connection/auth/host key, 4 hung (launch --wait).",
+    )
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
+    common = common_parser()
+    p = sub.add_parser("connect", parents=[common], help="the live dashboard")
+    p.add_argument("--theme", metavar="NAME", help="colour theme")
+    p.set_defaults(func=None)
+    cli_run.add_parsers(sub, common)
+    cli_monitor.add_parsers(sub, common)
+    return parser
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(options, COMMAND): everything after the first ``--`` is the command, verbatim."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def cmd_connect(args: argparse.Namespace) -> int:
+    from tui.profiles import ProfileError, resolve_profile
+    from tui.session import ConnectError, open_session
+
+    try:
+        profile = resolve_profile(args.profile, args.config)
+        session = open_session(args.target, connect_options(args))
+    except (ProfileError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+    async def preflight() -> int:
+        # Host key, auth and bootstrap problems end here with a message and exit 3, before any screen is drawn.
+        probe = open_session(args.target, connect_options(args))
+        try:
+            await probe.connect()
+        except ConnectError as exc:
+            err(exc.message)
+            return exc.exit_code
+        await probe.close()
+        return 0
+
+    rc = run_async(preflight())
+    if rc:
+        return rc
+    try:
+        from tui.app import run_dashboard
+    except ImportError as exc:
+        if exc.name not in ("tui.app", "textual"):
+            raise
+        err(
+            f"the dashboard is not available in this build ({exc}); "
+            f"use the headless commands meanwhile: specdec-tui status {args.target}"
+        )
+        return EXIT_FAILED
+    # The dashboard runs its own event loop and connects the session inside it.
+    return int(run_dashboard(session, profile=profile.as_dict(), theme=args.theme))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts, command = split_command(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(opts)  # exits 2 on a usage error
+    if command and args.subcommand not in ("launch", "restart"):
+        parser.error(f"`-- COMMAND` is only for launch and restart, not {args.subcommand}")
+    args.command = command
+    try:
+        if args.func is None:
+            return cmd_connect(args)
+        return run_async(args.func(args))
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        err(f"specdec-tui {args.subcommand}: error: {exc}")
+        return EXIT_USAGE
+    except BrokenPipeError:
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""What every headless command shares: the common options, one session per command, exit codes, output."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TextIO
+
+from engine import protocol
+from tui.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
+
+EXIT_OK = protocol.EXIT_OK
+EXIT_FAILED = protocol.EXIT_RUN_FAILED
+EXIT_USAGE = protocol.EXIT_USAGE
+EXIT_CONNECTION = protocol.EXIT_CONNECTION
+EXIT_HUNG = protocol.EXIT_HUNG
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """Bad command-line input found after parsing (exit 2)."""
+
+
+def _ctid(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 1_000_000_000:
+        raise argparse.ArgumentTypeError(f"a Proxmox container id is a positive integer, got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def common_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("connection")
+    g.add_argument("target", metavar="TARGET", help="local, [user@]host[:port], or a Host alias of ~/.ssh/config")
+    g.add_argument("--pct", type=_ctid, metavar="CTID", help="run everything inside Proxmox container CTID (pct exec)")
+    g.add_argument("-i", "--identity", metavar="FILE", help="SSH private key")
+    g.add_argument("-p", "--port", type=_port, metavar="N", help="SSH port")
+    g.add_argument("--known-hosts", metavar="FILE", help="known_hosts file to verify the host key against")
+    g.add_argument("--python", metavar="PATH", help="python interpreter on the host (default python3)")
+    g.add_argument("--run-root", metavar="DIR", help="run root on the host (default ~/.specdec)")
+    g.add_argument("--profile", metavar="NAME", help="run profile from the config file")
+    g.add_argument("--config", metavar="FILE", help="config file with run profiles (TOML)")
+    g.add_argument(
+        "--simulate-gpus", type=_count, default=0, metavar="N", help="show N simulated GPUs (labelled simulated)"
+    )
+    g.add_argument(
+        "--connect-timeout", type=positive_float, default=10.0, metavar="S", help="SSH connect timeout (default 10)"
+    )
+    return p
+
+
+def connect_options(args: argparse.Namespace) -> ConnectOptions:
+    return ConnectOptions(
+        pct=args.pct,
+        identity=args.identity,
+        port=args.port,
+        known_hosts=args.known_hosts,
+        python=args.python,
+        run_root=args.run_root,
+        simulate_gpus=args.simulate_gpus,
+        connect_timeout_s=args.connect_timeout,
+        keepalive_s=15.0,
+        profile=args.profile,
+        config=args.config,
+    )
+
+
+def err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def print_json(obj: Any, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    out.write(json.dumps(protocol.to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    out.flush()
+
+
+SessionFn = Callable[[Session], Awaitable[int]]
+
+
+async def with_session(args: argparse.Namespace, fn: SessionFn, *, reconnect: bool = False) -> int:
+    """Connect, run ``fn``, close; map failures to exit codes (3 connection, 1 command failure)."""
+    try:
+        session = open_session(args.target, connect_options(args))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        await session.connect()
+    except ConnectError as exc:
+        err(exc.message)
+        return exc.exit_code
+    session.auto_reconnect = reconnect
+    try:
+        return await fn(session)
+    except CommandFailed as exc:
+        err(f"error: {exc.message}")
+        return EXIT_CONNECTION if exc.lost else EXIT_FAILED
+    except ConnectError as exc:
+        err(exc.message)
+        return exc.exit_code
+    finally:
+        await session.close()
+
+
+def run_async(coro: Awaitable[int]) -> int:
+    async def main() -> int:
+        return await coro
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def simulated_label(session: Session) -> str:
+    return " (SIMULATED GPUs)" if (session.hello or {}).get("simulated") else ""

@@ -1,0 +1,301 @@
+"""Headless commands that look: status, logs, doctor, stacks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from typing import Any
+
+from engine import protocol
+from tui.cli_common import EXIT_CONNECTION, EXIT_FAILED, EXIT_OK, err, print_json, simulated_label, with_session
+from tui.session import Session
+
+# -- status ----------------------------------------------------------------------------------------
+
+
+def _num(value: Any, fmt: str = "{:.0f}", unit: str = "") -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return fmt.format(value) + unit
+    return "-"
+
+
+def _nvml_unavailable(snap: dict[str, Any], hello: dict[str, Any]) -> str | None:
+    """The reason NVML is unavailable, or None when it works (or GPUs are simulated)."""
+    host = snap.get("host")
+    for holder in (snap, host if isinstance(host, dict) else {}):
+        reason = holder.get("nvml_error")
+        if reason:
+            return str(reason)
+    if snap.get("simulated") or hello.get("simulated"):
+        return None
+    cap = (hello.get("capabilities") or {}).get("nvml")
+    if isinstance(cap, dict) and not cap.get("ok"):
+        return str(cap.get("detail") or "unknown reason")
+    return None
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _procs_of(snap: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(run tree, GPU holders) from the snapshot's ``processes`` in either shape (dict or list)."""
+    procs = snap.get("processes")
+    if isinstance(procs, dict):
+        tree = procs.get("run_tree") or []
+        holders = procs.get("holders") or []
+    elif isinstance(procs, list):
+        tree, holders = procs, []
+    else:
+        tree, holders = [], []
+    holders = holders or snap.get("holders") or []
+    return [p for p in tree if isinstance(p, dict)], [h for h in holders if isinstance(h, dict)]
+
+
+def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> str:
+    out: list[str] = []
+    host_raw = snap.get("host")
+    host: dict[str, Any] = host_raw if isinstance(host_raw, dict) else {}
+    sim = bool(snap.get("simulated") or hello.get("simulated"))
+    hostname = host.get("hostname") or hello.get("hostname") or "?"
+    out.append(
+        f"host      {hostname} via {target}   python {host.get('python') or hello.get('python')}   "
+        f"agent {hello.get('agent_version')}" + ("   [SIMULATED GPUs]" if sim else "")
+    )
+    gpus = [g for g in snap.get("gpus") or [] if isinstance(g, dict)]
+    reason = _nvml_unavailable(snap, hello)
+    if reason and not gpus:
+        out.append(f"GPUs      NVML unavailable: {reason}")
+    else:
+        note = f"   NVML unavailable: {reason}" if reason else ""
+        out.append(f"GPUs{' (SIMULATED)' if sim else ''}: {len(gpus)}{note}")
+        rows = [["#", "name", "util", "memory used/total", "temp", "power", "holders"]]
+        for g in gpus:
+            name = str(g.get("name") or "?") + (" [sim]" if g.get("simulated") else "")
+            mem = f"{_num(g.get('mem_used_mib'))} / {_num(g.get('mem_total_mib'))} MiB"
+            holder_pids = ",".join(str(p) for p in g.get("holder_pids") or []) or "-"
+            rows.append(
+                [
+                    str(g.get("index")),
+                    name,
+                    _num(g.get("util_pct"), unit="%"),
+                    mem,
+                    _num(g.get("temp_c"), unit="C"),
+                    _num(g.get("power_w"), unit="W"),
+                    holder_pids,
+                ]
+            )
+        out += _table(rows)
+    tree, holders = _procs_of(snap)
+    run = snap.get("run") if isinstance(snap.get("run"), dict) else None
+    if run:
+        out.append(f"run       {run.get('run_id')}  state {run.get('state')}  pid {run.get('pid')}")
+        cmd = run.get("command") or []
+        if cmd:
+            out.append(f"  command {' '.join(str(c) for c in cmd)}")
+        ms = run.get("milestones") or {}
+        reached = [f"{m} ✓" if ms.get(m) else f"{m} ·" for m in protocol.MILESTONES if m in ms]
+        if reached:
+            out.append("  milestones " + "  ".join(reached))
+        extra = []
+        if run.get("stage"):
+            extra.append(f"stage {run['stage']}")
+        if run.get("last_step") is not None:
+            extra.append(f"step {run['last_step']}")
+        if run.get("exit_code") is not None:
+            extra.append(f"exit code {run['exit_code']}")
+        if run.get("signal") is not None:
+            extra.append(f"signal {run['signal']}")
+        if run.get("tmux_session"):
+            extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
+        if extra:
+            out.append("  " + "   ".join(extra))
+    else:
+        out.append("run       none")
+    if tree:
+        out.append(f"run processes: {len(tree)}")
+        rows = [["pid", "ppid", "user", "cpu", "rss", "threads", "command"]]
+        p: dict[str, Any]
+        for p in tree[:30]:
+            rows.append(
+                [
+                    str(p.get("pid")),
+                    str(p.get("ppid")),
+                    str(p.get("user") or "-"),
+                    _num(p.get("cpu_pct"), unit="%"),
+                    _num(p.get("rss_mib"), unit=" MiB"),
+                    str(len(p.get("threads") or [])),
+                    str(p.get("cmd") or "")[:80],
+                ]
+            )
+        out += _table(rows)
+    out.append(f"GPU holders: {len(holders)}")
+    if holders:
+        rows = [["pid", "user", "gpus", "mem", "state", "in run", "command"]]
+        for h in holders:
+            rows.append(
+                [
+                    str(h.get("pid")) + ("" if h.get("resolved", True) else " (unresolved)"),
+                    str(h.get("user") or "-"),
+                    ",".join(str(i) for i in h.get("gpus") or []) or "-",
+                    _num(h.get("used_mib"), unit=" MiB"),
+                    str(h.get("state") or "-"),
+                    "yes" if h.get("in_run") else "no",
+                    str(h.get("cmd") or "")[:70],
+                ]
+            )
+        out += _table(rows)
+    anomalies = [a for a in snap.get("anomalies") or [] if isinstance(a, dict)]
+    out.append(f"anomalies: {len(anomalies) or 'none'}")
+    for a in anomalies:
+        where = f" gpu {a['gpu']}" if a.get("gpu") is not None else ""
+        where += f" pid {a['pid']}" if a.get("pid") is not None else ""
+        out.append(f"  ! {a.get('kind')}{where}: {a.get('message')}")
+    return "\n".join(out)
+
+
+async def fetch_status(session: Session, timeout_s: float = 30.0) -> dict[str, Any]:
+    snap = await session.request("status", timeout_s=timeout_s)
+    hello = session.hello or {}
+    if hello.get("simulated"):
+        snap.setdefault("simulated", True)
+    return snap
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    async def body(session: Session) -> int:
+        snap = await fetch_status(session)
+        if args.json:
+            print_json(snap)
+        else:
+            print(format_status(snap, session.hello or {}, session.target_display), flush=True)
+        return EXIT_OK
+
+    return await with_session(args, body)
+
+
+# -- logs ------------------------------------------------------------------------------------------
+
+
+def _write_line(text: str) -> None:
+    data = protocol.decode_log_data(text)
+    sys.stdout.buffer.write(data if data.endswith(b"\n") else data + b"\n")
+
+
+async def cmd_logs(args: argparse.Namespace) -> int:
+    async def body(session: Session) -> int:
+        tail = await session.request("tail", timeout_s=30.0, n=args.lines)
+        for line in tail.get("lines") or []:
+            _write_line(str(line))
+        sys.stdout.buffer.flush()
+        if not args.follow:
+            return EXIT_OK
+        offset, inode = tail.get("offset"), tail.get("inode")
+        session.resume_from(
+            {"offset": offset, "inode": inode} if isinstance(offset, int) and isinstance(inode, int) else None, None
+        )
+        ended = asyncio.Event()
+
+        def on_event(ev: dict[str, Any]) -> None:
+            kind = ev.get("ev")
+            if kind == "log":
+                sys.stdout.buffer.write(protocol.decode_log_data(str(ev.get("data", ""))))
+                sys.stdout.buffer.flush()
+            elif kind == "log_reset":
+                err(f"[log {ev.get('reason')}: following from byte {ev.get('offset')}]")
+            elif kind == "connection":
+                if ev.get("state") in ("reconnecting", "failed"):
+                    err(f"[{ev.get('state')}: {ev.get('detail')}]")
+                elif ev.get("state") == "connected" and ev.get("detail", "").startswith("reconnected"):
+                    err(f"[{ev.get('detail')}]")
+                if ev.get("state") == "failed":
+                    ended.set()
+
+        session.add_listener(on_event)
+        await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
+        await ended.wait()
+        return EXIT_CONNECTION
+
+    return await with_session(args, body, reconnect=args.follow)
+
+
+# -- doctor ----------------------------------------------------------------------------------------
+
+
+def _print_check(ok: bool, name: str, detail: str, fix: str | None) -> None:
+    print(f"{'PASS' if ok else 'FAIL'}  {name:<14} {detail}")
+    if not ok and fix:
+        for line in str(fix).splitlines():
+            print(f"      fix: {line}")
+
+
+async def cmd_doctor(args: argparse.Namespace) -> int:
+    from tui.cli_common import connect_options
+    from tui.session import ConnectError, open_session
+
+    session = open_session(args.target, connect_options(args))
+    t0 = time.perf_counter()
+    try:
+        await session.connect()
+    except ConnectError as exc:
+        _print_check(False, "connection", exc.message.splitlines()[0], "\n".join(exc.message.splitlines()[1:]) or None)
+        return exc.exit_code
+    session.auto_reconnect = False
+    try:
+        hello = session.hello or {}
+        via = "ssh" if session.target_display != "local" else "local"
+        _print_check(
+            True,
+            "connection",
+            f"{via} to {session.target_display} in {time.perf_counter() - t0:.2f} s; agent {hello.get('agent_version')}"
+            f" on {hello.get('hostname')}, python {hello.get('python')}{simulated_label(session)}",
+            None,
+        )
+        result = await session.request("doctor", timeout_s=120.0)
+    finally:
+        await session.close()
+    checks = [c for c in result.get("checks") or [] if isinstance(c, dict)]
+    for c in checks:
+        _print_check(bool(c.get("ok")), str(c.get("name")), str(c.get("detail") or ""), c.get("fix"))
+    failed = [c for c in checks if not c.get("ok")]
+    print(f"{len(checks) + 1 - len(failed)} passed, {len(failed)} failed")
+    return EXIT_OK if not failed else EXIT_FAILED
+
+
+# -- stacks ----------------------------------------------------------------------------------------
+
+
+async def cmd_stacks(args: argparse.Namespace) -> int:
+    async def body(session: Session) -> int:
+        result = await session.request("stacks", timeout_s=args.timeout + 15.0, params={"timeout_s": args.timeout})
+        print(f"# stacks via {result.get('method')}", flush=True)
+        print(str(result.get("text") or "").rstrip(), flush=True)
+        return EXIT_OK
+
+    return await with_session(args, body)
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("status", parents=[common], help="one snapshot: GPUs, processes, run, anomalies")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", parents=[common], help="the current run's output.log")
+    p.add_argument("-f", "--follow", action="store_true", help="keep following (resumes across reconnects)")
+    p.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="last N lines first (default 20)")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("doctor", parents=[common], help="check ssh, python, torch, CUDA, NVML, tmux, disk, holders")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("stacks", parents=[common], help="every thread's stack of the live run")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="how long to wait for the dump")
+    p.set_defaults(func=cmd_stacks)
+
+
+__all__ = ["EXIT_FAILED", "add_parsers", "format_status"]

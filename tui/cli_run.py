@@ -1,0 +1,335 @@
+"""Headless commands that act: launch, stop, restart, kill-stale."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from typing import Any
+
+from engine import protocol
+from tui.cli_common import (
+    EXIT_FAILED,
+    EXIT_HUNG,
+    EXIT_OK,
+    UsageError,
+    err,
+    positive_float,
+    print_json,
+    simulated_label,
+    with_session,
+)
+from tui.profiles import Profile, ProfileError, load_profiles, resolve_profile
+from tui.session import CommandFailed, Session
+
+WAIT_CHOICES = ("started", "output", "first-step")
+_REPLY_MARGIN_S = 30.0  # a wait's reply may arrive this long after its own timeout before we give up on it
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    try:
+        return resolve_profile(args.profile, args.config)
+    except ProfileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _engine_python(session: Session) -> str:
+    hello = session.hello or {}
+    return str(session.opts.python or hello.get("python_path") or "python3")
+
+
+def _wait_exit_code(result: dict[str, Any]) -> int:
+    if result.get("ok"):
+        return EXIT_OK
+    return EXIT_HUNG if result.get("alive") else EXIT_FAILED
+
+
+def _wait_object(result: dict[str, Any], milestone: str, run_id: str | None) -> dict[str, Any]:
+    obj = {
+        "ok": bool(result.get("ok")),
+        "milestone": result.get("milestone", milestone),
+        "stage": result.get("stage"),
+        "cause": result.get("cause"),
+        "exit_code": result.get("exit_code"),
+        "signal": result.get("signal"),
+        "elapsed_s": result.get("elapsed_s"),
+        "last_lines": list(result.get("last_lines") or []),
+    }
+    for k in ("alive", "detail"):
+        if k in result:
+            obj[k] = result[k]
+    obj["run_id"] = result.get("run_id") or run_id
+    return obj
+
+
+def _print_wait_human(obj: dict[str, Any], milestone: str) -> None:
+    if obj["ok"]:
+        print(f"reached {milestone} in {obj.get('elapsed_s') or 0:.2f} s", flush=True)
+        return
+    what = "hung" if obj.get("alive") else "failed"
+    print(f"{what} before {milestone}: {obj.get('cause')}", flush=True)
+    bits = []
+    if obj.get("exit_code") is not None:
+        bits.append(f"exit code {obj['exit_code']}")
+    if obj.get("signal") is not None:
+        bits.append(f"signal {obj['signal']}")
+    if obj.get("detail"):
+        bits.append(str(obj["detail"]))
+    bits.append(f"last stage {obj.get('stage')}")
+    if obj.get("elapsed_s") is not None:
+        bits.append(f"after {obj['elapsed_s']:.2f} s")
+    print("  " + ", ".join(bits), flush=True)
+    if obj["last_lines"]:
+        print("  last lines of output.log:", flush=True)
+        for line in obj["last_lines"]:
+            print("    " + str(line).rstrip("\n"), flush=True)
+
+
+async def launch_and_wait(
+    session: Session,
+    spec: protocol.LaunchSpec,
+    *,
+    wait: str | None,
+    timeout_s: float | None,
+    as_json: bool,
+) -> int:
+    t0 = time.monotonic()
+    state: dict[str, Any] = {"run_id": None}
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if as_json or ev.get("ev") != "milestone":
+            return
+        if state["run_id"] is not None and ev.get("run_id") not in (None, state["run_id"]):
+            return
+        mark = "✓" if ev.get("ok", True) else "✗"
+        cause = f"  {ev['cause']}" if ev.get("cause") else ""
+        print(f"  {mark} {ev.get('milestone'):<11} {time.monotonic() - t0:6.2f} s{cause}", flush=True)
+
+    unsubscribe = session.add_listener(on_event)
+    try:
+        try:
+            launched = await session.request("launch", timeout_s=60.0, **protocol.to_jsonable(spec))
+        except CommandFailed as exc:
+            if exc.lost:
+                raise
+            obj = {
+                "ok": False,
+                "milestone": wait or "submitted",
+                "stage": "none",
+                "cause": f"launch refused: {exc.message}",
+                "exit_code": None,
+                "signal": None,
+                "elapsed_s": round(time.monotonic() - t0, 3),
+                "last_lines": [],
+            }
+            if as_json:
+                print_json(obj)
+            else:
+                err(f"launch failed: {exc.message}")
+            return EXIT_FAILED
+        run_id = launched.get("run_id")
+        state["run_id"] = run_id
+        if not as_json:
+            print(
+                f"launched run {run_id} on {session.target_display}{simulated_label(session)}\n"
+                f"  command {shlex.join(spec.command)}"
+                + (f"\n  tmux session {launched.get('tmux_session')}" if launched.get("attachable") else ""),
+                flush=True,
+            )
+        if wait is None:
+            if as_json:
+                print_json({"ok": True, "milestone": "submitted", **launched})
+            return EXIT_OK
+        deadline = timeout_s if timeout_s is not None else spec.deadlines_s.get(wait)
+        result = await session.request(
+            "wait",
+            timeout_s=(deadline or 3600.0) + _REPLY_MARGIN_S,
+            params={"run_id": run_id, "milestone": wait, "timeout_s": deadline},
+        )
+        obj = _wait_object(result, wait, run_id)
+        if as_json:
+            print_json(obj)
+        else:
+            _print_wait_human(obj, wait)
+            if launched.get("attachable") and launched.get("tmux_session"):
+                print("  attach: " + shlex.join(session.attach_argv(str(launched["tmux_session"]))), flush=True)
+        return _wait_exit_code(obj)
+    finally:
+        unsubscribe()
+
+
+def _split_command(args: argparse.Namespace) -> list[str] | None:
+    cmd = list(getattr(args, "command", None) or [])
+    return cmd or None
+
+
+async def cmd_launch(args: argparse.Namespace) -> int:
+    profile = _profile(args)
+    command = _split_command(args)
+
+    async def body(session: Session) -> int:
+        spec = profile.launch_spec(
+            command, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
+        )
+        return await launch_and_wait(session, spec, wait=args.wait, timeout_s=args.timeout, as_json=args.json)
+
+    return await with_session(args, body)
+
+
+def _on_progress(ev: dict[str, Any]) -> None:
+    if ev.get("ev") == "progress":
+        print(f"  … {ev.get('message')}", flush=True)
+
+
+async def _stop(session: Session, grace_s: float) -> dict[str, Any]:
+    unsubscribe = session.add_listener(_on_progress)
+    try:
+        return await session.request("stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0)
+    finally:
+        unsubscribe()
+
+
+async def cmd_stop(args: argparse.Namespace) -> int:
+    async def body(session: Session) -> int:
+        result = await _stop(session, args.grace)
+        for step in result.get("steps") or []:
+            print(f"  {step}", flush=True)
+        print("stopped" if result.get("stopped") else "not stopped", flush=True)
+        return EXIT_OK if result.get("stopped") else EXIT_FAILED
+
+    return await with_session(args, body)
+
+
+async def cmd_restart(args: argparse.Namespace) -> int:
+    command = _split_command(args)
+    explicit = args.profile is not None or command is not None
+    profile = _profile(args) if explicit else None
+
+    async def body(session: Session) -> int:
+        status = await session.request("status", timeout_s=30.0)
+        run = status.get("run") if isinstance(status.get("run"), dict) else None
+        chosen = profile
+        cmd = command
+        if chosen is None:
+            if run is None:
+                err("nothing to restart: no run on this host; use `launch` (with --profile or -- COMMAND)")
+                return EXIT_FAILED
+            try:
+                profiles, _, _ = load_profiles(args.config)
+            except ProfileError as exc:
+                raise UsageError(str(exc)) from None
+            chosen = profiles.get(str(run.get("profile")))
+            if chosen is None or (chosen.command is None and run.get("command") and not _is_engine(run)):
+                # A foreign command launched without a known profile: run it again as it was.
+                chosen = Profile(name=str(run.get("profile") or "restart"), cwd=run.get("cwd"))
+                cmd = [str(c) for c in run.get("command") or []] or None
+                if cmd is None:
+                    err(f"cannot restart run {run.get('run_id')}: its command is unknown")
+                    return EXIT_FAILED
+        if run is not None and run.get("state") in ("starting", "running"):
+            print(f"stopping run {run.get('run_id')}", flush=True)
+            result = await _stop(session, args.grace)
+            for step in result.get("steps") or []:
+                print(f"  {step}", flush=True)
+            if not result.get("stopped"):
+                err("the run did not stop; not starting a new one")
+                return EXIT_FAILED
+        spec = chosen.launch_spec(
+            cmd, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
+        )
+        return await launch_and_wait(session, spec, wait=args.wait, timeout_s=args.timeout, as_json=args.json)
+
+    return await with_session(args, body)
+
+
+def _is_engine(run: dict[str, Any]) -> bool:
+    cmd = [str(c) for c in run.get("command") or []]
+    return "-m" in cmd and "engine.trainer" in cmd
+
+
+def _holder_rows(items: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for h in items:
+        mem = h.get("used_mib")
+        mem_s = f"{mem:.0f} MiB" if isinstance(mem, (int, float)) else "-"
+        age = h.get("age_s")
+        age_s = f"{age:.0f} s" if isinstance(age, (int, float)) else "-"
+        gpus = ",".join(str(g) for g in h.get("gpus") or []) or "-"
+        out.append(
+            f"  pid {h.get('pid')}  user {h.get('user') or '-'}  gpus {gpus}  mem {mem_s}  age {age_s}"
+            f"  state {h.get('state') or '-'}  {str(h.get('cmd') or '')[:80]}"
+        )
+    return out
+
+
+async def cmd_kill_stale(args: argparse.Namespace) -> int:
+    async def body(session: Session) -> int:
+        listed = await session.request("kill_stale", timeout_s=60.0, dry_run=True, targets=None, grace_s=args.grace)
+        candidates = [c for c in listed.get("candidates") or [] if isinstance(c, dict)]
+        if not args.json:
+            print(f"stale GPU holders on {session.target_display}{simulated_label(session)}: {len(candidates)}")
+            for line in _holder_rows(candidates):
+                print(line)
+        if args.dry_run or not candidates:
+            if args.json:
+                print_json({"dry_run": bool(args.dry_run), "candidates": candidates, "signalled": [], "failed": []})
+            elif args.dry_run and candidates:
+                print("dry run: nothing signalled (use --yes to signal exactly these)")
+            return EXIT_OK
+        targets = [[c.get("pid"), c.get("create_time")] for c in candidates]
+        unsubscribe = session.add_listener(_on_progress if not args.json else (lambda ev: None))
+        try:
+            done = await session.request(
+                "kill_stale", timeout_s=args.grace + 120.0, dry_run=False, targets=targets, grace_s=args.grace
+            )
+        finally:
+            unsubscribe()
+        signalled = list(done.get("signalled") or [])
+        failed = list(done.get("failed") or [])
+        if args.json:
+            print_json({"dry_run": False, "candidates": candidates, "signalled": signalled, "failed": failed})
+        else:
+            for s in signalled:
+                print(f"  signalled {s}")
+            for f in failed:
+                print(f"  could not kill {f}")
+        return EXIT_OK if not failed else EXIT_FAILED
+
+    return await with_session(args, body)
+
+
+def _add_wait_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", choices=WAIT_CHOICES, help="wait for this milestone (exit 0 reached, 1 failed, 4 hung)")
+    p.add_argument("--timeout", type=positive_float, metavar="S", help="give up waiting after S seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "launch",
+        parents=[common],
+        help="start the engine (or -- COMMAND) under supervision",
+        usage="%(prog)s TARGET [opts] [--wait started|output|first-step] [--timeout S] [--json] [-- COMMAND ...]",
+    )
+    _add_wait_opts(p)
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("stop", parents=[common], help="SIGTERM the run's process group, grace, SIGKILL")
+    p.add_argument("--grace", type=positive_float, default=30.0, metavar="S", help="seconds before SIGKILL (30)")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("restart", parents=[common], help="stop, then launch the same profile again")
+    p.add_argument("--grace", type=positive_float, default=30.0, metavar="S", help="seconds before SIGKILL (30)")
+    _add_wait_opts(p)
+    p.set_defaults(func=cmd_restart)
+
+    p = sub.add_parser("kill-stale", parents=[common], help="list (and with --yes signal) stale GPU holders")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--dry-run", action="store_true", help="only list them")
+    mode.add_argument("--yes", action="store_true", help="list them, then signal exactly those")
+    p.add_argument("--grace", type=positive_float, default=5.0, metavar="S", help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_kill_stale)
+
+
+__all__ = ["add_parsers", "launch_and_wait"]

@@ -1,0 +1,238 @@
+"""Run profiles: what ``launch`` starts and how long each milestone may take, from a TOML file.
+
+The config file (``--config FILE``, default ``<user config dir>/specdec-tui/config.toml``)::
+
+    default_profile = "demo"          # optional: used when --profile is not given
+
+    [profiles.demo]
+    command = ["bash", "start_training.sh"]   # argv list; omit to start our engine (see [profiles.X.engine])
+    cwd = "/root/work"
+    env = { HF_HOME = "/data/hf" }
+    step_pattern = 'step=\\d+'
+    deadlines_s = { started = 10, output = 60, first-step = 900 }
+
+    [profiles.demo.engine]             # used when there is no command: python3 -m engine.trainer ...
+    preset = "cpu-demo"                # or: config = "/root/work/train.toml" (a path on the host)
+    args = []                          # extra trainer arguments
+
+Without any file, the built-in profile ``default`` starts the engine's ``cpu-demo`` preset.
+Every error names the file, the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import protocol
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DEFAULT_PROFILE = "default"
+DEFAULT_STEP_PATTERN = r"step=\d+"
+# Milestone deadlines (seconds after launch) when a profile sets none: the engine's CPU demo
+# compiles nothing and reaches its first step in seconds; a real target load can take minutes.
+DEFAULT_DEADLINES_S: dict[str, float] = {"submitted": 10.0, "started": 15.0, "output": 60.0, "first-step": 900.0}
+ENGINE_PRESET_DEFAULT = "cpu-demo"
+
+_PROFILE_KEYS = {"command", "cwd", "env", "step_pattern", "deadlines_s", "engine"}
+_ENGINE_KEYS = {"preset", "config", "args"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class ProfileError(ValueError):
+    """A config file or profile that cannot be used; the message names file, key and what is allowed."""
+
+
+@dataclass
+class EngineConfig:
+    preset: str | None = ENGINE_PRESET_DEFAULT
+    config: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    def trainer_args(self) -> list[str]:
+        """Arguments after ``python3 -m engine.trainer`` (engine/trainer/__main__.py: --preset / --config)."""
+        out: list[str] = []
+        if self.config:
+            out += ["--config", self.config]
+        elif self.preset:
+            out += ["--preset", self.preset]
+        return out + list(self.args)
+
+
+@dataclass
+class Profile:
+    name: str
+    command: list[str] | None = None  # None: our engine
+    cwd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    step_pattern: str = DEFAULT_STEP_PATTERN
+    deadlines_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DEADLINES_S))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    source: str = "built-in"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "command": self.command,
+            "cwd": self.cwd,
+            "env": dict(self.env),
+            "step_pattern": self.step_pattern,
+            "deadlines_s": dict(self.deadlines_s),
+            "engine": {"preset": self.engine.preset, "config": self.engine.config, "args": list(self.engine.args)},
+            "source": self.source,
+        }
+
+    def launch_spec(
+        self, command: list[str] | None, *, python: str, engine_pythonpath: str | None, run_id: str | None = None
+    ) -> protocol.LaunchSpec:
+        """What to start: ``command`` (from ``-- COMMAND``) if given, else the profile's, else our engine."""
+        env = dict(self.env)
+        argv = command or self.command
+        if not argv:
+            argv = [python, "-m", "engine.trainer", *self.engine.trainer_args()]
+            if engine_pythonpath:
+                env["PYTHONPATH"] = engine_pythonpath + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return protocol.LaunchSpec(
+            command=list(argv),
+            cwd=self.cwd,
+            env=env,
+            run_id=run_id,
+            step_pattern=self.step_pattern,
+            deadlines_s=dict(self.deadlines_s),
+            profile=self.name,
+        )
+
+
+def default_config_path() -> Path:
+    try:
+        import platformdirs
+
+        return Path(platformdirs.user_config_dir("specdec-tui")) / "config.toml"
+    except ImportError:
+        base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+        return Path(base) / "specdec-tui" / "config.toml"
+
+
+def _err(path: Path | str, key: str, problem: str) -> ProfileError:
+    return ProfileError(f"{path}: {key}: {problem}")
+
+
+def _str_list(path: Path, key: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _err(path, key, f'must be a list of strings (an argv, e.g. ["bash", "run.sh"]), got {value!r}')
+    return list(value)
+
+
+def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
+    where = f"profiles.{name}"
+    if not _NAME_RE.match(name):
+        raise _err(path, where, "a profile name is letters, digits, '_', '.', '-' (at most 64)")
+    if not isinstance(raw, dict):
+        raise _err(path, where, "must be a table ([profiles.NAME])")
+    unknown = sorted(set(raw) - _PROFILE_KEYS)
+    if unknown:
+        raise _err(path, f"{where}.{unknown[0]}", f"unknown key; allowed: {', '.join(sorted(_PROFILE_KEYS))}")
+    prof = Profile(name=name, source=str(path))
+    if "command" in raw:
+        prof.command = _str_list(path, f"{where}.command", raw["command"])
+        if not prof.command:
+            raise _err(path, f"{where}.command", "must not be empty (leave it out to start the engine)")
+    if "cwd" in raw:
+        if not isinstance(raw["cwd"], str) or not raw["cwd"]:
+            raise _err(path, f"{where}.cwd", "must be a non-empty string (a directory on the host)")
+        prof.cwd = raw["cwd"]
+    if "env" in raw:
+        env = raw["env"]
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise _err(path, f"{where}.env", 'must be a table of string values, e.g. env = { HF_HOME = "/data" }')
+        for k in env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise _err(path, f"{where}.env.{k}", "an environment variable name is [A-Za-z_][A-Za-z0-9_]*")
+        prof.env = dict(env)
+    if "step_pattern" in raw:
+        pat = raw["step_pattern"]
+        if not isinstance(pat, str):
+            raise _err(path, f"{where}.step_pattern", "must be a string (a Python regular expression)")
+        try:
+            re.compile(pat)
+        except re.error as exc:
+            raise _err(path, f"{where}.step_pattern", f"not a valid regular expression: {exc}") from None
+        prof.step_pattern = pat
+    if "deadlines_s" in raw:
+        dl = raw["deadlines_s"]
+        allowed = ", ".join(protocol.MILESTONES)
+        if not isinstance(dl, dict):
+            raise _err(path, f"{where}.deadlines_s", f"must be a table with keys among {allowed}")
+        for k, v in dl.items():
+            if k not in protocol.MILESTONES:
+                raise _err(path, f"{where}.deadlines_s.{k}", f"unknown milestone; allowed: {allowed}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise _err(path, f"{where}.deadlines_s.{k}", f"must be a positive number of seconds, got {v!r}")
+            prof.deadlines_s[k] = float(v)
+    if "engine" in raw:
+        eng = raw["engine"]
+        if not isinstance(eng, dict):
+            raise _err(path, f"{where}.engine", f"must be a table with keys among {', '.join(sorted(_ENGINE_KEYS))}")
+        unknown = sorted(set(eng) - _ENGINE_KEYS)
+        if unknown:
+            raise _err(path, f"{where}.engine.{unknown[0]}", f"unknown key; allowed: {', '.join(sorted(_ENGINE_KEYS))}")
+        for k in ("preset", "config"):
+            if k in eng and (not isinstance(eng[k], str) or not eng[k]):
+                raise _err(path, f"{where}.engine.{k}", "must be a non-empty string")
+        if "preset" in eng and "config" in eng:
+            raise _err(path, f"{where}.engine", "set either preset or config, not both")
+        prof.engine = EngineConfig(
+            preset=eng.get("preset", None if "config" in eng else ENGINE_PRESET_DEFAULT),
+            config=eng.get("config"),
+            args=_str_list(path, f"{where}.engine.args", eng["args"]) if "args" in eng else [],
+        )
+    return prof
+
+
+def load_profiles(config: str | None) -> tuple[dict[str, Profile], str | None, Path | None]:
+    """All profiles of the config file: (profiles by name, default profile name, the file read or None)."""
+    explicit = config is not None
+    path = Path(config).expanduser() if config else default_config_path()
+    profiles: dict[str, Profile] = {DEFAULT_PROFILE: Profile(name=DEFAULT_PROFILE)}
+    if not path.exists():
+        if explicit:
+            raise ProfileError(f"{path}: no such config file (--config)")
+        return profiles, None, None
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"profiles", "default_profile"})
+    if unknown:
+        raise _err(path, unknown[0], "unknown top-level key; allowed: default_profile, [profiles.NAME]")
+    raw_profiles = data.get("profiles", {})
+    if not isinstance(raw_profiles, dict):
+        raise _err(path, "profiles", "must be tables: [profiles.NAME]")
+    for name, raw in raw_profiles.items():
+        profiles[name] = _parse_profile(path, name, raw)
+    default = data.get("default_profile")
+    if default is not None and (not isinstance(default, str) or default not in profiles):
+        raise _err(path, "default_profile", f"names no profile; defined: {', '.join(sorted(profiles))}")
+    return profiles, default, path
+
+
+def resolve_profile(name: str | None, config: str | None) -> Profile:
+    """The profile to use: --profile NAME, else the file's default_profile, else the built-in default."""
+    profiles, default, path = load_profiles(config)
+    chosen = name or default or DEFAULT_PROFILE
+    if chosen not in profiles:
+        where = path or default_config_path()
+        raise ProfileError(
+            f"{where}: profiles.{chosen}: no such profile (--profile); defined: {', '.join(sorted(profiles))}"
+        )
+    return profiles[chosen]

@@ -1,0 +1,342 @@
+"""One connection to one host's agent, for the dashboard and the headless commands alike.
+
+A ``Session`` sends commands (each gets exactly one reply, matched by id), hands every agent event
+to its listeners, measures the round trip with ``ping``, and, when the link breaks, reconnects with
+capped exponential backoff plus jitter. After a reconnect the streams resume from the remembered
+log offset/inode and events.jsonl offset, so nothing is skipped or repeated. State changes reach
+listeners as synthetic ``{"ev": "connection", "state", "detail", "attempt"}`` events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine import protocol
+from tui.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
+
+__all__ = ["CommandFailed", "ConnectError", "ConnectOptions", "Session", "open_session"]
+
+Listener = Callable[[dict[str, Any]], None]
+
+HELLO_TIMEOUT_S = 30.0
+PING_INTERVAL_S = 2.0
+
+
+class CommandFailed(Exception):
+    """A command got an error reply, no reply in time, or the connection went away under it."""
+
+    def __init__(self, message: str, *, cmd: str | None = None, lost: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cmd = cmd
+        self.lost = lost  # True when the connection broke before the reply
+
+
+class Session:
+    def __init__(self, transport: Transport, opts: ConnectOptions) -> None:
+        self.transport = transport
+        self.opts = opts
+        self.target_display: str = transport.display
+        self.state: str = "disconnected"
+        self.hello: dict[str, Any] | None = None
+        self.rtt_ms: float | None = None
+        self.auto_reconnect: bool = True
+        self.max_reconnect_attempts: int | None = None  # None: keep trying until close()
+        self.backoff_base_s: float = 0.5
+        self.backoff_cap_s: float = 30.0
+        self._stream: AgentStream | None = None
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 1
+        self._listeners: list[Listener] = []
+        self._reader: asyncio.Task[None] | None = None
+        self._reconnector: asyncio.Task[None] | None = None
+        self._pinger: asyncio.Task[None] | None = None
+        self._closing = False
+        self._streams: dict[str, float] | None = None  # subscribe intervals once start_streams ran
+        self._log_pos: dict[str, int] | None = None  # where the next log byte starts
+        self._engine_offset: int | None = None
+        self._attempt = 0
+
+    # -- listeners ---------------------------------------------------------------------------------
+
+    def add_listener(self, fn: Listener) -> Callable[[], None]:
+        self._listeners.append(fn)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(fn)
+
+        return unsubscribe
+
+    def _dispatch(self, ev: dict[str, Any]) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(ev)
+            except Exception as exc:  # a broken listener must not stop the stream; the loop reports it
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": f"session listener {fn!r} failed on {ev.get('ev')!r} event", "exception": exc}
+                )
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        self.state = state
+        self._dispatch({"ev": "connection", "state": state, "detail": detail, "attempt": self._attempt})
+
+    # -- connecting --------------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Connect and read the agent's hello; raises ConnectError (exit code 3)."""
+        self._closing = False
+        self._set_state("connecting", self.target_display)
+        try:
+            await self._open()
+        except ConnectError as exc:
+            self._set_state("failed", exc.message)
+            raise
+        self._set_state("connected", self._hello_detail())
+
+    def _hello_detail(self) -> str:
+        h = self.hello or {}
+        return f"agent {h.get('agent_version')} on {h.get('hostname')} (python {h.get('python')})"
+
+    async def _open(self) -> None:
+        stream = await self.transport.open()
+        try:
+            line = await asyncio.wait_for(stream.readline(), HELLO_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await stream.close()
+            raise ConnectError(f"{self.target_display}: the agent sent no hello within {HELLO_TIMEOUT_S:g} s") from None
+        except ConnectionError as exc:
+            await stream.close()
+            raise ConnectError(f"{self.target_display}: the agent connection broke at start: {exc}") from None
+        hello: dict[str, Any] | None = None
+        if line:
+            with contextlib.suppress(protocol.ProtocolError):
+                hello = protocol.parse_event(line)
+        if hello is None or hello.get("ev") != "hello":
+            rc = await stream.wait_exit(5.0)
+            await stream.stderr_settled()
+            err = "\n".join(stream.stderr_text().splitlines()[-15:])
+            got = line[:200].decode("utf-8", "replace").strip()
+            await stream.close()
+            raise ConnectError(
+                f"{self.target_display}: the agent did not start (exit {rc}); "
+                + (f"first line: {got!r}; " if got else "")
+                + (f"its stderr:\n{err}" if err else "no stderr")
+            )
+        if hello.get("protocol") != protocol.PROTOCOL_VERSION:
+            await stream.close()
+            raise ConnectError(
+                f"{self.target_display}: agent speaks protocol {hello.get('protocol')}, "
+                f"this client {protocol.PROTOCOL_VERSION}"
+            )
+        self.hello = hello
+        self._stream = stream
+        self._reader = asyncio.ensure_future(self._read_loop(stream))
+        self._dispatch(hello)
+
+    async def _read_loop(self, stream: AgentStream) -> None:
+        reason = "the agent closed the connection"
+        while True:
+            try:
+                line = await stream.readline()
+            except ConnectionError as exc:
+                reason = str(exc)
+                break
+            if not line:
+                break
+            try:
+                ev = protocol.parse_event(line)
+            except protocol.ProtocolError as exc:
+                self._dispatch({"ev": "warning", "message": f"unreadable line from the agent: {exc}"})
+                continue
+            self._on_event(ev)
+        if stream is self._stream:
+            await self._lost(stream, reason)
+
+    def _on_event(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "reply":
+            fut = self._pending.pop(ev.get("id", -1), None)
+            if fut is not None and not fut.done():
+                fut.set_result(ev)
+        elif kind == "log":
+            offset, inode, data = ev.get("offset"), ev.get("inode"), ev.get("data")
+            if isinstance(offset, int) and isinstance(inode, int) and isinstance(data, str):
+                self._log_pos = {"offset": offset + len(protocol.decode_log_data(data)), "inode": inode}
+        elif kind == "log_reset":
+            offset, inode = ev.get("offset"), ev.get("inode")
+            if isinstance(offset, int) and isinstance(inode, int):
+                self._log_pos = {"offset": offset, "inode": inode}
+        elif kind == "engine":
+            offset = ev.get("offset")
+            if isinstance(offset, int):
+                self._engine_offset = offset
+        self._dispatch(ev)
+
+    def _fail_pending(self, message: str) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(CommandFailed(message, lost=True))
+
+    async def _lost(self, stream: AgentStream, reason: str) -> None:
+        self._stream = None
+        rc = await stream.wait_exit(0.5)
+        await stream.stderr_settled(0.5)
+        err = stream.stderr_text().strip().splitlines()[-3:]
+        detail = reason + (f" (exit {rc})" if rc is not None else "") + (": " + " | ".join(err) if err else "")
+        self._fail_pending(f"connection lost: {detail}")
+        if self._pinger is not None:
+            self._pinger.cancel()
+        if self._closing:
+            return
+        with contextlib.suppress(Exception):
+            await stream.close()
+        if isinstance(self.transport, SshTransport):
+            self.transport.drop_connection()
+        if self.auto_reconnect:
+            self._reconnector = asyncio.ensure_future(self._reconnect_loop(detail))
+        else:
+            self._set_state("disconnected", detail)
+
+    def backoff_s(self, attempt: int) -> float:
+        """Capped exponential backoff with full jitter over the upper half: attempt 1 -> 0.25..0.5 s."""
+        ceiling: float = min(self.backoff_cap_s, self.backoff_base_s * (2 ** (attempt - 1)))
+        return float(ceiling * random.uniform(0.5, 1.0))
+
+    async def _reconnect_loop(self, why: str) -> None:
+        self._attempt = 0
+        while not self._closing:
+            self._attempt += 1
+            if self.max_reconnect_attempts is not None and self._attempt > self.max_reconnect_attempts:
+                self._set_state("failed", f"gave up after {self.max_reconnect_attempts} attempts: {why}")
+                return
+            delay = self.backoff_s(self._attempt)
+            self._set_state("reconnecting", f"{why}; retry in {delay:.1f} s")
+            await asyncio.sleep(delay)
+            if self._closing:
+                return
+            try:
+                await self._open()
+            except ConnectError as exc:
+                why = exc.message
+                if not exc.retryable:
+                    self._set_state("failed", exc.message)
+                    return
+                continue
+            self._set_state("connected", f"reconnected after {self._attempt} attempt(s); {self._hello_detail()}")
+            self._attempt = 0
+            if self._streams is not None:
+                try:
+                    await self._subscribe()
+                except CommandFailed as exc:
+                    self._dispatch({"ev": "warning", "message": f"re-subscribe failed: {exc.message}"})
+            return
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    async def request(
+        self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
+    ) -> dict[str, Any]:
+        """Send one command and return its result; raises CommandFailed.
+
+        ``timeout_s`` bounds the wait for the reply. Command arguments go in ``**args``; those whose
+        name clashes with this signature (``wait``'s and ``stacks``' own ``timeout_s``) go in ``params``.
+        """
+        if params:
+            args = {**args, **params}
+        stream = self._stream
+        if stream is None or self.state != "connected":
+            raise CommandFailed(f"{cmd}: not connected ({self.state})", cmd=cmd, lost=True)
+        cmd_id = self._next_id
+        self._next_id += 1
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[cmd_id] = fut
+        try:
+            stream.write(protocol.encode(protocol.command(cmd_id, cmd, **args)))
+        except (ConnectionError, OSError) as exc:
+            self._pending.pop(cmd_id, None)
+            raise CommandFailed(f"{cmd}: cannot send: {exc}", cmd=cmd, lost=True) from None
+        try:
+            reply = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            self._pending.pop(cmd_id, None)
+            raise CommandFailed(f"{cmd}: no reply within {timeout_s:g} s", cmd=cmd) from None
+        if not reply.get("ok"):
+            raise CommandFailed(str(reply.get("error") or f"{cmd} failed"), cmd=cmd)
+        result = reply.get("result")
+        return result if isinstance(result, dict) else {"value": result}
+
+    async def ping(self, timeout_s: float = 10.0) -> float:
+        t0 = time.perf_counter()
+        await self.request("ping", timeout_s=timeout_s)
+        self.rtt_ms = (time.perf_counter() - t0) * 1000.0
+        return self.rtt_ms
+
+    async def _ping_loop(self) -> None:
+        while not self._closing:
+            if self.state == "connected":
+                with contextlib.suppress(CommandFailed):
+                    await self.ping()
+            await asyncio.sleep(PING_INTERVAL_S)
+
+    async def start_streams(self, gpu_interval_s: float = 0.5, procs_interval_s: float = 1.0) -> None:
+        """Subscribe to the live streams; after a reconnect they resume where they stopped."""
+        self._streams = {"gpu_interval_s": gpu_interval_s, "procs_interval_s": procs_interval_s}
+        await self._subscribe()
+
+    async def _subscribe(self) -> None:
+        assert self._streams is not None
+        await self.request(
+            "subscribe",
+            timeout_s=30.0,
+            params={"log": self._log_pos, "engine_offset": self._engine_offset, **self._streams},
+        )
+        if self._pinger is None or self._pinger.done():
+            self._pinger = asyncio.ensure_future(self._ping_loop())
+
+    def resume_from(self, log: dict[str, int] | None, engine_offset: int | None) -> None:
+        """Set where the streams start (e.g. ``logs -n N`` begins at the tail's offset)."""
+        self._log_pos = dict(log) if log else None
+        self._engine_offset = engine_offset
+
+    @property
+    def log_position(self) -> dict[str, int] | None:
+        return dict(self._log_pos) if self._log_pos else None
+
+    @property
+    def engine_offset(self) -> int | None:
+        return self._engine_offset
+
+    def attach_argv(self, tmux_session: str) -> list[str]:
+        return self.transport.attach_argv(tmux_session)
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in (self._reconnector, self._pinger):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        stream, self._stream = self._stream, None
+        self._fail_pending("session closed")
+        if stream is not None:
+            await stream.close()
+        if self._reader is not None and not self._reader.done():
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._reader, 2.0)
+            if not self._reader.done():
+                self._reader.cancel()
+        await self.transport.close()
+        if self.state != "disconnected":
+            self._set_state("disconnected", "closed")
+
+
+def open_session(target_spec: str, opts: ConnectOptions) -> Session:
+    """A session for TARGET (not yet connected); raises ValueError for a malformed TARGET."""
+    return Session(make_transport(target_spec, opts), opts)

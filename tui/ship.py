@@ -1,0 +1,149 @@
+"""The agent bundle: the ``engine`` package as one zipapp, shipped to a host that has only ``python3``.
+
+The bundle is built in memory, byte-for-byte reproducible (sorted entries, fixed timestamps), and
+named ``<AGENT_VERSION>-<sha256[:16]>.pyz`` so a host keeps one file per content. On the host it
+lives at ``<run_root>/agent/<name>``; the bootstrap scripts below run with ``python3 -c`` and touch
+nothing but that file: ``CHECK`` verifies it (exists, sha256 matches) and, if good, execs the agent
+from it; ``INSTALL`` reads the bundle from stdin into a temporary file, verifies its hash, renames.
+``PYTHONPATH=<pyz> python3 -m engine.trainer`` runs the trainer from the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from engine import protocol
+
+# What goes into the bundle: every source file of these packages, no tests, no caches.
+BUNDLED_PACKAGES: tuple[str, ...] = ("engine",)
+_FIXED_DATE = (2020, 1, 1, 0, 0, 0)
+_MAIN = b"import sys\n\nfrom engine.agent.main import main\n\nsys.exit(main())\n"
+
+# Exit codes of the bootstrap scripts (besides the agent's own).
+BOOT_NEEDS_UPLOAD = 17
+INSTALL_HASH_MISMATCH = 18
+
+# argv: RUN_ROOT NAME SHA256 [agent args...]. RUN_ROOT "" means the agent's default (~/.specdec).
+# Prints one JSON line {"bootstrap": ..., "path": ...} then, when the bundle is good, becomes the agent.
+CHECK_SCRIPT = r"""
+import hashlib, json, os, sys
+root, name, sha = sys.argv[1], sys.argv[2], sys.argv[3]
+root = os.path.expanduser(root or os.environ.get("SPECDEC_RUN_ROOT") or "~/.specdec")
+path = os.path.join(os.path.abspath(root), "agent", name)
+h = hashlib.sha256()
+try:
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+except OSError:
+    h = None
+if h is None or h.hexdigest() != sha:
+    sys.stdout.write(json.dumps({"bootstrap": "upload", "path": path}) + "\n")
+    sys.stdout.flush()
+    sys.exit(17)
+sys.stdout.write(json.dumps({"bootstrap": "ok", "path": path}) + "\n")
+sys.stdout.flush()
+os.execv(sys.executable, [sys.executable, path, "--run-root", os.path.abspath(root)] + sys.argv[4:])
+"""
+
+# argv: RUN_ROOT NAME SHA256; stdin: the bundle. Writes tmp, verifies, renames; prints the path.
+INSTALL_SCRIPT = r"""
+import hashlib, json, os, sys
+root, name, sha = sys.argv[1], sys.argv[2], sys.argv[3]
+root = os.path.expanduser(root or os.environ.get("SPECDEC_RUN_ROOT") or "~/.specdec")
+adir = os.path.join(os.path.abspath(root), "agent")
+os.makedirs(adir, mode=0o700, exist_ok=True)
+path = os.path.join(adir, name)
+tmp = "%s.tmp-%d" % (path, os.getpid())
+data = sys.stdin.buffer.read()
+if hashlib.sha256(data).hexdigest() != sha:
+    sys.stderr.write("bundle upload corrupted: got %d bytes with sha256 %s, expected %s\n"
+                     % (len(data), hashlib.sha256(data).hexdigest(), sha))
+    sys.exit(18)
+with open(tmp, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+os.replace(tmp, path)
+sys.stdout.write(json.dumps({"bootstrap": "installed", "path": path, "bytes": len(data)}) + "\n")
+"""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    data: bytes
+    sha256: str
+    version: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.version}-{self.sha256[:16]}.pyz"
+
+
+def _source_files(root: Path) -> list[Path]:
+    files: list[Path] = []
+    for pkg in BUNDLED_PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root)
+            if any(part in ("tests", "__pycache__") or part.startswith("test_") for part in rel.parts):
+                continue
+            files.append(path)
+    return files
+
+
+def _package_root() -> Path:
+    import engine
+
+    return Path(engine.__file__).resolve().parent.parent
+
+
+def build_bundle_bytes(root: Path | None = None) -> bytes:
+    """The zipapp's bytes: a shebang line, then a zip of the sources and a ``__main__.py``."""
+    root = root or _package_root()
+    buf = io.BytesIO()
+    buf.write(b"#!/usr/bin/env python3\n")
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for path in _source_files(root):
+            info = zipfile.ZipInfo(path.relative_to(root).as_posix(), date_time=_FIXED_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, path.read_bytes())
+        info = zipfile.ZipInfo("__main__.py", date_time=_FIXED_DATE)
+        info.compress_type = zipfile.ZIP_DEFLATED
+        info.external_attr = 0o644 << 16
+        zf.writestr(info, _MAIN)
+    return buf.getvalue()
+
+
+@lru_cache(maxsize=1)
+def agent_bundle() -> Bundle:
+    """The bundle of the engine this client was installed with (built once per process)."""
+    data = build_bundle_bytes()
+    return Bundle(data=data, sha256=hashlib.sha256(data).hexdigest(), version=protocol.AGENT_VERSION)
+
+
+def check_argv(python: str, run_root: str | None, bundle: Bundle, agent_args: list[str]) -> list[str]:
+    """argv that verifies the installed bundle and, if good, execs the agent from it."""
+    return [python, "-c", CHECK_SCRIPT, run_root or "", bundle.name, bundle.sha256, *agent_args]
+
+
+def install_argv(python: str, run_root: str | None, bundle: Bundle) -> list[str]:
+    """argv that installs the bundle read from stdin (atomic: tmp, verify, rename)."""
+    return [python, "-c", INSTALL_SCRIPT, run_root or "", bundle.name, bundle.sha256]
+
+
+def write_bundle(dest_dir: Path) -> Path:
+    """Write the bundle into ``dest_dir`` (for inspection and for local use); returns its path."""
+    bundle = agent_bundle()
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    path = dest_dir / bundle.name
+    if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != bundle.sha256:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(bundle.data)
+        tmp.replace(path)
+    return path
