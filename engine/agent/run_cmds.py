@@ -1,3 +1,156 @@
-"""Agent commands that start, wait for, stop and inspect supervised runs (engine/supervisor)."""
+"""Agent commands that start, wait for, stop and inspect supervised runs (engine/supervisor).
+
+launch, wait, stop, restart, kill_stale, stacks: argument and result shapes in engine/protocol.py.
+Every command that names no run acts on the current one (<run_root>/current).
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine import protocol
+from engine.agent.commands import CommandError, handler
+from engine.supervisor import control, records
+
+if TYPE_CHECKING:
+    from engine.agent.main import Agent
+
+
+def _num(args: dict[str, Any], key: str, default: float | None, minimum: float = 0.0) -> float | None:
+    value = args.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise CommandError(f"{key} must be a number >= {minimum:g}")
+    return float(value)
+
+
+def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
+    run_id = args.get("run_id")
+    if run_id is not None:
+        try:
+            rd = records.run_dir_for(agent.run_root, str(run_id))
+        except records.RunIdError as exc:
+            raise CommandError(str(exc)) from exc
+        if not rd.is_dir():
+            raise CommandError(f"no run {run_id!r} under {agent.run_root}")
+        return rd
+    rd_cur = records.current_run_dir(agent.run_root)
+    if rd_cur is None:
+        raise CommandError(f"no run under {agent.run_root} yet")
+    return rd_cur
+
+
+@handler("launch")
+def _launch(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    try:
+        res = control.launch(args, agent.run_root)
+    except control.SupervisorError as exc:
+        raise CommandError(str(exc)) from exc
+    agent.emit(
+        protocol.event(
+            "milestone", run_id=res["run_id"], milestone="submitted", t=res["submitted_at"], ok=True, cause=None
+        )
+    )
+    return res
+
+
+@handler("wait")
+def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    milestone = args.get("milestone", "started")
+    if milestone not in protocol.MILESTONES:
+        raise CommandError(f"unknown milestone {milestone!r}; milestones: {list(protocol.MILESTONES)}")
+    rd = _run_dir(agent, args)
+    deadlines = args.get("deadlines_s")
+    if deadlines is not None and not isinstance(deadlines, dict):
+        raise CommandError("deadlines_s must map milestones to seconds")
+
+    def on_milestone(name: str, t: float) -> None:
+        agent.emit(protocol.event("milestone", run_id=rd.name, milestone=name, t=t, ok=True, cause=None))
+
+    try:
+        res = control.wait_for(
+            rd,
+            milestone,
+            _num(args, "timeout_s", None),
+            deadlines,
+            boot_id=agent.boot_id,
+            on_milestone=on_milestone,
+            cancel=agent.stopping,
+        )
+    except control.SupervisorError as exc:
+        raise CommandError(str(exc)) from exc
+    if not res.ok:
+        agent.emit(protocol.event("milestone", run_id=rd.name, milestone=milestone, t=None, ok=False, cause=res.cause))
+    out: dict[str, Any] = protocol.to_jsonable(res)
+    return out
+
+
+@handler("stop")
+def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    rd = _run_dir(agent, args)
+    try:
+        return control.stop(
+            rd,
+            grace_s=_num(args, "grace_s", 30.0) or 0.0,
+            release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
+            progress=lambda msg: agent.progress(cmd_id, msg),
+            boot_id=agent.boot_id,
+        )
+    except control.SupervisorError as exc:
+        raise CommandError(str(exc)) from exc
+
+
+@handler("restart")
+def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """Stop the run if it is running, then launch its recorded spec again under a new run id."""
+    rd = _run_dir(agent, args)
+    try:
+        spec = control.spec_of(rd)
+        stopped: dict[str, Any] | None = None
+        if records.read_run(rd, agent.boot_id).state in ("running", "starting"):
+            stopped = control.stop(
+                rd,
+                grace_s=_num(args, "grace_s", 30.0) or 0.0,
+                release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
+                progress=lambda msg: agent.progress(cmd_id, msg),
+                boot_id=agent.boot_id,
+            )
+        spec["run_id"] = args.get("new_run_id")
+        agent.progress(cmd_id, f"launching {spec.get('command')} again")
+        launched = control.launch(spec, agent.run_root)
+    except control.SupervisorError as exc:
+        raise CommandError(str(exc)) from exc
+    return {"stop": stopped, "launch": launched, "previous_run_id": rd.name}
+
+
+@handler("kill_stale")
+def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    dry_run = args.get("dry_run", True)
+    if not isinstance(dry_run, bool):
+        raise CommandError("dry_run must be true or false")
+    targets = args.get("targets")
+    if targets is not None and not isinstance(targets, list):
+        raise CommandError("targets must be a list of [pid, create_time] pairs, or null for every listed holder")
+    try:
+        res = control.kill_stale(
+            agent.run_root,
+            dry_run=dry_run,
+            targets=targets,
+            grace_s=_num(args, "grace_s", 10.0) or 0.0,
+            progress=lambda msg: agent.progress(cmd_id, msg),
+        )
+    except control.SupervisorError as exc:
+        raise CommandError(str(exc)) from exc
+    out: dict[str, Any] = protocol.to_jsonable(res)
+    return out
+
+
+@handler("stacks")
+def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    rd = _run_dir(agent, args)
+    try:
+        return control.stacks(rd, timeout_s=_num(args, "timeout_s", 5.0) or 5.0, boot_id=agent.boot_id)
+    except control.SupervisorError as exc:
+        raise CommandError(str(exc)) from exc

@@ -324,7 +324,7 @@ class RunScanner:
 _scanners: dict[str, tuple[float | None, RunScanner]] = {}
 
 
-def _scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
+def scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
     key = str(run_dir)
     started = launch.get("started_at")
     cached = _scanners.get(key)
@@ -397,7 +397,7 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         info.tmux_session = launch.get("tmux_session", info.tmux_session)
         info.attachable = bool(launch.get("attachable", info.attachable))
         info.profile = launch.get("profile", info.profile)
-        scan = _scanner_for(rd, launch).poll()
+        scan = scanner_for(rd, launch).poll()
         info.stage = scan.stage
         info.last_step = scan.last_step
         info.last_step_at = scan.last_step_at

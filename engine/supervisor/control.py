@@ -1,0 +1,838 @@
+"""Start, watch, stop and inspect supervised runs; clean up stale GPU holders.
+
+Everything here acts only on what the run records name (pid, process group, each checked against
+its recorded start time) or on processes that hold an NVIDIA device right now, re-checked by
+(pid, create_time) before every signal. Nothing is ever matched by name.
+
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import engine
+from engine import protocol
+from engine.agent import procs
+from engine.supervisor import records, tmux
+
+POLL_S = 0.05
+LAST_LINES = 20
+STARTING_CHECK_S = 0.5  # while no launch.json exists, how often to ask tmux whether the pane died
+KILL_WAIT_S = 5.0  # after SIGKILL, how long a process may take to leave the table
+
+Progress = Callable[[str], None]
+
+
+class SupervisorError(Exception):
+    """A request that cannot be carried out; the message is a sentence for the user."""
+
+
+def _noop(_: str) -> None:
+    return None
+
+
+# -- launch ------------------------------------------------------------------------------------
+
+
+def coerce_spec(raw: protocol.LaunchSpec | dict[str, Any]) -> protocol.LaunchSpec:
+    """A validated LaunchSpec from the wire (unknown keys refused, types checked)."""
+    if isinstance(raw, protocol.LaunchSpec):
+        data = asdict(raw)
+    elif isinstance(raw, dict):
+        data = dict(raw)
+    else:
+        raise SupervisorError("launch needs an object of LaunchSpec fields")
+    known = set(protocol.LaunchSpec.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SupervisorError(f"unknown launch fields {unknown}; known: {sorted(known)}")
+    command = data.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+        raise SupervisorError("launch needs a command: a non-empty list of strings (argv, never a shell line)")
+    if not command[0]:
+        raise SupervisorError("the command's first word is empty")
+    env = data.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise SupervisorError("env must map strings to strings")
+    if any(not k or "=" in k or "\0" in k for k in env):
+        raise SupervisorError("env names must be non-empty and contain neither '=' nor NUL")
+    deadlines = data.get("deadlines_s") or {}
+    if not isinstance(deadlines, dict):
+        raise SupervisorError("deadlines_s must map milestones to seconds")
+    for name, value in deadlines.items():
+        if name not in protocol.MILESTONES:
+            raise SupervisorError(f"unknown milestone {name!r} in deadlines_s; milestones: {list(protocol.MILESTONES)}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise SupervisorError(f"deadline for {name!r} must be a positive number of seconds")
+    pattern = data.get("step_pattern") or r"step=\d+"
+    try:
+        re.compile(pattern.encode())
+    except (re.error, AttributeError) as exc:
+        raise SupervisorError(f"step_pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+    run_id = data.get("run_id")
+    if run_id is not None:
+        try:
+            records.validate_run_id(run_id)
+        except records.RunIdError as exc:
+            raise SupervisorError(str(exc)) from exc
+    cwd = data.get("cwd")
+    if cwd is not None and not isinstance(cwd, str):
+        raise SupervisorError("cwd must be a string")
+    profile = data.get("profile")
+    return protocol.LaunchSpec(
+        command=list(command),
+        cwd=cwd,
+        env=dict(env),
+        run_id=run_id,
+        step_pattern=pattern,
+        deadlines_s={k: float(v) for k, v in deadlines.items()},
+        profile=profile if isinstance(profile, str) else None,
+    )
+
+
+def check_run_root(run_root: Path) -> Path:
+    """Create <run_root>/runs and prove we can write there (os.access lies for root on read-only mounts)."""
+    runs = records.runs_dir(run_root)
+    try:
+        runs.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=runs)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise SupervisorError(f"run root {run_root} is not writable: {reason}{where}") from exc
+    return runs
+
+
+def _engine_root() -> str:
+    # The directory holding the `engine` package: the wrapper is started from there with `python3 -m`.
+    return str(Path(engine.__file__).resolve().parent.parent)
+
+
+def _reap_in_background(proc: subprocess.Popen[bytes]) -> None:
+    threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
+
+
+def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) -> dict[str, Any]:
+    """Start the wrapper for a run; returns once tmux (or setsid) accepted it (the `submitted` milestone).
+
+    Every reason not to start is an error with a sentence, never a silent non-start.
+    """
+    spec = coerce_spec(spec_in)
+    root = Path(run_root).expanduser()
+    check_run_root(root)
+    cwd = os.path.expanduser(spec.cwd) if spec.cwd else os.path.expanduser("~")
+    if not os.path.isabs(cwd):
+        raise SupervisorError(f"working directory {cwd!r} must be an absolute path on the host")
+    if not os.path.isdir(cwd):
+        what = "is not a directory" if os.path.exists(cwd) else "does not exist"
+        raise SupervisorError(f"working directory {cwd} {what} on the host")
+    spec.cwd = cwd
+    run_id = spec.run_id or records.new_run_id()
+    spec.run_id = run_id
+    run_dir = records.run_dir_for(root, run_id)
+    use_tmux = tmux.available()
+    session = tmux.session_name(run_id) if use_tmux else None
+    if session is not None and tmux.has_session(session):
+        raise SupervisorError(
+            f"tmux session {session!r} already exists (run id {run_id!r} clashes with it); "
+            f"pick another run id, or end that session with: {shlex.join(tmux.base_argv())} kill-session -t ={session}"
+        )
+    try:
+        run_dir.mkdir()
+    except FileExistsError as exc:
+        raise SupervisorError(f"run {run_id!r} already exists at {run_dir}; pick another run id") from exc
+    except OSError as exc:
+        raise SupervisorError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from exc
+    doc = {"spec": asdict(spec), "run_id": run_id, "tmux_session": session, "attachable": use_tmux}
+    spec_path = run_dir / records.SPEC_JSON
+    records.write_json_atomic(spec_path, doc, mode=0o600)
+    argv = [
+        sys.executable,
+        "-m",
+        "engine.supervisor.wrapper",
+        "--run-dir",
+        str(run_dir),
+        "--spec-json",
+        str(spec_path),
+    ]
+    wrapper_pid: int | None = None
+    try:
+        if session is not None:
+            shell = f"cd {shlex.quote(_engine_root())} && exec {shlex.join([*argv, '--echo-to-pane'])}"
+            tmux.new_session(session, shell, cwd)
+        else:
+            proc = subprocess.Popen(
+                argv,
+                cwd=_engine_root(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,  # no controlling terminal: a closing SSH or pct channel cannot reach it
+            )
+            wrapper_pid = proc.pid
+            _reap_in_background(proc)
+    except (tmux.TmuxError, OSError, subprocess.SubprocessError) as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)  # only the spec was in it: leave no husk of a run that never was
+        raise SupervisorError(f"could not start run {run_id}: {exc}") from exc
+    submitted_at = time.time()
+    note = None if session is not None else "tmux is not available on the host: started with setsid; not attachable"
+    records.write_json_atomic(
+        run_dir / records.SUBMITTED_JSON,
+        {
+            "t": submitted_at,
+            "run_id": run_id,
+            "tmux_session": session,
+            "attachable": session is not None,
+            "tmux_socket": os.environ.get(tmux.SOCKET_ENV),
+            "launcher_wrapper_pid": wrapper_pid,
+            "spec": asdict(spec),
+            "note": note,
+        },
+        mode=0o600,
+    )
+    records.set_current(root, run_dir)
+    return {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "tmux_session": session,
+        "attachable": session is not None,
+        "attach": tmux.attach_command(session) if session is not None else None,
+        "submitted_at": submitted_at,
+        "note": note,
+    }
+
+
+def spec_of(run_dir: Path | str) -> dict[str, Any]:
+    """The LaunchSpec a run was started with (for restart)."""
+    rd = Path(run_dir)
+    for name in (records.LAUNCH_JSON, records.SUBMITTED_JSON, records.SPEC_JSON):
+        doc = records.read_json(rd / name)
+        if doc is not None and isinstance(doc.get("spec"), dict):
+            return dict(doc["spec"])
+    raise SupervisorError(f"run {rd.name} has no recorded launch spec")
+
+
+# -- waiting for milestones --------------------------------------------------------------------
+
+
+def _tree(pid: int | None) -> list[int]:
+    return procs.tree_pids(pid) if pid else []
+
+
+def run_pids(launch_rec: dict[str, Any] | None) -> set[int]:
+    """The wrapper, the job, their descendants and the job's process group, as far as each is still ours."""
+    if launch_rec is None:
+        return set()
+    table = procs.all_stats()
+    out: set[int] = set()
+    for key_pid, key_ticks in (("wrapper_pid", "wrapper_start_ticks"), ("job_pid", "job_start_ticks")):
+        pid = launch_rec.get(key_pid)
+        st = table.get(pid) if isinstance(pid, int) else None
+        if st is None or (launch_rec.get(key_ticks) is not None and st.start_ticks != launch_rec.get(key_ticks)):
+            continue
+        out.update(procs.tree_pids(st.pid, table))
+    pgid = launch_rec.get("job_pgid")
+    if isinstance(pgid, int):
+        out.update(_group_members(pgid, table, launch_rec.get("job_start_ticks")))
+    return out
+
+
+def _group_members(
+    pgid: int, table: dict[int, procs.ProcStat] | None = None, min_start_ticks: int | None = None
+) -> list[int]:
+    """Live (non-zombie) members of a process group that started no earlier than the job did."""
+    stats = table if table is not None else procs.all_stats()
+    return [
+        st.pid
+        for st in stats.values()
+        if st.pgrp == pgid
+        and st.state not in ("Z", "X", "x")
+        and (min_start_ticks is None or st.start_ticks >= min_start_ticks)
+    ]
+
+
+def describe_activity(pids: Iterable[int], sample_s: float = 0.2) -> str:
+    """What a live run is doing, in a phrase: processes, thread names, CPU, kernel wait, GPU devices."""
+    pid_list = sorted(set(pids))
+    if not pid_list:
+        return "no live process"
+    before = {p: procs.read_stat(p) for p in pid_list}
+    time.sleep(sample_s)  # CPU use needs two samples
+    after = {p: procs.read_stat(p) for p in pid_list}
+    clk = os.sysconf("SC_CLK_TCK")
+    cpu = 0.0
+    threads = 0
+    names: dict[str, int] = {}
+    waits: set[str] = set()
+    for p in pid_list:
+        a, b = before.get(p), after.get(p)
+        if a is None or b is None:
+            continue
+        cpu += 100.0 * (b.cpu_ticks - a.cpu_ticks) / clk / sample_s
+        threads += b.num_threads
+        for th in procs.threads_of(p):
+            names[th.name] = names.get(th.name, 0) + 1
+        try:
+            wchan = Path(f"/proc/{p}/wchan").read_text().strip()
+        except OSError:
+            wchan = ""
+        if wchan and wchan != "0":
+            waits.add(wchan)
+    name_part = ", ".join(f"{n}×{c}" if c > 1 else n for n, c in sorted(names.items())[:8])
+    parts = [
+        f"{len(pid_list)} process{'es' if len(pid_list) != 1 else ''}",
+        f"{threads} thread{'s' if threads != 1 else ''} ({name_part})" if name_part else f"{threads} threads",
+        f"{cpu:.1f}% CPU",
+    ]
+    if waits:
+        parts.append("waiting in " + ", ".join(sorted(waits)[:4]))
+    try:
+        holders = [h for h in procs.find_holders(run_pids=set(pid_list)) if h.pid in set(pid_list)]
+    except OSError:
+        holders = []
+    gpus = sorted({g for h in holders for g in h.gpus})
+    if holders:
+        parts.append(f"holds GPU {', '.join(map(str, gpus))}" if gpus else "holds NVIDIA control devices only")
+    else:
+        parts.append("no GPU device open")
+    return "; ".join(parts)
+
+
+def _deadline_for(milestone: str, deadlines: dict[str, float]) -> float | None:
+    value = deadlines.get(milestone)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _pane_note(launch_sub: dict[str, Any]) -> str | None:
+    """Why a wrapper never wrote launch.json, as tmux saw it."""
+    session = launch_sub.get("tmux_session")
+    if not session:
+        return None
+    state = tmux.pane_state(session)
+    if state is None:
+        return f"tmux session {session} is gone"
+    if state["dead"]:
+        return f"the tmux pane of session {session} exited with status {state['dead_status']}"
+    return None
+
+
+def wait_for(
+    run_dir: Path | str,
+    milestone: str,
+    timeout_s: float | None,
+    deadlines: dict[str, float] | None = None,
+    boot_id: str | None = None,
+    on_milestone: Callable[[str, float], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> protocol.WaitResult:
+    """Watch the run directory and the process table until `milestone`, an exit, or a deadline.
+
+    The process exiting ends the wait within one poll (~50 ms) with its exit code or signal and the
+    last lines of output.log. A deadline passing with the process alive ends it as hung, saying
+    what the process is doing. timeout_s counts from now; deadlines (milestone -> s) from submission.
+    """
+    if milestone not in protocol.MILESTONES:
+        raise SupervisorError(f"unknown milestone {milestone!r}; milestones: {list(protocol.MILESTONES)}")
+    rd = Path(run_dir)
+    boot = boot_id or records.read_boot_id()
+    t0 = time.monotonic()
+    wall0 = time.time()
+    target_idx = protocol.MILESTONES.index(milestone)
+    reported: set[str] = set()
+    sub = records.read_json(rd / records.SUBMITTED_JSON) or {}
+    dl = dict(deadlines or {})
+    if not dl:
+        spec = sub.get("spec") if isinstance(sub.get("spec"), dict) else {}
+        dl = dict((spec or {}).get("deadlines_s") or {})
+    next_pane_check = t0 + STARTING_CHECK_S
+    pane_note: str | None = None
+
+    def result(ok: bool, info: protocol.RunInfo, cause: str | None, alive: bool | None, detail: str | None = None):
+        reached = [m for m in protocol.MILESTONES if info.milestones.get(m) is not None]
+        stage = reached[-1] if reached else "none"
+        if info.stage and reached and reached[-1] == "output":
+            stage = info.stage  # the engine's own stages sit between output and first-step
+        return protocol.WaitResult(
+            ok=ok,
+            milestone=milestone,
+            stage=stage,
+            cause=cause,
+            exit_code=info.exit_code,
+            signal=info.signal,
+            elapsed_s=round(time.monotonic() - t0, 3),
+            last_lines=[] if ok else records.last_lines(rd / records.OUTPUT_LOG, LAST_LINES),
+            alive=alive,
+            detail=detail,
+            run_id=info.run_id,
+        )
+
+    while True:
+        info = records.read_run(rd, boot)
+        for m in protocol.MILESTONES:
+            t_m = info.milestones.get(m)
+            if t_m is not None and m not in reported:
+                reported.add(m)
+                if on_milestone is not None:
+                    on_milestone(m, t_m)
+        if info.milestones.get(milestone) is not None:
+            return result(True, info, None, info.state == "running")
+        if info.state in ("exited", "failed", "vanished", "rebooted"):
+            return result(False, info, _end_cause(rd, info, milestone), False)
+        if info.state == "running":
+            launch_rec = records.read_json(rd / records.LAUNCH_JSON)
+            scan = records.scanner_for(rd, launch_rec).state if launch_rec is not None else None
+            if scan is not None and scan.thread_errors:
+                err = scan.thread_errors[0]
+                return result(
+                    False,
+                    info,
+                    f"thread {err.get('thread')} died: {err.get('exc_type')}: {err.get('message')}",
+                    True,
+                    str(err.get("traceback") or "") or None,
+                )
+        now_m = time.monotonic()
+        if info.state == "starting" and now_m >= next_pane_check:
+            next_pane_check = now_m + STARTING_CHECK_S
+            pane_note = _pane_note(sub or records.read_json(rd / records.SUBMITTED_JSON) or {})
+            if pane_note is not None and records.read_json(rd / records.LAUNCH_JSON) is None:
+                info.state = "vanished"
+                return result(False, info, f"the wrapper never started: {pane_note}", False)
+        submitted_at = info.milestones.get("submitted") or wall0
+        overdue: str | None = None
+        for m in protocol.MILESTONES[: target_idx + 1]:
+            d = _deadline_for(m, dl)
+            if d is not None and info.milestones.get(m) is None and time.time() > submitted_at + d:
+                overdue = f"{m} deadline of {d:g} s after submission passed"
+                break
+        if overdue is None and timeout_s is not None and now_m - t0 >= timeout_s:
+            overdue = f"{milestone} not reached within the {timeout_s:g} s timeout"
+        if overdue is not None:
+            return _hung(rd, info, milestone, overdue, result)
+        if cancel is not None and cancel.is_set():
+            return result(False, info, "wait cancelled", info.state == "running")
+        time.sleep(POLL_S)
+
+
+def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
+    exit_rec = records.read_json(rd / records.EXIT_JSON) or {}
+    before = f"before {milestone}"
+    if info.state == "rebooted":
+        return f"the host rebooted since the run started ({before})"
+    if info.state == "vanished":
+        return f"the run's processes are gone and left no exit record ({before}): killed with the wrapper?"
+    recorded = exit_rec.get("cause")
+    if info.signal is not None:
+        return f"killed by signal {info.signal} ({records.signal_name(info.signal)}) {before}"
+    if recorded and not str(recorded).startswith("exited with code"):
+        return f"{recorded} (exit code {info.exit_code})"
+    return f"exited with code {info.exit_code} {before}"
+
+
+def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result: Any) -> protocol.WaitResult:
+    if info.state == "starting":
+        note = _pane_note(records.read_json(rd / records.SUBMITTED_JSON) or {})
+        return result(False, info, f"not started: {overdue}; no launch.json" + (f"; {note}" if note else ""), None)
+    launch_rec = records.read_json(rd / records.LAUNCH_JSON)
+    pids = run_pids(launch_rec)
+    job_pid = (launch_rec or {}).get("job_pid")
+    job_pids = set(_tree(job_pid)) if isinstance(job_pid, int) else set()
+    activity = describe_activity(job_pids or pids)
+    output_t = info.milestones.get("output")
+    if output_t is None:
+        state_txt = "alive, silent"
+        since = f"no output in {time.time() - (info.started_at or time.time()):.1f} s"
+    else:
+        state_txt = "alive, no step yet" if milestone == "first-step" else "alive"
+        try:
+            last_write = os.stat(rd / records.OUTPUT_LOG).st_mtime
+            since = f"last output {time.time() - last_write:.1f} s ago"
+        except OSError:
+            since = "output log unreadable"
+        if info.stage:
+            since += f"; engine stage {info.stage}"
+    detail = f"{state_txt}: {since}; {activity}"
+    cause = f"hung: {overdue}; process {state_txt}"
+    return result(False, info, cause, True, detail)
+
+
+# -- stop --------------------------------------------------------------------------------------
+
+
+def stop(
+    run_dir: Path | str,
+    grace_s: float = 30.0,
+    release_timeout_s: float = 30.0,
+    progress: Progress = _noop,
+    boot_id: str | None = None,
+) -> dict[str, Any]:
+    """SIGTERM to the run's process group, wait the grace, SIGKILL, then wait (bounded) for its GPU devices to free."""
+    rd = Path(run_dir)
+    boot = boot_id or records.read_boot_id()
+    steps: list[str] = []
+
+    def step(msg: str) -> None:
+        steps.append(msg)
+        progress(msg)
+
+    launch_rec = records.read_json(rd / records.LAUNCH_JSON)
+    if launch_rec is None:
+        deadline = time.monotonic() + 2.0  # a run submitted a moment ago: give the wrapper its first breath
+        while launch_rec is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            launch_rec = records.read_json(rd / records.LAUNCH_JSON)
+        if launch_rec is None:
+            raise SupervisorError(f"run {rd.name} has no launch record (it never started): nothing to stop")
+    info = records.read_run(rd, boot)
+    if info.state != "running":
+        raise SupervisorError(f"run {rd.name} is not running ({info.state}): nothing to stop")
+    ours = run_pids(launch_rec)
+    job_pid = launch_rec.get("job_pid")
+    job_ticks = launch_rec.get("job_start_ticks")
+    pgid = launch_rec.get("job_pgid")
+    wrapper_pid = int(launch_rec.get("wrapper_pid") or 0)
+    wrapper_ticks = launch_rec.get("wrapper_start_ticks")
+    group_alive = isinstance(pgid, int) and bool(_group_members(pgid, None, job_ticks))
+
+    def target_gone() -> bool:
+        if group_alive and isinstance(pgid, int):
+            return not _group_members(pgid, None, job_ticks)
+        return not records.process_alive(wrapper_pid, wrapper_ticks)
+
+    if group_alive and isinstance(pgid, int):
+        members = _group_members(pgid, None, job_ticks)
+        step(f"SIGTERM to process group {pgid} ({len(members)} process{'es' if len(members) != 1 else ''})")
+        _killpg(pgid, signal.SIGTERM)
+    else:
+        if not records.process_alive(wrapper_pid, wrapper_ticks):
+            raise SupervisorError(f"run {rd.name}: neither its job nor its wrapper is alive: nothing to stop")
+        step(f"job not started yet: SIGTERM to the wrapper (pid {wrapper_pid})")
+        os.kill(wrapper_pid, signal.SIGTERM)
+    t0 = time.monotonic()
+    escalated = False
+    if _wait_until(target_gone, grace_s):
+        step(f"exited {time.monotonic() - t0:.1f} s after SIGTERM")
+    else:
+        escalated = True
+        left = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []
+        step(f"still alive after the {grace_s:g} s grace ({len(left)} process(es)): SIGKILL to process group {pgid}")
+        if isinstance(pgid, int) and left:
+            _killpg(pgid, signal.SIGKILL)
+        if _wait_until(target_gone, KILL_WAIT_S):
+            step(f"killed: gone {time.monotonic() - t0:.1f} s after SIGTERM")
+        else:
+            stuck = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []
+            states = ", ".join(f"{p} ({_state(p)})" for p in stuck[:8])
+            step(f"still present {KILL_WAIT_S:g} s after SIGKILL: {states} (uninterruptible sleep in the driver?)")
+    t_rel = time.monotonic()
+    released = _wait_until(lambda: not _holders_among(ours), release_timeout_s)
+    holders_left = _holders_among(ours)
+    if released:
+        step(f"GPU devices released ({time.monotonic() - t_rel:.1f} s)")
+    else:
+        step(f"GPU devices still held after {release_timeout_s:g} s by pid(s) {', '.join(map(str, holders_left))}")
+    _wait_until(lambda: (rd / records.EXIT_JSON).exists(), 3.0)
+    exit_rec = records.read_json(rd / records.EXIT_JSON)
+    if exit_rec is not None:
+        step(f"exit record: {exit_rec.get('cause')}")
+    return {
+        "stopped": not _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else True,
+        "escalated": escalated,
+        "steps": steps,
+        "run_id": rd.name,
+        "job_pid": job_pid,
+        "exit": exit_rec,
+        "gpu_released": released,
+    }
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    # The group may have emptied between our check and the signal: that is what we wanted.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _state(pid: int) -> str:
+    st = procs.read_stat(pid)
+    return procs.state_name(st.state) if st is not None else "gone"
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        if cond():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def _holders_among(pids: set[int]) -> list[int]:
+    if not pids:
+        return []
+    return [h.pid for h in procs.find_holders(run_pids=pids) if h.pid in pids and _state(h.pid) != "zombie"]
+
+
+# -- kill stale GPU holders ----------------------------------------------------------------------
+
+
+def current_run_pids(run_root: Path | str) -> set[int]:
+    rd = records.current_run_dir(run_root)
+    if rd is None:
+        return set()
+    return run_pids(records.read_json(rd / records.LAUNCH_JSON))
+
+
+def _protected_pids() -> set[int]:
+    """This agent and its ancestors: never candidates (the agent may hold /dev/nvidiactl for NVML)."""
+    out: set[int] = set()
+    pid = os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        st = procs.read_stat(pid)
+        if st is None:
+            break
+        pid = st.ppid
+    return out
+
+
+def stale_candidates(run_root: Path | str) -> tuple[list[protocol.HolderInfo], list[protocol.HolderInfo]]:
+    """(candidates, left alone): holders of an NVIDIA device outside the current run, and the rest with why."""
+    ours = current_run_pids(run_root)
+    protected = _protected_pids()
+    candidates: list[protocol.HolderInfo] = []
+    others: list[protocol.HolderInfo] = []
+    for h in procs.find_holders(run_pids=ours):
+        if h.in_run or h.pid in ours or h.pid in protected or not h.resolved or procs.is_system_holder(h):
+            others.append(h)
+        else:
+            candidates.append(h)
+    return candidates, others
+
+
+def _left_alone_reason(h: protocol.HolderInfo, ours: set[int]) -> str:
+    if h.in_run or h.pid in ours:
+        return "part of the current run"
+    if not h.resolved:
+        return "NVML reports this PID but it is not visible here (another PID namespace)"
+    if h.pid in _protected_pids():
+        return "this agent or its parent"
+    return "a driver daemon or monitor that holds the device by design"
+
+
+def kill_stale(
+    run_root: Path | str,
+    dry_run: bool = True,
+    targets: list[list[float]] | list[tuple[int, float]] | None = None,
+    grace_s: float = 10.0,
+    progress: Progress = _noop,
+) -> dict[str, Any]:
+    """List (dry run) or signal the stale GPU holders, each by PID after re-checking (pid, create_time)."""
+    candidates, others = stale_candidates(run_root)
+    ours = current_run_pids(run_root)
+    result: dict[str, Any] = {
+        "candidates": candidates,
+        "left_alone": [{"holder": h, "reason": _left_alone_reason(h, ours)} for h in others],
+        "signalled": [],
+        "failed": [],
+        "dry_run": dry_run,
+    }
+    if dry_run:
+        return result
+    by_pid = {h.pid: h for h in candidates}
+    chosen: list[protocol.HolderInfo] = []
+    failed: list[dict[str, Any]] = result["failed"]
+    if targets is None:
+        chosen = list(candidates)
+    else:
+        for item in targets:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise SupervisorError("targets must be [pid, create_time] pairs")
+            pid, ct = int(item[0]), float(item[1])
+            h = by_pid.get(pid)
+            if h is not None and h.create_time is not None and abs(h.create_time - ct) <= 0.05:
+                chosen.append(h)
+                continue
+            failed.append({"pid": pid, "create_time": ct, "reason": _why_not_candidate(pid, ct, others)})
+    pending: list[dict[str, Any]] = []
+    for h in chosen:
+        entry: dict[str, Any] = {
+            "pid": h.pid,
+            "create_time": h.create_time,
+            "user": h.user,
+            "cmd": h.cmd,
+            "signals": [],
+        }
+        err = _signal_checked(h.pid, h.create_time, signal.SIGTERM)
+        if err is not None:
+            failed.append({**entry, "reason": err})
+            progress(f"pid {h.pid}: not signalled: {err}")
+            continue
+        entry["signals"].append("SIGTERM")
+        progress(f"SIGTERM to pid {h.pid} ({h.user}: {(h.cmd or '')[:80]})")
+        pending.append(entry)
+    t0 = time.monotonic()
+    _wait_until(lambda: all(not _same_alive(e["pid"], e["create_time"]) for e in pending), grace_s if pending else 0)
+    for e in pending:
+        if not _same_alive(e["pid"], e["create_time"]):
+            e["outcome"] = f"exited {time.monotonic() - t0:.1f} s after SIGTERM"
+            continue
+        err = _signal_checked(e["pid"], e["create_time"], signal.SIGKILL)
+        if err is not None:
+            e["outcome"] = f"SIGKILL not sent: {err}"
+            continue
+        e["signals"].append("SIGKILL")
+        progress(f"pid {e['pid']} still alive after {grace_s:g} s: SIGKILL")
+    killed = [e for e in pending if "SIGKILL" in e["signals"]]
+    _wait_until(lambda: all(not _same_alive(e["pid"], e["create_time"]) for e in killed), KILL_WAIT_S if killed else 0)
+    for e in pending:
+        if "outcome" in e:
+            continue
+        if _same_alive(e["pid"], e["create_time"]):
+            e["outcome"] = f"still alive {KILL_WAIT_S:g} s after SIGKILL (state {_state(e['pid'])})"
+            failed.append({**e, "reason": e["outcome"]})
+        else:
+            e["outcome"] = "killed by SIGKILL after the grace"
+    result["signalled"] = pending
+    for e in pending:
+        progress(f"pid {e['pid']}: {e['outcome']}")
+    return result
+
+
+def _same_alive(pid: int, create_time: float | None) -> bool:
+    if create_time is None:
+        return False
+    st = procs.read_stat(pid)
+    if st is None or st.state in ("Z", "X", "x"):
+        return False
+    return abs(procs.create_time_of(st) - create_time) <= 0.05
+
+
+def _signal_checked(pid: int, create_time: float | None, sig: int) -> str | None:
+    """Send sig to pid only if it is still the process with create_time; the reason when not sent."""
+    if create_time is None or not procs.same_process(pid, create_time):
+        return "no longer the process that was listed (exited, or its PID was reused): not touched"
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return "exited before the signal"
+    except PermissionError:
+        return f"permission denied (EPERM): owned by {procs.user_of(pid) or 'another user'}; run as that user or root"
+    except OSError as exc:
+        return f"{errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror}"
+    return None
+
+
+def _why_not_candidate(pid: int, create_time: float, others: list[protocol.HolderInfo]) -> str:
+    ident = procs.proc_identity(pid)
+    if ident is None:
+        return "no such process (already exited)"
+    if abs(ident[1] - create_time) > 0.05:
+        return "its PID now belongs to another process (create time differs): not touched"
+    for h in others:
+        if h.pid == pid:
+            return f"not a stale holder: {_left_alone_reason(h, set())}"
+    return "holds no NVIDIA device: never touched by kill-stale"
+
+
+# -- stacks ------------------------------------------------------------------------------------
+
+
+def _catches(pid: int, sig: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def _is_python(pid: int) -> bool:
+    try:
+        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        exe = ""
+    return exe.startswith("python") or exe.startswith("pypy")
+
+
+def stacks(run_dir: Path | str, timeout_s: float = 5.0, boot_id: str | None = None) -> dict[str, Any]:
+    """Every thread's stack of the live run: faulthandler on SIGUSR1 (our engine), else py-spy, else why not."""
+    rd = Path(run_dir)
+    info = records.read_run(rd, boot_id or records.read_boot_id())
+    if info.state != "running":
+        raise SupervisorError(f"run {rd.name} is not running ({info.state}): no stacks to dump")
+    launch_rec = records.read_json(rd / records.LAUNCH_JSON) or {}
+    job_pid = launch_rec.get("job_pid")
+    pids = _tree(job_pid) if isinstance(job_pid, int) else []
+    if not pids:
+        raise SupervisorError(f"run {rd.name}: the job process is gone")
+    py_pids = [p for p in pids if _is_python(p)]
+    dumpers = [p for p in py_pids if _catches(p, signal.SIGUSR1)]
+    log = rd / records.OUTPUT_LOG
+    if dumpers:
+        texts: list[str] = []
+        for pid in dumpers:
+            start = log.stat().st_size if log.exists() else 0
+            os.kill(pid, signal.SIGUSR1)
+            text = _read_appended(log, start, timeout_s)
+            texts.append(f"--- pid {pid} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
+        return {"method": f"faulthandler via SIGUSR1 to pid {', '.join(map(str, dumpers))}", "text": "\n".join(texts)}
+    if not py_pids:
+        names = ", ".join(f"{p} ({procs.cmdline_of(p)[:60]})" for p in pids[:5])
+        raise SupervisorError(f"no Python process in the run ({names}): no Python stacks to dump")
+    pyspy = shutil.which("py-spy")
+    if pyspy is None:
+        raise SupervisorError(
+            f"the job's Python process(es) {', '.join(map(str, py_pids))} do not handle SIGUSR1 "
+            "(not our engine) and py-spy is not installed on the host: pip install py-spy, then retry"
+        )
+    texts = []
+    for pid in py_pids:
+        res = subprocess.run(
+            [pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s + 10, check=False
+        )
+        texts.append(f"--- pid {pid} (py-spy dump, exit {res.returncode}) ---\n{res.stdout}{res.stderr}")
+    return {"method": "py-spy dump", "text": "\n".join(texts)}
+
+
+def _read_appended(path: Path, start: int, timeout_s: float, quiet_s: float = 0.3) -> str:
+    """What was appended to path after `start`, once it has stopped growing for quiet_s."""
+    deadline = time.monotonic() + timeout_s
+    last_size = start
+    last_change = time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = start
+        now = time.monotonic()
+        if size != last_size:
+            last_size, last_change = size, now
+        elif size > start and now - last_change >= quiet_s:
+            break
+        time.sleep(POLL_S)
+    if last_size <= start:
+        raise SupervisorError(f"no stack dump appeared in {path} within {timeout_s:g} s")
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        return fh.read(last_size - start).decode("utf-8", "replace")

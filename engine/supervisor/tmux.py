@@ -1,0 +1,109 @@
+"""The one place product code calls tmux.
+
+Every call adds ``-L $SPECDEC_TMUX_SOCKET`` when that variable is set (tests use a private server;
+production uses the default one, so a user can ``tmux attach -t <session>``).
+``SPECDEC_NO_TMUX=1`` makes the supervisor behave as on a host without tmux (setsid fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+SOCKET_ENV = "SPECDEC_TMUX_SOCKET"
+DISABLE_ENV = "SPECDEC_NO_TMUX"
+SESSION_PREFIX = "specdec-"
+TMUX_TIMEOUT_S = 10.0
+
+
+class TmuxError(RuntimeError):
+    """tmux refused a command; the message carries tmux's own words."""
+
+
+def available() -> bool:
+    return shutil.which("tmux") is not None and os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
+
+
+def base_argv() -> list[str]:
+    argv = ["tmux"]
+    sock = os.environ.get(SOCKET_ENV)
+    if sock:
+        argv += ["-L", sock]
+    return argv
+
+
+def run(*args: str, timeout_s: float = TMUX_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*base_argv(), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def session_name(run_id: str) -> str:
+    """tmux turns '.' and ':' in session names into '_': do it ourselves so the name we record is the real one."""
+    return SESSION_PREFIX + re.sub(r"[.:]", "_", run_id)
+
+
+def has_session(name: str) -> bool:
+    # "=" asks for an exact match; without it tmux accepts a unique prefix.
+    return run("has-session", "-t", f"={name}").returncode == 0
+
+
+def new_session(name: str, shell_command: str, cwd: str) -> None:
+    """A detached session running shell_command, whose dead pane stays (remain-on-exit) so its status can be read.
+
+    remain-on-exit is set in the same tmux invocation, before the server handles the child's exit.
+    """
+    res = run(
+        "new-session",
+        "-d",
+        "-s",
+        name,
+        "-x",
+        "200",
+        "-y",
+        "50",
+        "-c",
+        cwd,
+        shell_command,
+        ";",
+        "set-option",
+        "-w",
+        "-t",
+        f"={name}:",
+        "remain-on-exit",
+        "on",
+    )
+    if res.returncode != 0:
+        raise TmuxError(f"tmux new-session -s {name} failed: {(res.stderr or res.stdout).strip() or res.returncode}")
+
+
+def pane_state(name: str) -> dict[str, int | bool] | None:
+    """{"pid", "dead", "dead_status"} of the session's first pane; None when there is no such session."""
+    res = run("display-message", "-p", "-t", f"={name}:", "#{pane_pid} #{pane_dead} #{pane_dead_status}")
+    if res.returncode != 0:
+        return None
+    parts = res.stdout.split()
+    try:
+        return {
+            "pid": int(parts[0]),
+            "dead": parts[1] == "1",
+            "dead_status": int(parts[2]) if len(parts) > 2 and parts[2] else -1,
+        }
+    except (IndexError, ValueError):
+        return None
+
+
+def kill_session(name: str) -> bool:
+    return run("kill-session", "-t", f"={name}").returncode == 0
+
+
+def attach_command(name: str) -> list[str]:
+    """The argv a person on the host runs to watch the run."""
+    return [*base_argv(), "attach", "-t", f"={name}"]
