@@ -361,6 +361,14 @@ def read_milestones(run_dir: Path, launch: dict[str, Any] | None, scan: ScanStat
             out["output"] = _output_time(run_dir, scan.output_seen_at)
         if out["first-step"] is None:
             out["first-step"] = scan.first_step_t or scan.log_step_seen_at
+    # Times come from different clocks (a coarse file mtime, an engine's own "t"): keep them in milestone order.
+    prev: float | None = None
+    for m in protocol.MILESTONES:
+        t = out[m]
+        if t is not None:
+            if prev is not None and t < prev:
+                out[m] = prev
+            prev = out[m]
     return out
 
 
