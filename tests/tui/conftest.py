@@ -1,0 +1,62 @@
+"""Fixtures for the dashboard tests: a private config dir, recorded-event apps, a real local agent."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tui.app import DashboardApp
+
+
+@pytest.fixture(autouse=True)
+def tui_config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test writes its theme choice and reads its key remaps in its own config dir."""
+    directory = tmp_path / "config"
+    monkeypatch.setenv("SPECDEC_TUI_CONFIG_DIR", str(directory))
+    monkeypatch.delenv("TMUX", raising=False)
+    return directory
+
+
+async def wait_until(pilot: Any, predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
+    """Let the app run until ``predicate()`` is truthy; fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate!r}")
+        await pilot.pause(0.02)
+
+
+@pytest.fixture
+def local_session_factory(run_root: Path) -> Callable[..., Any]:
+    """A real session to a real local agent (simulated GPUs, temp run root, private tmux socket)."""
+    from tui.session import open_session
+    from tui.transport import ConnectOptions
+
+    def make(simulate_gpus: int = 2) -> Any:
+        opts = ConnectOptions(run_root=str(run_root), simulate_gpus=simulate_gpus, python=sys.executable)
+        return open_session("local", opts)
+
+    return make
+
+
+@pytest.fixture
+async def recorded_app() -> AsyncIterator[Callable[..., DashboardApp]]:
+    """Build an app on a RecordingSession (flushes by hand, fixed clock)."""
+    from tui_recorded import T0
+
+    def make(session: Any, **kwargs: Any) -> DashboardApp:
+        kwargs.setdefault("flush_interval_s", None)
+        kwargs.setdefault("clock", lambda: T0 + 41.5)
+        kwargs.setdefault("connect", False)
+        return DashboardApp(session, **kwargs)
+
+    yield make

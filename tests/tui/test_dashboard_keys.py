@@ -1,0 +1,374 @@
+"""Every key path of the dashboard, on recorded agent events with a session that records requests.
+
+The paths that must touch a real host (launch, kill-stale, quit leaving the run alive) are also
+covered against a real local agent in test_dashboard_live.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from conftest import wait_until
+from textual.drivers.headless_driver import HeadlessDriver
+from textual.widgets import Button, Input
+from tui_recorded import RUN_ID, RecordingSession, healthy_events, log_events, run
+
+from tui import theming
+from tui.app import DashboardApp
+from tui.messages import CommandFinished, ConnectionChanged
+from tui.screens.confirm import ConfirmScreen
+from tui.screens.help import HelpScreen
+from tui.screens.stacks import StacksScreen
+from tui.widgets.log_tail import LogTail
+
+SIZE = (140, 44)
+LAUNCH_REPLY = {"run_id": "20261129-120000-cd34", "run_dir": "/r", "tmux_session": "specdec-x", "attachable": True}
+
+
+def session_with_run() -> RecordingSession:
+    return RecordingSession(replies={"launch": LAUNCH_REPLY, "stop": {"stopped": True, "steps": ["SIGTERM"]}})
+
+
+def started(app: DashboardApp, session: RecordingSession) -> None:
+    session.emit(*healthy_events())
+    app.flush_events(force_charts=True)
+
+
+async def test_launch_sends_the_profiles_spec(recorded_app: Callable[..., DashboardApp]) -> None:
+    session = session_with_run()
+    profile = {"name": "demo", "command": ["bash", "start_training.sh"], "cwd": "/root/work", "env": {"A": "1"}}
+    app = recorded_app(session, profile=profile)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("l")
+        await wait_until(pilot, lambda: "launch" in session.commands(), what="launch request")
+        cmd, args = session.requests[-1]
+        assert args["command"] == ["bash", "start_training.sh"]
+        assert args["cwd"] == "/root/work" and args["env"] == {"A": "1"} and args["profile"] == "demo"
+        await wait_until(pilot, lambda: app.last_spec is not None)
+
+
+async def test_restart_confirmed_stops_then_launches_the_same_command(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    session = session_with_run()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("r")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert session.requests == []  # nothing is sent before the answer
+        await pilot.press("y")
+        await wait_until(pilot, lambda: session.commands() == ["stop", "launch"], what="stop then launch")
+        assert session.requests[1][1]["command"] == ["python3", "-m", "engine.trainer", "--preset", "cpu-demo"]
+        assert session.requests[1][1]["cwd"] == "/root/work"
+
+
+async def test_restart_cancelled_sends_nothing(recorded_app: Callable[..., DashboardApp]) -> None:
+    session = session_with_run()
+    finished: list[CommandFinished] = []
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE, message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None) as pilot:
+        started(app, session)
+        await pilot.press("r")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: finished, what="cancel message")
+        assert not isinstance(app.screen, ConfirmScreen)
+        # a stray Enter on the dialog is a cancel too: the safe button has the focus
+        await pilot.press("r")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        focused = app.screen.focused
+        assert isinstance(focused, Button) and focused.id == "choice-no"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(finished) == 2)
+        assert session.requests == []
+
+
+async def test_stop_asks_then_stops(recorded_app: Callable[..., DashboardApp]) -> None:
+    session = session_with_run()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("s")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert session.requests == []
+        await pilot.click("#choice-yes")
+        await wait_until(pilot, lambda: session.commands() == ["stop"])
+
+
+async def test_kill_stale_lists_then_signals_exactly_the_listed_pids(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    candidates = [
+        {"pid": 901, "create_time": 1700.5, "user": "alice", "cmd": "python old_train.py", "gpus": [0],
+         "used_mib": 30_000.0, "resolved": True, "state": "sleeping", "age_s": 86400.0},
+        {"pid": 902, "create_time": 1701.25, "user": "bob", "cmd": "python eval.py", "gpus": [1],
+         "used_mib": 2_000.0, "resolved": True, "state": "running", "age_s": 600.0},
+        {"pid": 77777, "create_time": None, "user": None, "cmd": None, "gpus": [1], "used_mib": 512.0,
+         "resolved": False, "source": "nvml"},
+    ]
+
+    def kill_stale(args: dict[str, Any]) -> dict[str, Any]:
+        if args["dry_run"]:
+            return {"candidates": candidates, "signalled": [], "failed": []}
+        return {"candidates": candidates, "signalled": args["targets"], "failed": []}
+
+    session = RecordingSession(replies={"kill_stale": kill_stale})
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("k")
+        await wait_until(pilot, lambda: type(app.screen).__name__ == "KillStaleScreen")
+        table = app.screen.query_one("#kill-table")
+        rows = [table.get_row_at(i) for i in range(table.row_count)]  # type: ignore[attr-defined]
+        assert [r[0] for r in rows] == ["901", "902", "77777"]
+        assert rows[0][1] == "alice" and rows[0][3] == "30000 MiB" and "old_train.py" in rows[0][6]
+        assert session.requests == [("kill_stale", {"dry_run": True, "targets": None})]
+        await pilot.press("y")
+        await wait_until(pilot, lambda: len(session.requests) == 2)
+        # the unresolvable NVML pid is shown but never sent
+        assert session.requests[1] == ("kill_stale", {"dry_run": False, "targets": [[901, 1700.5], [902, 1701.25]]})
+
+
+async def test_kill_stale_cancel_signals_nothing(recorded_app: Callable[..., DashboardApp]) -> None:
+    candidates = [{"pid": 901, "create_time": 1700.5, "user": "alice", "cmd": "x", "gpus": [0], "resolved": True}]
+    session = RecordingSession(replies={"kill_stale": {"candidates": candidates, "signalled": [], "failed": []}})
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("k")
+        await wait_until(pilot, lambda: type(app.screen).__name__ == "KillStaleScreen")
+        await pilot.press("n")
+        await wait_until(pilot, lambda: type(app.screen).__name__ == "DashboardScreen")
+        assert [args["dry_run"] for _, args in session.requests] == [True]
+
+
+async def test_filter_shows_only_matching_lines_and_highlights_errors(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    session = RecordingSession()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        lines = [f"step={i} loss=2.0" for i in range(50)] + ["Traceback (most recent call last):", "ValueError: x"]
+        events, _ = log_events(lines)
+        session.emit(*events)
+        app.flush_events()
+        tail = app.query_one(LogTail)
+        assert tail.line_count == 52
+        await pilot.press("slash")
+        box = app.query_one("#log-filter", Input)
+        assert box.has_focus
+        await pilot.press(*"step=4", "enter")
+        assert tail.lines == [f"step={i} loss=2.0" for i in (4, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49)]
+        # new lines obey the filter too
+        more, _ = log_events(["step=400 loss=1.0", "unrelated"], start=10_000)
+        session.emit(*more)
+        app.flush_events()
+        assert tail.lines[-1] == "step=400 loss=1.0"
+        await pilot.press("slash", *["backspace"] * 6, "enter")
+        assert tail.line_count == 52 + 1 + 2  # everything, plus the gap marker
+        error_style = tail.get_component_rich_style("log-tail--error")
+        strip = tail._render_line_strip(50, tail.rich_style)  # the Traceback line
+        assert any(seg.style and seg.style.color == error_style.color for seg in strip)
+
+
+async def test_log_stops_following_when_scrolled_up_and_counts_pending(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    session = RecordingSession()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        events, end = log_events([f"line {i}" for i in range(200)])
+        session.emit(*events)
+        app.flush_events()
+        await pilot.pause()
+        tail = app.query_one(LogTail)
+        assert tail.following and tail.scroll_y == tail.max_scroll_y
+        tail.focus()
+        await pilot.press("pageup")
+        await pilot.pause()
+        assert not tail.following
+        y = tail.scroll_y
+        events, _ = log_events([f"new {i}" for i in range(7)], start=end)
+        session.emit(*events)
+        app.flush_events()
+        await pilot.pause()
+        assert tail.pending == 7 and tail.scroll_y == y
+        assert "paused: 7 new lines" in str(app.query_one("#log-status").render())
+        await pilot.press("f")
+        await pilot.pause()
+        assert tail.following and tail.pending == 0 and tail.scroll_y == tail.max_scroll_y
+
+
+async def test_theme_switch_changes_and_persists(recorded_app: Callable[..., DashboardApp]) -> None:
+    app = recorded_app(RecordingSession())
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.theme == "specdec-dark"
+        await pilot.press("t")
+        await pilot.pause()
+        assert app.theme != "specdec-dark"
+        assert theming.saved_theme() == app.theme
+    chosen = theming.saved_theme()
+    again = recorded_app(RecordingSession())
+    async with again.run_test(size=SIZE):
+        assert again.theme == chosen
+
+
+async def test_help_lists_every_key_with_remaps(recorded_app: Callable[..., DashboardApp]) -> None:
+    theming.write_config({"keys": {"restart": "ctrl+r"}})
+    session = session_with_run()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        assert isinstance(app.screen, HelpScreen)
+        text = " ".join(" ".join(row) for row in app.screen.rows())
+        for word in ("Launch", "Restart", "Stop", "Kill stale", "Attach", "Stacks", "Filter", "Theme", "Quit", "ctrl+r"):
+            assert word in text
+        await pilot.press("escape")
+        await pilot.press("ctrl+r")  # the remapped key works
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+
+
+async def test_command_palette_offers_every_action(recorded_app: Callable[..., DashboardApp]) -> None:
+    app = recorded_app(RecordingSession())
+    async with app.run_test(size=SIZE):
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert {"Launch", "Restart", "Stop", "Kill stale", "Attach", "Stacks", "Filter", "Theme", "Help", "Quit"} <= titles
+
+
+async def test_stacks_screen_shows_every_thread(recorded_app: Callable[..., DashboardApp]) -> None:
+    text = "\n".join(f'Thread 0x{i:x} "drafter-{i}":\n  File "worker.py", line {i}' for i in range(60))
+    session = RecordingSession(replies={"stacks": {"method": "faulthandler (SIGUSR1)", "text": text}})
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("d")
+        await wait_until(pilot, lambda: isinstance(app.screen, StacksScreen))
+        assert session.requests == [("stacks", {"timeout_s": 20.0})]
+        scroll = app.screen.query_one("#stacks-scroll")
+        assert scroll.max_scroll_y > 0
+        await pilot.press("end")
+        await pilot.pause()
+        assert scroll.scroll_y > 0
+        await pilot.press("escape")
+
+
+async def test_quit_says_the_run_keeps_running(recorded_app: Callable[..., DashboardApp]) -> None:
+    session = session_with_run()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0
+    assert session.closed
+    assert "stop" not in session.commands()
+    assert app.exit_message is not None and f"Run {RUN_ID} keeps running" in app.exit_message
+
+
+class SuspendableDriver(HeadlessDriver):
+    """A headless driver that can hand the terminal over, as a real terminal driver does."""
+
+    suspended = 0
+    resumed = 0
+
+    @property
+    def can_suspend(self) -> bool:
+        return True
+
+    def suspend_application_mode(self) -> None:
+        type(self).suspended += 1
+
+    def resume_application_mode(self) -> None:
+        type(self).resumed += 1
+
+
+async def test_attach_suspends_and_runs_the_ssh_command_then_resyncs(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    ran: list[list[str]] = []
+    session = RecordingSession(replies={"status": {"host": "gpu-box", "gpus": [], "processes": [], "run": None,
+                                                    "anomalies": []}})
+    app = recorded_app(session, external_runner=lambda argv: ran.append(argv) or 0)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        app._driver.__class__ = SuspendableDriver  # type: ignore[union-attr]
+        await pilot.press("a")
+        await wait_until(pilot, lambda: "status" in session.commands(), what="resync after attach")
+        assert ran == [["ssh", "-t", "-p", "22", "root@10.1.2.6", "pct", "exec", "200", "--", "tmux", "attach", "-t",
+                        f"specdec-{RUN_ID}"]]
+        assert SuspendableDriver.suspended == 1 and SuspendableDriver.resumed == 1
+        await wait_until(pilot, lambda: app.state.run is None, what="status ingested")
+
+
+async def test_attach_where_suspend_is_unsupported_shows_the_command(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    ran: list[list[str]] = []
+    session = RecordingSession()
+    app = recorded_app(session, external_runner=lambda argv: ran.append(argv) or 0)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("a")  # the headless test driver cannot suspend
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        body = str(app.screen.query_one("#confirm-body").render())
+        assert f"tmux attach -t specdec-{RUN_ID}" in body and "pct exec 200" in body
+        assert ran == []
+
+
+async def test_attach_inside_tmux_offers_a_new_window(
+    recorded_app: Callable[..., DashboardApp], monkeypatch: Any
+) -> None:
+    monkeypatch.setenv("TMUX", "/tmp/tmux-0/default,1,0")
+    ran: list[list[str]] = []
+    session = RecordingSession()
+    app = recorded_app(session, external_runner=lambda argv: ran.append(argv) or 0)
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("a")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("w")
+        await wait_until(pilot, lambda: ran)
+        assert ran[0][:5] == ["tmux", "new-window", "-n", "specdec-run", "--"]
+        assert ran[0][5:] == session.attach_argv(f"specdec-{RUN_ID}")
+
+
+async def test_connection_loss_shows_at_once_and_reconnect_does_not_double_lines(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    seen: list[ConnectionChanged] = []
+    session = RecordingSession()
+    app = recorded_app(session)
+    hook = lambda m: seen.append(m) if isinstance(m, ConnectionChanged) else None  # noqa: E731
+    async with app.run_test(size=SIZE, message_hook=hook) as pilot:
+        events, end = log_events([f"line {i}" for i in range(10)])
+        session.emit(*events)
+        app.flush_events()
+        session.state = "reconnecting"
+        session.emit({"ev": "connection", "state": "reconnecting", "detail": "link lost: EOF", "attempt": 2})
+        await wait_until(pilot, lambda: seen)  # no flush needed
+        await pilot.pause()
+        header = str(app.query_one("#header").render())
+        assert "reconnecting" in header and "attempt 2" in header
+        session.state = "connected"
+        session.emit({"ev": "connection", "state": "connected", "detail": "", "attempt": 2})
+        session.emit(*events[5:])  # the resumed stream overlaps what we had
+        more, _ = log_events(["line 10"], start=end)
+        session.emit(*more)
+        app.flush_events()
+        tail = app.query_one(LogTail)
+        assert tail.lines == [f"line {i}" for i in range(11)]
+
+
+async def test_run_failure_shows_its_cause(recorded_app: Callable[..., DashboardApp]) -> None:
+    session = RecordingSession()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        session.emit(run(state="failed", exit_code=2, milestones={"submitted": 1.0, "started": 1.2}))
+        session.emit({"ev": "milestone", "run_id": RUN_ID, "milestone": "output", "t": 1.4, "ok": False,
+                      "cause": "process exited with code 2 before writing output: bash: start.sh: No such file"})
+        app.flush_events()
+        await pilot.pause()
+        timeline = str(app.query_one("#timeline").render())
+        assert "✗ output" in timeline and "No such file" in timeline

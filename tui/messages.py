@@ -1,0 +1,71 @@
+"""Textual messages that carry the agent's events (engine/protocol.py) into the widget tree.
+
+The session calls its listeners on the asyncio loop, once per event. The app buffers those
+events and posts at most one ``StreamBatch`` per flush interval; connection changes are posted at
+once (``ConnectionChanged``) so a lost link shows in the header without waiting for a flush.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.message import Message
+
+
+class ConnectionChanged(Message):
+    """The session's synthetic ``{"ev": "connection", "state", "detail", "attempt"}`` event."""
+
+    def __init__(self, state: str, detail: str | None = None, attempt: int | None = None) -> None:
+        super().__init__()
+        self.state = state
+        self.detail = detail
+        self.attempt = attempt
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> ConnectionChanged:
+        attempt = event.get("attempt")
+        return cls(
+            str(event.get("state", "unknown")),
+            event.get("detail") if isinstance(event.get("detail"), str) else None,
+            attempt if isinstance(attempt, int) else None,
+        )
+
+
+class StreamBatch(Message):
+    """The events that arrived since the last flush, after coalescing (latest gpus/procs/anomalies/run)."""
+
+    def __init__(self, events: list[dict[str, Any]], log_lines: int) -> None:
+        super().__init__()
+        self.events = events
+        self.log_lines = log_lines  # complete log lines the log model took in during this batch
+
+
+class RunChanged(Message):
+    """The agent's ``run`` event: the current run's state changed (None: there is no run)."""
+
+    def __init__(self, run: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.run = run
+
+
+class MilestoneReached(Message):
+    """The agent's ``milestone`` event: a launch milestone reached (ok) or failed (cause)."""
+
+    def __init__(self, run_id: str | None, milestone: str, t: float | None, ok: bool, cause: str | None) -> None:
+        super().__init__()
+        self.run_id = run_id
+        self.milestone = milestone
+        self.t = t
+        self.ok = ok
+        self.cause = cause
+
+
+class CommandFinished(Message):
+    """A command the dashboard sent (launch, stop, kill_stale, stacks, ...) got its reply."""
+
+    def __init__(self, cmd: str, ok: bool, result: dict[str, Any] | None = None, error: str | None = None) -> None:
+        super().__init__()
+        self.cmd = cmd
+        self.ok = ok
+        self.result = result
+        self.error = error

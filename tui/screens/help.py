@@ -1,0 +1,53 @@
+"""Every key, what it does and why (from the binding table, with the user's remaps applied)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from tui.keys import KEY_TABLE, display_key
+
+
+class HelpScreen(ModalScreen[None]):
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > Vertical { width: 100; max-width: 95%; height: auto; max-height: 90%; border: thick $primary;
+                            background: $surface; padding: 0 1; }
+    HelpScreen #help-title { text-style: bold; color: $primary; }
+    HelpScreen #help-foot { color: $text-muted; }
+    """
+    BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
+
+    def __init__(self, keymap: dict[str, str]) -> None:
+        super().__init__()
+        self.keymap = keymap
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(key, action, what it does) per binding, the user's remaps applied."""
+        out = [(display_key(self.keymap.get(s.id, s.key)), s.description, s.tooltip) for s in KEY_TABLE]
+        out.append(("ctrl+p", "Commands", "Command palette: every action above, searchable"))
+        return out
+
+    def compose(self) -> ComposeResult:
+        table = Table(box=None, expand=True, show_header=True, header_style="bold")
+        table.add_column("key", no_wrap=True)
+        table.add_column("action", no_wrap=True)
+        table.add_column("what it does")
+        for row in self.rows():
+            table.add_row(*row)
+        with Vertical():
+            yield Static("specdec-tui keys", id="help-title")
+            with VerticalScroll():
+                yield Static(table, id="help-table")
+            yield Static(
+                "Remap a key in ~/.config/specdec-tui/tui.toml, e.g. [keys] restart = \"ctrl+r\". Esc closes.",
+                id="help-foot",
+                markup=False,
+            )
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,219 @@
+"""Training charts: step, tok/s, loss and per-position acceptance over time, one series per thread.
+
+Points come from the engine's ``step`` events (deduplicated by their byte offset in events.jsonl)
+or, for foreign commands, from log lines carrying ``step=``, ``tok/s`` and ``loss=``.
+Drawn with Unicode block sparklines; the app redraws at a bounded rate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual.widget import Widget
+
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+MAX_POINTS = 600
+METRICS: tuple[str, ...] = ("step", "tok/s", "loss", "acc")
+LOG_SERIES = "log"
+
+_STEP_RE = re.compile(r"\bstep[=:\s]\s*(\d+)")
+_TOKS_AFTER_RE = re.compile(r"tok/s[=:]\s*([0-9]+(?:\.[0-9]+)?)")
+_TOKS_BEFORE_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([kKM]?)\s*tok/s")
+_LOSS_RE = re.compile(r"\bloss[=:\s]\s*([-+]?(?:[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?|nan|inf))", re.IGNORECASE)
+
+
+def parse_log_metrics(line: str) -> dict[str, float]:
+    """``step=``, ``tok/s`` and ``loss=`` values of one foreign log line (empty when none)."""
+    out: dict[str, float] = {}
+    if m := _STEP_RE.search(line):
+        out["step"] = float(m.group(1))
+    if m := _TOKS_AFTER_RE.search(line):
+        out["tok/s"] = float(m.group(1))
+    elif m := _TOKS_BEFORE_RE.search(line):
+        out["tok/s"] = float(m.group(1)) * {"k": 1e3, "K": 1e3, "M": 1e6}.get(m.group(2), 1.0)
+    if m := _LOSS_RE.search(line):
+        out["loss"] = float(m.group(1))
+    return out
+
+
+def sparkline(values: list[float], width: int) -> str:
+    """The last ``width`` values as block characters scaled between their min and max."""
+    pts = [v for v in values[-width:] if math.isfinite(v)]
+    if not pts:
+        return ""
+    lo, hi = min(pts), max(pts)
+    span = hi - lo
+    top = len(SPARK_CHARS) - 1
+    if span <= 0:
+        return SPARK_CHARS[top // 2] * len(pts)
+    return "".join(SPARK_CHARS[round((v - lo) / span * top)] for v in pts)
+
+
+def human(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "–" if value is None else str(value)
+    mag = abs(value)
+    if mag >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if mag >= 1e4:
+        return f"{value / 1e3:.1f}k"
+    if mag >= 100 or float(value).is_integer():
+        return f"{value:.0f}"
+    return f"{value:.3f}"
+
+
+@dataclass
+class Series:
+    points: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=MAX_POINTS))
+
+    def values(self) -> list[float]:
+        return [v for _, v in self.points]
+
+    def last(self) -> float | None:
+        return self.points[-1][1] if self.points else None
+
+
+class ChartModel:
+    """Bounded series keyed by (metric, thread); engine events deduplicated by offset."""
+
+    def __init__(self) -> None:
+        self.series: dict[tuple[str, str], Series] = {}
+        self.acc_latest: dict[str, list[float]] = {}  # thread -> acc per TTT position, latest step
+        self.engine_offset = -1
+        self.duplicate_events = 0
+        self.points_added = 0
+        self.dirty = False
+
+    def _add(self, metric: str, thread: str, t: float, value: float) -> None:
+        key = (metric, thread)
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = Series()
+        series.points.append((t, value))
+        self.points_added += 1
+        self.dirty = True
+
+    def add_engine_event(self, offset: int | None, event: dict[str, Any]) -> bool:
+        """Take one ``engine`` event; False when it was already taken (a resumed stream)."""
+        if isinstance(offset, int):
+            if offset <= self.engine_offset:
+                self.duplicate_events += 1
+                return False
+            self.engine_offset = offset
+        if event.get("kind") != "step":
+            return True
+        thread = str(event.get("thread") or "engine")
+        t = float(event.get("t") or 0.0)
+        step = event.get("step")
+        if isinstance(step, (int, float)):
+            self._add("step", thread, t, float(step))
+        tok_s = event.get("tok_s")
+        if isinstance(tok_s, (int, float)):
+            self._add("tok/s", thread, t, float(tok_s))
+        loss = event.get("loss")
+        if isinstance(loss, list) and loss:
+            finite = [float(x) for x in loss if isinstance(x, (int, float))]
+            if finite:
+                self._add("loss", thread, t, finite[0])
+        elif isinstance(loss, (int, float)):
+            self._add("loss", thread, t, float(loss))
+        acc = event.get("acc")
+        if isinstance(acc, list) and acc:
+            values = [float(x) if isinstance(x, (int, float)) else float("nan") for x in acc]
+            self.acc_latest[thread] = values
+            self._add("acc", thread, t, values[0])
+        return True
+
+    def add_log_line(self, line: str, t: float) -> bool:
+        found = parse_log_metrics(line)
+        for metric, value in found.items():
+            self._add(metric, LOG_SERIES, t, value)
+        return bool(found)
+
+    def threads(self) -> list[str]:
+        """Engine threads; the series parsed from log lines only when there is no engine series."""
+        names = {thread for _, thread in self.series}
+        engine = sorted(names - {LOG_SERIES})
+        return engine or sorted(names)
+
+    def clear(self) -> None:
+        self.series.clear()
+        self.acc_latest.clear()
+        self.engine_offset = -1
+        self.dirty = True
+
+
+class Charts(Widget):
+    """One row per (metric, thread): name, sparkline, latest value; acc_i as bars per position."""
+
+    COMPONENT_CLASSES = {
+        "charts--label",
+        "charts--value",
+        "charts--empty",
+        "charts--series-0",
+        "charts--series-1",
+        "charts--series-2",
+        "charts--series-3",
+    }
+    DEFAULT_CSS = """
+    Charts { height: auto; min-height: 3; padding: 0 1; text-wrap: nowrap; text-overflow: ellipsis; }
+    Charts > .charts--label { color: $text-muted; }
+    Charts > .charts--value { color: $text; text-style: bold; }
+    Charts > .charts--empty { color: $text-muted; text-style: italic; }
+    Charts > .charts--series-0 { color: $primary; }
+    Charts > .charts--series-1 { color: $secondary; }
+    Charts > .charts--series-2 { color: $accent; }
+    Charts > .charts--series-3 { color: $success; }
+    """
+
+    def __init__(self, model: ChartModel, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.model = model
+        self.redraws = 0
+
+    def redraw(self) -> None:
+        self.model.dirty = False
+        self.redraws += 1
+        self.refresh(layout=True)
+
+    def render(self) -> RenderableType:
+        model = self.model
+        threads = model.threads()
+        if not threads:
+            return Text("no step metrics yet (engine step events, or log lines with step= / tok/s / loss=)",
+                        style=self.get_component_rich_style("charts--empty"))
+        label_style = self.get_component_rich_style("charts--label")
+        value_style = self.get_component_rich_style("charts--value")
+        name_w = max(len(t) for t in threads)
+        width = max(8, self.size.width - name_w - 22)
+        out = Text(no_wrap=True, overflow="ellipsis")
+        first = True
+        for metric in METRICS:
+            for i, thread in enumerate(threads):
+                series = model.series.get((metric, thread))
+                if series is None:
+                    continue
+                colour = self.get_component_rich_style(f"charts--series-{i % 4}")
+                if not first:
+                    out.append("\n")
+                first = False
+                out.append(f"{metric:<6} {thread:<{name_w}} ", style=label_style)
+                if metric == "acc" and thread in model.acc_latest:
+                    per_pos = model.acc_latest[thread]
+                    bars = "".join(
+                        SPARK_CHARS[max(0, min(7, round(v * 7)))] if math.isfinite(v) else "?" for v in per_pos
+                    )
+                    out.append(f"acc_i {bars} ", style=colour)
+                    out.append(" ".join(f"{v:.2f}" for v in per_pos[:4]), style=value_style)
+                    out.append("  acc_0 ", style=label_style)
+                    out.append(sparkline(series.values(), max(4, width - 40)), style=colour)
+                    continue
+                out.append(f"{sparkline(series.values(), width):<{width}} ", style=colour)
+                out.append(human(series.last()), style=value_style)
+        return out

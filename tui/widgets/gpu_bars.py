@@ -1,0 +1,209 @@
+"""Per-GPU bars (utilization, memory used/total, temperature, power) with anomaly badges.
+
+A badge is focusable: focusing it writes the anomaly's sentence under the bars (and it has a
+tooltip), so "100% busy, 0 MiB, no process" explains itself. A simulated source says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Static
+
+BADGE_LABELS = {
+    "phantom_utilization": "PHANTOM UTIL",
+    "orphan_memory": "ORPHAN MEM",
+    "stale_holder": "STALE HOLDER",
+    "stalled_run": "STALLED",
+    "dead_thread": "DEAD THREAD",
+}
+GPU_ANOMALIES = ("phantom_utilization", "orphan_memory", "stale_holder")
+
+
+def bar(fraction: float | None, width: int) -> str:
+    if fraction is None:
+        return "?" * width
+    fraction = max(0.0, min(1.0, fraction))
+    full = round(fraction * width)
+    return "█" * full + "░" * (width - full)
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class AnomalyBadge(Static, can_focus=True):
+    DEFAULT_CSS = """
+    AnomalyBadge { width: auto; height: 1; margin: 0 0 0 1; padding: 0 1; background: $error 30%; color: $error;
+                   text-style: bold; }
+    AnomalyBadge.-warning { background: $warning 30%; color: $warning; }
+    AnomalyBadge:focus { background: $error; color: $background; }
+    AnomalyBadge.-warning:focus { background: $warning; color: $background; }
+    """
+
+    def __init__(self, anomaly: dict[str, Any]) -> None:
+        kind = str(anomaly.get("kind", "anomaly"))
+        super().__init__(BADGE_LABELS.get(kind, kind.upper()), markup=False)
+        self.anomaly = anomaly
+        self.tooltip = str(anomaly.get("message", ""))
+        if kind in ("stale_holder", "orphan_memory"):
+            self.add_class("-warning")
+
+    def on_focus(self) -> None:
+        for pane in self.ancestors:
+            if isinstance(pane, GpuBars):
+                pane.explain(self.anomaly)
+                break
+
+
+class GpuRow(Horizontal):
+    DEFAULT_CSS = """
+    GpuRow { height: 1; }
+    GpuRow > .gpu-line { width: auto; }
+    """
+
+    def __init__(self, index: int, line: Text, anomalies: list[dict[str, Any]]) -> None:
+        super().__init__(id=f"gpu-row-{index}")
+        self.index = index
+        self._line = line
+        self._initial = anomalies
+        self._badges_key: tuple[str, ...] = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
+
+    def compose(self) -> ComposeResult:
+        yield Static(self._line, classes="gpu-line", markup=False)
+        for anomaly in self._initial:
+            yield AnomalyBadge(anomaly)
+
+    def set_badges(self, anomalies: list[dict[str, Any]]) -> None:
+        key = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
+        if key == self._badges_key:
+            return
+        self._badges_key = key
+        for old in list(self.query(AnomalyBadge)):
+            old.remove()
+        if anomalies:
+            self.mount_all([AnomalyBadge(a) for a in anomalies])
+
+
+class GpuBars(Vertical):
+    """Keyed rows: one per GPU index, kept between samples and updated in place."""
+
+    COMPONENT_CLASSES = {"gpu-bars--label", "gpu-bars--ok", "gpu-bars--high", "gpu-bars--hot", "gpu-bars--muted"}
+    DEFAULT_CSS = """
+    GpuBars { height: auto; border: round $panel-lighten-2; border-title-color: $text-muted; padding: 0 1; }
+    GpuBars > .gpu-bars--label { color: $text-muted; }
+    GpuBars > .gpu-bars--ok { color: $success; }
+    GpuBars > .gpu-bars--high { color: $warning; }
+    GpuBars > .gpu-bars--hot { color: $error; }
+    GpuBars > .gpu-bars--muted { color: $text-muted; }
+    GpuBars > #gpu-simulated { color: $warning; text-style: bold reverse; width: auto; display: none; }
+    GpuBars > #gpu-simulated.-on { display: block; }
+    GpuBars > #gpu-explain { color: $text; height: auto; display: none; }
+    GpuBars > #gpu-explain.-on { display: block; }
+    GpuBars > #gpu-empty { color: $text-muted; }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "GPUs"
+        self.gpus: list[dict[str, Any]] = []
+        self.simulated = False
+        self.nvml_error: str | None = None
+        self.anomalies: list[dict[str, Any]] = []
+
+    def compose(self) -> ComposeResult:
+        yield Static(" SIMULATED GPUs (--simulate-gpus): not real hardware ", id="gpu-simulated", markup=False)
+        yield Static("waiting for the first GPU sample…", id="gpu-empty", markup=False)
+        yield Static("", id="gpu-explain", markup=False)
+
+    def explain(self, anomaly: dict[str, Any]) -> None:
+        box = self.query_one("#gpu-explain", Static)
+        label = BADGE_LABELS.get(str(anomaly.get("kind")), str(anomaly.get("kind")))
+        box.update(Text(f"{label}: {anomaly.get('message', '')}"))
+        box.add_class("-on")
+
+    def update_sample(self, event: dict[str, Any]) -> None:
+        gpus = event.get("gpus") or []
+        self.gpus = [g for g in gpus if isinstance(g, dict)]
+        self.simulated = bool(event.get("simulated")) or any(g.get("simulated") for g in self.gpus)
+        err = event.get("nvml_error")
+        self.nvml_error = err if isinstance(err, str) else None
+        self._render_rows()
+
+    def update_anomalies(self, items: list[dict[str, Any]]) -> None:
+        self.anomalies = [a for a in items if isinstance(a, dict)]
+        self._render_rows()
+
+    def _render_rows(self) -> None:
+        self.query_one("#gpu-simulated").set_class(self.simulated, "-on")
+        empty = self.query_one("#gpu-empty", Static)
+        if not self.gpus:
+            empty.display = True
+            empty.update(f"no GPU data: {self.nvml_error}" if self.nvml_error else "waiting for the first GPU sample…")
+        else:
+            empty.display = False
+        wanted = {int(g.get("index", i)) for i, g in enumerate(self.gpus)}
+        for row in list(self.query(GpuRow)):
+            if row.index not in wanted:
+                row.remove()
+        existing = {row.index: row for row in self.query(GpuRow)}
+        explain = self.query_one("#gpu-explain")
+        first_index = int(self.gpus[0].get("index", 0)) if self.gpus else None
+        for i, gpu in enumerate(self.gpus):
+            index = int(gpu.get("index", i))
+            badges = self._anomalies_for(index, index == first_index)
+            row = existing.get(index)
+            if row is None:
+                row = GpuRow(index, self.format_gpu(gpu), badges)
+                self.mount(row, before=explain)
+                existing[index] = row
+            elif row.is_mounted and row.children:
+                row.query_one(".gpu-line", Static).update(self.format_gpu(gpu))
+                row.set_badges(badges)
+
+    def _anomalies_for(self, index: int, include_unplaced: bool) -> list[dict[str, Any]]:
+        """GPU anomalies of this GPU; those naming no GPU go on the first row."""
+        return [
+            a
+            for a in self.anomalies
+            if a.get("kind") in GPU_ANOMALIES and (a.get("gpu") == index or (include_unplaced and a.get("gpu") is None))
+        ]
+
+    def format_gpu(self, gpu: dict[str, Any]) -> Text:
+        label = self.get_component_rich_style("gpu-bars--label")
+        muted = self.get_component_rich_style("gpu-bars--muted")
+        util = _num(gpu.get("util_pct"))
+        used = _num(gpu.get("mem_used_mib"))
+        total = _num(gpu.get("mem_total_mib"))
+        temp = _num(gpu.get("temp_c"))
+        power = _num(gpu.get("power_w"))
+
+        def level(frac: float | None) -> str:
+            if frac is None:
+                return "gpu-bars--muted"
+            return "gpu-bars--hot" if frac >= 0.95 else "gpu-bars--high" if frac >= 0.8 else "gpu-bars--ok"
+
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(f"{int(gpu.get('index', 0))} ", style=label)
+        name = str(gpu.get("name", ""))[:14]
+        text.append(f"{name:<14} ", style=muted)
+        ufrac = util / 100.0 if util is not None else None
+        text.append("util ", style=label)
+        text.append(bar(ufrac, 10), style=self.get_component_rich_style(level(ufrac)))
+        text.append(f" {util:>3.0f}% " if util is not None else "   ?% ")
+        mfrac = used / total if used is not None and total else None
+        text.append("mem ", style=label)
+        text.append(bar(mfrac, 10), style=self.get_component_rich_style(level(mfrac)))
+        if used is not None and total is not None:
+            text.append(f" {used / 1024:5.1f}/{total / 1024:.0f} GiB ")
+        else:
+            text.append(" ? GiB ")
+        text.append(f"{temp:.0f}°C " if temp is not None else "–°C ", style=muted if temp is None else "")
+        text.append(f"{power:.0f} W" if power is not None else "– W", style=muted if power is None else "")
+        holders = gpu.get("holder_pids") or []
+        if holders:
+            text.append(f"  pids {','.join(str(p) for p in holders[:4])}", style=muted)
+        return text

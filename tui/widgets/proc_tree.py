@@ -1,0 +1,219 @@
+"""The run's process tree with its threads and their health; stale GPU holders listed apart.
+
+Thread health comes from the engine's ``heartbeat``, ``step`` and ``thread_error`` events (and the
+agent's ``dead_thread`` anomalies); thread names (``drafter-0``) join them to the process table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual.widget import Widget
+
+STALE_HEARTBEAT_S = 30.0
+MAX_THREADS = 256
+
+
+@dataclass
+class ThreadHealth:
+    name: str
+    state: str = "unknown"
+    step: int | None = None
+    tok_s: float | None = None
+    heartbeat_t: float | None = None
+    last_exception: str | None = None
+    dead: bool = False
+
+
+class ThreadHealthModel:
+    def __init__(self) -> None:
+        self.threads: dict[str, ThreadHealth] = {}
+
+    def _get(self, name: str) -> ThreadHealth:
+        health = self.threads.get(name)
+        if health is None:
+            if len(self.threads) >= MAX_THREADS:
+                oldest = min(self.threads.values(), key=lambda h: h.heartbeat_t or 0.0)
+                del self.threads[oldest.name]
+            health = self.threads[name] = ThreadHealth(name)
+        return health
+
+    def add_engine_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        thread = event.get("thread")
+        if not isinstance(thread, str) or not thread:
+            return
+        t = event.get("t")
+        t = float(t) if isinstance(t, (int, float)) else None
+        if kind == "heartbeat":
+            health = self._get(thread)
+            health.state = str(event.get("state", health.state))
+            if isinstance(event.get("step"), int):
+                health.step = event["step"]
+            if isinstance(event.get("tok_s"), (int, float)):
+                health.tok_s = float(event["tok_s"])
+            health.heartbeat_t = t
+            exc = event.get("last_exception")
+            if isinstance(exc, str) and exc:
+                health.last_exception = exc
+            if health.state == "error":
+                health.dead = True
+        elif kind == "step":
+            health = self._get(thread)
+            if isinstance(event.get("step"), int):
+                health.step = event["step"]
+            if health.heartbeat_t is None or (t is not None and t > health.heartbeat_t):
+                health.heartbeat_t = t
+        elif kind == "thread_error":
+            health = self._get(thread)
+            health.last_exception = f"{event.get('exc_type', 'Error')}: {event.get('message', '')}"
+            if event.get("policy", "stop") == "stop":
+                health.dead = True
+                health.state = "error"
+
+    def mark_dead(self, thread: str, message: str) -> None:
+        health = self._get(thread)
+        health.dead = True
+        if not health.last_exception:
+            health.last_exception = message
+
+    def clear(self) -> None:
+        self.threads.clear()
+
+
+class ProcTree(Widget):
+    COMPONENT_CLASSES = {
+        "proc-tree--title",
+        "proc-tree--proc",
+        "proc-tree--muted",
+        "proc-tree--ok",
+        "proc-tree--warn",
+        "proc-tree--dead",
+        "proc-tree--stale",
+    }
+    DEFAULT_CSS = """
+    ProcTree { height: auto; min-height: 3; border: round $panel-lighten-2; border-title-color: $text-muted;
+               padding: 0 1; text-wrap: nowrap; text-overflow: ellipsis; }
+    ProcTree > .proc-tree--title { color: $text-muted; text-style: bold; }
+    ProcTree > .proc-tree--proc { color: $text; }
+    ProcTree > .proc-tree--muted { color: $text-muted; }
+    ProcTree > .proc-tree--ok { color: $success; }
+    ProcTree > .proc-tree--warn { color: $warning; }
+    ProcTree > .proc-tree--dead { color: $error; text-style: bold; }
+    ProcTree > .proc-tree--stale { color: $warning; text-style: bold; }
+    """
+
+    def __init__(self, health: ThreadHealthModel, clock: Callable[[], float], *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "processes"
+        self.health = health
+        self.clock = clock
+        self.run_tree: list[dict[str, Any]] = []
+        self.holders: list[dict[str, Any]] = []
+
+    def update_procs(self, event: dict[str, Any]) -> None:
+        self.run_tree = [p for p in event.get("run_tree") or [] if isinstance(p, dict)]
+        self.holders = [h for h in event.get("holders") or [] if isinstance(h, dict)]
+        self.refresh(layout=True)
+
+    def _style(self, name: str) -> Any:
+        return self.get_component_rich_style(f"proc-tree--{name}")
+
+    def _thread_line(self, out: Text, prefix: str, name: str, tid: int | None, now: float) -> None:
+        health = self.health.threads.get(name)
+        out.append(f"\n{prefix}", style=self._style("muted"))
+        out.append(f"{name:<11}", style=self._style("proc"))
+        if health is None:
+            if tid is not None:
+                out.append(f" tid {tid}", style=self._style("muted"))
+            return
+        age = now - health.heartbeat_t if health.heartbeat_t is not None else None
+        if health.dead:
+            out.append(" DEAD", style=self._style("dead"))
+        elif age is not None and age > STALE_HEARTBEAT_S:
+            out.append(" SILENT", style=self._style("warn"))
+        else:
+            out.append(f" {health.state}", style=self._style("ok"))
+        if health.step is not None:
+            out.append(f" step {health.step}", style=self._style("proc"))
+        if age is not None:
+            out.append(f" hb {max(0.0, age):.1f}s", style=self._style("warn" if age > 10 else "muted"))
+        if health.tok_s is not None and not health.dead:
+            out.append(f" {health.tok_s / 1000:.1f}k tok/s", style=self._style("muted"))
+        if health.dead and health.last_exception:
+            out.append(f" {health.last_exception[:80]}", style=self._style("dead"))
+
+    def render(self) -> RenderableType:
+        now = self.clock()
+        out = Text(no_wrap=True, overflow="ellipsis")
+        out.append("run", style=self._style("title"))
+        seen_threads: set[str] = set()
+        if not self.run_tree:
+            out.append("\n  no run processes", style=self._style("muted"))
+        children: dict[int, list[dict[str, Any]]] = {}
+        pids = {int(p.get("pid", -1)) for p in self.run_tree}
+        roots: list[dict[str, Any]] = []
+        for proc in self.run_tree:
+            ppid = int(proc.get("ppid", -1))
+            if ppid in pids:
+                children.setdefault(ppid, []).append(proc)
+            else:
+                roots.append(proc)
+
+        def walk(proc: dict[str, Any], depth: int) -> None:
+            indent = "  " * (depth + 1)
+            cpu = proc.get("cpu_pct")
+            rss = proc.get("rss_mib")
+            out.append(f"\n{indent}{proc.get('pid')} ", style=self._style("muted"))
+            out.append(str(proc.get("cmd", ""))[:60], style=self._style("proc"))
+            details = []
+            if isinstance(cpu, (int, float)):
+                details.append(f"cpu {cpu:.0f}%")
+            if isinstance(rss, (int, float)):
+                details.append(f"rss {rss:.0f} MiB")
+            if proc.get("state"):
+                details.append(str(proc["state"]))
+            if details:
+                out.append("  " + "  ".join(details), style=self._style("muted"))
+            threads = [t for t in proc.get("threads") or [] if isinstance(t, dict)]
+            named = [t for t in threads if str(t.get("name", "")) in self.health.threads] or [
+                t for t in threads if str(t.get("name", "")) and str(t.get("name")) != str(proc.get("cmd", ""))
+            ]
+            for i, thread in enumerate(named[:32]):
+                name = str(thread.get("name", ""))
+                seen_threads.add(name)
+                branch = "└ " if i == len(named[:32]) - 1 else "├ "
+                tid = thread.get("tid")
+                self._thread_line(out, indent + branch, name, tid if isinstance(tid, int) else None, now)
+            for child in children.get(int(proc.get("pid", -1)), []):
+                walk(child, depth + 1)
+
+        for root in roots:
+            walk(root, 0)
+        orphans = [name for name in sorted(self.health.threads) if name not in seen_threads]
+        if orphans:
+            out.append("\n  engine threads (from heartbeats)", style=self._style("muted"))
+            for name in orphans:
+                self._thread_line(out, "    ", name, None, now)
+        stale = [h for h in self.holders if not h.get("in_run")]
+        out.append("\n")
+        out.append("stale GPU holders (not in this run)", style=self._style("title"))
+        if not stale:
+            out.append("\n  none", style=self._style("muted"))
+        for holder in stale:
+            out.append("\n  ! ", style=self._style("stale"))
+            out.append(f"{holder.get('pid')} ", style=self._style("proc"))
+            out.append(f"{holder.get('user') or '?'}  ", style=self._style("muted"))
+            gpus = holder.get("gpus") or []
+            out.append(f"gpu {','.join(str(g) for g in gpus) or '?'}  ", style=self._style("muted"))
+            used = holder.get("used_mib")
+            out.append(f"{used:.0f} MiB  " if isinstance(used, (int, float)) else "? MiB  ", style=self._style("muted"))
+            if holder.get("resolved") is False:
+                out.append("(NVML pid not visible here) ", style=self._style("warn"))
+            out.append(str(holder.get("cmd") or "")[:50], style=self._style("proc"))
+            out.append("  STALE", style=self._style("stale"))
+        return out

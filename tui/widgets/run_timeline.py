@@ -1,0 +1,130 @@
+"""The launch timeline: submitted → started → output → first-step, each with its time or its cause."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual.widget import Widget
+
+from engine.protocol import MILESTONES
+
+
+@dataclass
+class MilestoneState:
+    t: float | None = None
+    ok: bool | None = None  # None: not reached yet
+    cause: str | None = None
+
+
+@dataclass
+class TimelineModel:
+    run_id: str | None = None
+    started_at: float | None = None
+    milestones: dict[str, MilestoneState] = field(default_factory=dict)
+    stage: str | None = None
+    run_state: str | None = None
+    exit_cause: str | None = None
+
+    def reset(self, run_id: str | None) -> None:
+        self.run_id = run_id
+        self.started_at = None
+        self.milestones = {}
+        self.stage = None
+        self.run_state = None
+        self.exit_cause = None
+
+    def from_run(self, run: dict[str, Any] | None) -> None:
+        if run is None:
+            return
+        run_id = run.get("run_id")
+        if run_id != self.run_id:
+            self.reset(run_id if isinstance(run_id, str) else None)
+        started = run.get("started_at")
+        self.started_at = float(started) if isinstance(started, (int, float)) else self.started_at
+        for name, t in (run.get("milestones") or {}).items():
+            state = self.milestones.setdefault(str(name), MilestoneState())
+            if isinstance(t, (int, float)):
+                state.t = float(t)
+                if state.ok is None:
+                    state.ok = True
+        stage = run.get("stage")
+        self.stage = stage if isinstance(stage, str) else self.stage
+        self.run_state = str(run.get("state")) if run.get("state") else self.run_state
+        if self.run_state in ("failed", "vanished", "rebooted"):
+            code, sig = run.get("exit_code"), run.get("signal")
+            if sig:
+                self.exit_cause = f"killed by signal {sig}"
+            elif code is not None:
+                self.exit_cause = f"exited with code {code}"
+            else:
+                self.exit_cause = self.run_state
+
+    def from_milestone(self, event: dict[str, Any]) -> None:
+        run_id = event.get("run_id")
+        if isinstance(run_id, str) and run_id != self.run_id:
+            self.reset(run_id)
+        name = str(event.get("milestone", "?"))
+        state = self.milestones.setdefault(name, MilestoneState())
+        t = event.get("t")
+        state.t = float(t) if isinstance(t, (int, float)) else state.t
+        state.ok = bool(event.get("ok"))
+        cause = event.get("cause")
+        state.cause = cause if isinstance(cause, str) else None
+
+    def origin(self) -> float | None:
+        sub = self.milestones.get("submitted")
+        if sub is not None and sub.t is not None:
+            return sub.t
+        return self.started_at
+
+
+class RunTimeline(Widget):
+    COMPONENT_CLASSES = {"run-timeline--ok", "run-timeline--failed", "run-timeline--pending", "run-timeline--cause"}
+    DEFAULT_CSS = """
+    RunTimeline { height: auto; padding: 0 1; }
+    RunTimeline > .run-timeline--ok { color: $success; }
+    RunTimeline > .run-timeline--failed { color: $error; text-style: bold; }
+    RunTimeline > .run-timeline--pending { color: $text-muted; }
+    RunTimeline > .run-timeline--cause { color: $error; }
+    """
+
+    def __init__(self, model: TimelineModel, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.model = model
+
+    def render(self) -> RenderableType:
+        model = self.model
+        ok = self.get_component_rich_style("run-timeline--ok")
+        failed = self.get_component_rich_style("run-timeline--failed")
+        pending = self.get_component_rich_style("run-timeline--pending")
+        cause_style = self.get_component_rich_style("run-timeline--cause")
+        out = Text(no_wrap=False)
+        if model.run_id is None:
+            out.append("launch: no run yet (press l to launch)", style=pending)
+            return out
+        origin = model.origin()
+        causes: list[str] = []
+        for i, name in enumerate(MILESTONES):
+            if i:
+                out.append(" → ", style=pending)
+            state = model.milestones.get(name)
+            if state is None or state.ok is None:
+                out.append(f"○ {name}", style=pending)
+                continue
+            when = f" +{state.t - origin:.1f}s" if state.t is not None and origin is not None else ""
+            if state.ok:
+                out.append(f"● {name}{when}", style=ok)
+            else:
+                out.append(f"✗ {name}{when}", style=failed)
+                if state.cause:
+                    causes.append(f"{name}: {state.cause}")
+        if model.stage:
+            out.append(f"   stage {model.stage}", style=pending)
+        if not causes and model.exit_cause:
+            causes.append(f"run {model.exit_cause}")
+        for cause in causes:
+            out.append(f"\n  cause: {cause}", style=cause_style)
+        return out
