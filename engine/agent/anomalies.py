@@ -80,8 +80,8 @@ def gpu_anomalies(
                 Anomaly(kind="orphan_memory", gpu=gpu.index, message=f"{label} {gpu.index}: {mem:.0f} MiB used, {why}")
             )
     for h in holders:
-        if not h.resolved or h.in_run or h.pid in run_pids or is_system_holder(h):
-            continue
+        if not h.resolved or h.in_run or h.pid in run_pids or is_system_holder(h) or h.state == "zombie":
+            continue  # a zombie cannot be stopped, only reaped: orphan memory says so
         if not h.gpus and not h.used_mib:
             continue  # holds only nvidiactl/nvidia-uvm: no GPU of its own
         where = ", ".join(f"GPU {g}" for g in h.gpus) or "a GPU"

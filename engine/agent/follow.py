@@ -108,7 +108,7 @@ class LogFollower:
         return True
 
     def _read(self, out: list[dict[str, Any]], budget: int) -> int:
-        """Read from the offset towards EOF, up to ``budget`` bytes; returns the bytes read."""
+        """Read from the offset towards EOF, up to ``budget`` bytes; sets ``more`` when the budget ran out."""
         assert self._fd is not None
         total = 0
         while total < budget:
@@ -118,11 +118,16 @@ class LogFollower:
                 break
             if len(data) == want:
                 cut = _utf8_cut(data)
+                if cut == 0 and want < self.chunk_bytes:
+                    self.more = True  # the budget's tail holds only part of a character: next poll sends it whole
+                    return total
                 if cut > 0:
                     data = data[:cut]
             out.append(event("log", offset=self.offset, inode=self.inode, data=encode_log_data(data)))
             self.offset += len(data)
             total += len(data)
+        if total >= budget:
+            self.more = True
         return total
 
     def poll(self) -> list[dict[str, Any]]:
@@ -137,8 +142,7 @@ class LogFollower:
             self.offset = 0
             out.append(event("log_reset", inode=self.inode, offset=0, reason="truncated"))
         budget -= self._read(out, budget)
-        if budget <= 0:
-            self.more = True
+        if self.more:
             return out
         try:
             st = os.stat(self.path)
@@ -146,14 +150,12 @@ class LogFollower:
             return out  # removed or renamed away: keep the old file until a new one appears
         if (st.st_ino, st.st_dev) != (self.inode, self.dev):
             budget -= self._read(out, budget)  # finish the old file first
-            if budget <= 0:
-                self.more = True
+            if self.more:
                 return out
             self.close()
             self._seen_missing = False
             if self._open(out):
-                budget -= self._read(out, budget)
-                self.more = budget <= 0
+                self._read(out, budget)
         return out
 
     def follow(

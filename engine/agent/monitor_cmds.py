@@ -122,7 +122,8 @@ class Monitor:
         pids: set[int] = set()
         for root in roots:
             pids.update(procs.tree_pids(root, stats))
-        if isinstance(run.pgid, int) and run.pgid > 0:
+        # The job's group, when it is led by a recorded root (even one that has exited): never a foreign group.
+        if isinstance(run.pgid, int) and run.pgid in roots:
             pids.update(p for p, st in stats.items() if st.pgrp == run.pgid)
         return pids
 
@@ -291,6 +292,8 @@ class Subscription:
         if run_id is not None and not isinstance(run_id, str):
             raise CommandError("run_id must be a string or null")
         self.resume_run_id = run_id
+        # Offsets apply to the run that is current now; any later run is new to the client.
+        self.initial_run_dir = records.current_run_dir(monitor.run_root)
         self.stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -391,7 +394,6 @@ class Subscription:
         run_dir: Path | None = None
         log: LogFollower | None = None
         engine: JsonlReader | None = None
-        first = True
         next_check = 0.0
         try:
             while not self._stopped():
@@ -406,8 +408,7 @@ class Subscription:
                         if engine is not None:
                             engine.close()
                         run_dir = current
-                        log, engine = self._open_run(current, resume=first)
-                        first = False
+                        log, engine = self._open_run(current, resume=current == self.initial_run_dir)
                 if log is not None and run_dir is not None:
                     busy = self._pump(log, engine, run_dir)
                     if busy:
