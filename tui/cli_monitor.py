@@ -227,8 +227,9 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 # -- doctor ----------------------------------------------------------------------------------------
 
 
-def _print_check(ok: bool, name: str, detail: str, fix: str | None) -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name:<14} {detail}")
+def _print_check(ok: bool, name: str, detail: str, fix: str | None, level: str = "error") -> None:
+    label = "PASS" if ok else ("WARN" if level == "warn" else "FAIL")
+    print(f"{label}  {name:<14} {detail}", flush=True)
     if not ok and fix:
         for line in str(fix).splitlines():
             print(f"      fix: {line}")
@@ -261,9 +262,12 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
         await session.close()
     checks = [c for c in result.get("checks") or [] if isinstance(c, dict)]
     for c in checks:
-        _print_check(bool(c.get("ok")), str(c.get("name")), str(c.get("detail") or ""), c.get("fix"))
-    failed = [c for c in checks if not c.get("ok")]
-    print(f"{len(checks) + 1 - len(failed)} passed, {len(failed)} failed")
+        level = str(c.get("level") or "error")
+        _print_check(bool(c.get("ok")), str(c.get("name")), str(c.get("detail") or ""), c.get("fix"), level)
+    failed = [c for c in checks if not c.get("ok") and c.get("level") != "warn"]
+    warned = [c for c in checks if not c.get("ok") and c.get("level") == "warn"]
+    passed = len(checks) + 1 - len(failed) - len(warned)
+    print(f"{passed} passed, {len(warned)} warnings, {len(failed)} failed", flush=True)
     return EXIT_OK if not failed else EXIT_FAILED
 
 

@@ -19,7 +19,7 @@ from tui.cli_common import (
     simulated_label,
     with_session,
 )
-from tui.profiles import Profile, ProfileError, load_profiles, resolve_profile
+from tui.profiles import Profile, ProfileError, resolve_profile
 from tui.session import CommandFailed, Session
 
 WAIT_CHOICES = ("started", "output", "first-step")
@@ -66,8 +66,7 @@ def _print_wait_human(obj: dict[str, Any], milestone: str) -> None:
     if obj["ok"]:
         print(f"reached {milestone} in {obj.get('elapsed_s') or 0:.2f} s", flush=True)
         return
-    what = "hung" if obj.get("alive") else "failed"
-    print(f"{what} before {milestone}: {obj.get('cause')}", flush=True)
+    print(f"{'HUNG' if obj.get('alive') else 'FAILED'}: {obj.get('cause')}", flush=True)
     bits = []
     if obj.get("exit_code") is not None:
         bits.append(f"exit code {obj['exit_code']}")
@@ -85,6 +84,89 @@ def _print_wait_human(obj: dict[str, Any], milestone: str) -> None:
             print("    " + str(line).rstrip("\n"), flush=True)
 
 
+class _MilestonePrinter:
+    """Prints milestone events of one run as they arrive (human output only)."""
+
+    def __init__(self, session: Session, enabled: bool) -> None:
+        self.t0 = time.monotonic()
+        self.run_id: str | None = None
+        self.enabled = enabled
+        self.printed: set[tuple[str, bool]] = set()
+        self.unsubscribe = session.add_listener(self)
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        if not self.enabled or ev.get("ev") != "milestone":
+            return
+        if self.run_id is not None and ev.get("run_id") not in (None, self.run_id):
+            return
+        ok = bool(ev.get("ok", True))
+        key = (str(ev.get("milestone")), ok)
+        if key in self.printed:
+            return
+        self.printed.add(key)
+        print(f"  {'✓' if ok else '✗'} {ev.get('milestone'):<11} {time.monotonic() - self.t0:6.2f} s", flush=True)
+
+
+def _refused(wait: str | None, message: str, elapsed_s: float, as_json: bool) -> int:
+    obj = {
+        "ok": False,
+        "milestone": wait or "submitted",
+        "stage": "none",
+        "cause": f"launch refused: {message}",
+        "exit_code": None,
+        "signal": None,
+        "elapsed_s": round(elapsed_s, 3),
+        "last_lines": [],
+    }
+    if as_json:
+        print_json(obj)
+    else:
+        err(f"launch refused: {message}")
+    return EXIT_FAILED
+
+
+async def wait_and_report(
+    session: Session,
+    launched: dict[str, Any],
+    *,
+    wait: str | None,
+    timeout_s: float | None,
+    deadlines_s: dict[str, float] | None,
+    as_json: bool,
+    printer: _MilestonePrinter,
+) -> int:
+    """After a launch: print where it runs, wait for the milestone if asked, map the result to an exit code."""
+    run_id = launched.get("run_id")
+    printer.run_id = str(run_id) if run_id else None
+    attach = None
+    if launched.get("attachable") and launched.get("tmux_session"):
+        attach = shlex.join(session.attach_argv(str(launched["tmux_session"])))
+    if not as_json:
+        print(f"launched run {run_id} on {session.target_display}{simulated_label(session)}", flush=True)
+        if launched.get("command"):
+            print(f"  command {shlex.join(str(c) for c in launched['command'])}", flush=True)
+    if wait is None:
+        if as_json:
+            print_json({"ok": True, "milestone": "submitted", **launched})
+        elif attach:
+            print(f"  attach: {attach}", flush=True)
+        return EXIT_OK
+    bound = timeout_s if timeout_s is not None else max((deadlines_s or {}).values(), default=3600.0)
+    result = await session.request(
+        "wait",
+        timeout_s=bound + _REPLY_MARGIN_S,
+        params={"run_id": run_id, "milestone": wait, "timeout_s": timeout_s, "deadlines_s": deadlines_s},
+    )
+    obj = _wait_object(result, wait, str(run_id) if run_id else None)
+    if as_json:
+        print_json(obj)
+    else:
+        _print_wait_human(obj, wait)
+        if attach:
+            print(f"  attach: {attach}", flush=True)
+    return _wait_exit_code(obj)
+
+
 async def launch_and_wait(
     session: Session,
     spec: protocol.LaunchSpec,
@@ -93,69 +175,26 @@ async def launch_and_wait(
     timeout_s: float | None,
     as_json: bool,
 ) -> int:
-    t0 = time.monotonic()
-    state: dict[str, Any] = {"run_id": None}
-
-    def on_event(ev: dict[str, Any]) -> None:
-        if as_json or ev.get("ev") != "milestone":
-            return
-        if state["run_id"] is not None and ev.get("run_id") not in (None, state["run_id"]):
-            return
-        mark = "✓" if ev.get("ok", True) else "✗"
-        cause = f"  {ev['cause']}" if ev.get("cause") else ""
-        print(f"  {mark} {ev.get('milestone'):<11} {time.monotonic() - t0:6.2f} s{cause}", flush=True)
-
-    unsubscribe = session.add_listener(on_event)
+    printer = _MilestonePrinter(session, enabled=not as_json)
     try:
         try:
             launched = await session.request("launch", timeout_s=60.0, **protocol.to_jsonable(spec))
         except CommandFailed as exc:
             if exc.lost:
                 raise
-            obj = {
-                "ok": False,
-                "milestone": wait or "submitted",
-                "stage": "none",
-                "cause": f"launch refused: {exc.message}",
-                "exit_code": None,
-                "signal": None,
-                "elapsed_s": round(time.monotonic() - t0, 3),
-                "last_lines": [],
-            }
-            if as_json:
-                print_json(obj)
-            else:
-                err(f"launch failed: {exc.message}")
-            return EXIT_FAILED
-        run_id = launched.get("run_id")
-        state["run_id"] = run_id
-        if not as_json:
-            print(
-                f"launched run {run_id} on {session.target_display}{simulated_label(session)}\n"
-                f"  command {shlex.join(spec.command)}"
-                + (f"\n  tmux session {launched.get('tmux_session')}" if launched.get("attachable") else ""),
-                flush=True,
-            )
-        if wait is None:
-            if as_json:
-                print_json({"ok": True, "milestone": "submitted", **launched})
-            return EXIT_OK
-        deadline = timeout_s if timeout_s is not None else spec.deadlines_s.get(wait)
-        result = await session.request(
-            "wait",
-            timeout_s=(deadline or 3600.0) + _REPLY_MARGIN_S,
-            params={"run_id": run_id, "milestone": wait, "timeout_s": deadline},
+            return _refused(wait, exc.message, time.monotonic() - printer.t0, as_json)
+        launched.setdefault("command", spec.command)
+        return await wait_and_report(
+            session,
+            launched,
+            wait=wait,
+            timeout_s=timeout_s,
+            deadlines_s=spec.deadlines_s,
+            as_json=as_json,
+            printer=printer,
         )
-        obj = _wait_object(result, wait, run_id)
-        if as_json:
-            print_json(obj)
-        else:
-            _print_wait_human(obj, wait)
-            if launched.get("attachable") and launched.get("tmux_session"):
-                print("  attach: " + shlex.join(session.attach_argv(str(launched["tmux_session"]))), flush=True)
-        return _wait_exit_code(obj)
     finally:
-        unsubscribe()
+        printer.unsubscribe()
 
 
 def _split_command(args: argparse.Namespace) -> list[str] | None:
@@ -181,8 +220,8 @@ def _on_progress(ev: dict[str, Any]) -> None:
         print(f"  … {ev.get('message')}", flush=True)
 
 
-async def _stop(session: Session, grace_s: float) -> dict[str, Any]:
-    unsubscribe = session.add_listener(_on_progress)
+async def _stop(session: Session, grace_s: float, quiet: bool = False) -> dict[str, Any]:
+    unsubscribe = session.add_listener(_on_progress if not quiet else (lambda ev: None))
     try:
         return await session.request("stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0)
     finally:
@@ -192,8 +231,6 @@ async def _stop(session: Session, grace_s: float) -> dict[str, Any]:
 async def cmd_stop(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         result = await _stop(session, args.grace)
-        for step in result.get("steps") or []:
-            print(f"  {step}", flush=True)
         print("stopped" if result.get("stopped") else "not stopped", flush=True)
         return EXIT_OK if result.get("stopped") else EXIT_FAILED
 
@@ -206,45 +243,49 @@ async def cmd_restart(args: argparse.Namespace) -> int:
     profile = _profile(args) if explicit else None
 
     async def body(session: Session) -> int:
+        if profile is None:
+            # The agent relaunches the recorded spec (command, cwd, env, deadlines) under a new run id.
+            printer = _MilestonePrinter(session, enabled=not args.json)
+            progress = session.add_listener(_on_progress if not args.json else (lambda ev: None))
+            try:
+                try:
+                    done = await session.request(
+                        "restart", timeout_s=args.grace + 180.0, grace_s=args.grace, release_timeout_s=30.0
+                    )
+                except CommandFailed as exc:
+                    if exc.lost:
+                        raise
+                    return _refused(args.wait, exc.message, time.monotonic() - printer.t0, args.json)
+                if not args.json:
+                    print(f"previous run {done.get('previous_run_id')}", flush=True)
+                launched = done.get("launch") or {}
+                return await wait_and_report(
+                    session,
+                    launched,
+                    wait=args.wait,
+                    timeout_s=args.timeout,
+                    deadlines_s=None,
+                    as_json=args.json,
+                    printer=printer,
+                )
+            finally:
+                progress()
+                printer.unsubscribe()
         status = await session.request("status", timeout_s=30.0)
         run = status.get("run") if isinstance(status.get("run"), dict) else None
-        chosen = profile
-        cmd = command
-        if chosen is None:
-            if run is None:
-                err("nothing to restart: no run on this host; use `launch` (with --profile or -- COMMAND)")
-                return EXIT_FAILED
-            try:
-                profiles, _, _ = load_profiles(args.config)
-            except ProfileError as exc:
-                raise UsageError(str(exc)) from None
-            chosen = profiles.get(str(run.get("profile")))
-            if chosen is None or (chosen.command is None and run.get("command") and not _is_engine(run)):
-                # A foreign command launched without a known profile: run it again as it was.
-                chosen = Profile(name=str(run.get("profile") or "restart"), cwd=run.get("cwd"))
-                cmd = [str(c) for c in run.get("command") or []] or None
-                if cmd is None:
-                    err(f"cannot restart run {run.get('run_id')}: its command is unknown")
-                    return EXIT_FAILED
         if run is not None and run.get("state") in ("starting", "running"):
-            print(f"stopping run {run.get('run_id')}", flush=True)
-            result = await _stop(session, args.grace)
-            for step in result.get("steps") or []:
-                print(f"  {step}", flush=True)
+            if not args.json:
+                print(f"stopping run {run.get('run_id')}", flush=True)
+            result = await _stop(session, args.grace, quiet=args.json)
             if not result.get("stopped"):
                 err("the run did not stop; not starting a new one")
                 return EXIT_FAILED
-        spec = chosen.launch_spec(
-            cmd, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
+        spec = profile.launch_spec(
+            command, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
         )
         return await launch_and_wait(session, spec, wait=args.wait, timeout_s=args.timeout, as_json=args.json)
 
     return await with_session(args, body)
-
-
-def _is_engine(run: dict[str, Any]) -> bool:
-    cmd = [str(c) for c in run.get("command") or []]
-    return "-m" in cmd and "engine.trainer" in cmd
 
 
 def _holder_rows(items: list[dict[str, Any]]) -> list[str]:

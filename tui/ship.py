@@ -3,9 +3,10 @@
 The bundle is built in memory, byte-for-byte reproducible (sorted entries, fixed timestamps), and
 named ``<AGENT_VERSION>-<sha256[:16]>.pyz`` so a host keeps one file per content. On the host it
 lives at ``<run_root>/agent/<name>``; the bootstrap scripts below run with ``python3 -c`` and touch
-nothing but that file: ``CHECK`` verifies it (exists, sha256 matches) and, if good, execs the agent
-from it; ``INSTALL`` reads the bundle from stdin into a temporary file, verifies its hash, renames.
-``PYTHONPATH=<pyz> python3 -m engine.trainer`` runs the trainer from the same file.
+nothing but ``<run_root>/agent/``: ``CHECK`` verifies the file (sha256), keeps a verified extracted
+copy beside it and execs the agent from that copy; ``INSTALL`` reads the bundle from stdin into a
+temporary file, verifies its hash, renames. ``PYTHONPATH=<pyz> python3 -m engine.agent.main`` works
+too; the client uses the extracted tree as ``PYTHONPATH`` for ``python3 -m engine.trainer``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,19 @@ BOOT_NEEDS_UPLOAD = 17
 INSTALL_HASH_MISMATCH = 18
 
 # argv: RUN_ROOT NAME SHA256 [agent args...]. RUN_ROOT "" means the agent's default (~/.specdec).
-# Prints one JSON line {"bootstrap": ..., "path": ...} then, when the bundle is good, becomes the agent.
+# Verifies the bundle; keeps an extracted copy beside it (<name without .pyz>/, every file compared with
+# the verified zip at each start) because the supervisor starts `python3 -m engine.supervisor.wrapper`
+# from the directory holding `engine`, and torch.compile wants real source files. Prints one JSON line
+# {"bootstrap": ..., "path": ..., "tree": ...}, then, when the bundle is good, becomes the agent.
 CHECK_SCRIPT = r"""
-import hashlib, json, os, sys
+import hashlib, json, os, shutil, sys, zipfile
 root, name, sha = sys.argv[1], sys.argv[2], sys.argv[3]
-root = os.path.expanduser(root or os.environ.get("SPECDEC_RUN_ROOT") or "~/.specdec")
-path = os.path.join(os.path.abspath(root), "agent", name)
+root = os.path.abspath(os.path.expanduser(root or os.environ.get("SPECDEC_RUN_ROOT") or "~/.specdec"))
+path = os.path.join(root, "agent", name)
+tree = path[: -len(".pyz")]
+def say(**kw):
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
 h = hashlib.sha256()
 try:
     with open(path, "rb") as f:
@@ -43,12 +51,31 @@ try:
 except OSError:
     h = None
 if h is None or h.hexdigest() != sha:
-    sys.stdout.write(json.dumps({"bootstrap": "upload", "path": path}) + "\n")
-    sys.stdout.flush()
+    say(bootstrap="upload", path=path)
     sys.exit(17)
-sys.stdout.write(json.dumps({"bootstrap": "ok", "path": path}) + "\n")
-sys.stdout.flush()
-os.execv(sys.executable, [sys.executable, path, "--run-root", os.path.abspath(root)] + sys.argv[4:])
+def same(zf, info):
+    try:
+        with open(os.path.join(tree, info.filename), "rb") as f:
+            return f.read() == zf.read(info)
+    except OSError:
+        return False
+with zipfile.ZipFile(path) as zf:
+    if not (os.path.isdir(tree) and all(same(zf, i) for i in zf.infolist() if not i.is_dir())):
+        tmp = "%s.tmp-%d" % (tree, os.getpid())
+        shutil.rmtree(tmp, ignore_errors=True)
+        zf.extractall(tmp)
+        old = "%s.old-%d" % (tree, os.getpid())
+        try:
+            if os.path.isdir(tree):
+                os.rename(tree, old)
+            os.rename(tmp, tree)
+        except OSError:
+            pass  # another client extracted the same verified content at the same moment
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+say(bootstrap="ok", path=path, tree=tree)
+boot = "import sys; sys.path.insert(0, sys.argv.pop(1)); from engine.agent.main import main; sys.exit(main())"
+os.execv(sys.executable, [sys.executable, "-c", boot, tree, "--run-root", root] + sys.argv[4:])
 """
 
 # argv: RUN_ROOT NAME SHA256; stdin: the bundle. Writes tmp, verifies, renames; prints the path.

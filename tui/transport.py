@@ -249,7 +249,7 @@ class Transport(ABC):
         self.opts = opts
         if opts.pct is not None:
             pct_wrap([], opts.pct)  # validates the CTID
-        self.bundle_path: str | None = None  # where the agent bundle lives on the host, once known
+        self.bundle_path: str | None = None  # the directory holding `engine` on the host, once known
 
     @property
     @abstractmethod
@@ -296,7 +296,7 @@ class Transport(ABC):
         stream = await self._spawn(check)
         first = await self._first_line(stream)
         if first.get("bootstrap") == "ok":
-            self.bundle_path = str(first.get("path"))
+            self.bundle_path = str(first.get("tree") or first.get("path"))
             return stream
         await stream.close()
         install = self._host_argv(ship.install_argv(self.python, self.opts.run_root, bundle))
@@ -309,7 +309,7 @@ class Transport(ABC):
         if first.get("bootstrap") != "ok":
             await stream.close()
             raise ConnectError(f"{self.display}: the agent bundle was installed but does not verify: {first}")
-        self.bundle_path = str(first.get("path"))
+        self.bundle_path = str(first.get("tree") or first.get("path"))
         return stream
 
     async def _first_line(self, stream: AgentStream) -> dict[str, Any]:

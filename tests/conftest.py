@@ -1,0 +1,66 @@
+"""Shared fixtures: a private tmux server per test session, and a temporary run root.
+
+Every tmux call in product code adds ``-L $SPECDEC_TMUX_SOCKET`` when that variable is set; it is
+set here, before any test runs, so no test ever touches the user's default tmux server. The
+private server is killed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TMUX_SOCKET = f"specdec-test-{os.getpid()}"
+os.environ["SPECDEC_TMUX_SOCKET"] = TMUX_SOCKET
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tmux_socket() -> Iterator[str]:
+    """The private tmux socket name (``tmux -L NAME``) of this test session; its server dies at teardown."""
+    os.environ["SPECDEC_TMUX_SOCKET"] = TMUX_SOCKET
+    yield TMUX_SOCKET
+    if shutil.which("tmux"):
+        subprocess.run(["tmux", "-L", TMUX_SOCKET, "kill-server"], capture_output=True, timeout=10, check=False)
+
+
+@pytest.fixture
+def run_root(tmp_path: Path) -> Path:
+    """An empty run root (``--run-root``) for one test."""
+    root = tmp_path / "run-root"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture(scope="session")
+def python_exe() -> str:
+    """The interpreter that has the project's dependencies (pass it as ``--python`` to hosts)."""
+    return sys.executable
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> T:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate!r}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def wait_until() -> Callable[..., object]:
+    """``wait_until(predicate, timeout_s=10, what="...")``: poll with a bound instead of sleeping."""
+    return wait_for

@@ -1,0 +1,256 @@
+"""A real OpenSSH sshd on 127.0.0.1 for the integration tests, plus a `pct` shim.
+
+The session-scoped ``sshd`` fixture generates host and user keys with ssh-keygen, writes its own
+sshd_config (key login only, root allowed by key because CI runs as root, no PAM, PidFile in the
+temp dir), starts ``sshd -D -e`` on a free port and stops it at the end. It also works for a
+non-root user (sshd then only lets that user in, which is the user the tests connect as).
+
+Clients always pass ``-i`` and ``--known-hosts`` explicitly: the user's ~/.ssh is never used.
+The sessions it opens get, through ``SetEnv``: a PATH whose first entries are the `pct` shim and
+the directory of the interpreter running the tests, the private tmux socket of this test session,
+and ``SPECDEC_DEV_DIR`` (a temp dir where tests can put stand-in ``nvidia*`` device files).
+
+The `pct` shim stands in for Proxmox's ``pct exec CTID -- cmd ...``: it checks CTID against the one
+configured here and execs the rest, failing like the real one for an unknown container.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PCT_CTID = 4242
+SSH_CONNECT_TIMEOUT_S = 5.0
+
+PCT_SHIM = """#!/bin/sh
+# Test stand-in for Proxmox `pct exec CTID -- cmd ...`: checks CTID, then execs the command.
+if [ "$1" != "exec" ]; then echo "pct shim: only 'pct exec' is supported" >&2; exit 255; fi
+shift
+if [ "$1" != "{ctid}" ]; then
+    echo "Configuration file 'nodes/testnode/lxc/$1.conf' does not exist" >&2
+    exit 255
+fi
+shift
+if [ "$1" != "--" ]; then echo "pct shim: expected '--' after the CTID" >&2; exit 255; fi
+shift
+exec "$@"
+"""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _keygen(path: Path, comment: str) -> str:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return path.with_suffix(".pub").read_text().strip() if path.suffix else Path(f"{path}.pub").read_text().strip()
+
+
+def _banner_ready(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            return s.recv(64).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+@dataclass
+class Sshd:
+    port: int
+    user: str
+    dir: Path
+    identity: Path  # the user's private key (authorized)
+    stranger_identity: Path  # a key the server does not know
+    known_hosts: Path  # the server's real host key
+    changed_known_hosts: Path  # a different key recorded for the same [host]:port
+    empty_known_hosts: Path
+    host_key_fingerprint: str  # SHA256:...
+    shim_dir: Path
+    dev_dir: Path
+    pct_ctid: int = PCT_CTID
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+
+    @property
+    def target(self) -> str:
+        return f"{self.user}@{self.host}"
+
+    def args(self, *, known_hosts: Path | None = None, identity: Path | None = None) -> list[str]:
+        """The CLI options that reach this sshd: port, key, known_hosts, the test interpreter."""
+        return [
+            "-p",
+            str(self.port),
+            "-i",
+            str(identity or self.identity),
+            "--known-hosts",
+            str(known_hosts or self.known_hosts),
+            "--python",
+            sys.executable,
+            "--connect-timeout",
+            str(SSH_CONNECT_TIMEOUT_S),
+        ]
+
+
+def _sshd_binary() -> str | None:
+    found = shutil.which("sshd")
+    if found:
+        return found
+    return "/usr/sbin/sshd" if os.access("/usr/sbin/sshd", os.X_OK) else None
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory, tmux_socket: str) -> Iterator[Sshd]:
+    binary = _sshd_binary()
+    if binary is None or shutil.which("ssh-keygen") is None:
+        pytest.skip("OpenSSH server not installed (tests/run installs it: apt-get install openssh-server)")
+    d = tmp_path_factory.mktemp("sshd")
+    host_key, other_host_key = d / "host_ed25519", d / "other_host_ed25519"
+    user_key, stranger_key = d / "id_ed25519", d / "stranger_ed25519"
+    host_pub = _keygen(host_key, "test-host")
+    other_pub = _keygen(other_host_key, "other-host")
+    user_pub = _keygen(user_key, "test-user")
+    _keygen(stranger_key, "stranger")
+    (d / "authorized_keys").write_text(user_pub + "\n")
+    port = _free_port()
+    fp = subprocess.run(
+        ["ssh-keygen", "-l", "-E", "sha256", "-f", f"{host_key}.pub"], capture_output=True, text=True, check=True
+    ).stdout.split()[1]
+    known = d / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{port} {' '.join(host_pub.split()[:2])}\n")
+    changed = d / "known_hosts_changed"
+    changed.write_text(f"[127.0.0.1]:{port} {' '.join(other_pub.split()[:2])}\n")
+    empty = d / "known_hosts_empty"
+    empty.write_text("")
+
+    shim_dir = d / "bin"
+    shim_dir.mkdir()
+    shim = shim_dir / "pct"
+    shim.write_text(PCT_SHIM.replace("{ctid}", str(PCT_CTID)))
+    shim.chmod(0o755)
+    dev_dir = d / "dev"
+    dev_dir.mkdir()
+    env = {
+        "PATH": os.pathsep.join(
+            [str(shim_dir), str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]
+        ),
+        "SPECDEC_TMUX_SOCKET": tmux_socket,
+        "SPECDEC_DEV_DIR": str(dev_dir),
+    }
+    user = getpass.getuser()
+    config = d / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {host_key}",
+                f"PidFile {d / 'sshd.pid'}",
+                f"AuthorizedKeysFile {d / 'authorized_keys'}",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                f"AllowUsers {user}",
+                "UsePAM no",
+                "StrictModes no",
+                "PrintMotd no",
+                "LogLevel VERBOSE",
+                "MaxStartups 100:30:200",
+                "MaxSessions 50",
+                "SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()),
+                "",
+            ]
+        )
+    )
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation directory
+    check = subprocess.run([binary, "-t", "-f", str(config)], capture_output=True, text=True)
+    if check.returncode != 0:
+        pytest.fail(f"sshd rejects its test config: {check.stderr}")
+    log = open(d / "sshd.log", "wb")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen([binary, "-D", "-e", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 15.0
+    while not _banner_ready(port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.close()
+            pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text(errors='replace')[-2000:]}")
+        time.sleep(0.02)
+    try:
+        yield Sshd(
+            port=port,
+            user=user,
+            dir=d,
+            identity=user_key,
+            stranger_identity=stranger_key,
+            known_hosts=known,
+            changed_known_hosts=changed,
+            empty_known_hosts=empty,
+            host_key_fingerprint=fp,
+            shim_dir=shim_dir,
+            dev_dir=dev_dir,
+            env=env,
+        )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+@pytest.fixture(scope="session")
+def cli() -> Callable[..., CliResult]:
+    """``cli(*args, env=None, timeout_s=60)``: run ``python -m tui ARGS`` as a subprocess, timed."""
+
+    def run(*args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0) -> CliResult:
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = str(REPO_ROOT) + (
+            os.pathsep + full_env["PYTHONPATH"] if "PYTHONPATH" in full_env else ""
+        )
+        full_env.update(env or {})
+        t0 = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "tui", *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout_s,
+            cwd=str(REPO_ROOT),
+            check=False,
+        )
+        return CliResult(done.returncode, done.stdout, done.stderr, time.monotonic() - t0)
+
+    return run

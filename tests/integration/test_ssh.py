@@ -1,0 +1,335 @@
+"""The SSH transport against a real OpenSSH sshd on 127.0.0.1 (fixture in conftest.py), and the pct hop.
+
+Every client passes -i and --known-hosts explicitly; the user's ~/.ssh is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tui import ship
+from tui.session import ConnectOptions, open_session
+from tui.transport import SshTransport, Target
+
+pytestmark = pytest.mark.ssh
+
+STABLE_HOST_KEYS = ("hostname", "boot_id", "kernel", "python", "cpu_count")
+STABLE_GPU_KEYS = ("index", "name", "uuid", "mem_total_mib", "simulated")
+
+
+def _status(cli: Callable[..., Any], target: str, *extra: str) -> dict[str, Any]:
+    r = cli("status", target, "--json", "--simulate-gpus", "3", *extra)
+    assert r.returncode == 0, r.output
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+def _stable(snap: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "host": {k: snap["host"].get(k) for k in STABLE_HOST_KEYS},
+        "gpus": [{k: g.get(k) for k in STABLE_GPU_KEYS} for g in snap["gpus"]],
+        "capabilities": {k: v.get("ok") for k, v in (snap.get("capabilities") or {}).items()},
+        "simulated": snap.get("simulated"),
+        "keys": sorted(k for k in snap if k in ("host", "gpus", "processes", "run", "anomalies")),
+    }
+
+
+def test_status_over_ssh_equals_status_over_local(sshd: Any, cli: Callable[..., Any], run_root: Path) -> None:
+    remote = _status(cli, sshd.target, *sshd.args(), "--run-root", str(run_root))
+    local = _status(cli, "local", "--run-root", str(run_root))
+    assert _stable(remote) == _stable(local)
+    assert len(remote["gpus"]) == 3 and all(g["simulated"] for g in remote["gpus"])
+    assert remote["host"]["run_root"] == local["host"]["run_root"] == str(run_root)
+
+
+def test_first_connect_ships_the_bundle_and_a_corrupt_one_is_replaced(
+    sshd: Any, cli: Callable[..., Any], run_root: Path
+) -> None:
+    bundle = ship.agent_bundle()
+    installed = run_root / "agent" / bundle.name
+    assert not installed.exists()
+    r = cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root))
+    assert r.returncode == 0, r.output
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
+    installed.write_bytes(b"#!/usr/bin/env python3\nraise SystemExit('tampered')\n")
+    r = cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root))
+    assert r.returncode == 0, r.output
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
+    assert not [p for p in installed.parent.iterdir() if ".tmp" in p.name]
+
+
+def test_unknown_host_key_is_refused_with_exit_3_and_the_fingerprint(sshd: Any, cli: Callable[..., Any]) -> None:
+    r = cli("status", sshd.target, *sshd.args(known_hosts=sshd.empty_known_hosts))
+    assert r.returncode == 3, r.output
+    assert sshd.host_key_fingerprint in r.stderr
+    assert f"ssh-keyscan -p {sshd.port} 127.0.0.1 >> {sshd.empty_known_hosts}" in r.stderr
+    assert "out of band" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_changed_host_key_is_refused_with_the_warning(sshd: Any, cli: Callable[..., Any]) -> None:
+    r = cli("status", sshd.target, *sshd.args(known_hosts=sshd.changed_known_hosts))
+    assert r.returncode == 3, r.output
+    assert "REMOTE HOST IDENTIFICATION HAS CHANGED" in r.stderr
+    assert sshd.host_key_fingerprint in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_authentication_failure_exits_3(sshd: Any, cli: Callable[..., Any]) -> None:
+    r = cli("status", sshd.target, *sshd.args(identity=sshd.stranger_identity))
+    assert r.returncode == 3, r.output
+    assert "authentication failed" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_refused_port_exits_3(sshd: Any, cli: Callable[..., Any]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connection refused
+        args = sshd.args()
+        args[args.index("-p") + 1] = str(port)
+        r = cli("status", sshd.target, *args)
+    assert r.returncode == 3, r.output
+    assert "cannot connect" in r.stderr and "Traceback" not in r.output
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[int]:
+    """A TCP port that accepts connections and never says a word (a host that hangs mid-handshake)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join(2)
+    for c in conns:
+        c.close()
+    srv.close()
+
+
+def test_silent_host_exits_3_within_the_connect_timeout(
+    sshd: Any, cli: Callable[..., Any], silent_listener: int
+) -> None:
+    args = sshd.args()
+    args[args.index("-p") + 1] = str(silent_listener)
+    args[args.index("--connect-timeout") + 1] = "1.5"
+    r = cli("status", sshd.target, *args)
+    assert r.returncode == 3, r.output
+    assert "within 1.5 s" in r.stderr
+    assert r.elapsed_s < 1.5 + 3.0  # the timeout plus interpreter start-up
+
+
+def test_missing_python_on_host_exits_3(sshd: Any, cli: Callable[..., Any], run_root: Path) -> None:
+    args = sshd.args()
+    args[args.index("--python") + 1] = "/nonexistent/python3"
+    r = cli("status", sshd.target, *args, "--run-root", str(run_root))
+    assert r.returncode == 3, r.output
+    assert "no `/nonexistent/python3` on the host" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_pct_hop_through_the_shim(sshd: Any, cli: Callable[..., Any], run_root: Path) -> None:
+    # The shim on the sshd's PATH stands in for Proxmox `pct exec CTID -- ...` (see conftest.py).
+    direct = _status(cli, sshd.target, *sshd.args(), "--run-root", str(run_root))
+    hopped = _status(cli, sshd.target, *sshd.args(), "--run-root", str(run_root), "--pct", str(sshd.pct_ctid))
+    assert _stable(hopped) == _stable(direct)
+
+
+def test_pct_hop_with_a_wrong_ctid_exits_3(sshd: Any, cli: Callable[..., Any], run_root: Path) -> None:
+    r = cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root), "--pct", "999")
+    assert r.returncode == 3, r.output
+    assert "pct exec 999" in r.stderr and "999.conf' does not exist" in r.stderr and "pct list" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_pct_ctid_must_be_an_integer(cli: Callable[..., Any]) -> None:
+    r = cli("status", "local", "--pct", "200;reboot")
+    assert r.returncode == 2
+    assert "container id" in r.stderr
+
+
+def test_missing_pct_exits_3(cli: Callable[..., Any], run_root: Path, tmp_path: Path) -> None:
+    # Local target on a "node" whose PATH has no pct.
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    assert not any(Path(d, "pct").exists() for d in env["PATH"].split(":"))
+    r = cli("status", "local", "--pct", "200", "--run-root", str(run_root), env=env)
+    assert r.returncode == 3, r.output
+    assert "`pct` is not available" in r.stderr
+
+
+def test_local_pct_hop_through_the_shim(sshd: Any, cli: Callable[..., Any], run_root: Path) -> None:
+    env = {"PATH": f"{sshd.shim_dir}:{os.environ['PATH']}"}
+    r = cli(
+        "status", "local", "--pct", str(sshd.pct_ctid), "--run-root", str(run_root), "--python", sys.executable,
+        "--json", env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    assert (run_root / "agent" / ship.agent_bundle().name).is_file()  # shipped through the hop
+
+
+NASTY_ARGS = ["it's", 'say "hi"', "a b  c", "x; touch /tmp/pwned-specdec", "$(id -u)", "`id`", "$HOME", "*", "\\n", ""]
+
+
+@pytest.mark.parametrize("pct", [False, True], ids=["ssh", "ssh+pct"])
+async def test_arguments_reach_the_host_literally(sshd: Any, pct: bool) -> None:
+    opts = ConnectOptions(
+        identity=str(sshd.identity),
+        port=sshd.port,
+        known_hosts=str(sshd.known_hosts),
+        python=sys.executable,
+        pct=sshd.pct_ctid if pct else None,
+        connect_timeout_s=5.0,
+    )
+    transport = SshTransport(Target.parse(sshd.target), opts)
+    try:
+        argv = transport._host_argv([sys.executable, "-c", "import json,sys; print(json.dumps(sys.argv[1:]))"])
+        done = await transport._run([*argv, *NASTY_ARGS], b"", timeout_s=30)
+    finally:
+        await transport.close()
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == NASTY_ARGS
+    assert not Path("/tmp/pwned-specdec").exists()
+
+
+def test_launch_of_missing_script_over_ssh_fails_within_two_seconds(
+    sshd: Any, cli: Callable[..., Any], run_root: Path
+) -> None:
+    # Warm the bundle first so the timing covers the launch, not the one-off upload.
+    assert cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root)).returncode == 0
+    r = cli(
+        "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "first-step", "--json",
+        "--", "bash", "/does/not/exist.sh",
+    )  # fmt: skip
+    assert r.returncode == 1, r.output
+    obj = json.loads(r.stdout)
+    assert set(obj) >= {"ok", "milestone", "stage", "cause", "exit_code", "signal", "elapsed_s", "last_lines"}
+    assert obj["ok"] is False and obj["exit_code"] == 127, r.output
+    assert any("/does/not/exist.sh" in line and "No such file" in line for line in obj["last_lines"])
+    assert r.elapsed_s < 2.0, f"took {r.elapsed_s:.2f} s"
+
+
+def test_launch_args_with_shell_metacharacters_reach_the_job_literally(
+    sshd: Any, cli: Callable[..., Any], run_root: Path
+) -> None:
+    code = "import json,sys; print(json.dumps(sys.argv[1:])); print('step=1', flush=True)"
+    r = cli(
+        "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "first-step", "--json",
+        "--", sys.executable, "-c", code, *NASTY_ARGS,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    run_id = json.loads(r.stdout)["run_id"]
+    out = (run_root / "runs" / run_id / "output.log").read_text().splitlines()
+    assert json.loads(out[0]) == NASTY_ARGS
+
+
+def test_job_survives_the_client_leaving_and_a_new_status_finds_it(
+    sshd: Any, cli: Callable[..., Any], run_root: Path
+) -> None:
+    r = cli(
+        "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "started", "--json",
+        "--", "sleep", "300",
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    run_id = json.loads(r.stdout)["run_id"]
+    try:
+        # The launching client has exited and its SSH connection is closed; a new one sees the job alive.
+        snap = _status(cli, sshd.target, *sshd.args(), "--run-root", str(run_root))
+        assert snap["run"]["run_id"] == run_id
+        assert snap["run"]["state"] == "running"
+        pid = snap["run"]["pid"]
+        os.kill(pid, 0)
+    finally:
+        stop = cli("stop", sshd.target, *sshd.args(), "--run-root", str(run_root), "--grace", "2")
+    assert stop.returncode == 0, stop.output
+
+
+async def test_session_reconnects_and_resumes_the_log_without_gap_or_duplicate(
+    sshd: Any, cli: Callable[..., Any], run_root: Path
+) -> None:
+    import asyncio
+
+    script = "import sys,time\nfor i in range(400):\n    print(f'line {i:04d}', flush=True)\n    time.sleep(0.01)\n"
+    r = cli(
+        "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "output",
+        "--", sys.executable, "-c", script,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    opts = ConnectOptions(
+        identity=str(sshd.identity),
+        port=sshd.port,
+        known_hosts=str(sshd.known_hosts),
+        python=sys.executable,
+        run_root=str(run_root),
+        connect_timeout_s=5.0,
+    )
+    session = open_session(sshd.target, opts)
+    session.backoff_base_s = 0.1
+    received = bytearray()
+    states: list[str] = []
+    done = asyncio.Event()
+
+    def on_event(ev: dict[str, Any]) -> None:
+        from engine import protocol
+
+        if ev["ev"] == "log":
+            assert ev["offset"] == len(received), "gap or duplicate in the resumed log"
+            received.extend(protocol.decode_log_data(ev["data"]))
+            if received.count(b"\n") >= 400:
+                done.set()
+        elif ev["ev"] == "connection":
+            states.append(ev["state"])
+
+    session.add_listener(on_event)
+    await session.connect()
+    try:
+        await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
+        await asyncio.wait_for(_until(lambda: len(received) > 200), 10)
+        first_pid = (session.hello or {})["pid"]
+        transport = session.transport
+        assert isinstance(transport, SshTransport)
+        transport.drop_connection()  # the link dies under the session
+        await asyncio.wait_for(done.wait(), 30)
+        assert (session.hello or {})["pid"] != first_pid
+    finally:
+        await session.close()
+    assert "reconnecting" in states and states.count("connected") >= 2
+    expected = "".join(f"line {i:04d}\n" for i in range(400)).encode()
+    assert bytes(received) == expected
+
+
+async def _until(pred: Callable[[], bool]) -> None:
+    import asyncio
+
+    while not pred():
+        await asyncio.sleep(0.02)
+
+
+def test_attach_argv_quotes_the_remote_command(sshd: Any) -> None:
+    opts = ConnectOptions(identity=str(sshd.identity), port=sshd.port, known_hosts=str(sshd.known_hosts), pct=200)
+    argv = SshTransport(Target.parse(sshd.target), opts).attach_argv("specdec-run-1")
+    assert argv[:2] == ["ssh", "-t"] and f"UserKnownHostsFile={sshd.known_hosts}" in argv
+    assert shlex.split(argv[-1]) == ["pct", "exec", "200", "--", "tmux", "attach-session", "-t", "specdec-run-1"]
