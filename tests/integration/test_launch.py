@@ -7,167 +7,34 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from test_launch_harness import REPO_ROOT, AgentClient, AgentPool, launch_and_wait, pid_alive
 
 from engine.supervisor import records
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
 
-class AgentClient:
-    """The host agent as a subprocess: commands in on stdin, events out on stdout."""
-
-    def __init__(self, run_root: Path, env: dict[str, str] | None = None) -> None:
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.agent.main", "--run-root", str(run_root)],
-            cwd=REPO_ROOT,
-            env=full_env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        self.events: list[dict[str, Any]] = []
-        self._q: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._next_id = 0
-        self._lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.hello = self.next_event(lambda e: e.get("ev") == "hello", 20)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            ev = json.loads(line)
-            self.events.append(ev)
-            self._q.put(ev)
-        self._q.put(None)
-
-    def next_event(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no matching agent event within {timeout_s} s; events: {self.events[-5:]}")
-            try:
-                ev = self._q.get(timeout=left)
-            except queue.Empty:
-                continue
-            if ev is None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise AssertionError(f"agent exited (rc {self.proc.poll()}): {err[-2000:]}")
-            if pred(ev):
-                return ev
-
-    def send(self, cmd: str, **args: Any) -> int:
-        with self._lock:
-            self._next_id += 1
-            cmd_id = self._next_id
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"id": cmd_id, "cmd": cmd, "args": args}) + "\n").encode())
-        self.proc.stdin.flush()
-        return cmd_id
-
-    def request(self, cmd: str, reply_within_s: float = 60.0, **args: Any) -> dict[str, Any]:
-        """The whole reply event of one command."""
-        cmd_id = self.send(cmd, **args)
-        return self.next_event(lambda e: e.get("ev") == "reply" and e.get("id") == cmd_id, reply_within_s)
-
-    def ok(self, cmd: str, reply_within_s: float = 60.0, **args: Any) -> dict[str, Any]:
-        reply = self.request(cmd, reply_within_s, **args)
-        assert reply["ok"], f"{cmd} failed: {reply.get('error')}"
-        result: dict[str, Any] = reply["result"]
-        return result
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-def poll_until(pred: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    root = tmp_path / "run-root"
+    root.mkdir()
+    p = AgentPool(root)
+    yield p
+    p.close()
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    r = tmp_path / "run-root"
-    r.mkdir()
-    return r
-
-
-@pytest.fixture
-def agent_factory(root: Path) -> Iterator[Callable[..., AgentClient]]:
-    """Starts agents; at teardown ends every run they launched (by its recorded process group) and the agents."""
-    agents: list[AgentClient] = []
-
-    def make(run_root: Path | None = None, env: dict[str, str] | None = None) -> AgentClient:
-        a = AgentClient(run_root or root, env)
-        agents.append(a)
-        return a
-
-    yield make
-    for a in agents:
-        a.close()
-    for rd in records.list_runs(root):
-        launch = records.read_json(rd / records.LAUNCH_JSON) or {}
-        pgid = launch.get("job_pgid")
-        if isinstance(pgid, int) and records.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
-            os.killpg(pgid, signal.SIGKILL)
-        sub = records.read_json(rd / records.SUBMITTED_JSON) or {}
-        if sub.get("tmux_session"):
-            subprocess.run(
-                ["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "kill-session", "-t", f"={sub['tmux_session']}"],
-                capture_output=True,
-                check=False,
-            )
-
-
-@pytest.fixture
-def agent(agent_factory: Callable[..., AgentClient]) -> AgentClient:
-    return agent_factory()
-
-
-def launch_and_wait(
-    agent: AgentClient, command: list[str], milestone: str, timeout_s: float, **spec: Any
-) -> tuple[dict[str, Any], dict[str, Any], float]:
-    t0 = time.monotonic()
-    launched = agent.ok("launch", command=command, **spec)
-    res = agent.ok("wait", run_id=launched["run_id"], milestone=milestone, timeout_s=timeout_s)
-    return launched, res, time.monotonic() - t0
+def agent(pool: AgentPool) -> AgentClient:
+    return pool.make()
 
 
 def test_launch_of_missing_script_fails_with_127_and_the_shells_words_within_two_seconds(agent: AgentClient) -> None:
@@ -256,7 +123,7 @@ def test_first_step_from_an_engine_step_event_and_custom_pattern_not_matched(age
     assert info.state == "running" and info.tmux_session == launched["tmux_session"]
 
 
-def test_clashing_tmux_session_name_is_a_clear_error(agent: AgentClient, root: Path) -> None:
+def test_clashing_tmux_session_name_is_a_clear_error(agent: AgentClient, pool: AgentPool) -> None:
     sock = os.environ["SPECDEC_TMUX_SOCKET"]
     name = "specdec-clash-1"
     subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-s", name, "sleep 60"], check=True)
@@ -264,15 +131,13 @@ def test_clashing_tmux_session_name_is_a_clear_error(agent: AgentClient, root: P
         reply = agent.request("launch", command=["true"], run_id="clash-1")
         assert reply["ok"] is False
         assert f"tmux session '{name}' already exists" in reply["error"]
-        assert not (root / "runs" / "clash-1").exists()
+        assert not (pool.root / "runs" / "clash-1").exists()
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-session", "-t", f"={name}"], check=False)
 
 
 @pytest.mark.parametrize("blocker", ["root_is_a_file", "runs_is_a_file"])
-def test_unwritable_run_root_is_a_clear_error(
-    agent_factory: Callable[..., AgentClient], tmp_path: Path, blocker: str
-) -> None:
+def test_unwritable_run_root_is_a_clear_error(pool: AgentPool, tmp_path: Path, blocker: str) -> None:
     # Tests run as root, for whom mode bits do not stop a write: a file where a directory must be always does.
     if blocker == "root_is_a_file":
         bad_root = tmp_path / "not-a-dir"
@@ -282,18 +147,18 @@ def test_unwritable_run_root_is_a_clear_error(
         bad_root = tmp_path / "root-with-file"
         bad_root.mkdir()
         (bad_root / "runs").write_text("")
-    a = agent_factory(run_root=bad_root)
+    a = pool.make(run_root=bad_root)
     reply = a.request("launch", command=["true"])
     assert reply["ok"] is False
     assert reply["error"].startswith(f"run root {bad_root} is not writable:"), reply["error"]
     assert "Not a directory" in reply["error"] or "File exists" in reply["error"]
 
 
-def test_missing_working_directory_is_a_clear_error_before_anything_starts(agent: AgentClient, root: Path) -> None:
+def test_missing_working_directory_is_a_clear_error_before_anything_starts(agent: AgentClient, pool: AgentPool) -> None:
     reply = agent.request("launch", command=["true"], cwd="/does/not/exist", run_id="nocwd")
     assert reply["ok"] is False
     assert reply["error"] == "working directory /does/not/exist does not exist on the host"
-    assert not (root / "runs" / "nocwd").exists()
+    assert not (pool.root / "runs" / "nocwd").exists()
     res = subprocess.run(
         ["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "has-session", "-t", "=specdec-nocwd"], capture_output=True
     )
@@ -320,10 +185,8 @@ def test_wrapper_records_a_working_directory_that_vanished_after_the_check(tmp_p
     assert records.read_run(run_dir, records.read_boot_id()).state == "failed"
 
 
-def test_job_survives_the_client_leaving_and_a_new_agent_finds_it(
-    agent_factory: Callable[..., AgentClient], root: Path
-) -> None:
-    first = agent_factory()
+def test_job_survives_the_client_leaving_and_a_new_agent_finds_it(pool: AgentPool) -> None:
+    first = pool.make()
     launched = first.ok("launch", command=["sleep", "600"])
     first.ok("wait", run_id=launched["run_id"], milestone="started", timeout_s=10)
     job_pid = records.read_run(Path(launched["run_dir"]), records.read_boot_id()).pid
@@ -331,19 +194,17 @@ def test_job_survives_the_client_leaving_and_a_new_agent_finds_it(
     first.close()  # the client leaves: stdin closes and the agent exits
     assert first.proc.returncode == 0
     assert pid_alive(job_pid)
-    second = agent_factory()
+    second = pool.make()
     status = second.ok("status")
     run = status["run"]
     assert run is not None
     assert run["run_id"] == launched["run_id"] and run["state"] == "running" and run["pid"] == job_pid
     assert second.ok("wait", milestone="started", timeout_s=5)["ok"] is True  # no run_id: the current run
-    assert records.current_run_dir(root) == Path(launched["run_dir"])
+    assert records.current_run_dir(pool.root) == Path(launched["run_dir"])
 
 
-def test_without_tmux_the_run_starts_with_setsid_and_says_it_cannot_be_attached(
-    agent_factory: Callable[..., AgentClient],
-) -> None:
-    a = agent_factory(env={"SPECDEC_NO_TMUX": "1"})
+def test_without_tmux_the_run_starts_with_setsid_and_says_it_cannot_be_attached(pool: AgentPool) -> None:
+    a = pool.make(env={"SPECDEC_NO_TMUX": "1"})
     launched, res, _ = launch_and_wait(a, ["bash", "-c", "echo hello; echo step=1; sleep 600"], "first-step", 20)
     assert launched["attachable"] is False and launched["tmux_session"] is None
     assert "not attachable" in launched["note"]
@@ -375,7 +236,9 @@ def test_stacks_of_a_job_with_faulthandler_on_sigusr1(agent: AgentClient) -> Non
 
 
 def test_stacks_of_a_foreign_python_job_says_what_is_missing(agent: AgentClient) -> None:
-    launch_and_wait(agent, [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"], "output", 20)
+    launch_and_wait(
+        agent, [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"], "output", 20
+    )
     reply = agent.request("stacks", timeout_s=2)
     if shutil.which("py-spy"):
         assert reply["ok"] and reply["result"]["method"] == "py-spy dump"

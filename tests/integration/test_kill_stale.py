@@ -1,0 +1,157 @@
+"""kill_stale through the real agent, with stand-in GPU holders and decoys.
+
+Stand-in holders are processes holding open files named nvidia0/nvidia1 under a temporary
+SPECDEC_DEV_DIR, which the agent scans instead of /dev. Decoys: plain sleepers that hold no
+device, and a child of the current run that does hold one. Only the stale holders may be listed
+and signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
+
+from engine.agent import procs
+from engine.supervisor import records
+
+pytestmark = pytest.mark.tmux
+
+HOLD = "import signal, sys, time\n{ignore}f = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(600)\n"
+
+
+def holds(pid: int, path: Path) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+class Scene:
+    def __init__(self, dev: Path, agent: AgentClient, run_dir: Path, run_holder: int, procs_: dict[str, int]) -> None:
+        self.dev = dev
+        self.agent = agent
+        self.run_dir = run_dir
+        self.run_holder = run_holder
+        self.pids = procs_
+
+    def identity(self, name: str) -> list[float]:
+        ident = procs.proc_identity(self.pids[name])
+        assert ident is not None
+        return [ident[0], ident[1]]
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    root = tmp_path / "run-root"
+    root.mkdir()
+    p = AgentPool(root)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def scene(tmp_path: Path, pool: AgentPool) -> Iterator[Scene]:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl"):
+        (dev / name).write_text("")
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(code: str, *args: str) -> int:
+        p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        started.append(p)
+        return p.pid
+
+    pids = {
+        "stale": spawn(HOLD.format(ignore=""), str(dev / "nvidia0")),
+        "stale_stubborn": spawn(
+            HOLD.format(ignore="signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"), str(dev / "nvidiactl")
+        ),
+        "decoy": spawn("import time; time.sleep(600)"),
+    }
+    agent = pool.make(env={"SPECDEC_DEV_DIR": str(dev)})
+    hold_run = HOLD.format(ignore="").replace("\n", "; ")
+    run_cmd = ["bash", "-c", f'{sys.executable} -c "$0" "$1" & wait', hold_run, str(dev / "nvidia1")]
+    launched, res, _ = launch_and_wait(agent, run_cmd, "started", 20)
+    assert res["ok"], res
+    run_dir = Path(launched["run_dir"])
+
+    def run_holder() -> int | None:
+        launch = records.read_json(run_dir / records.LAUNCH_JSON) or {}
+        for pid in procs.tree_pids(launch.get("job_pid") or 0):
+            if holds(pid, dev / "nvidia1"):
+                return pid
+        return None
+
+    holder_in_run = poll_until(run_holder, 10, "the run's child to open nvidia1")
+    poll_until(lambda: holds(pids["stale"], dev / "nvidia0"), 10, "the stale holder to open nvidia0")
+    poll_until(lambda: holds(pids["stale_stubborn"], dev / "nvidiactl"), 10, "the stubborn holder to open nvidiactl")
+    yield Scene(dev, agent, run_dir, holder_in_run, pids)
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+
+
+def test_dry_run_lists_only_the_stale_holders(scene: Scene) -> None:
+    res = scene.agent.ok("kill_stale", dry_run=True)
+    listed = {c["pid"] for c in res["candidates"]}
+    assert listed == {scene.pids["stale"], scene.pids["stale_stubborn"]}
+    by_pid = {c["pid"]: c for c in res["candidates"]}
+    stale = by_pid[scene.pids["stale"]]
+    assert stale["gpus"] == [0] and stale["user"] == "root" and stale["create_time"] is not None
+    assert stale["state"] == "sleeping" and stale["age_s"] >= 0 and str(scene.dev / "nvidia0") in stale["cmd"]
+    assert by_pid[scene.pids["stale_stubborn"]]["gpus"] == []  # nvidiactl names no GPU
+    left = {e["holder"]["pid"]: e["reason"] for e in res["left_alone"]}
+    assert left[scene.run_holder] == "part of the current run"
+    assert res["signalled"] == [] and res["failed"] == []
+    assert all(pid_alive(p) for p in scene.pids.values()) and pid_alive(scene.run_holder)
+
+
+def test_yes_signals_exactly_the_listed_holders_and_escalates_for_the_stubborn_one(scene: Scene) -> None:
+    listed = scene.agent.ok("kill_stale", dry_run=True)["candidates"]
+    targets = [[c["pid"], c["create_time"]] for c in listed]
+    res = scene.agent.ok("kill_stale", dry_run=False, targets=targets, grace_s=1.0)
+    outcome = {e["pid"]: e for e in res["signalled"]}
+    assert set(outcome) == {scene.pids["stale"], scene.pids["stale_stubborn"]}
+    assert outcome[scene.pids["stale"]]["signals"] == ["SIGTERM"]
+    assert outcome[scene.pids["stale"]]["outcome"].startswith("exited")
+    assert outcome[scene.pids["stale_stubborn"]]["signals"] == ["SIGTERM", "SIGKILL"]
+    assert outcome[scene.pids["stale_stubborn"]]["outcome"] == "killed by SIGKILL after the grace"
+    assert res["failed"] == []
+    assert not pid_alive(scene.pids["stale"]) and not pid_alive(scene.pids["stale_stubborn"])
+    assert pid_alive(scene.pids["decoy"]), "a process holding no device was touched"
+    assert pid_alive(scene.run_holder), "a process of the current run was touched"
+    assert records.read_run(scene.run_dir, records.read_boot_id()).state == "running"
+
+
+def test_targets_that_are_not_stale_holders_are_refused_with_the_reason(scene: Scene) -> None:
+    stale_pid, stale_ct = scene.identity("stale")
+    run_ident = procs.proc_identity(scene.run_holder)
+    assert run_ident is not None
+    targets = [
+        [stale_pid, stale_ct - 5.0],  # the PID as if it had been reused by another process
+        scene.identity("decoy"),
+        [run_ident[0], run_ident[1]],
+    ]
+    res = scene.agent.ok("kill_stale", dry_run=False, targets=targets, grace_s=1.0)
+    assert res["signalled"] == []
+    reasons = {f["pid"]: f["reason"] for f in res["failed"]}
+    assert "PID now belongs to another process" in reasons[stale_pid]
+    assert reasons[scene.pids["decoy"]] == "holds no NVIDIA device: never touched by kill-stale"
+    assert reasons[scene.run_holder] == "not a stale holder: part of the current run"
+    assert all(pid_alive(p) for p in scene.pids.values()) and pid_alive(scene.run_holder)
+
+
+def test_yes_without_targets_signals_every_listed_holder_and_nothing_else(scene: Scene) -> None:
+    res = scene.agent.ok("kill_stale", dry_run=False, targets=None, grace_s=1.0)
+    assert {e["pid"] for e in res["signalled"]} == {scene.pids["stale"], scene.pids["stale_stubborn"]}
+    progress = [e["message"] for e in scene.agent.events if e.get("ev") == "progress"]
+    assert any(m.startswith(f"SIGTERM to pid {scene.pids['stale']}") for m in progress), progress
+    assert pid_alive(scene.pids["decoy"]) and pid_alive(scene.run_holder)

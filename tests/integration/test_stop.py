@@ -1,0 +1,105 @@
+"""stop and restart of a supervised run, through the real agent and real tmux on a private socket."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive
+
+from engine.supervisor import records
+
+pytestmark = pytest.mark.tmux
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    root = tmp_path / "run-root"
+    root.mkdir()
+    p = AgentPool(root)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def agent(pool: AgentPool) -> AgentClient:
+    return pool.make()
+
+
+IGNORES_TERM = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A child in the same process group that ignores SIGTERM too (SIG_IGN is inherited across exec).
+    child = subprocess.Popen(["sleep", "600"])
+    print("ignoring SIGTERM, child", child.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_stop_of_a_group_that_ignores_sigterm_escalates_to_sigkill_after_the_grace(agent: AgentClient) -> None:
+    launched, res, _ = launch_and_wait(agent, [sys.executable, "-c", IGNORES_TERM], "output", 20)
+    assert res["ok"], res
+    run_dir = Path(launched["run_dir"])
+    info = records.read_run(run_dir, records.read_boot_id())
+    assert info.pid is not None
+    t0 = time.monotonic()
+    cmd_id = agent.send("stop", grace_s=1.0, release_timeout_s=1.0)
+    reply = agent.next_event(lambda e: e.get("ev") == "reply" and e.get("id") == cmd_id, 30)
+    elapsed = time.monotonic() - t0
+    assert reply["ok"], reply
+    result = reply["result"]
+    assert result["escalated"] is True and result["stopped"] is True
+    steps = result["steps"]
+    assert steps[0] == f"SIGTERM to process group {info.pgid} (2 processes)"
+    assert any("still alive after the 1 s grace" in s and "SIGKILL" in s for s in steps), steps
+    assert any(s.startswith("killed: gone") for s in steps), steps
+    assert result["exit"]["signal"] == signal.SIGKILL
+    progress = [e["message"] for e in agent.events if e.get("ev") == "progress" and e.get("id") == cmd_id]
+    assert progress == steps  # each step was reported as it happened
+    assert 1.0 <= elapsed < 4.0, f"stop took {elapsed:.2f} s"
+    assert not pid_alive(info.pid)
+    assert records.read_run(run_dir, records.read_boot_id()).state == "failed"
+
+
+def test_stop_of_a_cooperative_job_needs_no_sigkill(agent: AgentClient) -> None:
+    launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
+    t0 = time.monotonic()
+    result = agent.ok("stop", grace_s=10, release_timeout_s=1)
+    assert time.monotonic() - t0 < 2.0
+    assert result["escalated"] is False
+    assert not any("SIGKILL" in s for s in result["steps"])
+    assert result["exit"]["signal"] == signal.SIGTERM
+    assert result["gpu_released"] is True
+    info = records.read_run(Path(launched["run_dir"]), records.read_boot_id())
+    assert info.state == "failed" and info.signal == signal.SIGTERM
+
+
+def test_stop_when_nothing_runs_is_a_clear_error(agent: AgentClient) -> None:
+    reply = agent.request("stop", grace_s=1)
+    assert reply["ok"] is False and reply["error"].startswith("no run under ")
+    launch_and_wait(agent, ["true"], "first-step", 10)
+    again = agent.request("stop", grace_s=1)
+    assert again["ok"] is False and "is not running (exited): nothing to stop" in again["error"]
+
+
+def test_restart_stops_the_run_and_launches_the_same_spec_again(pool: AgentPool) -> None:
+    a = pool.make()
+    first, _, _ = launch_and_wait(a, ["sleep", "600"], "started", 20, env={"MARK": "one"}, step_pattern=r"it=\d+")
+    result = a.ok("restart", grace_s=5, release_timeout_s=1)
+    assert result["previous_run_id"] == first["run_id"]
+    assert result["stop"]["exit"]["signal"] == signal.SIGTERM
+    second = result["launch"]
+    assert second["run_id"] != first["run_id"]
+    assert records.current_run_dir(pool.root) == Path(second["run_dir"])
+    a.ok("wait", milestone="started", timeout_s=10)
+    launch = records.read_json(Path(second["run_dir"]) / records.LAUNCH_JSON) or {}
+    assert launch["command"] == ["sleep", "600"]
+    assert launch["spec"]["env"] == {"MARK": "one"} and launch["step_pattern"] == r"it=\d+"
+    assert records.read_run(Path(first["run_dir"]), records.read_boot_id()).state == "failed"
