@@ -1,0 +1,85 @@
+"""``specdec-train`` / ``python3 -m engine.trainer``: run the threaded EAGLE-3 drafter trainer.
+
+    specdec-train --preset cpu-demo
+    specdec-train --config engine.toml --set steps=100 --set 'drafter_devices=["cuda:0","cuda:1"]'
+
+Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl); human lines ``step=N loss=… acc0=…
+tok/s=…`` go to stdout. SIGTERM stops at the next step boundary, saves a checkpoint and exits 0.
+SIGUSR1 dumps every thread's stack to stderr. Exit codes: 0 done or stopped, 1 failed, 2 config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import signal
+import sys
+import time
+
+from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, parse_override, preset
+from engine.trainer.metrics import EventLog, events_path_for
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="specdec-train", description="Threaded EAGLE-3 drafter trainer")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--config", help="engine config (TOML)")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (TOML value)")
+    ap.add_argument("--output-dir", help="override output_dir")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return ap.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> EngineConfig:
+    if args.config:
+        cfg = load_toml(args.config)
+    elif args.preset:
+        cfg = preset(args.preset)
+    else:
+        cfg = preset("cpu-demo")
+    overrides = dict(parse_override(s) for s in args.set)
+    if args.output_dir:
+        overrides["output_dir"] = args.output_dir
+    return from_dict(overrides, cfg) if overrides else cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable(sys.stderr)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    args = parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+    except ConfigError as exc:
+        print(f"specdec-train: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        for key, value in cfg.to_dict().items():
+            print(f"{key} = {value!r}")
+        return 0
+    events = EventLog(events_path_for(cfg.output_dir))
+    t0 = time.perf_counter()
+    events.stage("imports", "importing torch")
+    try:
+        import torch
+
+        from engine.trainer.engine import Engine
+    except Exception as exc:
+        events.emit("run_end", ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0)
+        raise
+    events.stage("imports", f"torch {torch.__version__} in {time.perf_counter() - t0:.1f} s")
+    engine = Engine(cfg, events)
+    engine.install_signal_handlers()
+    try:
+        engine.build()
+    except Exception as exc:
+        events.emit("run_end", ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0)
+        raise
+    code = engine.run()
+    events.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Checkpoints: per-drafter model, optimizer, scheduler, step, data position and RNG state, plus the vocab.
+
+Layout: ``<output_dir>/checkpoints/step_<N>/`` with ``meta.json``, ``vocab.pt`` and one ``<drafter>.pt`` per
+drafter; written into a temporary directory and renamed, so a directory with ``meta.json`` is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+META = "meta.json"
+
+
+def to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor moved to (or copied on) the CPU: safe to keep while training goes on."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_cpu(v) for v in obj)
+    return obj
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    drafter_states: dict[str, dict[str, Any]],
+    meta: dict[str, Any],
+    draft_to_target: torch.Tensor,
+    keep: int,
+) -> Path:
+    root = checkpoints_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    for name, state in drafter_states.items():
+        torch.save(state, tmp / f"{name}.pt")
+    torch.save({"draft_to_target": draft_to_target.cpu()}, tmp / "vocab.pt")
+    body = {**meta, "step": step, "drafters": sorted(drafter_states), "saved_at": time.time()}
+    (tmp / META).write_text(json.dumps(body, indent=1, default=str), encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    complete = sorted(p for p in root.glob("step_*") if (p / META).exists())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return None
+    complete = sorted(p for p in root.glob("step_*") if (p / META).exists())
+    return complete[-1] if complete else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((path / META).read_text(encoding="utf-8"))
+    return data
+
+
+def load_vocab(path: Path) -> torch.Tensor:
+    t: torch.Tensor = torch.load(path / "vocab.pt", map_location="cpu", weights_only=True)["draft_to_target"]
+    return t
+
+
+def load_drafter_state(path: Path, name: str) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False)
+    return state

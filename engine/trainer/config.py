@@ -1,0 +1,237 @@
+"""Engine configuration: a TOML file or a named preset, validated with errors that name the key.
+
+Stdlib only (no torch), so the command line can report config errors before the heavy imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape")
+DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
+SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
+THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "flex", "sdpa")
+DATA_RANDOM = "random"
+DATA_SHIPPED = "shipped"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key and what is allowed."""
+
+
+@dataclass
+class EngineConfig:
+    # The target: a built-in random preset ("tiny", "llama3-8b-shape") or a local Hugging Face directory.
+    target: str = "tiny"
+    target_layers: list[int] | None = None  # None: low/middle/high as EAGLE-3 (2, L/2, L-3 for deep models)
+    target_devices: list[str] = field(default_factory=lambda: ["cpu"])
+    drafter_devices: list[str] = field(default_factory=lambda: ["cpu"])
+    drafter_mode: str = "replicas"
+    # Data: "shipped" (the corpus in the package), "random" (random token ids), or a ShareGPT JSONL path.
+    data: str = DATA_SHIPPED
+    buckets: list[int] = field(default_factory=lambda: [256])
+    batch_size: int = 1
+    draft_vocab_size: int = 128
+    vocab_sample_batches: int = 256
+    ttt_steps: int = 3
+    lr: float = 1e-3
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    steps: int = 1000
+    checkpoint_every: int = 0  # 0: only on SIGTERM and at the end
+    keep_checkpoints: int = 2
+    compile: bool = False
+    compile_guard: bool = True  # False only for the control experiment that shows why the guard exists
+    compile_target: bool = False
+    attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU
+    grad_checkpointing: bool = False
+    dtype: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU
+    seed: int = 0
+    output_dir: str = "runs/specdec-engine"
+    resume: bool = True  # resume from the newest checkpoint in output_dir when there is one
+    queue_size: int = 4
+    on_thread_error: str = "stop"
+    log_every: int = 1
+    heartbeat_interval_s: float = 1.0
+    stall_after_s: float = 60.0
+    starve_after_s: float = 10.0
+    step_delay_s: float = 0.0  # a pause after each step, so a demo on a laptop leaves the CPU some air
+    torch_threads: int = 0  # 0: leave torch's default
+    # Tiny target size knobs (only for target = "tiny").
+    tiny_hidden: int = 64
+    tiny_layers: int = 4
+
+    def validate(self) -> EngineConfig:
+        def need(cond: bool, key: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{key}: {msg}")
+
+        def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+            need(value in allowed, key, f"got {value!r}; allowed: {', '.join(allowed)}")
+
+        if self.target not in BUILTIN_TARGETS:
+            need(
+                Path(self.target).expanduser().is_dir(),
+                "target",
+                f"{self.target!r} is neither a built-in preset ({', '.join(BUILTIN_TARGETS)}) nor a local directory",
+            )
+        one_of("drafter_mode", self.drafter_mode, DRAFTER_MODES)
+        one_of("schedule", self.schedule, SCHEDULES)
+        one_of("on_thread_error", self.on_thread_error, THREAD_ERROR_POLICIES)
+        one_of("dtype", self.dtype, DTYPES)
+        one_of("attention", self.attention, ATTENTION_IMPLS)
+        for key in ("target_devices", "drafter_devices"):
+            devs = getattr(self, key)
+            need(isinstance(devs, list) and len(devs) > 0, key, "a non-empty list of devices, e.g. ['cuda:0']")
+            for d in devs:
+                need(
+                    isinstance(d, str) and (d == "cpu" or d == "cuda" or d.startswith("cuda:")),
+                    key,
+                    f"device {d!r}; allowed: 'cpu', 'cuda', 'cuda:N'",
+                )
+        need(len(self.buckets) > 0, "buckets", "at least one sequence length")
+        need(all(isinstance(b, int) and b >= 16 for b in self.buckets), "buckets", "integers >= 16")
+        need(self.buckets == sorted(set(self.buckets)), "buckets", "strictly increasing")
+        for key in ("batch_size", "ttt_steps", "steps", "draft_vocab_size", "queue_size", "log_every"):
+            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "an integer >= 1")
+        need(self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0 (0: only on stop)")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints", "an integer >= 1")
+        need(self.lr > 0, "lr", "a positive number")
+        need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
+        need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "a positive number of seconds")
+        need(self.step_delay_s >= 0, "step_delay_s", "a number of seconds >= 0")
+        if self.target_layers is not None:
+            need(
+                len(self.target_layers) == 3 and all(isinstance(i, int) and i >= 0 for i in self.target_layers),
+                "target_layers",
+                "three non-negative layer indices (low, middle, high)",
+            )
+        need(self.tiny_layers >= 4, "tiny_layers", "an integer >= 4 (three distinct hidden layers are captured)")
+        need(self.tiny_hidden >= 32 and self.tiny_hidden % 16 == 0, "tiny_hidden", "a multiple of 16, >= 32")
+        return self
+
+    @property
+    def uses_cuda(self) -> bool:
+        return any(d.startswith("cuda") for d in self.target_devices + self.drafter_devices)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
+    """Overlay ``values`` on ``base`` (or the defaults). Unknown keys are errors that list the known ones."""
+    cfg = dataclasses.replace(base) if base is not None else EngineConfig()
+    known = {f.name: f for f in fields(EngineConfig)}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and key in ("engine", "trainer"):
+            flat.update(value)  # allow an [engine] table
+        else:
+            flat[key] = value
+    for key, value in flat.items():
+        if key not in known:
+            raise ConfigError(f"{key}: unknown key; known keys: {', '.join(sorted(known))}")
+        default = getattr(EngineConfig(), key)
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(default, int) and not isinstance(default, bool) and not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        setattr(cfg, key, value)
+    return cfg.validate()
+
+
+def load_toml(path: str | Path, base: EngineConfig | None = None) -> EngineConfig:
+    p = Path(path).expanduser()
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {p} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p}: {exc}") from exc
+    preset_name = data.pop("preset", None)
+    if preset_name is not None and base is None:
+        base = preset(str(preset_name))
+    return from_dict(data, base)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Starts its first step within seconds on two CPU cores and keeps stepping, so the dashboard has live charts.
+    "cpu-demo": {
+        "target": "tiny",
+        "target_devices": ["cpu"],
+        "drafter_devices": ["cpu", "cpu"],
+        "drafter_mode": "independent",
+        "buckets": [128, 256],
+        "batch_size": 2,
+        "ttt_steps": 3,
+        "draft_vocab_size": 128,
+        "lr": 2e-3,
+        "steps": 1_000_000,
+        "checkpoint_every": 500,
+        "compile": False,
+        "log_every": 1,
+        "step_delay_s": 0.05,
+        "torch_threads": 1,
+        "output_dir": "runs/cpu-demo",
+    },
+    # One H200: target and drafter co-located, compiled flex attention, bf16.
+    "h200-single": {
+        "target": "llama3-8b-shape",
+        "target_devices": ["cuda:0"],
+        "drafter_devices": ["cuda:0"],
+        "drafter_mode": "replicas",
+        "data": DATA_RANDOM,
+        "buckets": [2048],
+        "batch_size": 1,
+        "ttt_steps": 7,
+        "draft_vocab_size": 32000,
+        "vocab_sample_batches": 8,
+        "lr": 1e-4,
+        "schedule": "cosine",
+        "warmup_steps": 50,
+        "steps": 2000,
+        "checkpoint_every": 500,
+        "compile": True,
+        "attention": "flex",
+        "queue_size": 2,
+        "log_every": 10,
+        "stall_after_s": 300.0,
+        "output_dir": "runs/h200-single",
+    },
+}
+
+
+def preset(name: str) -> EngineConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"preset: got {name!r}; allowed: {', '.join(sorted(PRESETS))}")
+    return from_dict(PRESETS[name])
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` with a TOML value (``steps=10``, ``drafter_devices=["cpu"]``, ``target="tiny"``)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string
+    return key, value

@@ -1,0 +1,64 @@
+"""Attention over the TTT key/value blocks: flex_attention with a block-sparse mask, or SDPA with the same mask.
+
+flex_attention skips the fully masked blocks (all off-diagonal blocks after the first), which is where the
+speed comes from at long sequences. On the CPU flex_attention has no backward (torch 2.13 raises
+NotImplementedError), so CPU training uses scaled-dot-product attention with the same mask materialised;
+a test checks that the two forwards agree.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.trainer.compile import GuardedFunction, compile_guard
+from engine.trainer.draft.masks import BlockMaskCache, dense_ttt_mask
+
+IMPLS: tuple[str, ...] = ("flex", "sdpa")
+
+
+class TTTAttention:
+    """Callable ``(q, k_all, v_all, step) -> out`` with q ``(B, Hq, T, D)`` and k/v ``(B, Hkv, (step+1)T, D)``."""
+
+    def __init__(self, impl: str, *, compiled: bool = False) -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"attention impl {impl!r}; allowed: {', '.join(IMPLS)}")
+        self.impl = impl
+        self.compiled = compiled
+        self._block_masks = BlockMaskCache()
+        self._dense: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._flex: GuardedFunction | None = None
+        if impl == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = GuardedFunction(flex_attention, compiled=compiled, name="flex_attention")
+
+    def block_mask(self, device: torch.device, seq_len: int, step: int) -> Any:
+        key = (str(device), seq_len, step)
+        if key in self._block_masks:
+            return self._block_masks.get(device, seq_len, step)
+        with compile_guard():  # mask creation can trace (vmap over the mask_mod)
+            return self._block_masks.get(device, seq_len, step)
+
+    def dense_mask(self, device: torch.device, seq_len: int, step: int) -> torch.Tensor:
+        key = (str(device), seq_len, step)
+        with self._lock:
+            mask = self._dense.get(key)
+            if mask is None:
+                mask = dense_ttt_mask(seq_len, step, device)
+                self._dense[key] = mask
+        return mask
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
+        seq_len = q.shape[-2]
+        gqa = q.shape[1] != k.shape[1]
+        if self._flex is not None:
+            bm = self.block_mask(q.device, seq_len, step)
+            out = self._flex(q, k, v, block_mask=bm, enable_gqa=gqa)
+            return out[0] if isinstance(out, tuple) else out
+        mask = self.dense_mask(q.device, seq_len, step)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

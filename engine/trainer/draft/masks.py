@@ -1,0 +1,63 @@
+"""The training-time-test (TTT) attention mask.
+
+At TTT step ``i`` the queries are the ``T`` positions of this step and the keys are the K/V of steps
+``0..i`` laid side by side (length ``(i + 1) * T``). Query ``q`` sees block 0 causally (``kv <= q``) and,
+in every later block ``j``, only its own position (the diagonal: ``kv - j * T == q``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def ttt_mask_mod(seq_len: int) -> Callable[[Any, Any, Any, Any], Any]:
+    """flex_attention mask_mod for a bucket of ``seq_len`` tokens (valid for any step)."""
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        block = kv_idx // seq_len
+        pos = kv_idx % seq_len
+        return ((block == 0) & (pos <= q_idx)) | (pos == q_idx)
+
+    return mask_mod
+
+
+def dense_ttt_mask(seq_len: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The same mask materialised: bool ``(seq_len, (step + 1) * seq_len)``, True where attention is allowed."""
+    q = torch.arange(seq_len, device=device)[:, None]
+    kv = torch.arange((step + 1) * seq_len, device=device)[None, :]
+    return ttt_mask_mod(seq_len)(None, None, q, kv)
+
+
+def unmasked_pairs(seq_len: int, step: int) -> int:
+    """How many (query, key) pairs the mask allows at one step: causal block plus ``step`` diagonals."""
+    return seq_len * (seq_len + 1) // 2 + step * seq_len
+
+
+class BlockMaskCache:
+    """flex BlockMasks per (device, seq_len, step); created once (under the compile guard by the caller)."""
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple[str, int, int], Any] = {}
+
+    def get(self, device: torch.device, seq_len: int, step: int) -> Any:
+        key = (str(device), seq_len, step)
+        mask = self._masks.get(key)
+        if mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            mask = create_block_mask(
+                ttt_mask_mod(seq_len),
+                B=None,
+                H=None,
+                Q_LEN=seq_len,
+                KV_LEN=(step + 1) * seq_len,
+                device=str(device),
+            )
+            self._masks[key] = mask
+        return mask
+
+    def __contains__(self, key: tuple[str, int, int]) -> bool:
+        return key in self._masks

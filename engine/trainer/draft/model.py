@@ -1,0 +1,217 @@
+"""The EAGLE-3 drafter: fc over three target layers, one decoder layer, frozen embeddings, draft-vocab head.
+
+The training-time test (TTT) unrolls the drafter ``ttt_steps`` times; step ``i`` attends to the keys of
+steps ``0..i`` (see masks.py). Each step is a pure function of its inputs, prior K/V included, so gradient
+checkpointing (``use_reentrant=False``) recomputes it without appending to a cache twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from engine.trainer.draft.attention import TTTAttention
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_target(cls, hf_config: Any, draft_vocab_size: int) -> DraftConfig:
+        heads = int(hf_config.num_attention_heads)
+        hidden = int(hf_config.hidden_size)
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+        rope_theta = getattr(hf_config, "rope_theta", None)
+        if rope_theta is None:
+            rope = getattr(hf_config, "rope_parameters", None) or {}
+            rope_theta = rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0
+        return cls(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(hf_config.intermediate_size),
+            vocab_size=int(hf_config.vocab_size),
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
+
+
+class DraftDecoderLayer(nn.Module):
+    """EAGLE-3's decoder layer: attention input is [norm(embedding), norm(hidden)] (2H wide)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(2 * h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        emb: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prior_k: torch.Tensor | None,
+        prior_v: torch.Tensor | None,
+        step: int,
+        attention: TTTAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = hidden.shape
+        d = self.cfg.head_dim
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
+        q = self.q_proj(x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if prior_k is not None and prior_v is not None:
+            k_all = torch.cat((prior_k, k), dim=2)
+            v_all = torch.cat((prior_v, v), dim=2)
+        else:
+            k_all, v_all = k, v
+        attn = attention(q, k_all, v_all, step)
+        attn = attn.transpose(1, 2).reshape(b, t, self.cfg.num_heads * d)
+        h = hidden + self.o_proj(attn)
+        m = self.post_attention_layernorm(h)
+        h = h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        return h, k_all, v_all
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Drop the first ``n`` positions (dim 1) and pad the end with zeros: keeps the bucket's shape fixed."""
+    if n == 0:
+        return x
+    if n >= x.shape[1]:
+        return torch.zeros_like(x)
+    return torch.cat((x[:, n:], torch.zeros_like(x[:, :n])), dim=1)
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor, draft_to_target: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.layer = DraftDecoderLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        # Frozen: the target's token embeddings (shared with the target when on the same device and dtype).
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        d2t = draft_to_target.long() - torch.arange(draft_to_target.numel(), device=draft_to_target.device)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=draft_to_target.device)
+        t2d[draft_to_target.long()] = True
+        self.register_buffer("d2t", d2t)  # EAGLE-3's convention: target id = draft id + d2t[draft id]
+        self.register_buffer("t2d", t2d)
+        self._rotary: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, str(device))
+        tables = self._rotary.get(key)
+        if tables is None:
+            tables = rotary_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, device)
+            self._rotary[key] = tables
+        return tables
+
+    def forward(
+        self,
+        hidden3: torch.Tensor,
+        input_ids: torch.Tensor,
+        target_p: torch.Tensor,
+        position_mask: torch.Tensor,
+        *,
+        ttt_steps: int,
+        attention: TTTAttention,
+        loss_fn: LossFn,
+        grad_checkpointing: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
+
+        Position ``t`` of step ``i`` reads token ``t + 1 + i`` and predicts the target's distribution at
+        position ``t + 1 + i``; step 0's hidden state is the fused target state at ``t``.
+        """
+        seq_len = input_ids.shape[1]
+        cos, sin = self.rotary(seq_len, input_ids.device)
+        hidden = self.fc(hidden3)
+        prior_k: torch.Tensor | None = None
+        prior_v: torch.Tensor | None = None
+        losses, correct, counts = [], [], []
+        for i in range(ttt_steps):
+            with torch.no_grad():
+                emb = F.embedding(shift_left(input_ids, i + 1), self.embed_weight)
+            if grad_checkpointing and torch.is_grad_enabled():
+                hidden, prior_k, prior_v = checkpoint(
+                    self.layer, hidden, emb, cos, sin, prior_k, prior_v, i, attention, use_reentrant=False
+                )
+            else:
+                hidden, prior_k, prior_v = self.layer(hidden, emb, cos, sin, prior_k, prior_v, i, attention)
+            logits = self.lm_head(self.norm(hidden))
+            loss_i, correct_i, count_i = loss_fn(
+                logits, shift_left(target_p, i + 1), shift_left(position_mask, i + 1)
+            )
+            losses.append(loss_i)
+            correct.append(correct_i)
+            counts.append(count_i)
+        return torch.stack(losses), torch.stack(correct), torch.stack(counts)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

@@ -1,0 +1,352 @@
+"""The engine: builds target producers and drafter workers from a config, runs them, watches them, stops them.
+
+All in one process: one producer thread per target device, one worker thread per drafter device, bounded
+queues between them, heartbeats and step metrics to events.jsonl, checkpoints periodically and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from engine.trainer import checkpoint as ckpt
+from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
+from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
+from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
+from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.model import DraftConfig, Drafter
+from engine.trainer.health import HealthBoard
+from engine.trainer.metrics import EventLog, events_path_for
+from engine.trainer.producer import DeviceBatch, Producer, Route
+from engine.trainer.queue import BoundedQueue
+from engine.trainer.target import Target, load_target, load_tokenizer
+from engine.trainer.vocab import DraftVocab, build_draft_vocab
+from engine.trainer.worker import DrafterWorker, ReplicaGroup
+
+JOIN_TIMEOUT_S = 30.0
+REPLICAS_CHECKPOINT = "replicas"
+
+
+def lr_lambda(cfg: EngineConfig) -> Any:
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        frac = min(1.0, (step - cfg.warmup_steps) / span)
+        if cfg.schedule == "linear":
+            return max(0.0, 1.0 - frac)
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return fn
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, events: EventLog | None = None) -> None:
+        self.cfg = cfg.validate()
+        self.output_dir = Path(cfg.output_dir)
+        self.events = events if events is not None else EventLog(events_path_for(cfg.output_dir))
+        self.health = HealthBoard(self.events, stall_after_s=cfg.stall_after_s, starve_after_s=cfg.starve_after_s)
+        self.control = RunControl(self.events, self.health, cfg.on_thread_error)
+        self.control.on_failure.append(self._on_failure)
+        self.targets: list[Target] = []
+        self.producers: list[Producer] = []
+        self.workers: list[DrafterWorker] = []
+        self.queues: list[BoundedQueue[DeviceBatch]] = []
+        self.group: ReplicaGroup | None = None
+        self.vocab: DraftVocab | None = None
+        self.source: BatchSource | None = None
+        self.resumed_from: Path | None = None
+        self.checkpoints: list[Path] = []
+        self._ckpt_lock = threading.Lock()
+        self.training_started_at: float | None = None
+        self.exit_code: int | None = None
+
+    # --- building ---------------------------------------------------------------------------------------------
+    def _dtypes(self, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+        """(target dtype, autocast dtype) for a device."""
+        if self.cfg.dtype == "float32":
+            return torch.float32, None
+        if device.type == "cuda" or self.cfg.dtype == "bfloat16":
+            return torch.bfloat16, torch.bfloat16
+        return torch.float32, None
+
+    def build(self) -> None:
+        cfg = self.cfg
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        tdevs = [torch.device(d) for d in cfg.target_devices]
+        ddevs = [torch.device(d) for d in cfg.drafter_devices]
+        if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
+            raise RuntimeError("the config names CUDA devices but torch.cuda.is_available() is False")
+        attn_impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
+        if attn_impl == "flex" and any(d.type == "cpu" for d in ddevs):
+            raise RuntimeError("attention = 'flex' needs CUDA drafters (flex_attention has no CPU backward)")
+
+        tokenizer = load_tokenizer(cfg.target)
+        for i, dev in enumerate(tdevs):
+            t0 = time.perf_counter()
+            tdtype, _ = self._dtypes(dev)
+            target = load_target(
+                cfg.target,
+                dev,
+                tokenizer=tokenizer,
+                layer_ids=cfg.target_layers,
+                seed=cfg.seed,
+                dtype=tdtype,
+                tiny_hidden=cfg.tiny_hidden,
+                tiny_layers=cfg.tiny_layers,
+            )
+            if cfg.compile and cfg.compile_target and dev.type == "cuda":
+                target.compile()
+            self.targets.append(target)
+            self.events.stage(
+                "target_loaded",
+                f"target{i} {cfg.target} on {dev} layers {target.layer_ids} in {time.perf_counter() - t0:.1f} s",
+            )
+        target0 = self.targets[0]
+
+        if cfg.data == DATA_RANDOM or tokenizer is None:
+            self.source = RandomTokenSource(
+                target0.vocab_size, buckets=cfg.buckets, batch_size=cfg.batch_size, seed=cfg.seed
+            )
+        else:
+            path = shipped_corpus_path() if cfg.data == DATA_SHIPPED else Path(cfg.data).expanduser()
+            self.source = ConversationSource(
+                tokenizer, path, buckets=cfg.buckets, batch_size=cfg.batch_size, seed=cfg.seed
+            )
+
+        latest = ckpt.latest_checkpoint(self.output_dir) if cfg.resume else None
+        if latest is not None:
+            self.vocab = DraftVocab(ckpt.load_vocab(latest))
+            self.resumed_from = latest
+        else:
+            draft_size = min(cfg.draft_vocab_size, target0.vocab_size)
+            self.vocab = build_draft_vocab(self.source, target0.vocab_size, draft_size, cfg.vocab_sample_batches)
+        dcfg = DraftConfig.from_target(target0.config, self.vocab.size)
+
+        n = len(ddevs)
+        replicas = cfg.drafter_mode == "replicas"
+        if replicas and n > 1:
+            self.group = ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set())
+        rounds = CheckpointRounds(
+            {REPLICAS_CHECKPOINT} if replicas else {f"drafter{r}" for r in range(n)}, self._write_checkpoint
+        )
+        self._rounds = rounds
+        first: Drafter | None = None
+        for rank, dev in enumerate(ddevs):
+            embed = next((t.embed_weight() for t in self.targets if t.device == dev), None)
+            if embed is None:
+                embed = target0.embed_weight().to(dev)
+            seed = cfg.seed if replicas else cfg.seed + rank
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 7919)
+                drafter = Drafter(dcfg, embed, self.vocab.draft_to_target.to(dev)).to(dev)
+            if replicas and first is not None:
+                drafter.load_state_dict(first.state_dict())
+            first = first or drafter
+            params = drafter.trainable_parameters()
+            optimizer = torch.optim.AdamW(
+                params,
+                lr=cfg.lr,
+                betas=(0.9, 0.95),
+                weight_decay=cfg.weight_decay,
+                **({"fused": True} if dev.type == "cuda" else {}),
+            )
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+            queue: BoundedQueue[DeviceBatch] = BoundedQueue(cfg.queue_size, name=f"queue{rank}")
+            self.queues.append(queue)
+            tdtype, autocast = self._dtypes(dev)
+            name = f"drafter{rank}"
+            worker = DrafterWorker(
+                name,
+                rank,
+                drafter,
+                dev,
+                queue,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                attention=TTTAttention(attn_impl, compiled=cfg.compile and dev.type == "cuda"),
+                control=self.control,
+                ttt_steps=cfg.ttt_steps,
+                total_steps=cfg.steps,
+                buckets=cfg.buckets,
+                batch_size=cfg.batch_size,
+                hidden_dtype=tdtype,
+                autocast_dtype=autocast,
+                compile_loss=cfg.compile and dev.type == "cuda",
+                grad_checkpointing=cfg.grad_checkpointing,
+                max_grad_norm=cfg.max_grad_norm,
+                log_every=cfg.log_every,
+                checkpoint_every=cfg.checkpoint_every,
+                group=self.group,
+                next_index=rank if replicas else 0,
+                index_stride=n if replicas else 1,
+                submit_checkpoint=self._submit(REPLICAS_CHECKPOINT if replicas else name),
+                step_delay_s=cfg.step_delay_s,
+            )
+            if latest is not None:
+                state_name = REPLICAS_CHECKPOINT if replicas else name
+                try:
+                    state: dict[str, Any] | None = ckpt.load_drafter_state(latest, state_name)
+                except FileNotFoundError:  # a drafter that had died (policy continue) starts afresh
+                    state = None
+                if state is not None:
+                    worker.restore_state(state)
+                    if replicas:
+                        worker.next_index = worker.step * n + rank
+            self.workers.append(worker)
+
+        start_index = min(w.next_index for w in self.workers)
+        if replicas:
+            start_index = min(w.step for w in self.workers) * n
+        routes = [Route(q, d) for q, d in zip(self.queues, ddevs, strict=True)]
+        for p, target in enumerate(self.targets):
+            _, autocast = self._dtypes(target.device)
+            self.producers.append(
+                Producer(
+                    f"target{p}",
+                    target,
+                    self.source,
+                    routes,
+                    mode=cfg.drafter_mode,
+                    start_index=start_index,
+                    offset=p,
+                    stride=len(self.targets),
+                    draft_ids=self.vocab.draft_to_target,
+                    t2d=self.vocab.t2d(target.vocab_size),
+                    control=self.control,
+                    autocast_dtype=None,
+                )
+            )
+        params_m = sum(p.numel() for p in self.workers[0].params) / 1e6
+        resumed = f", resumed from {self.resumed_from.name} at step {self.workers[0].step}" if latest else ""
+        self.events.say(
+            f"engine: {len(self.targets)} target thread(s), {n} drafter thread(s) ({cfg.drafter_mode}), "
+            f"drafter {params_m:.1f}M trainable params, draft vocab {self.vocab.size}, attention {attn_impl}"
+            f"{' compiled' if cfg.compile else ''}, data: {self.source.describe()}{resumed}"
+        )
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    def _submit(self, name: str) -> Any:
+        def submit(step: int, _thread: str, state: dict[str, Any]) -> None:
+            self._rounds.submit(step, name, state)
+
+        return submit
+
+    def _write_checkpoint(self, step: int, states: dict[str, dict[str, Any]]) -> None:
+        assert self.vocab is not None and self.source is not None
+        meta = {
+            "config": self.cfg.to_dict(),
+            "mode": self.cfg.drafter_mode,
+            "data": self.source.describe(),
+            "data_position": {name: s.get("next_index") for name, s in states.items()},
+            "draft_config": self.workers[0].drafter.cfg.to_dict(),
+            "target_layers": self.targets[0].layer_ids,
+        }
+        with self._ckpt_lock:
+            path = ckpt.save_checkpoint(
+                self.output_dir, step, states, meta, self.vocab.draft_to_target, self.cfg.keep_checkpoints
+            )
+            self.checkpoints.append(path)
+        self.events.emit("checkpoint", step=step, path=str(path))
+        self.events.say(f"checkpoint step={step} path={path}")
+
+    # --- failures ---------------------------------------------------------------------------------------------
+    def _on_failure(self, failure: ThreadFailure, continuing: bool) -> None:
+        if failure.role == "producer":
+            return
+        if continuing:
+            if self.cfg.drafter_mode == "independent":
+                self._rounds.drop(failure.thread)
+            alive = [w.name for w in self.workers if not w.failed and w.name != failure.thread]
+            if not alive:
+                self.control.fail_run(f"every drafter thread failed (last: {failure.thread})")
+            else:
+                self.events.stage("training", f"degraded: {failure.thread} died; {len(alive)} drafter(s) remain")
+
+    # --- running ----------------------------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        self.events.say(f"stop requested ({reason}): stopping at the next step boundary")
+        self.events.stage("stopping", reason)
+        self.control.request_stop(reason)
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            self.request_stop(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def start(self) -> None:
+        for w in self.workers:
+            w.start()
+        for p in self.producers:
+            p.start()
+
+    def run(self) -> int:
+        """Start the threads, watch them until the drafters are done, then stop, checkpoint and report."""
+        self.start()
+        interval = self.cfg.heartbeat_interval_s
+        next_beat = 0.0
+        while True:
+            live = [w for w in self.workers if not w.finished.is_set()]
+            if not live or self.control.should_exit:
+                break
+            self.control.wake.wait(min(interval, 0.5))
+            self.control.wake.clear()
+            if self.training_started_at is None and all(w.warm.is_set() for w in self.workers):
+                self.training_started_at = time.time()
+                warm = ", ".join(f"{w.name} {w.warmup_s or 0:.1f}s" for w in self.workers)
+                self.events.stage("training", f"all drafters warm ({warm})")
+            now = time.monotonic()
+            if now >= next_beat:
+                for thread, flag in self.health.publish():
+                    self.events.say(f"warning: thread {thread} is {flag}")
+                next_beat = now + interval
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        self.control.producers_stop.set()
+        for q in self.queues:
+            q.close()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for t in [w.thread for w in self.workers] + [p.thread for p in self.producers]:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in [w.thread for w in self.workers] + [p.thread for p in self.producers] if t.is_alive()]
+        step = max((w.step for w in self.workers), default=0)
+        ok = not self.control.should_exit and not stuck
+        if ok:
+            states = self._final_states()
+            if states:
+                self.events.stage("checkpoint", f"final checkpoint at step {step}")
+                self._write_checkpoint(step, states)
+        self.health.publish()
+        reason = (
+            self.control.abort_reason
+            or (f"threads did not stop: {', '.join(stuck)}" if stuck else None)
+            or self.control.stop_reason
+            or "steps done"
+        )
+        degraded = [f.thread for f in self.control.failures]
+        self.events.emit("run_end", ok=ok, reason=reason, step=step, degraded=degraded)
+        self.events.stage("done", reason)
+        self.exit_code = 0 if ok else 1
+        return self.exit_code
+
+    def _final_states(self) -> dict[str, dict[str, Any]]:
+        good = [w for w in self.workers if not w.failed and w.final_state is not None]
+        if not good:
+            return {}
+        if self.cfg.drafter_mode == "replicas":
+            return {REPLICAS_CHECKPOINT: good[0].final_state or {}}
+        return {w.name: w.final_state or {} for w in good}

@@ -1,0 +1,97 @@
+"""Engine output: structured events to events.jsonl (kinds from engine.protocol) and human lines on stdout.
+
+Stdlib only, so ``__main__`` can report the ``imports`` stage before torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from engine.protocol import ENGINE_EVENT_KINDS, ENV_EVENTS_PATH, to_jsonable
+
+
+def events_path_for(output_dir: str | Path) -> Path:
+    env = os.environ.get(ENV_EVENTS_PATH)
+    return Path(env) if env else Path(output_dir) / "events.jsonl"
+
+
+class EventLog:
+    """Appends one JSON object per line, flushed at once; thread-safe."""
+
+    def __init__(self, path: str | Path | None, stdout: IO[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        self._stdout = stdout if stdout is not None else sys.stdout
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self.listeners: list[Any] = []  # callables(event) for tests
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        if kind not in ENGINE_EVENT_KINDS:
+            raise ValueError(f"unknown engine event kind {kind!r}")
+        event = {"t": time.time(), "kind": kind, **fields}
+        line = json.dumps(to_jsonable(event), separators=(",", ":"))
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + "\n")
+                self._file.flush()
+        for fn in list(self.listeners):
+            fn(event)
+        return event
+
+    def say(self, text: str) -> None:
+        """A human line on stdout, flushed (the supervisor's step pattern matches ``step=N``)."""
+        with self._lock:
+            self._stdout.write(text + "\n")
+            self._stdout.flush()
+
+    def stage(self, stage: str, detail: str = "", thread: str | None = None) -> None:
+        self.emit("stage", stage=stage, thread=thread, detail=detail)
+        who = f" [{thread}]" if thread else ""
+        self.say(f"stage={stage}{who} {detail}".rstrip())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def fmt(x: float) -> str:
+    return "nan" if not math.isfinite(x) else f"{x:.4f}"
+
+
+def step_line(thread: str, step: int, loss: list[float], acc: list[float], tok_s: float) -> str:
+    total = sum(0.8**i * v for i, v in enumerate(loss))
+    return (
+        f"step={step} thread={thread} loss={fmt(total)} loss0={fmt(loss[0])} acc0={fmt(acc[0])} "
+        f"acc_last={fmt(acc[-1])} tok/s={tok_s:.0f}"
+    )
+
+
+def suggest_split(target_tok_s: float, drafter_tok_s: float, gpus: int) -> tuple[int, int]:
+    """Target and drafter GPU counts that balance the two sides' per-GPU token rates.
+
+    n_target * target_tok_s = n_drafter * drafter_tok_s with n_target + n_drafter = gpus, rounded so that
+    each side gets at least one GPU.
+    """
+    if gpus < 2:
+        return (1, 1)
+    share = drafter_tok_s / (target_tok_s + drafter_tok_s)  # fraction of GPUs for the target side
+    best: tuple[float, int] | None = None
+    for n_t in range(1, gpus):
+        n_d = gpus - n_t
+        rate = min(n_t * target_tok_s, n_d * drafter_tok_s)
+        if best is None or rate > best[0] or (rate == best[0] and abs(n_t / gpus - share) < 1e-9):
+            best = (rate, n_t)
+    assert best is not None
+    return (best[1], gpus - best[1])

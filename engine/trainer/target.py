@@ -1,0 +1,194 @@
+"""The frozen target model: a Hugging Face causal LM under ``no_grad``, with hooks on three decoder layers.
+
+Built-in random presets need no download: ``tiny`` (a 4-layer Llama with a byte-level tokenizer, for the
+CPU) and ``llama3-8b-shape`` (Llama-3.1-8B's shapes with random weights, for GPU throughput work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.trainer.compile import GuardedFunction
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high layers (2, L/2, L-3), kept distinct for any depth >= 4."""
+    if num_layers < 4:
+        raise ValueError(f"the target has {num_layers} layers; at least 4 are needed for three distinct layers")
+    low = min(2, num_layers // 4)
+    mid = num_layers // 2
+    high = max(mid + 1, num_layers - 3)
+    return [low, mid, high]
+
+
+def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 4) -> Any:
+    from transformers import LlamaConfig
+
+    heads = hidden // 16
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,  # a random target whose argmax depends on the token: learnable
+        initializer_range=0.1,
+        attn_implementation="sdpa",
+    )
+
+
+def llama3_8b_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+@dataclass
+class TargetOutput:
+    hidden3: torch.Tensor  # (B, T, 3H): the three captured layers side by side
+    target_p: torch.Tensor  # (B, T, Vd) float32: softmax of the target's logits over the draft vocabulary
+    position_mask: torch.Tensor  # (B, T) float32: loss mask and the target's top token is in the draft vocab
+
+
+class Target:
+    def __init__(self, model: nn.Module, tokenizer: Any, layer_ids: list[int], device: torch.device) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.device = device
+        layers = decoder_layers(model)
+        if len(set(layer_ids)) != 3 or max(layer_ids) >= len(layers):
+            raise ValueError(f"target_layers {layer_ids}: need 3 distinct ids below {len(layers)}")
+        self.layer_ids = list(layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        for lid in self.layer_ids:
+            layers[lid].register_forward_hook(self._hook(lid))
+        self._forward: Any = model
+
+    def compile(self) -> None:
+        self._forward = GuardedFunction(self.model, compiled=True, name="target")
+
+    def _hook(self, lid: int) -> Any:
+        def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
+            self._captured[lid] = out[0] if isinstance(out, (tuple, list)) else out
+
+        return hook
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def embed_weight(self) -> torch.Tensor:
+        emb = self.model.get_input_embeddings()
+        assert isinstance(emb, nn.Embedding)
+        return emb.weight
+
+    @torch.no_grad()
+    def run(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
+    ) -> TargetOutput:
+        self._captured.clear()
+        logits = self._forward(input_ids=input_ids, use_cache=False).logits
+        hidden3 = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        in_draft = t2d[logits.argmax(dim=-1)]
+        target_p = torch.softmax(logits.index_select(-1, draft_ids).float(), dim=-1)
+        position_mask = loss_mask * in_draft.to(loss_mask.dtype)
+        return TargetOutput(hidden3=hidden3, target_p=target_p, position_mask=position_mask)
+
+
+def load_tokenizer(spec: str) -> Any:
+    if spec == "tiny":
+        from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
+
+        return build_tiny_tokenizer()
+    if spec == "llama3-8b-shape":
+        return None  # random weights, random token data
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(spec).expanduser()))
+
+
+def load_target(
+    spec: str,
+    device: torch.device,
+    *,
+    tokenizer: Any,
+    layer_ids: list[int] | None,
+    seed: int,
+    dtype: torch.dtype,
+    tiny_hidden: int = 64,
+    tiny_layers: int = 4,
+) -> Target:
+    """Builds (random presets, seeded) or loads (local directory) the target on ``device``."""
+    from transformers import LlamaForCausalLM
+
+    if spec in ("tiny", "llama3-8b-shape"):
+        if spec == "tiny":
+            vocab = ((len(tokenizer) + 7) // 8) * 8
+            cfg = tiny_config(vocab, tiny_hidden, tiny_layers)
+        else:
+            cfg = llama3_8b_config()
+        with torch.random.fork_rng(devices=[]), _default_dtype(dtype), torch.device(device):
+            torch.manual_seed(seed)
+            model: nn.Module = LlamaForCausalLM(cfg)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        path = str(Path(spec).expanduser())
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        except TypeError:  # transformers 4.x spells it torch_dtype
+            model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
+        model = model.to(device)
+    ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
+    return Target(model, tokenizer, ids, device)

@@ -1,0 +1,49 @@
+"""The draft vocabulary: the most frequent trained tokens, with EAGLE-3's d2t / t2d maps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.trainer.data import BatchSource
+
+
+@dataclass
+class DraftVocab:
+    draft_to_target: torch.Tensor  # (Vd,) long, ascending target ids
+
+    @property
+    def size(self) -> int:
+        return int(self.draft_to_target.numel())
+
+    def d2t(self) -> torch.Tensor:
+        """EAGLE-3's offsets: target id = draft id + d2t[draft id]."""
+        return self.draft_to_target - torch.arange(self.size)
+
+    def t2d(self, vocab_size: int) -> torch.Tensor:
+        """Bool mask over the target vocabulary: True where the token is in the draft vocabulary."""
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.draft_to_target] = True
+        return mask
+
+
+def vocab_from_counts(counts: torch.Tensor, draft_size: int) -> DraftVocab:
+    """Top ``draft_size`` ids by count (ties: lower id first); unseen ids fill the rest in id order."""
+    vocab_size = counts.numel()
+    if draft_size > vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_size} exceeds the target vocabulary ({vocab_size})")
+    ids = torch.arange(vocab_size)
+    # Stable sort on -count keeps lower ids first among equal counts.
+    order = torch.sort(-counts.to(torch.float64), stable=True).indices
+    chosen = torch.sort(ids[order[:draft_size]]).values
+    return DraftVocab(draft_to_target=chosen.long())
+
+
+def build_draft_vocab(source: BatchSource, vocab_size: int, draft_size: int, sample_batches: int) -> DraftVocab:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(sample_batches):
+        b = source.batch(i)
+        ids = b.input_ids[b.loss_mask > 0]
+        counts += torch.bincount(ids.clamp(0, vocab_size - 1), minlength=vocab_size)
+    return vocab_from_counts(counts, draft_size)

@@ -1,0 +1,431 @@
+"""Drafter workers: one thread per drafter device, training an EAGLE-3 drafter on the producers' batches.
+
+``replicas`` mode: the workers train one drafter data-parallel; after each backward they meet in a
+``ReplicaGroup`` that averages the gradients (``torch.cuda.comm`` across distinct GPUs, a plain average on
+the CPU or when replicas share a device) and agrees on whether to stop after this step.
+``independent`` mode: each worker trains its own drafter on every batch (a sweep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
+from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
+from engine.trainer.control import NonFiniteLoss, RunControl
+from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.model import Drafter
+from engine.trainer.loss import accuracies, soft_cross_entropy, total_loss
+from engine.trainer.metrics import step_line
+from engine.trainer.producer import DeviceBatch
+from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
+
+GET_POLL_S = 0.25
+
+
+class ReplicaGroup:
+    """A barrier that averages gradients across replicas; survives a replica leaving (policy ``continue``)."""
+
+    def __init__(self, ranks: list[int], devices: list[torch.device], should_stop: Callable[[], bool]) -> None:
+        self._live = set(ranks)
+        self._devices = dict(zip(ranks, devices, strict=True))
+        self._should_stop = should_stop
+        self._cond = threading.Condition()
+        self._slots: dict[int, list[torch.Tensor]] = {}
+        self._generation = 0
+        self._stop_decision = False
+        self._error: BaseException | None = None
+
+    @property
+    def live(self) -> list[int]:
+        with self._cond:
+            return sorted(self._live)
+
+    def leave(self, rank: int) -> None:
+        with self._cond:
+            self._live.discard(rank)
+            self._slots.pop(rank, None)
+            if self._live and set(self._slots) >= self._live:
+                self._complete()
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def all_reduce(self, rank: int, grads: list[torch.Tensor]) -> bool:
+        """Average ``grads`` in place across live replicas; returns whether every replica stops after this step."""
+        if self._devices[rank].type == "cuda":
+            torch.cuda.current_stream().synchronize()  # this replica's grads are complete
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError("replica group aborted") from self._error
+            gen = self._generation
+            self._slots[rank] = grads
+            if set(self._slots) >= self._live:
+                self._complete()
+            else:
+                while self._generation == gen and self._error is None:
+                    self._cond.wait(0.5)
+                if self._error is not None and self._generation == gen:
+                    raise RuntimeError("replica group aborted") from self._error
+            return self._stop_decision
+
+    def _complete(self) -> None:
+        ranks = sorted(self._slots)
+        grads = [self._slots[r] for r in ranks]
+        devices = [self._devices[r] for r in ranks]
+        try:
+            if len(ranks) > 1:
+                average_gradients(grads, devices)
+        except BaseException as exc:
+            self._error = exc
+            self._cond.notify_all()
+            raise
+        self._stop_decision = self._should_stop()
+        self._slots.clear()
+        self._generation += 1
+        self._cond.notify_all()
+
+
+def average_gradients(grads: list[list[torch.Tensor]], devices: list[torch.device]) -> None:
+    n = len(grads)
+    distinct_cuda = all(d.type == "cuda" for d in devices) and len({str(d) for d in devices}) == n
+    if distinct_cuda:
+        from torch.cuda import comm
+
+        summed = comm.reduce_add_coalesced(grads, destination=devices[0].index)
+        for t in summed:
+            t.div_(n)
+        copies = comm.broadcast_coalesced(summed, [d.index for d in devices])
+        for rank_grads, rank_copy in zip(grads, copies, strict=True):
+            torch._foreach_copy_(rank_grads, list(rank_copy))
+        for d in devices:
+            torch.cuda.synchronize(d)
+        return
+    total = [g.to(grads[0][0].device, copy=True) for g in grads[0]]
+    for other in grads[1:]:
+        torch._foreach_add_(total, [g.to(total[0].device) for g in other])
+    torch._foreach_div_(total, float(n))
+    for rank_grads in grads:
+        torch._foreach_copy_(rank_grads, [t.to(rank_grads[0].device) for t in total])
+    for d in {str(d): d for d in devices}.values():
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: list[float]
+    acc: list[float]
+    grad_norm: float
+    tok_s: float
+    ms: dict[str, float]
+
+
+class DrafterWorker:
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        drafter: Drafter,
+        device: torch.device,
+        queue: BoundedQueue[DeviceBatch],
+        *,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        attention: TTTAttention,
+        control: RunControl,
+        ttt_steps: int,
+        total_steps: int,
+        buckets: list[int],
+        batch_size: int,
+        hidden_dtype: torch.dtype,
+        autocast_dtype: torch.dtype | None,
+        compile_loss: bool,
+        grad_checkpointing: bool,
+        max_grad_norm: float,
+        log_every: int,
+        checkpoint_every: int,
+        group: ReplicaGroup | None,
+        next_index: int,
+        index_stride: int,
+        submit_checkpoint: Callable[[int, str, dict[str, Any]], None] | None,
+        step_delay_s: float = 0.0,
+        start_step: int = 0,
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self.drafter = drafter
+        self.device = device
+        self.queue = queue
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.attention = attention
+        self.control = control
+        self.ttt_steps = ttt_steps
+        self.total_steps = total_steps
+        self.buckets = buckets
+        self.batch_size = batch_size
+        self.hidden_dtype = hidden_dtype
+        self.autocast_dtype = autocast_dtype
+        self.loss_fn = GuardedFunction(soft_cross_entropy, compiled=compile_loss, name="loss")
+        self.grad_checkpointing = grad_checkpointing
+        self.max_grad_norm = max_grad_norm
+        self.log_every = log_every
+        self.checkpoint_every = checkpoint_every
+        self.group = group
+        self.next_index = next_index
+        self.index_stride = index_stride
+        self.submit_checkpoint = submit_checkpoint
+        self.step_delay_s = step_delay_s
+        self.step = start_step
+        self.params = drafter.trainable_parameters()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.finished = threading.Event()
+        self.warm = threading.Event()
+        self.warmup_s: float | None = None
+        self.failed = False
+        self.history: list[StepResult] = []
+        self.final_state: dict[str, Any] | None = None
+        self.inject_error: BaseException | None = None  # tests: raise this at the next step
+        self._last_done: float | None = None
+        control.health.register(name, "drafter")
+
+    # --- the pieces -------------------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_backward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            losses, correct, counts = self.drafter(
+                batch.hidden3,
+                batch.input_ids,
+                batch.target_p,
+                batch.position_mask,
+                ttt_steps=self.ttt_steps,
+                attention=self.attention,
+                loss_fn=self.loss_fn,
+                grad_checkpointing=self.grad_checkpointing,
+            )
+        total_loss(losses).backward()
+        return losses.detach(), correct.detach(), counts.detach()
+
+    def synthetic_batch(self, bucket: int) -> DeviceBatch:
+        g = torch.Generator(device="cpu").manual_seed(bucket)
+        cfg = self.drafter.cfg
+        b = self.batch_size
+        ids = torch.randint(0, cfg.vocab_size, (b, bucket), generator=g).to(self.device)
+        hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(self.device, self.hidden_dtype)
+        target_p = torch.softmax(torch.randn(b, bucket, cfg.draft_vocab_size, generator=g), -1).to(self.device)
+        mask = torch.ones(b, bucket).to(self.device)
+        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask)
+
+    def warm_up(self) -> float:
+        """Forward and backward of every bucket under the compile guard (first compiles and block masks)."""
+        t0 = time.perf_counter()
+        with compile_guard():
+            for bucket in self.buckets:
+                self.forward_backward(self.synthetic_batch(bucket))
+                self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def train_step(self, batch: DeviceBatch, fetch_ms: float) -> tuple[StepResult, bool]:
+        cuda = self.device.type == "cuda"
+        marks: list[Any] = []
+
+        def mark() -> None:
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                marks.append(ev)
+            else:
+                marks.append(time.perf_counter())
+
+        batch.wait_ready()
+        mark()
+        with self._autocast():
+            losses, correct, counts = self.drafter(
+                batch.hidden3,
+                batch.input_ids,
+                batch.target_p,
+                batch.position_mask,
+                ttt_steps=self.ttt_steps,
+                attention=self.attention,
+                loss_fn=self.loss_fn,
+                grad_checkpointing=self.grad_checkpointing,
+            )
+        loss = total_loss(losses)
+        mark()
+        loss.backward()
+        stop_after = False
+        if self.group is not None:
+            stop_after = self.group.all_reduce(self.rank, [p.grad for p in self.params if p.grad is not None])
+        mark()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mark()
+        acc = accuracies(correct.detach(), counts.detach())
+        values = torch.cat([losses.detach().float(), acc.float(), grad_norm.detach().float().reshape(1)]).tolist()
+        now = time.perf_counter()
+        if cuda:
+            ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(3)]
+        else:
+            ms = [(marks[i + 1] - marks[i]) * 1000.0 for i in range(3)]
+        n = self.ttt_steps
+        step = self.step + 1
+        dt = now - self._last_done if self._last_done is not None else None
+        self._last_done = now
+        tok_s = batch.tokens / dt if dt else 0.0
+        result = StepResult(
+            step=step,
+            loss=values[:n],
+            acc=values[n : 2 * n],
+            grad_norm=values[-1],
+            tok_s=tok_s,
+            ms={"fetch": fetch_ms, "fwd": ms[0], "bwd": ms[1], "opt": ms[2]},
+        )
+        if not all(math.isfinite(v) for v in result.loss):
+            raise NonFiniteLoss(f"non-finite loss {result.loss} at step {step} in thread {self.name}")
+        return result, stop_after
+
+    def capture_state(self) -> dict[str, Any]:
+        return {
+            "model": to_cpu(self.drafter.state_dict()),
+            "optimizer": to_cpu(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "next_index": self.next_index,
+            "rng": rng_state(self.device),
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.drafter.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.next_index = int(state["next_index"])
+        self._pending_rng = state["rng"]
+
+    _pending_rng: dict[str, Any] | None = None
+
+    # --- the thread -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def _fetch(self) -> DeviceBatch | None:
+        t0 = time.perf_counter()
+        while not self.control.should_exit:
+            try:
+                batch = self.queue.get(timeout_s=GET_POLL_S)
+            except QueueTimeout:
+                self.control.health.beat(self.name, state="waiting", queue_depth=0)
+                if self.group is None and self.control.stop_requested.is_set():
+                    return None
+                continue
+            except QueueClosed:
+                return None
+            if batch.index >= 0 and batch.index < self.next_index:
+                continue  # already trained on before the resume
+            self._fetch_ms = (time.perf_counter() - t0) * 1000.0
+            return batch
+        return None
+
+    _fetch_ms = 0.0
+
+    def _run(self) -> None:
+        apply_dynamo_config()
+        stream_ctx: Any = contextlib.nullcontext()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            stream_ctx = torch.cuda.stream(torch.cuda.Stream(self.device))
+        try:
+            with stream_ctx:
+                self.control.health.beat(self.name, state="warmup", step=self.step)
+                self.control.events.stage("warmup", f"buckets {self.buckets} on {self.device}", thread=self.name)
+                self.warmup_s = self.warm_up()
+                self.control.events.stage(
+                    "warmup", f"done in {self.warmup_s:.1f} s ({'compiled' if self.loss_fn.compiled else 'eager'})",
+                    thread=self.name,
+                )
+                if self._pending_rng is not None:
+                    set_rng_state(self._pending_rng, self.device)
+                self.warm.set()
+                self._loop()
+        except BaseException as exc:
+            self.failed = True
+            if self.group is not None:
+                self.group.leave(self.rank)
+            continuing = self.control.thread_error(self.name, "drafter", exc)
+            if not continuing and self.group is not None:
+                self.group.abort(exc)
+        finally:
+            self.warm.set()
+            if not self.failed:
+                self.control.health.beat(self.name, state="stopped", step=self.step)
+            self.finished.set()
+            self.control.wake.set()
+
+    def _loop(self) -> None:
+        while self.step < self.total_steps and not self.control.should_exit:
+            if self.group is None and self.control.stop_requested.is_set():
+                break
+            self.control.health.beat(self.name, state="waiting", queue_depth=self.queue.depth())
+            batch = self._fetch()
+            if batch is None:
+                break
+            if self.inject_error is not None:
+                raise self.inject_error
+            self.control.health.beat(self.name, state="training", queue_depth=self.queue.depth())
+            result, stop_after = self.train_step(batch, self._fetch_ms)
+            self.step = result.step
+            self.next_index = batch.index + self.index_stride
+            self.history.append(result)
+            self.control.health.beat(
+                self.name, state="training", step=self.step, tok_s=result.tok_s, queue_depth=self.queue.depth()
+            )
+            if self.step % self.log_every == 0 or self.step == 1:
+                self.control.events.emit(
+                    "step",
+                    thread=self.name,
+                    step=self.step,
+                    loss=result.loss,
+                    acc=result.acc,
+                    tok_s=result.tok_s,
+                    ms=result.ms,
+                    grad_norm=result.grad_norm,
+                    lr=self.scheduler.get_last_lr()[0],
+                    bucket=batch.bucket,
+                    target_ms=batch.target_ms,
+                )
+                self.control.events.say(step_line(self.name, self.step, result.loss, result.acc, result.tok_s))
+            leader = self.group is None or self.rank == min(self.group.live)
+            if (
+                self.submit_checkpoint is not None
+                and leader
+                and self.checkpoint_every
+                and self.step % self.checkpoint_every == 0
+                and self.step < self.total_steps
+            ):
+                self.submit_checkpoint(self.step, self.name, self.capture_state())
+            if stop_after:
+                break
+            if self.step_delay_s:
+                self.control.stop_requested.wait(self.step_delay_s)
+        if not self.control.should_exit:
+            self.final_state = self.capture_state()

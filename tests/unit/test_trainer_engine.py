@@ -1,0 +1,232 @@
+"""The engine end to end on the CPU: threads, errors and their policy, checkpoints and resume, learning."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.trainer.config import EngineConfig, from_dict
+from engine.trainer.data import shipped_corpus_path
+from engine.trainer.engine import Engine
+from engine.trainer.metrics import EventLog
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
+    lines = shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:96]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def make_config(out: Path, data: Path | str, **overrides: Any) -> EngineConfig:
+    base: dict[str, Any] = {
+        "target": "tiny",
+        "target_devices": ["cpu"],
+        "drafter_devices": ["cpu"],
+        "drafter_mode": "replicas",
+        "data": str(data),
+        "buckets": [256],
+        "batch_size": 2,
+        "ttt_steps": 2,
+        "draft_vocab_size": 96,
+        "vocab_sample_batches": 16,
+        "lr": 2e-3,
+        "steps": 4,
+        "output_dir": str(out),
+        "heartbeat_interval_s": 0.2,
+        "torch_threads": 1,
+    }
+    base.update(overrides)
+    return from_dict(base)
+
+
+class Recorder:
+    """Collects events (with arrival times) and lets a test act on one from inside the emitting thread."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.times: list[float] = []
+        self.actions: list[Callable[[dict[str, Any]], None]] = []
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        self.events.append(ev)
+        self.times.append(time.monotonic())
+        for fn in self.actions:
+            fn(ev)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]
+
+
+def build(cfg: EngineConfig, out: Path) -> tuple[Engine, Recorder]:
+    events = EventLog(out / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
+    rec = Recorder()
+    events.listeners.append(rec)
+    engine = Engine(cfg, events)
+    engine.build()
+    return engine, rec
+
+
+def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, small_corpus: Path) -> None:
+    straight, _ = build(make_config(tmp_path / "a", small_corpus, steps=3), tmp_path / "a")
+    assert straight.run() == 0
+    first, _ = build(make_config(tmp_path / "b", small_corpus, steps=2), tmp_path / "b")
+    assert first.run() == 0
+    assert (tmp_path / "b" / "checkpoints" / "step_00000002" / "meta.json").exists()
+    resumed, rec = build(make_config(tmp_path / "b", small_corpus, steps=3), tmp_path / "b")
+    assert resumed.resumed_from is not None and resumed.workers[0].step == 2
+    assert resumed.run() == 0
+    assert [e["step"] for e in rec.of("step")] == [3]
+    a, b = straight.workers[0], resumed.workers[0]
+    assert a.history[-1].loss == b.history[-1].loss
+    assert a.history[-1].acc == b.history[-1].acc
+    for (name, pa), pb in zip(a.drafter.named_parameters(), b.drafter.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_injected_drafter_exception_is_reported_within_a_second_and_policy_applies(
+    tmp_path: Path, small_corpus: Path, policy: str
+) -> None:
+    cfg = make_config(
+        tmp_path, small_corpus, drafter_devices=["cpu", "cpu"], drafter_mode="independent",
+        steps=8, on_thread_error=policy,
+    )
+    engine, rec = build(cfg, tmp_path)
+    injected_at: list[float] = []
+
+    def inject(ev: dict[str, Any]) -> None:
+        if ev["kind"] == "step" and ev["thread"] == "drafter1" and ev["step"] == 2 and not injected_at:
+            engine.workers[1].inject_error = RuntimeError("injected failure")
+            injected_at.append(time.monotonic())
+
+    rec.actions.append(inject)
+    code = engine.run()
+    errors = rec.of("thread_error")
+    assert len(errors) == 1 and errors[0]["thread"] == "drafter1" and errors[0]["policy"] == policy
+    assert "injected failure" in errors[0]["message"] and "RuntimeError" in errors[0]["traceback"]
+    err_time = rec.times[rec.events.index(errors[0])]
+    assert err_time - injected_at[0] < 1.0
+    end = rec.of("run_end")[-1]
+    if policy == "stop":
+        assert code == 1 and end["ok"] is False and "drafter1" in end["reason"]
+        assert engine.workers[0].step < 8
+    else:
+        assert code == 0 and end["ok"] is True and end["degraded"] == ["drafter1"]
+        assert engine.workers[0].step == 8
+        assert any("degraded" in e.get("detail", "") for e in rec.of("stage"))
+    beats = [e for e in rec.of("heartbeat") if e["thread"] == "drafter1"]
+    assert beats[-1]["state"] == "error" and "injected failure" in beats[-1]["last_exception"]
+
+
+def test_producer_exception_reaches_the_engine(tmp_path: Path, small_corpus: Path) -> None:
+    engine, rec = build(make_config(tmp_path, small_corpus, steps=50), tmp_path)
+
+    def inject(ev: dict[str, Any]) -> None:
+        if ev["kind"] == "step" and ev["step"] == 2:
+            engine.producers[0].inject_error = ValueError("target exploded")
+
+    rec.actions.append(inject)
+    assert engine.run() == 1
+    errors = rec.of("thread_error")
+    assert [e["thread"] for e in errors] == ["target0"]
+    end = rec.of("run_end")[-1]
+    assert end["ok"] is False and "target0" in end["reason"] and "target exploded" in end["reason"]
+    assert engine.workers[0].step < 50
+
+
+def test_nan_loss_stops_the_run_naming_step_and_thread(tmp_path: Path, small_corpus: Path) -> None:
+    engine, rec = build(make_config(tmp_path, small_corpus, steps=20, on_thread_error="continue"), tmp_path)
+
+    def poison(ev: dict[str, Any]) -> None:
+        if ev["kind"] == "step" and ev["step"] == 2:
+            with torch.no_grad():
+                engine.workers[0].drafter.lm_head.weight.fill_(float("nan"))
+
+    rec.actions.append(poison)
+    assert engine.run() == 1
+    err = rec.of("thread_error")[0]
+    assert err["exc_type"] == "NonFiniteLoss" and err["policy"] == "stop"
+    assert "step 3" in err["message"] and "drafter0" in err["message"]
+
+
+def test_two_drafter_threads_learn_on_the_shipped_corpus(tmp_path: Path) -> None:
+    cfg = make_config(
+        tmp_path, "shipped", drafter_devices=["cpu", "cpu"], drafter_mode="replicas", steps=70,
+        ttt_steps=2, buckets=[128, 256], draft_vocab_size=128, vocab_sample_batches=64,
+    )
+    engine, rec = build(cfg, tmp_path)
+    assert engine.run() == 0
+    steps = rec.of("step")
+    assert {e["thread"] for e in steps} == {"drafter0", "drafter1"}
+    acc0 = [e["acc"][0] for e in steps if e["thread"] == "drafter0"]
+    start, end = sum(acc0[:3]) / 3, sum(acc0[-15:]) / 15
+    assert start < 0.1 and end > start + 0.15, (start, end)
+    # Replicas stay identical: gradients are averaged every step.
+    for pa, pb in zip(engine.workers[0].drafter.parameters(), engine.workers[1].drafter.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def test_sigterm_saves_a_checkpoint_exits_zero_and_restart_resumes(tmp_path: Path, small_corpus: Path) -> None:
+    out = tmp_path / "run"
+    events = out / "events.jsonl"
+    args = [
+        sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out),
+        "--set", f'data="{small_corpus}"', "--set", "buckets=[256]", "--set", "drafter_devices=[\"cpu\"]",
+        "--set", "vocab_sample_batches=16", "--set", "step_delay_s=0.02",
+    ]
+    env = {**os.environ, "SPECDEC_EVENTS": str(events), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(events)), 90)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    evs = read_events(events)
+    saved = [e for e in evs if e["kind"] == "checkpoint"][-1]
+    end = [e for e in evs if e["kind"] == "run_end"][-1]
+    assert end["ok"] is True and end["reason"] == "SIGTERM" and end["step"] == saved["step"]
+    assert Path(saved["path"]).is_dir() and "step=" in output
+    # Restart: resumes at the saved step and runs two more.
+    args2 = [*args, "--set", f"steps={saved['step'] + 2}"]
+    done = subprocess.run(args2, cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"at step {saved['step']}" in done.stdout
+    after = read_events(events)[len(evs):]
+    assert [e["step"] for e in after if e["kind"] == "step"] == [saved["step"] + 1, saved["step"] + 2]
