@@ -36,6 +36,7 @@ PROCS_INTERVAL_DEFAULT_S = 1.0
 MIN_INTERVAL_S = 0.1
 RUN_CHECK_INTERVAL_S = 0.25  # how often the follower looks at <run_root>/current
 TAIL_MAX_LINES = 10000
+_TICK_SLACK_S = 0.005  # a procs scan due within this of a GPU tick runs on that tick
 
 
 def _now() -> float:
@@ -342,12 +343,13 @@ class Subscription:
         next_gpu = time.monotonic()
         while not self._stopped():
             now_m = time.monotonic()
+            procs_due = now_m + _TICK_SLACK_S >= next_procs
             with mon._lock:
-                if now_m >= next_procs:
+                if procs_due:
                     run = mon.current_run()
                     run_pids = mon.run_pids(run)
                 sample = mon.gpu_sample(run)
-                if now_m >= next_procs:
+                if procs_due:
                     holders = mon.holders(sample, run_pids)
                     mon._poll_engine(run)
                     tree = mon._run_tree(run_pids)
@@ -369,8 +371,8 @@ class Subscription:
                     nvml_error=mon.gpu_source.error,
                 )
             )
-            if now_m >= next_procs:
-                next_procs = now_m + self.procs_interval_s
+            if procs_due:
+                next_procs = max(next_procs + self.procs_interval_s, now_m)
                 self._emit(protocol.event("procs", t=_now(), run_tree=tree, holders=holders))
                 run_json = json.dumps(protocol.to_jsonable(run), sort_keys=True)
                 if run_json != last_run_json:
