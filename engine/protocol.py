@@ -22,7 +22,9 @@ gpus        t, simulated, gpus: [GpuInfo], nvml_error (str | None)
 procs       t, run_tree: [ProcInfo], holders: [HolderInfo]
 log         offset, inode, data                 data starts at byte ``offset`` of the file
 log_reset   inode, offset, reason               "created" | "rotated" | "truncated"; following restarts at offset
+            (+ run_id: the run whose output.log this is; "created" also marks a switch to a new current run)
 engine      offset, event: EngineEvent          one line of the run's events.jsonl; offset = byte after it
+            (+ inode, run_id of that events.jsonl, for resuming)
 run         run: RunInfo | None                 sent whenever the run state changes
 anomalies   items: [Anomaly]                    the complete current list (replaces the previous one)
 milestone   run_id, milestone, t, ok, cause     a launch milestone reached or failed
@@ -39,6 +41,9 @@ status      {}                                          -> StatusSnapshot (see `
 subscribe   {gpu_interval_s, procs_interval_s,          -> {}; then streams gpus/procs/anomalies/run events,
              log: {"offset", "inode"} | None,              log events from that position (None: from the start),
              engine_offset: int | None}                     engine events from that byte offset of events.jsonl
+            (+ optional engine_inode, run_id: the run the offsets belong to; another run streams from 0;
+               + optional stall: {k, floor_s, cap_s, heartbeat_timeout_s} for the stalled/dead-thread checks)
+unsubscribe {}                                          -> {"stopped": bool}; ends the streams of subscribe
 tail        {n}                                         -> {"lines": [str], "offset": int, "inode": int}
 launch      LaunchSpec fields                           -> {"run_id", "run_dir", "tmux_session", "attachable"}
 wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
