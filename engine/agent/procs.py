@@ -42,7 +42,7 @@ _STATES = {
 
 # Driver daemons and monitors that hold /dev/nvidia* by design: holders, but never "stale".
 SYSTEM_HOLDER_NAMES: frozenset[str] = frozenset(
-    {"nvidia-persistenced", "nv-hostengine", "nvidia-smi", "dcgm-exporter", "nvidia-powerd"}
+    {"nvidia-persistenced", "nv-hostengine", "nvidia-smi", "dcgm-exporter", "nvidia-powerd", "nvtop"}
 )
 
 
@@ -309,13 +309,18 @@ def find_holders(
 
 
 def is_system_holder(h: HolderInfo) -> bool:
-    """Driver daemons and monitors (and this agent) hold the device by design."""
+    """Driver daemons and monitors (this agent and other specdec agents, through NVML) hold the device by design.
+
+    Used only to keep them out of the stale-holder anomaly; nothing is ever signalled by name.
+    """
     if h.pid == os.getpid():
         return True
     if not h.cmd:
         return False
-    first = h.cmd.split(" ", 1)[0]
-    return os.path.basename(first.strip("[]")) in SYSTEM_HOLDER_NAMES
+    argv = h.cmd.split(" ")
+    if os.path.basename(argv[0].strip("[]")) in SYSTEM_HOLDER_NAMES:
+        return True
+    return "engine.agent.main" in argv[1:3] or os.path.basename(argv[0]) == "specdec-agent"
 
 
 class CpuTracker:

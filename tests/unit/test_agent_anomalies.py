@@ -100,6 +100,7 @@ def test_not_stale_system_daemons_self_ctl_only_and_unresolved() -> None:
     holders = [
         holder(11, [0], cmd="/usr/bin/nvidia-persistenced --user nvidia-persistenced"),
         holder(os.getpid(), [0], cmd="python3 -m engine.agent.main"),
+        holder(14, [0], cmd="/usr/bin/python3 -m engine.agent.main --run-root /root/.specdec"),
         holder(12, [], cmd="python3 only_ctl.py"),
         holder(13, [0], resolved=False, used_mib=100.0),
     ]
