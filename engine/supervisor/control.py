@@ -502,12 +502,15 @@ def stop(
         if launch_rec is None:
             raise SupervisorError(f"run {rd.name} has no launch record (it never started): nothing to stop")
     info = records.read_run(rd, boot)
-    if info.state != "running":
-        raise SupervisorError(f"run {rd.name} is not running ({info.state}): nothing to stop")
     ours = run_pids(launch_rec)
     job_pid = launch_rec.get("job_pid")
     job_ticks = launch_rec.get("job_start_ticks")
     pgid = launch_rec.get("job_pgid")
+    leftovers = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []
+    if info.state != "running":
+        if not leftovers:
+            raise SupervisorError(f"run {rd.name} is not running ({info.state}): nothing to stop")
+        step(f"the job ended ({info.state}) but {len(leftovers)} process(es) of its group remain")
     wrapper_pid = int(launch_rec.get("wrapper_pid") or 0)
     wrapper_ticks = launch_rec.get("wrapper_start_ticks")
     group_alive = isinstance(pgid, int) and bool(_group_members(pgid, None, job_ticks))
