@@ -428,6 +428,13 @@ class Subscription:
         if resume and same_run:
             log = LogFollower(log_path, offset=self.log_offset, inode=self.log_inode)
             engine_offset = self.engine_offset or 0
+            if self.log_inode is not None and self.resume_run_id is None:
+                # Without a run id, the log's inode tells whether the offsets belong to this run's files.
+                try:
+                    if os.stat(log_path).st_ino != self.log_inode:
+                        engine_offset = 0
+                except OSError:
+                    pass  # no output.log yet: nothing says the offsets are foreign
             engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=engine_offset)
             if self.engine_inode is not None and engine_offset:
                 try:

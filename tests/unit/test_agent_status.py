@@ -354,3 +354,21 @@ def test_doctor_reports_every_check_with_a_fix(agent: AgentProc) -> None:
         assert c["ok"] or c["fix"], c
     by = {c["name"]: c for c in res["checks"]}
     assert by["python"]["ok"] and by["run_root"]["ok"] and by["stale_gpu_holders"]["ok"]
+
+
+def test_resume_offsets_of_an_older_run_do_not_skip_the_new_runs_events(agent: AgentProc, run_root: Path) -> None:
+    old = make_run(run_root, "run-old")
+    (old / records.OUTPUT_LOG).write_bytes(b"old output\n")
+    old_inode = (old / records.OUTPUT_LOG).stat().st_ino
+    new = make_run(run_root, "run-new")  # launched while the client was away
+    (new / records.OUTPUT_LOG).write_bytes(b"new output\n")
+    (new / records.EVENTS_JSONL).write_bytes(
+        b"".join(b'{"t": %d.0, "kind": "stage", "stage": "s%d"}\n' % (i, i) for i in range(40))
+    )
+    agent.result("subscribe", log={"offset": 11, "inode": old_inode}, engine_offset=200)
+    reset = agent.next_event(lambda e: e["ev"] == "log_reset", what="reset to the new run's log")
+    assert reset["reason"] == "rotated" and reset["offset"] == 0
+    data = agent.next_event(lambda e: e["ev"] == "log", what="new run's log")
+    assert protocol.decode_log_data(data["data"]) == b"new output\n"
+    first = agent.next_event(lambda e: e["ev"] == "engine", what="first engine event")
+    assert first["event"]["stage"] == "s0" and first["run_id"] == "run-new"
