@@ -351,7 +351,7 @@ def read_milestones(run_dir: Path, launch: dict[str, Any] | None, scan: ScanStat
     out: dict[str, float | None] = dict.fromkeys(protocol.MILESTONES)
     out["submitted"] = sub.get("t")
     if launch is not None:
-        out["started"] = launch.get("started_at")
+        out["started"] = launch.get("job_started_at")  # the job itself exists, not only its wrapper
         if out["submitted"] is None:
             out["submitted"] = launch.get("started_at")
     out["output"] = ms.get("output")

@@ -1,0 +1,198 @@
+"""Run records and the run's fate when its pieces die: ids, atomic records, read_run states, the wrapper's
+signal forwarding, and waits that end because of a tmux pane, a vanished wrapper or a dead engine thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
+
+from engine.supervisor import control, records, tmux
+
+pytestmark = pytest.mark.tmux
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    root = tmp_path / "run-root"
+    root.mkdir()
+    p = AgentPool(root)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def agent(pool: AgentPool) -> AgentClient:
+    return pool.make()
+
+
+def test_generated_run_ids_are_valid_and_distinct() -> None:
+    ids = {records.new_run_id() for _ in range(200)}
+    assert len(ids) > 190
+    for run_id in ids:
+        assert records.validate_run_id(run_id) == run_id
+        assert len(run_id) == len("20261129-113500-ab12")
+
+
+@given(st.text(max_size=80))
+def test_run_ids_that_could_escape_the_runs_directory_are_refused(text: str) -> None:
+    try:
+        records.validate_run_id(text)
+    except records.RunIdError:
+        return
+    assert "/" not in text and "\0" not in text and text not in (".", "..") and not text.startswith(".")
+    assert 1 <= len(text) <= 64 and text.isascii()
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", ".hidden", "-flag", "x" * 65, "sp ace", "tab\t"])
+def test_known_bad_run_ids(bad: str) -> None:
+    with pytest.raises(records.RunIdError):
+        records.validate_run_id(bad)
+
+
+def test_atomic_json_write_replaces_whole_files_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    target = tmp_path / "exit.json"
+    for i in range(20):
+        records.write_json_atomic(target, {"i": i, "pad": "x" * 1000 * i})
+        assert records.read_json(target) == {"i": i, "pad": "x" * 1000 * i}
+    assert [p.name for p in tmp_path.iterdir()] == ["exit.json"]
+    (tmp_path / "half.json").write_text('{"exit_code": ')
+    assert records.read_json(tmp_path / "half.json") is None
+    assert records.read_json(tmp_path / "missing.json") is None
+
+
+def test_current_link_follows_the_newest_run(tmp_path: Path) -> None:
+    assert records.current_run_dir(tmp_path) is None
+    a = records.run_dir_for(tmp_path, "run-a")
+    b = records.run_dir_for(tmp_path, "run-b")
+    a.mkdir(parents=True)
+    b.mkdir()
+    records.set_current(tmp_path, a)
+    assert records.current_run_dir(tmp_path) == a
+    records.set_current(tmp_path, b)
+    assert records.current_run_dir(tmp_path) == b
+    assert os.readlink(tmp_path / "current") == "runs/run-b"  # relative: the run root can move
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "runs"]
+
+
+def test_read_run_says_rebooted_when_the_boot_id_differs(agent: AgentClient) -> None:
+    launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
+    rd = Path(launched["run_dir"])
+    assert records.read_run(rd, records.read_boot_id()).state == "running"
+    assert records.read_run(rd, "another-boot").state == "rebooted"
+
+
+def test_wrapper_and_job_killed_without_a_trace_read_as_vanished_and_end_a_wait(agent: AgentClient) -> None:
+    launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
+    rd = Path(launched["run_dir"])
+    launch = records.read_json(rd / records.LAUNCH_JSON) or {}
+    cmd_id = agent.send("wait", milestone="output", timeout_s=30)
+    os.kill(launch["wrapper_pid"], signal.SIGKILL)  # no exit record can be written now
+    assert records.read_run(rd, records.read_boot_id()).state == "running"  # the job itself still runs
+    os.killpg(launch["job_pgid"], signal.SIGKILL)
+    reply = agent.next_event(lambda e: e.get("ev") == "reply" and e.get("id") == cmd_id, 10)
+    res = reply["result"]
+    assert res["ok"] is False and res["alive"] is False
+    assert "left no exit record" in res["cause"]
+    assert records.read_run(rd, records.read_boot_id()).state == "vanished"
+
+
+def test_killing_the_tmux_session_ends_the_job_and_still_leaves_an_exit_record(agent: AgentClient) -> None:
+    launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
+    rd = Path(launched["run_dir"])
+    job_pid = records.read_run(rd, records.read_boot_id()).pid
+    assert job_pid is not None
+    assert tmux.kill_session(launched["tmux_session"])  # SIGHUP to the pane: the wrapper forwards it
+    exit_rec = poll_until(lambda: records.read_json(rd / records.EXIT_JSON), 10, "exit.json")
+    assert exit_rec["signal"] == signal.SIGHUP and exit_rec["signal_name"] == "SIGHUP"
+    assert [f["name"] for f in exit_rec["forwarded_signals"]] == ["SIGHUP"]
+    assert not pid_alive(job_pid)
+
+
+def test_the_job_gets_the_run_environment_and_a_closed_stdin(agent: AgentClient, tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import json, os, sys
+        keys = ["SPECDEC_RUN_DIR", "SPECDEC_EVENTS", "SPECDEC_RUN_ID", "MY_SETTING"]
+        print(json.dumps({k: os.environ.get(k) for k in keys} | {"stdin": sys.stdin.read(), "cwd": os.getcwd(),
+              "pgid_is_pid": os.getpgid(0) == os.getpid()}))
+        """
+    )
+    launched, res, _ = launch_and_wait(
+        agent, [sys.executable, "-c", script], "first-step", 20, env={"MY_SETTING": "42"}, cwd=str(tmp_path)
+    )
+    assert res["exit_code"] == 0
+    seen = json.loads(res["last_lines"][-1])
+    rd = launched["run_dir"]
+    assert seen == {
+        "SPECDEC_RUN_DIR": rd,
+        "SPECDEC_EVENTS": f"{rd}/events.jsonl",
+        "SPECDEC_RUN_ID": launched["run_id"],
+        "MY_SETTING": "42",
+        "stdin": "",
+        "cwd": str(tmp_path),
+        "pgid_is_pid": True,
+    }
+    assert "exited with code 0 before first-step" in res["cause"]
+
+
+def test_a_dead_engine_thread_ends_the_wait_at_once(agent: AgentClient) -> None:
+    script = textwrap.dedent(
+        """
+        import json, os, time
+        with open(os.environ["SPECDEC_EVENTS"], "a") as fh:
+            fh.write(json.dumps({"t": time.time(), "kind": "thread_error", "thread": "drafter-1",
+                                 "exc_type": "RuntimeError", "message": "CUDA error: boom",
+                                 "traceback": "Traceback ...", "policy": "stop"}) + "\\n")
+        print("thread died", flush=True)
+        time.sleep(600)
+        """
+    )
+    _, res, elapsed = launch_and_wait(agent, [sys.executable, "-c", script], "first-step", 30)
+    assert res["ok"] is False and res["alive"] is True
+    assert res["cause"] == "thread drafter-1 died: RuntimeError: CUDA error: boom"
+    assert elapsed < 3.0
+
+
+def test_a_wrapper_that_never_started_is_reported_from_its_dead_tmux_pane(tmp_path: Path) -> None:
+    rd = records.run_dir_for(tmp_path, "never")
+    rd.mkdir(parents=True)
+    session = tmux.session_name("never")
+    tmux.new_session(session, "echo no python here; exit 127", str(tmp_path))
+    try:
+        records.write_json_atomic(rd / records.SUBMITTED_JSON, {"t": time.time(), "tmux_session": session})
+        t0 = time.monotonic()
+        res = control.wait_for(rd, "started", timeout_s=20)
+        assert time.monotonic() - t0 < 3.0
+        assert res.ok is False and res.alive is False
+        assert res.cause == f"the wrapper never started: the tmux pane of session {session} exited with status 127"
+    finally:
+        tmux.kill_session(session)
+
+
+def test_wrapper_output_milestone_ignores_what_was_in_the_log_before(tmp_path: Path) -> None:
+    rd = tmp_path / "runs" / "pre"
+    rd.mkdir(parents=True)
+    (rd / "output.log").write_bytes(b"left over from an earlier attempt\n")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"run_id": "pre", "spec": {"command": ["sleep", "0.3"], "cwd": str(tmp_path)}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.supervisor.wrapper", "--run-dir", str(rd), "--spec-json", str(spec)],
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=30,
+    )
+    assert done.returncode == 0
+    info = records.read_run(rd, records.read_boot_id())
+    assert info.state == "exited" and info.exit_code == 0
+    assert info.milestones["started"] is not None and info.milestones["output"] is None
