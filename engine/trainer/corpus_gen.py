@@ -15,12 +15,51 @@ from pathlib import Path
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "grey", "brown"]
 ANIMALS = ["cat", "dog", "horse", "otter", "owl", "fox", "whale", "sparrow", "turtle", "rabbit", "badger", "lynx"]
 FRUITS = ["apple", "pear", "plum", "cherry", "mango", "lemon", "grape", "peach", "melon", "kiwi"]
-WORDS = ["engine", "drafter", "target", "thread", "kernel", "tensor", "buffer", "signal", "socket", "module",
-         "layer", "token", "vector", "matrix", "stream", "window", "garden", "river", "planet", "lantern"]
-UNITS = [("kilometres", "metres", 1000), ("metres", "centimetres", 100), ("hours", "minutes", 60),
-         ("minutes", "seconds", 60), ("kilograms", "grams", 1000), ("litres", "millilitres", 1000)]
-NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-                "eleven", "twelve"]
+WORDS = [
+    "engine",
+    "drafter",
+    "target",
+    "thread",
+    "kernel",
+    "tensor",
+    "buffer",
+    "signal",
+    "socket",
+    "module",
+    "layer",
+    "token",
+    "vector",
+    "matrix",
+    "stream",
+    "window",
+    "garden",
+    "river",
+    "planet",
+    "lantern",
+]
+UNITS = [
+    ("kilometres", "metres", 1000),
+    ("metres", "centimetres", 100),
+    ("hours", "minutes", 60),
+    ("minutes", "seconds", 60),
+    ("kilograms", "grams", 1000),
+    ("litres", "millilitres", 1000),
+]
+NUMBER_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+]
 
 
 def _arith(r: random.Random) -> list[tuple[str, str]]:

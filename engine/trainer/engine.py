@@ -17,12 +17,14 @@ from typing import Any
 import torch
 
 from engine.trainer import checkpoint as ckpt
+from engine.trainer.compile import GuardedFunction, set_guard_enabled
 from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
 from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
 from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.health import HealthBoard
+from engine.trainer.loss import soft_cross_entropy
 from engine.trainer.metrics import EventLog, events_path_for
 from engine.trainer.producer import DeviceBatch, Producer, Route
 from engine.trainer.queue import BoundedQueue
@@ -83,6 +85,9 @@ class Engine:
         cfg = self.cfg
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
+        set_guard_enabled(cfg.compile_guard)
+        if not cfg.compile_guard:
+            self.events.say("warning: compile guard DISABLED (control experiment): threads may compile concurrently")
         tdevs = [torch.device(d) for d in cfg.target_devices]
         ddevs = [torch.device(d) for d in cfg.drafter_devices]
         if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
@@ -142,14 +147,18 @@ class Engine:
         )
         self._rounds = rounds
         first: Drafter | None = None
+        # One compiled attention and loss for all workers: compiled once (under the guard), then shared.
+        compiled = cfg.compile and ddevs[0].type == "cuda"
+        attention = TTTAttention(attn_impl, compiled=compiled)
+        loss_fn = GuardedFunction(soft_cross_entropy, compiled=compiled, name="loss")
         for rank, dev in enumerate(ddevs):
             embed = next((t.embed_weight() for t in self.targets if t.device == dev), None)
             if embed is None:
                 embed = target0.embed_weight().to(dev)
             seed = cfg.seed if replicas else cfg.seed + rank
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), torch.device(dev):
                 torch.manual_seed(seed + 7919)
-                drafter = Drafter(dcfg, embed, self.vocab.draft_to_target.to(dev)).to(dev)
+                drafter = Drafter(dcfg, embed, self.vocab.draft_to_target.to(dev))
             if replicas and first is not None:
                 drafter.load_state_dict(first.state_dict())
             first = first or drafter
@@ -174,7 +183,8 @@ class Engine:
                 queue,
                 optimizer=optimizer,
                 scheduler=scheduler,
-                attention=TTTAttention(attn_impl, compiled=cfg.compile and dev.type == "cuda"),
+                attention=attention,
+                loss_fn=loss_fn,
                 control=self.control,
                 ttt_steps=cfg.ttt_steps,
                 total_steps=cfg.steps,
@@ -228,7 +238,7 @@ class Engine:
                 )
             )
         params_m = sum(p.numel() for p in self.workers[0].params) / 1e6
-        resumed = f", resumed from {self.resumed_from.name} at step {self.workers[0].step}" if latest else ""
+        resumed = f", resumed from {latest.name} at step {self.workers[0].step}" if latest is not None else ""
         self.events.say(
             f"engine: {len(self.targets)} target thread(s), {n} drafter thread(s) ({cfg.drafter_mode}), "
             f"drafter {params_m:.1f}M trainable params, draft vocab {self.vocab.size}, attention {attn_impl}"

@@ -125,7 +125,7 @@ class Producer:
             tensors = [ids, out.hidden3, out.target_p, out.position_mask]
             if not same:
                 tensors = [t.to(route.device, non_blocking=True) for t in tensors]
-            batch = DeviceBatch(index, hb.bucket, *tensors)
+            batch = DeviceBatch(index, hb.bucket, tensors[0], tensors[1], tensors[2], tensors[3])
             result.append((route, batch))
         ready = None
         if dev.type == "cuda":

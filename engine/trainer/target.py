@@ -32,7 +32,9 @@ def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 4) -> Any:
     from transformers import LlamaConfig
 
     heads = hidden // 16
+    extra: dict[str, Any] = {"attn_implementation": "sdpa"}
     return LlamaConfig(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -43,14 +45,24 @@ def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 4) -> Any:
         max_position_embeddings=4096,
         tie_word_embeddings=True,  # a random target whose argmax depends on the token: learnable
         initializer_range=0.1,
-        attn_implementation="sdpa",
     )
 
 
 def llama3_8b_config() -> Any:
     from transformers import LlamaConfig
 
+    extra: dict[str, Any] = {"attn_implementation": "sdpa"}
+    try:  # transformers 5 keeps rope settings in rope_parameters, 4.x in rope_theta
+        import inspect
+
+        if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
+            extra["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+        else:
+            extra["rope_theta"] = 500000.0
+    except (TypeError, ValueError):
+        extra["rope_theta"] = 500000.0
     return LlamaConfig(
+        **extra,
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
@@ -60,9 +72,7 @@ def llama3_8b_config() -> Any:
         head_dim=128,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
-        rope_theta=500000.0,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
     )
 
 
@@ -99,7 +109,7 @@ class Target:
     def __init__(self, model: nn.Module, tokenizer: Any, layer_ids: list[int], device: torch.device) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.config = model.config
+        self.config: Any = model.config
         self.device = device
         layers = decoder_layers(model)
         if len(set(layer_ids)) != 3 or max(layer_ids) >= len(layers):
@@ -128,7 +138,8 @@ class Target:
         return int(self.config.vocab_size)
 
     def embed_weight(self) -> torch.Tensor:
-        emb = self.model.get_input_embeddings()
+        get: Any = self.model.get_input_embeddings
+        emb = get()
         assert isinstance(emb, nn.Embedding)
         return emb.weight
 
@@ -185,10 +196,11 @@ def load_target(
         from transformers import AutoModelForCausalLM
 
         path = str(Path(spec).expanduser())
+        loaded: Any
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         except TypeError:  # transformers 4.x spells it torch_dtype
-            model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
-        model = model.to(device)
+            loaded = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
+        model = loaded.to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     return Target(model, tokenizer, ids, device)

@@ -162,6 +162,7 @@ class DrafterWorker:
         submit_checkpoint: Callable[[int, str, dict[str, Any]], None] | None,
         step_delay_s: float = 0.0,
         start_step: int = 0,
+        loss_fn: GuardedFunction | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -178,7 +179,9 @@ class DrafterWorker:
         self.batch_size = batch_size
         self.hidden_dtype = hidden_dtype
         self.autocast_dtype = autocast_dtype
-        self.loss_fn = GuardedFunction(soft_cross_entropy, compiled=compile_loss, name="loss")
+        self.loss_fn = (
+            loss_fn if loss_fn is not None else GuardedFunction(soft_cross_entropy, compiled=compile_loss, name="loss")
+        )
         self.grad_checkpointing = grad_checkpointing
         self.max_grad_norm = max_grad_norm
         self.log_every = log_every
@@ -360,7 +363,8 @@ class DrafterWorker:
                 self.control.events.stage("warmup", f"buckets {self.buckets} on {self.device}", thread=self.name)
                 self.warmup_s = self.warm_up()
                 self.control.events.stage(
-                    "warmup", f"done in {self.warmup_s:.1f} s ({'compiled' if self.loss_fn.compiled else 'eager'})",
+                    "warmup",
+                    f"done in {self.warmup_s:.1f} s ({'compiled' if self.loss_fn.compiled else 'eager'})",
                     thread=self.name,
                 )
                 if self._pending_rng is not None:

@@ -164,6 +164,12 @@ class Drafter(nn.Module):
         self.register_buffer("t2d", t2d)
         self._rotary: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def embed_table(self) -> torch.Tensor:
+        table = self.embed_weight
+        assert isinstance(table, torch.Tensor)
+        return table
+
     def rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))
         tables = self._rotary.get(key)
@@ -197,7 +203,7 @@ class Drafter(nn.Module):
         losses, correct, counts = [], [], []
         for i in range(ttt_steps):
             with torch.no_grad():
-                emb = F.embedding(shift_left(input_ids, i + 1), self.embed_weight)
+                emb = F.embedding(shift_left(input_ids, i + 1), self.embed_table)
             if grad_checkpointing and torch.is_grad_enabled():
                 hidden, prior_k, prior_v = checkpoint(
                     self.layer, hidden, emb, cos, sin, prior_k, prior_v, i, attention, use_reentrant=False
@@ -205,9 +211,7 @@ class Drafter(nn.Module):
             else:
                 hidden, prior_k, prior_v = self.layer(hidden, emb, cos, sin, prior_k, prior_v, i, attention)
             logits = self.lm_head(self.norm(hidden))
-            loss_i, correct_i, count_i = loss_fn(
-                logits, shift_left(target_p, i + 1), shift_left(position_mask, i + 1)
-            )
+            loss_i, correct_i, count_i = loss_fn(logits, shift_left(target_p, i + 1), shift_left(position_mask, i + 1))
             losses.append(loss_i)
             correct.append(correct_i)
             counts.append(count_i)

@@ -1,0 +1,335 @@
+"""Throughput of the engine against a plain single-thread sequential loop, on one GPU.
+
+Llama-3.1-8B-shaped random target (bf16, HF SDPA), EAGLE-3 drafter (~425M trainable params), seq 2048,
+TTT 7, draft vocab 32k, batch 1. Each mode runs in its own subprocess (fresh memory and compile caches):
+
+  baseline  plain loop, one thread, default stream: target forward, then drafter forward/backward/AdamW;
+            no compile, dense SDPA masks (the TTT mask materialised).
+  sides     the two sides alone: target forward only, and the drafter step alone (compiled flex, block-sparse
+            mask, compiled loss) on a fixed batch -> per-GPU rates and the suggested target/drafter split.
+  engine    the engine itself (producer thread + drafter thread, own CUDA streams, compile guard, warm-up).
+
+MFU = model FLOPs per step / step time / 794e12 (bf16 8192^3 matmul measured on this H200). Model FLOPs:
+  target  = 2*T*(P_layers + H*V) + L * 4*hd*nh * T(T+1)/2               (causal pairs only)
+  drafter = 3 * [2*T*3H*H + sum_i (2*T*(P_layer + H*Vd) + 4*hd*nh*(T(T+1)/2 + i*T))]
+            (backward = 2x forward; attention counts only the unmasked pairs of the TTT mask)
+
+    python3 tests/bench/bench_engine.py all --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+PEAK_TFLOPS = 794.0
+SEQ = 2048
+TTT = 7
+DRAFT_VOCAB = 32000
+
+
+def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, float]:
+    h, v, L = tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers
+    nh, nkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
+    hd = getattr(tcfg, "head_dim", None) or h // nh
+    inter = tcfg.intermediate_size
+    p_layer_t = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * inter
+    causal = seq * (seq + 1) / 2
+    target = batch * (2 * seq * (L * p_layer_t + h * v) + L * 4 * hd * nh * causal)
+    dh, dnh, dnkv, dhd = dcfg.hidden_size, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim
+    p_layer_d = 2 * dh * dnh * dhd + 2 * (2 * dh * dnkv * dhd) + dnh * dhd * dh + 3 * dh * dcfg.intermediate_size
+    fwd = 2 * seq * 3 * dh * dh
+    for i in range(ttt):
+        fwd += 2 * seq * (p_layer_d + dh * dcfg.draft_vocab_size) + 4 * dhd * dnh * (causal + i * seq)
+    return {"target": target, "drafter": 3 * fwd * batch}
+
+
+def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
+    import torch
+
+    from engine.trainer.data import RandomTokenSource
+    from engine.trainer.draft.attention import TTTAttention
+    from engine.trainer.draft.model import DraftConfig, Drafter
+    from engine.trainer.target import load_target
+    from engine.trainer.vocab import build_draft_vocab
+
+    dev = torch.device("cuda:0")
+    t0 = time.perf_counter()
+    target = load_target("llama3-8b-shape", dev, tokenizer=None, layer_ids=None, seed=0, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    source = RandomTokenSource(target.vocab_size, buckets=[SEQ], batch_size=1, seed=0)
+    vocab = build_draft_vocab(source, target.vocab_size, DRAFT_VOCAB, 8)
+    dcfg = DraftConfig.from_target(target.config, vocab.size)
+    with torch.device(dev):
+        torch.manual_seed(0)
+        drafter = Drafter(dcfg, target.embed_weight(), vocab.draft_to_target.to(dev))
+    return {
+        "torch": torch,
+        "dev": dev,
+        "target": target,
+        "source": source,
+        "vocab": vocab,
+        "dcfg": dcfg,
+        "drafter": drafter,
+        "attention": TTTAttention(attn, compiled=compiled),
+        "load_s": load_s,
+    }
+
+
+def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
+    parts = build_parts(compiled=False, attn="sdpa")
+    torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
+    from engine.trainer.loss import soft_cross_entropy, total_loss
+
+    draft_ids = parts["vocab"].draft_to_target.to(dev)
+    t2d = parts["vocab"].t2d(target.vocab_size).to(dev)
+    params = drafter.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    rows = []
+    for i in range(warm + steps):
+        hb = parts["source"].batch(i)
+        ids, mask = hb.input_ids.to(dev), hb.loss_mask.to(dev)
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        w0 = time.perf_counter()
+        e0.record()
+        out = target.run(ids, mask, draft_ids, t2d)
+        e1.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses, _, _ = drafter(
+                out.hidden3,
+                ids,
+                out.target_p,
+                out.position_mask,
+                ttt_steps=TTT,
+                attention=parts["attention"],
+                loss_fn=soft_cross_entropy,
+            )
+        total_loss(losses).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        e2.record()
+        torch.cuda.synchronize()
+        if i >= warm:
+            rows.append((time.perf_counter() - w0, e0.elapsed_time(e1), e1.elapsed_time(e2)))
+    n = len(rows)
+    step_ms = 1000 * sum(r[0] for r in rows) / n
+    f = flops(target.config, parts["dcfg"], SEQ, TTT, 1)
+    return {
+        "mode": "baseline",
+        "step_ms": step_ms,
+        "target_ms": sum(r[1] for r in rows) / n,
+        "drafter_ms": sum(r[2] for r in rows) / n,
+        "tok_s": SEQ / (step_ms / 1000),
+        "mfu": (f["target"] + f["drafter"]) / (step_ms / 1000) / (PEAK_TFLOPS * 1e12),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "drafter_params_m": sum(p.numel() for p in params) / 1e6,
+        "flops": f,
+        "target_load_s": parts["load_s"],
+    }
+
+
+def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
+    parts = build_parts(compiled=True, attn="flex")
+    torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
+    from engine.trainer.compile import apply_dynamo_config
+    from engine.trainer.control import RunControl
+    from engine.trainer.health import HealthBoard
+    from engine.trainer.metrics import EventLog, suggest_split
+    from engine.trainer.producer import DeviceBatch
+    from engine.trainer.queue import BoundedQueue
+    from engine.trainer.worker import DrafterWorker
+
+    apply_dynamo_config()
+    draft_ids = parts["vocab"].draft_to_target.to(dev)
+    t2d = parts["vocab"].t2d(target.vocab_size).to(dev)
+    if compile_target:
+        target.compile()
+    # Target side alone.
+    hb = parts["source"].batch(0)
+    ids, mask = hb.input_ids.to(dev), hb.loss_mask.to(dev)
+    t0 = time.perf_counter()
+    out = target.run(ids, mask, draft_ids, t2d)
+    torch.cuda.synchronize()
+    target_first_s = time.perf_counter() - t0
+    for _ in range(warm):
+        target.run(ids, mask, draft_ids, t2d)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        target.run(ids, mask, draft_ids, t2d)
+    torch.cuda.synchronize()
+    target_ms = 1000 * (time.perf_counter() - t0) / steps
+    # Drafter side alone, through the engine's worker step (compiled flex + loss).
+    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
+    control = RunControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
+    params = drafter.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    worker = DrafterWorker(
+        "drafter0",
+        0,
+        drafter,
+        dev,
+        BoundedQueue(1),
+        optimizer=opt,
+        scheduler=sched,
+        attention=parts["attention"],
+        control=control,
+        ttt_steps=TTT,
+        total_steps=10**9,
+        buckets=[SEQ],
+        batch_size=1,
+        hidden_dtype=torch.bfloat16,
+        autocast_dtype=torch.bfloat16,
+        compile_loss=True,
+        grad_checkpointing=False,
+        max_grad_norm=1.0,
+        log_every=1,
+        checkpoint_every=0,
+        group=None,
+        next_index=0,
+        index_stride=1,
+        submit_checkpoint=None,
+    )
+    warm_s = worker.warm_up()
+    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask)
+    for _ in range(warm):
+        worker.train_step(batch, 0.0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    phase = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
+    for _ in range(steps):
+        res, _ = worker.train_step(batch, 0.0)
+        for k in phase:
+            phase[k] += res.ms[k] / steps
+    torch.cuda.synchronize()
+    drafter_ms = 1000 * (time.perf_counter() - t0) / steps
+    f = flops(target.config, parts["dcfg"], SEQ, TTT, 1)
+    t_rate, d_rate = SEQ / (target_ms / 1000), SEQ / (drafter_ms / 1000)
+    return {
+        "mode": "sides" + ("+compiled-target" if compile_target else ""),
+        "target_ms": target_ms,
+        "target_first_call_s": target_first_s,
+        "target_tok_s_per_gpu": t_rate,
+        "target_mfu": f["target"] / (target_ms / 1000) / (PEAK_TFLOPS * 1e12),
+        "drafter_ms": drafter_ms,
+        "drafter_phase_ms": phase,
+        "drafter_warmup_s": warm_s,
+        "drafter_tok_s_per_gpu": d_rate,
+        "drafter_mfu": f["drafter"] / (drafter_ms / 1000) / (PEAK_TFLOPS * 1e12),
+        "sequential_sum_tok_s": SEQ / ((target_ms + drafter_ms) / 1000),
+        "split": {str(n): suggest_split(t_rate, d_rate, n) for n in (2, 4, 8)},
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
+    import torch
+
+    from engine.trainer.config import from_dict, parse_override, preset
+    from engine.trainer.engine import Engine
+    from engine.trainer.metrics import EventLog
+
+    overrides: dict[str, Any] = {
+        "steps": warm + steps,
+        "log_every": 1,
+        "checkpoint_every": 0,
+        "resume": False,
+        "output_dir": f"/tmp/bench-engine-{os.getpid()}",
+        "buckets": [SEQ],
+        "ttt_steps": TTT,
+        "draft_vocab_size": DRAFT_VOCAB,
+    }
+    overrides.update(dict(parse_override(s) for s in extra))
+    cfg = from_dict(overrides, preset("h200-single"))
+    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
+    got: list[tuple[float, dict[str, Any]]] = []
+    events.listeners.append(lambda ev: got.append((time.perf_counter(), ev)))
+    t0 = time.perf_counter()
+    engine = Engine(cfg, events)
+    engine.build()
+    built = time.perf_counter()
+    code = engine.run()
+    steps_ev = [(t, e) for t, e in got if e["kind"] == "step"]
+    training = [t for t, e in got if e["kind"] == "stage" and e["stage"] == "training"]
+    first_step = steps_ev[0][0] if steps_ev else float("nan")
+    tail = [t for t, e in steps_ev if e["step"] > warm]
+    n_workers = len(cfg.drafter_devices)
+    tokens_per_step = SEQ * cfg.batch_size
+    if len(tail) >= 2:
+        span = tail[-1] - tail[0]
+        tok_s = tokens_per_step * (len(tail) - 1) / span
+    else:
+        tok_s = float("nan")
+    ms = [e["ms"] for t, e in steps_ev if e["step"] > warm]
+    tms = [e["target_ms"] for t, e in steps_ev if e["step"] > warm]
+    return {
+        "mode": "engine " + " ".join(extra),
+        "exit_code": code,
+        "tok_s": tok_s,
+        "tok_s_all_threads": tok_s if cfg.drafter_mode == "replicas" else tok_s * n_workers,
+        "step_ms": 1000 * tokens_per_step / tok_s if tok_s == tok_s else None,
+        "phase_ms": {k: sum(m[k] for m in ms) / max(1, len(ms)) for k in ("fetch", "fwd", "bwd", "opt")},
+        "producer_target_ms": sum(tms) / max(1, len(tms)),
+        "build_s": built - t0,
+        "warmup_s": (training[0] - built) if training else None,
+        "start_to_first_step_s": first_step - t0,
+        "warmup_per_thread_s": [w.warmup_s for w in engine.workers],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "steps_seen": len(steps_ev),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["all", "baseline", "sides", "engine"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--compile-target", action="store_true")
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
+    ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--plan", default="baseline;sides;engine")
+    a = ap.parse_args()
+    if a.mode != "all":
+        if a.mode == "baseline":
+            res = mode_baseline(a.steps, a.warm)
+        elif a.mode == "sides":
+            res = mode_sides(a.steps, a.warm, a.compile_target)
+        else:
+            res = mode_engine(a.steps, a.warm, a.set)
+        print("RESULT " + json.dumps(res))
+        return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for item in a.plan.split(";"):
+        argv = item.split()
+        cmd = [sys.executable, __file__, *argv, "--steps", str(a.steps), "--warm", str(a.warm)]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, cwd=REPO)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            res = json.loads(lines[-1][7:]) if lines else {"mode": item, "error": p.stderr[-3000:]}
+        except subprocess.TimeoutExpired as exc:
+            res = {"mode": item, "error": f"timeout after {a.timeout_s} s", "stderr": str(exc.stderr)[-2000:]}
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        results.append(res)
+        print(json.dumps(res, indent=1, default=str), flush=True)
+    (out / "bench_engine.json").write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
