@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,8 +102,12 @@ def test_injected_drafter_exception_is_reported_within_a_second_and_policy_appli
     tmp_path: Path, small_corpus: Path, policy: str
 ) -> None:
     cfg = make_config(
-        tmp_path, small_corpus, drafter_devices=["cpu", "cpu"], drafter_mode="independent",
-        steps=8, on_thread_error=policy,
+        tmp_path,
+        small_corpus,
+        drafter_devices=["cpu", "cpu"],
+        drafter_mode="independent",
+        steps=8,
+        on_thread_error=policy,
     )
     engine, rec = build(cfg, tmp_path)
     injected_at: list[float] = []
@@ -166,8 +169,15 @@ def test_nan_loss_stops_the_run_naming_step_and_thread(tmp_path: Path, small_cor
 
 def test_two_drafter_threads_learn_on_the_shipped_corpus(tmp_path: Path) -> None:
     cfg = make_config(
-        tmp_path, "shipped", drafter_devices=["cpu", "cpu"], drafter_mode="replicas", steps=70,
-        ttt_steps=2, buckets=[128, 256], draft_vocab_size=128, vocab_sample_batches=64,
+        tmp_path,
+        "shipped",
+        drafter_devices=["cpu", "cpu"],
+        drafter_mode="replicas",
+        steps=70,
+        ttt_steps=2,
+        buckets=[128, 256],
+        draft_vocab_size=128,
+        vocab_sample_batches=64,
     )
     engine, rec = build(cfg, tmp_path)
     assert engine.run() == 0
@@ -204,9 +214,23 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_restart_resumes(tmp_path: Pat
     out = tmp_path / "run"
     events = out / "events.jsonl"
     args = [
-        sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out),
-        "--set", f'data="{small_corpus}"', "--set", "buckets=[256]", "--set", "drafter_devices=[\"cpu\"]",
-        "--set", "vocab_sample_batches=16", "--set", "step_delay_s=0.02",
+        sys.executable,
+        "-m",
+        "engine.trainer",
+        "--preset",
+        "cpu-demo",
+        "--output-dir",
+        str(out),
+        "--set",
+        f'data="{small_corpus}"',
+        "--set",
+        "buckets=[256]",
+        "--set",
+        'drafter_devices=["cpu"]',
+        "--set",
+        "vocab_sample_batches=16",
+        "--set",
+        "step_delay_s=0.02",
     ]
     env = {**os.environ, "SPECDEC_EVENTS": str(events), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -228,5 +252,5 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_restart_resumes(tmp_path: Pat
     done = subprocess.run(args2, cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"at step {saved['step']}" in done.stdout
-    after = read_events(events)[len(evs):]
+    after = read_events(events)[len(evs) :]
     assert [e["step"] for e in after if e["kind"] == "step"] == [saved["step"] + 1, saved["step"] + 2]
