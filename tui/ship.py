@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine import protocol
 
-# What goes into the bundle: every source file of these packages, no tests, no caches.
+# What goes into the bundle: every file of these packages, no tests, no caches, no hidden files.
 BUNDLED_PACKAGES: tuple[str, ...] = ("engine",)
 _FIXED_DATE = (2020, 1, 1, 0, 0, 0)
 _MAIN = b"import sys\n\nfrom engine.agent.main import main\n\nsys.exit(main())\n"
@@ -113,11 +113,14 @@ class Bundle:
 
 
 def _source_files(root: Path) -> list[Path]:
+    """Every file of the bundled packages (sources and package data such as the trainer's corpus)."""
     files: list[Path] = []
     for pkg in BUNDLED_PACKAGES:
-        for path in sorted((root / pkg).rglob("*.py")):
+        for path in sorted((root / pkg).rglob("*")):
             rel = path.relative_to(root)
-            if any(part in ("tests", "__pycache__") or part.startswith("test_") for part in rel.parts):
+            if not path.is_file() or path.suffix in (".pyc", ".pyo"):
+                continue
+            if any(part in ("tests", "__pycache__") or part.startswith((".", "test_")) for part in rel.parts):
                 continue
             files.append(path)
     return files

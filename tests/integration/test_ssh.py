@@ -53,20 +53,29 @@ def test_status_over_ssh_equals_status_over_local(sshd: Any, cli: Callable[..., 
     assert remote["host"]["run_root"] == local["host"]["run_root"] == str(run_root)
 
 
+def _installed_bundle(run_root: Path) -> Path:
+    found = sorted((run_root / "agent").glob("*.pyz"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 def test_first_connect_ships_the_bundle_and_a_corrupt_one_is_replaced(
     sshd: Any, cli: Callable[..., Any], run_root: Path
 ) -> None:
-    bundle = ship.agent_bundle()
-    installed = run_root / "agent" / bundle.name
-    assert not installed.exists()
+    assert not (run_root / "agent").exists()
     r = cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root))
     assert r.returncode == 0, r.output
-    assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
+    installed = _installed_bundle(run_root)
+    digest = hashlib.sha256(installed.read_bytes()).hexdigest()
+    assert installed.name == f"{ship.protocol.AGENT_VERSION}-{digest[:16]}.pyz"
+    tree = installed.with_suffix("")
+    (tree / "engine" / "protocol.py").write_text("raise SystemExit('tampered')\n")  # the extracted copy is re-checked
     installed.write_bytes(b"#!/usr/bin/env python3\nraise SystemExit('tampered')\n")
     r = cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root))
     assert r.returncode == 0, r.output
-    assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
-    assert not [p for p in installed.parent.iterdir() if ".tmp" in p.name]
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == digest
+    assert "tampered" not in (tree / "engine" / "protocol.py").read_text()
+    assert not [p for p in installed.parent.iterdir() if ".tmp" in p.name or ".old" in p.name]
 
 
 def test_unknown_host_key_is_refused_with_exit_3_and_the_fingerprint(sshd: Any, cli: Callable[..., Any]) -> None:
@@ -188,7 +197,7 @@ def test_local_pct_hop_through_the_shim(sshd: Any, cli: Callable[..., Any], run_
         "--json", env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.output
-    assert (run_root / "agent" / ship.agent_bundle().name).is_file()  # shipped through the hop
+    assert _installed_bundle(run_root).is_file()  # shipped through the hop
 
 
 NASTY_ARGS = ["it's", 'say "hi"', "a b  c", "x; touch /tmp/pwned-specdec", "$(id -u)", "`id`", "$HOME", "*", "\\n", ""]
@@ -333,3 +342,28 @@ def test_attach_argv_quotes_the_remote_command(sshd: Any) -> None:
     argv = SshTransport(Target.parse(sshd.target), opts).attach_argv("specdec-run-1")
     assert argv[:2] == ["ssh", "-t"] and f"UserKnownHostsFile={sshd.known_hosts}" in argv
     assert shlex.split(argv[-1]) == ["pct", "exec", "200", "--", "tmux", "attach-session", "-t", "specdec-run-1"]
+
+
+def test_connect_refuses_an_unknown_host_key_before_drawing_anything(sshd: Any, cli: Callable[..., Any]) -> None:
+    r = cli("connect", sshd.target, *sshd.args(known_hosts=sshd.empty_known_hosts))
+    assert r.returncode == 3, r.output
+    assert sshd.host_key_fingerprint in r.stderr and "Traceback" not in r.output
+
+
+def test_engine_launched_over_ssh_runs_from_the_shipped_bundle(
+    sshd: Any, cli: Callable[..., Any], run_root: Path
+) -> None:
+    r = cli(
+        "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "first-step", "--timeout", "120",
+        "--json",
+    )  # fmt: skip
+    try:
+        assert r.returncode == 0, r.output
+        run_dir = run_root / "runs" / json.loads(r.stdout)["run_id"]
+        launch = json.loads((run_dir / "launch.json").read_text())
+        assert launch["command"][1:] == ["-m", "engine.trainer", "--preset", "cpu-demo"]
+        tree = _installed_bundle(run_root).with_suffix("")
+        assert (tree / "engine" / "trainer" / "__main__.py").is_file()
+        assert "step=" in (run_dir / "output.log").read_text()
+    finally:
+        cli("stop", sshd.target, *sshd.args(), "--run-root", str(run_root), "--grace", "10")
