@@ -235,12 +235,13 @@ class Wrapper:
         if not data:
             return offset
         try:
-            os.write(self.pane_fd, data.replace(b"\n", b"\r\n"))
+            written = os.write(self.pane_fd, data)  # the pty's ONLCR turns \n into \r\n
         except BlockingIOError:
-            pass  # nobody drains the pane right now: drop rather than stall supervision
+            return offset  # nobody drains the pane right now: try again next poll rather than stall
         except OSError:
             self.pane_fd = None  # the pane is gone (tmux killed): supervision goes on
-        return offset + len(data)
+            return offset
+        return offset + written
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launch_harness import REPO_ROOT, AgentClient, AgentPool, launch_and_wait, pid_alive
+from test_launch_harness import REPO_ROOT, AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
 
-from engine.supervisor import records
+from engine.supervisor import records, tmux
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
@@ -252,3 +252,21 @@ def test_invalid_run_id_and_empty_command_are_refused(agent: AgentClient) -> Non
     assert bad["ok"] is False and "invalid run id" in bad["error"]
     empty = agent.request("launch", command=[])
     assert empty["ok"] is False and "non-empty list" in empty["error"]
+
+
+def test_the_tmux_pane_shows_the_runs_output_and_its_end(agent: AgentClient) -> None:
+    launched, res, _ = launch_and_wait(agent, ["bash", "-c", "echo first line; echo second line; exit 3"], "output", 20)
+    assert res["ok"] is True
+
+    def pane() -> str:
+        done = subprocess.run(
+            [*tmux.base_argv(), "capture-pane", "-p", "-S", "-", "-t", f"={launched['tmux_session']}:"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return done.stdout if "exited with code 3" in done.stdout else ""
+
+    text = poll_until(pane, 10, "the pane to show the run's end")
+    assert "first line\nsecond line\n" in text
+    assert f"[specdec] run {launched['run_id']} exited with code 3" in text
