@@ -16,6 +16,7 @@ configured here and execs the rest, failing like the real one for an unknown con
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import shutil
@@ -116,12 +117,16 @@ def _sshd_binary() -> str | None:
     return "/usr/sbin/sshd" if os.access("/usr/sbin/sshd", os.X_OK) else None
 
 
-@pytest.fixture(scope="session")
-def sshd(tmp_path_factory: pytest.TempPathFactory, tmux_socket: str) -> Iterator[Sshd]:
+class SshdUnavailable(RuntimeError):
+    """No OpenSSH server binary on this machine."""
+
+
+@contextlib.contextmanager
+def running_sshd(d: Path, tmux_socket: str) -> Iterator[Sshd]:
+    """Generate keys and config under ``d``, start ``sshd -D -e`` on a free loopback port, stop it on exit."""
     binary = _sshd_binary()
     if binary is None or shutil.which("ssh-keygen") is None:
-        pytest.skip("OpenSSH server not installed (tests/run installs it: apt-get install openssh-server)")
-    d = tmp_path_factory.mktemp("sshd")
+        raise SshdUnavailable("OpenSSH server not installed (tests/run installs it: apt-get install openssh-server)")
     host_key, other_host_key = d / "host_ed25519", d / "other_host_ed25519"
     user_key, stranger_key = d / "id_ed25519", d / "stranger_ed25519"
     host_pub = _keygen(host_key, "test-host")
@@ -184,39 +189,46 @@ def sshd(tmp_path_factory: pytest.TempPathFactory, tmux_socket: str) -> Iterator
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation directory
     check = subprocess.run([binary, "-t", "-f", str(config)], capture_output=True, text=True)
     if check.returncode != 0:
-        pytest.fail(f"sshd rejects its test config: {check.stderr}")
-    log = open(d / "sshd.log", "wb")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen([binary, "-D", "-e", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 15.0
-    while not _banner_ready(port):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.close()
-            pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text(errors='replace')[-2000:]}")
-        time.sleep(0.02)
-    try:
-        yield Sshd(
-            port=port,
-            user=user,
-            dir=d,
-            identity=user_key,
-            stranger_identity=stranger_key,
-            known_hosts=known,
-            changed_known_hosts=changed,
-            empty_known_hosts=empty,
-            host_key_fingerprint=fp,
-            shim_dir=shim_dir,
-            dev_dir=dev_dir,
-            env=env,
-        )
-    finally:
-        proc.terminate()
+        raise RuntimeError(f"sshd rejects its test config: {check.stderr}")
+    with open(d / "sshd.log", "wb") as log:
+        proc = subprocess.Popen([binary, "-D", "-e", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+            deadline = time.monotonic() + 15.0
+            while not _banner_ready(port):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"sshd did not start: {(d / 'sshd.log').read_text(errors='replace')[-2000:]}")
+                time.sleep(0.02)
+            yield Sshd(
+                port=port,
+                user=user,
+                dir=d,
+                identity=user_key,
+                stranger_identity=stranger_key,
+                known_hosts=known,
+                changed_known_hosts=changed,
+                empty_known_hosts=empty,
+                host_key_fingerprint=fp,
+                shim_dir=shim_dir,
+                dev_dir=dev_dir,
+                env=env,
+            )
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory, tmux_socket: str) -> Iterator[Sshd]:
+    """A real sshd on 127.0.0.1 for the whole test session (see the module docstring)."""
+    try:
+        with running_sshd(tmp_path_factory.mktemp("sshd"), tmux_socket) as server:
+            yield server
+    except SshdUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @dataclass
