@@ -174,6 +174,7 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         str(spec_path),
     ]
     wrapper_pid: int | None = None
+    wrapper_ticks: int | None = None
     try:
         if session is not None:
             shell = f"cd {shlex.quote(_engine_root())} && exec {shlex.join([*argv, '--echo-to-pane'])}"
@@ -189,6 +190,7 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
                 start_new_session=True,  # no controlling terminal: a closing SSH or pct channel cannot reach it
             )
             wrapper_pid = proc.pid
+            wrapper_ticks = records.start_ticks_of(proc.pid)
             _reap_in_background(proc)
     except (tmux.TmuxError, OSError, subprocess.SubprocessError) as exc:
         shutil.rmtree(run_dir, ignore_errors=True)  # only the spec was in it: leave no husk of a run that never was
@@ -204,6 +206,7 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
             "attachable": session is not None,
             "tmux_socket": os.environ.get(tmux.SOCKET_ENV),
             "launcher_wrapper_pid": wrapper_pid,
+            "launcher_wrapper_start_ticks": wrapper_ticks,
             "spec": asdict(spec),
             "note": note,
         },
@@ -323,9 +326,12 @@ def _deadline_for(milestone: str, deadlines: dict[str, float]) -> float | None:
 
 
 def _pane_note(launch_sub: dict[str, Any]) -> str | None:
-    """Why a wrapper never wrote launch.json, as tmux saw it."""
+    """Why a wrapper never wrote launch.json, as tmux (or, without tmux, the process table) saw it."""
     session = launch_sub.get("tmux_session")
     if not session:
+        pid = launch_sub.get("launcher_wrapper_pid")
+        if isinstance(pid, int) and not records.process_alive(pid, launch_sub.get("launcher_wrapper_start_ticks")):
+            return f"the wrapper (pid {pid}, started with setsid) exited"
         return None
     state = tmux.pane_state(session)
     if state is None:

@@ -196,3 +196,25 @@ def test_wrapper_output_milestone_ignores_what_was_in_the_log_before(tmp_path: P
     info = records.read_run(rd, records.read_boot_id())
     assert info.state == "exited" and info.exit_code == 0
     assert info.milestones["started"] is not None and info.milestones["output"] is None
+
+
+def test_a_setsid_wrapper_that_died_before_its_launch_record_ends_the_wait(tmp_path: Path) -> None:
+    rd = records.run_dir_for(tmp_path, "never-setsid")
+    rd.mkdir(parents=True)
+    gone = subprocess.Popen(["sleep", "60"])
+    ticks = records.start_ticks_of(gone.pid)
+    gone.kill()
+    gone.wait()
+    records.write_json_atomic(
+        rd / records.SUBMITTED_JSON,
+        {
+            "t": time.time(),
+            "tmux_session": None,
+            "launcher_wrapper_pid": gone.pid,
+            "launcher_wrapper_start_ticks": ticks,
+        },
+    )
+    res = control.wait_for(rd, "output", timeout_s=20)
+    assert res.ok is False and res.alive is False
+    assert res.cause == f"the wrapper never started: the wrapper (pid {gone.pid}, started with setsid) exited"
+    assert res.elapsed_s < 2.0
