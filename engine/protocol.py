@@ -242,6 +242,9 @@ class WaitResult:
     alive: bool | None = None  # process alive at the end of the wait
     detail: str | None = None  # "alive, silent: 3 threads, 0.0% CPU, no GPU" and the like
     run_id: str | None = None
+    # True only when a deadline passed with the process alive (exit code 4); a dead engine thread is a
+    # failure (exit code 1) even though the process is still alive.
+    hung: bool = False
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -372,7 +372,14 @@ def wait_for(
     next_pane_check = t0 + STARTING_CHECK_S
     pane_note: str | None = None
 
-    def result(ok: bool, info: protocol.RunInfo, cause: str | None, alive: bool | None, detail: str | None = None):
+    def result(
+        ok: bool,
+        info: protocol.RunInfo,
+        cause: str | None,
+        alive: bool | None,
+        detail: str | None = None,
+        hung: bool = False,
+    ) -> protocol.WaitResult:
         reached = [m for m in protocol.MILESTONES if info.milestones.get(m) is not None]
         stage = reached[-1] if reached else "none"
         if info.stage and reached and reached[-1] == "output":
@@ -389,6 +396,7 @@ def wait_for(
             alive=alive,
             detail=detail,
             run_id=info.run_id,
+            hung=hung,
         )
 
     while True:
@@ -456,7 +464,10 @@ def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
 def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result: Any) -> protocol.WaitResult:
     if info.state == "starting":
         note = _pane_note(records.read_json(rd / records.SUBMITTED_JSON) or {})
-        return result(False, info, f"not started: {overdue}; no launch.json" + (f"; {note}" if note else ""), None)
+        if note is not None:
+            return result(False, info, f"not started: {overdue}; no launch.json; {note}", False)
+        # The wrapper's session is still there but it has not written its record: stuck before the job.
+        return result(False, info, f"hung: {overdue}; the wrapper has not written launch.json yet", True, None, True)
     launch_rec = records.read_json(rd / records.LAUNCH_JSON)
     pids = run_pids(launch_rec)
     job_pid = (launch_rec or {}).get("job_pid")
@@ -477,7 +488,7 @@ def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result
             since += f"; engine stage {info.stage}"
     detail = f"{state_txt}: {since}; {activity}"
     cause = f"hung: {overdue}; process {state_txt}"
-    return result(False, info, cause, True, detail)
+    return result(False, info, cause, True, detail, True)
 
 
 # -- stop --------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_launch_of_missing_script_fails_with_127_and_the_shells_words_within_two
     assert res["exit_code"] == 127
     assert any("/does/not/exist.sh: No such file or directory" in line for line in res["last_lines"]), res
     assert "127" in res["cause"]
-    assert res["alive"] is False
+    assert res["alive"] is False and res["hung"] is False
     assert elapsed < 2.0, f"took {elapsed:.2f} s"
 
 
@@ -60,7 +60,7 @@ def test_python_raising_at_import_reports_the_traceback(agent: AgentClient, tmp_
 def test_silent_sleep_is_reported_hung_alive_and_silent_within_five_seconds(agent: AgentClient) -> None:
     launched, res, elapsed = launch_and_wait(agent, ["sleep", "600"], "output", 3)
     assert res["ok"] is False
-    assert res["alive"] is True
+    assert res["alive"] is True and res["hung"] is True
     assert res["exit_code"] is None and res["signal"] is None
     assert "alive, silent" in res["detail"]
     assert "thread" in res["detail"] and "CPU" in res["detail"]
@@ -136,22 +136,34 @@ def test_clashing_tmux_session_name_is_a_clear_error(agent: AgentClient, pool: A
         subprocess.run(["tmux", "-L", sock, "kill-session", "-t", f"={name}"], check=False)
 
 
-@pytest.mark.parametrize("blocker", ["root_is_a_file", "runs_is_a_file"])
+@pytest.mark.parametrize("blocker", ["root_is_a_file", "runs_is_a_file", "immutable_root"])
 def test_unwritable_run_root_is_a_clear_error(pool: AgentPool, tmp_path: Path, blocker: str) -> None:
-    # Tests run as root, for whom mode bits do not stop a write: a file where a directory must be always does.
+    # Tests run as root, for whom mode bits do not stop a write: a file where a directory must be, or an
+    # immutable directory (chattr +i, where the filesystem supports it), really do.
     if blocker == "root_is_a_file":
         bad_root = tmp_path / "not-a-dir"
         bad_root.write_text("")
         bad_root = bad_root / "root"
-    else:
+        expected = "Not a directory"
+    elif blocker == "runs_is_a_file":
         bad_root = tmp_path / "root-with-file"
         bad_root.mkdir()
         (bad_root / "runs").write_text("")
-    a = pool.make(run_root=bad_root)
-    reply = a.request("launch", command=["true"])
+        expected = "File exists"
+    else:
+        bad_root = tmp_path / "immutable"
+        bad_root.mkdir()
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(bad_root)]).returncode != 0:
+            pytest.skip("chattr +i is not supported here")
+        expected = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"
+    try:
+        a = pool.make(run_root=bad_root)
+        reply = a.request("launch", command=["true"])
+    finally:
+        if blocker == "immutable_root":
+            subprocess.run(["chattr", "-i", str(bad_root)], check=True)
     assert reply["ok"] is False
-    assert reply["error"].startswith(f"run root {bad_root} is not writable:"), reply["error"]
-    assert "Not a directory" in reply["error"] or "File exists" in reply["error"]
+    assert reply["error"].startswith(f"run root {bad_root} is not writable: {expected}"), reply["error"]
 
 
 def test_missing_working_directory_is_a_clear_error_before_anything_starts(agent: AgentClient, pool: AgentPool) -> None:

@@ -162,6 +162,7 @@ def test_a_dead_engine_thread_ends_the_wait_at_once(agent: AgentClient) -> None:
     _, res, elapsed = launch_and_wait(agent, [sys.executable, "-c", script], "first-step", 30)
     assert res["ok"] is False and res["alive"] is True
     assert res["cause"] == "thread drafter-1 died: RuntimeError: CUDA error: boom"
+    assert res["hung"] is False  # a failure (exit 1), not a hang, although the process lives
     assert elapsed < 3.0
 
 
