@@ -25,6 +25,8 @@ Listener = Callable[[dict[str, Any]], None]
 
 HELLO_TIMEOUT_S = 30.0
 PING_INTERVAL_S = 2.0
+PING_TIMEOUT_S = 5.0
+PINGS_MISSED_BEFORE_RECONNECT = 2
 
 
 class CommandFailed(Exception):
@@ -279,11 +281,29 @@ class Session:
         return self.rtt_ms
 
     async def _ping_loop(self) -> None:
+        missed = 0
         while not self._closing:
             if self.state == "connected":
-                with contextlib.suppress(CommandFailed):
-                    await self.ping()
+                try:
+                    await self.ping(timeout_s=PING_TIMEOUT_S)
+                    missed = 0
+                except CommandFailed as exc:
+                    missed = 0 if exc.lost else missed + 1
+                if missed >= PINGS_MISSED_BEFORE_RECONNECT:
+                    # A link that stopped answering (no FIN, no RST) would otherwise wait for SSH keepalives.
+                    missed = 0
+                    await self._abandon_link()
             await asyncio.sleep(PING_INTERVAL_S)
+
+    async def _abandon_link(self) -> None:
+        """Give up on the current link; the reader sees it end and the reconnect loop takes over."""
+        stream = self._stream
+        if stream is None:
+            return
+        if isinstance(self.transport, SshTransport):
+            self.transport.drop_connection()
+        else:
+            await stream.close()
 
     async def start_streams(self, gpu_interval_s: float = 0.5, procs_interval_s: float = 1.0) -> None:
         """Subscribe to the live streams; after a reconnect they resume where they stopped."""

@@ -223,9 +223,8 @@ def test_doctor_prints_each_check_with_a_verdict(cli: Cli, run_root: Path) -> No
 def test_bundle_is_reproducible_has_no_tests_and_runs_as_a_zipapp(tmp_path: Path) -> None:
     one, two = ship.build_bundle_bytes(), ship.build_bundle_bytes()
     assert one == two
-    bundle = ship.agent_bundle()
-    assert bundle.name == f"{ship.protocol.AGENT_VERSION}-{hashlib.sha256(one).hexdigest()[:16]}.pyz"
     path = ship.write_bundle(tmp_path)
+    assert path.name == f"{ship.protocol.AGENT_VERSION}-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}.pyz"
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
     assert "__main__.py" in names and "engine/protocol.py" in names and "engine/agent/main.py" in names
