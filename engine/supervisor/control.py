@@ -684,8 +684,12 @@ def kill_stale(
         chosen = list(candidates)
     else:
         for item in targets:
-            if not isinstance(item, (list, tuple)) or len(item) != 2:
-                raise SupervisorError("targets must be [pid, create_time] pairs")
+            if (
+                not isinstance(item, (list, tuple))
+                or len(item) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in item)
+            ):
+                raise SupervisorError(f"targets must be [pid, create_time] number pairs; got {item!r}")
             pid, ct = int(item[0]), float(item[1])
             h = by_pid.get(pid)
             if h is not None and h.create_time is not None and abs(h.create_time - ct) <= 0.05:

@@ -24,6 +24,7 @@ import re
 import secrets
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,12 +225,14 @@ class RunScanner:
         self._ev_offset = 0
         self._ev_inode: int | None = None
         self._ev_carry = b""
+        self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
         self.state = ScanState()
 
     def poll(self, now: float | None = None, budget_bytes: int = _SCAN_BUDGET_BYTES) -> ScanState:
         t = now if now is not None else time.time()
-        self._poll_log(t, budget_bytes)
-        self._poll_events(budget_bytes)
+        with self._lock:
+            self._poll_log(t, budget_bytes)
+            self._poll_events(budget_bytes)
         return self.state
 
     def _poll_log(self, now: float, budget: int) -> None:
@@ -324,17 +327,22 @@ class RunScanner:
 _scanners: dict[str, tuple[float | None, RunScanner]] = {}
 
 
+_scanners_lock = threading.Lock()
+
+
 def scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
+    """The agent-wide incremental scanner of one run (one per run directory and wrapper start)."""
     key = str(run_dir)
     started = launch.get("started_at")
-    cached = _scanners.get(key)
-    if cached is not None and cached[0] == started:
-        return cached[1]
-    sc = RunScanner(run_dir, launch.get("step_pattern"), int(launch.get("output_offset_at_start") or 0))
-    if len(_scanners) > 64:
-        _scanners.clear()
-    _scanners[key] = (started, sc)
-    return sc
+    with _scanners_lock:
+        cached = _scanners.get(key)
+        if cached is not None and cached[0] == started:
+            return cached[1]
+        sc = RunScanner(run_dir, launch.get("step_pattern"), int(launch.get("output_offset_at_start") or 0))
+        if len(_scanners) > 64:
+            _scanners.clear()
+        _scanners[key] = (started, sc)
+        return sc
 
 
 def _alive_from_launch(launch: dict[str, Any]) -> bool:

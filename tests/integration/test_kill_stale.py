@@ -155,3 +155,12 @@ def test_yes_without_targets_signals_every_listed_holder_and_nothing_else(scene:
     progress = [e["message"] for e in scene.agent.events if e.get("ev") == "progress"]
     assert any(m.startswith(f"SIGTERM to pid {scene.pids['stale']}") for m in progress), progress
     assert pid_alive(scene.pids["decoy"]) and pid_alive(scene.run_holder)
+
+
+def test_malformed_targets_are_refused_before_anything_is_signalled(pool: AgentPool) -> None:
+    a = pool.make()
+    reply = a.request("kill_stale", dry_run=False, targets=[[os.getpid(), None]])
+    assert reply["ok"] is False and "number pairs" in reply["error"]
+    assert pid_alive(os.getpid())
+    bad_mode = a.request("kill_stale", dry_run="yes")
+    assert bad_mode["ok"] is False and bad_mode["error"] == "dry_run must be true or false"
