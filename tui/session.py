@@ -188,8 +188,12 @@ class Session:
 
     async def _lost(self, stream: AgentStream, reason: str) -> None:
         self._stream = None
-        rc = await stream.wait_exit(0.5)
-        await stream.stderr_settled(0.5)
+        try:
+            rc = await stream.wait_exit(0.5)
+            await stream.stderr_settled(0.5)
+        except Exception as exc:  # the detail below says what happened; the reconnect must still start
+            rc = None
+            reason += f" ({type(exc).__name__} while collecting the exit status: {exc})"
         err = stream.stderr_text().strip().splitlines()[-3:]
         detail = reason + (f" (exit {rc})" if rc is not None else "") + (": " + " | ".join(err) if err else "")
         self._fail_pending(f"connection lost: {detail}")

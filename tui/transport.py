@@ -136,9 +136,14 @@ class AgentStream(ABC):
         return "\n".join(self._stderr)
 
     async def _drain_stderr(self, reader: Any) -> None:
+        """Keep the last lines of the agent's stderr; never raises (a broken link ends it with a note)."""
         buf = b""
         while True:
-            chunk = await reader.read(65536)
+            try:
+                chunk = await reader.read(65536)
+            except Exception as exc:  # asyncssh.ConnectionLost and friends: the reader loop reports the loss
+                self._stderr.append(f"[stderr ended: {type(exc).__name__}: {exc}]")
+                break
             if not chunk:
                 break
             buf += chunk if isinstance(chunk, bytes) else chunk.encode()
@@ -221,7 +226,10 @@ class _SshStream(AgentStream):
         return self.proc.exit_status
 
     async def wait_exit(self, timeout_s: float) -> int | None:
-        with contextlib.suppress(asyncio.TimeoutError):
+        import asyncssh
+
+        # A cut connection ends the channel without an exit status: that is the answer (None), not an error.
+        with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
             await asyncio.wait_for(self.proc.wait_closed(), timeout_s)
         return self.proc.exit_status
 
