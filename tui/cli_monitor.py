@@ -249,10 +249,10 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
     session.auto_reconnect = False
     try:
         hello = session.hello or {}
-        via = "ssh" if session.target_display != "local" else "local"
+        via = "local" if session.target_display.startswith("local") else "ssh"
         _print_check(
             True,
-            "connection",
+            "connection" if via == "local" else "ssh",
             f"{via} to {session.target_display} in {time.perf_counter() - t0:.2f} s; agent {hello.get('agent_version')}"
             f" on {hello.get('hostname')}, python {hello.get('python')}{simulated_label(session)}",
             None,

@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -367,3 +368,34 @@ def test_engine_launched_over_ssh_runs_from_the_shipped_bundle(
         assert "step=" in (run_dir / "output.log").read_text()
     finally:
         cli("stop", sshd.target, *sshd.args(), "--run-root", str(run_root), "--grace", "10")
+
+
+def test_kill_stale_yes_over_ssh_lists_then_signals_only_the_stand_in_holder(
+    sshd: Any, cli: Callable[..., Any], run_root: Path, wait_until: Callable[..., Any]
+) -> None:
+    # The sshd sessions see SPECDEC_DEV_DIR = sshd.dev_dir: a process holding a file named nvidia0 there is a holder.
+    device = sshd.dev_dir / "nvidia0"
+    device.write_text("")
+    hold = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(120)\n"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(device)], stdout=subprocess.PIPE)
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"holding\n"
+        listed = cli("kill-stale", sshd.target, *sshd.args(), "--run-root", str(run_root), "--dry-run", "--json")
+        assert listed.returncode == 0, listed.output
+        pids = [c["pid"] for c in json.loads(listed.stdout)["candidates"]]
+        assert holder.pid in pids and decoy.pid not in pids
+        done = cli(
+            "kill-stale", sshd.target, *sshd.args(), "--run-root", str(run_root), "--yes", "--grace", "2", "--json"
+        )
+        assert done.returncode == 0, done.output
+        obj = json.loads(done.stdout)
+        assert holder.pid in [c["pid"] for c in obj["candidates"]] and obj["failed"] == []
+        assert holder.wait(10) is not None
+        assert decoy.poll() is None  # holds no device: never touched
+    finally:
+        for p in (holder, decoy):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        device.unlink()
