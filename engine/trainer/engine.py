@@ -22,9 +22,8 @@ from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
 from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
 from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.model import DraftConfig, Drafter
+from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.health import HealthBoard
-from engine.trainer.loss import soft_cross_entropy
 from engine.trainer.metrics import EventLog, events_path_for
 from engine.trainer.producer import DeviceBatch, Producer, Route
 from engine.trainer.queue import BoundedQueue
@@ -150,7 +149,7 @@ class Engine:
         # One compiled attention and loss for all workers: compiled once (under the guard), then shared.
         compiled = cfg.compile and ddevs[0].type == "cuda"
         attention = TTTAttention(attn_impl, compiled=compiled)
-        loss_fn = GuardedFunction(soft_cross_entropy, compiled=compiled, name="loss")
+        step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
         for rank, dev in enumerate(ddevs):
             embed = next((t.embed_weight() for t in self.targets if t.device == dev), None)
             if embed is None:
@@ -184,7 +183,7 @@ class Engine:
                 optimizer=optimizer,
                 scheduler=scheduler,
                 attention=attention,
-                loss_fn=loss_fn,
+                step_fn=step_fn,
                 control=self.control,
                 ttt_steps=cfg.ttt_steps,
                 total_steps=cfg.steps,
@@ -192,7 +191,7 @@ class Engine:
                 batch_size=cfg.batch_size,
                 hidden_dtype=tdtype,
                 autocast_dtype=autocast,
-                compile_loss=cfg.compile and dev.type == "cuda",
+                compile_step=compiled,
                 grad_checkpointing=cfg.grad_checkpointing,
                 max_grad_norm=cfg.max_grad_norm,
                 log_every=cfg.log_every,

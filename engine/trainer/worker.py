@@ -22,7 +22,7 @@ from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
 from engine.trainer.control import NonFiniteLoss, RunControl
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.model import Drafter
+from engine.trainer.draft.model import Drafter, ttt_step
 from engine.trainer.loss import accuracies, soft_cross_entropy, total_loss
 from engine.trainer.metrics import step_line
 from engine.trainer.producer import DeviceBatch
@@ -151,7 +151,7 @@ class DrafterWorker:
         batch_size: int,
         hidden_dtype: torch.dtype,
         autocast_dtype: torch.dtype | None,
-        compile_loss: bool,
+        compile_step: bool,
         grad_checkpointing: bool,
         max_grad_norm: float,
         log_every: int,
@@ -162,7 +162,7 @@ class DrafterWorker:
         submit_checkpoint: Callable[[int, str, dict[str, Any]], None] | None,
         step_delay_s: float = 0.0,
         start_step: int = 0,
-        loss_fn: GuardedFunction | None = None,
+        step_fn: GuardedFunction | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -179,9 +179,8 @@ class DrafterWorker:
         self.batch_size = batch_size
         self.hidden_dtype = hidden_dtype
         self.autocast_dtype = autocast_dtype
-        self.loss_fn = (
-            loss_fn if loss_fn is not None else GuardedFunction(soft_cross_entropy, compiled=compile_loss, name="loss")
-        )
+        # The TTT step (layer, head and loss); compiled on CUDA, shared by the workers of an engine.
+        self.step_fn = step_fn if step_fn is not None else GuardedFunction(ttt_step, compiled=compile_step, name="ttt")
         self.grad_checkpointing = grad_checkpointing
         self.max_grad_norm = max_grad_norm
         self.log_every = log_every
@@ -219,8 +218,9 @@ class DrafterWorker:
                 batch.position_mask,
                 ttt_steps=self.ttt_steps,
                 attention=self.attention,
-                loss_fn=self.loss_fn,
+                loss_fn=soft_cross_entropy,
                 grad_checkpointing=self.grad_checkpointing,
+                step_fn=self.step_fn,
             )
         total_loss(losses).backward()
         return losses.detach(), correct.detach(), counts.detach()
@@ -268,8 +268,9 @@ class DrafterWorker:
                 batch.position_mask,
                 ttt_steps=self.ttt_steps,
                 attention=self.attention,
-                loss_fn=self.loss_fn,
+                loss_fn=soft_cross_entropy,
                 grad_checkpointing=self.grad_checkpointing,
+                step_fn=self.step_fn,
             )
         loss = total_loss(losses)
         mark()
@@ -364,7 +365,7 @@ class DrafterWorker:
                 self.warmup_s = self.warm_up()
                 self.control.events.stage(
                     "warmup",
-                    f"done in {self.warmup_s:.1f} s ({'compiled' if self.loss_fn.compiled else 'eager'})",
+                    f"done in {self.warmup_s:.1f} s ({'compiled' if self.step_fn.compiled else 'eager'})",
                     thread=self.name,
                 )
                 if self._pending_rng is not None:

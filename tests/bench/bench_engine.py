@@ -272,6 +272,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         tok_s = tokens_per_step * (len(tail) - 1) / span
     else:
         tok_s = float("nan")
+    f = flops(engine.targets[0].config, engine.workers[0].drafter.cfg, SEQ, TTT, cfg.batch_size)
     ms = [e["ms"] for t, e in steps_ev if e["step"] > warm]
     tms = [e["target_ms"] for t, e in steps_ev if e["step"] > warm]
     return {
@@ -280,6 +281,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "tok_s": tok_s,
         "tok_s_all_threads": tok_s if cfg.drafter_mode == "replicas" else tok_s * n_workers,
         "step_ms": 1000 * tokens_per_step / tok_s if tok_s == tok_s else None,
+        "mfu": (f["target"] + f["drafter"]) * tok_s / tokens_per_step / (PEAK_TFLOPS * 1e12),
         "phase_ms": {k: sum(m[k] for m in ms) / max(1, len(ms)) for k in ("fetch", "fwd", "bwd", "opt")},
         "producer_target_ms": sum(tms) / max(1, len(tms)),
         "build_s": built - t0,

@@ -53,12 +53,23 @@ class TTTAttention:
                 self._dense[key] = mask
         return mask
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
-        seq_len = q.shape[-2]
+    def prepare(self, device: torch.device, seq_len: int, step: int) -> Any:
+        """The mask argument for ``apply`` at this step: a flex BlockMask or the dense bool mask."""
+        if self.impl == "flex":
+            return self.block_mask(device, seq_len, step)
+        return self.dense_mask(device, seq_len, step)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         if self._flex is not None:
-            bm = self.block_mask(q.device, seq_len, step)
-            out = self._flex(q, k, v, block_mask=bm, enable_gqa=gqa)
+            if torch.compiler.is_compiling():  # inside a compiled TTT step: flex is fused into that graph
+                from torch.nn.attention.flex_attention import flex_attention
+
+                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+            else:
+                out = self._flex(q, k, v, block_mask=mask, enable_gqa=gqa)
             return out[0] if isinstance(out, tuple) else out
-        mask = self.dense_mask(q.device, seq_len, step)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
+        return self.apply(q, k, v, self.prepare(q.device, q.shape[-2], step))

@@ -113,7 +113,7 @@ class DraftDecoderLayer(nn.Module):
         sin: torch.Tensor,
         prior_k: torch.Tensor | None,
         prior_v: torch.Tensor | None,
-        step: int,
+        mask: Any,
         attention: TTTAttention,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = hidden.shape
@@ -129,7 +129,7 @@ class DraftDecoderLayer(nn.Module):
             v_all = torch.cat((prior_v, v), dim=2)
         else:
             k_all, v_all = k, v
-        attn = attention(q, k_all, v_all, step)
+        attn = attention.apply(q, k_all, v_all, mask)
         attn = attn.transpose(1, 2).reshape(b, t, self.cfg.num_heads * d)
         h = hidden + self.o_proj(attn)
         m = self.post_attention_layernorm(h)
@@ -144,6 +144,33 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     if n >= x.shape[1]:
         return torch.zeros_like(x)
     return torch.cat((x[:, n:], torch.zeros_like(x[:, :n])), dim=1)
+
+
+def ttt_step(
+    layer: DraftDecoderLayer,
+    norm: RMSNorm,
+    lm_head: nn.Linear,
+    hidden: torch.Tensor,
+    emb: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    prior_k: torch.Tensor | None,
+    prior_v: torch.Tensor | None,
+    mask: Any,
+    attention: TTTAttention,
+    target_p: torch.Tensor,
+    position_mask: torch.Tensor,
+    shift: int,
+    loss_fn: LossFn,
+) -> tuple[torch.Tensor, ...]:
+    """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
+
+    Compiled as one graph on CUDA (norms, rotary, flex attention, MLP, head and loss fused where they can be).
+    """
+    hidden, k_all, v_all = layer(hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
+    logits = lm_head(norm(hidden))
+    loss, correct, count = loss_fn(logits, shift_left(target_p, shift), shift_left(position_mask, shift))
+    return hidden, k_all, v_all, loss, correct, count
 
 
 class Drafter(nn.Module):
@@ -189,6 +216,7 @@ class Drafter(nn.Module):
         attention: TTTAttention,
         loss_fn: LossFn,
         grad_checkpointing: bool = False,
+        step_fn: Callable[..., Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
@@ -201,17 +229,18 @@ class Drafter(nn.Module):
         prior_k: torch.Tensor | None = None
         prior_v: torch.Tensor | None = None
         losses, correct, counts = [], [], []
+        step = step_fn if step_fn is not None else ttt_step
         for i in range(ttt_steps):
             with torch.no_grad():
                 emb = F.embedding(shift_left(input_ids, i + 1), self.embed_table)
+            mask = attention.prepare(input_ids.device, seq_len, i)  # outside any compiled region
+            args = (self.layer, self.norm, self.lm_head, hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
+            tail = (target_p, position_mask, i + 1, loss_fn)
             if grad_checkpointing and torch.is_grad_enabled():
-                hidden, prior_k, prior_v = checkpoint(
-                    self.layer, hidden, emb, cos, sin, prior_k, prior_v, i, attention, use_reentrant=False
-                )
+                out = checkpoint(step, *args, *tail, use_reentrant=False)
             else:
-                hidden, prior_k, prior_v = self.layer(hidden, emb, cos, sin, prior_k, prior_v, i, attention)
-            logits = self.lm_head(self.norm(hidden))
-            loss_i, correct_i, count_i = loss_fn(logits, shift_left(target_p, i + 1), shift_left(position_mask, i + 1))
+                out = step(*args, *tail)
+            hidden, prior_k, prior_v, loss_i, correct_i, count_i = out
             losses.append(loss_i)
             correct.append(correct_i)
             counts.append(count_i)
