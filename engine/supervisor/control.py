@@ -520,6 +520,7 @@ def stop(
             raise SupervisorError(f"run {rd.name} has no launch record (it never started): nothing to stop")
     info = records.read_run(rd, boot)
     ours = run_pids(launch_rec)
+    held_before = _holders_among(ours)
     job_pid = launch_rec.get("job_pid")
     job_ticks = launch_rec.get("job_start_ticks")
     pgid = launch_rec.get("job_pgid")
@@ -565,8 +566,10 @@ def stop(
     t_rel = time.monotonic()
     released = _wait_until(lambda: not _holders_among(ours), release_timeout_s)
     holders_left = _holders_among(ours)
-    if released:
-        step(f"GPU devices released ({time.monotonic() - t_rel:.1f} s)")
+    if released and not held_before:
+        step("no GPU device was held by the run")
+    elif released:
+        step(f"GPU devices released ({time.monotonic() - t_rel:.1f} s after the processes ended)")
     else:
         step(f"GPU devices still held after {release_timeout_s:g} s by pid(s) {', '.join(map(str, holders_left))}")
     _wait_until(lambda: (rd / records.EXIT_JSON).exists(), 3.0)

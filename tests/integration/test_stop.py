@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import textwrap
@@ -10,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive
+from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
 
+from engine.agent import procs
 from engine.supervisor import records
 
 pytestmark = pytest.mark.tmux
@@ -103,3 +105,45 @@ def test_restart_stops_the_run_and_launches_the_same_spec_again(pool: AgentPool)
     assert launch["command"] == ["sleep", "600"]
     assert launch["spec"]["env"] == {"MARK": "one"} and launch["step_pattern"] == r"it=\d+"
     assert records.read_run(Path(first["run_dir"]), records.read_boot_id()).state == "failed"
+
+
+HOLD = "import sys, time; f = open(sys.argv[1]); print('holding', sys.argv[1], flush=True); time.sleep(600)"
+
+
+def test_stop_waits_for_the_runs_gpu_devices_and_names_a_holder_that_escaped(pool: AgentPool, tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1"):
+        (dev / name).write_text("")
+    a = pool.make(env={"SPECDEC_DEV_DIR": str(dev)})
+    script = (
+        f'{sys.executable} -c "$0" {dev}/nvidia0 & '
+        f'setsid {sys.executable} -c "$0" {dev}/nvidia1 & '  # leaves the process group: SIGTERM to it misses this one
+        "wait"
+    )
+    launched, _, _ = launch_and_wait(a, ["bash", "-c", script, HOLD], "started", 20)
+    log = Path(launched["run_dir"]) / "output.log"
+    poll_until(lambda: log.read_text().count("holding") == 2, 10, "both holders to open their device")
+    escaped = next(
+        pid
+        for pid in procs.tree_pids(records.read_run(Path(launched["run_dir"]), records.read_boot_id()).pid or 0)
+        if any(str(dev / "nvidia1") == os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+    )
+    try:
+        result = a.ok("stop", grace_s=2, release_timeout_s=1)
+        assert result["gpu_released"] is False
+        assert f"GPU devices still held after 1 s by pid(s) {escaped}" in result["steps"]
+        assert pid_alive(escaped)
+    finally:
+        os.kill(escaped, signal.SIGKILL)
+
+
+def test_stop_reports_the_gpu_devices_released(pool: AgentPool, tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").write_text("")
+    a = pool.make(env={"SPECDEC_DEV_DIR": str(dev)})
+    launch_and_wait(a, [sys.executable, "-c", HOLD, str(dev / "nvidia0")], "output", 20)
+    result = a.ok("stop", grace_s=5, release_timeout_s=5)
+    assert result["gpu_released"] is True
+    assert any(s.startswith("GPU devices released (") for s in result["steps"]), result["steps"]
