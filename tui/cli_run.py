@@ -147,7 +147,17 @@ async def wait_and_report(
             print(f"  command {shlex.join(str(c) for c in launched['command'])}", flush=True)
     if wait is None:
         if as_json:
-            print_json({"ok": True, "milestone": "submitted", **launched})
+            obj = {
+                "ok": True,
+                "milestone": "submitted",
+                "stage": "submitted",
+                "cause": None,
+                "exit_code": None,
+                "signal": None,
+                "elapsed_s": round(time.monotonic() - printer.t0, 3),
+                "last_lines": [],
+            }
+            print_json({**obj, **{k: v for k, v in launched.items() if k not in obj}})
         elif attach:
             print(f"  attach: {attach}", flush=True)
         return EXIT_OK

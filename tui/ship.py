@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
@@ -150,10 +151,36 @@ def build_bundle_bytes(root: Path | None = None) -> bytes:
     return buf.getvalue()
 
 
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "specdec-tui" / "bundles"
+
+
+def _sources_key(root: Path) -> str:
+    """Changes whenever a bundled file is added, removed or modified (path, size, mtime)."""
+    h = hashlib.sha256(protocol.AGENT_VERSION.encode())
+    for path in _source_files(root):
+        st = path.stat()
+        h.update(f"{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
 @lru_cache(maxsize=1)
 def agent_bundle() -> Bundle:
-    """The bundle of the engine this client was installed with (built once per process)."""
-    data = build_bundle_bytes()
+    """The bundle of the engine this client was installed with (built once, then cached on disk by source stats)."""
+    root = _package_root()
+    cached = _cache_dir() / f"{_sources_key(root)}.pyz"
+    try:
+        data = cached.read_bytes()
+    except OSError:
+        data = build_bundle_bytes(root)
+        try:  # a cache that cannot be written only costs the ~40 ms of building the zip next time
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(data)
+            tmp.replace(cached)
+        except OSError:
+            pass
     return Bundle(data=data, sha256=hashlib.sha256(data).hexdigest(), version=protocol.AGENT_VERSION)
 
 
