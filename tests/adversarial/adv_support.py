@@ -1,0 +1,130 @@
+"""Helpers shared by the adversarial tests (no tests here): bounded waits, the server side of an SSH
+session found through /proc, and a byte-exact collector of a session's log stream."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine import protocol
+from tui.session import ConnectOptions
+
+
+def ssh_options(sshd: Any, run_root: Path | None = None, **extra: Any) -> ConnectOptions:
+    """Options that reach the test sshd with its own key and known_hosts (never the user's ~/.ssh)."""
+    kw: dict[str, Any] = {
+        "identity": str(sshd.identity),
+        "port": sshd.port,
+        "known_hosts": str(sshd.known_hosts),
+        "python": sys.executable,
+        "run_root": str(run_root) if run_root is not None else None,
+        "connect_timeout_s": 5.0,
+        "keepalive_s": 2.0,
+    }
+    kw.update(extra)
+    return ConnectOptions(**kw)
+
+
+async def until(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
+    """Wait (in the event loop) until ``pred()`` is truthy; AssertionError after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(interval_s)
+
+
+def poll(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def stat_fields(pid: int) -> tuple[str, int] | None:
+    """(comm, ppid) of a live process, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    comm = raw[raw.index(b"(") + 1 : raw.rindex(b")")].decode("utf-8", "replace")
+    rest = raw[raw.rindex(b")") + 2 :].split()
+    return comm, int(rest[1])
+
+
+def sshd_session_of(pid: int) -> int:
+    """The sshd process serving the SSH session in which ``pid`` runs: the nearest ancestor named sshd*."""
+    seen: list[str] = []
+    cur = pid
+    for _ in range(16):
+        st = stat_fields(cur)
+        if st is None:
+            break
+        comm, ppid = st
+        seen.append(f"{cur}:{comm}")
+        if cur != pid and comm.startswith("sshd"):
+            return cur
+        if ppid <= 1:
+            break
+        cur = ppid
+    raise AssertionError(f"no sshd ancestor of pid {pid}: chain {seen}")
+
+
+def pid_alive(pid: int) -> bool:
+    st_path = f"/proc/{pid}/stat"
+    try:
+        with open(st_path, "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return False
+    return raw[raw.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+class LogCollector:
+    """A session listener that rebuilds the followed log byte for byte and records every anomaly.
+
+    Every ``log`` event must start exactly where the bytes received so far end (no gap, no overlap);
+    a ``log_reset`` is accepted only at offset 0 before any byte (the run's log appearing). Anything
+    else is recorded in ``problems`` and fails the test that checks it.
+    """
+
+    def __init__(self, run_id: str | None = None) -> None:
+        self.data = bytearray()
+        self.problems: list[str] = []
+        self.states: list[str] = []
+        self.hellos: list[int] = []
+        self.events = 0
+        self.run_id = run_id
+        self.errors: list[str] = []
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "log":
+            self.events += 1
+            off = ev.get("offset")
+            if off != len(self.data):
+                self.problems.append(f"log event at offset {off} while {len(self.data)} bytes were received")
+                return
+            self.data.extend(protocol.decode_log_data(ev["data"]))
+        elif kind == "log_reset":
+            if ev.get("offset") != 0 or self.data:
+                self.problems.append(f"unexpected log_reset {ev} after {len(self.data)} bytes")
+        elif kind == "connection":
+            self.states.append(str(ev.get("state")))
+        elif kind == "hello":
+            self.hellos.append(int(ev.get("pid") or 0))
+        elif kind == "error":
+            self.errors.append(str(ev.get("message")))

@@ -1,0 +1,32 @@
+"""Fixtures for the adversarial suite: the real sshd and CLI fixtures of tests/integration, reused.
+
+tests/integration/conftest.py belongs to CLIENT and is not moved: it is loaded here under its own module
+name and its ``sshd`` and ``cli`` fixtures are re-exported, so these tests run against the same real
+OpenSSH server on 127.0.0.1 (with the `pct` shim on its PATH). tests/conftest.py (the private tmux socket,
+``run_root``, ``wait_until``) applies here as everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_INTEGRATION_CONFTEST = Path(__file__).resolve().parents[1] / "integration" / "conftest.py"
+
+
+def _load_integration_fixtures() -> object:
+    name = "specdec_integration_fixtures"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _INTEGRATION_CONFTEST)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_fx = _load_integration_fixtures()
+sshd = _fx.sshd  # type: ignore[attr-defined]
+cli = _fx.cli  # type: ignore[attr-defined]
