@@ -65,7 +65,7 @@ def apply_dynamo_config() -> None:
 
 def _signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
+        return ("T", tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device), value.requires_grad)
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
     if isinstance(value, dict):

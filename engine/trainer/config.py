@@ -22,6 +22,7 @@ SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "flex", "sdpa")
+CUDA_STREAMS: tuple[str, ...] = ("per_thread", "per_device")
 DATA_RANDOM = "random"
 DATA_SHIPPED = "shipped"
 
@@ -57,6 +58,9 @@ class EngineConfig:
     compile_guard: bool = True  # False only for the control experiment that shows why the guard exists
     compile_target: bool = False
     attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU
+    # CUDA streams of co-located threads: "per_thread" (target and drafters overlap on the GPU) or
+    # "per_device" (one stream per GPU: kernels queue in order, only the CPU work of the threads overlaps).
+    cuda_streams: str = "per_thread"
     grad_checkpointing: bool = False
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU
     seed: int = 0
@@ -93,6 +97,7 @@ class EngineConfig:
         one_of("on_thread_error", self.on_thread_error, THREAD_ERROR_POLICIES)
         one_of("dtype", self.dtype, DTYPES)
         one_of("attention", self.attention, ATTENTION_IMPLS)
+        one_of("cuda_streams", self.cuda_streams, CUDA_STREAMS)
         for key in ("target_devices", "drafter_devices"):
             devs = getattr(self, key)
             need(isinstance(devs, list) and len(devs) > 0, key, "a non-empty list of devices, e.g. ['cuda:0']")

@@ -236,6 +236,13 @@ class Engine:
                     autocast_dtype=None,
                 )
             )
+        if cfg.cuda_streams == "per_device":
+            streams: dict[str, Any] = {}
+            for thread_dev, obj in [(p.target.device, p) for p in self.producers] + [
+                (w.device, w) for w in self.workers
+            ]:
+                if thread_dev.type == "cuda":
+                    obj.stream = streams.setdefault(str(thread_dev), torch.cuda.Stream(thread_dev))
         params_m = sum(p.numel() for p in self.workers[0].params) / 1e6
         resumed = f", resumed from {latest.name} at step {self.workers[0].step}" if latest is not None else ""
         self.events.say(

@@ -84,6 +84,7 @@ class Producer:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.finished = threading.Event()
         self.batches = 0
+        self.stream: Any = None  # a CUDA stream shared with the other threads on this device, or None: own stream
         self.inject_error: BaseException | None = None  # tests: raise this at the next batch
         control.health.register(name, "producer")
 
@@ -142,7 +143,9 @@ class Producer:
         stream_ctx: Any = contextlib.nullcontext()
         if self.target.device.type == "cuda":
             torch.cuda.set_device(self.target.device)
-            stream_ctx = torch.cuda.stream(torch.cuda.Stream(self.target.device))
+            stream_ctx = torch.cuda.stream(
+                self.stream if self.stream is not None else torch.cuda.Stream(self.target.device)
+            )
         try:
             with stream_ctx, torch.no_grad():
                 self.control.health.beat(self.name, state="training")

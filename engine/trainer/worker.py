@@ -199,6 +199,7 @@ class DrafterWorker:
         self.failed = False
         self.history: list[StepResult] = []
         self.final_state: dict[str, Any] | None = None
+        self.stream: Any = None  # a CUDA stream shared with the other threads on this device, or None: own stream
         self.inject_error: BaseException | None = None  # tests: raise this at the next step
         self._last_done: float | None = None
         control.health.register(name, "drafter")
@@ -357,7 +358,7 @@ class DrafterWorker:
         stream_ctx: Any = contextlib.nullcontext()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            stream_ctx = torch.cuda.stream(torch.cuda.Stream(self.device))
+            stream_ctx = torch.cuda.stream(self.stream if self.stream is not None else torch.cuda.Stream(self.device))
         try:
             with stream_ctx:
                 self.control.health.beat(self.name, state="warmup", step=self.step)

@@ -192,7 +192,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         batch_size=1,
         hidden_dtype=torch.bfloat16,
         autocast_dtype=torch.bfloat16,
-        compile_loss=True,
+        compile_step=True,
         grad_checkpointing=False,
         max_grad_norm=1.0,
         log_every=1,
