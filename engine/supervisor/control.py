@@ -334,9 +334,18 @@ def _pane_note(launch_sub: dict[str, Any]) -> str | None:
             return f"the wrapper (pid {pid}, started with setsid) exited"
         return None
     state = tmux.pane_state(session)
+    deadline = time.monotonic() + 1.0
+    while state is not None and state["dead"] and state["dead_status"] is None and state["dead_signal"] is None:
+        if time.monotonic() > deadline:
+            return f"the tmux pane of session {session} exited"
+        time.sleep(POLL_S)  # dead pty, child not reaped yet: its status follows within moments
+        state = tmux.pane_state(session)
     if state is None:
         return f"tmux session {session} is gone"
     if state["dead"]:
+        if state["dead_signal"] is not None:
+            sig = int(state["dead_signal"])
+            return f"the tmux pane of session {session} was killed by signal {sig} ({records.signal_name(sig)})"
         return f"the tmux pane of session {session} exited with status {state['dead_status']}"
     return None
 

@@ -11,11 +11,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 SOCKET_ENV = "SPECDEC_TMUX_SOCKET"
 DISABLE_ENV = "SPECDEC_NO_TMUX"
 SESSION_PREFIX = "specdec-"
 TMUX_TIMEOUT_S = 10.0
+SERVER_RACE_RETRIES = 3
 
 
 class TmuxError(RuntimeError):
@@ -59,42 +61,60 @@ def new_session(name: str, shell_command: str, cwd: str) -> None:
     """A detached session running shell_command, whose dead pane stays (remain-on-exit) so its status can be read.
 
     remain-on-exit is set in the same tmux invocation, before the server handles the child's exit.
+    A server that is exiting (its last session just closed) refuses the call with "server exited
+    unexpectedly": then no session was made, and a retry starts a fresh server.
+    """
+    words = ""
+    for attempt in range(SERVER_RACE_RETRIES + 1):
+        res = run(
+            "new-session",
+            "-d",
+            "-s",
+            name,
+            "-x",
+            "200",
+            "-y",
+            "50",
+            "-c",
+            cwd,
+            shell_command,
+            ";",
+            "set-option",
+            "-w",
+            "-t",
+            f"={name}:",
+            "remain-on-exit",
+            "on",
+        )
+        if res.returncode == 0:
+            return
+        words = (res.stderr or res.stdout).strip() or f"exit status {res.returncode}"
+        if "server exited unexpectedly" not in words and "lost server" not in words:
+            break
+        if has_session(name):
+            return  # it did start before this client lost its server
+        time.sleep(0.05 * (attempt + 1))
+    raise TmuxError(f"tmux new-session -s {name} failed: {words}")
+
+
+def pane_state(name: str) -> dict[str, int | bool | None] | None:
+    """{"pid", "dead", "dead_status", "dead_signal"} of the session's first pane; None when there is no such session.
+
+    tmux can mark a pane dead (its pty closed) a moment before it has reaped the child: status and
+    signal are None until then.
     """
     res = run(
-        "new-session",
-        "-d",
-        "-s",
-        name,
-        "-x",
-        "200",
-        "-y",
-        "50",
-        "-c",
-        cwd,
-        shell_command,
-        ";",
-        "set-option",
-        "-w",
-        "-t",
-        f"={name}:",
-        "remain-on-exit",
-        "on",
+        "display-message", "-p", "-t", f"={name}:", "#{pane_pid}|#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}"
     )
     if res.returncode != 0:
-        raise TmuxError(f"tmux new-session -s {name} failed: {(res.stderr or res.stdout).strip() or res.returncode}")
-
-
-def pane_state(name: str) -> dict[str, int | bool] | None:
-    """{"pid", "dead", "dead_status"} of the session's first pane; None when there is no such session."""
-    res = run("display-message", "-p", "-t", f"={name}:", "#{pane_pid} #{pane_dead} #{pane_dead_status}")
-    if res.returncode != 0:
         return None
-    parts = res.stdout.split()
+    parts = res.stdout.strip().split("|")
     try:
         return {
             "pid": int(parts[0]),
             "dead": parts[1] == "1",
-            "dead_status": int(parts[2]) if len(parts) > 2 and parts[2] else -1,
+            "dead_status": int(parts[2]) if len(parts) > 2 and parts[2] else None,
+            "dead_signal": int(parts[3]) if len(parts) > 3 and parts[3] else None,
         }
     except (IndexError, ValueError):
         return None
