@@ -369,6 +369,8 @@ def read_milestones(run_dir: Path, launch: dict[str, Any] | None, scan: ScanStat
             out["output"] = _output_time(run_dir, scan.output_seen_at)
         if out["first-step"] is None:
             out["first-step"] = scan.first_step_t or scan.log_step_seen_at
+    if out["started"] is None:
+        out["output"] = out["first-step"] = None  # words in output.log before a job exists are the wrapper's
     # Times come from different clocks (a coarse file mtime, an engine's own "t"): keep them in milestone order.
     prev: float | None = None
     for m in protocol.MILESTONES:

@@ -282,3 +282,12 @@ def test_the_tmux_pane_shows_the_runs_output_and_its_end(agent: AgentClient) -> 
     text = poll_until(pane, 10, "the pane to show the run's end")
     assert "first line\nsecond line\n" in text
     assert f"[specdec] run {launched['run_id']} exited with code 3" in text
+
+
+def test_a_command_that_does_not_exist_fails_with_127_and_says_so(agent: AgentClient) -> None:
+    _, res, elapsed = launch_and_wait(agent, ["no-such-command-xyz", "--flag"], "first-step", 30)
+    assert res["ok"] is False and res["exit_code"] == 127
+    assert "specdec: cannot start run" in res["last_lines"][-1]
+    assert "cannot run 'no-such-command-xyz': No such file or directory" in res["last_lines"][-1]
+    assert res["stage"] == "submitted"  # the job never existed
+    assert elapsed < 2.0
