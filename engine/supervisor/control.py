@@ -130,6 +130,31 @@ def _reap_in_background(proc: subprocess.Popen[bytes]) -> None:
     threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
 
 
+def _claim_run_id(root: Path, wanted: str | None, use_tmux: bool) -> tuple[str, Path, str | None]:
+    """Create the run directory for a free run id (and tmux session name); a generated id is redrawn on a clash."""
+    for _ in range(5 if wanted is None else 1):
+        run_id = wanted or records.new_run_id()
+        run_dir = records.run_dir_for(root, run_id)
+        session = tmux.session_name(run_id) if use_tmux else None
+        if session is not None and tmux.has_session(session):
+            if wanted is None:
+                continue
+            raise SupervisorError(
+                f"tmux session {session!r} already exists (run id {run_id!r} clashes with it); pick another run id, "
+                f"or end that session with: {shlex.join(tmux.base_argv())} kill-session -t ={session}"
+            )
+        try:
+            run_dir.mkdir()
+        except FileExistsError as exc:
+            if wanted is None:
+                continue
+            raise SupervisorError(f"run {run_id!r} already exists at {run_dir}; pick another run id") from exc
+        except OSError as exc:
+            raise SupervisorError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from exc
+        return run_id, run_dir, session
+    raise SupervisorError("could not find a free run id after 5 tries; pass one with run_id")
+
+
 def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) -> dict[str, Any]:
     """Start the wrapper for a run; returns once tmux (or setsid) accepted it (the `submitted` milestone).
 
@@ -145,22 +170,9 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         what = "is not a directory" if os.path.exists(cwd) else "does not exist"
         raise SupervisorError(f"working directory {cwd} {what} on the host")
     spec.cwd = cwd
-    run_id = spec.run_id or records.new_run_id()
-    spec.run_id = run_id
-    run_dir = records.run_dir_for(root, run_id)
     use_tmux = tmux.available()
-    session = tmux.session_name(run_id) if use_tmux else None
-    if session is not None and tmux.has_session(session):
-        raise SupervisorError(
-            f"tmux session {session!r} already exists (run id {run_id!r} clashes with it); "
-            f"pick another run id, or end that session with: {shlex.join(tmux.base_argv())} kill-session -t ={session}"
-        )
-    try:
-        run_dir.mkdir()
-    except FileExistsError as exc:
-        raise SupervisorError(f"run {run_id!r} already exists at {run_dir}; pick another run id") from exc
-    except OSError as exc:
-        raise SupervisorError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from exc
+    run_id, run_dir, session = _claim_run_id(root, spec.run_id, use_tmux)
+    spec.run_id = run_id
     doc = {"spec": asdict(spec), "run_id": run_id, "tmux_session": session, "attachable": use_tmux}
     spec_path = run_dir / records.SPEC_JSON
     records.write_json_atomic(spec_path, doc, mode=0o600)

@@ -291,3 +291,14 @@ def test_a_command_that_does_not_exist_fails_with_127_and_says_so(agent: AgentCl
     assert "cannot run 'no-such-command-xyz': No such file or directory" in res["last_lines"][-1]
     assert res["stage"] == "submitted"  # the job never existed
     assert elapsed < 2.0
+
+
+def test_reusing_a_run_id_is_refused_and_the_first_run_is_untouched(pool: AgentPool) -> None:
+    for env in ({}, {"SPECDEC_NO_TMUX": "1"}):
+        a = pool.make(env=env)
+        run_id = f"dup-{len(env)}"
+        launch_and_wait(a, ["true"], "first-step", 10, run_id=run_id)
+        first_launch = (pool.root / "runs" / run_id / "launch.json").read_bytes()
+        again = a.request("launch", command=["true"], run_id=run_id)
+        assert again["ok"] is False and "already exists" in again["error"], again
+        assert (pool.root / "runs" / run_id / "launch.json").read_bytes() == first_launch
