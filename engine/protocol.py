@@ -78,6 +78,7 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "stale_holder",
     "stalled_run",
     "dead_thread",
+    "disk_full",  # the run root's filesystem is (nearly) full: records and log cannot be written
 )
 
 # Run states as reported in RunInfo.state.

@@ -5,6 +5,9 @@ GPU side, from one GPU sample + the holders + the run's process tree:
 * orphan memory: memory used with no live holder we can resolve;
 * stale holder: a resolved process holding a GPU that is not in the current run's process tree.
 
+Host side, from the run root's filesystem:
+* disk full: so little space left where the run's records and log live that they cannot be written.
+
 Engine side, from the run's events.jsonl:
 * stalled run: no step for k x the median step interval (clamped to [floor, cap]);
 * dead thread: a ``thread_error`` event, a heartbeat in state "error", or heartbeats older than a bound.
@@ -15,7 +18,10 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import deque
+import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.agent.procs import is_system_holder
@@ -24,6 +30,9 @@ from engine.protocol import Anomaly, GpuInfo, HolderInfo
 PHANTOM_UTIL_PCT = 90.0
 NEAR_ZERO_MIB = 64.0  # "~0 MiB": an idle context-free GPU reports a few MiB at most
 ORPHAN_MIN_MIB = 256.0  # less than this is driver bookkeeping, not someone's tensors
+
+DISK_FULL_MAX_BYTES = 64 * 1024 * 1024  # below this much free space the run root counts as full...
+DISK_FULL_FRACTION = 0.02  # ...or below this fraction of a small filesystem
 
 STALL_K = 5.0
 STALL_FLOOR_S = 60.0
@@ -248,3 +257,27 @@ def engine_anomalies(state: EngineState, now: float, running: bool, **limits: fl
         out.append(stall)
     out.extend(dead_threads(state, now, running, limits.get("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S)))
     return out
+
+
+def disk_anomalies(run_root: str | os.PathLike[str]) -> list[Anomaly]:
+    """``disk_full`` when the filesystem of the run root (or its nearest existing parent) is (nearly) full."""
+    probe = Path(run_root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError:
+        return []
+    limit = min(DISK_FULL_MAX_BYTES, usage.total * DISK_FULL_FRACTION)
+    if usage.free >= limit:
+        return []
+    return [
+        Anomaly(
+            kind="disk_full",
+            message=(
+                f"the filesystem of the run root {run_root} is full ({usage.free // 1024} KiB free of "
+                f"{usage.total // 1024} KiB): the run's log and records cannot be written, a job writing there "
+                "fails and its end may go unrecorded; free space there"
+            ),
+        )
+    ]

@@ -181,6 +181,7 @@ class Monitor:
         running = run is not None and run.state == "running"
         items = anomalies.gpu_anomalies(sample.gpus, holders, run_pids, running)
         items.extend(anomalies.engine_anomalies(self.engine_state, _now(), running, **self.stall_limits))
+        items.extend(anomalies.disk_anomalies(self.run_root))
         return items
 
     def collect(self, with_threads: bool = True) -> Snapshot:
