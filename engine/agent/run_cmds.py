@@ -125,6 +125,16 @@ def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str
     return {"stop": stopped, "launch": launched, "previous_run_id": rd.name}
 
 
+def _gpu_view(agent: Agent) -> control.NvmlView:
+    """The processes the agent's GPU source sees (NVML, or simulated), for GPU memory and NVML-only holders."""
+    from engine.agent.monitor_cmds import monitor_of
+
+    mon = monitor_of(agent)
+    sample = mon.gpu_sample(mon.current_run())
+    source = "simulated" if getattr(mon.gpu_source, "source", "nvml") == "simulated" else "nvml"
+    return control.NvmlView(dict(sample.pid_used_mib), dict(sample.pid_gpus), source)
+
+
 @handler("kill_stale")
 def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     dry_run = args.get("dry_run", True)
@@ -140,6 +150,7 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
             targets=targets,
             grace_s=_num(args, "grace_s", 10.0) or 0.0,
             progress=lambda msg: agent.progress(cmd_id, msg),
+            nvml=_gpu_view(agent),
         )
     except control.SupervisorError as exc:
         raise CommandError(str(exc)) from exc

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -658,13 +658,32 @@ def _protected_pids() -> set[int]:
     return out
 
 
-def stale_candidates(run_root: Path | str) -> tuple[list[protocol.HolderInfo], list[protocol.HolderInfo]]:
+@dataclass
+class NvmlView:
+    """What the GPU source says about processes: pid -> MiB used and pid -> GPU indices (host PIDs)."""
+
+    pid_used_mib: dict[int, float] = field(default_factory=dict)
+    pid_gpus: dict[int, list[int]] = field(default_factory=dict)
+    source: str = "nvml"  # "nvml" | "simulated"
+
+
+def stale_candidates(
+    run_root: Path | str, nvml: NvmlView | None = None
+) -> tuple[list[protocol.HolderInfo], list[protocol.HolderInfo]]:
     """(candidates, left alone): holders of an NVIDIA device outside the current run, and the rest with why."""
     ours = current_run_pids(run_root)
     protected = _protected_pids()
+    view = nvml or NvmlView()
     candidates: list[protocol.HolderInfo] = []
     others: list[protocol.HolderInfo] = []
-    for h in procs.find_holders(run_pids=ours):
+    found = procs.find_holders(
+        procs.default_dev_dir(),
+        nvml_pids=view.pid_used_mib,
+        run_pids=ours,
+        nvml_pid_gpus=view.pid_gpus,
+        nvml_source=view.source,
+    )
+    for h in found:
         if h.in_run or h.pid in ours or h.pid in protected or not h.resolved or procs.is_system_holder(h):
             others.append(h)
         else:
@@ -688,9 +707,14 @@ def kill_stale(
     targets: list[list[float]] | list[tuple[int, float]] | None = None,
     grace_s: float = 10.0,
     progress: Progress = _noop,
+    nvml: NvmlView | None = None,
 ) -> dict[str, Any]:
-    """List (dry run) or signal the stale GPU holders, each by PID after re-checking (pid, create_time)."""
-    candidates, others = stale_candidates(run_root)
+    """List (dry run) or signal the stale GPU holders, each by PID after re-checking (pid, create_time).
+
+    Holders come from /proc/*/fd links to <dev>/nvidia* (what works inside a container) plus, when
+    given, the GPU source's process list (NVML, or the simulated source under --simulate-gpus).
+    """
+    candidates, others = stale_candidates(run_root, nvml)
     ours = current_run_pids(run_root)
     result: dict[str, Any] = {
         "candidates": candidates,

@@ -164,3 +164,28 @@ def test_malformed_targets_are_refused_before_anything_is_signalled(pool: AgentP
     assert pid_alive(os.getpid())
     bad_mode = a.request("kill_stale", dry_run="yes")
     assert bad_mode["ok"] is False and bad_mode["error"] == "dry_run must be true or false"
+
+
+def test_holders_from_the_simulated_gpu_source_are_listed_with_memory_and_signalled(
+    pool: AgentPool, tmp_path: Path
+) -> None:
+    dev = tmp_path / "empty-dev"
+    dev.mkdir()
+    a = pool.make(env={"SPECDEC_DEV_DIR": str(dev)}, args=["--simulate-gpus", "2"])
+    stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        a.ok("sim", gpu=1, mem_used_mib=20000, holder_pid=stale.pid)
+        listed = a.ok("kill_stale", dry_run=True)["candidates"]
+        assert [(c["pid"], c["gpus"], c["used_mib"], c["source"]) for c in listed] == [
+            (stale.pid, [1], 20000, "simulated")
+        ]
+        res = a.ok("kill_stale", dry_run=False, targets=[[c["pid"], c["create_time"]] for c in listed], grace_s=2)
+        assert [e["pid"] for e in res["signalled"]] == [stale.pid]
+        assert stale.wait(timeout=10) == -15
+        assert decoy.poll() is None
+    finally:
+        for p in (stale, decoy):
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
