@@ -9,8 +9,10 @@ and signalled.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,3 +191,42 @@ def test_holders_from_the_simulated_gpu_source_are_listed_with_memory_and_signal
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_a_holder_the_agent_may_not_signal_is_reported_with_eperm(pool: AgentPool) -> None:
+    # The agent runs as root without CAP_KILL; the holder belongs to nobody: kill() must fail with EPERM.
+    dev = Path(tempfile.mkdtemp(prefix="specdec-dev-"))
+    try:
+        dev.chmod(0o755)
+        (dev / "nvidia0").write_text("")
+        (dev / "nvidia0").chmod(0o644)
+        holder = subprocess.Popen(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "sh",
+                "-c",
+                f"exec sleep 600 3<{dev}/nvidia0",
+            ]
+        )
+        try:
+            poll_until(lambda: holds(holder.pid, dev / "nvidia0"), 10, "the unprivileged holder to open nvidia0")
+            a = pool.make(
+                env={"SPECDEC_DEV_DIR": str(dev)}, prefix=["setpriv", "--bounding-set=-kill", "--inh-caps=-kill"]
+            )
+            listed = a.ok("kill_stale", dry_run=True)["candidates"]
+            assert [c["pid"] for c in listed] == [holder.pid]
+            res = a.ok("kill_stale", dry_run=False, targets=[[holder.pid, listed[0]["create_time"]]], grace_s=1)
+            assert res["signalled"] == []
+            assert [f["pid"] for f in res["failed"]] == [holder.pid]
+            reason = res["failed"][0]["reason"]
+            assert reason.startswith("permission denied (EPERM): owned by "), reason
+            assert holder.poll() is None
+        finally:
+            holder.kill()
+            holder.wait(timeout=10)
+    finally:
+        shutil.rmtree(dev)

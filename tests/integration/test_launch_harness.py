@@ -26,11 +26,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class AgentClient:
     """The host agent as a subprocess: commands in on stdin, events out on stdout."""
 
-    def __init__(self, run_root: Path, env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        run_root: Path,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.agent.main", "--run-root", str(run_root), *(args or [])],
+            [*(prefix or []), sys.executable, "-m", "engine.agent.main", "--run-root", str(run_root), *(args or [])],
             cwd=REPO_ROOT,
             env=full_env,
             stdin=subprocess.PIPE,
@@ -126,9 +132,13 @@ class AgentPool:
         self.agents: list[AgentClient] = []
 
     def make(
-        self, run_root: Path | None = None, env: dict[str, str] | None = None, args: list[str] | None = None
+        self,
+        run_root: Path | None = None,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        prefix: list[str] | None = None,
     ) -> AgentClient:
-        a = AgentClient(run_root or self.root, env, args)
+        a = AgentClient(run_root or self.root, env, args, prefix)
         self.agents.append(a)
         return a
 
