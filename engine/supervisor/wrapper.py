@@ -127,7 +127,7 @@ class Wrapper:
         if not self.command:
             return self.fail_before_start(2, "the launch spec has an empty command")
         if self.pending:
-            first = self.pending[-1]
+            first = self.pending[0]
             self.write_exit(None, first, f"{records.signal_name(first)} arrived before the job started; not started")
             return 128 + first
         try:
