@@ -214,6 +214,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "steps": 2000,
         "checkpoint_every": 500,
         "compile": True,
+        "compile_target": True,
+        "cuda_streams": "per_device",  # measured: 15.0k tok/s vs 14.4k per-thread with the fused TTT step
         "attention": "flex",
         "queue_size": 2,
         "log_every": 10,
