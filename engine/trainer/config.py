@@ -13,8 +13,11 @@ from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover - python 3.10
-    import tomli as tomllib
+else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work without it)
+    try:
+        import tomli as tomllib
+    except ImportError:
+        tomllib = None
 
 BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape")
 DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
@@ -72,6 +75,7 @@ class EngineConfig:
     heartbeat_interval_s: float = 1.0
     stall_after_s: float = 60.0
     starve_after_s: float = 10.0
+    stop_grace_s: float = 300.0  # after a stop request, threads still running past this are reported stuck
     step_delay_s: float = 0.0  # a pause after each step, so a demo on a laptop leaves the CPU some air
     torch_threads: int = 0  # 0: leave torch's default
     # Tiny target size knobs (only for target = "tiny").
@@ -164,6 +168,8 @@ def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> Engin
 
 def load_toml(path: str | Path, base: EngineConfig | None = None) -> EngineConfig:
     p = Path(path).expanduser()
+    if tomllib is None:  # pragma: no cover - python 3.10 without tomli
+        raise ConfigError(f"config file {p}: reading TOML on python 3.10 needs the 'tomli' package")
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
@@ -237,6 +243,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected key=value")
     key, raw = text.split("=", 1)
     key = key.strip()
+    if tomllib is None:  # pragma: no cover
+        return key, raw
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

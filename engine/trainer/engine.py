@@ -6,8 +6,10 @@ queues between them, heartbeats and step metrics to events.jsonl, checkpoints pe
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -70,6 +72,7 @@ class Engine:
         self._ckpt_lock = threading.Lock()
         self.training_started_at: float | None = None
         self.exit_code: int | None = None
+        self._stop_seen: float | None = None
 
     # --- building ---------------------------------------------------------------------------------------------
     def _dtypes(self, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -317,6 +320,13 @@ class Engine:
             live = [w for w in self.workers if not w.finished.is_set()]
             if not live or self.control.should_exit:
                 break
+            if self._stop_seen is None and self.control.stop_requested.is_set():
+                self._stop_seen = time.monotonic()
+            if self._stop_seen is not None and time.monotonic() - self._stop_seen > self.cfg.stop_grace_s:
+                self.events.say(f"threads still busy {self.cfg.stop_grace_s:.0f} s after the stop request; stacks:")
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                self.control.fail_run(f"threads did not reach a step boundary within {self.cfg.stop_grace_s:.0f} s")
+                break
             self.control.wake.wait(min(interval, 0.5))
             self.control.wake.clear()
             if self.training_started_at is None and all(w.warm.is_set() for w in self.workers):
@@ -334,7 +344,7 @@ class Engine:
         self.control.producers_stop.set()
         for q in self.queues:
             q.close()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + (5.0 if self.control.should_exit else JOIN_TIMEOUT_S)
         for t in [w.thread for w in self.workers] + [p.thread for p in self.producers]:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))

@@ -175,3 +175,29 @@ def test_split_suggestion_balances_target_and_drafter_rates() -> None:
     assert suggest_split(27_000, 9_000, 8) == (2, 6)
     assert suggest_split(10_000, 10_000, 8) == (4, 4)
     assert suggest_split(1.0, 1000.0, 4) == (3, 1)
+
+
+def test_heartbeats_flag_a_stalled_thread_and_a_starving_queue() -> None:
+    from engine.trainer.health import HealthBoard
+    from engine.trainer.metrics import EventLog
+
+    events = EventLog(None)
+    seen: list[dict[str, Any]] = []
+    events.listeners.append(seen.append)
+    board = HealthBoard(events, stall_after_s=0.05, starve_after_s=0.05)
+    board.register("drafter0", "drafter")
+    board.register("target0", "producer")
+    board.beat("drafter0", state="waiting", queue_depth=0)
+    board.beat("target0", state="training", step=3)
+    assert board.publish() == []
+    deadline = time.monotonic() + 5
+    raised: list[tuple[str, str]] = []
+    while time.monotonic() < deadline and len(raised) < 3:
+        raised += board.publish()
+        time.sleep(0.02)
+    assert set(raised) == {("drafter0", "stalled"), ("drafter0", "starving"), ("target0", "stalled")}
+    last = {e["thread"]: e for e in seen if e["kind"] == "heartbeat"}
+    assert last["target0"]["state"] == "training" and "stalled" in last["target0"]["flags"]
+    board.beat("target0", state="training", step=4)
+    board.publish()
+    assert [e for e in seen if e["kind"] == "heartbeat"][-1]["flags"] == []  # target0 beat again: flag cleared
