@@ -1,5 +1,8 @@
 """Per-thread health: each engine thread updates its status; the engine publishes heartbeats and flags.
 
+Heartbeats are written every ``heartbeat_interval_s`` for every thread, stamped with the time that
+thread last reported (so a stuck thread's heartbeat stops advancing), with ``beat_age_s`` and flags.
+
 A thread that stops updating while it should be busy is flagged ``stalled``; a worker that has waited on an
 empty queue for too long is flagged ``starving``. Stdlib only.
 """
@@ -26,6 +29,7 @@ class ThreadStatus:
     queue_depth: int | None = None
     last_exception: str | None = None
     last_beat: float = field(default_factory=time.monotonic)
+    last_beat_wall: float = field(default_factory=time.time)
     waiting_since: float | None = None
     flags: list[str] = field(default_factory=list)
 
@@ -50,6 +54,7 @@ class HealthBoard:
             for key, value in changes.items():
                 setattr(st, key, value)
             st.last_beat = now
+            st.last_beat_wall = time.time()
             if st.state == "waiting":
                 if st.waiting_since is None:
                     st.waiting_since = now
@@ -90,6 +95,9 @@ class HealthBoard:
                     self._flagged.discard(key)
             rows = [
                 {
+                    # "t" is when the thread last beat, not when this line was written: a hung thread's
+                    # heartbeats age (the agent flags a dead thread by heartbeat age).
+                    "t": st.last_beat_wall,
                     "thread": st.name,
                     "role": st.role,
                     "state": st.state,
