@@ -34,6 +34,7 @@ class EventLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
         self.listeners: list[Any] = []  # callables(event) for tests
+        self._stdout_broken = False
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         if kind not in ENGINE_EVENT_KINDS:
@@ -51,8 +52,19 @@ class EventLog:
     def say(self, text: str) -> None:
         """A human line on stdout, flushed (the supervisor's step pattern matches ``step=N``)."""
         with self._lock:
-            self._stdout.write(text + "\n")
-            self._stdout.flush()
+            if self._stdout_broken:
+                return
+            try:
+                self._stdout.write(text + "\n")
+                self._stdout.flush()
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                # A closed stdout must not kill training threads; events.jsonl still gets everything.
+                self._stdout_broken = True
+                if self._file is not None:
+                    note = {"t": time.time(), "kind": "stage", "stage": "training", "thread": None}
+                    note["detail"] = f"stdout unavailable ({type(exc).__name__}); human log lines stop here"
+                    self._file.write(json.dumps(note) + "\n")
+                    self._file.flush()
 
     def stage(self, stage: str, detail: str = "", thread: str | None = None) -> None:
         self.emit("stage", stage=stage, thread=thread, detail=detail)
