@@ -60,21 +60,37 @@ def _installed_bundle(run_root: Path) -> Path:
     return found[0]
 
 
-def test_first_connect_ships_the_bundle_and_a_corrupt_one_is_replaced(
-    sshd: Any, cli: Callable[..., Any], run_root: Path
-) -> None:
+async def test_first_connect_ships_the_bundle_and_a_corrupt_one_is_replaced(sshd: Any, run_root: Path) -> None:
+    # In-process, so the bundle cannot change between the two connects while someone edits engine/.
+    opts = ConnectOptions(
+        identity=str(sshd.identity),
+        port=sshd.port,
+        known_hosts=str(sshd.known_hosts),
+        python=sys.executable,
+        run_root=str(run_root),
+        connect_timeout_s=5.0,
+    )
+    bundle = ship.agent_bundle()
+
+    async def connect_once() -> dict[str, Any]:
+        session = open_session(sshd.target, opts)
+        await session.connect()
+        try:
+            return await session.request("ping", timeout_s=30)
+        finally:
+            await session.close()
+
     assert not (run_root / "agent").exists()
-    r = cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root))
-    assert r.returncode == 0, r.output
+    await connect_once()
     installed = _installed_bundle(run_root)
-    digest = hashlib.sha256(installed.read_bytes()).hexdigest()
-    assert installed.name == f"{ship.protocol.AGENT_VERSION}-{digest[:16]}.pyz"
+    assert installed.name == bundle.name
+    assert installed.name == f"{ship.protocol.AGENT_VERSION}-{bundle.sha256[:16]}.pyz"
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
     tree = installed.with_suffix("")
     (tree / "engine" / "protocol.py").write_text("raise SystemExit('tampered')\n")  # the extracted copy is re-checked
     installed.write_bytes(b"#!/usr/bin/env python3\nraise SystemExit('tampered')\n")
-    r = cli("status", sshd.target, *sshd.args(), "--run-root", str(run_root))
-    assert r.returncode == 0, r.output
-    assert hashlib.sha256(installed.read_bytes()).hexdigest() == digest
+    await connect_once()
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
     assert "tampered" not in (tree / "engine" / "protocol.py").read_text()
     assert not [p for p in installed.parent.iterdir() if ".tmp" in p.name or ".old" in p.name]
 
