@@ -415,3 +415,21 @@ def test_kill_stale_yes_over_ssh_lists_then_signals_only_the_stand_in_holder(
                 p.kill()
                 p.wait(10)
         device.unlink()
+
+
+def test_host_alias_from_ssh_config_is_honoured(
+    sshd: Any, cli: Callable[..., Any], run_root: Path, tmp_path: Path
+) -> None:
+    # A private HOME, so the ~/.ssh/config read here is the test's, never the user's.
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-box-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+        f"  IdentityFile {sshd.identity}\n"
+    )
+    r = cli(
+        "status", "gpu-box-alias", "--known-hosts", str(sshd.known_hosts), "--python", sys.executable,
+        "--run-root", str(run_root), "--json", env={"HOME": str(home)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    assert json.loads(r.stdout)["host"]["run_root"] == str(run_root)
