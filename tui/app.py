@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from textual.app import App, SuspendNotSupported, SystemCommand
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
 
@@ -209,14 +210,14 @@ class DashboardApp(App[int]):
 
     def on_connection_changed(self, message: ConnectionChanged) -> None:
         """Drawn at once, not on the next flush: a lost link must show immediately."""
-        if self.is_mounted and self.screen_stack:
+        if self.screen_stack and self.dashboard.ready:
             self.dashboard.query_one("#header").refresh(layout=True)
         if message.state == "connected" and self.session.hello:
             self.state.ingest(self.session.hello)
 
     def flush_events(self, *, force_charts: bool = False) -> None:
         """Draw what arrived since the last flush (one batch, one frame)."""
-        if not self.screen_stack:
+        if not self.screen_stack or not self.dashboard.ready:
             return
         state = self.state
         state.header.rtt_ms = self.session.rtt_ms
@@ -285,7 +286,9 @@ class DashboardApp(App[int]):
                 self.post_message(CommandFinished("confirm", False, error="cancelled"))
 
         self.push_screen(
-            ConfirmScreen(title, body, [Choice("yes", yes_label, "error", "y"), Choice("no", "Cancel", "default", "n")]),
+            ConfirmScreen(
+                title, body, [Choice("yes", yes_label, "error", "y"), Choice("no", "Cancel", "default", "n")]
+            ),
             done,
         )
 
@@ -387,7 +390,7 @@ class DashboardApp(App[int]):
         if result is not None:
             signalled = result.get("signalled", [])
             failed = result.get("failed", [])
-            severity = "warning" if failed else "information"
+            severity: SeverityLevel = "warning" if failed else "information"
             self.notify(f"signalled {len(signalled)} process(es); {len(failed)} failed", severity=severity)
 
     def action_stacks(self) -> None:

@@ -7,12 +7,12 @@ to show, never a crash. The chosen theme and key remaps persist in ``<config dir
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from textual.color import Color, ColorParseError
 from textual.theme import Theme
 

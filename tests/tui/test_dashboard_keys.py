@@ -42,7 +42,7 @@ async def test_launch_sends_the_profiles_spec(recorded_app: Callable[..., Dashbo
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("l")
         await wait_until(pilot, lambda: "launch" in session.commands(), what="launch request")
-        cmd, args = session.requests[-1]
+        _, args = session.requests[-1]
         assert args["command"] == ["bash", "start_training.sh"]
         assert args["cwd"] == "/root/work" and args["env"] == {"A": "1"} and args["profile"] == "demo"
         await wait_until(pilot, lambda: app.last_spec is not None)
@@ -68,7 +68,9 @@ async def test_restart_cancelled_sends_nothing(recorded_app: Callable[..., Dashb
     session = session_with_run()
     finished: list[CommandFinished] = []
     app = recorded_app(session)
-    async with app.run_test(size=SIZE, message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None) as pilot:
+    async with app.run_test(
+        size=SIZE, message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None
+    ) as pilot:
         started(app, session)
         await pilot.press("r")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
@@ -101,12 +103,38 @@ async def test_kill_stale_lists_then_signals_exactly_the_listed_pids(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
     candidates = [
-        {"pid": 901, "create_time": 1700.5, "user": "alice", "cmd": "python old_train.py", "gpus": [0],
-         "used_mib": 30_000.0, "resolved": True, "state": "sleeping", "age_s": 86400.0},
-        {"pid": 902, "create_time": 1701.25, "user": "bob", "cmd": "python eval.py", "gpus": [1],
-         "used_mib": 2_000.0, "resolved": True, "state": "running", "age_s": 600.0},
-        {"pid": 77777, "create_time": None, "user": None, "cmd": None, "gpus": [1], "used_mib": 512.0,
-         "resolved": False, "source": "nvml"},
+        {
+            "pid": 901,
+            "create_time": 1700.5,
+            "user": "alice",
+            "cmd": "python old_train.py",
+            "gpus": [0],
+            "used_mib": 30_000.0,
+            "resolved": True,
+            "state": "sleeping",
+            "age_s": 86400.0,
+        },
+        {
+            "pid": 902,
+            "create_time": 1701.25,
+            "user": "bob",
+            "cmd": "python eval.py",
+            "gpus": [1],
+            "used_mib": 2_000.0,
+            "resolved": True,
+            "state": "running",
+            "age_s": 600.0,
+        },
+        {
+            "pid": 77777,
+            "create_time": None,
+            "user": None,
+            "cmd": None,
+            "gpus": [1],
+            "used_mib": 512.0,
+            "resolved": False,
+            "source": "nvml",
+        },
     ]
 
     def kill_stale(args: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +252,18 @@ async def test_help_lists_every_key_with_remaps(recorded_app: Callable[..., Dash
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
         assert isinstance(app.screen, HelpScreen)
         text = " ".join(" ".join(row) for row in app.screen.rows())
-        for word in ("Launch", "Restart", "Stop", "Kill stale", "Attach", "Stacks", "Filter", "Theme", "Quit", "ctrl+r"):
+        for word in (
+            "Launch",
+            "Restart",
+            "Stop",
+            "Kill stale",
+            "Attach",
+            "Stacks",
+            "Filter",
+            "Theme",
+            "Quit",
+            "ctrl+r",
+        ):
             assert word in text
         await pilot.press("escape")
         await pilot.press("ctrl+r")  # the remapped key works
@@ -235,7 +274,18 @@ async def test_command_palette_offers_every_action(recorded_app: Callable[..., D
     app = recorded_app(RecordingSession())
     async with app.run_test(size=SIZE):
         titles = {c.title for c in app.get_system_commands(app.screen)}
-        assert {"Launch", "Restart", "Stop", "Kill stale", "Attach", "Stacks", "Filter", "Theme", "Help", "Quit"} <= titles
+        assert {
+            "Launch",
+            "Restart",
+            "Stop",
+            "Kill stale",
+            "Attach",
+            "Stacks",
+            "Filter",
+            "Theme",
+            "Help",
+            "Quit",
+        } <= titles
 
 
 async def test_stacks_screen_shows_every_thread(recorded_app: Callable[..., DashboardApp]) -> None:
@@ -288,16 +338,32 @@ async def test_attach_suspends_and_runs_the_ssh_command_then_resyncs(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
     ran: list[list[str]] = []
-    session = RecordingSession(replies={"status": {"host": "gpu-box", "gpus": [], "processes": [], "run": None,
-                                                    "anomalies": []}})
+    session = RecordingSession(
+        replies={"status": {"host": "gpu-box", "gpus": [], "processes": [], "run": None, "anomalies": []}}
+    )
     app = recorded_app(session, external_runner=lambda argv: ran.append(argv) or 0)
     async with app.run_test(size=SIZE) as pilot:
         started(app, session)
         app._driver.__class__ = SuspendableDriver  # type: ignore[union-attr]
         await pilot.press("a")
         await wait_until(pilot, lambda: "status" in session.commands(), what="resync after attach")
-        assert ran == [["ssh", "-t", "-p", "22", "root@10.1.2.6", "pct", "exec", "200", "--", "tmux", "attach", "-t",
-                        f"specdec-{RUN_ID}"]]
+        assert ran == [
+            [
+                "ssh",
+                "-t",
+                "-p",
+                "22",
+                "root@10.1.2.6",
+                "pct",
+                "exec",
+                "200",
+                "--",
+                "tmux",
+                "attach",
+                "-t",
+                f"specdec-{RUN_ID}",
+            ]
+        ]
         assert SuspendableDriver.suspended == 1 and SuspendableDriver.resumed == 1
         await wait_until(pilot, lambda: app.state.run is None, what="status ingested")
 
@@ -366,8 +432,16 @@ async def test_run_failure_shows_its_cause(recorded_app: Callable[..., Dashboard
     app = recorded_app(session)
     async with app.run_test(size=SIZE) as pilot:
         session.emit(run(state="failed", exit_code=2, milestones={"submitted": 1.0, "started": 1.2}))
-        session.emit({"ev": "milestone", "run_id": RUN_ID, "milestone": "output", "t": 1.4, "ok": False,
-                      "cause": "process exited with code 2 before writing output: bash: start.sh: No such file"})
+        session.emit(
+            {
+                "ev": "milestone",
+                "run_id": RUN_ID,
+                "milestone": "output",
+                "t": 1.4,
+                "ok": False,
+                "cause": "process exited with code 2 before writing output: bash: start.sh: No such file",
+            }
+        )
         app.flush_events()
         await pilot.pause()
         timeline = str(app.query_one("#timeline").render())

@@ -27,7 +27,7 @@ def test_gap_in_offsets_is_marked_not_hidden() -> None:
     feed(model, 0, b"one\n")
     feed(model, 10, b"two\n")
     assert model.gap_bytes == 6
-    assert list(model.lines)[0] == "one"
+    assert model.lines[0] == "one"
     assert "6 bytes not received" in list(model.lines)[1]
     assert list(model.lines)[2] == "two"
 
@@ -70,8 +70,14 @@ def test_log_reset_starts_a_new_file() -> None:
 
 
 def test_error_lines_recognised() -> None:
-    for line in ("Traceback (most recent call last):", "RuntimeError: CUDA error: out of memory",
-                 "ValueError: boom", "step=3 loss=nan", "Exception in thread drafter-1", "loss NaN at step 4"):
+    for line in (
+        "Traceback (most recent call last):",
+        "RuntimeError: CUDA error: out of memory",
+        "ValueError: boom",
+        "step=3 loss=nan",
+        "Exception in thread drafter-1",
+        "loss NaN at step 4",
+    ):
         assert is_error_line(line), line
     for line in ("step=3 loss=2.1", "loading target", "errors=0 handled"):
         assert not is_error_line(line), line

@@ -14,7 +14,7 @@ SHIPPED = {"specdec-dark", "specdec-light", "specdec-high-contrast"}
 
 def test_shipped_themes_load_and_validate() -> None:
     loaded = theming.load_themes()
-    assert SHIPPED <= set(loaded.themes)
+    assert set(loaded.themes) >= SHIPPED
     assert loaded.errors == []
     assert theming.DEFAULT_THEME in loaded.themes
     assert loaded.themes["specdec-light"].dark is False

@@ -75,15 +75,40 @@ class RecordingSession:
 
 
 def hello() -> dict[str, Any]:
-    return {"ev": "hello", "protocol": 1, "agent_version": "0.1.0", "hostname": "gpu-box", "boot_id": "b1",
-            "python": "3.11.7", "pid": 4242, "run_root": "/root/.specdec", "simulated": False, "capabilities": {}}
+    return {
+        "ev": "hello",
+        "protocol": 1,
+        "agent_version": "0.1.0",
+        "hostname": "gpu-box",
+        "boot_id": "b1",
+        "python": "3.11.7",
+        "pid": 4242,
+        "run_root": "/root/.specdec",
+        "simulated": False,
+        "capabilities": {},
+    }
 
 
-def gpu(index: int, util: float, used: float, total: float = 143_771.0, holders: list[int] | None = None,
-        simulated: bool = False) -> dict[str, Any]:
-    return {"index": index, "name": "NVIDIA H200", "uuid": f"GPU-{index}", "util_pct": util, "mem_used_mib": used,
-            "mem_total_mib": total, "temp_c": 40.0 + util / 4, "power_w": 90.0 + util * 5, "holder_pids": holders or [],
-            "simulated": simulated}
+def gpu(
+    index: int,
+    util: float,
+    used: float,
+    total: float = 143_771.0,
+    holders: list[int] | None = None,
+    simulated: bool = False,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "name": "NVIDIA H200",
+        "uuid": f"GPU-{index}",
+        "util_pct": util,
+        "mem_used_mib": used,
+        "mem_total_mib": total,
+        "temp_c": 40.0 + util / 4,
+        "power_w": 90.0 + util * 5,
+        "holder_pids": holders or [],
+        "simulated": simulated,
+    }
 
 
 def gpus_event(gpus: list[dict[str, Any]], t: float = T0, simulated: bool = False) -> dict[str, Any]:
@@ -91,22 +116,49 @@ def gpus_event(gpus: list[dict[str, Any]], t: float = T0, simulated: bool = Fals
 
 
 def run(state: str = "running", milestones: dict[str, float | None] | None = None, **extra: Any) -> dict[str, Any]:
-    ms = milestones if milestones is not None else {"submitted": T0, "started": T0 + 0.3, "output": T0 + 1.2,
-                                                      "first-step": T0 + 9.8}
-    base = {"run_id": RUN_ID, "run_dir": f"/root/.specdec/runs/{RUN_ID}", "state": state,
-            "command": ["python3", "-m", "engine.trainer", "--preset", "cpu-demo"], "cwd": "/root/work",
-            "pid": 5001, "pgid": 5001, "started_at": T0 + 0.3, "tmux_session": f"specdec-{RUN_ID}",
-            "attachable": True, "milestones": ms, "stage": "training", "profile": "default"}
+    ms = (
+        milestones
+        if milestones is not None
+        else {"submitted": T0, "started": T0 + 0.3, "output": T0 + 1.2, "first-step": T0 + 9.8}
+    )
+    base = {
+        "run_id": RUN_ID,
+        "run_dir": f"/root/.specdec/runs/{RUN_ID}",
+        "state": state,
+        "command": ["python3", "-m", "engine.trainer", "--preset", "cpu-demo"],
+        "cwd": "/root/work",
+        "pid": 5001,
+        "pgid": 5001,
+        "started_at": T0 + 0.3,
+        "tmux_session": f"specdec-{RUN_ID}",
+        "attachable": True,
+        "milestones": ms,
+        "stage": "training",
+        "profile": "default",
+    }
     base.update(extra)
     return {"ev": "run", "run": base}
 
 
 def procs_event(threads: list[str], holders: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"ev": "procs", "t": T0 + 30, "run_tree": [
-        {"pid": 5001, "ppid": 1, "user": "root", "cmd": "python3 -m engine.trainer --preset cpu-demo",
-         "cpu_pct": 310.0, "rss_mib": 2150.0, "create_time": T0, "state": "running",
-         "threads": [{"tid": 5001 + i + 1, "name": name} for i, name in enumerate(threads)]},
-    ], "holders": holders or []}
+    return {
+        "ev": "procs",
+        "t": T0 + 30,
+        "run_tree": [
+            {
+                "pid": 5001,
+                "ppid": 1,
+                "user": "root",
+                "cmd": "python3 -m engine.trainer --preset cpu-demo",
+                "cpu_pct": 310.0,
+                "rss_mib": 2150.0,
+                "create_time": T0,
+                "state": "running",
+                "threads": [{"tid": 5001 + i + 1, "name": name} for i, name in enumerate(threads)],
+            },
+        ],
+        "holders": holders or [],
+    }
 
 
 def log_event(offset: int, text: str, inode: int = 77) -> dict[str, Any]:
@@ -131,26 +183,54 @@ def engine_events(threads: list[str], steps: int, start_offset: int = 0, t0: flo
             offset += 200
             loss = [2.5 - step * 0.05 - i * 0.1 + k * 0.2 for k in range(4)]
             acc = [max(0.0, 0.4 + step * 0.02 - k * 0.08) for k in range(4)]
-            out.append({"ev": "engine", "offset": offset, "event": {
-                "t": t0 + step, "kind": "step", "thread": thread, "step": step, "loss": loss, "acc": acc,
-                "tok_s": 12_000 + step * 40 + i * 300, "ms": {"fetch": 1, "fwd": 60, "bwd": 80, "opt": 5}}})
+            out.append(
+                {
+                    "ev": "engine",
+                    "offset": offset,
+                    "event": {
+                        "t": t0 + step,
+                        "kind": "step",
+                        "thread": thread,
+                        "step": step,
+                        "loss": loss,
+                        "acc": acc,
+                        "tok_s": 12_000 + step * 40 + i * 300,
+                        "ms": {"fetch": 1, "fwd": 60, "bwd": 80, "opt": 5},
+                    },
+                }
+            )
             offset += 150
-            out.append({"ev": "engine", "offset": offset, "event": {
-                "t": t0 + step + 0.1, "kind": "heartbeat", "thread": thread, "state": "training", "step": step,
-                "tok_s": 12_000 + step * 40, "queue_depth": 2, "last_exception": None}})
+            out.append(
+                {
+                    "ev": "engine",
+                    "offset": offset,
+                    "event": {
+                        "t": t0 + step + 0.1,
+                        "kind": "heartbeat",
+                        "thread": thread,
+                        "state": "training",
+                        "step": step,
+                        "tok_s": 12_000 + step * 40,
+                        "queue_depth": 2,
+                        "last_exception": None,
+                    },
+                }
+            )
     return out
 
 
 def healthy_events(threads: tuple[str, ...] = ("drafter-0", "drafter-1")) -> list[dict[str, Any]]:
-    logs, _ = log_events([
-        "\x1b[32mINFO\x1b[0m loading target /models/llama-8b",
-        "imports done in 2.1 s",
-        "10%|█         | 1/10\r50%|█████     | 5/10\r100%|██████████| 10/10",
-        "warmup drafter-0 bucket 2048 ok",
-        "step=1 loss=2.41 12.0k tok/s",
-        "step=2 loss=2.30 12.1k tok/s",
-        "step=3 loss=2.22 12.3k tok/s",
-    ])
+    logs, _ = log_events(
+        [
+            "\x1b[32mINFO\x1b[0m loading target /models/llama-8b",
+            "imports done in 2.1 s",
+            "10%|█         | 1/10\r50%|█████     | 5/10\r100%|██████████| 10/10",
+            "warmup drafter-0 bucket 2048 ok",
+            "step=1 loss=2.41 12.0k tok/s",
+            "step=2 loss=2.30 12.1k tok/s",
+            "step=3 loss=2.22 12.3k tok/s",
+        ]
+    )
     return [
         hello(),
         {"ev": "connection", "state": "connected", "detail": "agent 0.1.0 on gpu-box", "attempt": 0},

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
@@ -29,7 +30,10 @@ class ConfirmScreen(ModalScreen[str | None]):
     ConfirmScreen Horizontal { height: auto; align: right middle; }
     ConfirmScreen Button { margin-left: 2; }
     """
-    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False), Binding("n", "cancel", "No", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel", show=False),
+        Binding("n", "cancel", "No", show=False),
+    ]
 
     def __init__(self, title: str, body: str, choices: list[Choice] | None = None) -> None:
         super().__init__()

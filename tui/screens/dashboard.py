@@ -163,7 +163,10 @@ class DashboardState:
         elif kind == "run_end":
             ok = bool(event.get("ok"))
             self.notices.append(
-                ("information" if ok else "error", f"engine finished ({'ok' if ok else 'failed'}): {event.get('reason')}")
+                (
+                    "information" if ok else "error",
+                    f"engine finished ({'ok' if ok else 'failed'}): {event.get('reason')}",
+                )
             )
         self.dirty.add("procs")
 
@@ -181,6 +184,7 @@ class DashboardScreen(Screen[None]):
     def __init__(self, state: DashboardState) -> None:
         super().__init__(id="dashboard")
         self.state = state
+        self.ready = False  # set once the panes are mounted; flushes before that are kept for later
 
     def compose(self) -> ComposeResult:
         state = self.state
@@ -197,6 +201,7 @@ class DashboardScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.query_one("#charts-box").border_title = "training"
+        self.ready = True
 
     @property
     def log_pane(self) -> LogPane:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.table import Table
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -20,7 +22,7 @@ class HelpScreen(ModalScreen[None]):
     HelpScreen #help-title { text-style: bold; color: $primary; }
     HelpScreen #help-foot { color: $text-muted; }
     """
-    BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "close", "Close")]
 
     def __init__(self, keymap: dict[str, str]) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class HelpScreen(ModalScreen[None]):
             with VerticalScroll():
                 yield Static(table, id="help-table")
             yield Static(
-                "Remap a key in ~/.config/specdec-tui/tui.toml, e.g. [keys] restart = \"ctrl+r\". Esc closes.",
+                'Remap a key in ~/.config/specdec-tui/tui.toml, e.g. [keys] restart = "ctrl+r". Esc closes.',
                 id="help-foot",
                 markup=False,
             )

@@ -6,10 +6,10 @@ agent re-checks each identity before it signals, so a reused PID is never hit.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
@@ -35,7 +35,7 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
     KillStaleScreen Horizontal { height: auto; align: right middle; }
     KillStaleScreen Button { margin-left: 2; }
     """
-    BINDINGS = [Binding("escape,n", "cancel", "Cancel", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,n", "cancel", "Cancel", show=False)]
 
     def __init__(self, candidates: list[dict[str, Any]]) -> None:
         super().__init__()
@@ -52,7 +52,9 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
             yield Static(title, id="kill-title", markup=False)
             note = "SIGTERM, then SIGKILL after the grace period; each PID's start time is re-checked first."
             if skipped:
-                note += f" {skipped} holder(s) without a visible identity (NVML host PIDs) are listed but not signalled."
+                note += (
+                    f" {skipped} holder(s) without a visible identity (NVML host PIDs) are listed but not signalled."
+                )
             yield Static(note, id="kill-note", markup=False)
             yield DataTable(id="kill-table", cursor_type="row", zebra_stripes=False)
             with Horizontal():

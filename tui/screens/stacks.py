@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -17,7 +19,7 @@ class StacksScreen(ModalScreen[None]):
     StacksScreen VerticalScroll { height: 1fr; padding: 0 1; }
     StacksScreen #stacks-text { width: auto; }
     """
-    BINDINGS = [Binding("escape,q", "close", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q", "close", "Close")]
 
     def __init__(self, method: str, text: str) -> None:
         super().__init__()

@@ -11,7 +11,7 @@ import math
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
@@ -152,7 +152,7 @@ class ChartModel:
 class Charts(Widget):
     """One row per (metric, thread): name, sparkline, latest value; acc_i as bars per position."""
 
-    COMPONENT_CLASSES = {
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
         "charts--label",
         "charts--value",
         "charts--empty",
@@ -186,8 +186,10 @@ class Charts(Widget):
         model = self.model
         threads = model.threads()
         if not threads:
-            return Text("no step metrics yet (engine step events, or log lines with step= / tok/s / loss=)",
-                        style=self.get_component_rich_style("charts--empty"))
+            return Text(
+                "no step metrics yet (engine step events, or log lines with step= / tok/s / loss=)",
+                style=self.get_component_rich_style("charts--empty"),
+            )
         label_style = self.get_component_rich_style("charts--label")
         value_style = self.get_component_rich_style("charts--value")
         name_w = max(len(t) for t in threads)
@@ -215,5 +217,7 @@ class Charts(Widget):
                     out.append(sparkline(series.values(), max(4, width - 40)), style=colour)
                     continue
                 out.append(f"{sparkline(series.values(), width):<{width}} ", style=colour)
-                out.append(human(series.last()), style=value_style)
+                last = series.last()
+                shown = f"{last:.3f}" if metric in ("loss", "acc") and last is not None else human(last)
+                out.append(shown, style=value_style)
         return out

@@ -6,7 +6,7 @@ tooltip), so "100% busy, 0 MiB, no process" explains itself. A simulated source 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -77,6 +77,11 @@ class GpuRow(Horizontal):
         for anomaly in self._initial:
             yield AnomalyBadge(anomaly)
 
+    def pending(self, line: Text, anomalies: list[dict[str, Any]]) -> None:
+        self._line = line
+        self._initial = anomalies
+        self._badges_key = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
+
     def set_badges(self, anomalies: list[dict[str, Any]]) -> None:
         key = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
         if key == self._badges_key:
@@ -91,7 +96,13 @@ class GpuRow(Horizontal):
 class GpuBars(Vertical):
     """Keyed rows: one per GPU index, kept between samples and updated in place."""
 
-    COMPONENT_CLASSES = {"gpu-bars--label", "gpu-bars--ok", "gpu-bars--high", "gpu-bars--hot", "gpu-bars--muted"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "gpu-bars--label",
+        "gpu-bars--ok",
+        "gpu-bars--high",
+        "gpu-bars--hot",
+        "gpu-bars--muted",
+    }
     DEFAULT_CSS = """
     GpuBars { height: auto; border: round $panel-lighten-2; border-title-color: $text-muted; padding: 0 1; }
     GpuBars > .gpu-bars--label { color: $text-muted; }
@@ -146,10 +157,12 @@ class GpuBars(Vertical):
         else:
             empty.display = False
         wanted = {int(g.get("index", i)) for i, g in enumerate(self.gpus)}
-        for row in list(self.query(GpuRow)):
-            if row.index not in wanted:
-                row.remove()
-        existing = {row.index: row for row in self.query(GpuRow)}
+        existing: dict[int, GpuRow] = {}
+        for old in list(self.query(GpuRow)):
+            if old.index not in wanted:
+                old.remove()
+            else:
+                existing[old.index] = old
         explain = self.query_one("#gpu-explain")
         first_index = int(self.gpus[0].get("index", 0)) if self.gpus else None
         for i, gpu in enumerate(self.gpus):
@@ -157,12 +170,14 @@ class GpuBars(Vertical):
             badges = self._anomalies_for(index, index == first_index)
             row = existing.get(index)
             if row is None:
-                row = GpuRow(index, self.format_gpu(gpu), badges)
-                self.mount(row, before=explain)
-                existing[index] = row
-            elif row.is_mounted and row.children:
+                fresh = GpuRow(index, self.format_gpu(gpu), badges)
+                self.mount(fresh, before=explain)
+                existing[index] = fresh
+            elif row.children:
                 row.query_one(".gpu-line", Static).update(self.format_gpu(gpu))
                 row.set_badges(badges)
+            else:  # mounted this frame, not composed yet: compose will use these
+                row.pending(self.format_gpu(gpu), badges)
 
     def _anomalies_for(self, index: int, include_unplaced: bool) -> list[dict[str, Any]]:
         """GPU anomalies of this GPU; those naming no GPU go on the first row."""
@@ -188,22 +203,19 @@ class GpuBars(Vertical):
 
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(f"{int(gpu.get('index', 0))} ", style=label)
-        name = str(gpu.get("name", ""))[:14]
-        text.append(f"{name:<14} ", style=muted)
+        name = str(gpu.get("name", "")).replace("NVIDIA ", "")[:10]
+        text.append(f"{name:<10} ", style=muted)
         ufrac = util / 100.0 if util is not None else None
         text.append("util ", style=label)
-        text.append(bar(ufrac, 10), style=self.get_component_rich_style(level(ufrac)))
+        text.append(bar(ufrac, 8), style=self.get_component_rich_style(level(ufrac)))
         text.append(f" {util:>3.0f}% " if util is not None else "   ?% ")
         mfrac = used / total if used is not None and total else None
         text.append("mem ", style=label)
-        text.append(bar(mfrac, 10), style=self.get_component_rich_style(level(mfrac)))
+        text.append(bar(mfrac, 8), style=self.get_component_rich_style(level(mfrac)))
         if used is not None and total is not None:
-            text.append(f" {used / 1024:5.1f}/{total / 1024:.0f} GiB ")
+            text.append(f" {used / 1024:5.1f}/{total / 1024:.0f}G ")
         else:
-            text.append(" ? GiB ")
+            text.append(" ?G ")
         text.append(f"{temp:.0f}°C " if temp is not None else "–°C ", style=muted if temp is None else "")
-        text.append(f"{power:.0f} W" if power is not None else "– W", style=muted if power is None else "")
-        holders = gpu.get("holder_pids") or []
-        if holders:
-            text.append(f"  pids {','.join(str(p) for p in holders[:4])}", style=muted)
+        text.append(f"{power:.0f}W" if power is not None else "–W", style=muted if power is None else "")
         return text

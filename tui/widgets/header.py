@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rich.console import RenderableType
 from rich.style import Style
@@ -40,7 +41,7 @@ class HeaderModel:
 
 
 class RunHeader(Widget):
-    COMPONENT_CLASSES = {
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
         "run-header--title",
         "run-header--ok",
         "run-header--warn",

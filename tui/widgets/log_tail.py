@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Iterable
+from typing import ClassVar
 
 from rich.highlighter import Highlighter
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import Input, Log, Static
@@ -164,13 +165,13 @@ class _TailHighlighter(Highlighter):
 class LogTail(Log):
     """A ``Log`` that follows the end until the user scrolls up, then counts pending lines."""
 
-    COMPONENT_CLASSES = {"log-tail--error", "log-tail--match", "log-tail--marker"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"log-tail--error", "log-tail--match", "log-tail--marker"}
     DEFAULT_CSS = """
     LogTail > .log-tail--error { color: $error; text-style: bold; }
     LogTail > .log-tail--match { background: $accent 40%; }
     LogTail > .log-tail--marker { color: $text-muted; text-style: italic; }
     """
-    BINDINGS = [Binding("end", "follow", "Follow", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("end", "follow", "Follow", show=False)]
 
     pending = reactive(0)
     following = reactive(True)

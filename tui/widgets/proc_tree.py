@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
@@ -86,7 +86,7 @@ class ThreadHealthModel:
 
 
 class ProcTree(Widget):
-    COMPONENT_CLASSES = {
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
         "proc-tree--title",
         "proc-tree--proc",
         "proc-tree--muted",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
@@ -82,7 +82,12 @@ class TimelineModel:
 
 
 class RunTimeline(Widget):
-    COMPONENT_CLASSES = {"run-timeline--ok", "run-timeline--failed", "run-timeline--pending", "run-timeline--cause"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "run-timeline--ok",
+        "run-timeline--failed",
+        "run-timeline--pending",
+        "run-timeline--cause",
+    }
     DEFAULT_CSS = """
     RunTimeline { height: auto; padding: 0 1; }
     RunTimeline > .run-timeline--ok { color: $success; }

@@ -1,0 +1,183 @@
+"""The dashboard against a real local agent: simulated GPUs, a temp run root, a private tmux socket.
+
+Launch, kill-stale and quit go through the real session, the real agent and real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import wait_until
+
+from tui.app import DashboardApp
+from tui.screens.kill_stale import KillStaleScreen
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+SIZE = (140, 44)
+STEP_SCRIPT = (
+    "import time\n"
+    "for i in range(100000):\n"
+    "    print(f'step={i} loss={2.0 / (i + 1):.4f} {1000 + i} tok/s', flush=True)\n"
+    "    time.sleep(0.05)\n"
+)
+HOLD = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(600)\n"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def tmux_has(session_name: str) -> bool:
+    sock = os.environ["SPECDEC_TMUX_SOCKET"]
+    return subprocess.run(["tmux", "-L", sock, "has-session", "-t", session_name], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def cleanup_runs() -> Iterator[list[dict[str, Any]]]:
+    """Runs a test leaves alive on purpose are ended here, by their recorded process group."""
+    runs: list[dict[str, Any]] = []
+    yield runs
+    sock = os.environ["SPECDEC_TMUX_SOCKET"]
+    for run in runs:
+        pgid = run.get("pgid")
+        if isinstance(pgid, int) and pgid > 1:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        if run.get("tmux_session"):
+            subprocess.run(["tmux", "-L", sock, "kill-session", "-t", run["tmux_session"]], capture_output=True)
+
+
+async def launch_and_watch(app: DashboardApp, pilot: Any) -> dict[str, Any]:
+    await wait_until(pilot, lambda: app.state.gpus is not None, 15, "first GPU sample")
+    await pilot.press("l")
+    await wait_until(pilot, lambda: app.state.run and app.state.run.get("state") == "running", 20, "run running")
+    await wait_until(pilot, lambda: app.state.log.total_lines >= 5, 20, "log lines")
+    await wait_until(pilot, lambda: app.state.procs and app.state.procs.get("run_tree"), 20, "run processes")
+    run = app.state.run
+    assert run is not None
+    return run
+
+
+async def test_launch_key_starts_a_real_run_and_every_pane_fills(
+    local_session_factory: Callable[..., Any], cleanup_runs: list[dict[str, Any]]
+) -> None:
+    session = local_session_factory()
+    app = DashboardApp(session, profile={"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]})
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            run = await launch_and_watch(app, pilot)
+            cleanup_runs.append(run)
+            assert run["command"][0] == sys.executable
+            assert pid_alive(run["pid"])
+            await wait_until(pilot, lambda: app.state.charts.series.get(("step", "log")), 10, "chart points")
+            await wait_until(pilot, lambda: app.state.timeline.milestones.get("first-step"), 20, "first-step")
+            app.flush_events(force_charts=True)
+            await pilot.pause()
+            assert "SIMULATED" in str(app.query_one("#header").render())
+            assert app.query_one("#gpu-row-0") is not None
+            assert "step=" in "\n".join(app.query_one("#log-tail").lines)  # type: ignore[attr-defined]
+            timeline = str(app.query_one("#timeline").render())
+            assert "● first-step" in timeline
+    finally:
+        await session.close()
+
+
+async def test_quit_leaves_the_run_alive(
+    local_session_factory: Callable[..., Any], cleanup_runs: list[dict[str, Any]]
+) -> None:
+    session = local_session_factory()
+    app = DashboardApp(session, profile={"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]})
+    async with app.run_test(size=SIZE) as pilot:
+        run = await launch_and_watch(app, pilot)
+        cleanup_runs.append(run)
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0
+    assert session.state == "disconnected"
+    assert app.exit_message and "keeps running" in app.exit_message
+    assert pid_alive(run["pid"])
+    assert tmux_has(run["tmux_session"])
+    log = Path(run["run_dir"]) / "output.log"
+    size = log.stat().st_size
+    grew = False
+    for _ in range(250):  # the job keeps writing after we left (bounded poll)
+        if log.stat().st_size > size:
+            grew = True
+            break
+        await asyncio.sleep(0.02)
+    assert grew
+
+
+async def test_kill_stale_lists_exactly_the_stale_holders_and_signals_only_after_confirm(
+    local_session_factory: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl"):
+        (dev / name).write_text("")
+    monkeypatch.setenv("SPECDEC_DEV_DIR", str(dev))
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def spawn(*argv: str) -> int:
+        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        spawned.append(proc)
+        return proc.pid
+
+    stale = {spawn("-c", HOLD, str(dev / "nvidia0")), spawn("-c", HOLD, str(dev / "nvidia1"))}
+    decoy = spawn("-c", "import time; time.sleep(600)")
+    session = local_session_factory()
+    app = DashboardApp(session)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: session.state == "connected", 15, "connected")
+            await wait_until(
+                pilot,
+                lambda: stale <= {h["pid"] for h in (app.state.procs or {}).get("holders", [])},
+                15,
+                "holders in the procs stream",
+            )
+            await pilot.press("k")
+            await wait_until(pilot, lambda: isinstance(app.screen, KillStaleScreen), 15, "kill-stale modal")
+            screen = app.screen
+            assert isinstance(screen, KillStaleScreen)
+            assert {c["pid"] for c in screen.candidates} == stale
+            assert {t[0] for t in screen.targets} == stale
+            table = screen.query_one("#kill-table")
+            assert {int(table.get_row_at(i)[0]) for i in range(table.row_count)} == stale  # type: ignore[attr-defined]
+            await pilot.press("n")  # cancel: nothing is signalled
+            await wait_until(pilot, lambda: not isinstance(app.screen, KillStaleScreen))
+            await pilot.pause(0.3)
+            assert all(pid_alive(p) for p in stale)
+            await pilot.press("k")
+            await wait_until(pilot, lambda: isinstance(app.screen, KillStaleScreen), 15, "kill-stale modal again")
+            await pilot.press("y")
+            await wait_until(pilot, lambda: not any(pid_alive(p) for p in stale), 20, "stale holders gone")
+            assert pid_alive(decoy)
+            assert pid_alive(os.getpid())
+    finally:
+        await session.close()
+        for proc in spawned:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
