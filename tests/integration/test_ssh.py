@@ -293,12 +293,20 @@ def test_job_survives_the_client_leaving_and_a_new_status_finds_it(
     assert stop.returncode == 0, stop.output
 
 
-async def test_session_reconnects_and_resumes_the_log_without_gap_or_duplicate(
+async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_or_duplicate(
     sshd: Any, cli: Callable[..., Any], run_root: Path
 ) -> None:
     import asyncio
 
-    script = "import sys,time\nfor i in range(400):\n    print(f'line {i:04d}', flush=True)\n    time.sleep(0.01)\n"
+    script = (
+        "import json, os, time\n"
+        "events = open(os.environ['SPECDEC_EVENTS'], 'a')\n"
+        "for i in range(400):\n"
+        "    print(f'line {i:04d}', flush=True)\n"
+        "    events.write(json.dumps({'t': time.time(), 'kind': 'heartbeat', 'thread': 'w', 'step': i}) + '\\n')\n"
+        "    events.flush()\n"
+        "    time.sleep(0.01)\n"
+    )
     r = cli(
         "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "output",
         "--", sys.executable, "-c", script,
@@ -315,6 +323,7 @@ async def test_session_reconnects_and_resumes_the_log_without_gap_or_duplicate(
     session = open_session(sshd.target, opts)
     session.backoff_base_s = 0.1
     received = bytearray()
+    steps: list[int] = []
     states: list[str] = []
     done = asyncio.Event()
 
@@ -326,6 +335,8 @@ async def test_session_reconnects_and_resumes_the_log_without_gap_or_duplicate(
             received.extend(protocol.decode_log_data(ev["data"]))
             if received.count(b"\n") >= 400:
                 done.set()
+        elif ev["ev"] == "engine":
+            steps.append(ev["event"]["step"])
         elif ev["ev"] == "connection":
             states.append(ev["state"])
 
@@ -339,12 +350,14 @@ async def test_session_reconnects_and_resumes_the_log_without_gap_or_duplicate(
         assert isinstance(transport, SshTransport)
         transport.drop_connection()  # the link dies under the session
         await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(_until(lambda: len(steps) >= 400), 10)
         assert (session.hello or {})["pid"] != first_pid
     finally:
         await session.close()
     assert "reconnecting" in states and states.count("connected") >= 2
     expected = "".join(f"line {i:04d}\n" for i in range(400)).encode()
     assert bytes(received) == expected
+    assert steps == list(range(400))  # engine events resumed from their offset: none lost, none twice
 
 
 async def _until(pred: Callable[[], bool]) -> None:
