@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import os
 import statistics
@@ -111,7 +112,7 @@ def main() -> int:
                 ("specdec-tui status over loopback SSH --json (fresh process)", ssh_cmd),
                 ("seed: fresh `ssh ... nvidia-smi || cat /proc/loadavg` per poll", seed_cmd),
             ]
-            rows = [_row(name, _times(lambda argv=argv: _run(argv, env), ns.n)) for name, argv in cases]
+            rows = [_row(name, _times(functools.partial(_run, argv, env), ns.n)) for name, argv in cases]
             base = ConnectOptions(run_root=str(run_root), simulate_gpus=ns.gpus)
             ssh_opts = ConnectOptions(
                 identity=str(sshd.identity),
