@@ -50,6 +50,7 @@ class EngineConfig:
     vocab_sample_batches: int = 256
     ttt_steps: int = 3
     lr: float = 1e-3
+    drafter_lrs: list[float] | None = None  # independent mode: one learning rate per drafter (a sweep)
     schedule: str = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -119,6 +120,14 @@ class EngineConfig:
         need(self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0 (0: only on stop)")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "an integer >= 1")
         need(self.lr > 0, "lr", "a positive number")
+        if self.drafter_lrs is not None:
+            need(self.drafter_mode == "independent", "drafter_lrs", "only with drafter_mode = 'independent'")
+            need(
+                len(self.drafter_lrs) == len(self.drafter_devices)
+                and all(isinstance(x, (int, float)) and x > 0 for x in self.drafter_lrs),
+                "drafter_lrs",
+                f"one positive learning rate per drafter device ({len(self.drafter_devices)})",
+            )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
         need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "a positive number of seconds")
         need(self.step_delay_s >= 0, "step_delay_s", "a number of seconds >= 0")
@@ -194,6 +203,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ttt_steps": 3,
         "draft_vocab_size": 128,
         "lr": 2e-3,
+        "drafter_lrs": [2e-3, 5e-4],  # a two-point learning-rate sweep: two curves on the dashboard
         "steps": 1_000_000,
         "checkpoint_every": 500,
         "compile": False,

@@ -167,7 +167,7 @@ class Engine:
             params = drafter.trainable_parameters()
             optimizer = torch.optim.AdamW(
                 params,
-                lr=cfg.lr,
+                lr=float(cfg.drafter_lrs[rank]) if cfg.drafter_lrs else cfg.lr,
                 betas=(0.9, 0.95),
                 weight_decay=cfg.weight_decay,
                 **({"fused": True} if dev.type == "cuda" else {}),

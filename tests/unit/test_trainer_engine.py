@@ -201,11 +201,14 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
+def wait_for(cond: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[str] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
             return
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"process exited with {proc.returncode} first:\n{out}")
         time.sleep(0.05)
     raise AssertionError(f"condition not met within {timeout_s} s")
 
@@ -231,11 +234,13 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_restart_resumes(tmp_path: Pat
         "vocab_sample_batches=16",
         "--set",
         "step_delay_s=0.02",
+        "--set",
+        "drafter_lrs=[2e-3]",
     ]
     env = {**os.environ, "SPECDEC_EVENTS": str(events), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(events)), 90)
+        wait_for(lambda: any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(events)), 90, proc)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
     finally:

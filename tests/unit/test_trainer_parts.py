@@ -79,6 +79,8 @@ def test_config_errors_name_the_key_and_the_allowed_values(tmp_path: Any) -> Non
         from_dict({"stepz": 3})
     with pytest.raises(ConfigError, match=r"target: '/nope' is neither a built-in preset"):
         from_dict({"target": "/nope"})
+    with pytest.raises(ConfigError, match=r"drafter_lrs: one positive learning rate per drafter device \(2\)"):
+        from_dict({"drafter_mode": "independent", "drafter_devices": ["cpu", "cpu"], "drafter_lrs": [1e-3]})
     with pytest.raises(ConfigError, match=r"preset: got 'x'"):
         preset("x")
     toml = tmp_path / "e.toml"
