@@ -55,7 +55,7 @@ def lr_lambda(cfg: EngineConfig) -> Any:
 class Engine:
     def __init__(self, cfg: EngineConfig, events: EventLog | None = None) -> None:
         self.cfg = cfg.validate()
-        self.output_dir = Path(cfg.output_dir)
+        self.output_dir = Path(cfg.output_dir).expanduser().resolve()
         self.events = events if events is not None else EventLog(events_path_for(cfg.output_dir))
         self.health = HealthBoard(self.events, stall_after_s=cfg.stall_after_s, starve_after_s=cfg.starve_after_s)
         self.control = RunControl(self.events, self.health, cfg.on_thread_error)
