@@ -519,8 +519,21 @@ class SshTransport(Transport):
             raise ConnectError(
                 f"{self.display}: no answer from {where} within {self.opts.connect_timeout_s:g} s (unreachable?)"
             ) from None
+        except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as exc:
+            key = self.opts.identity or "a default key (~/.ssh/id_*)"
+            hint = (
+                f"it is passphrase-protected: load it into ssh-agent (ssh-add {self.opts.identity or '<key>'}) "
+                "and connect without -i, or use a key without a passphrase"
+                if "passphrase" in str(exc).lower() or isinstance(exc, asyncssh.KeyEncryptionError)
+                else "it is not a private key asyncssh can read"
+            )
+            raise ConnectError(f"{self.display}: cannot use identity {key}: {hint} ({exc})", retryable=False) from None
+        except asyncssh.ConfigParseError as exc:
+            raise ConnectError(f"{self.display}: ~/.ssh/config cannot be read: {exc}", retryable=False) from None
         except (OSError, asyncssh.Error) as exc:
             raise ConnectError(f"{self.display}: cannot connect to {where}: {exc}") from None
+        except ValueError as exc:  # any other option asyncssh refuses (a bad port in the config, ...)
+            raise ConnectError(f"{self.display}: bad SSH settings: {exc}", retryable=False) from None
         return self._conn
 
     def _host_key_error(self, recorder: _HostKeyRecorder, reason: str) -> ConnectError:

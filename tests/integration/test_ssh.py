@@ -446,3 +446,16 @@ def test_host_alias_from_ssh_config_is_honoured(
     )  # fmt: skip
     assert r.returncode == 0, r.output
     assert json.loads(r.stdout)["host"]["run_root"] == str(run_root)
+
+
+def test_passphrase_protected_identity_exits_3_with_a_sentence(
+    sshd: Any, cli: Callable[..., Any], tmp_path: Path
+) -> None:
+    key = tmp_path / "locked_ed25519"
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "correct horse", "-f", str(key)], check=True, capture_output=True
+    )
+    r = cli("status", sshd.target, *sshd.args(identity=key))
+    assert r.returncode == 3, r.output
+    assert "passphrase-protected" in r.stderr and "ssh-add" in r.stderr
+    assert "Traceback" not in r.output and "correct horse" not in r.output
