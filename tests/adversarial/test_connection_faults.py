@@ -84,17 +84,6 @@ def _assert_job_never_noticed(run_root: Path, run_id: str, data: bytes) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "CLIENT bug (tui/transport.py AgentStream.stderr_settled): when the SSH connection is cut, the stderr "
-        "drain task ends with asyncssh.ConnectionLost; stderr_settled() awaits it suppressing only "
-        "TimeoutError/CancelledError, so Session._lost() raises before it sets the state or schedules a "
-        "reconnect: the session stays 'connected' to a dead link forever. Fix: suppress the drain task's "
-        "error there (or catch asyncssh.Error/OSError in _drain_stderr). With that one change this test "
-        "passes (20 drops, ~690k lines byte-exact)."
-    ),
-)
 async def test_twenty_ssh_drops_during_a_50k_lines_per_second_burst_lose_and_repeat_nothing(
     sshd: Any, run_root: Path, tmp_path: Path
 ) -> None:

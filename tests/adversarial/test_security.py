@@ -132,15 +132,6 @@ def test_a_key_passphrase_in_the_environment_never_reaches_output_or_files(
     assert not _files_containing(run_root, PASSPHRASE.encode())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "CLIENT bug (tui/transport.py SshTransport.connect): asyncssh.KeyImportError ('Passphrase must be "
-        "specified to import encrypted private keys') for a passphrase-protected -i key is not caught: the CLI "
-        "dies with a Python traceback and exit 1 instead of exit 3 and a sentence (e.g. 'identity X is "
-        "passphrase-protected: load it into ssh-agent'). The client has no passphrase input at all."
-    ),
-)
 def test_a_passphrase_protected_identity_is_refused_with_exit_3_and_a_sentence(
     sshd: Any, cli: Callable[..., Any], run_root: Path, tmp_path: Path
 ) -> None:
