@@ -18,6 +18,7 @@ import torch
 from engine.trainer.compile import apply_dynamo_config
 from engine.trainer.control import RunControl
 from engine.trainer.data import BatchSource
+from engine.trainer.health import name_os_thread
 from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
 from engine.trainer.target import Target
 
@@ -139,6 +140,7 @@ class Producer:
         return result
 
     def _run(self) -> None:
+        name_os_thread(self.thread.name)
         apply_dynamo_config()
         stream_ctx: Any = contextlib.nullcontext()
         if self.target.device.type == "cuda":

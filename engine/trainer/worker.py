@@ -23,6 +23,7 @@ from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile
 from engine.trainer.control import NonFiniteLoss, RunControl
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, ttt_step
+from engine.trainer.health import name_os_thread
 from engine.trainer.loss import accuracies, soft_cross_entropy, total_loss
 from engine.trainer.metrics import step_line
 from engine.trainer.producer import DeviceBatch
@@ -354,6 +355,7 @@ class DrafterWorker:
     _fetch_ms = 0.0
 
     def _run(self) -> None:
+        name_os_thread(self.thread.name)
         apply_dynamo_config()
         stream_ctx: Any = contextlib.nullcontext()
         if self.device.type == "cuda":
