@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import subprocess
@@ -130,7 +131,11 @@ def test_identity_changes_with_the_process_and_vanishes_with_it(spawn: Callable[
     assert ident is not None and ident[0] == p.pid
     assert ident[1] == pytest.approx(psutil.Process(p.pid).create_time(), abs=0.02)
     assert procs.same_process(p.pid, ident[1])
+    assert procs.same_process(p.pid, float(json.loads(json.dumps(ident[1]))))  # through the wire, exactly
     assert not procs.same_process(p.pid, ident[1] - 10.0)
+    # One clock tick apart is another process (a PID reused a tick later), not float noise.
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    assert not procs.same_process(p.pid, ident[1] - tick) and not procs.same_process(p.pid, ident[1] + tick)
     p.kill()
     p.wait()
     assert procs.proc_identity(p.pid) is None
