@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from textual.app import App, SuspendNotSupported, SystemCommand
+from textual.css.query import NoMatches
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
@@ -120,6 +121,8 @@ class DashboardApp(App[int]):
         external_runner: Callable[[list[str]], int] = run_external,
         connect: bool = True,
         max_log_lines: int = 20_000,
+        gpu_interval_s: float = 0.5,
+        procs_interval_s: float = 1.0,
     ) -> None:
         super().__init__()
         self.session = session
@@ -129,6 +132,8 @@ class DashboardApp(App[int]):
         self.clock = clock
         self.external_runner = external_runner
         self.auto_connect = connect
+        self.gpu_interval_s = gpu_interval_s
+        self.procs_interval_s = procs_interval_s
         self.state = DashboardState(session.target_display, max_log_lines=max_log_lines, clock=clock)
         self.state.header.state = session.state
         self.last_spec: dict[str, Any] | None = None
@@ -190,7 +195,7 @@ class DashboardApp(App[int]):
                 await self.session.connect()
             if self.session.hello:
                 self.state.ingest(self.session.hello)
-            await self.session.start_streams()
+            await self.session.start_streams(self.gpu_interval_s, self.procs_interval_s)
         except Exception as exc:  # ConnectError / CommandFailed: shown in the header, the app stays up
             message = getattr(exc, "message", None) or str(exc)
             self.state.ingest({"ev": "connection", "state": self.session.state, "detail": message, "attempt": None})
@@ -211,7 +216,7 @@ class DashboardApp(App[int]):
     def on_connection_changed(self, message: ConnectionChanged) -> None:
         """Drawn at once, not on the next flush: a lost link must show immediately."""
         if self.screen_stack and self.dashboard.ready:
-            self.dashboard.query_one("#header").refresh(layout=True)
+            self.dashboard.query_one("#header").refresh()
         if message.state == "connected" and self.session.hello:
             self.state.ingest(self.session.hello)
 
@@ -236,8 +241,11 @@ class DashboardApp(App[int]):
         sampled = state.gpus.get("t") if state.gpus is not None and "gpus" in state.dirty else None
         log_lines = state.new_log_lines
         state.new_log_lines = 0
-        with self.batch_update():
-            self.dashboard.apply(charts_allowed=charts_allowed)
+        try:
+            with self.batch_update():
+                self.dashboard.apply(charts_allowed=charts_allowed)
+        except NoMatches:
+            return  # the panes are being torn down (the app is exiting)
         while state.notices:
             severity, text = state.notices.popleft()
             self.notify(text, severity=severity, timeout=8)  # type: ignore[arg-type]

@@ -68,6 +68,11 @@ def cleanup_runs() -> Iterator[list[dict[str, Any]]]:
             subprocess.run(["tmux", "-L", sock, "kill-session", "-t", run["tmux_session"]], capture_output=True)
 
 
+def first_step_ok(app: DashboardApp) -> bool:
+    state = app.state.timeline.milestones.get("first-step")
+    return state is not None and state.ok is True
+
+
 async def launch_and_watch(app: DashboardApp, pilot: Any) -> dict[str, Any]:
     await wait_until(pilot, lambda: app.state.gpus is not None, 15, "first GPU sample")
     await pilot.press("l")
@@ -91,7 +96,7 @@ async def test_launch_key_starts_a_real_run_and_every_pane_fills(
             assert run["command"][0] == sys.executable
             assert pid_alive(run["pid"])
             await wait_until(pilot, lambda: app.state.charts.series.get(("step", "log")), 10, "chart points")
-            await wait_until(pilot, lambda: app.state.timeline.milestones.get("first-step"), 20, "first-step")
+            await wait_until(pilot, lambda: first_step_ok(app), 20, "first-step")
             app.flush_events(force_charts=True)
             await pilot.pause()
             assert "SIMULATED" in str(app.query_one("#header").render())

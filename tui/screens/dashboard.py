@@ -26,6 +26,7 @@ from tui.widgets.proc_tree import ProcTree, ThreadHealthModel
 from tui.widgets.run_timeline import RunTimeline, TimelineModel
 
 MAX_NOTICES = 50
+MAX_PARSED_LINES_PER_EVENT = 20
 _METRIC_HINTS = ("step", "tok/s", "loss")
 
 
@@ -172,7 +173,8 @@ class DashboardState:
 
     def _parse_log_metrics(self, n: int) -> None:
         now = self.clock()
-        newest = list(itertools.islice(reversed(self.log.lines), min(n, 2000)))
+        # A sample of the newest lines is enough for a chart; parsing every line of a burst is not.
+        newest = list(itertools.islice(reversed(self.log.lines), min(n, MAX_PARSED_LINES_PER_EVENT)))
         for line in reversed(newest):
             if any(h in line for h in _METRIC_HINTS) and self.charts.add_log_line(line, now):
                 self.dirty.add("charts")
@@ -212,9 +214,9 @@ class DashboardScreen(Screen[None]):
         state = self.state
         dirty = state.dirty
         if "header" in dirty:
-            self.query_one(RunHeader).refresh(layout=True)
+            self.query_one(RunHeader).refresh()
         if "timeline" in dirty:
-            self.query_one(RunTimeline).refresh(layout=True)
+            self.query_one(RunTimeline).refresh()
         if "gpus" in dirty:
             bars = self.query_one(GpuBars)
             if state.gpus is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rich.table import Table
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
@@ -35,16 +34,14 @@ class HelpScreen(ModalScreen[None]):
         return out
 
     def compose(self) -> ComposeResult:
-        table = Table(box=None, expand=True, show_header=True, header_style="bold")
-        table.add_column("key", no_wrap=True)
-        table.add_column("action", no_wrap=True)
-        table.add_column("what it does")
-        for row in self.rows():
-            table.add_row(*row)
+        rows = self.rows()
+        key_w = max(len(r[0]) for r in rows)
+        name_w = max(len(r[1]) for r in rows)
+        body = "\n".join(f"{k:<{key_w}}  {n:<{name_w}}  {what}" for k, n, what in rows)
         with Vertical():
             yield Static("specdec-tui keys", id="help-title")
             with VerticalScroll():
-                yield Static(table, id="help-table")
+                yield Static(body, id="help-table", markup=False)
             yield Static(
                 'Remap a key in ~/.config/specdec-tui/tui.toml, e.g. [keys] restart = "ctrl+r". Esc closes.',
                 id="help-foot",

@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
-from textual.widget import Widget
+
+from tui.widgets.text_line import RowTracking
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_POINTS = 600
@@ -149,7 +150,7 @@ class ChartModel:
         self.dirty = True
 
 
-class Charts(Widget):
+class Charts(RowTracking):
     """One row per (metric, thread): name, sparkline, latest value; acc_i as bars per position."""
 
     COMPONENT_CLASSES: ClassVar[set[str]] = {
@@ -180,7 +181,7 @@ class Charts(Widget):
     def redraw(self) -> None:
         self.model.dirty = False
         self.redraws += 1
-        self.refresh(layout=True)
+        self.refresh()
 
     def render(self) -> RenderableType:
         model = self.model
@@ -220,4 +221,4 @@ class Charts(Widget):
                 last = series.last()
                 shown = f"{last:.3f}" if metric in ("loss", "acc") and last is not None else human(last)
                 out.append(shown, style=value_style)
-        return out
+        return self.track_rows(out)

@@ -13,6 +13,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 
+from tui.widgets.text_line import TextLine
+
 BADGE_LABELS = {
     "phantom_utilization": "PHANTOM UTIL",
     "orphan_memory": "ORPHAN MEM",
@@ -62,7 +64,7 @@ class AnomalyBadge(Static, can_focus=True):
 class GpuRow(Horizontal):
     DEFAULT_CSS = """
     GpuRow { height: 1; }
-    GpuRow > .gpu-line { width: auto; }
+    GpuRow > .gpu-line { width: 1fr; }
     """
 
     def __init__(self, index: int, line: Text, anomalies: list[dict[str, Any]]) -> None:
@@ -73,7 +75,7 @@ class GpuRow(Horizontal):
         self._badges_key: tuple[str, ...] = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
 
     def compose(self) -> ComposeResult:
-        yield Static(self._line, classes="gpu-line", markup=False)
+        yield TextLine(self._line, classes="gpu-line")
         for anomaly in self._initial:
             yield AnomalyBadge(anomaly)
 
@@ -174,7 +176,7 @@ class GpuBars(Vertical):
                 self.mount(fresh, before=explain)
                 existing[index] = fresh
             elif row.children:
-                row.query_one(".gpu-line", Static).update(self.format_gpu(gpu))
+                row.query_one(".gpu-line", TextLine).set_text(self.format_gpu(gpu))
                 row.set_badges(badges)
             else:  # mounted this frame, not composed yet: compose will use these
                 row.pending(self.format_gpu(gpu), badges)

@@ -50,7 +50,7 @@ class RunHeader(Widget):
         "run-header--simulated",
     }
     DEFAULT_CSS = """
-    RunHeader { height: auto; background: $panel; padding: 0 1; }
+    RunHeader { height: 1; background: $panel; padding: 0 1; }
     RunHeader > .run-header--title { color: $primary; text-style: bold; }
     RunHeader > .run-header--ok { color: $success; }
     RunHeader > .run-header--warn { color: $warning; text-style: bold; }

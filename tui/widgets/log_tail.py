@@ -18,10 +18,13 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.css.query import NoMatches
+from textual.geometry import Size
 from textual.reactive import reactive
-from textual.widgets import Input, Log, Static
+from textual.widgets import Input, Log
 
 from engine.protocol import decode_log_data
+from tui.widgets.text_line import TextLine
 
 DEFAULT_MAX_LINES = 20_000
 MAX_PARTIAL_BYTES = 256 * 1024
@@ -61,6 +64,7 @@ class LogModel:
         self.duplicate_bytes = 0  # bytes received twice and dropped
         self.gap_bytes = 0  # bytes the stream skipped (offset jumped ahead): shown as a marker line
         self.resets = 0
+        self.marker_lines = 0  # lines the model wrote itself (resets, gaps), not from the file
         self._partial = b""
         self._unflushed: deque[str] = deque(maxlen=max_lines)
         self.unflushed_overflow = 0  # lines that left the ring before the view drew them (a burst)
@@ -88,6 +92,7 @@ class LogModel:
             self.gap_bytes += gap
             added.extend(self._split(b"", final=True))
             added.append(f"… {gap} bytes not received (stream resumed at byte {offset}) …")
+            self.marker_lines += 1
         self.next_offset = end
         added.extend(self._split(chunk))
         self._take(added)
@@ -99,20 +104,28 @@ class LogModel:
         self.resets += 1
         self.inode = inode
         self.next_offset = offset
+        self.marker_lines += 1
         self._take([*pending, f"── log {reason}: following from byte {offset} ──"])
 
     def _split(self, chunk: bytes, final: bool = False) -> list[str]:
-        data = self._partial + chunk
-        parts = data.split(b"\n")
-        self._partial = parts.pop()
+        data = self._partial + chunk if self._partial else chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            whole, self._partial = b"", data
+        else:
+            # Only complete lines are decoded, so a multi-byte character split across chunks stays whole.
+            whole, self._partial = data[:cut], data[cut + 1 :]
         if final and self._partial:
-            parts.append(self._partial)
+            whole = whole + b"\n" + self._partial if cut >= 0 else self._partial
             self._partial = b""
+            cut = 0
         elif len(self._partial) > MAX_PARTIAL_BYTES:
             # A progress bar redrawn with \r for hours: keep only its latest state.
-            tail = self._partial.rsplit(b"\r", 1)[-1][-MAX_PARTIAL_BYTES:]
-            self._partial = tail
-        return [clean_line(p.decode("utf-8", "replace")) for p in parts]
+            self._partial = self._partial.rsplit(b"\r", 1)[-1][-MAX_PARTIAL_BYTES:]
+        if cut < 0:
+            return []
+        parts = whole.decode("utf-8", "replace").split("\n")
+        return [clean_line(p) if ("\x1b" in p or "\r" in p) else p for p in parts]
 
     def _take(self, lines: list[str]) -> None:
         if not lines:
@@ -189,12 +202,37 @@ class LogTail(Log):
             wanted = [line for line in wanted if low in line.lower()]
         if not wanted:
             return 0
-        self.write_lines(wanted, scroll_end=False)
+        self._append_lines(wanted)
         if self.following:
             self._scroll_to_end()
         else:
             self.pending += len(wanted)
         return len(wanted)
+
+    def _append_lines(self, lines: list[str]) -> None:
+        """``Log.write_lines`` without its per-write width thread: a burst brings 10k lines per flush.
+
+        Uses Log's internals (textual is pinned exactly); width is estimated with ``len``.
+        """
+        if self.max_lines is not None and len(lines) > self.max_lines:
+            lines = lines[-self.max_lines :]
+        self._lines.extend(lines)
+        widest = max(map(len, lines))
+        if widest > self._width:
+            self._width = widest
+        removed = 0
+        if self.max_lines is not None and len(self._lines) > self.max_lines:
+            removed = len(self._lines) - self.max_lines
+            self._prune_max_lines()
+        self.virtual_size = Size(self._width, len(self._lines))
+        if removed and not self.following:
+            # Keep the lines the reader is looking at in place while the top of the ring is dropped.
+            self._programmatic = True
+            try:
+                self.scroll_to(y=max(0, self.scroll_y - removed), animate=False, immediate=True)
+            finally:
+                self._programmatic = False
+        self.refresh()
 
     def show_lines(self, lines: list[str], filter_text: str) -> None:
         """Replace the content (a new filter): follow the end again."""
@@ -203,7 +241,7 @@ class LogTail(Log):
         try:
             self.clear()
             if lines:
-                self.write_lines(lines[-(self.max_lines or len(lines)) :], scroll_end=False)
+                self._append_lines(lines)
         finally:
             self._programmatic = False
         self.action_follow()
@@ -256,7 +294,7 @@ class LogPane(Vertical):
         self.border_title = "log"
 
     def compose(self) -> ComposeResult:
-        yield Static("", id="log-status")
+        yield TextLine("", id="log-status")
         yield LogTail(self.model.max_lines, id="log-tail")
         yield Input(placeholder="filter the log (Enter applies, Esc cancels, empty shows all)", id="log-filter")
 
@@ -303,7 +341,12 @@ class LogPane(Vertical):
             getattr(event, "stop", lambda: None)()
 
     def _refresh_status(self, *_: object) -> None:
-        tail = self.tail
+        try:
+            tail = self.tail
+            status = self.query_one("#log-status", TextLine)
+        except NoMatches:
+            return  # being torn down
+
         model = self.model
         parts: list[str] = []
         if tail.following:
@@ -315,6 +358,5 @@ class LogPane(Vertical):
             parts.append(f"filter {tail.filter_text!r}: {tail.line_count} shown")
         if model.gap_bytes:
             parts.append(f"{model.gap_bytes} bytes missed")
-        status = self.query_one("#log-status", Static)
-        status.update(Text(" · ".join(parts)))
+        status.set_text(Text(" · ".join(parts)))
         status.set_class(not tail.following, "-paused")

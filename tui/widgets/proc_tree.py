@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
-from textual.widget import Widget
+
+from tui.widgets.text_line import RowTracking
 
 STALE_HEARTBEAT_S = 30.0
 MAX_THREADS = 256
@@ -85,7 +86,7 @@ class ThreadHealthModel:
         self.threads.clear()
 
 
-class ProcTree(Widget):
+class ProcTree(RowTracking):
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "proc-tree--title",
         "proc-tree--proc",
@@ -118,7 +119,7 @@ class ProcTree(Widget):
     def update_procs(self, event: dict[str, Any]) -> None:
         self.run_tree = [p for p in event.get("run_tree") or [] if isinstance(p, dict)]
         self.holders = [h for h in event.get("holders") or [] if isinstance(h, dict)]
-        self.refresh(layout=True)
+        self.refresh()
 
     def _style(self, name: str) -> Any:
         return self.get_component_rich_style(f"proc-tree--{name}")
@@ -180,8 +181,9 @@ class ProcTree(Widget):
             if details:
                 out.append("  " + "  ".join(details), style=self._style("muted"))
             threads = [t for t in proc.get("threads") or [] if isinstance(t, dict)]
+            argv0 = str(proc.get("cmd", "")).split(" ", 1)[0].rsplit("/", 1)[-1]
             named = [t for t in threads if str(t.get("name", "")) in self.health.threads] or [
-                t for t in threads if str(t.get("name", "")) and str(t.get("name")) != str(proc.get("cmd", ""))
+                t for t in threads if str(t.get("name", "")) not in ("", argv0)
             ]
             for i, thread in enumerate(named[:32]):
                 name = str(thread.get("name", ""))
@@ -216,4 +218,4 @@ class ProcTree(Widget):
                 out.append("(NVML pid not visible here) ", style=self._style("warn"))
             out.append(str(holder.get("cmd") or "")[:50], style=self._style("proc"))
             out.append("  STALE", style=self._style("stale"))
-        return out
+        return self.track_rows(out)

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
-from textual.widget import Widget
 
 from engine.protocol import MILESTONES
+from tui.widgets.text_line import RowTracking
 
 
 @dataclass
@@ -81,7 +81,7 @@ class TimelineModel:
         return self.started_at
 
 
-class RunTimeline(Widget):
+class RunTimeline(RowTracking):
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "run-timeline--ok",
         "run-timeline--failed",
@@ -109,7 +109,7 @@ class RunTimeline(Widget):
         out = Text(no_wrap=False)
         if model.run_id is None:
             out.append("launch: no run yet (press l to launch)", style=pending)
-            return out
+            return self.track_rows(out)
         origin = model.origin()
         causes: list[str] = []
         for i, name in enumerate(MILESTONES):
@@ -132,4 +132,4 @@ class RunTimeline(Widget):
             causes.append(f"run {model.exit_cause}")
         for cause in causes:
             out.append(f"\n  cause: {cause}", style=cause_style)
-        return out
+        return self.track_rows(out)
