@@ -9,6 +9,7 @@ the supervisor's wrapper in a private tmux server, the files on disk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -191,3 +192,44 @@ async def test_agent_killed_with_sigkill_is_noticed_within_two_seconds_and_nothi
     assert bytes(got.data) == data
     _assert_job_never_noticed(run_root, run_id, data)
     print(f"\n[adversarial] agent SIGKILL over {where}: noticed after {[round(s, 3) for s in notice_s]} s")
+
+
+@pytest.mark.slow
+async def test_a_frozen_server_side_is_abandoned_and_the_stream_resumes_losslessly(
+    sshd: Any, run_root: Path, tmp_path: Path
+) -> None:
+    """The link goes silent (the session's sshd stopped with SIGSTOP: no FIN, no RST, TCP still up): keepalives
+    or missed pings must give it up, reconnect and resume, with the burst going on."""
+    session = open_session(sshd.target, ssh_options(sshd, run_root, keepalive_s=2.0))
+    _fast_reconnect(session)
+    got = LogCollector()
+    session.add_listener(got)
+    stop = tmp_path / "stop-writer"
+    frozen: int | None = None
+    await session.connect()
+    try:
+        await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
+        run_id = str((await _launch_writer(session, stop, 20_000))["run_id"])
+        await until(lambda: len(got.data) > 50_000, 30, "the burst to reach the client")
+        agent_pid = int((session.hello or {})["pid"])
+        frozen = sshd_session_of(agent_pid)
+        t0 = time.monotonic()
+        os.kill(frozen, signal.SIGSTOP)
+        await until(lambda: session.state != "connected", 30, "the silent link to be given up")
+        noticed_s = time.monotonic() - t0
+        await until(
+            lambda: session.state == "connected" and int((session.hello or {})["pid"]) != agent_pid, 30, "reconnect"
+        )
+        before = len(got.data)
+        await until(lambda: len(got.data) > before + 50_000, 30, "the stream to resume")
+        data = await _finish(session, run_root, run_id, stop, got)
+    finally:
+        stop.touch()
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)  # a stopped process still dies of SIGKILL
+        await session.close()
+    assert not got.problems, got.problems[:5]
+    assert bytes(got.data) == data
+    _assert_job_never_noticed(run_root, run_id, data)
+    print(f"\n[adversarial] frozen sshd: link given up after {noticed_s:.1f} s; {len(data)} bytes byte-exact")
