@@ -133,6 +133,7 @@ async def test_twenty_ssh_drops_during_a_50k_lines_per_second_burst_lose_and_rep
     n = _assert_job_never_noticed(run_root, run_id, data)
     assert len(drops) == DROPS and got.states.count("reconnecting") >= DROPS
     assert len(set(got.hellos)) == DROPS + 1  # a fresh agent after every drop
+    assert n / max(burst_s, 1e-9) > 25_000, f"the writer managed only {n / burst_s:.0f} lines/s: no burst"
     worst = max(d["resumed_s"] for d in drops)
     print(
         f"\n[adversarial] {DROPS} SSH drops survived during a {burst_s:.1f} s burst; {n} lines / {len(data)} bytes "

@@ -218,3 +218,25 @@ async def test_agent_and_client_open_no_listening_socket_beyond_loopback(sshd: A
                 assert addr is None or addr.split(":")[0] in LOOPBACK, f"the {who} listens on {addr}"
     finally:
         await session.close()
+
+
+async def test_the_dashboard_over_ssh_listens_on_nothing_beyond_loopback(
+    sshd: Any, run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No web view exists; the Textual dashboard, live over SSH, opens no listening socket off loopback."""
+    from tui.app import DashboardApp
+
+    monkeypatch.setenv("SPECDEC_TUI_CONFIG_DIR", str(tmp_path / "tui-config"))
+    session = open_session(sshd.target, ssh_options(sshd, run_root, simulate_gpus=2))
+    app = DashboardApp(session, gpu_interval_s=0.2, procs_interval_s=0.2)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(lambda: app.state.gpus is not None, 30, "the dashboard's first GPU sample")
+        await pilot.pause()
+        listening = _listening_inodes()
+        pids = [os.getpid(), int((session.hello or {})["pid"])]
+        for pid in pids:
+            for ino in _socket_inodes(pid):
+                addr = listening.get(ino)
+                assert addr is None or addr.split(":")[0] in LOOPBACK, f"pid {pid} listens on {addr}"
+        await pilot.press("q")
+    await session.close()
