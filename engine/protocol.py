@@ -143,6 +143,9 @@ class HolderInfo:
     age_s: float | None = None
     in_run: bool = False  # part of the current run's process tree
     source: str = "fd"  # "fd" | "nvml" | "fd+nvml" | "simulated"
+    # True: NVML lists it with a GPU context. False: NVML's list is proven to be in our PID namespace
+    # and this process is not on it (a device handle only: nvidia-smi, nvitop, an idle import). None: unknown.
+    context: bool | None = None
 
 
 @dataclass

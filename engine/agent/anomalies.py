@@ -16,10 +16,10 @@ Engine side, from the run's events.jsonl:
 from __future__ import annotations
 
 import itertools
-import statistics
-from collections import deque
 import os
 import shutil
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,8 @@ def gpu_anomalies(
             continue  # a zombie cannot be stopped, only reaped: orphan memory says so
         if not h.gpus and not h.used_mib:
             continue  # holds only nvidiactl/nvidia-uvm: no GPU of its own
+        if h.context is False:
+            continue  # a device handle without a GPU context (nvidia-smi, nvitop): holds no GPU memory
         where = ", ".join(f"GPU {g}" for g in h.gpus) or "a GPU"
         mem_txt = f" ({h.used_mib:.0f} MiB)" if h.used_mib else ""
         who = f"pid {h.pid} ({h.user or '?'}: {_short(h.cmd)})"

@@ -76,6 +76,7 @@ class NvmlGpus:
     def __init__(self, nvml: ModuleType | Any | None = None) -> None:
         self.error: str | None = None
         self._lock = threading.Lock()
+        self._memory_v2: bool | None = None  # None: not tried yet
         self._nvml: Any = nvml
         self._handles: list[Any] = []
         self._names: list[str] = []
@@ -139,7 +140,7 @@ class NvmlGpus:
             for i, h in enumerate(self._handles):
                 rates = self._call(i, "util_pct", nv.nvmlDeviceGetUtilizationRates, h)
                 util = rates.gpu if rates is not None else None
-                mem = self._call(i, "memory", nv.nvmlDeviceGetMemoryInfo, h)
+                mem = self._call(i, "memory", self._memory, h)
                 temp = self._call(i, "temp_c", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
                 power_mw = self._call(i, "power_w", nv.nvmlDeviceGetPowerUsage, h)
                 sm = self._call(i, "sm_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
@@ -170,6 +171,27 @@ class NvmlGpus:
                     )
                 )
             return GpuSample(t=time.time(), gpus=out, pid_used_mib=pid_used, pid_gpus=pid_gpus)
+
+    def _memory(self, handle: Any) -> Any:
+        """Memory info v2 where the binding and driver have it: its `used` leaves out the driver's reserved
+        memory, as nvidia-smi does (v1 counted ~600 MiB more on an H200 with driver 580)."""
+        nv = self._nvml
+        if self._memory_v2 is not False and hasattr(nv, "nvmlMemory_v2"):
+            try:
+                info = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
+            except Exception as exc:  # older driver or binding: v1 from now on, said once in unsupported
+                if (
+                    _is_not_supported(nv, exc)
+                    or isinstance(exc, (TypeError, AttributeError))
+                    or "Function" in type(exc).__name__
+                ):
+                    self._memory_v2 = False
+                else:
+                    raise
+            else:
+                self._memory_v2 = True
+                return info
+        return nv.nvmlDeviceGetMemoryInfo(handle)
 
     def _processes(self, handle: Any) -> list[tuple[int, int | None]]:
         """(pid, used bytes | None) of compute and graphics processes; graphics may be unsupported alone."""

@@ -309,8 +309,15 @@ def find_holders(
         h = _holder(pid, st, now)
         h.gpus, h.used_mib, h.source = gpus, used, nvml_source
         out[pid] = h
+    # NVML's process list is in our PID namespace when it names at least one process and every pid it
+    # names is a local /dev/nvidia* holder; then a holder missing from it has no GPU context (a monitor).
+    same_namespace = nvml_source == "nvml" and bool(nvml) and all(out[p].resolved for p in nvml if p in out)
     for h in out.values():
         h.in_run = h.pid in run_pids
+        if h.pid in nvml:
+            h.context = True
+        elif same_namespace and h.resolved:
+            h.context = False
     return sorted(out.values(), key=lambda h: (not h.resolved, h.pid))
 
 

@@ -684,7 +684,14 @@ def stale_candidates(
         nvml_source=view.source,
     )
     for h in found:
-        if h.in_run or h.pid in ours or h.pid in protected or not h.resolved or procs.is_system_holder(h):
+        if (
+            h.in_run
+            or h.pid in ours
+            or h.pid in protected
+            or not h.resolved
+            or h.context is False
+            or procs.is_system_holder(h)
+        ):
             others.append(h)
         else:
             candidates.append(h)
@@ -698,6 +705,8 @@ def _left_alone_reason(h: protocol.HolderInfo, ours: set[int]) -> str:
         return "NVML reports this PID but it is not visible here (another PID namespace)"
     if h.pid in _protected_pids():
         return "this agent or its parent"
+    if h.context is False:
+        return "holds a device handle but no GPU context (a monitor such as nvidia-smi or nvitop); frees nothing"
     return "a driver daemon or monitor that holds the device by design"
 
 
