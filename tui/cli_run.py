@@ -41,7 +41,11 @@ def _engine_python(session: Session) -> str:
 def _wait_exit_code(result: dict[str, Any]) -> int:
     if result.get("ok"):
         return EXIT_OK
-    return EXIT_HUNG if result.get("alive") else EXIT_FAILED
+    # Hung means a deadline passed with the process alive; a live process with a dead engine thread failed.
+    hung = result.get("hung")
+    if hung is None:  # an older agent without the field
+        hung = bool(result.get("alive"))
+    return EXIT_HUNG if hung else EXIT_FAILED
 
 
 def _wait_object(result: dict[str, Any], milestone: str, run_id: str | None) -> dict[str, Any]:
