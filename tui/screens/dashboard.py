@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
@@ -27,6 +28,7 @@ from tui.widgets.run_timeline import RunTimeline, TimelineModel
 
 MAX_NOTICES = 50
 MAX_PARSED_LINES_PER_EVENT = 20
+NARROW_WIDTH = 110  # columns below which the process tree goes under the GPUs
 _METRIC_HINTS = ("step", "tok/s", "loss")
 
 
@@ -204,6 +206,9 @@ class DashboardScreen(Screen[None]):
     def on_mount(self) -> None:
         self.query_one("#charts-box").border_title = "training"
         self.ready = True
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.set_class(event.size.width < NARROW_WIDTH, "-narrow")
 
     @property
     def log_pane(self) -> LogPane:

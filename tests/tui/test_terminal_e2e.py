@@ -1,0 +1,111 @@
+"""The real app in a real terminal: `specdec-tui connect local` inside tmux (private socket),
+driven with send-keys and read with capture-pane, running the engine's CPU demo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.supervisor import records
+
+pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
+REPO = Path(__file__).resolve().parents[2]
+SESSION = "specdec-dash-e2e"
+
+
+def tmux(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], *args], capture_output=True, text=True, timeout=10
+    )
+
+
+def screen() -> str:
+    return tmux("capture-pane", "-p", "-t", SESSION).stdout
+
+
+def wait_screen(predicate: Callable[[str], bool], timeout_s: float, what: str) -> float:
+    """Seconds until the captured screen satisfies ``predicate``; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        text = screen()
+        if predicate(text):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; screen:\n{text}")
+        time.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def dashboard_in_tmux(run_root: Path, tui_config_dir: Path) -> Iterator[Path]:
+    argv = [
+        sys.executable, "-m", "tui", "connect", "local", "--simulate-gpus", "2",
+        "--run-root", str(run_root), "--python", sys.executable,
+    ]  # fmt: skip
+    env = {
+        "SPECDEC_TUI_CONFIG_DIR": str(tui_config_dir),
+        "SPECDEC_TMUX_SOCKET": os.environ["SPECDEC_TMUX_SOCKET"],
+        "PYTHONPATH": str(REPO),
+        "TERM": "xterm-256color",
+        "TEXTUAL_ANIMATIONS": "none",
+    }
+    command = "env -u TMUX -u COLUMNS -u LINES " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(argv)
+    tmux("kill-session", "-t", SESSION)
+    made = tmux("new-session", "-d", "-s", SESSION, "-x", "150", "-y", "46", "-c", str(REPO), command)
+    assert made.returncode == 0, made.stderr
+    tmux("set-option", "-t", SESSION, "remain-on-exit", "on")
+    tmux("set-option", "-t", SESSION, "window-size", "manual")
+    tmux("resize-window", "-t", SESSION, "-x", "150", "-y", "46")
+    try:
+        yield run_root
+    finally:
+        tmux("kill-session", "-t", SESSION)
+        run_dir = records.current_run_dir(run_root)
+        launch = records.read_json(run_dir / records.LAUNCH_JSON) if run_dir else None
+        if launch and isinstance(launch.get("pgid"), int):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launch["pgid"], signal.SIGKILL)
+        if launch and launch.get("tmux_session"):
+            tmux("kill-session", "-t", str(launch["tmux_session"]))
+
+
+def test_connect_local_shows_every_pane_and_quit_leaves_the_run(dashboard_in_tmux: Path) -> None:
+    run_root = dashboard_in_tmux
+    first = wait_screen(lambda s: "SIMULATED" in s and "util" in s and "processes" in s, 15, "GPU pane")
+    tmux("send-keys", "-t", SESSION, "l")
+    log_s = wait_screen(lambda s: "following ·" in s and "lines" in s and "log created" in s, 15, "log lines")
+    chart_s = wait_screen(lambda s: "tok/s  drafter" in s and "step   drafter" in s, 60, "chart points")
+    tree_s = wait_screen(lambda s: "drafter0    training step" in s and "hb " in s, 15, "thread health")
+    print(f"first frame {first:.2f} s; after l: log {log_s:.2f} s, chart {chart_s:.2f} s, threads +{tree_s:.2f} s")
+    run_dir = records.current_run_dir(run_root)
+    assert run_dir is not None
+    launch = records.read_json(run_dir / records.LAUNCH_JSON) or {}
+    pid = launch.get("job_pid") or launch.get("pid")
+    assert isinstance(pid, int) and pid_alive(pid)
+    tmux("send-keys", "-t", SESSION, "q")
+    wait_screen(lambda s: "keeps running" in s, 15, "the exit message")
+    deadline = time.monotonic() + 10
+    while tmux("display-message", "-p", "-t", SESSION, "#{pane_dead}").stdout.strip() != "1":
+        assert time.monotonic() < deadline, "the dashboard did not exit after q"
+        time.sleep(0.05)
+    assert tmux("display-message", "-p", "-t", SESSION, "#{pane_dead_status}").stdout.strip() == "0"
+    assert pid_alive(pid)
+    assert tmux("has-session", "-t", str(launch["tmux_session"])).returncode == 0
