@@ -67,7 +67,9 @@ def dashboard_in_tmux(run_root: Path, tui_config_dir: Path) -> Iterator[Path]:
         "TERM": "xterm-256color",
         "TEXTUAL_ANIMATIONS": "none",
     }
-    command = "env -u TMUX -u COLUMNS -u LINES " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(argv)
+    # COLUMNS/LINES from the test process would override the pane size that Textual reads.
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    command = f"env -u TMUX -u COLUMNS -u LINES {assignments} {shlex.join(argv)}"
     tmux("kill-session", "-t", SESSION)
     made = tmux("new-session", "-d", "-s", SESSION, "-x", "150", "-y", "46", "-c", str(REPO), command)
     assert made.returncode == 0, made.stderr
