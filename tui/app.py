@@ -157,7 +157,7 @@ class DashboardApp(App[int]):
     # -- life cycle --------------------------------------------------------------------------------
 
     def get_default_screen(self) -> Screen[Any]:
-        return DashboardScreen(self.state)
+        return DashboardScreen(self.state, self.user_keymap)
 
     @property
     def dashboard(self) -> DashboardScreen:

@@ -17,9 +17,9 @@ from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer
 
 from tui.widgets.charts import ChartModel, Charts
+from tui.widgets.footer import KeyFooter
 from tui.widgets.gpu_bars import GpuBars
 from tui.widgets.header import HeaderModel, RunHeader
 from tui.widgets.log_tail import LogModel, LogPane
@@ -185,9 +185,10 @@ class DashboardState:
 class DashboardScreen(Screen[None]):
     """Header and timeline on top, GPUs and charts left, processes right, the log below."""
 
-    def __init__(self, state: DashboardState) -> None:
+    def __init__(self, state: DashboardState, keymap: dict[str, str] | None = None) -> None:
         super().__init__(id="dashboard")
         self.state = state
+        self.keymap = keymap or {}
         self.ready = False  # set once the panes are mounted; flushes before that are kept for later
 
     def compose(self) -> ComposeResult:
@@ -201,7 +202,7 @@ class DashboardScreen(Screen[None]):
                     yield Charts(state.charts, id="charts")
             yield ProcTree(state.health, state.clock, id="procs")
         yield LogPane(state.log, id="log")
-        yield Footer()
+        yield KeyFooter(self.keymap, id="footer")
 
     def on_mount(self) -> None:
         self.query_one("#charts-box").border_title = "training"

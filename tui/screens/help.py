@@ -7,13 +7,13 @@ from typing import ClassVar
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
-from textual.screen import ModalScreen
+from textual.screen import Screen
 from textual.widgets import Static
 
 from tui.keys import KEY_TABLE, display_key
 
 
-class HelpScreen(ModalScreen[None]):
+class HelpScreen(Screen[None]):
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
     HelpScreen > Vertical { width: 100; max-width: 95%; height: auto; max-height: 90%; border: thick $primary;
