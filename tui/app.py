@@ -24,6 +24,7 @@ from textual.css.query import NoMatches
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
+from textual.widgets import Input
 
 from engine import protocol
 from tui import keys, theming
@@ -183,6 +184,9 @@ class DashboardApp(App[int]):
             self.state.ingest(self.session.hello)
         if self.flush_interval_s is not None:
             self.set_interval(self.flush_interval_s, self.flush_events, name="flush")
+        else:  # deterministic mode (snapshots): nothing may change between frames on its own
+            for box in self.query(Input):
+                box.cursor_blink = False
         if self.auto_connect:
             self.run_worker(self._connect_and_stream(), name="connect", exit_on_error=False)
 

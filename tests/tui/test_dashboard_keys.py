@@ -446,3 +446,19 @@ async def test_run_failure_shows_its_cause(recorded_app: Callable[..., Dashboard
         await pilot.pause()
         timeline = str(app.query_one("#timeline").render())
         assert "✗ output" in timeline and "No such file" in timeline
+
+
+def test_launch_spec_from_a_cli_profile_starts_the_engine() -> None:
+    """``connect`` passes ``Profile.as_dict()``; without a command it launches our engine."""
+    from tui.app import launch_spec_for
+    from tui.profiles import Profile
+
+    session = RecordingSession()
+    assert session.hello is not None
+    session.hello["python_path"] = "/usr/bin/python3"
+    spec = launch_spec_for(Profile(name="default").as_dict(), session)
+    assert spec["command"][:3] == ["/usr/bin/python3", "-m", "engine.trainer"]
+    assert "--preset" in spec["command"] and spec["profile"] == "default"
+    assert spec["deadlines_s"]["first-step"] > 0
+    foreign = launch_spec_for({"name": "mine", "command": ["bash", "run.sh"], "cwd": "/w"}, session)
+    assert foreign == {"command": ["bash", "run.sh"], "cwd": "/w", "profile": "mine"}
