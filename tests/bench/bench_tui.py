@@ -63,6 +63,23 @@ async def frame_after(app: DashboardApp) -> None:
     await done
 
 
+def kill_run(run: dict[str, Any]) -> None:
+    """End the run the benchmark started: the job's and the wrapper's process groups (launch.json)."""
+    import contextlib
+    import signal
+
+    from engine.supervisor import records
+
+    if not run.get("run_dir"):
+        return
+    launch = records.read_json(Path(run["run_dir"]) / records.LAUNCH_JSON) or {}
+    for key in ("job_pgid", "pgid"):
+        pgid = launch.get(key)
+        if isinstance(pgid, int) and pgid > 1:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
 async def key_to_frame(app: DashboardApp, pilot: Any) -> float:
     """``?`` opens the help screen: ms from the key event to the frame that shows it (then Esc)."""
     t0 = time.perf_counter()
@@ -139,10 +156,7 @@ async def bench(rate: int, burst_s: float) -> None:
             await pilot.pause()
     finally:
         await session.close()
-    if run.get("pgid"):
-        import signal
-
-        os.killpg(int(run["pgid"]), signal.SIGKILL)
+    kill_run(run)
     import subprocess
 
     subprocess.run(["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "kill-server"], capture_output=True, check=False)
@@ -236,10 +250,7 @@ async def screenshot(path: Path, settle_s: float) -> None:
             await pilot.press("q")
     finally:
         await session.close()
-    if run.get("pgid"):
-        import signal
-
-        os.killpg(int(run["pgid"]), signal.SIGKILL)
+    kill_run(run)
     import subprocess
 
     subprocess.run(["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "kill-server"], capture_output=True, check=False)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from conftest import wait_until
 
+from engine.supervisor import records
 from tui.app import DashboardApp
 from tui.screens.kill_stale import KillStaleScreen
 
@@ -55,15 +56,17 @@ def tmux_has(session_name: str) -> bool:
 
 @pytest.fixture
 def cleanup_runs() -> Iterator[list[dict[str, Any]]]:
-    """Runs a test leaves alive on purpose are ended here, by their recorded process group."""
+    """Runs a test leaves alive on purpose are ended here, by the process groups their launch.json records."""
     runs: list[dict[str, Any]] = []
     yield runs
     sock = os.environ["SPECDEC_TMUX_SOCKET"]
     for run in runs:
-        pgid = run.get("pgid")
-        if isinstance(pgid, int) and pgid > 1:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
+        launch = records.read_json(Path(run["run_dir"]) / records.LAUNCH_JSON) or {}
+        for key in ("job_pgid", "pgid"):  # the job has its own session; the wrapper another
+            pgid = launch.get(key)
+            if isinstance(pgid, int) and pgid > 1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
         if run.get("tmux_session"):
             subprocess.run(["tmux", "-L", sock, "kill-session", "-t", run["tmux_session"]], capture_output=True)
 

@@ -82,9 +82,11 @@ def dashboard_in_tmux(run_root: Path, tui_config_dir: Path) -> Iterator[Path]:
         tmux("kill-session", "-t", SESSION)
         run_dir = records.current_run_dir(run_root)
         launch = records.read_json(run_dir / records.LAUNCH_JSON) if run_dir else None
-        if launch and isinstance(launch.get("pgid"), int):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launch["pgid"], signal.SIGKILL)
+        for key in ("job_pgid", "pgid"):  # the job runs in its own session, the wrapper in another
+            pgid = (launch or {}).get(key)
+            if isinstance(pgid, int) and pgid > 1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
         if launch and launch.get("tmux_session"):
             tmux("kill-session", "-t", str(launch["tmux_session"]))
 
