@@ -12,6 +12,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+# Deeply nested JSON (a fuzz input here) raises RecursionError inside json; on CPython 3.11.7 a later ast.parse
+# in the same process can then fail with "AST constructor recursion depth mismatch". pytest rewrites (ast.parse)
+# the hypothesis plugin's modules when it first imports them, at the terminal summary when no test imported
+# hypothesis before: import it now, before any such input is parsed.
+import hypothesis  # noqa: F401
+
 _INTEGRATION_CONFTEST = Path(__file__).resolve().parents[1] / "integration" / "conftest.py"
 
 

@@ -54,7 +54,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) 
     root.mkdir()
     config = tmp / "profiles.toml"
     sets = [
-        'drafter_devices=["cpu"]', "buckets=[128]", "vocab_sample_batches=8", "step_delay_s=0.05",
+        'drafter_devices=["cpu"]', "drafter_lrs=[0.002]", "buckets=[128]", "vocab_sample_batches=8",
+        "step_delay_s=0.05",
         f"checkpoint_every={CHECKPOINT_EVERY}", "keep_checkpoints=50", "heartbeat_interval_s=0.5",
     ]  # fmt: skip
     args = ["--output-dir", str(out)]

@@ -103,7 +103,10 @@ async def test_session_survives_a_hostile_agent_and_reports_every_unreadable_lin
     await session.connect()
     try:
         deadline = asyncio.get_running_loop().time() + 60
-        while len(warnings) < unreadable and asyncio.get_running_loop().time() < deadline:
+        while (
+            sum(w.startswith("unreadable line") for w in warnings) < unreadable
+            and asyncio.get_running_loop().time() < deadline
+        ):
             await asyncio.sleep(0.05)
         reply = await session.request("ping", timeout_s=30.0)
         assert reply == {"t": 1.0}
@@ -141,3 +144,22 @@ async def test_an_agent_cannot_spoof_the_sessions_connection_state(tmp_path: Pat
     finally:
         await session.close()
     assert all(told == actual for told, actual in seen), seen
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "CLIENT bug (tui/session.py Session._on_event): self._pending.pop(ev.get('id', -1)) raises TypeError "
+        "for a reply whose id is a list or an object; the exception ends _read_loop silently (task exception "
+        "never retrieved) while the state stays 'connected', so every later request times out. Fix: ignore "
+        "(and warn about) a reply whose id is not an int, and guard _on_event so one bad event cannot end the "
+        "reader."
+    ),
+)
+async def test_a_reply_with_an_unhashable_id_does_not_kill_the_sessions_reader(tmp_path: Path) -> None:
+    session = _hostile_session(tmp_path, [b'{"ev": "reply", "id": [1], "ok": true, "result": {}}'])
+    await session.connect()
+    try:
+        assert await session.request("ping", timeout_s=10.0) == {"t": 1.0}
+    finally:
+        await session.close()
