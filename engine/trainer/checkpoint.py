@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -98,3 +99,37 @@ def load_vocab(path: Path) -> torch.Tensor:
 def load_drafter_state(path: Path, name: str) -> dict[str, Any]:
     state: dict[str, Any] = torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False)
     return state
+
+
+PROGRESS = "progress.json"
+
+
+class ProgressRecord:
+    """The last step any drafter finished, kept in <output_dir>/progress.json (tmp + rename per step),
+    so a run resumed after SIGKILL can say how many steps the crash lost since its last checkpoint."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / PROGRESS
+        self._lock = threading.Lock()
+        self._last = -1
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("kind") != "step":
+            return
+        step = int(event.get("step", -1))
+        with self._lock:
+            if step <= self._last:
+                return
+            self._last = step
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{PROGRESS}.tmp")
+            tmp.write_text(json.dumps({"step": step, "t": event.get("t")}), encoding="utf-8")
+            os.replace(tmp, self.path)
+
+    def last_recorded_step(self) -> int | None:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        step = data.get("step") if isinstance(data, dict) else None
+        return step if isinstance(step, int) else None

@@ -73,6 +73,9 @@ class Engine:
         self.training_started_at: float | None = None
         self.exit_code: int | None = None
         self._stop_seen: float | None = None
+        self.progress = ckpt.ProgressRecord(self.output_dir)
+        self._last_step_before = self.progress.last_recorded_step()  # read before this run's steps overwrite it
+        self.events.listeners.append(self.progress.on_event)
 
     # --- building ---------------------------------------------------------------------------------------------
     def _dtypes(self, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -248,6 +251,14 @@ class Engine:
                     obj.stream = streams.setdefault(str(thread_dev), torch.cuda.Stream(thread_dev))
         params_m = sum(p.numel() for p in self.workers[0].params) / 1e6
         resumed = f", resumed from {latest.name} at step {self.workers[0].step}" if latest is not None else ""
+        if latest is not None:
+            ckpt_step, before = self.workers[0].step, self._last_step_before
+            if before is not None and before > ckpt_step:
+                self.events.stage(
+                    "checkpoint",
+                    f"resumed from {latest.name}: lost {before - ckpt_step} step(s) since that checkpoint "
+                    f"(the previous run reached step {before})",
+                )
         self.events.say(
             f"engine: {len(self.targets)} target thread(s), {n} drafter thread(s) ({cfg.drafter_mode}), "
             f"drafter {params_m:.1f}M trainable params, draft vocab {self.vocab.size}, attention {attn_impl}"
