@@ -462,3 +462,22 @@ def test_launch_spec_from_a_cli_profile_starts_the_engine() -> None:
     assert spec["deadlines_s"]["first-step"] > 0
     foreign = launch_spec_for({"name": "mine", "command": ["bash", "run.sh"], "cwd": "/w"}, session)
     assert foreign == {"command": ["bash", "run.sh"], "cwd": "/w", "profile": "mine"}
+
+
+async def test_anomaly_badge_explains_itself_on_focus(recorded_app: Callable[..., DashboardApp]) -> None:
+    from tui_recorded import gpu, gpus_event
+
+    session = RecordingSession()
+    app = recorded_app(session)
+    message = "GPU 0 reports 100% utilization with 0 MiB used and no process holding it"
+    async with app.run_test(size=SIZE) as pilot:
+        session.emit(gpus_event([gpu(0, 100, 0)]), {"ev": "anomalies", "items": [
+            {"kind": "phantom_utilization", "gpu": 0, "message": message}]})  # fmt: skip
+        app.flush_events()
+        badge = await wait_until(pilot, lambda: app.query("AnomalyBadge"), what="badge")
+        explain = app.query_one("#gpu-explain")
+        assert not explain.display or not explain.has_class("-on")
+        badge.first().focus()
+        await pilot.pause()
+        assert explain.has_class("-on") and message in str(explain.render())
+        assert badge.first().tooltip == message

@@ -25,6 +25,19 @@ from tui_recorded import (
 from tui.app import DashboardApp
 
 SIZE = (140, 44)
+STALE_HOLDER = {
+    "pid": 901,
+    "resolved": True,
+    "create_time": T0 - 86400,
+    "user": "alice",
+    "cmd": "python old_train.py",
+    "gpus": [1],
+    "used_mib": 30_000.0,
+    "state": "sleeping",
+    "age_s": 86400.0,
+    "in_run": False,
+    "source": "fd",
+}
 
 
 def log_end(events: list[dict[str, Any]]) -> int:
@@ -80,9 +93,9 @@ def test_failed_launch_shows_the_cause(snap_compare: Callable[..., bool]) -> Non
 def test_gpu_with_phantom_utilization(snap_compare: Callable[..., bool]) -> None:
     events = [
         hello(),
-        gpus_event([gpu(0, 100, 0), gpu(1, 0, 0)]),
+        gpus_event([gpu(0, 100, 0), gpu(1, 3, 30_000, holders=[901])]),
         {"ev": "run", "run": None},
-        {"ev": "procs", "t": T0, "run_tree": [], "holders": []},
+        {"ev": "procs", "t": T0, "run_tree": [], "holders": [STALE_HOLDER]},
         {
             "ev": "anomalies",
             "items": [
@@ -93,7 +106,14 @@ def test_gpu_with_phantom_utilization(snap_compare: Callable[..., bool]) -> None
                     "thread": None,
                     "message": "GPU 0 reports 100% utilization with 0 MiB used and no process "
                     "holding it: a stuck context or a driver fault; try nvidia-smi -r",
-                }
+                },
+                {
+                    "kind": "stale_holder",
+                    "gpu": 1,
+                    "pid": 901,
+                    "thread": None,
+                    "message": "pid 901 (alice, python old_train.py) holds GPU 1 with 30000 MiB outside the run",
+                },
             ],
         },
     ]

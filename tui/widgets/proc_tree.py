@@ -207,7 +207,7 @@ class ProcTree(RowTracking):
         if not stale:
             out.append("\n  none", style=self._style("muted"))
         for holder in stale:
-            out.append("\n  ! ", style=self._style("stale"))
+            out.append("\n  ! STALE ", style=self._style("stale"))
             out.append(f"{holder.get('pid')} ", style=self._style("proc"))
             out.append(f"{holder.get('user') or '?'}  ", style=self._style("muted"))
             gpus = holder.get("gpus") or []
@@ -217,5 +217,4 @@ class ProcTree(RowTracking):
             if holder.get("resolved") is False:
                 out.append("(NVML pid not visible here) ", style=self._style("warn"))
             out.append(str(holder.get("cmd") or "")[:50], style=self._style("proc"))
-            out.append("  STALE", style=self._style("stale"))
         return self.track_rows(out)
