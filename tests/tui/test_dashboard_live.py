@@ -189,3 +189,33 @@ async def test_kill_stale_lists_exactly_the_stale_holders_and_signals_only_after
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
+
+
+async def test_agent_loss_shows_in_the_header_and_the_resumed_log_has_no_duplicate_or_gap(
+    local_session_factory: Callable[..., Any], cleanup_runs: list[dict[str, Any]]
+) -> None:
+    session = local_session_factory()
+    session.backoff_base_s = 0.05  # reconnect quickly in the test
+    states: list[str] = []
+    session.add_listener(lambda ev: states.append(ev["state"]) if ev.get("ev") == "connection" else None)
+    app = DashboardApp(session, profile={"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]})
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            run = await launch_and_watch(app, pilot)
+            cleanup_runs.append(run)
+            agent_pid = (session.hello or {}).get("pid")
+            assert isinstance(agent_pid, int)
+            os.kill(agent_pid, signal.SIGKILL)
+            await wait_until(pilot, lambda: "reconnecting" in states, 10, "reconnecting state")
+            await pilot.pause()
+            assert "reconnecting" in str(app.query_one("#header").render()) or session.state == "connected"
+            await wait_until(pilot, lambda: session.state == "connected" and states[-1] == "connected", 20, "back")
+            before = app.state.log.total_lines
+            await wait_until(pilot, lambda: app.state.log.total_lines > before + 20, 20, "lines after resume")
+            steps = [line for line in app.state.log.lines if line.startswith("step=")]
+            numbers = [int(line.split()[0].removeprefix("step=")) for line in steps]
+            assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "a log line was doubled or lost"
+            assert app.state.log.gap_bytes == 0
+            assert app.state.log.resets == 1  # the one "log created" at launch; the resume adds no reset
+    finally:
+        await session.close()
