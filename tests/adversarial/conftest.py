@@ -8,8 +8,10 @@ OpenSSH server on 127.0.0.1 (with the `pct` shim on its PATH). tests/conftest.py
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # Deeply nested JSON (a fuzz input here) raises RecursionError inside json; on CPython 3.11.7 a later ast.parse
@@ -17,6 +19,7 @@ from pathlib import Path
 # the hypothesis plugin's modules when it first imports them, at the terminal summary when no test imported
 # hypothesis before: import it now, before any such input is parsed.
 import hypothesis  # noqa: F401
+import pytest
 
 _INTEGRATION_CONFTEST = Path(__file__).resolve().parents[1] / "integration" / "conftest.py"
 
@@ -36,3 +39,12 @@ def _load_integration_fixtures() -> object:
 _fx = _load_integration_fixtures()
 sshd = _fx.sshd  # type: ignore[attr-defined]
 cli = _fx.cli  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_between_tests() -> Iterator[None]:
+    """Finalizers (an asyncio task's "exception was never retrieved" log, with its traceback) run here, between
+    tests: run by a GC pass in the middle of pytest's own ast.parse they re-enter it, and CPython 3.11.7 then
+    fails that parse with "AST constructor recursion depth mismatch" (an INTERNALERROR for the whole session)."""
+    yield
+    gc.collect()

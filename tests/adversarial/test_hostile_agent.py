@@ -163,3 +163,6 @@ async def test_a_reply_with_an_unhashable_id_does_not_kill_the_sessions_reader(t
         assert await session.request("ping", timeout_s=10.0) == {"t": 1.0}
     finally:
         await session.close()
+        reader = session._reader
+        if reader is not None and reader.done() and not reader.cancelled():
+            reader.exception()  # retrieved here, not logged by a finalizer in the middle of a later test
