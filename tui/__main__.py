@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     common = common_parser()
     p = sub.add_parser("connect", parents=[common], help="the live dashboard")
     p.add_argument("--theme", metavar="NAME", help="colour theme")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--launch", action="store_true", help="start the profile's run if none is active (default: offer it)"
+    )
+    when.add_argument("--no-launch", action="store_true", help="never offer to launch; just watch")
     p.set_defaults(func=None)
     cli_run.add_parsers(sub, common)
     cli_monitor.add_parsers(sub, common)
@@ -82,7 +87,8 @@ def cmd_connect(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILED
     # The dashboard runs its own event loop and connects the session inside it.
-    return int(run_dashboard(session, profile=profile.as_dict(), theme=args.theme))
+    on_connect = "launch" if args.launch else "none" if args.no_launch else "offer"
+    return int(run_dashboard(session, profile=profile.as_dict(), theme=args.theme, on_connect=on_connect))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,6 +103,9 @@ def launch_spec_for(profile: dict[str, Any] | None, session: SessionLike) -> dic
     return {k: v for k, v in spec.items() if v is not None}
 
 
+ON_CONNECT = ("none", "offer", "launch")
+
+
 class DashboardApp(App[int]):
     """Live view of one target; keys drive the run (launch, restart, stop, kill stale, attach)."""
 
@@ -124,8 +127,13 @@ class DashboardApp(App[int]):
         max_log_lines: int = 20_000,
         gpu_interval_s: float = 0.5,
         procs_interval_s: float = 1.0,
+        on_connect: str = "none",
     ) -> None:
         super().__init__()
+        if on_connect not in ON_CONNECT:
+            raise ValueError(f"on_connect: got {on_connect!r}; allowed: {', '.join(ON_CONNECT)}")
+        self.on_connect = on_connect
+        self._launch_asked = False  # the user pressed launch: no offer on connect
         self.session = session
         self.profile = profile
         self.flush_interval_s = flush_interval_s
@@ -200,11 +208,43 @@ class DashboardApp(App[int]):
             if self.session.hello:
                 self.state.ingest(self.session.hello)
             await self.session.start_streams(self.gpu_interval_s, self.procs_interval_s)
+            if self.on_connect != "none":
+                await self._launch_if_idle()
         except Exception as exc:  # ConnectError / CommandFailed: shown in the header, the app stays up
             message = getattr(exc, "message", None) or str(exc)
             self.state.ingest({"ev": "connection", "state": self.session.state, "detail": message, "attempt": None})
             self.post_message(ConnectionChanged(self.session.state, message))
             self.notify(f"cannot connect: {message}", severity="error", timeout=15)
+
+    async def _launch_if_idle(self) -> None:
+        """`connect --launch` starts the profile's run when none is active; plain `connect` offers it."""
+        status = await self._request("status", timeout_s=30.0)
+        run = (status or {}).get("run") or {}
+        if run.get("state") in ("starting", "running") or self._launch_asked:
+            return
+        try:
+            spec = launch_spec_for(self.profile, self.session)
+        except (ValueError, TypeError) as exc:
+            self.notify(f"cannot launch: {exc}", severity="error", timeout=12)
+            return
+        if self.on_connect == "launch":
+            await self._launch(spec)
+            return
+        what = shlex.join(str(a) for a in spec.get("command", []))
+        last = f"The last run, {run.get('run_id')}, is {run.get('state')}.\n" if run else ""
+
+        def chosen(choice: str | None) -> None:
+            if choice == "launch":
+                self.run_worker(self._launch(spec), group="command", exit_on_error=False)
+
+        self.push_screen(
+            ConfirmScreen(
+                f"No run is active on {self.session.target_display}. Launch one?",
+                f"{last}Command: {what}\nThe run keeps going when you quit; `s` stops it.",
+                [Choice("launch", "Launch", "success", "l"), Choice("no", "Not now", "default", "n")],
+            ),
+            chosen,
+        )
 
     def on_unmount(self) -> None:
         if self._unsubscribe is not None:
@@ -311,6 +351,7 @@ class DashboardApp(App[int]):
         return f"run {run.get('run_id')} ({shlex.join(str(a) for a in run.get('command') or [])})"
 
     def action_launch(self) -> None:
+        self._launch_asked = True
         try:
             spec = launch_spec_for(self.profile, self.session)
         except (ValueError, TypeError) as exc:
@@ -534,8 +575,17 @@ class DashboardApp(App[int]):
             yield SystemCommand(spec.description, spec.tooltip, partial(self.run_action, spec.action))
 
 
-def run_dashboard(session: SessionLike, *, profile: dict[str, Any] | None = None, theme: str | None = None) -> int:
-    """Run the dashboard on this terminal until the user quits; returns the process exit status."""
-    app = DashboardApp(session, profile=profile, theme=theme)
+def run_dashboard(
+    session: SessionLike,
+    *,
+    profile: dict[str, Any] | None = None,
+    theme: str | None = None,
+    on_connect: str = "offer",
+) -> int:
+    """Run the dashboard on this terminal until the user quits; returns the process exit status.
+
+    on_connect: "offer" asks to launch the profile's run when none is active, "launch" starts it, "none" waits.
+    """
+    app = DashboardApp(session, profile=profile, theme=theme, on_connect=on_connect)
     app.run()
     return app.return_code if app.return_code is not None else 0

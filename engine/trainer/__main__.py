@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import signal
 import sys
 import time
+from pathlib import Path
 
+from engine.protocol import ENV_RUN_DIR
 from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, parse_override, preset
 from engine.trainer.metrics import EventLog, events_path_for
 
@@ -41,7 +44,32 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
     overrides = dict(parse_override(s) for s in args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
-    return from_dict(overrides, cfg) if overrides else cfg
+    cfg = from_dict(overrides, cfg) if overrides else cfg
+    return place_output_dir(cfg, os.environ.get(ENV_RUN_DIR))
+
+
+def place_output_dir(cfg: EngineConfig, run_dir: str | None) -> EngineConfig:
+    """Under the supervisor, a relative output_dir lives in <run_root>/engine/, not in whatever directory the
+    job started in, and stays the same across runs so that `restart` resumes from the last checkpoint."""
+    if not run_dir or Path(cfg.output_dir).expanduser().is_absolute():
+        return cfg
+    run_root = Path(run_dir).resolve().parent.parent  # <run_root>/runs/<run-id>
+    return from_dict({"output_dir": str(run_root / "engine" / cfg.output_dir)}, cfg)
+
+
+def link_checkpoints(cfg: EngineConfig, run_dir: str | None) -> None:
+    """<run_dir>/checkpoints points at the engine's checkpoints (DESIGN.md's run directory layout)."""
+    if not run_dir:
+        return
+    link = Path(run_dir) / "checkpoints"
+    if link.exists() or link.is_symlink():
+        return
+    target = Path(cfg.output_dir).expanduser().resolve() / "checkpoints"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(target, target_is_directory=True)
+    except OSError as exc:  # a read-only run dir must not stop training; say it once
+        print(f"specdec-train: cannot link {link} -> {target}: {exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in cfg.to_dict().items():
             print(f"{key} = {value!r}")
         return 0
+    link_checkpoints(cfg, os.environ.get(ENV_RUN_DIR))
     events = EventLog(events_path_for(cfg.output_dir))
     t0 = time.perf_counter()
     events.stage("imports", "importing torch")

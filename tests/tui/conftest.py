@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from engine.supervisor import records
 from tui.app import DashboardApp
 
 
@@ -60,3 +65,20 @@ async def recorded_app() -> AsyncIterator[Callable[..., DashboardApp]]:
         return DashboardApp(session, **kwargs)
 
     yield make
+
+
+@pytest.fixture
+def cleanup_runs() -> Iterator[list[dict[str, Any]]]:
+    """Runs a test leaves alive on purpose are ended here, by the process groups their launch.json records."""
+    runs: list[dict[str, Any]] = []
+    yield runs
+    sock = os.environ["SPECDEC_TMUX_SOCKET"]
+    for run in runs:
+        launch = records.read_json(Path(run["run_dir"]) / records.LAUNCH_JSON) or {}
+        for key in ("job_pgid", "pgid"):  # the job has its own session; the wrapper another
+            pgid = launch.get(key)
+            if isinstance(pgid, int) and pgid > 1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+        if run.get("tmux_session"):
+            subprocess.run(["tmux", "-L", sock, "kill-session", "-t", run["tmux_session"]], capture_output=True)

@@ -6,20 +6,18 @@ Launch, kill-stale and quit go through the real session, the real agent and real
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import wait_until
 
-from engine.supervisor import records
 from tui.app import DashboardApp
 from tui.screens.kill_stale import KillStaleScreen
 
@@ -52,23 +50,6 @@ def pid_alive(pid: int) -> bool:
 def tmux_has(session_name: str) -> bool:
     sock = os.environ["SPECDEC_TMUX_SOCKET"]
     return subprocess.run(["tmux", "-L", sock, "has-session", "-t", session_name], capture_output=True).returncode == 0
-
-
-@pytest.fixture
-def cleanup_runs() -> Iterator[list[dict[str, Any]]]:
-    """Runs a test leaves alive on purpose are ended here, by the process groups their launch.json records."""
-    runs: list[dict[str, Any]] = []
-    yield runs
-    sock = os.environ["SPECDEC_TMUX_SOCKET"]
-    for run in runs:
-        launch = records.read_json(Path(run["run_dir"]) / records.LAUNCH_JSON) or {}
-        for key in ("job_pgid", "pgid"):  # the job has its own session; the wrapper another
-            pgid = launch.get(key)
-            if isinstance(pgid, int) and pgid > 1:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-        if run.get("tmux_session"):
-            subprocess.run(["tmux", "-L", sock, "kill-session", "-t", run["tmux_session"]], capture_output=True)
 
 
 def first_step_ok(app: DashboardApp) -> bool:
