@@ -81,7 +81,11 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) 
         second = records.run_dir_for(root, json.loads(r.stdout)["run_id"])
         sc["second"] = second
         # Let it pass a checkpoint and a few steps more, then SIGKILL the job's whole group.
-        poll(lambda: len(_checkpoints(second)) >= 1 and len(_steps(second)) >= CHECKPOINT_EVERY + 2, 120, "progress")
+        poll(
+            lambda: _checkpoints(second) and max(_steps(second)) - max(_checkpoints(second)) >= 2,
+            120,
+            "a checkpoint and two steps past it",
+        )
         launch = records.read_json(second / records.LAUNCH_JSON) or {}
         assert records.process_alive(launch["job_pid"], launch.get("job_start_ticks"))
         steps_before_kill = _steps(second)
@@ -120,18 +124,12 @@ def test_sigkill_loses_at_most_the_steps_since_the_last_checkpoint(scenario: dic
     print(f"\n[adversarial] SIGKILL at step {last}, last checkpoint {ckpt}: resumed at {ckpt + 1}, lost {last - ckpt}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "TRAINER: missing feature (engine/trainer/engine.py build()): a resumed run says only 'resumed from "
-        "step_N at step N'; it never says how many steps were lost since that checkpoint (e.g. by keeping the "
-        "last step in a progress file in output_dir and emitting 'lost K steps (last step M, checkpoint N)' "
-        "as a stage event and a log line)."
-    ),
-)
 def test_the_resumed_run_says_how_many_steps_the_sigkill_lost(scenario: dict[str, Any]) -> None:
     third = scenario["third"]
     lost = scenario["last_step_before_kill"] - scenario["last_checkpoint_before_kill"]
-    text = (third / records.OUTPUT_LOG).read_text() + json.dumps(_events(third))
-    said = [m.group(0) for m in re.finditer(r"[^\n]*\blost\b[^\n]*", text)]
-    assert any(re.search(rf"\b{lost}\b", s) for s in said), f"expected the {lost} lost steps to be named: {said}"
+    text = (third / records.OUTPUT_LOG).read_text()
+    said = [int(m.group(1)) for m in re.finditer(r"\blost (\d+) step", text)]
+    assert said, f"the resumed run does not say how many steps were lost: {text[:2000]}"
+    # The kill can land between a step's event and its progress record: the count may differ by that one step.
+    assert abs(said[0] - lost) <= 1, (said, lost)
+    print(f"\n[adversarial] the resumed run says it lost {said[0]} step(s); the events showed {lost}")
