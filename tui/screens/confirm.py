@@ -47,7 +47,7 @@ class ConfirmScreen(ModalScreen[str | None]):
             yield Static(self.body, id="confirm-body", markup=False)
             with Horizontal():
                 for choice in self.choices:
-                    label = f"{choice.label} [{choice.key}]" if choice.key else choice.label
+                    label = f"{choice.label} ({choice.key})" if choice.key else choice.label
                     yield Button(label, id=f"choice-{choice.id}", variant=choice.variant)  # type: ignore[arg-type]
 
     def on_mount(self) -> None:
