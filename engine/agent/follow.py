@@ -248,10 +248,18 @@ class JsonlReader:
         return out
 
 
-def tail_lines(path: str | os.PathLike[str], n: int, block_bytes: int = 64 * 1024) -> dict[str, Any]:
+TAIL_MAX_BYTES = 8 * 1024 * 1024  # tail looks back at most this far: a gigabyte line must not stall the agent
+TAIL_CUT_MARK = b"[...cut] "
+
+
+def tail_lines(
+    path: str | os.PathLike[str], n: int, block_bytes: int = 64 * 1024, max_bytes: int = TAIL_MAX_BYTES
+) -> dict[str, Any]:
     """The last ``n`` lines of a file (lossless text), with the offset of its end and its inode.
 
-    ``offset``/``inode`` are what a follower resumes from to continue right after these lines.
+    ``offset``/``inode`` are what a follower resumes from to continue right after these lines. At most
+    ``max_bytes`` are read back; a line that starts before that window comes back as its end, behind
+    ``TAIL_CUT_MARK``.
     """
     p = os.fspath(path)
     with open(p, "rb") as fh:
@@ -260,15 +268,25 @@ def tail_lines(path: str | os.PathLike[str], n: int, block_bytes: int = 64 * 102
         if n <= 0 or size == 0:
             return {"lines": [], "offset": size, "inode": st.st_ino}
         pos = size
-        buf = b""
+        chunks: list[bytes] = []
+        newlines = 0
         # A trailing newline ends the last line; it does not start an empty one.
-        while pos > 0 and buf.count(b"\n") <= n:
-            step = min(block_bytes, pos)
+        while pos > 0 and newlines <= n and size - pos < max_bytes:
+            step = min(block_bytes, pos, max_bytes - (size - pos))
             pos -= step
             fh.seek(pos)
-            buf = fh.read(step) + buf
+            data = fh.read(step)
+            chunks.append(data)
+            newlines += data.count(b"\n")
+        buf = b"".join(reversed(chunks))  # one join: growing a bytes object block by block is quadratic
+        starts_mid_line = False
+        if pos > 0:
+            fh.seek(pos - 1)
+            starts_mid_line = fh.read(1) != b"\n"
         body = buf[:-1] if buf.endswith(b"\n") else buf
         lines = body.split(b"\n")
-        if pos > 0 or len(lines) > n:
+        if len(lines) > n:
             lines = lines[-n:]
+        elif starts_mid_line:
+            lines[0] = TAIL_CUT_MARK + lines[0]
     return {"lines": [encode_log_data(line) for line in lines], "offset": size, "inode": st.st_ino}

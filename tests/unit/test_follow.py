@@ -307,3 +307,28 @@ def test_tail_lines_returns_the_last_lines_and_the_resume_point(tmp_path: Path) 
     small = tmp_path / "small.log"
     small.write_bytes(b"a\nb\n")
     assert tail_lines(small, 10)["lines"] == ["a", "b"]
+
+
+def test_tail_lines_matches_a_reference_on_random_files(tmp_path: Path) -> None:
+    rnd = random.Random(11)
+    p = tmp_path / "t.log"
+    for _ in range(400):
+        data = b"".join(rnd.choice([b"\n", b"ab", b"\xff", b"\x00", b"line\n", b"x" * rnd.randrange(300)])
+                        for _ in range(rnd.randrange(40)))  # fmt: skip
+        p.write_bytes(data)
+        n = rnd.randrange(1, 12)
+        body = data[:-1] if data.endswith(b"\n") else data
+        want = body.split(b"\n")[-n:] if data else []
+        got = tail_lines(p, n, block_bytes=rnd.choice([1, 7, 64, 4096]))["lines"]
+        assert [protocol.decode_log_data(x) for x in got] == want, (data, n)
+
+
+def test_tail_of_a_gigantic_line_is_bounded_fast_and_marked(tmp_path: Path) -> None:
+    p = tmp_path / "big.log"
+    p.write_bytes(b"y" * (30 * 1024 * 1024) + b"\nend\n")  # read back block by block this took ~20 s (quadratic)
+    t0 = time.monotonic()
+    res = tail_lines(p, 5, max_bytes=1024 * 1024)
+    assert time.monotonic() - t0 < 1.0
+    lines = [protocol.decode_log_data(x) for x in res["lines"]]
+    assert lines[-1] == b"end" and lines[0].startswith(b"[...cut] y") and len(lines[0]) < 1024 * 1024 + 16
+    assert tail_lines(p, 1)["lines"] == ["end"]
