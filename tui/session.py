@@ -29,6 +29,10 @@ PING_TIMEOUT_S = 5.0
 PINGS_MISSED_BEFORE_RECONNECT = 2
 
 
+# Events only the session itself emits (synthetic connection-state changes).
+SESSION_EVENTS = frozenset({"connection"})
+
+
 class CommandFailed(Exception):
     """A command got an error reply, no reply in time, or the connection went away under it."""
 
@@ -156,14 +160,30 @@ class Session:
             except protocol.ProtocolError as exc:
                 self._dispatch({"ev": "warning", "message": f"unreadable line from the agent: {exc}"})
                 continue
-            self._on_event(ev)
+            try:
+                self._on_event(ev)
+            except Exception as exc:  # one bad event must not end the reader while the state says "connected"
+                self._dispatch({"ev": "warning", "message": f"event {ev.get('ev')!r} not understood: {exc!r}"})
         if stream is self._stream:
             await self._lost(stream, reason)
 
     def _on_event(self, ev: dict[str, Any]) -> None:
         kind = ev.get("ev")
+        if kind in SESSION_EVENTS:
+            # The session's own state events come from the session; an agent that sends one is faulty or hostile.
+            self._dispatch(
+                {
+                    "ev": "warning",
+                    "message": f"the agent sent a {kind!r} event, which only the session may emit; ignored",
+                }
+            )
+            return
         if kind == "reply":
-            fut = self._pending.pop(ev.get("id", -1), None)
+            cmd_id = ev.get("id")
+            if not isinstance(cmd_id, int) or isinstance(cmd_id, bool):
+                self._dispatch({"ev": "warning", "message": f"reply with a malformed id {cmd_id!r} ignored"})
+                return
+            fut = self._pending.pop(cmd_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(ev)
         elif kind == "log":
