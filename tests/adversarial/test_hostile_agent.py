@@ -122,15 +122,6 @@ async def test_session_survives_a_hostile_agent_and_reports_every_unreadable_lin
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "CLIENT bug (tui/session.py Session._on_event): 'connection' is the name of the session's own synthetic "
-        "state events, yet an agent event named 'connection' is passed to listeners as is, so a faulty or hostile "
-        "agent can make the dashboard show 'failed'/'reconnecting' on a healthy link. Fix: drop (or rename and "
-        "warn about) agent events whose ev is 'connection'."
-    ),
-)
 async def test_an_agent_cannot_spoof_the_sessions_connection_state(tmp_path: Path) -> None:
     spoof = json.dumps({"ev": "connection", "state": "failed", "detail": "spoofed by the agent", "attempt": 0})
     session = _hostile_session(tmp_path, [spoof.encode()])
@@ -146,16 +137,6 @@ async def test_an_agent_cannot_spoof_the_sessions_connection_state(tmp_path: Pat
     assert all(told == actual for told, actual in seen), seen
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "CLIENT bug (tui/session.py Session._on_event): self._pending.pop(ev.get('id', -1)) raises TypeError "
-        "for a reply whose id is a list or an object; the exception ends _read_loop silently (task exception "
-        "never retrieved) while the state stays 'connected', so every later request times out. Fix: ignore "
-        "(and warn about) a reply whose id is not an int, and guard _on_event so one bad event cannot end the "
-        "reader."
-    ),
-)
 async def test_a_reply_with_an_unhashable_id_does_not_kill_the_sessions_reader(tmp_path: Path) -> None:
     session = _hostile_session(tmp_path, [b'{"ev": "reply", "id": [1], "ok": true, "result": {}}'])
     await session.connect()
