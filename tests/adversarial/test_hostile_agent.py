@@ -13,8 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from engine import protocol
 from tui.session import ConnectOptions, Session, open_session
 
