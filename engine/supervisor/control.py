@@ -667,15 +667,52 @@ class NvmlView:
     source: str = "nvml"  # "nvml" | "simulated"
 
 
+def _uids_of(pid: int) -> tuple[int, int] | None:
+    """(real, effective) uid of a process from /proc/<pid>/status; None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Uid:"):
+                    fields = line.split()
+                    return int(fields[1]), int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _foreign_owner(pid: int) -> str | None:
+    """The owner's name when the process is not (wholly) ours, i.e. its real or effective uid is not our euid.
+
+    kill-stale signals only the agent's own user's processes (as nvitop does): on a shared box, an agent
+    running as root must not end a colleague's job that happens to hold a GPU.
+    """
+    uids = _uids_of(pid)
+    me = os.geteuid()
+    if uids is not None and uids[0] == me and uids[1] == me:
+        return None
+    return procs.user_of(pid) or (str(uids[0]) if uids is not None else "unknown (its status is unreadable)")
+
+
+def _foreign_reason(owner: str) -> str:
+    return f"owned by user {owner}; kill-stale only signals your own processes"
+
+
 def stale_candidates(
     run_root: Path | str, nvml: NvmlView | None = None
 ) -> tuple[list[protocol.HolderInfo], list[protocol.HolderInfo]]:
-    """(candidates, left alone): holders of an NVIDIA device outside the current run, and the rest with why."""
+    """(candidates, left alone): our user's holders of an NVIDIA device outside the current run, and the rest."""
+    candidates, others = _classify(run_root, nvml)
+    return candidates, [h for h, _ in others]
+
+
+def _classify(
+    run_root: Path | str, nvml: NvmlView | None
+) -> tuple[list[protocol.HolderInfo], list[tuple[protocol.HolderInfo, str]]]:
     ours = current_run_pids(run_root)
     protected = _protected_pids()
     view = nvml or NvmlView()
     candidates: list[protocol.HolderInfo] = []
-    others: list[protocol.HolderInfo] = []
+    others: list[tuple[protocol.HolderInfo, str]] = []
     found = procs.find_holders(
         procs.default_dev_dir(),
         nvml_pids=view.pid_used_mib,
@@ -684,30 +721,30 @@ def stale_candidates(
         nvml_source=view.source,
     )
     for h in found:
-        if (
-            h.in_run
-            or h.pid in ours
-            or h.pid in protected
-            or not h.resolved
-            or h.context is False
-            or procs.is_system_holder(h)
-        ):
-            others.append(h)
-        else:
+        reason = _left_alone_reason(h, ours, protected)
+        if reason is None:
             candidates.append(h)
+        else:
+            others.append((h, reason))
     return candidates, others
 
 
-def _left_alone_reason(h: protocol.HolderInfo, ours: set[int]) -> str:
+def _left_alone_reason(h: protocol.HolderInfo, ours: set[int], protected: set[int]) -> str | None:
+    """Why a holder is never a kill-stale candidate; None when it is one."""
     if h.in_run or h.pid in ours:
         return "part of the current run"
     if not h.resolved:
         return "NVML reports this PID but it is not visible here (another PID namespace)"
-    if h.pid in _protected_pids():
+    if h.pid in protected:
         return "this agent or its parent"
+    owner = _foreign_owner(h.pid)
+    if owner is not None:
+        return _foreign_reason(owner)
     if h.context is False:
         return "holds a device handle but no GPU context (a monitor such as nvidia-smi or nvitop); frees nothing"
-    return "a driver daemon or monitor that holds the device by design"
+    if procs.is_system_holder(h):
+        return "a driver daemon or monitor that holds the device by design"
+    return None
 
 
 def kill_stale(
@@ -723,11 +760,10 @@ def kill_stale(
     Holders come from /proc/*/fd links to <dev>/nvidia* (what works inside a container) plus, when
     given, the GPU source's process list (NVML, or the simulated source under --simulate-gpus).
     """
-    candidates, others = stale_candidates(run_root, nvml)
-    ours = current_run_pids(run_root)
+    candidates, others = _classify(run_root, nvml)
     result: dict[str, Any] = {
         "candidates": candidates,
-        "left_alone": [{"holder": h, "reason": _left_alone_reason(h, ours)} for h in others],
+        "left_alone": [{"holder": h, "reason": reason} for h, reason in others],
         "signalled": [],
         "failed": [],
         "dry_run": dry_run,
@@ -735,10 +771,11 @@ def kill_stale(
     if dry_run:
         return result
     by_pid = {h.pid: h for h in candidates}
-    chosen: list[protocol.HolderInfo] = []
+    # Each chosen holder with the create time every later check compares against: the target's own, as listed.
+    chosen: list[tuple[protocol.HolderInfo, float | None]] = []
     failed: list[dict[str, Any]] = result["failed"]
     if targets is None:
-        chosen = list(candidates)
+        chosen = [(h, h.create_time) for h in candidates]
     else:
         for item in targets:
             if (
@@ -749,20 +786,20 @@ def kill_stale(
                 raise SupervisorError(f"targets must be [pid, create_time] number pairs; got {item!r}")
             pid, ct = int(item[0]), float(item[1])
             h = by_pid.get(pid)
-            if h is not None and h.create_time is not None and abs(h.create_time - ct) <= 0.05:
-                chosen.append(h)
+            if h is not None and h.create_time is not None and _same_tick(h.create_time, ct):
+                chosen.append((h, ct))
                 continue
             failed.append({"pid": pid, "create_time": ct, "reason": _why_not_candidate(pid, ct, others)})
     pending: list[dict[str, Any]] = []
-    for h in chosen:
+    for h, ct_listed in chosen:
         entry: dict[str, Any] = {
             "pid": h.pid,
-            "create_time": h.create_time,
+            "create_time": ct_listed,
             "user": h.user,
             "cmd": h.cmd,
             "signals": [],
         }
-        err = _signal_checked(h.pid, h.create_time, signal.SIGTERM)
+        err = _signal_checked(h.pid, ct_listed, signal.SIGTERM)
         if err is not None:
             failed.append({**entry, "reason": err})
             progress(f"pid {h.pid}: not signalled: {err}")
@@ -798,19 +835,31 @@ def kill_stale(
     return result
 
 
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _same_tick(a: float, b: float) -> bool:
+    """Two create times name the same start: /proc start times are whole clock ticks (1/SC_CLK_TCK, 10 ms), so
+    anything beyond float noise (half a tick) is another start, e.g. a PID reused one tick later."""
+    return abs(a - b) < 0.5 / _HZ
+
+
 def _same_alive(pid: int, create_time: float | None) -> bool:
     if create_time is None:
         return False
     st = procs.read_stat(pid)
     if st is None or st.state in ("Z", "X", "x"):
         return False
-    return abs(procs.create_time_of(st) - create_time) <= 0.05
+    return _same_tick(procs.create_time_of(st), create_time)
 
 
 def _signal_checked(pid: int, create_time: float | None, sig: int) -> str | None:
-    """Send sig to pid only if it is still the process with create_time; the reason when not sent."""
-    if create_time is None or not procs.same_process(pid, create_time):
+    """Send sig to pid only if it is still the listed process (same start tick) and ours; the reason when not."""
+    if create_time is None or not procs.same_process(pid, create_time, 0.49 / _HZ):
         return "no longer the process that was listed (exited, or its PID was reused): not touched"
+    owner = _foreign_owner(pid)
+    if owner is not None:
+        return f"not signalled: {_foreign_reason(owner)}"
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
@@ -822,15 +871,15 @@ def _signal_checked(pid: int, create_time: float | None, sig: int) -> str | None
     return None
 
 
-def _why_not_candidate(pid: int, create_time: float, others: list[protocol.HolderInfo]) -> str:
+def _why_not_candidate(pid: int, create_time: float, others: list[tuple[protocol.HolderInfo, str]]) -> str:
     ident = procs.proc_identity(pid)
     if ident is None:
         return "no such process (already exited)"
-    if abs(ident[1] - create_time) > 0.05:
+    if not _same_tick(ident[1], create_time):
         return "its PID now belongs to another process (create time differs): not touched"
-    for h in others:
+    for h, reason in others:
         if h.pid == pid:
-            return f"not a stale holder: {_left_alone_reason(h, set())}"
+            return f"not a stale holder: {reason}"
     return "holds no NVIDIA device: never touched by kill-stale"
 
 

@@ -9,6 +9,7 @@ and signalled.
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -137,8 +138,11 @@ def test_targets_that_are_not_stale_holders_are_refused_with_the_reason(scene: S
     stale_pid, stale_ct = scene.identity("stale")
     run_ident = procs.proc_identity(scene.run_holder)
     assert run_ident is not None
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    stubborn_pid, stubborn_ct = scene.identity("stale_stubborn")
     targets = [
         [stale_pid, stale_ct - 5.0],  # the PID as if it had been reused by another process
+        [stubborn_pid, stubborn_ct - tick],  # listed one clock tick before this process started: another one
         scene.identity("decoy"),
         [run_ident[0], run_ident[1]],
     ]
@@ -146,6 +150,7 @@ def test_targets_that_are_not_stale_holders_are_refused_with_the_reason(scene: S
     assert res["signalled"] == []
     reasons = {f["pid"]: f["reason"] for f in res["failed"]}
     assert "PID now belongs to another process" in reasons[stale_pid]
+    assert "PID now belongs to another process" in reasons[stubborn_pid]
     assert reasons[scene.pids["decoy"]] == "holds no NVIDIA device: never touched by kill-stale"
     assert reasons[scene.run_holder] == "not a stale holder: part of the current run"
     assert all(pid_alive(p) for p in scene.pids.values()) and pid_alive(scene.run_holder)
@@ -194,8 +199,9 @@ def test_holders_from_the_simulated_gpu_source_are_listed_with_memory_and_signal
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
-def test_a_holder_the_agent_may_not_signal_is_reported_with_eperm(pool: AgentPool) -> None:
-    # The agent runs as root without CAP_KILL; the holder belongs to nobody: kill() must fail with EPERM.
+def test_another_users_holder_is_left_alone_even_by_a_root_agent(pool: AgentPool) -> None:
+    # The agent runs as root (it could signal anyone); the holder belongs to nobody: a colleague's GPU job on a
+    # shared box. kill-stale lists it as left alone, with the owner, and refuses it even when named as a target.
     dev = Path(tempfile.mkdtemp(prefix="specdec-dev-"))
     try:
         dev.chmod(0o755)
@@ -213,17 +219,22 @@ def test_a_holder_the_agent_may_not_signal_is_reported_with_eperm(pool: AgentPoo
             ]
         )
         try:
-            poll_until(lambda: holds(holder.pid, dev / "nvidia0"), 10, "the unprivileged holder to open nvidia0")
-            a = pool.make(
-                env={"SPECDEC_DEV_DIR": str(dev)}, prefix=["setpriv", "--bounding-set=-kill", "--inh-caps=-kill"]
-            )
-            listed = a.ok("kill_stale", dry_run=True)["candidates"]
-            assert [c["pid"] for c in listed] == [holder.pid]
-            res = a.ok("kill_stale", dry_run=False, targets=[[holder.pid, listed[0]["create_time"]]], grace_s=1)
+            poll_until(lambda: holds(holder.pid, dev / "nvidia0"), 10, "the other user's holder to open nvidia0")
+            a = pool.make(env={"SPECDEC_DEV_DIR": str(dev)})
+            listed = a.ok("kill_stale", dry_run=True)
+            assert listed["candidates"] == []
+            left = {e["holder"]["pid"]: e for e in listed["left_alone"]}
+            assert holder.pid in left, listed
+            reason = left[holder.pid]["reason"]
+            owner = pwd.getpwuid(65534).pw_name
+            assert reason == f"owned by user {owner}; kill-stale only signals your own processes", reason
+            ct = left[holder.pid]["holder"]["create_time"]
+            res = a.ok("kill_stale", dry_run=False, targets=[[holder.pid, ct]], grace_s=1)
             assert res["signalled"] == []
             assert [f["pid"] for f in res["failed"]] == [holder.pid]
-            reason = res["failed"][0]["reason"]
-            assert reason.startswith("permission denied (EPERM): owned by "), reason
+            assert res["failed"][0]["reason"] == f"not a stale holder: {reason}"
+            every = a.ok("kill_stale", dry_run=False, grace_s=1)  # no targets: every candidate, none of theirs
+            assert every["signalled"] == []
             assert holder.poll() is None
         finally:
             holder.kill()
