@@ -6,8 +6,13 @@ Stdlib only (no torch), so the command line can report config errors before the 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
 import sys
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +134,13 @@ class EngineConfig:
                 f"one positive learning rate per drafter device ({len(self.drafter_devices)})",
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
+        need(self.vocab_sample_batches >= 1, "vocab_sample_batches", "an integer >= 1")
+        need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
+        need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
+        need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
         need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "a positive number of seconds")
+        for key in ("stall_after_s", "starve_after_s", "stop_grace_s"):
+            need(getattr(self, key) > 0, key, "a positive number of seconds")
         need(self.step_delay_s >= 0, "step_delay_s", "a number of seconds >= 0")
         if self.target_layers is not None:
             need(
@@ -149,10 +160,80 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
+# What a key's value must be when its type is wrong, where the plain type name says too little.
+_TYPE_WORDS: dict[str, str] = {
+    "target_devices": "a non-empty list of devices, e.g. ['cuda:0']",
+    "drafter_devices": "a non-empty list of devices, e.g. ['cuda:0']",
+    "target_layers": "a list of three integers (low, middle, high)",
+    "drafter_lrs": "a list of numbers, one learning rate per drafter",
+}
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in TOML (strings in double quotes), cut to a readable length."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)  # TOML spelling for what TOML can hold: "s", true, [1, 2]
+    except (TypeError, ValueError):
+        text = repr(value)
+    text = f"{text} ({type(value).__name__})"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and not (isinstance(value, float) and math.isnan(value))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """``value`` checked against the field type ``tp`` (ints become floats where a float is wanted);
+    a ConfigError naming the key and the expected type otherwise."""
+    optional = False
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        assert len(args) == 1, f"{key}: unsupported field type {tp}"
+        tp = args[0]
+    if value is None and optional:
+        return None
+    if tp is bool:
+        want, ok = "true or false", isinstance(value, bool)
+    elif tp is int:
+        want, ok = "an integer", _is_int(value)
+    elif tp is float:
+        want, ok = ("a number of seconds" if key.endswith("_s") else "a number"), _is_number(value)
+        value = float(value) if ok else value
+    elif tp is str:
+        want, ok = "a string", isinstance(value, str)
+    elif typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        check, words = {int: (_is_int, "integers"), float: (_is_number, "numbers"), str: (_is_str, "strings")}[item]
+        want = _TYPE_WORDS.get(key, f"a list of {words}")
+        ok = isinstance(value, list) and all(check(v) for v in value)
+        value = [float(v) for v in value] if ok and item is float else value
+    else:  # pragma: no cover - a field type added without teaching this function
+        raise AssertionError(f"{key}: unsupported field type {tp}")
+    if not ok:
+        raise ConfigError(f"{key}: expected {want}, got {_show(value)}")
+    return list(value) if isinstance(value, list) else value
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(EngineConfig)
+
+
 def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
-    """Overlay ``values`` on ``base`` (or the defaults). Unknown keys are errors that list the known ones."""
+    """Overlay ``values`` on ``base`` (or the defaults). Unknown keys are errors that list the known ones; every
+    value is checked against its field's type before validation, so a wrong type names the key, not a crash."""
     cfg = dataclasses.replace(base) if base is not None else EngineConfig()
-    known = {f.name: f for f in fields(EngineConfig)}
+    types_by_key = _field_types()
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict) and key in ("engine", "trainer"):
@@ -160,35 +241,44 @@ def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> Engin
         else:
             flat[key] = value
     for key, value in flat.items():
-        if key not in known:
-            raise ConfigError(f"{key}: unknown key; known keys: {', '.join(sorted(known))}")
-        default = getattr(EngineConfig(), key)
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(default, int) and not isinstance(default, bool) and not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(default, str) and not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        setattr(cfg, key, value)
+        if key not in types_by_key:
+            raise ConfigError(f"{key}: unknown key; known keys: {', '.join(sorted(types_by_key))}")
+        setattr(cfg, key, _coerce(key, types_by_key[key], value))
     return cfg.validate()
 
 
 def load_toml(path: str | Path, base: EngineConfig | None = None) -> EngineConfig:
+    """The config in the TOML file at ``path`` (a ``preset = NAME`` key starts from that preset). Every error
+    is a ConfigError whose message starts with ``<path>: ``."""
     p = Path(path).expanduser()
     if tomllib is None:  # pragma: no cover - python 3.10 without tomli
-        raise ConfigError(f"config file {p}: reading TOML on python 3.10 needs the 'tomli' package")
+        raise ConfigError(f"{p}: reading TOML on python 3.10 needs the 'tomli' package")
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file {p} does not exist") from exc
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{p}: not valid TOML: not UTF-8 text (byte {exc.start}, line {line})") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {p}: {exc}") from exc
-    preset_name = data.pop("preset", None)
-    if preset_name is not None and base is None:
-        base = preset(str(preset_name))
-    return from_dict(data, base)
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None  # the message ends "(at line L, column C)"
+    try:
+        preset_name = data.pop("preset", None)
+        if preset_name is not None and base is None:
+            if not isinstance(preset_name, str):
+                raise ConfigError(
+                    f"preset: expected a string, got {_show(preset_name)}; allowed: {', '.join(sorted(PRESETS))}"
+                )
+            base = preset(preset_name)
+        return from_dict(data, base)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
 
 
 PRESETS: dict[str, dict[str, Any]] = {

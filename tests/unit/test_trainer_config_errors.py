@@ -1,0 +1,141 @@
+"""Engine config errors: every wrong value is a ConfigError naming the key and the allowed type (never a
+TypeError out of validate()), and every error about a file starts with that file's path."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, preset
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# (key, wrong value, the message after "key: ")
+WRONG_TYPES: list[tuple[str, Any, str]] = [
+    ("lr", "fast", 'expected a number, got "fast" (str)'),
+    ("lr", True, "expected a number, got true (bool)"),
+    ("lr", [1.0], "expected a number, got [1.0] (list)"),
+    ("weight_decay", math.nan, "expected a number, got NaN (float)"),
+    ("heartbeat_interval_s", "1s", 'expected a number of seconds, got "1s" (str)'),
+    ("stall_after_s", {"a": 1}, 'expected a number of seconds, got {"a": 1} (dict)'),
+    ("steps", "ten", 'expected an integer, got "ten" (str)'),
+    ("steps", 1.5, "expected an integer, got 1.5 (float)"),
+    ("steps", True, "expected an integer, got true (bool)"),
+    ("compile", 1, "expected true or false, got 1 (int)"),
+    ("compile", "yes", 'expected true or false, got "yes" (str)'),
+    ("target", 3, "expected a string, got 3 (int)"),
+    ("buckets", 5, "expected a list of integers, got 5 (int)"),
+    ("buckets", [16, True], "expected a list of integers, got [16, true] (list)"),
+    ("buckets", [16.0, 32.0], "expected a list of integers, got [16.0, 32.0] (list)"),
+    ("drafter_devices", "cpu", "expected a non-empty list of devices, e.g. ['cuda:0'], got \"cpu\" (str)"),
+    ("target_devices", [0], "expected a non-empty list of devices, e.g. ['cuda:0'], got [0] (list)"),
+    ("target_layers", 2, "expected a list of three integers (low, middle, high), got 2 (int)"),
+    ("drafter_lrs", ["1e-3"], 'expected a list of numbers, one learning rate per drafter, got ["1e-3"] (list)'),
+    ("output_dir", None, "expected a string, got null (NoneType)"),
+]
+
+
+@pytest.mark.parametrize("key,value,message", WRONG_TYPES, ids=[f"{k}={v!r}" for k, v, _ in WRONG_TYPES])
+def test_a_value_of_the_wrong_type_names_the_key_the_type_and_the_value(key: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict({key: value})
+    assert str(err.value) == f"{key}: {message}"
+
+
+def test_ints_are_numbers_and_optional_lists_may_be_unset() -> None:
+    cfg = from_dict({"lr": 1, "heartbeat_interval_s": 2, "drafter_mode": "independent"})
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and isinstance(cfg.heartbeat_interval_s, float)
+    cfg = from_dict({"drafter_lrs": [1, 0.5]}, EngineConfig(drafter_mode="independent", drafter_devices=["cpu"] * 2))
+    assert cfg.drafter_lrs == [1.0, 0.5] and all(isinstance(x, float) for x in cfg.drafter_lrs)
+    assert from_dict({"target_layers": None, "drafter_lrs": None}).target_layers is None
+
+
+def test_every_field_type_is_understood_and_every_preset_round_trips() -> None:
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):  # a new field of a type the checker does not know fails here
+        assert getattr(from_dict({f.name: getattr(defaults, f.name)}), f.name) == getattr(defaults, f.name)
+    for name in PRESETS:
+        cfg = preset(name)
+        assert from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("max_grad_norm", 0, "max_grad_norm: a positive number"),
+        ("weight_decay", -0.1, "weight_decay: a number >= 0"),
+        ("stall_after_s", 0, "stall_after_s: a positive number of seconds"),
+        ("stop_grace_s", -1, "stop_grace_s: a positive number of seconds"),
+        ("vocab_sample_batches", 0, "vocab_sample_batches: an integer >= 1"),
+        ("torch_threads", -1, "torch_threads: an integer >= 0"),
+    ],
+)
+def test_numbers_that_were_not_range_checked_are_now(key: str, value: Any, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        from_dict({key: value})
+
+
+# (file bytes, what the message must hold after "<path>: ")
+BAD_FILES: list[tuple[bytes, str]] = [
+    (b'lr = "fast"\n', 'lr: expected a number, got "fast" (str)'),
+    (b"[engine]\nbuckets = 5\n", "buckets: expected a list of integers, got 5 (int)"),
+    (b"stepz = 1\n", "stepz: unknown key; known keys: "),
+    (b'drafter_mode = "solo"\n', "drafter_mode: got 'solo'; allowed: replicas, independent"),
+    (b'preset = "gpu-max"\n', "preset: got 'gpu-max'; allowed: cpu-demo, h200-single"),
+    (b"preset = 5\n", "preset: expected a string, got 5 (int); allowed: cpu-demo, h200-single"),
+    (b'preset = "cpu-demo"\nsteps = 0\n', "steps: an integer >= 1"),
+    (b"steps = 1\nlr = = 2\n", "not valid TOML: Invalid value (at line 2, column 6)"),
+    (b"steps = 1\n\xff\xfe\n", "not valid TOML: not UTF-8 text (byte 10, line 2)"),
+]
+
+
+@pytest.mark.parametrize("content,message", BAD_FILES, ids=[f"f{i}" for i in range(len(BAD_FILES))])
+def test_every_error_about_a_file_starts_with_its_path(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "my engine.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert str(err.value).startswith(f"{path}: {message}"), str(err.value)
+
+
+def test_a_missing_file_or_a_directory_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file") as err:
+        load_toml(tmp_path / "missing.toml")
+    assert str(err.value) == f"{tmp_path / 'missing.toml'}: no such config file"
+    with pytest.raises(ConfigError) as err:
+        load_toml(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path}: cannot read: ")
+
+
+def test_a_good_file_loads_with_its_preset_and_engine_table(tmp_path: Path) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_text('preset = "cpu-demo"\n[engine]\nsteps = 7\nlr = 1\n')
+    cfg = load_toml(path)
+    assert cfg.steps == 7 and cfg.lr == 1.0 and cfg.drafter_lrs == PRESETS["cpu-demo"]["drafter_lrs"]
+
+
+def _train(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("SPECDEC_RUN_DIR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.trainer", *args],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_the_cli_prints_file_key_and_type_and_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_text('lr = "fast"\n')
+    done = _train("--config", str(path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f'specdec-train: config error: {path}: lr: expected a number, got "fast" (str)\n'
+    done = _train("--preset", "cpu-demo", "--set", "buckets=5", "--print-config")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == "specdec-train: config error: buckets: expected a list of integers, got 5 (int)\n"
