@@ -310,7 +310,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "drafter_mode": "replicas",
         "data": DATA_RANDOM,
         "buckets": [2048],
-        "batch_size": 1,
+        "batch_size": 2,  # measured on the H200: 16.6k tok/s (66.8% MFU) vs 15.0k at batch 1
         "ttt_steps": 7,
         "draft_vocab_size": 32000,
         "vocab_sample_batches": 8,
