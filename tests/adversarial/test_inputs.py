@@ -111,15 +111,6 @@ CRASHING_ENGINE_CONFIGS: list[tuple[str, str, str]] = [
     ("buckets = 5", "buckets", "list"),
     ('heartbeat_interval_s = "1s"', "heartbeat_interval_s", "seconds"),
 ]
-ROUTED_FILE = (
-    "TRAINER bug (engine/trainer/config.py load_toml/from_dict): ConfigError messages name the key and what is "
-    "allowed but not the file; load_toml should prefix '<path>: ' to every error raised for that file."
-)
-ROUTED_CRASH = (
-    "TRAINER bug (engine/trainer/config.py from_dict): list and float keys are not type-checked, so validate() "
-    "raises TypeError (e.g. lr = \"fast\": '>' not supported between str and int; buckets = 5: len() of int) "
-    "instead of a ConfigError naming the key and the allowed type."
-)
 
 
 @pytest.mark.parametrize("text,key,allowed", BAD_ENGINE_CONFIGS, ids=[f"e{i}" for i in range(len(BAD_ENGINE_CONFIGS))])
@@ -134,7 +125,6 @@ def test_malformed_engine_config_names_the_key_and_what_is_allowed(
     assert key in msg and allowed in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason=ROUTED_FILE)
 def test_malformed_engine_config_errors_name_the_file(tmp_path: Path) -> None:
     unnamed = []
     for i, (text, _key, _allowed) in enumerate(BAD_ENGINE_CONFIGS):
@@ -147,7 +137,6 @@ def test_malformed_engine_config_errors_name_the_file(tmp_path: Path) -> None:
     assert not unnamed, unnamed
 
 
-@pytest.mark.xfail(strict=True, reason=ROUTED_CRASH)
 @pytest.mark.parametrize(
     "text,key,allowed", CRASHING_ENGINE_CONFIGS, ids=[f"c{i}" for i in range(len(CRASHING_ENGINE_CONFIGS))]
 )
@@ -161,11 +150,6 @@ def test_engine_config_of_the_wrong_type_is_an_error_not_a_crash(
     assert key in str(err.value) and allowed in str(err.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TRAINER bug (engine/trainer/config.py load_toml): a non-UTF-8 file raises UnicodeDecodeError and a "
-    "directory IsADirectoryError instead of a ConfigError naming the file.",
-)
 def test_unreadable_engine_config_files_are_errors_not_crashes(tmp_path: Path) -> None:
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfesteps = 1\n")
