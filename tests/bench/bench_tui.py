@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -101,7 +102,21 @@ async def wait(pilot: Any, predicate: Any, timeout_s: float, what: str) -> None:
         await pilot.pause(0.01)
 
 
-async def bench(rate: int, burst_s: float) -> None:
+def pin_host_side(session: Any, run: dict[str, Any] | None, cpu: int) -> None:
+    """--pin: the agent and the job (the "host" side) on one core, this dashboard on the other, as when the host
+    is a separate machine. Affinity is set by PID on processes this benchmark started; nothing else is touched."""
+    pids = [int((session.hello or {}).get("pid", 0))]
+    if run and run.get("pid"):
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(int(run["pid"]))
+            pids += [root.pid, *(c.pid for c in root.children(recursive=True))]
+    for pid in pids:
+        if pid > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.sched_setaffinity(pid, {cpu})
+
+
+async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
     from tui.session import open_session
     from tui.transport import ConnectOptions
 
@@ -124,8 +139,13 @@ async def bench(rate: int, burst_s: float) -> None:
             rss_before = proc.memory_info().rss / 2**20
             idle_key_ms = [await key_to_frame(app, pilot) for _ in range(10)]
 
+            if pin:
+                os.sched_setaffinity(0, {0})
+                pin_host_side(session, None, 1)
             await pilot.press("l")
             await wait(pilot, lambda: app.state.log.total_lines > 0, 30, "burst output")
+            if pin:
+                pin_host_side(session, app.state.run, 1)
             burst_t0 = time.monotonic()
             key_ms: list[float] = []
             rss_peak = rss_before
@@ -264,13 +284,16 @@ def main() -> None:
     parser.add_argument("--screenshot", type=Path, help="instead: save an SVG of the dashboard running the CPU demo")
     parser.add_argument("--settle-s", type=float, default=8.0, help="with --screenshot: training time before the shot")
     parser.add_argument("--ssh", action="store_true", help="also measure through a loopback sshd")
+    parser.add_argument(
+        "--pin", action="store_true", help="agent and job on CPU 1, dashboard on CPU 0 (host as a separate machine)"
+    )
     ns = parser.parse_args()
     if ns.ssh:
         asyncio.run(bench_ssh())
     if ns.screenshot:
         asyncio.run(screenshot(ns.screenshot.resolve(), ns.settle_s))
     else:
-        asyncio.run(bench(ns.rate, ns.burst_s))
+        asyncio.run(bench(ns.rate, ns.burst_s, ns.pin))
 
 
 if __name__ == "__main__":
