@@ -126,7 +126,7 @@ async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
     session = open_session("local", ConnectOptions(run_root=root, simulate_gpus=2, python=sys.executable))
     profile = {"name": "burst", "command": [sys.executable, "-c", BURST, str(rate), str(burst_s)]}
     t_start = time.monotonic()
-    app = DashboardApp(session, profile=profile, gpu_interval_s=0.1, procs_interval_s=1.0)
+    app = DashboardApp(session, profile=profile, gpu_interval_s=0.1, procs_interval_s=1.0, tune_gc=True)
     proc = psutil.Process()
     try:
         async with app.run_test(size=(140, 44)) as pilot:
