@@ -346,12 +346,15 @@ def _pane_note(launch_sub: dict[str, Any]) -> str | None:
             return f"the wrapper (pid {pid}, started with setsid) exited"
         return None
     state = tmux.pane_state(session)
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 2.0
     while state is not None and state["dead"] and state["dead_status"] is None and state["dead_signal"] is None:
+        # Dead pty, child not reaped yet (or its SIGCHLD lost by tmux): have the server reap, then read again.
         if time.monotonic() > deadline:
-            return f"the tmux pane of session {session} exited"
-        time.sleep(POLL_S)  # dead pty, child not reaped yet: its status follows within moments
+            return f"the tmux pane of session {session} exited (tmux recorded no exit status)"
+        tmux.reap_children()
         state = tmux.pane_state(session)
+        if state is not None and state["dead"] and state["dead_status"] is None and state["dead_signal"] is None:
+            time.sleep(POLL_S)
     if state is None:
         return f"tmux session {session} is gone"
     if state["dead"]:

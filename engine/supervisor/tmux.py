@@ -120,6 +120,12 @@ def pane_state(name: str) -> dict[str, int | bool | None] | None:
         return None
 
 
+def reap_children() -> None:
+    """Make the server reap its exited children: tmux 3.3a sometimes misses a pane child's SIGCHLD (measured: 9 of
+    30 panes stayed zombies with no #{pane_dead_status}); the next child it reaps (this run-shell's) reaps all."""
+    run("run-shell", "true")
+
+
 def kill_session(name: str) -> bool:
     return run("kill-session", "-t", f"={name}").returncode == 0
 
