@@ -216,6 +216,7 @@ class RunInfo:
     last_step: int | None = None
     last_step_at: float | None = None
     profile: str | None = None
+    cause: str | None = None  # why it failed when the records say more than an exit code (e.g. never started)
 
 
 @dataclass

@@ -19,6 +19,12 @@ from typing import IO, Any
 from engine import protocol
 from engine.agent.commands import HANDLERS, CommandError, handler
 
+# Commands that change the host (start or signal processes, write run records): the agent finishes them even when
+# its client goes away mid-command, so a launch is never left half done (job running, run not recorded).
+STATE_CHANGING_COMMANDS = frozenset({"launch", "stop", "kill_stale", "restart"})
+# How long, at stdin EOF, the agent waits for those to finish before exiting anyway.
+FINISH_ON_EOF_S = 30.0
+
 
 def default_run_root() -> Path:
     return Path(os.environ.get("SPECDEC_RUN_ROOT", "~/.specdec")).expanduser()
@@ -51,6 +57,8 @@ class Agent:
         # Per-feature state that the handler modules keep on the agent (samplers, followers, ...).
         self.extras: dict[str, Any] = {}
         self.bad_lines = 0
+        self._in_flight: set[threading.Thread] = set()  # state-changing commands still running
+        self._in_flight_lock = threading.Lock()
 
     def emit(self, msg: dict[str, Any]) -> None:
         """Write one event line. Thread-safe; a closed stdout stops the agent."""
@@ -104,9 +112,33 @@ class Agent:
                 )
             )
             return
-        threading.Thread(target=self._run, args=(fn, cmd_id, cmd, args), name=f"cmd-{cmd}", daemon=True).start()
+        th = threading.Thread(target=self._run, args=(fn, cmd_id, cmd, args), name=f"cmd-{cmd}", daemon=True)
+        if cmd in STATE_CHANGING_COMMANDS:
+            with self._in_flight_lock:
+                self._in_flight.add(th)
+        th.start()
+
+    def finish_in_flight(self, timeout_s: float = FINISH_ON_EOF_S) -> list[str]:
+        """Wait (bounded) for the state-changing commands still running; the names of those that did not finish."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._in_flight_lock:
+                pending = [t for t in self._in_flight if t.is_alive()]
+            if not pending:
+                return []
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return [t.name for t in pending]
+            pending[0].join(min(left, 0.5))
 
     def _run(self, fn: Any, cmd_id: int | None, cmd: str, args: dict[str, Any]) -> None:
+        try:
+            self._call(fn, cmd_id, cmd, args)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight.discard(threading.current_thread())
+
+    def _call(self, fn: Any, cmd_id: int | None, cmd: str, args: dict[str, Any]) -> None:
         try:
             result = fn(self, cmd_id, args)
         except CommandError as exc:
@@ -138,7 +170,13 @@ class Agent:
                         break
                 continue
             self.dispatch(line)
+        # A launch (or stop, ...) in flight is finished before the process exits, whether or not its reply can
+        # still be delivered; waits and streams end now (stopping cancels them).
         self.stopping.set()
+        unfinished = self.finish_in_flight()
+        if unfinished:
+            names = ", ".join(unfinished)
+            sys.stderr.write(f"specdec-agent: exiting with {names} unfinished after {FINISH_ON_EOF_S:g} s\n")
         return 0
 
 

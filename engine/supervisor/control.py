@@ -185,6 +185,31 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         "--spec-json",
         str(spec_path),
     ]
+    note = None if session is not None else "tmux is not available on the host: started with setsid; not attachable"
+    sub_doc: dict[str, Any] = {
+        "t": time.time(),
+        "phase": "submitting",  # "accepted" once tmux (or setsid) took the wrapper
+        "run_id": run_id,
+        "tmux_session": session,
+        "attachable": session is not None,
+        "tmux_socket": os.environ.get(tmux.SOCKET_ENV),
+        "launcher_pid": os.getpid(),
+        "launcher_start_ticks": records.start_ticks_of(os.getpid()),
+        "launcher_wrapper_pid": None,
+        "launcher_wrapper_start_ticks": None,
+        "spec": asdict(spec),
+        "note": note,
+    }
+    # The run is visible (submitted.json, current) before its job can exist: whatever ends this process from here
+    # on, `status` shows the run, starting, then running or why it never started.
+    previous = _current_link(root)
+    try:
+        records.write_json_atomic(run_dir / records.SUBMITTED_JSON, sub_doc, mode=0o600)
+        records.set_current(root, run_dir)
+    except OSError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _restore_current(root, previous)
+        raise SupervisorError(f"could not record run {run_id} in {run_dir}: {exc.strerror or exc}") from exc
     wrapper_pid: int | None = None
     wrapper_ticks: int | None = None
     try:
@@ -205,26 +230,16 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
             wrapper_ticks = records.start_ticks_of(proc.pid)
             _reap_in_background(proc)
     except (tmux.TmuxError, OSError, subprocess.SubprocessError) as exc:
-        shutil.rmtree(run_dir, ignore_errors=True)  # only the spec was in it: leave no husk of a run that never was
+        # Nothing started: leave no husk of a run that never was, and the previous run current again.
+        _restore_current(root, previous)
+        shutil.rmtree(run_dir, ignore_errors=True)
         raise SupervisorError(f"could not start run {run_id}: {exc}") from exc
     submitted_at = time.time()
-    note = None if session is not None else "tmux is not available on the host: started with setsid; not attachable"
-    records.write_json_atomic(
-        run_dir / records.SUBMITTED_JSON,
-        {
-            "t": submitted_at,
-            "run_id": run_id,
-            "tmux_session": session,
-            "attachable": session is not None,
-            "tmux_socket": os.environ.get(tmux.SOCKET_ENV),
-            "launcher_wrapper_pid": wrapper_pid,
-            "launcher_wrapper_start_ticks": wrapper_ticks,
-            "spec": asdict(spec),
-            "note": note,
-        },
-        mode=0o600,
+    sub_doc.update(
+        t=submitted_at, phase="accepted", launcher_wrapper_pid=wrapper_pid, launcher_wrapper_start_ticks=wrapper_ticks
     )
-    records.set_current(root, run_dir)
+    with contextlib.suppress(OSError):  # the run is recorded already; a full disk here only loses the wrapper pid
+        records.write_json_atomic(run_dir / records.SUBMITTED_JSON, sub_doc, mode=0o600)
     return {
         "run_id": run_id,
         "run_dir": str(run_dir),
@@ -234,6 +249,22 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         "submitted_at": submitted_at,
         "note": note,
     }
+
+
+def _current_link(root: Path) -> str | None:
+    try:
+        return os.readlink(root / records.CURRENT_LINK)
+    except OSError:
+        return None
+
+
+def _restore_current(root: Path, previous: str | None) -> None:
+    """Point <run_root>/current back where it pointed before a launch that did not happen."""
+    with contextlib.suppress(OSError):
+        if previous is None:
+            (root / records.CURRENT_LINK).unlink(missing_ok=True)
+        else:
+            records.set_current(root, Path(previous) if os.path.isabs(previous) else root / previous)
 
 
 def spec_of(run_dir: Path | str) -> dict[str, Any]:
@@ -339,30 +370,7 @@ def _deadline_for(milestone: str, deadlines: dict[str, float]) -> float | None:
 
 def _pane_note(launch_sub: dict[str, Any]) -> str | None:
     """Why a wrapper never wrote launch.json, as tmux (or, without tmux, the process table) saw it."""
-    session = launch_sub.get("tmux_session")
-    if not session:
-        pid = launch_sub.get("launcher_wrapper_pid")
-        if isinstance(pid, int) and not records.process_alive(pid, launch_sub.get("launcher_wrapper_start_ticks")):
-            return f"the wrapper (pid {pid}, started with setsid) exited"
-        return None
-    state = tmux.pane_state(session)
-    deadline = time.monotonic() + 2.0
-    while state is not None and state["dead"] and state["dead_status"] is None and state["dead_signal"] is None:
-        # Dead pty, child not reaped yet (or its SIGCHLD lost by tmux): have the server reap, then read again.
-        if time.monotonic() > deadline:
-            return f"the tmux pane of session {session} exited (tmux recorded no exit status)"
-        tmux.reap_children()
-        state = tmux.pane_state(session)
-        if state is not None and state["dead"] and state["dead_status"] is None and state["dead_signal"] is None:
-            time.sleep(POLL_S)
-    if state is None:
-        return f"tmux session {session} is gone"
-    if state["dead"]:
-        if state["dead_signal"] is not None:
-            sig = int(state["dead_signal"])
-            return f"the tmux pane of session {session} was killed by signal {sig} ({records.signal_name(sig)})"
-        return f"the tmux pane of session {session} exited with status {state['dead_status']}"
-    return None
+    return records.pane_note(launch_sub)
 
 
 def wait_for(
@@ -473,6 +481,8 @@ def wait_for(
 def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
     exit_rec = records.read_json(rd / records.EXIT_JSON) or {}
     before = f"before {milestone}"
+    if info.cause:
+        return info.cause
     if info.state == "rebooted":
         return f"the host rebooted since the run started ({before})"
     if info.state == "vanished":

@@ -32,6 +32,7 @@ from typing import Any
 
 from engine import protocol
 from engine.agent import procs
+from engine.supervisor import tmux
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -390,6 +391,56 @@ def _output_time(run_dir: Path, seen_at: float) -> float:
         return seen_at
 
 
+def pane_note(launch_sub: dict[str, Any]) -> str | None:
+    """Why a wrapper never wrote launch.json, as tmux (or, without tmux, the process table) saw it."""
+    session = launch_sub.get("tmux_session")
+    if not session:
+        pid = launch_sub.get("launcher_wrapper_pid")
+        if isinstance(pid, int) and not process_alive(pid, launch_sub.get("launcher_wrapper_start_ticks")):
+            return f"the wrapper (pid {pid}, started with setsid) exited"
+        return None
+    state = tmux.pane_state(session)
+    deadline = time.monotonic() + 2.0
+    while state is not None and state["dead"] and state["dead_status"] is None and state["dead_signal"] is None:
+        # Dead pty, child not reaped yet (or its SIGCHLD lost by tmux): have the server reap, then read again.
+        if time.monotonic() > deadline:
+            return f"the tmux pane of session {session} exited (tmux recorded no exit status)"
+        tmux.reap_children()
+        state = tmux.pane_state(session)
+        if state is not None and state["dead"] and state["dead_status"] is None and state["dead_signal"] is None:
+            time.sleep(0.05)
+    if state is None:
+        return f"tmux session {session} is gone"
+    if state["dead"]:
+        if state["dead_signal"] is not None:
+            sig = int(state["dead_signal"])
+            return f"the tmux pane of session {session} was killed by signal {sig} ({signal_name(sig)})"
+        return f"the tmux pane of session {session} exited with status {state['dead_status']}"
+    return None
+
+
+# How long after submission a run whose launcher is gone may still be taken up by tmux or setsid (tmux's own
+# command timeout, with its retries, bounds how long a tmux client of a vanished agent can still create the session).
+STARTING_GRACE_S = 15.0
+
+
+def never_started_cause(sub: dict[str, Any], now: float | None = None) -> str | None:
+    """Why a submitted run that has no launch.json will never start; None while its wrapper may still write one."""
+    session = sub.get("tmux_session")
+    if sub.get("phase", "accepted") == "submitting":
+        lpid = sub.get("launcher_pid")
+        if process_alive(lpid, sub.get("launcher_start_ticks")):
+            return None  # the agent is still inside the launch
+        if session and tmux.has_session(session):
+            return pane_note(sub)  # tmux took it before the agent went
+        t = sub.get("t")
+        if isinstance(t, (int, float)) and (now if now is not None else time.time()) - t < STARTING_GRACE_S:
+            return None
+        how = f"tmux accepted session {session}" if session else "it started the wrapper with setsid"
+        return f"the agent (pid {lpid}) that launched it exited before {how}"
+    return pane_note(sub)
+
+
 def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
     """The run as its records and the process table say it is now."""
     rd = Path(run_dir)
@@ -397,6 +448,14 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
     exit_rec = read_json(rd / EXIT_JSON)
     info = protocol.RunInfo(run_id=rd.name, run_dir=str(rd), state="starting")
     sub = read_json(rd / SUBMITTED_JSON) or {}
+    never: str | None = None
+    if launch is None and exit_rec is None and sub:
+        never = never_started_cause(sub)
+        if never is not None:  # the wrapper may have written its records while we asked: read them again
+            launch = read_json(rd / LAUNCH_JSON)
+            exit_rec = read_json(rd / EXIT_JSON)
+            if launch is not None or exit_rec is not None:
+                never = None
     raw_spec = sub.get("spec")
     spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
     info.command = list(spec.get("command") or [])
@@ -428,6 +487,9 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
             exit_rec = read_json(rd / EXIT_JSON)  # the wrapper may have written it between our reads
             if exit_rec is None:
                 info.state = "vanished"
+    if never is not None:
+        info.state = "failed"
+        info.cause = f"the wrapper never started: {never}"
     if exit_rec is not None:
         info.exit_code = exit_rec.get("exit_code")
         info.signal = exit_rec.get("signal")

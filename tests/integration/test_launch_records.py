@@ -219,3 +219,78 @@ def test_a_setsid_wrapper_that_died_before_its_launch_record_ends_the_wait(tmp_p
     assert res.ok is False and res.alive is False
     assert res.cause == f"the wrapper never started: the wrapper (pid {gone.pid}, started with setsid) exited"
     assert res.elapsed_s < 2.0
+
+
+def test_a_run_whose_agent_died_before_tmux_took_it_reads_starting_then_failed_with_the_cause(tmp_path: Path) -> None:
+    rd = records.run_dir_for(tmp_path, "orphaned")
+    rd.mkdir(parents=True)
+    gone = subprocess.Popen(["sleep", "60"])  # the agent that was inside the launch
+    ticks = records.start_ticks_of(gone.pid)
+    gone.kill()
+    gone.wait()
+    sub = {
+        "phase": "submitting",
+        "tmux_session": tmux.session_name("orphaned"),
+        "launcher_pid": gone.pid,
+        "launcher_start_ticks": ticks,
+        "spec": {"command": ["sleep", "300"]},
+    }
+    boot = records.read_boot_id()
+    records.write_json_atomic(rd / records.SUBMITTED_JSON, {**sub, "t": time.time()})
+    fresh = records.read_run(rd, boot)
+    assert fresh.state == "starting" and fresh.cause is None  # tmux may still be creating the session
+    records.write_json_atomic(rd / records.SUBMITTED_JSON, {**sub, "t": time.time() - records.STARTING_GRACE_S - 1})
+    info = records.read_run(rd, boot)
+    assert info.state == "failed" and info.exit_code is None and info.command == ["sleep", "300"]
+    assert info.cause == (
+        f"the wrapper never started: the agent (pid {gone.pid}) that launched it exited before tmux accepted "
+        f"session {tmux.session_name('orphaned')}"
+    )
+    res = control.wait_for(rd, "started", timeout_s=10)
+    assert res.ok is False and res.cause == info.cause and res.elapsed_s < 2.0
+
+
+def test_a_launch_is_recorded_and_current_before_its_job_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    seen: list[tuple[str | None, str | None, bool]] = []
+    real_new_session = tmux.new_session
+
+    def watching_new_session(name: str, shell_command: str, cwd: str) -> None:
+        cur = records.current_run_dir(root)
+        sub = records.read_json(cur / records.SUBMITTED_JSON) if cur is not None else None
+        seen.append(
+            (
+                cur.name if cur else None,
+                (sub or {}).get("phase"),
+                records.read_run(cur, "x").state == "starting" if cur else False,
+            )
+        )
+        real_new_session(name, shell_command, cwd)
+
+    monkeypatch.setattr(tmux, "new_session", watching_new_session)
+    launched = control.launch({"command": ["true"], "run_id": "visible-first"}, root)
+    try:
+        assert seen == [("visible-first", "submitting", True)]
+        assert (records.read_json(Path(launched["run_dir"]) / records.SUBMITTED_JSON) or {})["phase"] == "accepted"
+    finally:
+        tmux.kill_session(launched["tmux_session"])
+
+
+def test_a_launch_tmux_refuses_leaves_no_run_and_the_previous_one_current(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    first = control.launch({"command": ["true"], "run_id": "before"}, root)
+    tmux.kill_session(first["tmux_session"])
+
+    def refusing_new_session(name: str, shell_command: str, cwd: str) -> None:
+        raise tmux.TmuxError(f"tmux new-session -s {name} failed: no server running on /nowhere")
+
+    monkeypatch.setattr(tmux, "new_session", refusing_new_session)
+    with pytest.raises(control.SupervisorError, match="could not start run refused: tmux new-session"):
+        control.launch({"command": ["true"], "run_id": "refused"}, root)
+    assert not records.run_dir_for(root, "refused").exists()
+    cur = records.current_run_dir(root)
+    assert cur is not None and cur.name == "before"
