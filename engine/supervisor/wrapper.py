@@ -7,8 +7,9 @@ leads its own process group; writes ``launch.json``; enters the working director
 in a new session (its own process group, stdin from /dev/null) with SPECDEC_RUN_DIR,
 SPECDEC_EVENTS and SPECDEC_RUN_ID set; forwards SIGTERM, SIGINT and SIGHUP to the job's group;
 times the first output and the first step (``milestones.json``); and writes ``exit.json``
-atomically when the job ends. It survives SIGHUP itself, so neither a closing SSH or ``pct exec``
-channel nor a killed tmux session leaves the run without its exit record. It never uses nohup.
+atomically when the job ends (into space reserved before the job started when the disk is full by
+then). It survives SIGHUP itself, so neither a closing SSH or ``pct exec`` channel nor a killed
+tmux session leaves the run without its exit record. It never uses nohup.
 
 Stdlib only.
 """
@@ -35,6 +36,13 @@ from engine.supervisor import records
 POLL_S = 0.05  # milestone timing and exit detection resolution
 ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def say(text: str) -> None:
+    """A line on our stderr (output.log): lost, never fatal, when the run root's disk is full."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 class Wrapper:
@@ -78,11 +86,17 @@ class Wrapper:
             "cause": cause,
             "forwarded_signals": self.forwarded,
         }
-        records.write_json_atomic(self.run_dir / records.EXIT_JSON, rec)
+        records.write_exit_record(self.run_dir, rec)
+
+    def write_milestones(self, milestones: dict[str, float]) -> None:
+        # A full disk loses only this record: readers then time the milestones from output.log and events.jsonl.
+        try:
+            records.write_json_atomic(self.run_dir / records.MILESTONES_JSON, milestones)
+        except OSError as exc:
+            say(f"specdec: cannot record milestones: {exc.strerror or exc}")
 
     def fail_before_start(self, exit_code: int, cause: str) -> int:
-        sys.stderr.write(f"specdec: cannot start run {self.run_id}: {cause}\n")
-        sys.stderr.flush()
+        say(f"specdec: cannot start run {self.run_id}: {cause}")
         self.write_exit(exit_code, None, cause)
         self.echo_status(f"[specdec] run {self.run_id} did not start: {cause}")
         return exit_code
@@ -124,6 +138,8 @@ class Wrapper:
             "python": sys.executable,
         }
         self.write_launch()
+        if not records.reserve_exit_record(self.run_dir):
+            say("specdec: no room to reserve the exit record; it is written only if room is left")
         if not self.command:
             return self.fail_before_start(2, "the launch spec has an empty command")
         if self.pending:
@@ -187,7 +203,7 @@ class Wrapper:
                     milestones["first-step"] = first_step
                     changed = True
                 if changed:
-                    records.write_json_atomic(self.run_dir / records.MILESTONES_JSON, milestones)
+                    self.write_milestones(milestones)
             echo_offset = self.echo(echo_offset)
             if len(milestones) == 2 and self.pane_fd is None:
                 _, status = os.waitpid(job.pid, 0)  # nothing left to watch: block until the job ends
@@ -220,7 +236,7 @@ class Wrapper:
         if first_step is not None:
             milestones.setdefault("first-step", first_step)
         if milestones != before:
-            records.write_json_atomic(self.run_dir / records.MILESTONES_JSON, milestones)
+            self.write_milestones(milestones)
 
     def echo(self, offset: int) -> int:
         """Copy what the job appended to output.log into the tmux pane, so attaching shows the run."""
