@@ -282,15 +282,6 @@ def test_kill_stale_never_signals_a_decoy_in_100_random_trials(
     print(f"\n[adversarial] kill-safety: {stats}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SUPERVISOR bug (engine/supervisor/control.stale_candidates): every resolved holder outside the run is a "
-        "candidate whatever its owner, so kill-stale run as root SIGTERMs another user's GPU job on a shared box "
-        "(the nvidia_powersave #4 failure ANCHORS.md warns of). Fix: leave holders whose uid differs from the "
-        "agent's euid alone (in left_alone, reason 'another user's process'), as nvitop does."
-    ),
-)
 def test_kill_stale_never_signals_another_users_process_even_one_holding_a_gpu(
     dev_and_run: tuple[Path, Path, int], tmp_path: Path, other_user: pwd.struct_passwd | None
 ) -> None:
@@ -314,15 +305,6 @@ def test_kill_stale_never_signals_another_users_process_even_one_holding_a_gpu(
         scene.clear()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SUPERVISOR bug (engine/supervisor/control.kill_stale): a target [pid, create_time] is matched to a "
-        "candidate with abs(h.create_time - ct) <= 0.05 and then signalled after re-checking h's OWN create "
-        "time, so a process that reused the PID 10-50 ms after the listed one started is signalled in its place. "
-        "Start times are whole 10 ms ticks: match with procs.same_process(pid, ct) (half a tick) instead."
-    ),
-)
 def test_a_pid_reused_a_few_ticks_after_the_listed_holder_started_is_not_signalled(
     dev_and_run: tuple[Path, Path, int], tmp_path: Path
 ) -> None:

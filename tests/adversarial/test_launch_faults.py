@@ -136,21 +136,10 @@ def ended_runs(run_root: Path) -> Iterator[Path]:
     _end_runs(run_root)
 
 
-ROUTED_MID_LAUNCH = (
-    "SUPERVISOR/lead bug: a launch is not atomic against the agent's exit. engine/agent/main.py serve() returns "
-    "at stdin EOF and the process exits, killing the daemon handler thread of an in-flight `launch`; "
-    "engine/supervisor/control.launch() starts the tmux session (the job runs, writes launch.json) and only "
-    "afterwards writes submitted.json and points <run_root>/current at the run. A client that vanishes in "
-    "between leaves a running job that `status` never shows. Fix: have the wrapper (or launch, before "
-    "tmux new-session) set `current`, and/or let serve() finish state-changing commands before exiting."
-)
-
-
 def _session_exists(run_root: Path) -> bool:
     return any(tmux.has_session(tmux.session_name(rd.name)) for rd in records.list_runs(run_root))
 
 
-@pytest.mark.xfail(strict=True, reason=ROUTED_MID_LAUNCH)
 def test_agent_losing_its_client_while_tmux_accepts_the_launch_never_leaves_an_invisible_run(
     ended_runs: Path, slow_tmux_path: str
 ) -> None:
@@ -169,7 +158,6 @@ def test_agent_losing_its_client_while_tmux_accepts_the_launch_never_leaves_an_i
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=ROUTED_MID_LAUNCH)
 def test_cli_killed_at_each_point_of_a_launch_leaves_a_run_started_and_found_or_nothing(
     ended_runs: Path, tmp_path: Path, slow_tmux_path: str
 ) -> None:
@@ -424,22 +412,23 @@ def test_disk_full_on_the_run_root_is_a_clear_error_and_the_run_is_still_reporte
     assert _live_runs(root, records.read_boot_id()) <= {run_id}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SUPERVISOR bug (engine/supervisor/wrapper.py): when the job dies because the run root is full, the "
-        "wrapper's write_json_atomic(exit.json) fails with ENOSPC, so no exit record exists and read_run "
-        "reports 'vanished' instead of 'failed' with the job's exit code. Fix: reserve the exit record's "
-        "space at launch (e.g. write a placeholder exit.json.pending and overwrite it in place) or fall back "
-        "to a record that needs no new blocks."
-    ),
-)
 def test_a_job_killed_by_a_full_disk_is_reported_failed_with_its_exit_code(
     cli: Callable[..., Any], full_disk_root: Path
 ) -> None:
     root = full_disk_root
-    r = cli("launch", "local", "--run-root", str(root), "--wait", "started", "--json", "--", sys.executable, "-c",
-            "import sys\nsys.stdout.write('x' * 3_000_000)\nsys.stdout.flush()\n")  # fmt: skip
+    r = cli(
+        "launch",
+        "local",
+        "--run-root",
+        str(root),
+        "--wait",
+        "started",
+        "--json",
+        "--",
+        sys.executable,
+        "-c",
+        "import os\nwhile True:\n    os.write(1, b'x' * 65536)\n",
+    )  # fmt: skip  (ENOSPC raises: exit 1)
     assert r.returncode == 0, r.output
     run_id = str(json.loads(r.stdout)["run_id"])
 
