@@ -211,9 +211,10 @@ class DrafterWorker:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def forward_backward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-TTT-position losses, correct counts and token counts of one batch (the unrolled drafter)."""
         with self._autocast():
-            losses, correct, counts = self.drafter(
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.drafter(
                 batch.hidden3,
                 batch.input_ids,
                 batch.target_p,
@@ -224,6 +225,10 @@ class DrafterWorker:
                 grad_checkpointing=self.grad_checkpointing,
                 step_fn=self.step_fn,
             )
+        return out
+
+    def forward_backward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        losses, correct, counts = self.forward(batch)
         total_loss(losses).backward()
         return losses.detach(), correct.detach(), counts.detach()
 
@@ -262,18 +267,7 @@ class DrafterWorker:
 
         batch.wait_ready()
         mark()
-        with self._autocast():
-            losses, correct, counts = self.drafter(
-                batch.hidden3,
-                batch.input_ids,
-                batch.target_p,
-                batch.position_mask,
-                ttt_steps=self.ttt_steps,
-                attention=self.attention,
-                loss_fn=soft_cross_entropy,
-                grad_checkpointing=self.grad_checkpointing,
-                step_fn=self.step_fn,
-            )
+        losses, correct, counts = self.forward(batch)
         loss = total_loss(losses)
         mark()
         loss.backward()
