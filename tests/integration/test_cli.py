@@ -243,7 +243,7 @@ def test_bundle_is_reproducible_has_no_tests_and_runs_as_a_zipapp(tmp_path: Path
 
 def test_target_parsing_and_quoting() -> None:
     assert Target.parse("local").local
-    assert Target.parse("root@10.1.2.6:2222") == Target(local=False, host="10.1.2.6", user="root", port=2222)
+    assert Target.parse("root@gpu-box:2222") == Target(local=False, host="gpu-box", user="root", port=2222)
     assert Target.parse("gpu-box") == Target(local=False, host="gpu-box")
     assert Target.parse("me@[::1]:22") == Target(local=False, host="::1", user="me", port=22)
     for bad in ("", "-oProxyCommand=x", "a b", "user@", "host:port"):

@@ -353,7 +353,7 @@ async def test_attach_suspends_and_runs_the_ssh_command_then_resyncs(
                 "-t",
                 "-p",
                 "22",
-                "root@10.1.2.6",
+                "root@gpu-box",
                 "pct",
                 "exec",
                 "200",

@@ -23,7 +23,7 @@ class CommandFailed(Exception):
 class RecordingSession:
     """Answers commands from a table and records every request; feeds events to its listeners."""
 
-    def __init__(self, target: str = "root@10.1.2.6 [pct 200]", replies: dict[str, Any] | None = None) -> None:
+    def __init__(self, target: str = "root@gpu-box [pct 200]", replies: dict[str, Any] | None = None) -> None:
         self.target_display = target
         self.state = "connected"
         self.hello: dict[str, Any] | None = hello()
@@ -33,7 +33,7 @@ class RecordingSession:
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.closed = False
         self.streams_started = False
-        self.argv_prefix = ["ssh", "-t", "-p", "22", "root@10.1.2.6", "pct", "exec", "200", "--"]
+        self.argv_prefix = ["ssh", "-t", "-p", "22", "root@gpu-box", "pct", "exec", "200", "--"]
 
     async def connect(self) -> None:
         self.state = "connected"
