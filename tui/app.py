@@ -481,7 +481,9 @@ class DashboardApp(App[int]):
         self.notify(f"theme: {self.theme} (saved)", timeout=3)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.user_keymap))
+        if not self.is_screen_installed("help"):
+            self.install_screen(HelpScreen(self.user_keymap), "help")
+        self.push_screen("help")
 
     async def action_quit_dashboard(self) -> None:
         run = self.state.run

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from conftest import wait_until
+from textual.color import Color
 from textual.drivers.headless_driver import HeadlessDriver
 from textual.widgets import Button, Input
 from tui_recorded import RUN_ID, RecordingSession, healthy_events, log_events, run
@@ -268,6 +269,35 @@ async def test_help_lists_every_key_with_remaps(recorded_app: Callable[..., Dash
         await pilot.press("escape")
         await pilot.press("ctrl+r")  # the remapped key works
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+
+
+async def test_help_screen_is_kept_and_follows_a_theme_switch(recorded_app: Callable[..., DashboardApp]) -> None:
+    """The help screen is built once (opening it is a key-to-frame path), yet shows the current theme."""
+    app = recorded_app(RecordingSession())
+    async with app.run_test(size=SIZE) as pilot:
+
+        async def open_help() -> HelpScreen:
+            await pilot.press("question_mark")
+            await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            assert isinstance(app.screen, HelpScreen)
+            return app.screen
+
+        def title_colour(screen: HelpScreen) -> object:
+            return screen.query_one("#help-title").styles.color
+
+        first = await open_help()
+        before = title_colour(first)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        again = await open_help()
+        assert again is first  # not composed again
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await pilot.press("t")
+        await wait_until(pilot, lambda: app.theme != "specdec-dark")
+        themed = await open_help()
+        assert title_colour(themed) != before
+        assert title_colour(themed) == Color.parse(app.get_css_variables()["primary"])
 
 
 async def test_command_palette_offers_every_action(recorded_app: Callable[..., DashboardApp]) -> None:
