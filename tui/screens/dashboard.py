@@ -16,7 +16,9 @@ from typing import Any
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.reactive import Reactive
 from textual.screen import Screen
+from textual.widget import Widget
 
 from tui.widgets.charts import ChartModel, Charts
 from tui.widgets.footer import KeyFooter
@@ -184,6 +186,11 @@ class DashboardState:
 
 class DashboardScreen(Screen[None]):
     """Header and timeline on top, GPUs and charts left, processes right, the log below."""
+
+    # Textual's Screen repaints every cell when focus moves (``focused`` repaints by default): `/` into the
+    # filter box and Esc out of it were full-screen frames (27 KB, ~30 ms). The widgets that gain and lose
+    # focus restyle and redraw themselves (``:focus`` / ``:focus-within``), so only their regions change.
+    focused: Reactive[Widget | None] = Reactive(None, repaint=False)
 
     def __init__(self, state: DashboardState, keymap: dict[str, str] | None = None) -> None:
         super().__init__(id="dashboard")
