@@ -105,6 +105,7 @@ EXIT_HUNG = 4
 #   heartbeat     thread, state ("starting" | "warmup" | "training" | "waiting" | "stopped" | "error"),
 #                 step, tok_s, queue_depth, last_exception (str | None)
 #   step          thread, step, loss: [float per TTT position], acc: [float per TTT position],
+#                 loss_total: float (sum_i 0.8**i * loss_i: the loss trained on, the log line's ``loss=``),
 #                 tok_s, ms: {"fetch", "fwd", "bwd", "opt"}
 #   thread_error  thread, exc_type, message, traceback, policy ("stop" | "continue")
 #   checkpoint    step, path

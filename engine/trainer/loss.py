@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-STEP_WEIGHT_DECAY = 0.8
+from engine.trainer.metrics import STEP_WEIGHT_DECAY
 
 
 def soft_cross_entropy(

@@ -78,14 +78,21 @@ class EventLog:
                 self._file = None
 
 
+STEP_WEIGHT_DECAY = 0.8  # the loss trained on is sum_i STEP_WEIGHT_DECAY**i * loss_i over TTT positions
+
+
+def weighted_total(loss: list[float]) -> float:
+    """The training loss of one step from its per-position losses (the log line's and the chart's ``loss``)."""
+    return sum(STEP_WEIGHT_DECAY**i * v for i, v in enumerate(loss))
+
+
 def fmt(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:.4f}"
 
 
 def step_line(thread: str, step: int, loss: list[float], acc: list[float], tok_s: float) -> str:
-    total = sum(0.8**i * v for i, v in enumerate(loss))
     return (
-        f"step={step} thread={thread} loss={fmt(total)} loss0={fmt(loss[0])} acc0={fmt(acc[0])} "
+        f"step={step} thread={thread} loss={fmt(weighted_total(loss))} loss0={fmt(loss[0])} acc0={fmt(acc[0])} "
         f"acc_last={fmt(acc[-1])} tok/s={tok_s:.0f}"
     )
 

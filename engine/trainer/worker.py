@@ -25,7 +25,7 @@ from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, ttt_step
 from engine.trainer.health import name_os_thread
 from engine.trainer.loss import accuracies, soft_cross_entropy, total_loss
-from engine.trainer.metrics import step_line
+from engine.trainer.metrics import step_line, weighted_total
 from engine.trainer.producer import DeviceBatch
 from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
 
@@ -407,6 +407,7 @@ class DrafterWorker:
                     thread=self.name,
                     step=self.step,
                     loss=result.loss,
+                    loss_total=weighted_total(result.loss),
                     acc=result.acc,
                     tok_s=result.tok_s,
                     ms=result.ms,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.protocol import encode_log_data
 from tui.widgets.charts import ChartModel, parse_log_metrics, sparkline
 from tui.widgets.log_tail import LogModel, clean_line, is_error_line
@@ -98,6 +100,23 @@ def test_engine_events_deduplicated_by_offset() -> None:
     assert model.add_engine_event(200, {**ev, "step": 2})
     assert model.series[("step", "drafter-0")].values() == [1.0, 2.0]
     assert model.duplicate_events == 2
+
+
+def test_engine_loss_series_is_the_loss_its_log_line_prints() -> None:
+    """The chart's loss and the engine log line's loss= are one number (the weighted total trained on)."""
+    from engine.trainer.metrics import step_line, weighted_total
+
+    per_position = [2.0, 3.0, 4.0]
+    model = ChartModel()
+    ev = {"kind": "step", "thread": "drafter0", "t": 1.0, "step": 7, "tok_s": 10.0, "acc": [0.5, 0.4, 0.3]}
+    model.add_engine_event(100, {**ev, "loss": per_position, "loss_total": weighted_total(per_position)})
+    drawn = model.series[("loss", "drafter0")].values()[-1]
+    assert drawn == pytest.approx(2.0 + 0.8 * 3.0 + 0.64 * 4.0)
+    logged = parse_log_metrics(step_line("drafter0", 7, per_position, [0.5, 0.4, 0.3], 10.0))["loss"]
+    assert logged == pytest.approx(drawn, abs=1e-4)
+    # An engine without loss_total (older events files): the first position's loss, as before.
+    model.add_engine_event(200, {**ev, "step": 8, "loss": per_position})
+    assert model.series[("loss", "drafter0")].values()[-1] == 2.0
 
 
 def test_sparkline_scales() -> None:

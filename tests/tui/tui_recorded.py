@@ -193,6 +193,7 @@ def engine_events(threads: list[str], steps: int, start_offset: int = 0, t0: flo
                         "thread": thread,
                         "step": step,
                         "loss": loss,
+                        "loss_total": sum(0.8**k * x for k, x in enumerate(loss)),
                         "acc": acc,
                         "tok_s": 12_000 + step * 40 + i * 300,
                         "ms": {"fetch": 1, "fwd": 60, "bwd": 80, "opt": 5},

@@ -90,6 +90,8 @@ def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, smal
     assert resumed.resumed_from is not None and resumed.workers[0].step == 2
     assert resumed.run() == 0
     assert [e["step"] for e in rec.of("step")] == [3]
+    (ev,) = rec.of("step")
+    assert ev["loss_total"] == pytest.approx(sum(0.8**i * x for i, x in enumerate(ev["loss"])))
     a, b = straight.workers[0], resumed.workers[0]
     assert a.history[-1].loss == b.history[-1].loss
     assert a.history[-1].acc == b.history[-1].acc

@@ -1,7 +1,9 @@
 """Training charts: step, tok/s, loss and per-position acceptance over time, one series per thread.
 
 Points come from the engine's ``step`` events (deduplicated by their byte offset in events.jsonl)
-or, for foreign commands, from log lines carrying ``step=``, ``tok/s`` and ``loss=``.
+or, for foreign commands, from log lines carrying ``step=``, ``tok/s`` and ``loss=``. The engine's
+``loss`` series is its ``loss_total`` (the weighted sum it trains on, the same number as its log line's
+``loss=``), not the first position's loss.
 Drawn with Unicode block sparklines; the app redraws at a bounded rate.
 """
 
@@ -118,7 +120,10 @@ class ChartModel:
         if isinstance(tok_s, (int, float)):
             self._add("tok/s", thread, t, float(tok_s))
         loss = event.get("loss")
-        if isinstance(loss, list) and loss:
+        total = event.get("loss_total")
+        if isinstance(total, (int, float)) and not isinstance(total, bool):
+            self._add("loss", thread, t, float(total))  # the number the engine's log line calls loss=
+        elif isinstance(loss, list) and loss:
             finite = [float(x) for x in loss if isinstance(x, (int, float))]
             if finite:
                 self._add("loss", thread, t, finite[0])
