@@ -30,15 +30,17 @@ def tmux(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def screen() -> str:
-    return tmux("capture-pane", "-p", "-t", SESSION).stdout
+def screen(history: bool = False) -> str:
+    """The pane's visible screen; with ``history``, its scrollback too (tmux 3.3a scrolls a dead pane's last
+    screen into history when it writes "Pane is dead", so a message printed just before exit is only there)."""
+    return tmux("capture-pane", "-p", *(("-S", "-") if history else ()), "-t", SESSION).stdout
 
 
-def wait_screen(predicate: Callable[[str], bool], timeout_s: float, what: str) -> float:
+def wait_screen(predicate: Callable[[str], bool], timeout_s: float, what: str, *, history: bool = False) -> float:
     """Seconds until the captured screen satisfies ``predicate``; fails after ``timeout_s``."""
     start = time.monotonic()
     while True:
-        text = screen()
+        text = screen(history)
         if predicate(text):
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
@@ -105,7 +107,7 @@ def test_connect_local_shows_every_pane_and_quit_leaves_the_run(dashboard_in_tmu
     pid = launch.get("job_pid") or launch.get("pid")
     assert isinstance(pid, int) and pid_alive(pid)
     tmux("send-keys", "-t", SESSION, "q")
-    wait_screen(lambda s: "keeps running" in s, 15, "the exit message")
+    wait_screen(lambda s: "keeps running" in s, 15, "the exit message", history=True)
     quit_at = time.monotonic()
     deadline = quit_at + 30
     status = ""
