@@ -442,11 +442,38 @@ class _HostKeyRecorder:
         self.presented: tuple[str, str, int, Any] | None = None
 
 
-def _known_hosts_files(opts: ConnectOptions) -> list[str]:
+def _ssh_config_known_hosts(host: str) -> list[str] | None:
+    """The known_hosts files ~/.ssh/config names for HOST (UserKnownHostsFile, then GlobalKnownHostsFile).
+
+    [] when it names none (the default, ~/.ssh/known_hosts, applies); None for ``UserKnownHostsFile none``,
+    which here means no file is trusted (unknown keys are refused), never that keys go unchecked.
+    Raises asyncssh.ConfigParseError for a config it cannot read.
+    """
+    import asyncssh
+
+    path = Path("~/.ssh/config").expanduser()
+    if not os.access(path, os.R_OK):
+        return []
+    known = asyncssh.SSHClientConnectionOptions(host=host, config=[str(path)]).known_hosts
+    if known is None:
+        return None
+    return [str(p) for p in known] if isinstance(known, (list, tuple)) else []
+
+
+def _known_hosts_files(opts: ConnectOptions, host: str) -> tuple[list[str], str | None]:
+    """(the existing files whose keys are trusted, the file a new key belongs in: None when the config says none)."""
     if opts.known_hosts:
-        return [os.path.expanduser(opts.known_hosts)]
-    default = Path("~/.ssh/known_hosts").expanduser()
-    return [str(default)] if default.is_file() else []
+        return [os.path.expanduser(opts.known_hosts)], opts.known_hosts
+    configured = _ssh_config_known_hosts(host)
+    if configured is None:
+        return [], None
+    named = configured or ["~/.ssh/known_hosts"]
+    return [p for p in (os.path.expanduser(n) for n in named) if os.path.isfile(p)], named[0]
+
+
+def shell_path(path: str) -> str:
+    """PATH for a shell command line: quoted, but a leading ``~/`` left for the shell to expand."""
+    return "~/" + shlex.quote(path[2:]) if path.startswith("~/") and len(path) > 2 else shlex.quote(path)
 
 
 class SshTransport(Transport):
@@ -468,6 +495,8 @@ class SshTransport(Transport):
         return host + (f" [pct {self.opts.pct}]" if self.opts.pct is not None else "")
 
     def _connect_kwargs(self) -> dict[str, Any]:
+        import asyncssh
+
         kw: dict[str, Any] = {
             "connect_timeout": self.opts.connect_timeout_s,
             "keepalive_interval": self.opts.keepalive_s,
@@ -482,11 +511,16 @@ class SshTransport(Transport):
             if not os.path.isfile(path):
                 raise ConnectError(f"identity file {path} does not exist (-i/--identity)")
             kw["client_keys"] = [path]
-        files = _known_hosts_files(self.opts)
+        try:
+            files, _ = _known_hosts_files(self.opts, self.target.host)
+        except asyncssh.ConfigParseError as exc:
+            raise ConnectError(f"{self.display}: ~/.ssh/config cannot be read: {exc}", retryable=False) from None
         if self.opts.known_hosts and not os.path.isfile(files[0]):
             raise ConnectError(f"known_hosts file {files[0]} does not exist (--known-hosts)")
-        # Explicit, never None: an empty set means every host key is unknown and gets refused.
-        kw["known_hosts"] = files if files else b""
+        # Explicit, never None (no checking) and never empty: asyncssh reads an empty value (b"", [], ()) as
+        # "use ~/.ssh/known_hosts". No trusted file is the tuple of (trusted keys, CA keys, revoked keys), all empty:
+        # every host key is then unknown and refused.
+        kw["known_hosts"] = files if files else ([], [], [])
         return kw
 
     async def connect(self) -> asyncssh.SSHClientConnection:
@@ -539,8 +573,8 @@ class SshTransport(Transport):
     def _host_key_error(self, recorder: _HostKeyRecorder, reason: str) -> ConnectError:
         import asyncssh
 
-        files = _known_hosts_files(self.opts)
-        kh_display = self.opts.known_hosts or "~/.ssh/known_hosts"
+        files, kh_file = _known_hosts_files(self.opts, self.target.host)
+        kh_display = kh_file or "~/.ssh/known_hosts"
         if recorder.presented is None:
             return ConnectError(f"{self.display}: host key verification failed: {reason}", retryable=False)
         host, addr, port, key = recorder.presented
@@ -561,10 +595,18 @@ class SshTransport(Transport):
                 f"The {alg} host key for {label} has changed: it is now\n  {fingerprint}\n"
                 f"while {kh_display} records\n  {recorded}\n"
                 "Connection refused. If the host was really reinstalled, verify the new fingerprint out of band,\n"
-                f"then remove the old key with: ssh-keygen -R {shlex.quote(label)} -f {shlex.quote(kh_display)}",
+                f"then remove the old key with: ssh-keygen -R {shlex.quote(label)} -f {shell_path(kh_display)}",
                 retryable=False,
             )
-        scan = f"ssh-keyscan{'' if port == 22 else f' -p {port}'} {shlex.quote(host)} >> {shlex.quote(kh_display)}"
+        if kh_file is None:
+            return ConnectError(
+                f"{self.display}: the host key of {label} is unknown and ~/.ssh/config sets UserKnownHostsFile none"
+                f" for {self.target.host}, so no key is trusted; refusing to connect.\n"
+                f"It presented {alg} {fingerprint}\n"
+                "Verify that fingerprint out of band, record it in a known_hosts file and pass --known-hosts FILE.",
+                retryable=False,
+            )
+        scan = f"ssh-keyscan{'' if port == 22 else f' -p {port}'} {shlex.quote(host)} >> {shell_path(kh_display)}"
         return ConnectError(
             f"{self.display}: the host key of {label} is unknown (not in {kh_display}); refusing to connect.\n"
             f"It presented {alg} {fingerprint}\n"

@@ -448,6 +448,49 @@ def test_host_alias_from_ssh_config_is_honoured(
     assert json.loads(r.stdout)["host"]["run_root"] == str(run_root)
 
 
+def ssh_home(tmp_path: Path, sshd: Any, extra: str) -> Path:
+    """A private HOME whose ~/.ssh/config has the alias gpu-box-alias for the test sshd, plus EXTRA lines."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-box-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+        f"  IdentityFile {sshd.identity}\n{extra}"
+    )
+    return home
+
+
+def test_user_known_hosts_file_from_ssh_config_is_honoured(
+    sshd: Any, cli: Callable[..., Any], run_root: Path, tmp_path: Path
+) -> None:
+    home = ssh_home(tmp_path, sshd, f"  UserKnownHostsFile {tmp_path / 'absent'} {sshd.known_hosts}\n")
+    r = cli(
+        "status", "gpu-box-alias", "--python", sys.executable, "--run-root", str(run_root), "--json",
+        env={"HOME": str(home)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    assert json.loads(r.stdout)["host"]["run_root"] == str(run_root)
+
+
+def test_user_known_hosts_file_without_the_key_names_that_file(
+    sshd: Any, cli: Callable[..., Any], tmp_path: Path
+) -> None:
+    home = ssh_home(tmp_path, sshd, "  UserKnownHostsFile ~/.ssh/gpu_known_hosts\n")
+    (home / ".ssh" / "gpu_known_hosts").write_text("")
+    (home / ".ssh" / "known_hosts").write_text((sshd.known_hosts).read_text())  # the default is not consulted
+    r = cli("status", "gpu-box-alias", "--python", sys.executable, env={"HOME": str(home)})
+    assert r.returncode == 3, r.output
+    assert "is unknown (not in ~/.ssh/gpu_known_hosts)" in r.stderr
+    assert f"ssh-keyscan -p {sshd.port} 127.0.0.1 >> ~/.ssh/gpu_known_hosts" in r.stderr
+
+
+def test_user_known_hosts_file_none_trusts_no_key(sshd: Any, cli: Callable[..., Any], tmp_path: Path) -> None:
+    home = ssh_home(tmp_path, sshd, "  UserKnownHostsFile none\n")
+    (home / ".ssh" / "known_hosts").write_text((sshd.known_hosts).read_text())
+    r = cli("status", "gpu-box-alias", "--python", sys.executable, env={"HOME": str(home)})
+    assert r.returncode == 3, r.output
+    assert "UserKnownHostsFile none" in r.stderr and "refusing to connect" in r.stderr
+
+
 def test_passphrase_protected_identity_exits_3_with_a_sentence(
     sshd: Any, cli: Callable[..., Any], tmp_path: Path
 ) -> None:
