@@ -233,7 +233,7 @@ class TerminalReader(threading.Thread):
                         self._tail = window[-len(self.watch) :]
 
 
-def bench_terminal(rate: int, burst_s: float) -> None:
+def bench_terminal(rate: int, burst_s: float) -> list[float]:
     """Key press -> frame in a real terminal (a pty) under the burst; the dashboard is a child process."""
     import fcntl
     import json
@@ -340,6 +340,7 @@ def bench_terminal(rate: int, burst_s: float) -> None:
         )
     else:
         print("terminal run: the child wrote no report (see above)")
+    return both
 
 
 def terminal_child(report: Path, rate: int, burst_s: float) -> None:
@@ -457,6 +458,7 @@ def main() -> None:
     )
     parser.add_argument("--no-terminal", action="store_true", help="skip the real-terminal (pty) part")
     parser.add_argument("--no-headless", action="store_true", help="skip the headless part")
+    parser.add_argument("--repeat", type=int, default=1, help="run the terminal part N times and pool the key figures")
     parser.add_argument("--terminal-child", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.terminal_child:
@@ -470,7 +472,17 @@ def main() -> None:
     if not ns.no_headless:
         asyncio.run(bench(ns.rate, ns.burst_s, ns.pin))
     if not ns.no_terminal:
-        bench_terminal(ns.rate, ns.burst_s)
+        pooled: list[float] = []
+        for i in range(ns.repeat):
+            if ns.repeat > 1:
+                print(f"-- terminal run {i + 1} of {ns.repeat}")
+            pooled += bench_terminal(ns.rate, ns.burst_s)
+        if ns.repeat > 1:
+            print(
+                f"terminal key -> frame under the burst, {ns.repeat} runs pooled (n={len(pooled)}):"
+                f" median {statistics.median(pooled):6.1f} ms  p95 {pct(pooled, 95):6.1f} p99 {pct(pooled, 99):6.1f} ms"
+                f"  max {max(pooled):6.1f} ms (goal <= 100)"
+            )
 
 
 if __name__ == "__main__":

@@ -184,9 +184,14 @@ async def test_filter_shows_only_matching_lines_and_highlights_errors(
         app.flush_events()
         tail = app.query_one(LogTail)
         assert tail.line_count == 52
+        tail_height = tail.size.height
         await pilot.press("slash")
         box = app.query_one("#log-filter", Input)
         assert box.has_focus
+        await pilot.pause()
+        # the box takes the status line's row: the tail keeps its size (no re-render of the whole tail)
+        assert box.region.height == 1 and not app.query_one("#log-status").display
+        assert tail.size.height == tail_height
         await pilot.press(*"step=4", "enter")
         assert tail.lines == [f"step={i} loss=2.0" for i in (4, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49)]
         # new lines obey the filter too

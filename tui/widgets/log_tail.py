@@ -277,15 +277,22 @@ class LogTail(Log):
 
 
 class LogPane(Vertical):
-    """Status line (following / paused with pending count / filter), the tail, and the filter input."""
+    """Status line (following / paused with pending count / filter), the tail, and the filter input.
+
+    The filter box takes the status line's row while it is open (one row, no border), so opening and closing it
+    never resizes the tail: that resize was the costliest key under a log burst (the whole tail re-rendered).
+    """
 
     DEFAULT_CSS = """
     LogPane { height: 1fr; border: round $panel-lighten-2; border-title-color: $text-muted; }
     LogPane > #log-status { height: 1; color: $text-muted; padding: 0 1; }
     LogPane > #log-status.-paused { color: $warning; }
     LogPane > LogTail { height: 1fr; }
-    LogPane > #log-filter { display: none; }
-    LogPane > #log-filter.-visible { display: block; }
+    LogPane > #log-filter, LogPane > #log-filter:focus {
+        display: none; dock: top; height: 1; border: none; padding: 0 1; background: $boost;
+    }
+    LogPane.-filtering > #log-filter { display: block; }
+    LogPane.-filtering > #log-status { display: none; }
     """
 
     def __init__(self, model: LogModel, *, id: str | None = None) -> None:
@@ -296,6 +303,7 @@ class LogPane(Vertical):
     def compose(self) -> ComposeResult:
         yield TextLine("", id="log-status")
         yield LogTail(self.model.max_lines, id="log-tail")
+        # After the tail in focus order (a hidden box must not take the first focus), docked to the top row.
         yield Input(placeholder="filter the log (Enter applies, Esc cancels, empty shows all)", id="log-filter")
 
     @property
@@ -318,12 +326,16 @@ class LogPane(Vertical):
     def open_filter(self) -> None:
         box = self.query_one("#log-filter", Input)
         box.value = self.tail.filter_text
-        box.add_class("-visible")
+        self.add_class("-filtering")
         box.focus()
 
+    @property
+    def filtering(self) -> bool:
+        """The filter box is open."""
+        return self.has_class("-filtering")
+
     def apply_filter(self, text: str) -> None:
-        box = self.query_one("#log-filter", Input)
-        box.remove_class("-visible")
+        self.remove_class("-filtering")
         self.tail.show_lines(self.model.matching(text), text)
         self.tail.focus()
         self._refresh_status()
@@ -334,9 +346,8 @@ class LogPane(Vertical):
 
     def on_key(self, event: object) -> None:
         key = getattr(event, "key", None)
-        box = self.query_one("#log-filter", Input)
-        if key == "escape" and box.has_class("-visible"):
-            box.remove_class("-visible")
+        if key == "escape" and self.filtering:
+            self.remove_class("-filtering")
             self.tail.focus()
             getattr(event, "stop", lambda: None)()
 
