@@ -20,6 +20,7 @@ from tui.cli_common import (
     err,
     run_async,
 )
+from tui.session import ConnectError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         err(f"specdec-tui {args.subcommand}: error: {exc}")
         return EXIT_USAGE
+    except ConnectError as exc:  # raised before any connection (a passphrase prompt that got no right answer)
+        err(exc.message)
+        return exc.exit_code
     except BrokenPipeError:
         return EXIT_FAILED
 

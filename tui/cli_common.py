@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
@@ -73,6 +75,45 @@ def common_parser() -> argparse.ArgumentParser:
     return p
 
 
+PASSPHRASE_TRIES = 3  # as ssh
+
+
+def identity_passphrase(args: argparse.Namespace) -> str | None:
+    """The passphrase of a passphrase-protected ``--identity``, asked for on the terminal (without echo) and checked
+    against the key before any connection, as ssh does; asked once per command. None when the key has none, or when
+    there is no terminal to ask on (the connection then fails with a sentence that says what to do). Raises
+    ConnectError after three wrong answers or none."""
+    cached = getattr(args, "_identity_passphrase", None)
+    if cached is not None or not getattr(args, "identity", None):
+        return cached
+    import asyncssh
+
+    path = os.path.expanduser(args.identity)
+    try:
+        asyncssh.read_private_key(path)
+        return None  # not encrypted
+    except (OSError, asyncssh.KeyEncryptionError):
+        return None  # missing or unreadable: the transport says so
+    except asyncssh.KeyImportError as exc:
+        if "passphrase" not in str(exc).lower() or not (sys.stdin.isatty() and sys.stderr.isatty()):
+            return None
+    for _ in range(PASSPHRASE_TRIES):
+        try:
+            typed = getpass.getpass(f"Enter passphrase for key '{args.identity}': ", stream=sys.stderr)
+        except (EOFError, KeyboardInterrupt):
+            message = f"\nno passphrase given for {args.identity}; nothing was started"
+            raise ConnectError(message, retryable=False) from None
+        try:
+            asyncssh.read_private_key(path, typed)
+        except (asyncssh.KeyEncryptionError, asyncssh.KeyImportError):
+            err("Incorrect passphrase.")
+            continue
+        args._identity_passphrase = typed
+        return typed
+    message = f"{args.identity}: {PASSPHRASE_TRIES} incorrect passphrases; nothing was started"
+    raise ConnectError(message, retryable=False)
+
+
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
     return ConnectOptions(
         pct=args.pct,
@@ -86,6 +127,7 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
         keepalive_s=15.0,
         profile=args.profile,
         config=args.config,
+        passphrase=identity_passphrase(args) if args.target != "local" else None,
     )
 
 

@@ -16,7 +16,7 @@ import re
 import shlex
 import sys
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ class ConnectOptions:
     keepalive_s: float = 15.0
     profile: str | None = None
     config: str | None = None
+    passphrase: str | None = field(default=None, repr=False)  # of --identity, typed at a prompt; never shown
 
 
 @dataclass(frozen=True)
@@ -511,6 +512,8 @@ class SshTransport(Transport):
             if not os.path.isfile(path):
                 raise ConnectError(f"identity file {path} does not exist (-i/--identity)")
             kw["client_keys"] = [path]
+            if self.opts.passphrase is not None:
+                kw["passphrase"] = self.opts.passphrase
         try:
             files, _ = _known_hosts_files(self.opts, self.target.host)
         except asyncssh.ConfigParseError as exc:
@@ -556,8 +559,8 @@ class SshTransport(Transport):
         except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as exc:
             key = self.opts.identity or "a default key (~/.ssh/id_*)"
             hint = (
-                f"it is passphrase-protected: load it into ssh-agent (ssh-add {self.opts.identity or '<key>'}) "
-                "and connect without -i, or use a key without a passphrase"
+                f"it is passphrase-protected: run the command on a terminal to be asked for the passphrase, "
+                f"or load the key into ssh-agent (ssh-add {self.opts.identity or '<key>'}) and connect without -i"
                 if "passphrase" in str(exc).lower() or isinstance(exc, asyncssh.KeyEncryptionError)
                 else "it is not a private key asyncssh can read"
             )

@@ -491,6 +491,83 @@ def test_user_known_hosts_file_none_trusts_no_key(sshd: Any, cli: Callable[..., 
     assert "UserKnownHostsFile none" in r.stderr and "refusing to connect" in r.stderr
 
 
+def run_on_terminal(argv: list[str], answers: list[tuple[bytes, bytes]], timeout_s: float = 60.0) -> tuple[int, str]:
+    """Run ARGV with a pseudo-terminal as its controlling terminal; each time the output shows the next prompt of
+    ANSWERS, type its answer. Returns (exit status, everything the terminal showed)."""
+    import fcntl
+    import termios
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    master, slave = os.openpty()
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(
+        argv,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        cwd=str(repo),
+        start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # the pty becomes the new session's terminal
+    )
+    os.close(slave)
+    shown = b""
+    typed = 0
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            shown += chunk
+            # answer i goes in once its prompt has appeared one more time than the answers before it that share it
+            while typed < len(answers) and shown.count(answers[typed][0]) > sum(
+                1 for prompt, _ in answers[:typed] if prompt == answers[typed][0]
+            ):
+                os.write(master, answers[typed][1])
+                typed += 1
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic())), shown.decode("utf-8", "replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
+def locked_copy(identity: Path, tmp_path: Path, passphrase: str) -> Path:
+    """The authorized key, re-encrypted with PASSPHRASE (the server accepts it; the client must decrypt it)."""
+    key = tmp_path / "id_locked"
+    key.write_bytes(identity.read_bytes())
+    key.chmod(0o600)
+    subprocess.run(["ssh-keygen", "-q", "-p", "-P", "", "-N", passphrase, "-f", str(key)], check=True)
+    return key
+
+
+def test_passphrase_is_asked_on_a_terminal_checked_and_never_shown(sshd: Any, run_root: Path, tmp_path: Path) -> None:
+    key = locked_copy(sshd.identity, tmp_path, "correct horse")
+    prompt = f"Enter passphrase for key '{key}': ".encode()
+    argv = [sys.executable, "-m", "tui", "status", sshd.target, *sshd.args(identity=key), "--run-root", str(run_root)]
+    rc, shown = run_on_terminal([*argv, "--json"], [(prompt, b"battery staple\n"), (prompt, b"correct horse\n")])
+    assert rc == 0, shown
+    assert shown.count("Enter passphrase for key") == 2 and "Incorrect passphrase." in shown
+    assert f'"run_root": "{run_root}"' in shown
+    assert "correct horse" not in shown and "battery staple" not in shown  # no echo, never printed
+
+
+def test_three_wrong_passphrases_exit_3_before_connecting(sshd: Any, tmp_path: Path) -> None:
+    key = locked_copy(sshd.identity, tmp_path, "correct horse")
+    prompt = f"Enter passphrase for key '{key}': ".encode()
+    argv = [sys.executable, "-m", "tui", "status", sshd.target, *sshd.args(identity=key)]
+    rc, shown = run_on_terminal(argv, [(prompt, b"no\n"), (prompt, b"nope\n"), (prompt, b"still no\n")])
+    assert rc == 3, shown
+    assert shown.count("Incorrect passphrase.") == 3 and "3 incorrect passphrases; nothing was started" in shown
+    assert "Traceback" not in shown
+
+
 def test_passphrase_protected_identity_exits_3_with_a_sentence(
     sshd: Any, cli: Callable[..., Any], tmp_path: Path
 ) -> None:
