@@ -518,6 +518,8 @@ class SshTransport(Transport):
             files, _ = _known_hosts_files(self.opts, self.target.host)
         except asyncssh.ConfigParseError as exc:
             raise ConnectError(f"{self.display}: ~/.ssh/config cannot be read: {exc}", retryable=False) from None
+        except ValueError as exc:  # an option asyncssh refuses (a bad port in the config, ...)
+            raise ConnectError(f"{self.display}: bad SSH settings: {exc}", retryable=False) from None
         if self.opts.known_hosts and not os.path.isfile(files[0]):
             raise ConnectError(f"known_hosts file {files[0]} does not exist (--known-hosts)")
         # Explicit, never None (no checking) and never empty: asyncssh reads an empty value (b"", [], ()) as
