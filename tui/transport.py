@@ -472,6 +472,22 @@ def _known_hosts_files(opts: ConnectOptions, host: str) -> tuple[list[str], str 
     return [p for p in (os.path.expanduser(n) for n in named) if os.path.isfile(p)], named[0]
 
 
+def _config_identity_is_locked(host: str) -> bool:
+    """Whether ~/.ssh/config names an IdentityFile for HOST that needs a passphrase (asyncssh skips such keys)."""
+    import asyncssh
+
+    path = Path("~/.ssh/config").expanduser()
+    if not os.access(path, os.R_OK):
+        return False
+    try:
+        asyncssh.SSHClientConnectionOptions(host=host, config=[str(path)], ignore_encrypted=False, agent_path=None)
+    except asyncssh.KeyImportError as exc:
+        return "passphrase" in str(exc).lower()
+    except (OSError, ValueError, asyncssh.Error):
+        return False
+    return False
+
+
 def shell_path(path: str) -> str:
     """PATH for a shell command line: quoted, but a leading ``~/`` left for the shell to expand."""
     return "~/" + shlex.quote(path[2:]) if path.startswith("~/") and len(path) > 2 else shlex.quote(path)
@@ -549,9 +565,14 @@ class SshTransport(Transport):
         except asyncssh.PermissionDenied as exc:
             who = self.target.user or "(default user)"
             keys = self.opts.identity or "the default keys (~/.ssh/id_*, ssh-agent)"
+            advice = "Check the user name and that the public key is in the host's authorized_keys."
+            if not self.opts.identity and _config_identity_is_locked(self.target.host):
+                advice = (
+                    "The IdentityFile that ~/.ssh/config names for this host is passphrase-protected and was skipped: "
+                    "load it into ssh-agent (ssh-add <key>), or pass it with -i to be asked for its passphrase."
+                )
             raise ConnectError(
-                f"{self.display}: authentication failed for user {who} with {keys}: {exc.reason}.\n"
-                f"Check the user name and that the public key is in the host's authorized_keys.",
+                f"{self.display}: authentication failed for user {who} with {keys}: {exc.reason}.\n{advice}",
                 retryable=False,
             ) from None
         except (asyncio.TimeoutError, TimeoutError):
@@ -560,9 +581,14 @@ class SshTransport(Transport):
             ) from None
         except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as exc:
             key = self.opts.identity or "a default key (~/.ssh/id_*)"
+            remedy = (
+                f"run the command on a terminal to be asked for the passphrase, or load the key into ssh-agent "
+                f"(ssh-add {self.opts.identity}) and connect without -i"
+                if self.opts.identity
+                else "load it into ssh-agent (ssh-add <key>), or pass it with -i to be asked for its passphrase"
+            )
             hint = (
-                f"it is passphrase-protected: run the command on a terminal to be asked for the passphrase, "
-                f"or load the key into ssh-agent (ssh-add {self.opts.identity or '<key>'}) and connect without -i"
+                f"it is passphrase-protected: {remedy}"
                 if "passphrase" in str(exc).lower() or isinstance(exc, asyncssh.KeyEncryptionError)
                 else "it is not a private key asyncssh can read"
             )

@@ -568,6 +568,25 @@ def test_three_wrong_passphrases_exit_3_before_connecting(sshd: Any, tmp_path: P
     assert "Traceback" not in shown
 
 
+def test_passphrase_protected_identity_file_from_ssh_config_says_what_to_do(
+    sshd: Any, cli: Callable[..., Any], tmp_path: Path
+) -> None:
+    key = locked_copy(sshd.identity, tmp_path, "correct horse")
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-box-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n  IdentityFile {key}\n"
+    )
+    r = cli(
+        "status", "gpu-box-alias", "--known-hosts", str(sshd.known_hosts), "--python", sys.executable,
+        env={"HOME": str(home), "SSH_AUTH_SOCK": ""},
+    )  # fmt: skip
+    assert r.returncode == 3, r.output
+    assert "Traceback" not in r.output and "correct horse" not in r.output
+    assert "~/.ssh/config names for this host is passphrase-protected" in r.stderr, r.stderr
+    assert "ssh-add" in r.stderr and "pass it with -i to be asked for its passphrase" in r.stderr
+
+
 def test_passphrase_protected_identity_exits_3_with_a_sentence(
     sshd: Any, cli: Callable[..., Any], tmp_path: Path
 ) -> None:
