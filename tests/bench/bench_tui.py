@@ -244,12 +244,15 @@ def bench_terminal(rate: int, burst_s: float) -> list[float]:
     cols, rows = 140, 44
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-    report = Path(tempfile.mkdtemp(prefix="specdec-bench-term-")) / "report.json"
+    work = Path(tempfile.mkdtemp(prefix="specdec-bench-term-"))
+    report = work / "report.json"
+    run_root = work / "runs"
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": str(cols), "LINES": str(rows)}
     env.setdefault("SPECDEC_TMUX_SOCKET", f"specdec-bench-{os.getpid()}")
     env.setdefault("SPECDEC_TUI_CONFIG_DIR", tempfile.mkdtemp(prefix="specdec-bench-cfg-"))
+    argv = [sys.executable, __file__, "--terminal-child", str(report), "--run-root", str(run_root)]
     child = subprocess.Popen(
-        [sys.executable, __file__, "--terminal-child", str(report), "--rate", str(rate), "--burst-s", str(burst_s)],
+        [*argv, "--rate", str(rate), "--burst-s", str(burst_s)],
         stdin=slave,
         stdout=slave,
         stderr=slave,
@@ -318,6 +321,13 @@ def bench_terminal(rate: int, burst_s: float) -> list[float]:
             child.kill()
             child.wait()
         os.close(master)
+        # Whatever happened to the child, the burst job it launched (it sleeps after the burst) does not outlive this.
+        from engine.supervisor import records
+
+        run_dir = records.current_run_dir(run_root)
+        if run_dir is not None:
+            kill_run({"run_dir": str(run_dir)})
+        subprocess.run(["tmux", "-L", env["SPECDEC_TMUX_SOCKET"], "kill-server"], capture_output=True, check=False)
     got = json.loads(report.read_text()) if report.exists() else {}
     for key, what in ((b"?", "help screen"), (b"/", "filter box ")):
         for phase, values in (("idle", idle[key]), (f"under {rate} lines/s", burst[key])):
@@ -343,15 +353,15 @@ def bench_terminal(rate: int, burst_s: float) -> list[float]:
     return both
 
 
-def terminal_child(report: Path, rate: int, burst_s: float) -> None:
-    """The dashboard as run_dashboard runs it (real Linux driver on this process's terminal), then a report."""
+def terminal_child(report: Path, rate: int, burst_s: float, run_root: Path) -> None:
+    """The dashboard as run_dashboard builds it (real Linux driver on this process's terminal; on_connect "none":
+    the benchmark presses l), then a report of its log model."""
     import json
 
     from tui.session import open_session
     from tui.transport import ConnectOptions
 
-    root = tempfile.mkdtemp(prefix="specdec-bench-")
-    session = open_session("local", ConnectOptions(run_root=root, simulate_gpus=2, python=sys.executable))
+    session = open_session("local", ConnectOptions(run_root=str(run_root), simulate_gpus=2, python=sys.executable))
     profile = {"name": "burst", "command": [sys.executable, "-c", BURST, str(rate), str(burst_s)]}
     app = DashboardApp(session, profile=profile, on_connect="none", tune_gc=True)
     app.run()
@@ -460,9 +470,10 @@ def main() -> None:
     parser.add_argument("--no-headless", action="store_true", help="skip the headless part")
     parser.add_argument("--repeat", type=int, default=1, help="run the terminal part N times and pool the key figures")
     parser.add_argument("--terminal-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--run-root", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.terminal_child:
-        terminal_child(ns.terminal_child, ns.rate, ns.burst_s)
+        terminal_child(ns.terminal_child, ns.rate, ns.burst_s, ns.run_root)
         return
     if ns.ssh:
         asyncio.run(bench_ssh())
