@@ -24,6 +24,9 @@ from engine.agent.commands import HANDLERS, CommandError, handler
 STATE_CHANGING_COMMANDS = frozenset({"launch", "stop", "kill_stale", "restart"})
 # How long, at stdin EOF, the agent waits for those to finish before exiting anyway.
 FINISH_ON_EOF_S = 30.0
+# Every other command answered before exit too (a client may write commands and close stdin at once, as
+# `printf ... | agent` does); streams and waits end as soon as stopping is set, so this bound is rarely reached.
+REPLY_ON_EOF_S = 5.0
 
 
 def default_run_root() -> Path:
@@ -58,6 +61,7 @@ class Agent:
         self.extras: dict[str, Any] = {}
         self.bad_lines = 0
         self._in_flight: set[threading.Thread] = set()  # state-changing commands still running
+        self._running: set[threading.Thread] = set()  # every command still running
         self._in_flight_lock = threading.Lock()
 
     def emit(self, msg: dict[str, Any]) -> None:
@@ -113,17 +117,19 @@ class Agent:
             )
             return
         th = threading.Thread(target=self._run, args=(fn, cmd_id, cmd, args), name=f"cmd-{cmd}", daemon=True)
-        if cmd in STATE_CHANGING_COMMANDS:
-            with self._in_flight_lock:
+        with self._in_flight_lock:
+            self._running.add(th)
+            if cmd in STATE_CHANGING_COMMANDS:
                 self._in_flight.add(th)
         th.start()
 
-    def finish_in_flight(self, timeout_s: float = FINISH_ON_EOF_S) -> list[str]:
-        """Wait (bounded) for the state-changing commands still running; the names of those that did not finish."""
+    def finish_in_flight(self, timeout_s: float = FINISH_ON_EOF_S, *, every: bool = False) -> list[str]:
+        """Wait (bounded) for the state-changing commands still running (``every``: all commands); the names of those
+        that did not finish."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._in_flight_lock:
-                pending = [t for t in self._in_flight if t.is_alive()]
+                pending = [t for t in (self._running if every else self._in_flight) if t.is_alive()]
             if not pending:
                 return []
             left = deadline - time.monotonic()
@@ -137,6 +143,7 @@ class Agent:
         finally:
             with self._in_flight_lock:
                 self._in_flight.discard(threading.current_thread())
+                self._running.discard(threading.current_thread())
 
     def _call(self, fn: Any, cmd_id: int | None, cmd: str, args: dict[str, Any]) -> None:
         try:
@@ -177,6 +184,7 @@ class Agent:
         if unfinished:
             names = ", ".join(unfinished)
             sys.stderr.write(f"specdec-agent: exiting with {names} unfinished after {FINISH_ON_EOF_S:g} s\n")
+        self.finish_in_flight(REPLY_ON_EOF_S, every=True)  # the replies of commands sent just before EOF
         return 0
 
 

@@ -372,3 +372,26 @@ def test_resume_offsets_of_an_older_run_do_not_skip_the_new_runs_events(agent: A
     assert protocol.decode_log_data(data["data"]) == b"new output\n"
     first = agent.next_event(lambda e: e["ev"] == "engine", what="first engine event")
     assert first["event"]["stage"] == "s0" and first["run_id"] == "run-new"
+
+
+def test_commands_written_just_before_eof_are_all_answered(tmp_path: Path) -> None:
+    """`printf '<commands>' | agent`: the agent answers every command before it exits (it used to exit at EOF with
+    the status reply, and often the ping's, still unwritten)."""
+    commands = b"".join(
+        json.dumps({"id": i, "cmd": cmd, "args": {}}).encode() + b"\n"
+        for i, cmd in enumerate(["ping", "status", "ping", "status"], start=1)
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.agent.main", "--simulate-gpus", "2", "--run-root", str(tmp_path)],
+        input=commands,
+        capture_output=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    replies = {e["id"]: e for e in map(protocol.parse_event, done.stdout.splitlines()) if e["ev"] == "reply"}
+    assert sorted(replies) == [1, 2, 3, 4]
+    assert all(r["ok"] for r in replies.values())
+    assert replies[2]["result"]["simulated"] is True and len(replies[2]["result"]["gpus"]) == 2
