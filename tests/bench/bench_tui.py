@@ -68,21 +68,43 @@ async def frame_after(app: DashboardApp) -> None:
     await done
 
 
-def kill_run(run: dict[str, Any]) -> None:
-    """End the run the benchmark started: the job's and the wrapper's process groups (launch.json)."""
+def end_run(run_dir: str | Path | None, tmux_socket: str) -> None:
+    """End what the benchmark started: the run's job and wrapper process groups (launch.json), then the private
+    tmux server it ran under."""
     import contextlib
     import signal
+    import subprocess
 
     from engine.supervisor import records
 
-    if not run.get("run_dir"):
-        return
-    launch = records.read_json(Path(run["run_dir"]) / records.LAUNCH_JSON) or {}
+    launch = (records.read_json(Path(run_dir) / records.LAUNCH_JSON) or {}) if run_dir else {}
     for key in ("job_pgid", "pgid"):
         pgid = launch.get(key)
         if isinstance(pgid, int) and pgid > 1:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
+    subprocess.run(["tmux", "-L", tmux_socket, "kill-server"], capture_output=True, check=False)
+
+
+def burst_written(lines: Any) -> int | None:
+    """How many lines the burst says it wrote (its last line, ``BURST DONE N``); None before it ends."""
+    for line in reversed(lines):
+        if line.startswith("BURST DONE"):
+            return int(line.split()[-1])
+    return None
+
+
+async def first_frame_and_samples(
+    app: DashboardApp, pilot: Any, t_start: float, samples: int, timeout_s: float
+) -> tuple[float, list[float]]:
+    """Seconds from T_START to the first full frame (header, GPU rows, process pane), then the latency of the next
+    SAMPLES GPU samples from their host time stamp to the frame that shows them."""
+    await wait(pilot, lambda: app.query("#gpu-row-1") and app.state.procs is not None, timeout_s, "first frame")
+    await frame_after(app)
+    first_frame_s = time.monotonic() - t_start
+    app.sample_latency_ms.clear()
+    await wait(pilot, lambda: len(app.sample_latency_ms) >= samples, timeout_s, f"{samples} GPU samples on screen")
+    return first_frame_s, list(app.sample_latency_ms)
 
 
 async def wait(pilot: Any, predicate: Any, timeout_s: float, what: str) -> None:
@@ -121,12 +143,7 @@ async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
     proc = psutil.Process()
     try:
         async with app.run_test(size=(140, 44)) as pilot:
-            await wait(pilot, lambda: app.query("#gpu-row-1") and app.state.procs is not None, 30, "first frame")
-            await frame_after(app)
-            first_frame_s = time.monotonic() - t_start
-            app.sample_latency_ms.clear()
-            await wait(pilot, lambda: len(app.sample_latency_ms) >= 50, 30, "50 GPU samples on screen")
-            idle_latency = list(app.sample_latency_ms)
+            first_frame_s, idle_latency = await first_frame_and_samples(app, pilot, t_start, 50, 30)
             rss_before = proc.memory_info().rss / 2**20
 
             if pin:
@@ -144,15 +161,10 @@ async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
                 await asyncio.sleep(0.2)
             burst_latency = list(app.sample_latency_ms)
 
-            def done_line() -> str | None:
-                for line in reversed(app.state.log.lines):
-                    if line.startswith("BURST DONE"):
-                        return line
-                return None
-
-            await wait(pilot, lambda: done_line() is not None, 120, "the end of the burst in the log model")
+            ended = lambda: burst_written(app.state.log.lines) is not None  # noqa: E731
+            await wait(pilot, ended, 120, "the end of the burst in the log model")
             drain_s = time.monotonic() - burst_t0 - burst_s
-            written = int((done_line() or "BURST DONE 0").split()[-1])
+            written = burst_written(app.state.log.lines) or 0
             model = app.state.log
             received = model.total_lines - model.marker_lines - 1  # minus markers and the DONE line
             ring_ok = all(
@@ -164,10 +176,7 @@ async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
             await pilot.pause()
     finally:
         await session.close()
-    kill_run(run)
-    import subprocess
-
-    subprocess.run(["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "kill-server"], capture_output=True, check=False)
+    end_run(run.get("run_dir"), os.environ["SPECDEC_TMUX_SOCKET"])
 
     print(f"first full frame (local, headless)      {first_frame_s * 1000:8.0f} ms      (goal <= 1500)")
     print(
@@ -324,10 +333,7 @@ def bench_terminal(rate: int, burst_s: float) -> list[float]:
         # Whatever happened to the child, the burst job it launched (it sleeps after the burst) does not outlive this.
         from engine.supervisor import records
 
-        run_dir = records.current_run_dir(run_root)
-        if run_dir is not None:
-            kill_run({"run_dir": str(run_dir)})
-        subprocess.run(["tmux", "-L", env["SPECDEC_TMUX_SOCKET"], "kill-server"], capture_output=True, check=False)
+        end_run(records.current_run_dir(run_root), env["SPECDEC_TMUX_SOCKET"])
     got = json.loads(report.read_text()) if report.exists() else {}
     for key, what in ((b"?", "help screen"), (b"/", "filter box ")):
         for phase, values in (("idle", idle[key]), (f"under {rate} lines/s", burst[key])):
@@ -366,23 +372,18 @@ def terminal_child(report: Path, rate: int, burst_s: float, run_root: Path) -> N
     app = DashboardApp(session, profile=profile, on_connect="none", tune_gc=True)
     app.run()
     model = app.state.log
-    done = next((line for line in reversed(model.lines) if line.startswith("BURST DONE")), None)
-    written = int(done.split()[-1]) if done else -1
+    written = burst_written(model.lines)
     report.write_text(
         json.dumps(
             {
-                "written": written,
-                "received": model.total_lines - model.marker_lines - (1 if done else 0),
+                "written": -1 if written is None else written,
+                "received": model.total_lines - model.marker_lines - (0 if written is None else 1),
                 "gap_bytes": model.gap_bytes,
                 "duplicate_bytes": model.duplicate_bytes,
                 "flushes": app.flushes,
             }
         )
-    )
-    kill_run(app.state.run or {})
-    import subprocess
-
-    subprocess.run(["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "kill-server"], capture_output=True, check=False)
+    )  # the parent (bench_terminal) ends the run and its tmux server
 
 
 async def bench_ssh() -> None:
@@ -409,12 +410,7 @@ async def bench_ssh() -> None:
         app = DashboardApp(session, gpu_interval_s=0.1)
         try:
             async with app.run_test(size=(140, 44)) as pilot:
-                await wait(pilot, lambda: app.query("#gpu-row-1") and app.state.procs is not None, 60, "first frame")
-                await frame_after(app)
-                first_frame_s = time.monotonic() - t_start
-                app.sample_latency_ms.clear()
-                await wait(pilot, lambda: len(app.sample_latency_ms) >= 100, 60, "100 GPU samples on screen")
-                latency = list(app.sample_latency_ms)
+                first_frame_s, latency = await first_frame_and_samples(app, pilot, t_start, 100, 60)
                 await pilot.press("q")
                 await pilot.pause()
         finally:
@@ -449,10 +445,7 @@ async def screenshot(path: Path, settle_s: float) -> None:
             await pilot.press("q")
     finally:
         await session.close()
-    kill_run(run)
-    import subprocess
-
-    subprocess.run(["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "kill-server"], capture_output=True, check=False)
+    end_run(run.get("run_dir"), os.environ["SPECDEC_TMUX_SOCKET"])
     print(f"saved {path}")
 
 
