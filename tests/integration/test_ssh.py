@@ -430,33 +430,28 @@ def test_kill_stale_yes_over_ssh_lists_then_signals_only_the_stand_in_holder(
         device.unlink()
 
 
-def test_host_alias_from_ssh_config_is_honoured(
-    sshd: Any, cli: Callable[..., Any], run_root: Path, tmp_path: Path
-) -> None:
-    # A private HOME, so the ~/.ssh/config read here is the test's, never the user's.
+def ssh_home(tmp_path: Path, sshd: Any, extra: str = "", identity: Path | None = None) -> Path:
+    """A private HOME (so the ~/.ssh/config read is the test's, never the user's) whose config has the alias
+    gpu-box-alias for the test sshd, with IDENTITY (default: the authorized key) and EXTRA lines."""
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
     (home / ".ssh" / "config").write_text(
         f"Host gpu-box-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
-        f"  IdentityFile {sshd.identity}\n"
+        f"  IdentityFile {identity or sshd.identity}\n{extra}"
     )
+    return home
+
+
+def test_host_alias_from_ssh_config_is_honoured(
+    sshd: Any, cli: Callable[..., Any], run_root: Path, tmp_path: Path
+) -> None:
+    home = ssh_home(tmp_path, sshd)
     r = cli(
         "status", "gpu-box-alias", "--known-hosts", str(sshd.known_hosts), "--python", sys.executable,
         "--run-root", str(run_root), "--json", env={"HOME": str(home)},
     )  # fmt: skip
     assert r.returncode == 0, r.output
     assert json.loads(r.stdout)["host"]["run_root"] == str(run_root)
-
-
-def ssh_home(tmp_path: Path, sshd: Any, extra: str) -> Path:
-    """A private HOME whose ~/.ssh/config has the alias gpu-box-alias for the test sshd, plus EXTRA lines."""
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    (home / ".ssh" / "config").write_text(
-        f"Host gpu-box-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
-        f"  IdentityFile {sshd.identity}\n{extra}"
-    )
-    return home
 
 
 def test_user_known_hosts_file_from_ssh_config_is_honoured(
@@ -571,12 +566,7 @@ def test_three_wrong_passphrases_exit_3_before_connecting(sshd: Any, tmp_path: P
 def test_passphrase_protected_identity_file_from_ssh_config_says_what_to_do(
     sshd: Any, cli: Callable[..., Any], tmp_path: Path
 ) -> None:
-    key = locked_copy(sshd.identity, tmp_path, "correct horse")
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    (home / ".ssh" / "config").write_text(
-        f"Host gpu-box-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n  IdentityFile {key}\n"
-    )
+    home = ssh_home(tmp_path, sshd, identity=locked_copy(sshd.identity, tmp_path, "correct horse"))
     r = cli(
         "status", "gpu-box-alias", "--known-hosts", str(sshd.known_hosts), "--python", sys.executable,
         env={"HOME": str(home), "SSH_AUTH_SOCK": ""},
