@@ -80,15 +80,19 @@ PASSPHRASE_TRIES = 3  # as ssh
 
 def identity_passphrase(args: argparse.Namespace) -> str | None:
     """The passphrase of a passphrase-protected ``--identity``, asked for on the terminal (without echo) and checked
-    against the key before any connection, as ssh does; asked once per command. None when the key has none, or when
-    there is no terminal to ask on (the connection then fails with a sentence that says what to do). Raises
-    ConnectError after three wrong answers or none."""
-    cached = getattr(args, "_identity_passphrase", None)
-    if cached is not None or not getattr(args, "identity", None):
-        return cached
+    against the key before any connection, as ssh does. Worked out once per command (the dashboard builds its
+    options twice). None when the key has none, or when there is no terminal to ask on (the connection then fails
+    with a sentence that says what to do). Raises ConnectError after three wrong answers or none."""
+    if not hasattr(args, "_identity_passphrase"):
+        identity = getattr(args, "identity", None)
+        args._identity_passphrase = _ask_passphrase(identity) if identity else None
+    return args._identity_passphrase
+
+
+def _ask_passphrase(identity: str) -> str | None:
     import asyncssh
 
-    path = os.path.expanduser(args.identity)
+    path = os.path.expanduser(identity)
     try:
         asyncssh.read_private_key(path)
         return None  # not encrypted
@@ -99,19 +103,16 @@ def identity_passphrase(args: argparse.Namespace) -> str | None:
             return None
     for _ in range(PASSPHRASE_TRIES):
         try:
-            typed = getpass.getpass(f"Enter passphrase for key '{args.identity}': ", stream=sys.stderr)
+            typed = getpass.getpass(f"Enter passphrase for key '{identity}': ", stream=sys.stderr)
         except (EOFError, KeyboardInterrupt):
-            message = f"\nno passphrase given for {args.identity}; nothing was started"
-            raise ConnectError(message, retryable=False) from None
+            raise ConnectError(f"\nno passphrase given for {identity}; nothing was started", retryable=False) from None
         try:
             asyncssh.read_private_key(path, typed)
         except (asyncssh.KeyEncryptionError, asyncssh.KeyImportError):
             err("Incorrect passphrase.")
             continue
-        args._identity_passphrase = typed
         return typed
-    message = f"{args.identity}: {PASSPHRASE_TRIES} incorrect passphrases; nothing was started"
-    raise ConnectError(message, retryable=False)
+    raise ConnectError(f"{identity}: {PASSPHRASE_TRIES} incorrect passphrases; nothing was started", retryable=False)
 
 
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
