@@ -53,6 +53,8 @@ class EngineConfig:
     batch_size: int = 1
     draft_vocab_size: int = 128
     vocab_sample_batches: int = 256
+    # Conversations held out of training (a seeded choice, engine/trainer/holdout.py) for measuring acceptance.
+    eval_holdout: int = 32
     ttt_steps: int = 3
     lr: float = 1e-3
     drafter_lrs: list[float] | None = None  # independent mode: one learning rate per drafter (a sweep)
@@ -134,6 +136,7 @@ class EngineConfig:
                 f"one positive learning rate per drafter device ({len(self.drafter_devices)})",
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
+        need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
         need(self.vocab_sample_batches >= 1, "vocab_sample_batches", "an integer >= 1")
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
