@@ -79,6 +79,8 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "stalled_run",
     "dead_thread",
     "disk_full",  # the run root's filesystem is (nearly) full: records and log cannot be written
+    "compile_fallback",  # a compiled function hit dynamo's recompile limit and runs eagerly
+    "recompile",  # a compiled function compiled a new graph after its thread's warm-up
 )
 
 # Run states as reported in RunInfo.state.
@@ -117,6 +119,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "thread_error",
     "checkpoint",
     "run_end",
+    "compile",  # a recompile after warm-up or a fallback to eager (what, function, thread, graphs, limit)
 )
 
 # Environment variables the supervisor sets for the job (the engine writes its events there).

@@ -19,14 +19,15 @@ from typing import Any
 import torch
 
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.compile import GuardedFunction, set_guard_enabled
+from engine.trainer.compile import GuardedFunction, recompile_limit_for, set_guard_enabled, set_recompile_limit
 from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
 from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
 from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.health import HealthBoard
-from engine.trainer.metrics import EventLog, events_path_for
+from engine.trainer.loss import loss_function
+from engine.trainer.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.producer import DeviceBatch, Producer, Route
 from engine.trainer.queue import BoundedQueue
 from engine.trainer.target import Target, load_target, load_tokenizer
@@ -97,6 +98,8 @@ class Engine:
         ddevs = [torch.device(d) for d in cfg.drafter_devices]
         if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
             raise RuntimeError("the config names CUDA devices but torch.cuda.is_available() is False")
+        set_recompile_limit(recompile_limit_for(cfg.ttt_steps, len(cfg.buckets), len(ddevs)))
+        on_compile = compile_listener(self.events)
         attn_impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
         if attn_impl == "flex" and any(d.type == "cpu" for d in ddevs):
             raise RuntimeError("attention = 'flex' needs CUDA drafters (flex_attention has no CPU backward)")
@@ -117,6 +120,8 @@ class Engine:
             )
             if cfg.compile and cfg.compile_target and dev.type == "cuda":
                 target.compile()
+            for fn in target.compiled_functions():
+                fn.listeners.append(on_compile)
             self.targets.append(target)
             self.events.stage(
                 "target_loaded",
@@ -156,6 +161,8 @@ class Engine:
         compiled = cfg.compile and ddevs[0].type == "cuda"
         attention = TTTAttention(attn_impl, compiled=compiled)
         step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
+        for fn in [step_fn, *attention.compiled_functions()]:
+            fn.listeners.append(on_compile)
         for rank, dev in enumerate(ddevs):
             embed = next((t.embed_weight() for t in self.targets if t.device == dev), None)
             if embed is None:
@@ -163,7 +170,9 @@ class Engine:
             seed = cfg.seed if replicas else cfg.seed + rank
             with torch.random.fork_rng(devices=[]), torch.device(dev):
                 torch.manual_seed(seed + 7919)
-                drafter = Drafter(dcfg, embed, self.vocab.draft_to_target.to(dev))
+                drafter = Drafter(
+                    dcfg, embed, self.vocab.draft_to_target.to(dev), ttt_rope_offset=cfg.ttt_rope_offset
+                )
             if replicas and first is not None:
                 drafter.load_state_dict(first.state_dict())
             first = first or drafter
@@ -207,6 +216,7 @@ class Engine:
                 index_stride=n if replicas else 1,
                 submit_checkpoint=self._submit(REPLICAS_CHECKPOINT if replicas else name),
                 step_delay_s=cfg.step_delay_s,
+                loss_fn=loss_function(cfg.loss_mean),
             )
             if latest is not None:
                 state_name = REPLICAS_CHECKPOINT if replicas else name

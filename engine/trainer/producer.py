@@ -35,6 +35,7 @@ class DeviceBatch:
     position_mask: torch.Tensor  # (B, T) float32
     ready: Any = None  # torch.cuda.Event recorded after the tensors were written, or None on the CPU
     target_ms: float = 0.0
+    loss_mask: torch.Tensor | None = None  # (B, T) the data's loss mask: the accuracy's denominator (loss.py)
 
     @property
     def tokens(self) -> int:
@@ -44,8 +45,9 @@ class DeviceBatch:
         if self.ready is not None:
             stream = torch.cuda.current_stream()
             stream.wait_event(self.ready)
-            for t in (self.input_ids, self.hidden3, self.target_p, self.position_mask):
-                t.record_stream(stream)
+            for t in (self.input_ids, self.hidden3, self.target_p, self.position_mask, self.loss_mask):
+                if t is not None:
+                    t.record_stream(stream)
 
 
 @dataclass
@@ -124,10 +126,12 @@ class Producer:
         result: list[tuple[Route, DeviceBatch]] = []
         for route in self._destinations(index):
             same = route.device == dev
-            tensors = [ids, out.hidden3, out.target_p, out.position_mask]
+            tensors = [ids, out.hidden3, out.target_p, out.position_mask, out.loss_mask]
             if not same:
                 tensors = [t.to(route.device, non_blocking=True) for t in tensors]
-            batch = DeviceBatch(index, hb.bucket, tensors[0], tensors[1], tensors[2], tensors[3])
+            batch = DeviceBatch(
+                index, hb.bucket, tensors[0], tensors[1], tensors[2], tensors[3], loss_mask=tensors[4]
+            )
             result.append((route, batch))
         ready = None
         if dev.type == "cuda":

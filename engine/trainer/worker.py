@@ -164,6 +164,7 @@ class DrafterWorker:
         step_delay_s: float = 0.0,
         start_step: int = 0,
         step_fn: GuardedFunction | None = None,
+        loss_fn: Callable[..., Any] = soft_cross_entropy,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -182,6 +183,7 @@ class DrafterWorker:
         self.autocast_dtype = autocast_dtype
         # The TTT step (layer, head and loss); compiled on CUDA, shared by the workers of an engine.
         self.step_fn = step_fn if step_fn is not None else GuardedFunction(ttt_step, compiled=compile_step, name="ttt")
+        self.loss_fn = loss_fn  # loss.soft_cross_entropy or its masked-mean variant (config loss_mean)
         self.grad_checkpointing = grad_checkpointing
         self.max_grad_norm = max_grad_norm
         self.log_every = log_every
@@ -221,9 +223,10 @@ class DrafterWorker:
                 batch.position_mask,
                 ttt_steps=self.ttt_steps,
                 attention=self.attention,
-                loss_fn=soft_cross_entropy,
+                loss_fn=self.loss_fn,
                 grad_checkpointing=self.grad_checkpointing,
                 step_fn=self.step_fn,
+                loss_mask=batch.loss_mask,
             )
         return out
 
@@ -240,7 +243,7 @@ class DrafterWorker:
         hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(self.device, self.hidden_dtype)
         target_p = torch.softmax(torch.randn(b, bucket, cfg.draft_vocab_size, generator=g), -1).to(self.device)
         mask = torch.ones(b, bucket).to(self.device)
-        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask)
+        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask, loss_mask=mask)  # the signature trained on
 
     def warm_up(self) -> float:
         """Forward and backward of every bucket under the compile guard (first compiles and block masks)."""
@@ -251,6 +254,8 @@ class DrafterWorker:
                 self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+        self.step_fn.mark_warm()  # a graph compiled in this thread from now on is a recompile (an event)
+        self.attention.mark_warm()
         return time.perf_counter() - t0
 
     def train_step(self, batch: DeviceBatch, fetch_ms: float) -> tuple[StepResult, bool]:
