@@ -281,3 +281,12 @@ def test_recompile_limit_is_sized_from_steps_buckets_and_devices() -> None:
     assert guard.recompile_limit_for(ttt_steps=7, buckets=1, devices=1) == 28  # 7 graphs x 2 grad modes x 2
     assert guard.recompile_limit_for(ttt_steps=3, buckets=2, devices=4) == 96
     assert guard.recompile_limit_for(ttt_steps=1, buckets=1, devices=1) == 8  # a floor for tiny runs
+
+
+def test_help_screen_and_chart_tooltip_say_what_loss_i_and_acc_i_divide_by() -> None:
+    from tui.screens.help import HelpScreen
+    from tui.widgets.charts import CHARTS_TOOLTIP
+
+    for text in (HelpScreen.charts_text(), CHARTS_TOOLTIP):
+        assert "0.8^i" in text and "ALL B x T positions" in text
+        assert "divided by the positions in the data's loss mask" in text
