@@ -207,3 +207,31 @@ def test_corrupt_cache_is_rebuilt_and_says_so(tmp_path: Path) -> None:
     assert not again.cache_hit and any("unusable" in line for line in said), said
     assert torch.equal(again.corpus.ids, first.corpus.ids)
     assert ConversationSource(tok, data, buckets=[64], batch_size=2, seed=0, cache_dir=cache).cache_hit
+
+
+def test_engine_reports_skipped_conversations_in_an_event_and_a_log_line(tmp_path: Path) -> None:
+    import io
+
+    from engine.trainer.config import from_dict
+    from engine.trainer.engine import Engine
+    from engine.trainer.metrics import EventLog
+
+    data = write_jsonl(tmp_path / "d.jsonl", [*marked_corpus(8), [u("only a question")]])
+    cfg = from_dict(
+        {
+            "data": str(data),
+            "buckets": [64],
+            "batch_size": 2,
+            "draft_vocab_size": 32,
+            "eval_holdout": 2,
+            "output_dir": str(tmp_path / "out"),
+        }
+    )
+    said = io.StringIO()
+    events = EventLog(tmp_path / "events.jsonl", stdout=said)
+    seen: list[dict[str, Any]] = []
+    events.listeners.append(seen.append)
+    Engine(cfg, events).build()
+    (ev,) = [e for e in seen if e["kind"] == "stage" and e["stage"] == "data" and "skipped" in e]
+    assert ev["skipped"] == {SKIP_NO_ASSISTANT: 1} and ev["heldout"] == 2 and ev["cached"] is False
+    assert "6 conversations to train on, 2 held out, 1 skipped (no assistant turn: 1)" in said.getvalue()
