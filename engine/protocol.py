@@ -102,8 +102,9 @@ EXIT_HUNG = 4
 
 # Engine events (one JSON object per line of <run_dir>/events.jsonl, written by engine/trainer).
 # Every engine event has "t" (unix time, float) and "kind", one of:
-#   stage         stage: "imports" | "target_loaded" | "warmup" | "training" | "checkpoint" | "stopping" | "done"
-#                 thread: str | None, detail: str
+#   stage         stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping"
+#                 | "done"; thread: str | None, detail: str. The "data" stage's summary event adds skipped
+#                 ({reason: conversations not trained on}), heldout, truncated and cached.
 #   heartbeat     thread, state ("starting" | "warmup" | "training" | "waiting" | "stopped" | "error"),
 #                 step, tok_s, queue_depth, last_exception (str | None)
 #   step          thread, step, loss: [float per TTT position], acc: [float per TTT position],

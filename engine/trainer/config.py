@@ -60,9 +60,13 @@ class EngineConfig:
     buckets: list[int] = field(default_factory=lambda: [256])
     batch_size: int = 1
     draft_vocab_size: int = 128
-    vocab_sample_batches: int = 256
+    # Ignored (still accepted so old configs load): the draft vocabulary now counts every training conversation.
+    vocab_sample_batches: int | None = None
     # Conversations held out of training (a seeded choice, engine/trainer/holdout.py) for measuring acceptance.
     eval_holdout: int = 32
+    # Where tokenized data is cached ("": <output_dir>/data_cache); a restart with the same data, tokenizer,
+    # chat template, longest bucket and held-out split does not tokenize again.
+    data_cache_dir: str = ""
     ttt_steps: int = 3
     # TTT step i rotates with positions arange(T) + i, as served; False only to compare against the old way.
     ttt_rope_offset: bool = True
@@ -149,7 +153,6 @@ class EngineConfig:
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
         need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
-        need(self.vocab_sample_batches >= 1, "vocab_sample_batches", "an integer >= 1")
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
@@ -353,7 +356,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "batch_size": 2,  # measured on the H200: 16.6k tok/s (66.8% MFU) vs 15.0k at batch 1
         "ttt_steps": 7,
         "draft_vocab_size": 32000,
-        "vocab_sample_batches": 8,
         "lr": 1e-4,
         "schedule": "cosine",
         "warmup_steps": 50,

@@ -68,7 +68,7 @@ def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     source = RandomTokenSource(target.vocab_size, buckets=[SEQ], batch_size=1, seed=0)
-    vocab = build_draft_vocab(source, target.vocab_size, DRAFT_VOCAB, 8)
+    vocab = build_draft_vocab(source, target.vocab_size, DRAFT_VOCAB)
     dcfg = DraftConfig.from_target(target.config, vocab.size)
     with torch.device(dev):
         torch.manual_seed(0)
@@ -144,6 +144,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
     from engine.trainer.compile import apply_dynamo_config
     from engine.trainer.control import RunControl
+    from engine.trainer.dispatch import IndexLedger
     from engine.trainer.health import HealthBoard
     from engine.trainer.metrics import EventLog, suggest_split
     from engine.trainer.producer import DeviceBatch
@@ -198,8 +199,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         log_every=1,
         checkpoint_every=0,
         group=None,
-        next_index=0,
-        index_stride=1,
+        ledger=IndexLedger(),
         submit_checkpoint=None,
     )
     warm_s = worker.warm_up()
