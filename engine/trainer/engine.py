@@ -158,6 +158,9 @@ class Engine:
         else:
             draft_size = min(cfg.draft_vocab_size, target0.vocab_size)
             self.vocab = build_draft_vocab(self.source, target0.vocab_size, draft_size)
+            self.events.stage(
+                "data", f"draft vocabulary: the {self.vocab.size} most frequent token ids over the whole training set"
+            )
         if cfg.vocab_sample_batches is not None:
             self.events.say(
                 "warning: vocab_sample_batches is ignored: the draft vocabulary counts every training conversation"
