@@ -293,6 +293,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "steps_seen": len(steps_ev),
         "compile_events": [e for _t, e in got if e["kind"] == "compile"],  # recompiles after warm-up, fallbacks
+        "failures": [e for _t, e in got if e["kind"] in ("thread_error", "run_end") and not e.get("ok", False)],
     }
 
 
