@@ -165,6 +165,10 @@ class GuardedFunction:
         self.listeners: list[CompileListener] = []
         self.events: list[dict[str, Any]] = []
 
+    def graph_count(self) -> int | None:
+        """Graphs dynamo holds for this function's code (None when not compiled or not countable)."""
+        return self._graphs() if self._graphs is not None else None
+
     def mark_warm(self) -> None:
         """From now on a graph compiled in the calling thread is a recompile after warm-up (an event)."""
         with self._seen_lock:

@@ -14,8 +14,8 @@ from engine.agent.anomalies import EngineState, engine_anomalies
 from engine.trainer import compile as guard
 from engine.trainer.config import ConfigError, from_dict
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.model import DraftConfig, Drafter, apply_rotary, rotary_tables
-from engine.trainer.loss import soft_cross_entropy
+from engine.trainer.draft.model import DraftConfig, Drafter, apply_rotary, rotary_tables, ttt_step
+from engine.trainer.loss import soft_cross_entropy, total_loss
 from engine.trainer.metrics import EventLog, compile_listener
 from engine.trainer.target import decoder_layers, default_layer_ids, load_target, tiny_config
 
@@ -290,3 +290,34 @@ def test_help_screen_and_chart_tooltip_say_what_loss_i_and_acc_i_divide_by() -> 
     for text in (HelpScreen.charts_text(), CHARTS_TOOLTIP):
         assert "0.8^i" in text and "ALL B x T positions" in text
         assert "divided by the positions in the data's loss mask" in text
+
+
+def test_compiled_ttt_step_keeps_one_graph_per_step_and_bucket_with_per_step_rope() -> None:
+    # Dynamo with the eager backend (fast on the CPU): the per-step rotary tables are inputs of the compiled
+    # step, so training compiles ttt_steps x buckets graphs during warm-up and none afterwards.
+    torch._dynamo.reset()
+    drafter = small_drafter()
+    fn = guard.GuardedFunction(ttt_step, compiled=True, name="ttt_step", backend="eager")
+    seen: list[dict[str, Any]] = []
+    fn.listeners.append(seen.append)
+    attention = TTTAttention("sdpa")
+
+    def train(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        h, ids = torch.randn(2, t, 96, generator=g), torch.randint(0, VOCAB, (2, t), generator=g)
+        tp, m = torch.softmax(torch.randn(2, t, 20, generator=g), -1), torch.ones(2, t)
+        kw: dict[str, Any] = {"ttt_steps": 2, "attention": attention, "loss_fn": soft_cross_entropy, "loss_mask": m}
+        eager = drafter(h, ids, tp, m, **kw)[0]
+        compiled = drafter(h, ids, tp, m, step_fn=fn, **kw)[0]
+        total_loss(compiled).backward()
+        return eager.detach(), compiled.detach()
+
+    for t in (8, 16):
+        eager, compiled = train(t, 0)
+        torch.testing.assert_close(compiled, eager)
+    fn.mark_warm()
+    graphs = fn.graph_count()
+    for t in (8, 16):
+        train(t, 1)
+    assert graphs == 2 * 2 and fn.graph_count() == graphs
+    assert seen == []
