@@ -160,7 +160,7 @@ class GuardedFunction:
         self._seen: set[Any] = set()
         self._seen_lock = threading.Lock()
         self._graphs = _graph_counter(fn) if compiled else None
-        self._warm_threads: set[int] = set()
+        self._warm: set[tuple[int, bool]] = set()  # (thread ident, grad mode) pairs that finished warm-up
         self._fell_back = False
         self.listeners: list[CompileListener] = []
         self.events: list[dict[str, Any]] = []
@@ -170,9 +170,10 @@ class GuardedFunction:
         return self._graphs() if self._graphs is not None else None
 
     def mark_warm(self) -> None:
-        """From now on a graph compiled in the calling thread is a recompile after warm-up (an event)."""
+        """From now on a graph compiled in the calling thread, in the current grad mode, is a recompile after
+        warm-up (an event); a first no-grad call after a training warm-up (evaluation) is not."""
         with self._seen_lock:
-            self._warm_threads.add(threading.get_ident())
+            self._warm.add((threading.get_ident(), torch.is_grad_enabled()))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.compiled:
@@ -193,7 +194,7 @@ class GuardedFunction:
 
     def _after_new_signature(self, key: Any, before: int, after: int) -> None:
         limit = _dynamo_limit()
-        warm = threading.get_ident() in self._warm_threads
+        warm = (threading.get_ident(), key[0]) in self._warm
         if after > before and warm:
             what = "recompile"
         elif after == before and after >= limit and not self._fell_back:
