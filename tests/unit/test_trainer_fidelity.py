@@ -279,6 +279,23 @@ def test_recompile_after_warm_up_and_fallback_to_eager_are_events_and_anomalies(
     assert "recompiled 1x after warm-up" in kinds[("recompile", "drafter1")]
 
 
+def aliased(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x * a + b
+
+
+def test_a_known_signature_that_recompiles_after_warm_up_is_an_event_too() -> None:
+    fn = guard.GuardedFunction(aliased, compiled=True, name="ttt_step", backend="eager")
+    seen: list[dict[str, Any]] = []
+    fn.listeners.append(seen.append)
+    m = torch.ones(3)
+    fn(torch.randn(3), m, m)  # warm-up with one tensor passed twice
+    fn.mark_warm()
+    fn(torch.randn(3), m, m)
+    assert seen == []
+    fn(torch.randn(3), torch.ones(3), torch.ones(3))  # same shapes, but dynamo guards on the aliasing
+    assert [(e["what"], e["graphs"]) for e in seen] == [("recompile", 2)]
+
+
 def test_recompile_limit_is_sized_from_steps_buckets_and_devices() -> None:
     assert guard.recompile_limit_for(ttt_steps=7, buckets=1, devices=1) == 28  # 7 graphs x 2 grad modes x 2
     assert guard.recompile_limit_for(ttt_steps=3, buckets=2, devices=4) == 96
