@@ -340,3 +340,13 @@ def test_compiled_ttt_step_keeps_one_graph_per_step_and_bucket_with_per_step_rop
         train(t, 1)
     assert graphs == 2 * 2 and fn.graph_count() == graphs
     assert seen == []
+
+
+def test_rotary_for_growing_lengths_keeps_one_table_per_device() -> None:
+    drafter = small_drafter()
+    full_cos, full_sin = rotary_tables(40, 16, drafter.cfg.rope_theta, torch.device("cpu"))
+    for n in range(1, 41):
+        cos, sin = drafter.rotary(n, torch.device("cpu"))
+        torch.testing.assert_close(cos, full_cos[:n], rtol=0, atol=0)
+        torch.testing.assert_close(sin, full_sin[:n], rtol=0, atol=0)
+    assert len(drafter._positions) == 1 and drafter._positions["cpu"][0].shape[0] <= 2 * 40
