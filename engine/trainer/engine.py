@@ -332,6 +332,8 @@ class Engine:
             "data": self.source.describe(),
             "data_position": {name: s.get("data_position") for name, s in states.items()},
             "draft_config": self.workers[0].drafter.cfg.to_dict(),
+            # 0-based decoder layers whose output was captured = SGLang's eagle_aux_hidden_state_layer_ids;
+            # vLLM's aux_hidden_state_layers are these + 1 (target.py).
             "target_layers": self.targets[0].layer_ids,
         }
         with self._ckpt_lock:

@@ -205,7 +205,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         submit_checkpoint=None,
     )
     warm_s = worker.warm_up()
-    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask)
+    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
     for _ in range(warm):
         worker.train_step(batch, 0.0)
     torch.cuda.synchronize()
