@@ -461,12 +461,21 @@ class DashboardApp(App[int]):
             self.notify(f"signalled {len(signalled)} process(es); {len(failed)} failed", severity=severity)
 
     def action_stacks(self) -> None:
-        self.run_worker(self._stacks(), group="command", exit_on_error=False)
+        screen = StacksScreen()  # "dumping stacks…" at once; the host's reply fills it in
+        self.push_screen(screen)
+        self.run_worker(self._stacks(screen), group="command", exit_on_error=False)
 
-    async def _stacks(self) -> None:
-        result = await self._request("stacks", timeout_s=STACKS_TIMEOUT_S + 5, params={"timeout_s": STACKS_TIMEOUT_S})
-        if result is not None:
-            self.push_screen(StacksScreen(str(result.get("method", "?")), str(result.get("text", ""))))
+    async def _stacks(self, screen: StacksScreen) -> None:
+        try:
+            result = await self.session.request(
+                "stacks", timeout_s=STACKS_TIMEOUT_S + 5, params={"timeout_s": STACKS_TIMEOUT_S}
+            )
+        except Exception as exc:  # CommandFailed or a lost link: the reason replaces the pending text
+            screen.show("failed", f"stacks failed: {exc}")
+            self.post_message(CommandFinished("stacks", False, error=str(exc)))
+            return
+        screen.show(str(result.get("method", "?")), str(result.get("text", "")))
+        self.post_message(CommandFinished("stacks", True, result))
 
     def action_filter(self) -> None:
         self.dashboard.log_pane.open_filter()
