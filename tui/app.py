@@ -28,7 +28,7 @@ from textual.theme import Theme
 from textual.widgets import Input
 
 from engine import protocol
-from tui import keys, theming
+from tui import attach, keys, theming
 from tui.messages import CommandFinished, ConnectionChanged, MilestoneReached, RunChanged, StreamBatch
 from tui.screens.confirm import Choice, ConfirmScreen
 from tui.screens.dashboard import DashboardScreen, DashboardState
@@ -523,23 +523,48 @@ class DashboardApp(App[int]):
             self.notify("no tmux session to attach to (no run, or it was started without tmux)", severity="warning")
             return
         argv = self.session.attach_argv(tmux_session)
-        if os.environ.get("TMUX"):
+        if not os.environ.get("TMUX"):
+            self._attach_here(argv)
+            return
+        plan = attach.plan_here(argv)
+        if plan.hands_over_terminal:
             choices = [
                 Choice("window", "New tmux window", "primary", "w"),
                 Choice("here", "Use this terminal", "default", "h"),
                 Choice("no", "Cancel", "default", "n"),
             ]
-
-            def picked(choice: str | None) -> None:
-                if choice == "window":
-                    self._attach_new_window(argv)
-                elif choice == "here":
-                    self._attach_here(argv)
-
             body = f"You are inside tmux. Open the run in a new window instead of nesting?\n\n  {shlex.join(argv)}"
-            self.push_screen(ConfirmScreen("Attach to the run", body, choices), picked)
+        else:  # the run's session lives on this very tmux server: switch to it, never nest
+            choices = [Choice("here", "Use this terminal", "primary", "h"), Choice("no", "Cancel", "default", "n")]
+            body = (
+                f"The run's session {tmux_session} is on the tmux server you are in: this terminal switches to "
+                f"it, and `tmux switch-client -l` (prefix L) comes back here.\n\n  {shlex.join(plan.argv)}"
+            )
+
+        def picked(choice: str | None) -> None:
+            if choice == "window":
+                self._attach_new_window(argv)
+            elif choice == "here" and plan.hands_over_terminal:
+                self._attach_here(plan.argv)
+            elif choice == "here":
+                self._switch_client(plan)
+
+        self.push_screen(ConfirmScreen("Attach to the run", body, choices), picked)
+
+    def _switch_client(self, plan: attach.HerePlan) -> None:
+        """Same tmux server: point this client at the run's session; the dashboard keeps running in its pane."""
+        self.attach_history.append(plan.argv)
+        try:
+            code = self.external_runner(plan.argv)
+        except OSError as exc:
+            failure = f"tmux switch-client failed: {exc}"
         else:
-            self._attach_here(argv)
+            failure = f"tmux switch-client exited {code}" if code != 0 else ""
+        if failure:
+            self.notify(f"{failure}; run: {shlex.join(plan.argv)}", severity="error", timeout=20)
+        else:
+            self.notify(plan.note, timeout=10)
+        self.post_message(CommandFinished("attach", not failure, {"argv": plan.argv}, failure or None))
 
     def _attach_new_window(self, argv: list[str]) -> None:
         # The new window's shell inherits $TMUX; a local `tmux attach` refuses to nest unless it is unset.
