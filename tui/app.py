@@ -9,6 +9,7 @@ screen never waits on the network.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import shlex
@@ -18,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 from textual.app import App, SuspendNotSupported, SystemCommand
@@ -26,10 +28,20 @@ from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Input
+from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from engine import protocol
-from tui import attach, keys, theming
-from tui.messages import CommandFinished, ConnectionChanged, MilestoneReached, RunChanged, StreamBatch
+from tui import attach, keys, live_reload, theming
+from tui.messages import (
+    CommandFinished,
+    ConnectionChanged,
+    LiveReloadReady,
+    MilestoneReached,
+    ProfilesReloaded,
+    RunChanged,
+    StreamBatch,
+    ThemesReloaded,
+)
 from tui.screens.confirm import Choice, ConfirmScreen
 from tui.screens.dashboard import DashboardScreen, DashboardState
 from tui.screens.help import HelpScreen
@@ -131,7 +143,11 @@ class DashboardApp(App[int]):
         procs_interval_s: float = 1.0,
         on_connect: str = "none",
         tune_gc: bool = False,
+        live_reload: bool = False,
+        config: str | None = None,
     ) -> None:
+        """``live_reload``: watch theme files and the profiles' config file (``config``, else the session's
+        ``--config``, else the default path) and reload them when they change; off in tests and snapshots."""
         super().__init__()
         if on_connect not in ON_CONNECT:
             raise ValueError(f"on_connect: got {on_connect!r}; allowed: {', '.join(ON_CONNECT)}")
@@ -166,6 +182,12 @@ class DashboardApp(App[int]):
         self._theme_names = list(loaded.themes)
         keymap, self.keymap_errors = keys.valid_keymap(theming.saved_keymap())
         self.user_keymap = keymap
+        opts = getattr(session, "opts", None)
+        self.live_reload = live_reload
+        self.config = config if config is not None else getattr(opts, "config", None)
+        self.profile_name: str | None = getattr(opts, "profile", None)
+        self.live_reload_worker: Worker[None] | None = None
+        self._watch_stop = asyncio.Event()
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -203,6 +225,10 @@ class DashboardApp(App[int]):
             self.run_worker(self._connect_and_stream(), name="connect", exit_on_error=False)
         if self.tune_gc:
             self.call_after_refresh(self._tune_gc)
+        if self.live_reload:
+            self.live_reload_worker = self.run_worker(
+                self._watch_files(), name="live-reload", group="watch", exit_on_error=False
+            )
 
     def _tune_gc(self) -> None:
         """Measured under a 100k lines/s burst: full collections of the app's long-lived objects took 50-87 ms,
@@ -260,9 +286,75 @@ class DashboardApp(App[int]):
             chosen,
         )
 
-    def on_unmount(self) -> None:
+    async def on_unmount(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
+        await self._stop_watching()
+
+    async def _stop_watching(self) -> None:
+        """End the file watcher (its thread notices within live_reload.CHANGE_STEP_MS) and wait for it."""
+        self._watch_stop.set()
+        worker = self.live_reload_worker
+        if worker is None or worker.is_finished:
+            return
+        with contextlib.suppress(WorkerCancelled, WorkerFailed, asyncio.TimeoutError):
+            await asyncio.wait_for(worker.wait(), live_reload.STOP_TIMEOUT_S)
+
+    # -- live reload of themes and profiles ----------------------------------------------------------
+
+    async def _watch_files(self) -> None:
+        from tui.profiles import default_config_path
+
+        config_file = Path(self.config).expanduser() if self.config else default_config_path()
+        watched = live_reload.watched(config_file)
+
+        def ready() -> None:
+            self.post_message(LiveReloadReady([str(d) for d in watched.directories]))
+
+        await live_reload.watch(watched, self._watch_stop, ready, self._files_changed)
+
+    def _files_changed(self, kinds: live_reload.ChangeKinds) -> None:
+        if kinds.theme_files:
+            self.reload_themes(kinds.theme_files)
+        if kinds.config:
+            self.reload_profiles()
+
+    def reload_themes(self, changed: tuple[Path, ...] = ()) -> None:
+        """Read every theme file again: changed themes are registered (the current one repaints), a broken
+        file is reported and the theme it held before stays."""
+        try:
+            loaded = theming.load_themes()
+        except (ValueError, OSError) as exc:  # a broken shipped theme (ThemeError, TOMLDecodeError are ValueErrors)
+            errors = [str(exc)]
+            loaded = theming.ThemeSet()
+        else:
+            errors = [e for e in loaded.errors if not changed or any(p.name in e for p in changed)]
+        before = dict(self.available_themes)
+        renamed = [name for name, theme in loaded.themes.items() if before.get(name) != theme]
+        for name in renamed:
+            self.register_theme(loaded.themes[name])
+        self._theme_names = list(dict.fromkeys([*self._theme_names, *loaded.themes]))
+        if self.theme in renamed:
+            self.refresh_css(animate=False)
+        for error in errors:
+            self.notify(f"{error}; the theme loaded before stays", severity="error", timeout=15)
+        if renamed:
+            self.notify(f"theme reloaded: {', '.join(renamed)}", timeout=4)
+        self.post_message(ThemesReloaded(renamed, errors))
+
+    def reload_profiles(self) -> None:
+        """Read the profiles' config file again; a broken one is reported and the profile loaded before stays."""
+        from tui.profiles import ProfileError, resolve_profile
+
+        try:
+            profile = resolve_profile(self.profile_name, self.config)
+        except ProfileError as exc:
+            self.notify(f"{exc}; the profiles loaded before stay", severity="error", timeout=15)
+            self.post_message(ProfilesReloaded(None, str(exc)))
+            return
+        self.profile = profile.as_dict()
+        self.notify(f"profile {profile.name} reloaded from {profile.source}", timeout=4)
+        self.post_message(ProfilesReloaded(profile.name, None))
 
     # -- events in ---------------------------------------------------------------------------------
 
@@ -636,6 +728,6 @@ def run_dashboard(
 
     on_connect: "offer" asks to launch the profile's run when none is active, "launch" starts it, "none" waits.
     """
-    app = DashboardApp(session, profile=profile, theme=theme, on_connect=on_connect, tune_gc=True)
+    app = DashboardApp(session, profile=profile, theme=theme, on_connect=on_connect, tune_gc=True, live_reload=True)
     app.run()
     return app.return_code if app.return_code is not None else 0
