@@ -16,7 +16,6 @@ a host then needs only python3 and the driver for GPU data (engine/agent/nvml_bi
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import io
 import json
@@ -135,16 +134,26 @@ def _source_files(root: Path) -> list[Path]:
     return files
 
 
-def _client_pynvml() -> Path | None:
-    """NVIDIA's pynvml.py of the client's nvidia-ml-py (a dependency), or None when it is not installed."""
+def _pynvml_origin() -> Path | None:
+    """The file `import pynvml` would load on the client (a single .py file), without importing it."""
     spec = importlib.util.find_spec("pynvml")
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return None
-    try:
-        importlib.metadata.version(nvml_binding.DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return None  # the deprecated PyPI `pynvml` fork, not NVIDIA's binding: do not ship it
     return Path(spec.origin)
+
+
+def _client_pynvml() -> Path | None:
+    """NVIDIA's pynvml.py of the client's nvidia-ml-py (a dependency), or None when it is not installed."""
+    origin = _pynvml_origin()
+    if origin is None:
+        return None
+    from importlib import metadata  # ~30 ms to import: only when the bundle is built
+
+    try:
+        metadata.version(nvml_binding.DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None  # the deprecated PyPI `pynvml` fork, not NVIDIA's binding: do not ship it
+    return origin
 
 
 def licence_of(source: str) -> str:
@@ -166,8 +175,10 @@ def vendored_files() -> dict[str, bytes]:
     source_path = _client_pynvml()
     if source_path is None:
         return {}
+    from importlib import metadata
+
     source = source_path.read_bytes()
-    version = importlib.metadata.version(nvml_binding.DISTRIBUTION)
+    version = metadata.version(nvml_binding.DISTRIBUTION)
     licence = (
         f"pynvml.py is NVIDIA's Python binding for NVML, from {nvml_binding.DISTRIBUTION} {version}, shipped\n"
         "unchanged inside the specdec-tui agent bundle under these terms:\n\n" + licence_of(source.decode("utf-8"))
@@ -224,7 +235,7 @@ def _sources_key(root: Path) -> str:
     for path in _source_files(root):
         st = path.stat()
         h.update(f"{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    vendored = _client_pynvml()
+    vendored = _pynvml_origin()
     if vendored is not None:  # an upgraded nvidia-ml-py on the client makes a new bundle
         st = vendored.stat()
         h.update(f"{vendored}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())

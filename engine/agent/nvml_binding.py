@@ -14,7 +14,6 @@ Stdlib only; nothing here initialises NVML.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import sys
@@ -93,9 +92,11 @@ def _host_version() -> str | None:
             return None
     except (ImportError, ValueError):
         return None
+    from importlib import metadata  # ~30 ms to import: only when the host has a pynvml at all
+
     try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
         return ""  # a pynvml without nvidia-ml-py metadata: the deprecated fork
 
 
