@@ -89,8 +89,13 @@ def install(run_dir: Path | str | None, fallback: IO[str] | None = None) -> Dump
         faulthandler.register(SIGNAL, file=fallback or sys.stderr, all_threads=True)
         return None
     files = dump_files(run_dir, os.getpid())
-    files.text.parent.mkdir(parents=True, exist_ok=True)
-    _raw_file = open(files.raw, "ab")  # noqa: SIM115 - must outlive this function
+    try:
+        files.text.parent.mkdir(parents=True, exist_ok=True)
+        _raw_file = open(files.raw, "ab")  # noqa: SIM115 - must outlive this function
+    except OSError as exc:  # a read-only run dir must not stop the run: dumps go to stderr as before
+        print(f"stack dumps go to stderr: cannot write {files.raw}: {exc}", file=fallback or sys.stderr)
+        faulthandler.register(SIGNAL, file=fallback or sys.stderr, all_threads=True)
+        return None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         try:

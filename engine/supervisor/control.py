@@ -931,7 +931,10 @@ def _dump_engine(rd: Path, pid: int) -> tuple[str, str]:
         before = files.text.stat().st_ino
     except OSError:
         before = None
-    raw_start = files.raw.stat().st_size
+    try:
+        raw_start = files.raw.stat().st_size
+    except OSError:
+        raw_start = 0  # removed by hand since the engine started: only the named dump can answer
     os.kill(pid, stackdump.SIGNAL)
     deadline = time.monotonic() + NAMED_DUMP_WAIT_S
     while True:
@@ -946,9 +949,12 @@ def _dump_engine(rd: Path, pid: int) -> tuple[str, str]:
         if time.monotonic() >= deadline:
             break
         time.sleep(DUMP_POLL_S)
-    with open(files.raw, "rb") as fh:  # faulthandler wrote in the signal handler itself: complete by now
-        fh.seek(raw_start)
-        raw = fh.read().decode("utf-8", "replace")
+    try:
+        with open(files.raw, "rb") as fh:  # faulthandler wrote in the signal handler itself: complete by now
+            fh.seek(raw_start)
+            raw = fh.read().decode("utf-8", "replace")
+    except OSError:
+        raw = ""
     if not raw.strip():
         raise SupervisorError(f"pid {pid} wrote no stack dump to {files.text.parent} within {NAMED_DUMP_WAIT_S:g} s")
     why = f"no named dump within {NAMED_DUMP_WAIT_S:g} s: Python code cannot run, a thread holds the GIL"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import sys
 import textwrap
 import time
@@ -90,3 +91,18 @@ def test_a_thread_holding_the_gil_still_gets_faulthandlers_dump_in_under_a_secon
         assert not LOG_LINE.search(res["text"])
     finally:
         _stop(agent, launched["run_id"])
+
+
+def test_an_unwritable_run_dir_leaves_dumps_on_stderr_and_the_run_going(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the run dir should be")
+    script = (
+        "import os, signal, sys\nfrom engine import stackdump\n"
+        "print(stackdump.install(sys.argv[1]), flush=True)\nos.kill(os.getpid(), signal.SIGUSR1)\nprint('alive')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(blocker / "run")], capture_output=True, text=True, timeout=30, cwd=REPO_ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "alive"]
+    assert "stack dumps go to stderr" in done.stderr and "most recent call first" in done.stderr
