@@ -184,7 +184,7 @@ class DashboardApp(App[int]):
         self.user_keymap = keymap
         opts = getattr(session, "opts", None)
         self.live_reload = live_reload
-        self.config = config if config is not None else getattr(opts, "config", None)
+        self.profiles_config = config if config is not None else getattr(opts, "config", None)
         self.profile_name: str | None = getattr(opts, "profile", None)
         self.live_reload_worker: Worker[None] | None = None
         self._watch_stop = asyncio.Event()
@@ -305,7 +305,7 @@ class DashboardApp(App[int]):
     async def _watch_files(self) -> None:
         from tui.profiles import default_config_path
 
-        config_file = Path(self.config).expanduser() if self.config else default_config_path()
+        config_file = Path(self.profiles_config).expanduser() if self.profiles_config else default_config_path()
         watched = live_reload.watched(config_file)
 
         def ready() -> None:
@@ -330,24 +330,24 @@ class DashboardApp(App[int]):
         else:
             errors = [e for e in loaded.errors if not changed or any(p.name in e for p in changed)]
         before = dict(self.available_themes)
-        renamed = [name for name, theme in loaded.themes.items() if before.get(name) != theme]
-        for name in renamed:
+        changed_names = [name for name, theme in loaded.themes.items() if before.get(name) != theme]
+        for name in changed_names:
             self.register_theme(loaded.themes[name])
         self._theme_names = list(dict.fromkeys([*self._theme_names, *loaded.themes]))
-        if self.theme in renamed:
+        if self.theme in changed_names:
             self.refresh_css(animate=False)
         for error in errors:
             self.notify(f"{error}; the theme loaded before stays", severity="error", timeout=15)
-        if renamed:
-            self.notify(f"theme reloaded: {', '.join(renamed)}", timeout=4)
-        self.post_message(ThemesReloaded(renamed, errors))
+        if changed_names:
+            self.notify(f"theme reloaded: {', '.join(changed_names)}", timeout=4)
+        self.post_message(ThemesReloaded(changed_names, errors))
 
     def reload_profiles(self) -> None:
         """Read the profiles' config file again; a broken one is reported and the profile loaded before stays."""
         from tui.profiles import ProfileError, resolve_profile
 
         try:
-            profile = resolve_profile(self.profile_name, self.config)
+            profile = resolve_profile(self.profile_name, self.profiles_config)
         except ProfileError as exc:
             self.notify(f"{exc}; the profiles loaded before stay", severity="error", timeout=15)
             self.post_message(ProfilesReloaded(None, str(exc)))
