@@ -53,6 +53,11 @@ kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
 stacks      {timeout_s}                                 -> {"method": str, "text": str}
 doctor      {}                                          -> {"checks": [{"name", "ok", "detail", "fix"}]}
 sim         {gpu, util_pct, mem_used_mib, holder_pid}   -> {}   only with --simulate-gpus: script an anomalous state
+host_map    {ctid}                                      -> HostMap fields; run on a Proxmox host: NVML's processes
+                                                           there, each mapped to its container and its PID inside it
+host_holders {map: HostMap fields | None, error: str | None}
+                                                        -> {"accepted", "holders"}; the client hands the host's map to
+                                                           the container's agent, whose holders are then exact
 """
 
 from __future__ import annotations
@@ -81,7 +86,19 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "disk_full",  # the run root's filesystem is (nearly) full: records and log cannot be written
     "compile_fallback",  # a compiled function hit dynamo's recompile limit and runs eagerly
     "recompile",  # a compiled function compiled a new graph after its thread's warm-up
+    "foreign_holder",  # a GPU of ours is used by a process of another container or of the host (seen from the host)
 )
+
+# Where a holder's GPU indices come from (HolderInfo.gpus_source).
+GPUS_SOURCES: tuple[str, ...] = (
+    "nvml",  # NVML's per-GPU process lists, whose PIDs resolve in this PID namespace
+    "fd-scan",  # /proc/<pid>/fd links to /dev/nvidiaN: a CUDA process opens every GPU's node, so not exact
+    "host-nvml",  # NVML on the Proxmox host, mapped into this container through NSpid and the cgroup
+    "simulated",  # the simulated GPU source
+)
+
+# Where a holder lives, seen from the agent (HolderInfo.scope).
+HOLDER_SCOPES: tuple[str, ...] = ("here", "container", "host")
 
 # Run states as reported in RunInfo.state.
 RUN_STATES: tuple[str, ...] = (
@@ -134,6 +151,14 @@ class ProtocolError(ValueError):
 
 
 @dataclass
+class HolderGpu:
+    """One GPU a holder has a context on, with the memory NVML charges to it there (None: not reported)."""
+
+    gpu: int
+    used_mib: float | None = None
+
+
+@dataclass
 class HolderInfo:
     """A process that holds an NVIDIA device (through NVML or a /dev/nvidia* descriptor)."""
 
@@ -151,6 +176,52 @@ class HolderInfo:
     # True: NVML lists it with a GPU context. False: NVML's list is proven to be in our PID namespace
     # and this process is not on it (a device handle only: nvidia-smi, nvitop, an idle import). None: unknown.
     context: bool | None = None
+    gpus_source: str | None = None  # one of GPUS_SOURCES; None when it holds no GPU (nvidiactl only)
+    per_gpu: list[HolderGpu] = field(default_factory=list)  # exact per-GPU memory when NVML gave it
+    # "here": a process of this PID namespace. "container"/"host": seen only from the Proxmox host (``pid`` is then
+    # the host PID, ``resolved`` False): never a stale holder of ours, never signalled from here.
+    scope: str = "here"
+    container: str | None = None  # the LXC container id the process lives in, when known from the host
+    host_pid: int | None = None  # its PID on the Proxmox host, when known from the host
+
+
+@dataclass
+class HostProcess:
+    """One NVML process on the Proxmox host, mapped into the container that holds it (``host_map``)."""
+
+    host_pid: int
+    gpu_uuid: str
+    host_gpu: int  # the GPU's index on the host (a container may number its GPUs differently)
+    used_mib: float | None
+    container: str | None  # LXC container id from the cgroup; None: the host itself (or a non-LXC cgroup)
+    ns_pid: int | None  # its PID in the container's PID namespace (NSpid); None when it is not in a child namespace
+    nspid: list[int] = field(default_factory=list)  # every NSpid field, host first
+    start_ticks: int | None = None  # /proc/<pid>/stat starttime: the same number inside the container (one kernel)
+    cgroup: str | None = None
+    cmd: str | None = None
+    user: str | None = None
+    exists: bool = True  # False: NVML listed it but /proc has no such process (exited since)
+
+
+@dataclass
+class HostGpu:
+    uuid: str
+    index: int
+    util_pct: float | None
+    mem_used_mib: float | None
+
+
+@dataclass
+class HostMap:
+    """What the Proxmox host's NVML says, each process placed in its container (or on the host)."""
+
+    t: float
+    ctid: str
+    hostname: str
+    gpus: list[HostGpu] = field(default_factory=list)
+    processes: list[HostProcess] = field(default_factory=list)
+    source: str = "nvml"  # "nvml" | "simulated"
+    error: str | None = None  # why there is no map (no NVML on the host, ...)
 
 
 @dataclass

@@ -3,7 +3,9 @@
 GPU side, from one GPU sample + the holders + the run's process tree:
 * phantom utilization: util >= 90 % with ~0 MiB used and no holder process at all;
 * orphan memory: memory used with no live holder we can resolve;
-* stale holder: a resolved process holding a GPU that is not in the current run's process tree.
+* stale holder: a resolved process holding a GPU that is not in the current run's process tree, named with
+  its GPUs only when NVML gave them (the /proc/*/fd scan cannot tell which GPU a CUDA process uses);
+* foreign holder: a GPU of this container used by another container's or the host's process (``--pct``).
 
 Host side, from the run root's filesystem:
 * disk full: so little space left where the run's records and log live that they cannot be written.
@@ -49,35 +51,67 @@ def _short(cmd: str | None, limit: int = 60) -> str:
     return cmd if len(cmd) <= limit else cmd[: limit - 1] + "…"
 
 
+def _foreign_text(h: HolderInfo) -> str:
+    where = f"container {h.container}" if h.scope == "container" else "the Proxmox host"
+    mem = f", {h.used_mib:.0f} MiB" if h.used_mib else ""
+    return f"{where} (host pid {h.host_pid or h.pid}: {_short(h.cmd, 40)}{mem})"
+
+
 def gpu_anomalies(
     gpus: list[GpuInfo],
     holders: list[HolderInfo],
     run_pids: set[int] | frozenset[int],
     run_active: bool,
+    host_view: bool = False,
 ) -> list[Anomaly]:
-    """Phantom utilization, orphan memory and stale holders, in GPU order then pid order."""
+    """Phantom utilization, orphan memory, foreign and stale holders, in GPU order then pid order.
+
+    ``host_view``: the holders come from the Proxmox host's NVML (host_map.py), which sees every container
+    and the host: a GPU with no holder there has none anywhere.
+    """
     out: list[Anomaly] = []
     for gpu in gpus:
         on_gpu = [h for h in holders if gpu.index in h.gpus]
-        any_pid = {h.pid for h in on_gpu} | set(gpu.holder_pids)
-        resolved = [h for h in on_gpu if h.resolved and h.state != "zombie"]
-        unresolved = sorted(h.pid for h in on_gpu if not h.resolved)
+        ours = [h for h in on_gpu if h.scope == "here"]
+        foreign = [h for h in on_gpu if h.scope != "here"]
+        any_pid = {h.pid for h in on_gpu} | (set() if host_view else set(gpu.holder_pids))
+        resolved = [h for h in ours if h.resolved and h.state != "zombie"]
+        unresolved = sorted(h.pid for h in ours if not h.resolved)
         label = "simulated GPU" if gpu.simulated else "GPU"
         util, mem = gpu.util_pct, gpu.mem_used_mib
         if util is not None and mem is not None and util >= PHANTOM_UTIL_PCT and mem < NEAR_ZERO_MIB and not any_pid:
+            why = (
+                "the Proxmox host's NVML lists no process on it, in any container or on the host: a phantom (a stuck "
+                "context or kernel); reset the GPU on the host if it persists"
+                if host_view
+                else "a stuck context or a job outside this view; check `nvidia-smi` on the host, and reset the GPU "
+                "if it persists"
+            )
             out.append(
                 Anomaly(
                     kind="phantom_utilization",
                     gpu=gpu.index,
                     message=(
                         f"{label} {gpu.index} shows {util:.0f}% utilization with {mem:.0f} MiB used and no process "
-                        "holding it: a stuck context or a job outside this view; check `nvidia-smi` on the host, "
-                        "and reset the GPU if it persists"
+                        f"holding it: {why}"
                     ),
                 )
             )
-        if mem is not None and mem >= ORPHAN_MIN_MIB and not resolved:
-            zombies = sorted(h.pid for h in on_gpu if h.resolved and h.state == "zombie")
+        if foreign:
+            busy = f" ({util:.0f}% busy)" if util is not None else ""
+            out.append(
+                Anomaly(
+                    kind="foreign_holder",
+                    gpu=gpu.index,
+                    message=(
+                        f"{label} {gpu.index}{busy} is used from outside this container: "
+                        + "; ".join(_foreign_text(h) for h in foreign)
+                        + " (seen from the Proxmox host); not ours to stop"
+                    ),
+                )
+            )
+        if mem is not None and mem >= ORPHAN_MIN_MIB and not resolved and not foreign:
+            zombies = sorted(h.pid for h in ours if h.resolved and h.state == "zombie")
             if unresolved:
                 why = (
                     f"held by pid {', '.join(map(str, unresolved))} which this PID namespace cannot see "
@@ -85,19 +119,30 @@ def gpu_anomalies(
                 )
             elif zombies:
                 why = f"its holder {', '.join(map(str, zombies))} is a zombie; its parent must reap it"
+            elif host_view:
+                why = "the Proxmox host's NVML lists no process on it (a dead process whose memory is not released)"
             else:
                 why = "no live process holds it (a dead process whose memory the driver has not released)"
             out.append(
                 Anomaly(kind="orphan_memory", gpu=gpu.index, message=f"{label} {gpu.index}: {mem:.0f} MiB used, {why}")
             )
     for h in holders:
-        if not h.resolved or h.in_run or h.pid in run_pids or is_system_holder(h) or h.state == "zombie":
+        if h.scope != "here" or not h.resolved or h.in_run or h.pid in run_pids or is_system_holder(h):
+            continue  # another container's or the host's process is never a stale holder of ours
+        if h.state == "zombie":
             continue  # a zombie cannot be stopped, only reaped: orphan memory says so
         if not h.gpus and not h.used_mib:
             continue  # holds only nvidiactl/nvidia-uvm: no GPU of its own
         if h.context is False:
             continue  # a device handle without a GPU context (nvidia-smi, nvitop): holds no GPU memory
-        where = ", ".join(f"GPU {g}" for g in h.gpus) or "a GPU"
+        exact = h.gpus_source != "fd-scan"
+        if exact and h.gpus:
+            where = ", ".join(f"GPU {g}" for g in h.gpus)
+        elif h.gpus:
+            nodes = ", ".join(f"/dev/nvidia{g}" for g in h.gpus)
+            where = f"GPU unknown (fd scan: it has {nodes} open, as every CUDA process does)"
+        else:
+            where = "a GPU"
         mem_txt = f" ({h.used_mib:.0f} MiB)" if h.used_mib else ""
         who = f"pid {h.pid} ({h.user or '?'}: {_short(h.cmd)})"
         ctx = "is not part of the current run" if run_active else "no run is active"
@@ -105,7 +150,7 @@ def gpu_anomalies(
         out.append(
             Anomaly(
                 kind="stale_holder",
-                gpu=h.gpus[0] if h.gpus else None,
+                gpu=h.gpus[0] if exact and h.gpus else None,
                 pid=h.pid,
                 message=f"{who}{state} holds {where}{mem_txt} but {ctx}; `kill-stale` can stop it",
             )

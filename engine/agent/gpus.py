@@ -39,6 +39,10 @@ class GpuSample:
     gpus: list[GpuInfo]
     pid_used_mib: dict[int, float] = field(default_factory=dict)  # pid -> MiB summed over GPUs
     pid_gpus: dict[int, list[int]] = field(default_factory=dict)  # pid -> GPU indices
+    # pid -> {GPU index: MiB on that GPU | None when NVML does not say}: NVML's per-GPU process lists
+    pid_gpu_mib: dict[int, dict[int, float | None]] = field(default_factory=dict)
+    # True when every GPU's process list was read: an empty list then means "no process", not "unknown"
+    processes_listed: bool = False
 
 
 class GpuSource(Protocol):
@@ -139,6 +143,8 @@ class NvmlGpus:
             out: list[GpuInfo] = []
             pid_used: dict[int, float] = {}
             pid_gpus: dict[int, list[int]] = {}
+            pid_gpu_mib: dict[int, dict[int, float | None]] = {}
+            listed = bool(self._handles)
             for i, h in enumerate(self._handles):
                 rates = self._call(i, "util_pct", nv.nvmlDeviceGetUtilizationRates, h)
                 util = rates.gpu if rates is not None else None
@@ -148,10 +154,12 @@ class NvmlGpus:
                 sm = self._call(i, "sm_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
                 mclk = self._call(i, "mem_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
                 procs = self._call(i, "processes", self._processes, h)
+                listed = listed and procs is not None
                 holders: list[int] = []
                 for pid, used_bytes in procs or []:
                     holders.append(pid)
                     pid_gpus.setdefault(pid, []).append(i)
+                    pid_gpu_mib.setdefault(pid, {})[i] = used_bytes / MIB if used_bytes is not None else None
                     if used_bytes is not None:
                         pid_used[pid] = pid_used.get(pid, 0.0) + used_bytes / MIB
                     else:
@@ -172,7 +180,14 @@ class NvmlGpus:
                         unsupported=sorted(self.unsupported[i]),
                     )
                 )
-            return GpuSample(t=time.time(), gpus=out, pid_used_mib=pid_used, pid_gpus=pid_gpus)
+            return GpuSample(
+                t=time.time(),
+                gpus=out,
+                pid_used_mib=pid_used,
+                pid_gpus=pid_gpus,
+                pid_gpu_mib=pid_gpu_mib,
+                processes_listed=listed,
+            )
 
     def _memory(self, handle: Any) -> Any:
         """Memory info v2 where the binding and driver have it: its `used` leaves out the driver's reserved
