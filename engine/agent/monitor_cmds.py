@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import protocol
-from engine.agent import anomalies, procs
+from engine.agent import anomalies, host_map, procs
 from engine.agent.capabilities import probe_capabilities
 from engine.agent.commands import CommandError, handler
 from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, tail_lines
 from engine.agent.gpus import GpuSample, GpuSource, open_gpu_source
 from engine.agent.simulate import SimError, SimulatedGpus
-from engine.protocol import Anomaly, HolderInfo, ProcInfo, RunInfo
+from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
 
 if TYPE_CHECKING:
@@ -100,6 +100,10 @@ class Monitor:
         self.stall_limits: dict[str, float] = {}
         self.subscription: Subscription | None = None
         self._sub_lock = threading.Lock()
+        # The Proxmox host's view (``host_holders``, only under --pct): the last map and when it came, or why none.
+        self.host_map: HostMap | None = None
+        self.host_map_received_m: float | None = None
+        self.host_map_error: str | None = None
 
     @property
     def run_root(self) -> Path:
@@ -159,6 +163,56 @@ class Monitor:
         busy = run.pid if run is not None and run.state == "running" else None
         return self.gpu_source.sample(busy)
 
+    def fresh_host_map(self) -> HostMap | None:
+        """The host's map when one came recently and carries processes: it then replaces the container's guess."""
+        hm, at = self.host_map, self.host_map_received_m
+        if hm is None or at is None or hm.error is not None:
+            return None
+        return hm if time.monotonic() - at <= host_map.HOST_MAP_MAX_AGE_S else None
+
+    def host_map_state(self) -> dict[str, Any] | None:
+        """None without --pct; else whether the host's view is in use, and why not when it is not."""
+        hm, at = self.host_map, self.host_map_received_m
+        if hm is None and self.host_map_error is None:
+            return None
+        if hm is None or hm.error is not None:
+            why = self.host_map_error or (hm.error if hm is not None else None)
+            return {"state": "unavailable", "detail": why, "ctid": hm.ctid if hm is not None else None}
+        age_s = time.monotonic() - at if at is not None else None
+        state = "ok" if self.fresh_host_map() is not None else "stale"
+        detail = (
+            f"NVML on the Proxmox host {hm.hostname}, mapped into container {hm.ctid}"
+            if state == "ok"
+            else f"the host's last map is {age_s:.0f} s old: showing the container's own view"
+        )
+        return {"state": state, "detail": detail, "ctid": hm.ctid, "age_s": round(age_s or 0.0, 1), "host": hm.hostname}
+
+    def set_host_map(self, hm: HostMap | None, error: str | None) -> None:
+        with self._lock:
+            self.host_map, self.host_map_error = hm, error
+            self.host_map_received_m = time.monotonic()
+
+    def holders_attribution(self, holders: list[HolderInfo]) -> dict[str, Any]:
+        """Where the holders' GPU indices come from, in one word and one sentence (screen and status --json)."""
+        host = self.host_map_state()
+        if self.fresh_host_map() is not None:
+            return {"source": "host-nvml", "detail": host["detail"] if host else ""}
+        if self.gpu_source.source == "simulated":
+            return {"source": "simulated", "detail": "the simulated GPU source's process lists"}
+        guessed = [h.pid for h in holders if h.gpus_source == "fd-scan"]
+        if guessed or (self.gpu_source.source != "nvml" and holders):
+            why = (
+                "NVML's PIDs do not resolve in this PID namespace (a container)"
+                if self.gpu_source.source == "nvml"
+                else "no NVML here"
+            )
+            extra = f"; host view: {host['detail']}" if host and host["state"] != "ok" else ""
+            return {
+                "source": "fd-scan",
+                "detail": f"{why}: GPUs from /dev/nvidia* descriptors, which a CUDA process opens for every GPU{extra}",
+            }
+        return {"source": "nvml", "detail": "NVML's per-GPU process lists (PIDs of this namespace)"}
+
     def holders(self, sample: GpuSample, run_pids: set[int]) -> list[HolderInfo]:
         found = procs.find_holders(
             procs.default_dev_dir(),
@@ -166,6 +220,10 @@ class Monitor:
             run_pids=run_pids,
             nvml_pid_gpus=sample.pid_gpus,
             nvml_source="simulated" if self.gpu_source.source == "simulated" else "nvml",
+            nvml_pid_gpu_mib=sample.pid_gpu_mib,
+            nvml_listed=sample.processes_listed,
+            host_map=self.fresh_host_map(),
+            local_gpus=sample.gpus,
         )
         by_gpu: dict[int, set[int]] = {}
         for h in found:
@@ -179,7 +237,8 @@ class Monitor:
         self, sample: GpuSample, holders: list[HolderInfo], run: RunInfo | None, run_pids: set[int]
     ) -> list[Anomaly]:
         running = run is not None and run.state == "running"
-        items = anomalies.gpu_anomalies(sample.gpus, holders, run_pids, running)
+        host_view = self.fresh_host_map() is not None
+        items = anomalies.gpu_anomalies(sample.gpus, holders, run_pids, running, host_view=host_view)
         items.extend(anomalies.engine_anomalies(self.engine_state, _now(), running, **self.stall_limits))
         items.extend(anomalies.disk_anomalies(self.run_root))
         return items
@@ -228,6 +287,8 @@ class Monitor:
             "simulated": simulated,
             "nvml_error": self.gpu_source.error,
             "processes": {"run_tree": snap.run_tree, "holders": snap.holders},
+            "holders_source": self.holders_attribution(snap.holders),
+            "host_map": self.host_map_state(),
             "run": snap.run,
             "anomalies": snap.anomalies,
             "capabilities": probe_capabilities(),
@@ -374,7 +435,16 @@ class Subscription:
             )
             if procs_due:
                 next_procs = max(next_procs + self.procs_interval_s, now_m)
-                self._emit(protocol.event("procs", t=_now(), run_tree=tree, holders=holders))
+                self._emit(
+                    protocol.event(
+                        "procs",
+                        t=_now(),
+                        run_tree=tree,
+                        holders=holders,
+                        holders_source=mon.holders_attribution(holders),
+                        host_map=mon.host_map_state(),
+                    )
+                )
                 run_json = json.dumps(protocol.to_jsonable(run), sort_keys=True)
                 if run_json != last_run_json:
                     last_run_json = run_json
@@ -565,6 +635,36 @@ def _doctor(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
         python=args.get("python") if isinstance(args.get("python"), str) else None,
     )
     return {"checks": checks, "ok": all(c["ok"] or c["level"] == "warn" for c in checks)}
+
+
+@handler("host_map")
+def _host_map(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """Run on the Proxmox host: NVML's processes there, each placed in its container at its PID inside it."""
+    ctid = args.get("ctid")
+    if isinstance(ctid, bool) or not isinstance(ctid, (int, str)) or not str(ctid).isdigit():
+        raise CommandError(f"ctid must be a numeric container id, got {ctid!r}")
+    mon = monitor_of(agent)
+    out: dict[str, Any] = protocol.to_jsonable(host_map.build_host_map(mon.gpu_source, str(ctid)))
+    return out
+
+
+@handler("host_holders")
+def _host_holders(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """The client hands this container's agent the Proxmox host's map (or why there is none)."""
+    error = args.get("error")
+    if error is not None and not isinstance(error, str):
+        raise CommandError("error must be a string or null")
+    hm: HostMap | None = None
+    if args.get("map") is not None:
+        try:
+            hm = host_map.host_map_from_json(args["map"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+    if hm is None and error is None:
+        raise CommandError("give map (the host's host_map reply) or error (why the host cannot be read)")
+    mon = monitor_of(agent)
+    mon.set_host_map(hm, error)
+    return {"accepted": True, "host_map": mon.host_map_state()}
 
 
 @handler("sim")

@@ -132,7 +132,15 @@ def _gpu_view(agent: Agent) -> control.NvmlView:
     mon = monitor_of(agent)
     sample = mon.gpu_sample(mon.current_run())
     source = "simulated" if getattr(mon.gpu_source, "source", "nvml") == "simulated" else "nvml"
-    return control.NvmlView(dict(sample.pid_used_mib), dict(sample.pid_gpus), source)
+    return control.NvmlView(
+        dict(sample.pid_used_mib),
+        dict(sample.pid_gpus),
+        source,
+        pid_gpu_mib=dict(sample.pid_gpu_mib),
+        listed=sample.processes_listed,
+        host_map=mon.fresh_host_map(),
+        gpus=sample.gpus,
+    )
 
 
 @handler("kill_stale")

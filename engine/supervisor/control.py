@@ -678,6 +678,10 @@ class NvmlView:
     pid_used_mib: dict[int, float] = field(default_factory=dict)
     pid_gpus: dict[int, list[int]] = field(default_factory=dict)
     source: str = "nvml"  # "nvml" | "simulated"
+    pid_gpu_mib: dict[int, dict[int, float | None]] = field(default_factory=dict)
+    listed: bool = False  # every GPU's process list was read
+    host_map: protocol.HostMap | None = None  # under --pct: the Proxmox host's NVML, mapped into this container
+    gpus: list[protocol.GpuInfo] = field(default_factory=list)  # this side's GPUs (the host map matches UUIDs)
 
 
 def _uids_of(pid: int) -> tuple[int, int] | None:
@@ -732,6 +736,10 @@ def _classify(
         run_pids=ours,
         nvml_pid_gpus=view.pid_gpus,
         nvml_source=view.source,
+        nvml_pid_gpu_mib=view.pid_gpu_mib,
+        nvml_listed=view.listed,
+        host_map=view.host_map,
+        local_gpus=view.gpus,
     )
     for h in found:
         reason = _left_alone_reason(h, ours, protected)
@@ -744,6 +752,9 @@ def _classify(
 
 def _left_alone_reason(h: protocol.HolderInfo, ours: set[int], protected: set[int]) -> str | None:
     """Why a holder is never a kill-stale candidate; None when it is one."""
+    if h.scope != "here":
+        where = f"container {h.container}" if h.scope == "container" else "the Proxmox host"
+        return f"runs in {where} (host pid {h.host_pid}, seen from the host): never signalled from this container"
     if h.in_run or h.pid in ours:
         return "part of the current run"
     if not h.resolved:
