@@ -24,6 +24,11 @@ __all__ = ["CommandFailed", "ConnectError", "ConnectOptions", "Session", "open_s
 Listener = Callable[[dict[str, Any]], None]
 
 HELLO_TIMEOUT_S = 30.0
+HOST_MAP_INTERVAL_S = 2.0  # how often the Proxmox host's map is refreshed under --pct
+HOST_MAP_RETRY_S = 30.0  # how long an unreachable host side is left alone before the next try
+HOST_MAP_FIRST_WAIT_S = 8.0  # how long status, kill_stale and doctor wait for the host's first map
+# Commands whose answer depends on who holds the GPUs: under --pct they wait (bounded) for the host's first map.
+HOLDER_COMMANDS = frozenset({"status", "kill_stale", "doctor"})
 PING_INTERVAL_S = 2.0
 PING_TIMEOUT_S = 5.0
 PINGS_MISSED_BEFORE_RECONNECT = 2
@@ -67,6 +72,7 @@ class Session:
         self._log_pos: dict[str, int] | None = None  # where the next log byte starts
         self._engine_offset: int | None = None
         self._attempt = 0
+        self._host_link: HostLink | None = None
 
     # -- listeners ---------------------------------------------------------------------------------
 
@@ -104,6 +110,10 @@ class Session:
             self._set_state("failed", exc.message)
             raise
         self._set_state("connected", self._hello_detail())
+        host = self.transport.host_side()
+        if host is not None and self._host_link is None:
+            self._host_link = HostLink(self, host)
+            self._host_link.start()
 
     def _hello_detail(self) -> str:
         h = self.hello or {}
@@ -276,6 +286,8 @@ class Session:
         """
         if params:
             args = {**args, **params}
+        if cmd in HOLDER_COMMANDS and self._host_link is not None:
+            await self._host_link.first_map(HOST_MAP_FIRST_WAIT_S)
         stream = self._stream
         if stream is None or self.state != "connected":
             raise CommandFailed(f"{cmd}: not connected ({self.state})", cmd=cmd, lost=True)
@@ -362,6 +374,8 @@ class Session:
 
     async def close(self) -> None:
         self._closing = True
+        if self._host_link is not None:
+            await self._host_link.close()
         for task in (self._reconnector, self._pinger):
             if task is not None and not task.done():
                 task.cancel()
@@ -379,6 +393,93 @@ class Session:
         await self.transport.close()
         if self.state != "disconnected":
             self._set_state("disconnected", "closed")
+
+
+class HostLink:
+    """Under --pct: an agent on the Proxmox host itself, asked for its ``host_map`` every few seconds.
+
+    Each answer is handed to the container's agent (``host_holders``), which merges it: holders, anomalies,
+    ``status --json`` and kill-stale all come from one place, the container's agent, whatever the client.
+    When the host side cannot be used (pct's host has no python3 or no NVML, ...) that is said once (a warning
+    event) and handed to the container's agent, whose view stays its own, labelled; the link retries quietly.
+    """
+
+    def __init__(self, session: Session, transport: Transport) -> None:
+        self.session = session
+        self.transport = transport
+        self.ready = asyncio.Event()  # set once the first map (or the reason there is none) reached the agent
+        self._task: asyncio.Task[None] | None = None
+        self._host: Session | None = None
+        self._said: str | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def first_map(self, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+
+    async def _run(self) -> None:
+        ctid = self.session.opts.pct
+        while not self.session._closing:
+            error = await self._connect()
+            while error is None and not self.session._closing:
+                assert self._host is not None
+                try:
+                    hm = await self._host.request("host_map", timeout_s=20.0, ctid=ctid)
+                except CommandFailed as exc:
+                    error = f"the Proxmox host's agent failed: {exc.message}"
+                    break
+                if isinstance(hm.get("error"), str):
+                    error = f"the Proxmox host cannot list GPU processes: {hm['error']}"
+                    break
+                await self._hand_over(map=hm)
+                self._said = None
+                await asyncio.sleep(HOST_MAP_INTERVAL_S)
+            if error is not None:
+                if error != self._said:  # said once; a container agent that reconnected still gets the reason
+                    self._said = error
+                    self.session._dispatch({"ev": "warning", "message": f"{error}; showing the container's own view"})
+                await self._hand_over(error=error)
+            self.ready.set()
+            await self._drop_host()
+            await asyncio.sleep(HOST_MAP_RETRY_S)
+
+    async def _connect(self) -> str | None:
+        """Start the host's agent; the reason when it cannot be used."""
+        if self._host is not None and self._host.state == "connected":
+            return None
+        host = Session(self.transport, self.transport.opts)
+        host.auto_reconnect = False
+        try:
+            await host.connect()
+        except ConnectError as exc:
+            return f"cannot run the agent on the Proxmox host itself: {exc.message}"
+        self._host = host
+        return None
+
+    async def _hand_over(self, **args: Any) -> None:
+        if self.session.state != "connected":
+            return  # the container's agent is reconnecting: the next map goes to the new one
+        try:
+            await self.session.request("host_holders", timeout_s=10.0, **args)
+        except CommandFailed as exc:
+            if not exc.lost:
+                self.session._dispatch({"ev": "warning", "message": f"host map not accepted: {exc.message}"})
+        finally:
+            self.ready.set()
+
+    async def _drop_host(self) -> None:
+        host, self._host = self._host, None
+        if host is not None:
+            await host.close()
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self._drop_host()
 
 
 def open_session(target_spec: str, opts: ConnectOptions) -> Session:

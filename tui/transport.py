@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -296,6 +297,15 @@ class Transport(ABC):
     @abstractmethod
     def attach_argv(self, tmux_session: str) -> list[str]: ...
 
+    def host_side(self) -> Transport | None:
+        """Under --pct: a transport to the Proxmox host itself (no `pct exec` hop), for the agent that reads the
+        host's NVML and maps host PIDs into the container (engine/agent/host_map.py). None without --pct."""
+        return None
+
+    def _host_side_opts(self, run_root: str | None) -> ConnectOptions:
+        # The host's agent: the host's python3, no container, the same simulation (its GPUs then match ours by UUID).
+        return dataclasses.replace(self.opts, pct=None, python=None, run_root=run_root)
+
     def _host_argv(self, argv: list[str]) -> list[str]:
         return pct_wrap(argv, self.opts.pct)
 
@@ -427,6 +437,12 @@ class LocalTransport(Transport):
         self.bundle_path = root
         return await self._spawn(argv, env=env)
 
+    def host_side(self) -> Transport | None:
+        if self.opts.pct is None:
+            return None
+        # This machine is the Proxmox node: the host's agent runs here, from this client's own engine package.
+        return LocalTransport(self.target, self._host_side_opts(self.opts.run_root))
+
     def attach_argv(self, tmux_session: str) -> list[str]:
         argv = ["tmux"]
         sock = os.environ.get("SPECDEC_TMUX_SOCKET")
@@ -496,9 +512,17 @@ def shell_path(path: str) -> str:
 class SshTransport(Transport):
     """The agent over one asyncssh connection; host keys always verified against known_hosts."""
 
-    def __init__(self, target: Target, opts: ConnectOptions) -> None:
+    def __init__(self, target: Target, opts: ConnectOptions, *, shares: SshTransport | None = None) -> None:
         super().__init__(target, opts)
         self._conn: asyncssh.SSHClientConnection | None = None
+        self._shares = shares  # the host side's channel rides on the container transport's connection
+
+    def host_side(self) -> Transport | None:
+        if self.opts.pct is None:
+            return None
+        # The SSH login lands on the Proxmox host: the same connection, without the `pct exec` hop; the host's
+        # agent bundle lives under the host user's default run root (--run-root names a path in the container).
+        return SshTransport(self.target, self._host_side_opts(None), shares=self)
 
     @property
     def port(self) -> int | None:
@@ -547,6 +571,8 @@ class SshTransport(Transport):
     async def connect(self) -> asyncssh.SSHClientConnection:
         import asyncssh
 
+        if self._shares is not None:
+            return await self._shares.connect()
         if self._conn is not None and not self._conn.is_closed():
             return self._conn
         recorder = _HostKeyRecorder()

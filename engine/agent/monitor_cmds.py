@@ -180,8 +180,9 @@ class Monitor:
             return {"state": "unavailable", "detail": why, "ctid": hm.ctid if hm is not None else None}
         age_s = time.monotonic() - at if at is not None else None
         state = "ok" if self.fresh_host_map() is not None else "stale"
+        nvml = "simulated GPUs" if hm.source == "simulated" else "NVML"
         detail = (
-            f"NVML on the Proxmox host {hm.hostname}, mapped into container {hm.ctid}"
+            f"{nvml} on the Proxmox host {hm.hostname}, mapped into container {hm.ctid}"
             if state == "ok"
             else f"the host's last map is {age_s:.0f} s old: showing the container's own view"
         )

@@ -21,8 +21,9 @@ BADGE_LABELS = {
     "stale_holder": "STALE HOLDER",
     "stalled_run": "STALLED",
     "dead_thread": "DEAD THREAD",
+    "foreign_holder": "OTHER CT/HOST",
 }
-GPU_ANOMALIES = ("phantom_utilization", "orphan_memory", "stale_holder")
+GPU_ANOMALIES = ("phantom_utilization", "orphan_memory", "stale_holder", "foreign_holder")
 
 
 def bar(fraction: float | None, width: int) -> str:
@@ -51,7 +52,7 @@ class AnomalyBadge(Static, can_focus=True):
         super().__init__(BADGE_LABELS.get(kind, kind.upper()), markup=False)
         self.anomaly = anomaly
         self.tooltip = str(anomaly.get("message", ""))
-        if kind in ("stale_holder", "orphan_memory"):
+        if kind in ("stale_holder", "orphan_memory", "foreign_holder"):
             self.add_class("-warning")
 
     def on_focus(self) -> None:

@@ -115,11 +115,35 @@ class ProcTree(RowTracking):
         self.clock = clock
         self.run_tree: list[dict[str, Any]] = []
         self.holders: list[dict[str, Any]] = []
+        self.holders_source: dict[str, Any] = {}
+        self.host_map: dict[str, Any] | None = None
 
     def update_procs(self, event: dict[str, Any]) -> None:
         self.run_tree = [p for p in event.get("run_tree") or [] if isinstance(p, dict)]
         self.holders = [h for h in event.get("holders") or [] if isinstance(h, dict)]
+        src, host = event.get("holders_source"), event.get("host_map")
+        self.holders_source = src if isinstance(src, dict) else {}
+        self.host_map = host if isinstance(host, dict) else None
         self.refresh()
+
+    def _gpus_label(self, holder: dict[str, Any]) -> tuple[str, str]:
+        """(text, style) of a holder's GPUs: exact from NVML, or the fd scan's guess said as such."""
+        gpus = ",".join(str(g) for g in holder.get("gpus") or [])
+        if holder.get("gpus_source") == "fd-scan":
+            return f"gpu ? (fd scan: {gpus})  ", "warn"
+        return f"gpu {gpus or '?'}  ", "muted"
+
+    def _attribution_line(self, out: Text) -> None:
+        source = self.holders_source.get("source")
+        if source == "fd-scan":
+            out.append("\n  GPUs from the fd scan, not exact: ", style=self._style("warn"))
+            out.append(str(self.holders_source.get("detail") or "")[:120], style=self._style("muted"))
+        elif source == "host-nvml":
+            out.append("\n  exact, from the Proxmox host: ", style=self._style("ok"))
+            out.append(str(self.holders_source.get("detail") or "")[:120], style=self._style("muted"))
+        if self.host_map is not None and self.host_map.get("state") != "ok":
+            out.append(f"\n  host view {self.host_map.get('state')}: ", style=self._style("warn"))
+            out.append(str(self.host_map.get("detail") or "")[:120], style=self._style("muted"))
 
     def _style(self, name: str) -> Any:
         return self.get_component_rich_style(f"proc-tree--{name}")
@@ -201,20 +225,36 @@ class ProcTree(RowTracking):
             out.append("\n  engine threads (from heartbeats)", style=self._style("muted"))
             for name in orphans:
                 self._thread_line(out, "    ", name, None, now)
-        stale = [h for h in self.holders if not h.get("in_run")]
+        here = [h for h in self.holders if h.get("scope", "here") == "here"]
+        foreign = [h for h in self.holders if h.get("scope", "here") != "here"]
+        stale = [h for h in here if not h.get("in_run")]
         out.append("\n")
         out.append("stale GPU holders (not in this run)", style=self._style("title"))
+        self._attribution_line(out)
         if not stale:
             out.append("\n  none", style=self._style("muted"))
         for holder in stale:
             out.append("\n  ! STALE ", style=self._style("stale"))
             out.append(f"{holder.get('pid')} ", style=self._style("proc"))
             out.append(f"{holder.get('user') or '?'}  ", style=self._style("muted"))
-            gpus = holder.get("gpus") or []
-            out.append(f"gpu {','.join(str(g) for g in gpus) or '?'}  ", style=self._style("muted"))
+            text, style = self._gpus_label(holder)
+            out.append(text, style=self._style(style))
             used = holder.get("used_mib")
             out.append(f"{used:.0f} MiB  " if isinstance(used, (int, float)) else "? MiB  ", style=self._style("muted"))
             if holder.get("resolved") is False:
                 out.append("(NVML pid not visible here) ", style=self._style("warn"))
+            out.append(str(holder.get("cmd") or "")[:50], style=self._style("proc"))
+        if foreign:
+            out.append("\n")
+            title = "other containers and the host (seen from the host, never stopped from here)"
+            out.append(title, style=self._style("title"))
+        for holder in foreign:
+            where = f"ct {holder.get('container')}" if holder.get("scope") == "container" else "host"
+            out.append(f"\n  {where:<8} ", style=self._style("warn"))
+            out.append(f"host pid {holder.get('host_pid') or holder.get('pid')} ", style=self._style("proc"))
+            out.append(f"{holder.get('user') or '?'}  ", style=self._style("muted"))
+            out.append(self._gpus_label(holder)[0], style=self._style("muted"))
+            used = holder.get("used_mib")
+            out.append(f"{used:.0f} MiB  " if isinstance(used, (int, float)) else "? MiB  ", style=self._style("muted"))
             out.append(str(holder.get("cmd") or "")[:50], style=self._style("proc"))
         return self.track_rows(out)
