@@ -194,7 +194,7 @@ def main() -> int:
         for p in hm.processes:
             smi = apps.get(p.host_pid, {}).get("used_memory", "-")
             print(f"{p.host_pid} | {p.ns_pid} | {p.container} | {p.host_gpu} {p.gpu_uuid[:12]} | "
-                  f"{p.used_mib} | {smi} | {p.cgroup} | {(p.cmd or '')[:60]}")  # fmt: skip
+                  f"{p.used_mib} | {smi} | {p.cgroup} | {' '.join((p.cmd or '').split())[:60]}")  # fmt: skip
         mine = [p for p in hm.processes if p.host_pid == host_pid]
         check(len(mine) == 1, f"NVML on the host lists the namespace's process (host pid {host_pid}) once")
         if mine:
