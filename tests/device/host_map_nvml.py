@@ -206,7 +206,7 @@ def main() -> int:
             check(smi is not None and smi["gpu_uuid"] == m.gpu_uuid, "nvidia-smi names the same GPU uuid")
             if smi is not None and m.used_mib is not None:
                 check(abs(float(smi["used_memory"]) - m.used_mib) <= 2.0, f"MiB equal to nvidia-smi's ({smi})")
-            check(m.used_mib is not None and m.used_mib >= ns.gib * 1024, f"at least {ns.gib} GiB charged")
+            check(m.used_mib is not None and m.used_mib >= ns.gib * 1024 - 1.0, f"at least {ns.gib} GiB charged")
             if cg_top is not None:
                 check(m.container == ns.ctid, f"container {m.container} from the cgroup {m.cgroup}")
         outer.stdin.write((json.dumps(protocol.to_jsonable(hm)) + "\n").encode())
