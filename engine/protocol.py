@@ -20,6 +20,8 @@ hello       protocol, agent_version, hostname, boot_id, python, pid, run_root, s
             capabilities: {name: {"ok": bool, "detail": str}}   (nvml, psutil, watchfiles, tmux, py_spy)
 gpus        t, simulated, gpus: [GpuInfo], nvml_error (str | None)
 procs       t, run_tree: [ProcInfo], holders: [HolderInfo]
+            (+ holders_source: {"source": one of GPUS_SOURCES | "fd-scan", "detail"}, host_map: the --pct host view's
+               {"state": "ok" | "stale" | "unavailable", "detail", "ctid", ...} | None; ``status`` carries both too)
 log         offset, inode, data                 data starts at byte ``offset`` of the file
 log_reset   inode, offset, reason               "created" | "rotated" | "truncated"; following restarts at offset
             (+ run_id: the run whose output.log this is; "created" also marks a switch to a new current run)

@@ -433,8 +433,8 @@ class HostLink:
                 if isinstance(hm.get("error"), str):
                     error = f"the Proxmox host cannot list GPU processes: {hm['error']}"
                     break
-                await self._hand_over(map=hm)
-                self._said = None
+                if await self._hand_over(map=hm):
+                    self._said = None  # working again: a later failure is news
                 await asyncio.sleep(HOST_MAP_INTERVAL_S)
             if error is not None:
                 if error != self._said:  # said once; a container agent that reconnected still gets the reason
@@ -458,16 +458,21 @@ class HostLink:
         self._host = host
         return None
 
-    async def _hand_over(self, **args: Any) -> None:
+    async def _hand_over(self, **args: Any) -> bool:
+        """Give the container's agent the map (or the reason there is none); True when it took it."""
         if self.session.state != "connected":
-            return  # the container's agent is reconnecting: the next map goes to the new one
+            return False  # the container's agent is reconnecting: the next map goes to the new one
         try:
             await self.session.request("host_holders", timeout_s=10.0, **args)
         except CommandFailed as exc:
-            if not exc.lost:
-                self.session._dispatch({"ev": "warning", "message": f"host map not accepted: {exc.message}"})
+            why = f"host map not accepted: {exc.message}"
+            if not exc.lost and why != self._said:
+                self._said = why
+                self.session._dispatch({"ev": "warning", "message": why})
+            return False
         finally:
             self.ready.set()
+        return True
 
     async def _drop_host(self) -> None:
         host, self._host = self._host, None
