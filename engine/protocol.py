@@ -110,6 +110,7 @@ EXIT_HUNG = 4
 #   thread_error  thread, exc_type, message, traceback, policy ("stop" | "continue")
 #   checkpoint    step, path
 #   run_end       ok, reason, step
+#   export        path, checkpoint, step, format, drafter   (appended by `specdec-train export`, after the run too)
 ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "stage",
     "heartbeat",
@@ -117,6 +118,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "thread_error",
     "checkpoint",
     "run_end",
+    "export",
 )
 
 # Environment variables the supervisor sets for the job (the engine writes its events there).
@@ -218,6 +220,7 @@ class RunInfo:
     last_step_at: float | None = None
     profile: str | None = None
     cause: str | None = None  # why it failed when the records say more than an exit code (e.g. never started)
+    last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
 
 
 @dataclass

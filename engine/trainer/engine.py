@@ -281,6 +281,7 @@ class Engine:
             "data_position": {name: s.get("next_index") for name, s in states.items()},
             "draft_config": self.workers[0].drafter.cfg.to_dict(),
             "target_layers": self.targets[0].layer_ids,
+            "target_hf_config": self.targets[0].config.to_dict(),  # rope, max positions, architectures for export
         }
         with self._ckpt_lock:
             path = ckpt.save_checkpoint(
