@@ -46,6 +46,7 @@ def build_target_and_drafter(target_dir: Path) -> tuple[Target, Drafter]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first run builds the venv (pip, ~2 min on 2 cores; more on a busy machine)
 def test_speculators_eagle3_model_loads_the_export_and_gives_our_logits(tmp_path: Path) -> None:
     try:
         python = ensure_venv()
