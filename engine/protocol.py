@@ -132,6 +132,7 @@ EXIT_HUNG = 4
 #   thread_error  thread, exc_type, message, traceback, policy ("stop" | "continue")
 #   checkpoint    step, path
 #   run_end       ok, reason, step
+#   export        path, checkpoint, step, format, drafter   (appended by `specdec-train export`, after the run too)
 ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "stage",
     "heartbeat",
@@ -140,6 +141,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "checkpoint",
     "run_end",
     "compile",  # a recompile after warm-up or a fallback to eager (what, function, thread, graphs, limit)
+    "export",  # specdec-train export wrote a servable drafter (path, checkpoint, step, format, drafter)
 )
 
 # Environment variables the supervisor sets for the job (the engine writes its events there).
@@ -295,6 +297,7 @@ class RunInfo:
     last_step_at: float | None = None
     profile: str | None = None
     cause: str | None = None  # why it failed when the records say more than an exit code (e.g. never started)
+    last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
 
 
 @dataclass

@@ -53,7 +53,7 @@ CHECKPOINTS_DIR = "checkpoints"
 # Bytes of output.log / events.jsonl one read_run call scans at most (status must never stall on a huge log).
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
-_SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end"})
+_SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"export"})
 
 
 class RunIdError(ValueError):
@@ -289,6 +289,7 @@ class ScanState:
     last_step_at: float | None = None
     thread_errors: list[dict[str, Any]] = field(default_factory=list)
     run_end: dict[str, Any] | None = None
+    last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
 
 
 class RunScanner:
@@ -405,6 +406,10 @@ class RunScanner:
             self.state.thread_errors.append(ev)
         elif kind == "run_end":
             self.state.run_end = ev
+        elif kind == "export":
+            path = ev.get("path")
+            if isinstance(path, str):
+                self.state.last_export = path
 
 
 _scanners: dict[str, tuple[float | None, RunScanner]] = {}
@@ -560,6 +565,7 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         info.stage = scan.stage
         info.last_step = scan.last_step
         info.last_step_at = scan.last_step_at
+        info.last_export = scan.last_export
     if exit_rec is None and launch is not None:
         if launch.get("boot_id") not in (None, boot_id):
             info.state = "rebooted"

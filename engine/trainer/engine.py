@@ -335,6 +335,7 @@ class Engine:
             # 0-based decoder layers whose output was captured = SGLang's eagle_aux_hidden_state_layer_ids;
             # vLLM's aux_hidden_state_layers are these + 1 (target.py).
             "target_layers": self.targets[0].layer_ids,
+            "target_hf_config": self.targets[0].config.to_dict(),  # rope, max positions, architectures for export
         }
         with self._ckpt_lock:
             path = ckpt.save_checkpoint(

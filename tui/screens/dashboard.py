@@ -161,6 +161,12 @@ class DashboardState:
             if isinstance(stage, str):
                 self.timeline.stage = stage
                 self.dirty.add("timeline")
+        elif kind == "export":
+            path = event.get("path")
+            if isinstance(path, str):
+                self.timeline.last_export = path
+                self.notices.append(("information", f"drafter exported to {path} ({event.get('format')})"))
+                self.dirty.add("timeline")
         elif kind == "thread_error":
             self.notices.append(
                 ("error", f"thread {event.get('thread')} died: {event.get('exc_type')}: {event.get('message')}")

@@ -27,6 +27,7 @@ class TimelineModel:
     stage: str | None = None
     run_state: str | None = None
     exit_cause: str | None = None
+    last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` of this run
 
     def reset(self, run_id: str | None) -> None:
         self.run_id = run_id
@@ -35,6 +36,7 @@ class TimelineModel:
         self.stage = None
         self.run_state = None
         self.exit_cause = None
+        self.last_export = None
 
     def from_run(self, run: dict[str, Any] | None) -> None:
         if run is None:
@@ -52,6 +54,8 @@ class TimelineModel:
                     state.ok = True
         stage = run.get("stage")
         self.stage = stage if isinstance(stage, str) else self.stage
+        export = run.get("last_export")
+        self.last_export = export if isinstance(export, str) else self.last_export
         self.run_state = str(run.get("state")) if run.get("state") else self.run_state
         if self.run_state in ("failed", "vanished", "rebooted"):
             code, sig = run.get("exit_code"), run.get("signal")
@@ -128,6 +132,8 @@ class RunTimeline(RowTracking):
                     causes.append(f"{name}: {state.cause}")
         if model.stage:
             out.append(f"   stage {model.stage}", style=pending)
+        if model.last_export:
+            out.append(f"   exported {model.last_export}", style=pending)
         if not causes and model.exit_cause:
             causes.append(f"run {model.exit_cause}")
         for cause in causes:
