@@ -246,6 +246,7 @@ def _layer_config(meta: dict[str, Any], target: dict[str, Any]) -> dict[str, Any
         "head_dim": int(d["head_dim"]),
         "hidden_act": "silu",
         "rms_norm_eps": float(d["rms_norm_eps"]),
+        "initializer_range": float(d.get("initializer_range", 0.02)),  # how the drafter was initialised
         "max_position_embeddings": int(target.get("max_position_embeddings") or 2048),
         **rope_settings(d),
         "attention_bias": False,
@@ -479,6 +480,7 @@ def drafter_from_export(out_dir: Path, embed_weight: torch.Tensor, dtype: torch.
         draft_vocab_size=int(config["draft_vocab_size"]),
         rms_norm_eps=float(layer["rms_norm_eps"]),
         rope_theta=float(layer["rope_theta"]),
+        initializer_range=float(layer.get("initializer_range", 0.02)),
     )
     d2t = tensors["d2t"]
     drafter = Drafter(dcfg, embed_weight.to(dtype), torch.arange(d2t.numel()) + d2t)
