@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     both_ours = export.drafter_logits(drafter, hidden3, input_ids, ttt_steps=2)
     ours, theirs_all = both_ours[0], theirs
     theirs = theirs_all[0]
-    # TTT step 1 (the second proposal): speculators moves the positions on by one per step; recorded, not asserted.
+    # TTT step 1 (the second proposal): speculators moves the positions on by one per step, as our training does.
     step1 = slice(0, input_ids.shape[1] - 2)
     step1_diff = (both_ours[1][:, step1] - theirs_all[1][:, step1]).abs().max().item()
     _, tensors = export.read_export(export_dir)

@@ -79,4 +79,6 @@ def test_speculators_eagle3_model_loads_the_export_and_gives_our_logits(tmp_path
     assert result["loader"] == "speculators.models.eagle3.core.Eagle3DraftModel"
     assert result["d2t_equal"] and result["t2d_equal"] and result["embed_from_verifier_equal"]
     assert result["max_abs_diff"] < MAX_ABS_DIFF, result
+    # The second proposal too: RoPE positions advance with the TTT step on both sides (0.067 apart without it).
+    assert result["step1_max_abs_diff"] < MAX_ABS_DIFF, result
     assert result["argmax_agreement"] == 1.0
