@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import select
 import sys
 import time
 from typing import Any
@@ -182,17 +184,40 @@ async def cmd_status(args: argparse.Namespace) -> int:
 # -- logs ------------------------------------------------------------------------------------------
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of ``data`` to ``fd``, waiting while the reader is behind. Also when ``fd`` is non-blocking
+    (O_NONBLOCK is shared by every process holding that pipe end): a full pipe then raises EAGAIN, which must mean
+    "wait", never "skip". BrokenPipeError (the reader is gone) propagates."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            select.select([], [fd], [])
+
+
 def _write_line(text: str) -> None:
     data = protocol.decode_log_data(text)
-    sys.stdout.buffer.write(data if data.endswith(b"\n") else data + b"\n")
+    write_all(sys.stdout.fileno(), data if data.endswith(b"\n") else data + b"\n")
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``| head``): stop quietly, as a filter does."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    os.close(devnull)
+    return EXIT_FAILED
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         tail = await session.request("tail", timeout_s=30.0, n=args.lines)
-        for line in tail.get("lines") or []:
-            _write_line(str(line))
-        sys.stdout.buffer.flush()
+        sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
+        try:
+            for line in tail.get("lines") or []:
+                _write_line(str(line))
+        except BrokenPipeError:
+            return _reader_gone()
         if not args.follow:
             return EXIT_OK
         offset, inode = tail.get("offset"), tail.get("inode")
@@ -200,12 +225,19 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             {"offset": offset, "inode": inode} if isinstance(offset, int) and isinstance(inode, int) else None, None
         )
         ended = asyncio.Event()
+        reader_gone = False
 
         def on_event(ev: dict[str, Any]) -> None:
+            nonlocal reader_gone
             kind = ev.get("ev")
-            if kind == "log":
-                sys.stdout.buffer.write(protocol.decode_log_data(str(ev.get("data", ""))))
-                sys.stdout.buffer.flush()
+            if kind == "log" and not reader_gone:
+                # Written whole before the next event is read: the session's resume offset (bytes received) is
+                # then always the bytes on stdout, and a slow reader slows the stream down (TCP back-pressure).
+                try:
+                    write_all(sys.stdout.fileno(), protocol.decode_log_data(str(ev.get("data", ""))))
+                except BrokenPipeError:
+                    reader_gone = True
+                    ended.set()
             elif kind == "log_reset":
                 err(f"[log {ev.get('reason')}: following from byte {ev.get('offset')}]")
             elif kind == "connection":
@@ -219,7 +251,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         session.add_listener(on_event)
         await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
         await ended.wait()
-        return EXIT_CONNECTION
+        return _reader_gone() if reader_gone else EXIT_CONNECTION
 
     return await with_session(args, body, reconnect=args.follow)
 

@@ -1,0 +1,175 @@
+"""`specdec-tui logs`: what reaches stdout is the run's output.log, byte for byte, whatever the reader does.
+
+Real parts: the OpenSSH sshd on 127.0.0.1 (conftest), the shipped agent, the supervisor's wrapper in the
+private tmux server, and the ``specdec-tui`` client as a subprocess whose stdout is a pipe this test reads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.supervisor import records
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+F_GETPIPE_SZ = 1032  # fcntl.F_GETPIPE_SZ, named only from Python 3.10 on some platforms
+
+# Writes "start", waits for the go file, then numbered lines at about RATE lines/s until the stop file exists.
+WRITER = r"""
+import os, sys, time
+go, stop, rate = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out = sys.stdout.buffer
+out.write(b"start\n"); out.flush()
+while not os.path.exists(go):
+    time.sleep(0.01)
+i, t0 = 0, time.monotonic()
+while not os.path.exists(stop):
+    due = int((time.monotonic() - t0) * rate)
+    if i < due:
+        out.write(b"".join(b"line %09d of the numbered run output\n" % k for k in range(i, due)))
+        out.flush()
+        i = due
+    else:
+        time.sleep(0.005)
+out.write(b"done %d\n" % i); out.flush()
+"""
+LINE_BYTES = len(b"line 000000000 of the numbered run output")
+RATE_LINES_S = 20_000  # 0.8 MB/s, twice what the slow reader takes
+SLOW_READ_BYTES = 4096  # per poll (10 ms): 0.4 MB/s
+KILLS = 3
+QUIET_S = 5.0  # no byte for this long after the run ended: the follower has sent all it will
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _children_of(ppid: int) -> set[int]:
+    kids: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        if int(fields[1]) == ppid and fields[0] not in (b"Z", b"X"):
+            kids.add(int(name))
+    return kids
+
+
+def _session_process(monitor: int) -> int:
+    """The sshd process holding the connection's socket: the monitor's sshd child (privilege separation)."""
+    for kid in _children_of(monitor):
+        if Path(f"/proc/{kid}/comm").read_text().startswith("sshd"):
+            return kid
+    return monitor
+
+
+def _pending_bytes(fd: int) -> int:
+    buf = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return int.from_bytes(buf, sys.byteorder)
+
+
+def _read(fd: int, into: bytearray, most: int) -> None:
+    """Whatever is there, up to ``most`` bytes, without waiting (the caller's poll interval paces it)."""
+    if select.select([fd], [], [], 0)[0]:
+        into += os.read(fd, most)
+
+
+def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+KILLS = 4
+QUIET_S = 5.0  # no byte for this long after the run ended: the follower has sent all it will
+
+
+@pytest.mark.ssh
+@pytest.mark.tmux
+def test_follow_into_a_slow_pipe_loses_nothing_when_the_ssh_link_drops_while_the_pipe_is_full(
+    sshd: Any, cli: Callable[..., Any], run_root: Path, tmp_path: Path
+) -> None:
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    r = cli(
+        "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "output", "--json",
+        "--", sys.executable, "-c", WRITER, str(go), str(stop), str(RATE_LINES_S),
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    run_dir = records.run_dir_for(run_root, json.loads(r.stdout)["run_id"])
+    main_sshd = int((sshd.dir / "sshd.pid").read_text().split()[0])
+    before = _children_of(main_sshd)
+    fd, write_end = os.pipe()
+    # The pipe's write end is non-blocking, as when another process sharing it set O_NONBLOCK (ssh, node and
+    # event loops do): a full pipe then answers EAGAIN, which the client must take as "wait".
+    os.set_blocking(write_end, False)
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "tui", "logs", sshd.target, *sshd.args(), "--run-root", str(run_root), "-n", "1", "-f"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
+    os.close(write_end)
+    pipe_bytes = fcntl.fcntl(fd, F_GETPIPE_SZ)
+    got = bytearray()
+    try:
+        got += _wait(lambda: os.read(fd, 6), 30, "the tail's one line")  # unbuffered: every byte is counted
+        assert got == b"start\n"
+        go.write_text("")
+        served_by: set[int] = set()
+        for _ in range(KILLS):
+            # A new SSH session serves the follower (the first one, or the one after the last kill).
+            old = before | served_by
+            new = _wait(lambda o=old: _read(fd, got, 1 << 20) or _children_of(main_sshd) - o, 60, "a session")
+            assert len(new) == 1, new
+            served_by |= new
+            # The reader falls behind: the pipe fills and the client waits on it while the link keeps carrying.
+            _wait(lambda: _read(fd, got, SLOW_READ_BYTES) or _pending_bytes(fd) > pipe_bytes // 2, 30, "a full pipe")
+            for _ in range(30):
+                _read(fd, got, SLOW_READ_BYTES)
+                time.sleep(0.01)
+            os.kill(_session_process(min(new)), signal.SIGKILL)  # the session's sshd dies: the connection is cut
+        stop.write_text("")
+        _wait(lambda: _read(fd, got, 1 << 20) or (run_dir / records.EXIT_JSON).exists(), 30, "the writer's exit")
+        size = (run_dir / records.OUTPUT_LOG).stat().st_size
+        while len(got) < size and select.select([fd], [], [], QUIET_S)[0]:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        stop.write_text("")
+        follow.send_signal(signal.SIGTERM)
+        follow.wait(10)
+        os.close(fd)
+    assert follow.stderr is not None
+    notes = follow.stderr.read().decode(errors="replace")
+    assert notes.count("[reconnected") >= KILLS, notes
+    data = (run_dir / records.OUTPUT_LOG).read_bytes()
+    numbered = [ln for ln in bytes(got).split(b"\n") if ln.startswith(b"line ")]
+    spliced = [ln for ln in numbered if len(ln) != LINE_BYTES]
+    numbers = [int(ln.split()[1]) for ln in numbered if len(ln) == LINE_BYTES]
+    lost = numbers[-1] + 1 - len(numbers) if numbers else None
+    assert not spliced and lost == 0, f"{lost} lines lost, {len(spliced)} spliced: {spliced[:2]}"
+    assert bytes(got) == data
