@@ -11,8 +11,18 @@ import time
 from typing import Any
 
 from engine import protocol
-from tui.cli_common import EXIT_CONNECTION, EXIT_FAILED, EXIT_OK, err, print_json, simulated_label, with_session
-from tui.session import Session
+from tui.cli_common import (
+    EXIT_CONNECTION,
+    EXIT_FAILED,
+    EXIT_OK,
+    count_arg,
+    err,
+    print_json,
+    run_id_arg,
+    simulated_label,
+    with_session,
+)
+from tui.session import CommandFailed, Session
 
 # -- status ----------------------------------------------------------------------------------------
 
@@ -196,11 +206,6 @@ def write_all(fd: int, data: bytes) -> None:
             select.select([], [fd], [])
 
 
-def _write_line(text: str) -> None:
-    data = protocol.decode_log_data(text)
-    write_all(sys.stdout.fileno(), data if data.endswith(b"\n") else data + b"\n")
-
-
 def _reader_gone() -> int:
     """stdout's reader closed the pipe (``| head``): stop quietly, as a filter does."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -209,16 +214,58 @@ def _reader_gone() -> int:
     return EXIT_FAILED
 
 
+TAIL_IN_REPLY_MAX_LINES = 10_000  # the agent's cap on lines in one tail reply; more are read as byte chunks
+READ_CHUNK_BYTES = 1024 * 1024
+
+
+def _run_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {"run_id": args.run} if getattr(args, "run", None) else {}
+
+
+async def _print_last_lines(session: Session, args: argparse.Namespace) -> dict[str, Any]:
+    """Print the last ``args.lines`` lines of the run's output.log, however many; returns the tail reply, whose
+    ``offset``/``inode`` say where the printed bytes end. BrokenPipeError when stdout's reader left."""
+    fd = sys.stdout.fileno()
+    n = int(args.lines)
+    if n <= TAIL_IN_REPLY_MAX_LINES:
+        tail = await session.request("tail", timeout_s=30.0, n=n, **_run_params(args))
+        lines = [str(line) for line in tail.get("lines") or []]
+        for i, line in enumerate(lines):
+            data = protocol.decode_log_data(line)
+            last_partial = i == len(lines) - 1 and tail.get("partial") and args.follow
+            write_all(fd, data if last_partial else data + b"\n")  # a follower continues a partial last line
+        return tail
+    tail = await session.request("tail", timeout_s=30.0, n=n, stream=True, **_run_params(args))
+    pos, end, inode = int(tail.get("start") or 0), int(tail.get("offset") or 0), tail.get("inode")
+    run_id = tail["run_id"]
+    last = b"\n"
+    while pos < end:
+        chunk = await session.request(
+            "read_log", timeout_s=60.0, run_id=run_id, offset=pos, max_bytes=min(READ_CHUNK_BYTES, end - pos)
+        )
+        data = protocol.decode_log_data(str(chunk.get("data") or ""))
+        if chunk.get("inode") != inode or not data:
+            raise CommandFailed(f"output.log of run {run_id} was replaced or truncated while read (at byte {pos})")
+        data = data[: end - pos]
+        write_all(fd, data)
+        pos += len(data)
+        last = data[-1:]
+    if last != b"\n" and not args.follow:
+        write_all(fd, b"\n")
+    return tail
+
+
 async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        tail = await session.request("tail", timeout_s=30.0, n=args.lines)
         sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
         try:
-            for line in tail.get("lines") or []:
-                _write_line(str(line))
+            tail = await _print_last_lines(session, args)
         except BrokenPipeError:
             return _reader_gone()
         if not args.follow:
+            return EXIT_OK
+        if not tail.get("current", True):
+            err(f"[run {tail.get('run_id')} is not the current run: it has nothing more to follow]")
             return EXIT_OK
         offset, inode = tail.get("offset"), tail.get("inode")
         session.resume_from(
@@ -323,7 +370,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("logs", parents=[common], help="the current run's output.log")
     p.add_argument("-f", "--follow", action="store_true", help="keep following (resumes across reconnects)")
-    p.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="last N lines first (default 20)")
+    p.add_argument("-n", "--lines", type=count_arg, default=20, metavar="N", help="last N lines first (default 20)")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help="a past run's log (see `runs`); default: current")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("doctor", parents=[common], help="check ssh, python, torch, CUDA, NVML, tmux, disk, holders")

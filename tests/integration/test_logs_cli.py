@@ -173,3 +173,59 @@ def test_follow_into_a_slow_pipe_loses_nothing_when_the_ssh_link_drops_while_the
     lost = numbers[-1] + 1 - len(numbers) if numbers else None
     assert not spliced and lost == 0, f"{lost} lines lost, {len(spliced)} spliced: {spliced[:2]}"
     assert bytes(got) == data
+
+
+def _read_at_least(fd: int, n: int, quiet_s: float = 5.0) -> bytes:
+    """At least ``n`` bytes from ``fd``, or fewer if nothing comes for ``quiet_s``."""
+    got = b""
+    while len(got) < n and select.select([fd], [], [], quiet_s)[0]:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def _hand_made_run(run_root: Path, run_id: str, log: bytes, current: bool = True) -> Path:
+    """A finished run's directory as the supervisor leaves it, made by hand (only what `logs` reads)."""
+    run_dir = records.run_dir_for(run_root, run_id)
+    run_dir.mkdir(parents=True)
+    (run_dir / records.OUTPUT_LOG).write_bytes(log)
+    if current:
+        records.set_current(run_root, run_dir)
+    return run_dir
+
+
+def test_logs_n_serves_every_line_asked_for_beyond_the_tail_reply_cap(cli: Callable[..., Any], run_root: Path) -> None:
+    log = b"".join(b"line %06d\n" % i for i in range(40_000))
+    _hand_made_run(run_root, "20261201-100000-aaaa", log)
+    everything = cli("logs", "local", "--run-root", str(run_root), "-n", "100000000")
+    assert everything.returncode == 0, everything.stderr
+    assert everything.stdout.encode() == log  # all 40,000 lines, not the last 10,000
+    last = cli("logs", "local", "--run-root", str(run_root), "-n", "25000")
+    assert last.returncode == 0 and last.stdout.encode() == log[-25_000 * len(b"line 000000\n") :], last.stderr
+    small = cli("logs", "local", "--run-root", str(run_root), "-n", "3")
+    assert small.stdout == "line 039997\nline 039998\nline 039999\n"
+
+
+def test_logs_n_then_follow_continues_right_after_the_last_line_printed(run_root: Path) -> None:
+    log = b"".join(b"line %06d\n" % i for i in range(30_000)) + b"a partial li"
+    run_dir = _hand_made_run(run_root, "20261201-100000-bbbb", log)
+    argv = [sys.executable, "-m", "tui", "logs", "local", "--run-root", str(run_root), "-f"]
+    for n in ("100000000", "2"):
+        follow = subprocess.Popen([*argv, "-n", n], stdout=subprocess.PIPE, env=_env())
+        assert follow.stdout is not None
+        try:
+            want = log if n != "2" else b"a partial line, ended\na partial li"
+            got = _read_at_least(follow.stdout.fileno(), len(want))
+            with (run_dir / records.OUTPUT_LOG).open("ab") as f:
+                f.write(b"ne, ended\n")  # the follower continues the partial line, no newline added
+            want += b"ne, ended\n"
+            got += _read_at_least(follow.stdout.fileno(), len(want) - len(got))
+            assert got == want
+            log += b"ne, ended\n" + b"a partial li"
+            with (run_dir / records.OUTPUT_LOG).open("ab") as f:
+                f.write(b"a partial li")
+        finally:
+            follow.terminate()
+            follow.wait(10)
