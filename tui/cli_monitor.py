@@ -127,6 +127,8 @@ def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> s
             extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
         if extra:
             out.append("  " + "   ".join(extra))
+        if run.get("cause"):
+            out.append(f"  cause {run['cause']}")
     else:
         out.append("run       none")
     if tree:
