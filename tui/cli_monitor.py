@@ -15,6 +15,7 @@ from tui.cli_common import (
     EXIT_CONNECTION,
     EXIT_FAILED,
     EXIT_OK,
+    UsageError,
     count_arg,
     err,
     print_json,
@@ -69,6 +70,35 @@ def _procs_of(snap: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     return [p for p in tree if isinstance(p, dict)], [h for h in holders if isinstance(h, dict)]
 
 
+def format_run(run: dict[str, Any]) -> list[str]:
+    """The run block of ``status``: id, state, command, milestones, step/exit, and a failed run's cause."""
+    out: list[str] = []
+    out.append(f"run       {run.get('run_id')}  state {run.get('state')}  pid {run.get('pid')}")
+    cmd = run.get("command") or []
+    if cmd:
+        out.append(f"  command {' '.join(str(c) for c in cmd)}")
+    ms = run.get("milestones") or {}
+    reached = [f"{m} ✓" if ms.get(m) else f"{m} ·" for m in protocol.MILESTONES if m in ms]
+    if reached:
+        out.append("  milestones " + "  ".join(reached))
+    extra = []
+    if run.get("stage"):
+        extra.append(f"stage {run['stage']}")
+    if run.get("last_step") is not None:
+        extra.append(f"step {run['last_step']}")
+    if run.get("exit_code") is not None:
+        extra.append(f"exit code {run['exit_code']}")
+    if run.get("signal") is not None:
+        extra.append(f"signal {run['signal']}")
+    if run.get("tmux_session"):
+        extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
+    if extra:
+        out.append("  " + "   ".join(extra))
+    if run.get("cause"):
+        out.append(f"  cause {run['cause']}")
+    return out
+
+
 def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> str:
     out: list[str] = []
     host_raw = snap.get("host")
@@ -105,32 +135,7 @@ def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> s
         out += _table(rows)
     tree, holders = _procs_of(snap)
     run = snap.get("run") if isinstance(snap.get("run"), dict) else None
-    if run:
-        out.append(f"run       {run.get('run_id')}  state {run.get('state')}  pid {run.get('pid')}")
-        cmd = run.get("command") or []
-        if cmd:
-            out.append(f"  command {' '.join(str(c) for c in cmd)}")
-        ms = run.get("milestones") or {}
-        reached = [f"{m} ✓" if ms.get(m) else f"{m} ·" for m in protocol.MILESTONES if m in ms]
-        if reached:
-            out.append("  milestones " + "  ".join(reached))
-        extra = []
-        if run.get("stage"):
-            extra.append(f"stage {run['stage']}")
-        if run.get("last_step") is not None:
-            extra.append(f"step {run['last_step']}")
-        if run.get("exit_code") is not None:
-            extra.append(f"exit code {run['exit_code']}")
-        if run.get("signal") is not None:
-            extra.append(f"signal {run['signal']}")
-        if run.get("tmux_session"):
-            extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
-        if extra:
-            out.append("  " + "   ".join(extra))
-        if run.get("cause"):
-            out.append(f"  cause {run['cause']}")
-    else:
-        out.append("run       none")
+    out += format_run(run) if run else ["run       none"]
     if tree:
         out.append(f"run processes: {len(tree)}")
         rows = [["pid", "ppid", "user", "cpu", "rss", "threads", "command"]]
@@ -183,11 +188,68 @@ async def fetch_status(session: Session, timeout_s: float = 30.0) -> dict[str, A
 
 async def cmd_status(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
+        run = await run_named(session, args)
+        if run is not None:
+            if args.json:
+                print_json({"run": run})
+            else:
+                print("\n".join(format_run(run)), flush=True)
+            return EXIT_OK
         snap = await fetch_status(session)
         if args.json:
             print_json(snap)
         else:
             print(format_status(snap, session.hello or {}, session.target_display), flush=True)
+        return EXIT_OK
+
+    return await with_session(args, body)
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+
+def _when(t: Any) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def format_runs(runs: list[dict[str, Any]], total: int) -> str:
+    rows = [["id", "state", "started", "duration", "last step", "exit", "cause"]]
+    for r in runs:
+        exit_txt = str(r["exit_code"]) if r.get("exit_code") is not None else "-"
+        if r.get("signal") is not None:
+            exit_txt = f"signal {r['signal']}"
+        rows.append(
+            [
+                str(r.get("run_id")) + (" *" if r.get("current") else ""),
+                str(r.get("state")),
+                _when(r.get("started_at")),
+                _duration(r.get("duration_s")),
+                str(r["last_step"]) if r.get("last_step") is not None else "-",
+                exit_txt,
+                str(r.get("cause") or "")[:100],
+            ]
+        )
+    more = f"   ({total - len(runs)} older: --limit)" if total > len(runs) else ""
+    return "\n".join([*_table(rows, indent=""), f"{len(runs)} of {total} runs, newest first; * current{more}"])
+
+
+async def cmd_runs(args: argparse.Namespace) -> int:
+    async def body(session: Session) -> int:
+        res = await session.request("runs", timeout_s=60.0, limit=args.limit)
+        runs = [r for r in res.get("runs") or [] if isinstance(r, dict)]
+        if args.json:
+            print_json(res)
+        elif not runs:
+            print("no runs yet", flush=True)
+        else:
+            print(format_runs(runs, int(res.get("total") or len(runs))), flush=True)
         return EXIT_OK
 
     return await with_session(args, body)
@@ -222,6 +284,19 @@ READ_CHUNK_BYTES = 1024 * 1024
 
 def _run_params(args: argparse.Namespace) -> dict[str, Any]:
     return {"run_id": args.run} if getattr(args, "run", None) else {}
+
+
+async def run_named(session: Session, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The RunInfo of ``--run ID`` (None without --run); an ID the host does not have is a usage error (exit 2)."""
+    if not getattr(args, "run", None):
+        return None
+    try:
+        run = (await session.request("run_info", timeout_s=30.0, run_id=args.run)).get("run")
+    except CommandFailed as exc:
+        if exc.lost:
+            raise
+        raise UsageError(f"--run {args.run}: {exc.message} (`specdec-tui runs TARGET` lists them)") from None
+    return run if isinstance(run, dict) else {}
 
 
 async def _print_last_lines(session: Session, args: argparse.Namespace) -> dict[str, Any]:
@@ -259,6 +334,7 @@ async def _print_last_lines(session: Session, args: argparse.Namespace) -> dict[
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
+        await run_named(session, args)
         sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
         try:
             tail = await _print_last_lines(session, args)
@@ -357,7 +433,9 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
 
 async def cmd_stacks(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        result = await session.request("stacks", timeout_s=args.timeout + 15.0, params={"timeout_s": args.timeout})
+        await run_named(session, args)
+        params = {"timeout_s": args.timeout, **_run_params(args)}
+        result = await session.request("stacks", timeout_s=args.timeout + 15.0, params=params)
         print(f"# stacks via {result.get('method')}", flush=True)
         print(str(result.get("text") or "").rstrip(), flush=True)
         return EXIT_OK
@@ -368,7 +446,13 @@ async def cmd_stacks(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("status", parents=[common], help="one snapshot: GPUs, processes, run, anomalies")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help="only that run (see `runs`), past or current")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("runs", parents=[common], help="past and current runs: state, cause, duration, last step")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--limit", type=count_arg, default=20, metavar="N", help="the newest N runs (default 20)")
+    p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("logs", parents=[common], help="the current run's output.log")
     p.add_argument("-f", "--follow", action="store_true", help="keep following (resumes across reconnects)")
@@ -381,6 +465,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("stacks", parents=[common], help="every thread's stack of the live run")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="how long to wait for the dump")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help="that run (must be live); default: current")
     p.set_defaults(func=cmd_stacks)
 
 

@@ -323,7 +323,7 @@ class RunScanner:
             self._poll_events(budget_bytes)
         return self.state
 
-    CATCH_UP_MAX_BYTES = 64 * 1024 * 1024  # of an ended run's log, read at once; beyond, only its end is read
+    CATCH_UP_MAX_BYTES = 16 * 1024 * 1024  # of an ended run's log, read at once; beyond, only its end is read
 
     def catch_up(self, now: float | None = None) -> ScanState:
         """Scan an ended run's files to their end (its last step and cause are there), in budgeted passes."""

@@ -131,3 +131,42 @@ def test_a_real_torchrun_whose_rank_1_raises_at_step_30_is_named(cli: Cli, run_r
         "torchrun: rank 1 (local_rank 1) exited with code 1: RuntimeError: rank 1 exploded at step 30; exit code 1"
     ), run["cause"]
     assert run["last_step"] == 30, run
+
+
+def test_past_runs_are_listed_and_reachable_by_id(cli: Cli, run_root: Path, tmp_path: Path) -> None:
+    script = tmp_path / "fake_torchrun.py"
+    script.write_text(FAKE_TORCHRUN)
+    failed = _launch(cli, run_root, sys.executable, str(script), "30")["run_id"]
+    _wait_exit(run_root, failed)
+    ok = _launch(cli, run_root, sys.executable, "-c", "print('step=1'); print('all good')")["run_id"]
+    _wait_exit(run_root, ok)
+
+    listed = cli("runs", "local", "--run-root", str(run_root), "--json")
+    assert listed.returncode == 0, listed.output
+    runs = json.loads(listed.stdout)["runs"]
+    assert [r["run_id"] for r in runs] == [ok, failed]  # newest first
+    assert (runs[0]["state"], runs[0]["exit_code"], runs[0]["current"], runs[0]["cause"]) == ("exited", 0, True, None)
+    assert (runs[1]["state"], runs[1]["last_step"], runs[1]["current"]) == ("failed", 30, False)
+    assert runs[1]["cause"].startswith(ROOT_CAUSE) and runs[1]["duration_s"] >= 0
+    human = cli("runs", "local", "--run-root", str(run_root)).stdout
+    assert human.splitlines()[0].split() == ["id", "state", "started", "duration", "last", "step", "exit", "cause"]
+    assert f"{ok} *" in human and ROOT_CAUSE in human, human
+
+    # The past run's log, status and cause, by id; the current run is untouched.
+    log = cli("logs", "local", "--run-root", str(run_root), "--run", failed, "-n", "2")
+    assert log.returncode == 0 and log.stdout.splitlines()[-1] == "=" * 60, log.output
+    past = json.loads(cli("status", "local", "--run-root", str(run_root), "--run", failed, "--json").stdout)["run"]
+    assert past["run_id"] == failed and past["cause"].startswith(ROOT_CAUSE)
+    human_past = cli("status", "local", "--run-root", str(run_root), "--run", failed).stdout
+    assert f"run       {failed}  state failed" in human_past and f"cause {ROOT_CAUSE}" in human_past
+    follow = cli("logs", "local", "--run-root", str(run_root), "--run", failed, "-n", "1", "-f")
+    assert follow.returncode == 0 and "not the current run" in follow.stderr, follow.output
+
+
+@pytest.mark.parametrize("bad", ["../../etc", "..", "a/b", "-x", "x" * 65, "20990101-000000-none"])
+def test_a_bad_or_unknown_run_id_is_a_usage_error(cli: Cli, run_root: Path, bad: str) -> None:
+    (run_root / "runs").mkdir()
+    for command in ("logs", "status", "stacks"):
+        r = cli(command, "local", "--run-root", str(run_root), f"--run={bad}")
+        assert r.returncode == 2, (command, bad, r.output)
+        assert "run" in r.stderr and "Traceback" not in r.stderr, r.stderr
