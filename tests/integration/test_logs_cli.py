@@ -229,3 +229,25 @@ def test_logs_n_then_follow_continues_right_after_the_last_line_printed(run_root
         finally:
             follow.terminate()
             follow.wait(10)
+
+
+async def test_the_session_passes_on_each_log_byte_once_and_never_across_a_hole() -> None:
+    from engine import protocol
+    from tui.session import ConnectOptions, Session
+    from tui.transport import LocalTransport, Target
+
+    session = Session(LocalTransport(Target(local=True), ConnectOptions()), ConnectOptions())
+    session.resume_from({"offset": 10, "inode": 7}, None)
+    seen: list[tuple[str, Any]] = []
+    session.add_listener(lambda ev: seen.append((ev["ev"], ev.get("offset", ev.get("message")))))
+
+    def log(offset: int, data: bytes) -> None:
+        session._on_event({"ev": "log", "offset": offset, "inode": 7, "data": protocol.encode_log_data(data)})
+
+    log(10, b"abcde")  # continues: passed on
+    log(12, b"cdefg")  # overlaps 3 bytes already passed on: only "fg" goes on, at 15
+    log(13, b"de")  # all of it passed on already: dropped
+    log(30, b"zz")  # a hole (17..30): dropped, and the link is given up so the resume asks for byte 17
+    hole = "log bytes 17..30 missing from the stream; resuming from byte 17"
+    assert seen == [("log", 10), ("log", 15), ("warning", hole)]
+    assert session.log_position == {"offset": 17, "inode": 7}
