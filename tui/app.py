@@ -41,7 +41,7 @@ FLUSH_INTERVAL_S = 0.1
 CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second
 STOP_TIMEOUT_S = 120.0
 STACKS_TIMEOUT_S = 20.0
-RUNS_SHOWN = 100  # newest runs listed by the runs screen
+RUNS_SHOWN = 50  # newest runs listed by the runs screen (the agent caches scans of 64 runs)
 
 
 class SessionLike(Protocol):
