@@ -214,21 +214,29 @@ class Session:
         self, ev: dict[str, Any], offset: int, raw: bytes, expected: int
     ) -> tuple[dict[str, Any], int, bytes] | None:
         """A log event that does not start where the received bytes end: trim what was already received, or
-        (a gap) drop it and resume from the last byte received, so listeners never see a byte twice or a hole."""
+        (a gap) drop it and subscribe again from the last byte received, so listeners never see a byte twice or
+        a hole."""
         if offset < expected:
             if offset + len(raw) <= expected:
                 return None  # all of it received already
             raw = raw[expected - offset :]
             return {**ev, "offset": expected, "data": protocol.encode_log_data(raw)}, expected, raw
-        self._dispatch(
-            {
-                "ev": "warning",
-                "message": f"log bytes {expected}..{offset} missing from the stream; resuming from byte {expected}",
-            }
-        )
-        if self._resync is None or self._resync.done():
-            self._resync = asyncio.ensure_future(self._abandon_link())
+        if self._streams is not None and (self._resync is None or self._resync.done()):
+            self._dispatch(
+                {
+                    "ev": "warning",
+                    "message": f"log bytes {expected}..{offset} missing from the stream; resuming from byte {expected}",
+                }
+            )
+            self._resync = asyncio.ensure_future(self._resubscribe())
         return None
+
+    async def _resubscribe(self) -> None:
+        """Ask for the streams again from the remembered positions (after a gap); the link stays up."""
+        try:
+            await self._subscribe()
+        except CommandFailed as exc:
+            self._dispatch({"ev": "warning", "message": f"re-subscribe after a gap failed: {exc.message}"})
 
     def _fail_pending(self, message: str) -> None:
         pending, self._pending = self._pending, {}

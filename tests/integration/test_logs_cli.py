@@ -6,6 +6,7 @@ private tmux server, and the ``specdec-tui`` client as a subprocess whose stdout
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -238,6 +239,13 @@ async def test_the_session_passes_on_each_log_byte_once_and_never_across_a_hole(
 
     session = Session(LocalTransport(Target(local=True), ConnectOptions()), ConnectOptions())
     session.resume_from({"offset": 10, "inode": 7}, None)
+    session._streams = {"gpu_interval_s": 1.0, "procs_interval_s": 1.0}  # as after start_streams
+    asked: list[dict[str, Any]] = []
+
+    async def subscribe() -> None:
+        asked.append(dict(session.log_position or {}))
+
+    session._subscribe = subscribe  # type: ignore[method-assign]
     seen: list[tuple[str, Any]] = []
     session.add_listener(lambda ev: seen.append((ev["ev"], ev.get("offset", ev.get("message")))))
 
@@ -247,7 +255,10 @@ async def test_the_session_passes_on_each_log_byte_once_and_never_across_a_hole(
     log(10, b"abcde")  # continues: passed on
     log(12, b"cdefg")  # overlaps 3 bytes already passed on: only "fg" goes on, at 15
     log(13, b"de")  # all of it passed on already: dropped
-    log(30, b"zz")  # a hole (17..30): dropped, and the link is given up so the resume asks for byte 17
+    log(30, b"zz")  # a hole (17..30): dropped, and the streams are asked for again from byte 17
+    log(40, b"zz")  # still the old stream: dropped, asked for once
     hole = "log bytes 17..30 missing from the stream; resuming from byte 17"
     assert seen == [("log", 10), ("log", 15), ("warning", hole)]
     assert session.log_position == {"offset": 17, "inode": 7}
+    await asyncio.sleep(0)
+    assert asked == [{"offset": 17, "inode": 7}]
