@@ -304,8 +304,10 @@ async def _print_last_lines(session: Session, args: argparse.Namespace) -> dict[
     ``offset``/``inode`` say where the printed bytes end. BrokenPipeError when stdout's reader left."""
     fd = sys.stdout.fileno()
     n = int(args.lines)
+    tail = None
     if n <= TAIL_IN_REPLY_MAX_LINES:
         tail = await session.request("tail", timeout_s=30.0, n=n, **_run_params(args))
+    if tail is not None and not tail.get("window_cut"):  # else long lines overran the reply's byte window
         lines = [str(line) for line in tail.get("lines") or []]
         for i, line in enumerate(lines):
             data = protocol.decode_log_data(line)

@@ -259,7 +259,7 @@ def tail_lines(
 
     ``offset``/``inode`` are what a follower resumes from to continue right after these lines. At most
     ``max_bytes`` are read back; a line that starts before that window comes back as its end, behind
-    ``TAIL_CUT_MARK``.
+    ``TAIL_CUT_MARK``, and ``window_cut`` says that fewer than ``n`` lines came back for that reason.
     """
     p = os.fspath(path)
     with open(p, "rb") as fh:
@@ -285,6 +285,8 @@ def tail_lines(
             starts_mid_line = fh.read(1) != b"\n"
         body = buf[:-1] if buf.endswith(b"\n") else buf
         lines = body.split(b"\n")
+        # The look-back window ended before n whole lines were found: earlier lines exist that are not here.
+        window_cut = pos > 0 and len(lines) <= n
         if len(lines) > n:
             lines = lines[-n:]
         elif starts_mid_line:
@@ -295,6 +297,7 @@ def tail_lines(
         "offset": size,
         "inode": st.st_ino,
         "partial": not buf.endswith(b"\n"),
+        "window_cut": window_cut,
     }
 
 

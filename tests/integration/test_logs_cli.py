@@ -262,3 +262,14 @@ async def test_the_session_passes_on_each_log_byte_once_and_never_across_a_hole(
     assert session.log_position == {"offset": 17, "inode": 7}
     await asyncio.sleep(0)
     assert asked == [{"offset": 17, "inode": 7}]
+
+
+def test_logs_n_serves_every_line_asked_for_when_long_lines_overrun_the_tail_window(
+    cli: Callable[..., Any], run_root: Path
+) -> None:
+    line = lambda i: b"%06d " % i + b"y" * 8_000 + b"\n"  # noqa: E731 - 8 KB lines: 1,500 of them are 12 MB
+    log = b"".join(line(i) for i in range(2_000))
+    _hand_made_run(run_root, "20261201-100000-cccc", log)
+    r = cli("logs", "local", "--run-root", str(run_root), "-n", "1500")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.encode() == b"".join(line(i) for i in range(500, 2_000))

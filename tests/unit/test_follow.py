@@ -357,3 +357,14 @@ def test_read_range_returns_bytes_from_an_offset_without_splitting_a_character(t
     rest = read_range(p, 2, 10)
     assert protocol.decode_log_data(rest["data"]) == b"\xc3\xa9cd"
     assert protocol.decode_log_data(read_range(p, 6, 10)["data"]) == b""
+
+
+def test_tail_lines_says_when_its_byte_window_held_fewer_lines_than_asked(tmp_path: Path) -> None:
+    p = tmp_path / "long-lines.log"
+    p.write_bytes(b"".join(b"%04d " % i + b"x" * 995 + b"\n" for i in range(100)))  # 1000-byte lines
+    short = tail_lines(p, 50, max_bytes=10_000)
+    assert short["window_cut"] is True and len(short["lines"]) <= 11
+    enough = tail_lines(p, 5, max_bytes=10_000)
+    assert enough["window_cut"] is False
+    assert [x[:4] for x in enough["lines"]] == ["0095", "0096", "0097", "0098", "0099"]
+    assert tail_lines(p, 500)["window_cut"] is False  # the whole file was read: nothing more exists
