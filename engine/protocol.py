@@ -46,13 +46,18 @@ subscribe   {gpu_interval_s, procs_interval_s,          -> {}; then streams gpus
             (+ optional engine_inode, run_id: the run the offsets belong to; another run streams from 0;
                + optional stall: {k, floor_s, cap_s, heartbeat_timeout_s} for the stalled/dead-thread checks)
 unsubscribe {}                                          -> {"stopped": bool}; ends the streams of subscribe
-tail        {n}                                         -> {"lines": [str], "offset": int, "inode": int}
+tail        {n, run_id?, stream?}                       -> {"lines": [str], "offset": int, "inode": int, "partial",
+                                                            "run_id", "current"}; at most 10,000 lines; with
+                                                            stream: no lines, "start" = where the last n begin
+read_log    {run_id?, offset, max_bytes}                -> {"data", "offset", "inode", "size", "run_id"}
+runs        {limit}                                     -> {"runs": [RunInfo + duration_s, current], "total"}
+run_info    {run_id?}                                   -> {"run": RunInfo}   (run_id: default the current run)
 launch      LaunchSpec fields                           -> {"run_id", "run_dir", "tmux_session", "attachable"}
 wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
 stop        {grace_s, release_timeout_s}                -> {"stopped", "steps": [str]}   (progress events meanwhile)
 kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
             -> {"candidates": [HolderInfo], "signalled": [...], "failed": [...]}
-stacks      {timeout_s}                                 -> {"method": str, "text": str}
+stacks      {timeout_s, run_id?}                        -> {"method": str, "text": str}
 doctor      {}                                          -> {"checks": [{"name", "ok", "detail", "fix"}]}
 sim         {gpu, util_pct, mem_used_mib, holder_pid}   -> {}   only with --simulate-gpus: script an anomalous state
 host_map    {ctid}                                      -> HostMap fields; run on a Proxmox host: NVML's processes

@@ -58,8 +58,10 @@ class TimelineModel:
         self.last_export = export if isinstance(export, str) else self.last_export
         self.run_state = str(run.get("state")) if run.get("state") else self.run_state
         if self.run_state in ("failed", "vanished", "rebooted"):
-            code, sig = run.get("exit_code"), run.get("signal")
-            if sig:
+            code, sig, cause = run.get("exit_code"), run.get("signal"), run.get("cause")
+            if isinstance(cause, str) and cause:
+                self.exit_cause = f"failed: {cause}"  # the root cause, exit code and last step, from the host
+            elif sig:
                 self.exit_cause = f"killed by signal {sig}"
             elif code is not None:
                 self.exit_cause = f"exited with code {code}"
