@@ -110,6 +110,10 @@ EXIT_HUNG = 4
 #   thread_error  thread, exc_type, message, traceback, policy ("stop" | "continue")
 #   checkpoint    step, path
 #   run_end       ok, reason, step
+#   eval          thread, step, tau (mean tokens per target forward in greedy chain speculation on held-out
+#                 prompts), k, per_position: [P(draft token j accepted), j = 1..k],
+#                 per_position_conditional: [P(j accepted | j-1 accepted)], rounds, prompts, new_tokens;
+#                 or thread, step, error (str) when the evaluation failed
 ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "stage",
     "heartbeat",
@@ -117,6 +121,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "thread_error",
     "checkpoint",
     "run_end",
+    "eval",
 )
 
 # Environment variables the supervisor sets for the job (the engine writes its events there).

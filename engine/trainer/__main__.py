@@ -2,6 +2,7 @@
 
     specdec-train --preset cpu-demo
     specdec-train --config engine.toml --set steps=100 --set 'drafter_devices=["cuda:0","cuda:1"]'
+    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--json]   (acceptance length: engine/trainer/evaluate.py)
 
 Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl); human lines ``step=N loss=… acc0=…
 tok/s=…`` go to stdout. SIGTERM stops at the next step boundary, saves a checkpoint and exits 0.
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(sys.stderr)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["eval"]:
+        from engine.trainer.evaluate import main as eval_main
+
+        return eval_main(words[1:])
     args = parse_args(argv)
     try:
         cfg = resolve_config(args)

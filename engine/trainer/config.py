@@ -24,7 +24,7 @@ else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work with
     except ImportError:
         tomllib = None
 
-BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape")
+BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape", "tiny-trained")
 DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
@@ -41,7 +41,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class EngineConfig:
-    # The target: a built-in random preset ("tiny", "llama3-8b-shape") or a local Hugging Face directory.
+    # The target: a built-in random preset ("tiny", "llama3-8b-shape"), the built-in trained "tiny-trained"
+    # (trained on the shipped corpus on first use, then cached), or a local Hugging Face directory.
     target: str = "tiny"
     target_layers: list[int] | None = None  # None: low/middle/high as EAGLE-3 (2, L/2, L-3 for deep models)
     target_devices: list[str] = field(default_factory=lambda: ["cpu"])
@@ -55,6 +56,12 @@ class EngineConfig:
     vocab_sample_batches: int = 256
     # Conversations held out of training (a seeded choice, engine/trainer/holdout.py) for measuring acceptance.
     eval_holdout: int = 32
+    # Acceptance length every eval_every steps (0: never): greedy chain speculation with eval_k draft tokens
+    # over eval_conversations held-out prompts, eval_max_new_tokens each (engine/trainer/evaluate.py).
+    eval_every: int = 0
+    eval_k: int = 5
+    eval_conversations: int = 8
+    eval_max_new_tokens: int = 64
     ttt_steps: int = 3
     lr: float = 1e-3
     drafter_lrs: list[float] | None = None  # independent mode: one learning rate per drafter (a sweep)
@@ -137,6 +144,14 @@ class EngineConfig:
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
         need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
+        need(self.eval_every >= 0, "eval_every", "an integer >= 0 (0: no evaluation during training)")
+        need(
+            not (self.eval_every and (self.data == DATA_RANDOM or self.eval_holdout == 0)),
+            "eval_every",
+            "needs held-out conversations (data = 'random' has none; eval_holdout = 0 holds none out); set 0",
+        )
+        for key in ("eval_k", "eval_conversations", "eval_max_new_tokens"):
+            need(getattr(self, key) >= 1, key, "an integer >= 1")
         need(self.vocab_sample_batches >= 1, "vocab_sample_batches", "an integer >= 1")
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
