@@ -403,6 +403,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     ap.add_argument("--drafter", action="append", help="only this drafter (repeatable); default: all")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
     for key in ("k", "conversations", "max_new_tokens"):
@@ -416,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.trainer.target import load_target, load_tokenizer
 
     args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)  # small ops on a shared CPU: extra threads mostly wait for each other
 
     def say(line: str) -> None:
         print(f"eval: {line}", file=sys.stderr, flush=True)

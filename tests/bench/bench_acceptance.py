@@ -39,12 +39,13 @@ def has_key(key: str) -> bool:
     return key in EngineConfig.__dataclass_fields__
 
 
-def overrides(variant: str, steps: int, out: Path, lr: float | None) -> list[str]:
+def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
     rope, layers = variant.split("-")
     sets = [
         'target="tiny-trained"',
         'drafter_devices=["cpu"]',
-        'drafter_mode="replicas"',
+        'drafter_mode="independent"',  # one drafter; cpu-demo's sweep list becomes this one learning rate
+        f"drafter_lrs=[{lr}]",
         f"steps={steps}",
         "step_delay_s=0.0",
         "checkpoint_every=0",
@@ -53,14 +54,12 @@ def overrides(variant: str, steps: int, out: Path, lr: float | None) -> list[str
         f'output_dir="{out}"',
         "resume=false",
     ]
-    if lr is not None:
-        sets.append(f"lr={lr}")
     if has_key("ttt_rope_offset"):
         sets.append(f"ttt_rope_offset={'true' if rope == 'rope1' else 'false'}")
     return [arg for s in sets for arg in ("--set", s)]
 
 
-def train(variant: str, steps: int, out: Path, lr: float | None) -> float:
+def train(variant: str, steps: int, out: Path, lr: float) -> float:
     cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", *overrides(variant, steps, out, lr)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("SPECDEC_EVENTS", None)
@@ -74,7 +73,7 @@ def train(variant: str, steps: int, out: Path, lr: float | None) -> float:
 
 def measure(out: Path, k: int, conversations: int, max_new: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "engine.trainer", "eval", "--checkpoint", str(out), "--json", "--k", str(k)]
-    cmd += ["--conversations", str(conversations), "--max-new-tokens", str(max_new)]
+    cmd += ["--conversations", str(conversations), "--max-new-tokens", str(max_new), "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -89,6 +88,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--variants", default=",".join(ALL_VARIANTS))
     ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=2e-3, help="the drafter's learning rate (cpu-demo's first)")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--work", default="/tmp/bench_acceptance", help="output dirs of the training runs")
@@ -112,7 +112,7 @@ def main() -> int:
         work = Path(args.work) / variant
         train(variant, 1, work / "untrained", lr=1e-30)
         before = measure(work / "untrained", args.k, args.conversations, args.max_new_tokens)
-        train_s = train(variant, args.steps, work / "trained", lr=None)
+        train_s = train(variant, args.steps, work / "trained", lr=args.lr)
         after = measure(work / "trained", args.k, args.conversations, args.max_new_tokens)
         results["variants"][variant] = {"untrained": before, "trained": after, "train_s": round(train_s, 1)}
         per = " ".join(f"{p:.2f}" for p in after["per_position_conditional"])
