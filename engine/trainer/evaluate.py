@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine.trainer.data import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.model import Drafter
+from engine.trainer.draft.model import Drafter, rotary_tables
 from engine.trainer.holdout import heldout_indices
 
 TargetForward = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]  # ids -> (logits (T, V), hidden3 (1, T, 3H))
@@ -121,11 +121,21 @@ class DrafterProposer:
         self.autocast_dtype = autocast_dtype
         self.attention = TTTAttention("sdpa")  # a single query per chain step: no block mask to exploit
         self.device = drafter.fc.weight.device
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def rotary(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..length-1: one table, grown by doubling (the drafter's own cache keeps every
+        length it was asked for, and every round here asks for a new one)."""
+        if self._tables is None or self._tables[0].shape[0] < length:
+            cfg = self.drafter.cfg
+            self._tables = rotary_tables(max(256, 2 * length), cfg.head_dim, cfg.rope_theta, self.device)
+        cos, sin = self._tables
+        return cos[:length], sin[:length]
 
     @torch.no_grad()
     def chain_logits(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[torch.Tensor]:
@@ -135,7 +145,7 @@ class DrafterProposer:
         if hidden3.shape[1] != n or n < 1:
             raise ValueError(f"hidden3 covers {hidden3.shape[1]} positions; the sequence needs {n} (>= 1)")
         ids = torch.tensor([seq], device=self.device)
-        cos, sin = d.rotary(n + k, self.device)
+        cos, sin = self.rotary(n + k)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         d2t = self.d2t
         out: list[torch.Tensor] = []

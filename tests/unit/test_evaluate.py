@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,15 @@ from engine.trainer.target import Target, load_target, load_tokenizer
 
 K = 4
 MAX_NEW = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Hundreds of tiny forwards: on a shared CPU a second thread only adds waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_drafter(seed: int = 0, vocab: int = 64, draft_vocab: int = 48) -> Drafter:
