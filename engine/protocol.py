@@ -79,6 +79,8 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "stalled_run",
     "dead_thread",
     "disk_full",  # the run root's filesystem is (nearly) full: records and log cannot be written
+    "compile_fallback",  # a compiled function hit dynamo's recompile limit and runs eagerly
+    "recompile",  # a compiled function compiled a new graph after its thread's warm-up
 )
 
 # Run states as reported in RunInfo.state.
@@ -100,8 +102,9 @@ EXIT_HUNG = 4
 
 # Engine events (one JSON object per line of <run_dir>/events.jsonl, written by engine/trainer).
 # Every engine event has "t" (unix time, float) and "kind", one of:
-#   stage         stage: "imports" | "target_loaded" | "warmup" | "training" | "checkpoint" | "stopping" | "done"
-#                 thread: str | None, detail: str
+#   stage         stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping"
+#                 | "done"; thread: str | None, detail: str. The "data" stage's summary event adds skipped
+#                 ({reason: conversations not trained on}), heldout, truncated and cached.
 #   heartbeat     thread, state ("starting" | "warmup" | "training" | "waiting" | "stopped" | "error"),
 #                 step, tok_s, queue_depth, last_exception (str | None)
 #   step          thread, step, loss: [float per TTT position], acc: [float per TTT position],
@@ -121,6 +124,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "thread_error",
     "checkpoint",
     "run_end",
+    "compile",  # a recompile after warm-up or a fallback to eager (what, function, thread, graphs, limit)
     "eval",
 )
 

@@ -10,7 +10,9 @@ Host side, from the run root's filesystem:
 
 Engine side, from the run's events.jsonl:
 * stalled run: no step for k x the median step interval (clamped to [floor, cap]);
-* dead thread: a ``thread_error`` event, a heartbeat in state "error", or heartbeats older than a bound.
+* dead thread: a ``thread_error`` event, a heartbeat in state "error", or heartbeats older than a bound;
+* compile fallback: a ``compile`` event whose function hit dynamo's recompile limit and now runs eagerly;
+* recompile: ``compile`` events for graphs compiled after a thread's warm-up (each stalls that thread).
 """
 
 from __future__ import annotations
@@ -120,6 +122,10 @@ class EngineState:
     last_step_at: float | None = None
     heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)  # thread -> last heartbeat
     thread_errors: dict[str, dict[str, Any]] = field(default_factory=dict)  # thread -> last thread_error
+    # (thread, function) -> last compile event of each kind, and how many recompiles after warm-up
+    compile_fallbacks: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    recompiles: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    recompile_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     stage: str | None = None
     ended: bool = False
 
@@ -143,6 +149,13 @@ class EngineState:
             thread = ev.get("thread")
             if isinstance(thread, str):
                 self.thread_errors[thread] = ev
+        elif kind == "compile":
+            key = (str(ev.get("thread") or "?"), str(ev.get("function") or "?"))
+            if ev.get("what") == "fallback":
+                self.compile_fallbacks[key] = ev
+            elif ev.get("what") == "recompile":
+                self.recompiles[key] = ev
+                self.recompile_counts[key] = self.recompile_counts.get(key, 0) + 1
         elif kind == "stage":
             stage = ev.get("stage")
             if isinstance(stage, str):
@@ -244,8 +257,38 @@ def dead_threads(
     return out
 
 
+def compile_anomalies(state: EngineState) -> list[Anomaly]:
+    """A fallback to eager and recompiles after warm-up, one per (thread, function), for the whole run."""
+    out: list[Anomaly] = []
+    for (thread, fn), ev in sorted(state.compile_fallbacks.items()):
+        out.append(
+            Anomaly(
+                kind="compile_fallback",
+                thread=thread,
+                message=(
+                    f"{thread}: compile fallback: {fn} hit the recompile limit ({ev.get('graphs')} of "
+                    f"{ev.get('limit')} graphs) and runs eagerly for new input shapes (slow); last: "
+                    f"{_short(str(ev.get('signature') or ''), 120)}"
+                ),
+            )
+        )
+    for (thread, fn), ev in sorted(state.recompiles.items()):
+        n = state.recompile_counts.get((thread, fn), 1)
+        out.append(
+            Anomaly(
+                kind="recompile",
+                thread=thread,
+                message=(
+                    f"{thread}: {fn} recompiled {n}x after warm-up (each stalls the thread while it compiles); "
+                    f"last for: {_short(str(ev.get('signature') or ''), 120)}"
+                ),
+            )
+        )
+    return out
+
+
 def engine_anomalies(state: EngineState, now: float, running: bool, **limits: float) -> list[Anomaly]:
-    """Stalled run and dead threads. ``limits``: k, floor_s, cap_s, heartbeat_timeout_s."""
+    """Stalled run, dead threads and compile trouble. ``limits``: k, floor_s, cap_s, heartbeat_timeout_s."""
     out: list[Anomaly] = []
     stall = stalled_run(
         state,
@@ -258,6 +301,7 @@ def engine_anomalies(state: EngineState, now: float, running: bool, **limits: fl
     if stall is not None:
         out.append(stall)
     out.extend(dead_threads(state, now, running, limits.get("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S)))
+    out.extend(compile_anomalies(state))
     return out
 
 

@@ -145,6 +145,11 @@ def split_corpus(corpus: Path, recipe: Recipe) -> tuple[list[list[dict[str, str]
     return [c for i, c in enumerate(convs) if i not in held], [c for i, c in enumerate(convs) if i in held]
 
 
+def tokenized(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list[tuple[list[int], list[int]]]:
+    """(ids, assistant mask) of each conversation the chat template renders (the byte-level one renders all)."""
+    return [x for x in tokenize_conversations(tokenizer, conversations) if not isinstance(x, str)]
+
+
 def build_model(recipe: Recipe, vocab_size: int) -> Any:
     from transformers import LlamaForCausalLM
 
@@ -162,7 +167,7 @@ def train(recipe: Recipe, corpus: Path, say: Progress) -> tuple[Any, dict[str, A
     tokenizer = build_tiny_tokenizer()
     vocab = ((len(tokenizer) + 7) // 8) * 8
     train_convs, held_convs = split_corpus(corpus, recipe)
-    stream = torch.tensor([t for ids, _ in tokenize_conversations(tokenizer, train_convs) for t in ids])
+    stream = torch.tensor([t for ids, _ in tokenized(tokenizer, train_convs) for t in ids])
     old_threads = torch.get_num_threads()
     torch.set_num_threads(recipe.torch_threads)
     try:
@@ -210,7 +215,7 @@ def heldout_metrics(
     count = 0
     entropy_bits = 0.0
     nll = 0.0
-    for ids, mask in tokenize_conversations(tokenizer, conversations):
+    for ids, mask in tokenized(tokenizer, conversations):
         x = torch.tensor([ids])
         logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
         labels = x[0, 1:]

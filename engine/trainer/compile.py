@@ -7,6 +7,13 @@ shape may recompile), around block-mask creation, and around each thread's warm-
 of every length bucket, so the lazily compiled backward is built under the lock too). Once warm, calls
 with a known signature run without the lock. ``set_guard_enabled(False)`` exists only for the control
 experiment that shows what happens without it.
+
+Compile events: dynamo keeps one graph per input signature of a compiled function (per length bucket, TTT
+step, device and grad mode here) up to its recompile limit, then silently runs that function eagerly for
+every new signature. ``recompile_limit_for`` sizes the limit from the run, and a ``GuardedFunction`` reports
+to its listeners (the engine writes them as ``compile`` events) every graph compiled after the calling
+thread called ``mark_warm`` ("recompile") and every new signature left to eager because the limit was hit
+("fallback"), counted from dynamo's cache entries for the function's code.
 """
 
 from __future__ import annotations
@@ -20,7 +27,28 @@ import torch
 
 _LOCK = threading.RLock()
 _enabled = True
-RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT = 64  # until the engine sizes it from the run (set_recompile_limit)
+RECOMPILE_HEADROOM = 2  # the limit is this many times the graphs a run is expected to compile per function
+_recompile_limit = RECOMPILE_LIMIT
+
+CompileListener = Callable[[dict[str, Any]], None]
+
+
+def recompile_limit_for(ttt_steps: int, buckets: int, devices: int) -> int:
+    """Graphs a TTT step function may compile: one per (TTT step, length bucket, drafter device, grad mode:
+    training and no-grad evaluation), with headroom; a fallback to eager below that is a bug to see."""
+    expected = ttt_steps * buckets * devices * 2
+    return max(8, RECOMPILE_HEADROOM * expected)
+
+
+def set_recompile_limit(limit: int) -> None:
+    """The limit every thread's ``apply_dynamo_config`` sets from now on."""
+    global _recompile_limit
+    _recompile_limit = int(limit)
+
+
+def recompile_limit() -> int:
+    return _recompile_limit
 
 
 def set_guard_enabled(enabled: bool) -> None:
@@ -49,13 +77,14 @@ def apply_dynamo_config() -> None:
     except ImportError:  # pragma: no cover - torch without dynamo
         return
     cfg: Any = dynamo.config
+    limit = _recompile_limit
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
-            setattr(cfg, name, RECOMPILE_LIMIT)
+            setattr(cfg, name, limit)
     if hasattr(cfg, "accumulated_recompile_limit"):
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * RECOMPILE_LIMIT)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * limit)
     if hasattr(cfg, "accumulated_cache_size_limit"):
-        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 8 * RECOMPILE_LIMIT)
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 8 * limit)
     # Fixed length buckets: no dynamic shapes, one graph per bucket and TTT step.
     if hasattr(cfg, "automatic_dynamic_shapes"):
         cfg.automatic_dynamic_shapes = False
@@ -78,15 +107,68 @@ def _signature(value: Any) -> Any:
     return type(value).__name__
 
 
-class GuardedFunction:
-    """A (possibly compiled) function whose first call per input signature runs under the compile guard."""
+def _dynamo_limit() -> int:
+    """This thread's dynamo recompile limit (per thread from torch 2.12)."""
+    import torch._dynamo as dynamo
 
-    def __init__(self, fn: Callable[..., Any], *, compiled: bool, name: str) -> None:
+    cfg: Any = dynamo.config
+    limit = getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+    return int(limit) if limit is not None else _recompile_limit
+
+
+def _graph_counter(fn: Callable[..., Any]) -> Callable[[], int] | None:
+    """How many graphs dynamo holds for ``fn``'s code (a function's, or a module's ``forward``), or None."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover - a torch without the cache-entry view: no compile events
+        return None
+    if code is None:
+        return None
+    return lambda: len(_debug_get_cache_entry_list(code))
+
+
+def _describe(key: Any) -> str:
+    """A short text for an input signature: its tensor shapes and plain values (what changed is visible)."""
+    parts: list[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, tuple) and v and v[0] == "T":
+            parts.append("x".join(str(d) for d in v[1]) or "scalar")
+        elif isinstance(v, tuple):
+            for x in v:
+                walk(x)
+        elif isinstance(v, (int, float, bool)) or v is None:
+            parts.append(repr(v))
+
+    walk(key)
+    text = " ".join(parts)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+class GuardedFunction:
+    """A (possibly compiled) function whose first call per input signature runs under the compile guard.
+
+    ``listeners`` get a dict per compile event (``what``: "recompile" or "fallback", ``function``,
+    ``thread``, ``graphs``, ``limit``, ``signature``); ``backend`` is torch.compile's (tests use "eager").
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, compiled: bool, name: str, backend: str = "inductor") -> None:
         self.name = name
         self.compiled = compiled
-        self._fn = torch.compile(fn, dynamic=False) if compiled else fn
+        self._fn = torch.compile(fn, dynamic=False, backend=backend) if compiled else fn
         self._seen: set[Any] = set()
         self._seen_lock = threading.Lock()
+        self._graphs = _graph_counter(fn) if compiled else None
+        self._warm_threads: set[int] = set()
+        self._fell_back = False
+        self.listeners: list[CompileListener] = []
+        self.events: list[dict[str, Any]] = []
+
+    def mark_warm(self) -> None:
+        """From now on a graph compiled in the calling thread is a recompile after warm-up (an event)."""
+        with self._seen_lock:
+            self._warm_threads.add(threading.get_ident())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.compiled:
@@ -97,7 +179,32 @@ class GuardedFunction:
         if known:
             return self._fn(*args, **kwargs)
         with compile_guard():
+            before = self._graphs() if self._graphs is not None else None
             out = self._fn(*args, **kwargs)
+            if before is not None and self._graphs is not None:
+                self._after_new_signature(key, before, self._graphs())
         with self._seen_lock:
             self._seen.add(key)
         return out
+
+    def _after_new_signature(self, key: Any, before: int, after: int) -> None:
+        limit = _dynamo_limit()
+        warm = threading.get_ident() in self._warm_threads
+        if after > before and warm:
+            what = "recompile"
+        elif after == before and after >= limit and not self._fell_back:
+            what = "fallback"  # dynamo hit its limit: this signature (and every later new one) runs eagerly
+            self._fell_back = True
+        else:
+            return  # a first compile during warm-up, or a new signature that an existing graph's guards accept
+        event = {
+            "what": what,
+            "function": self.name,
+            "thread": threading.current_thread().name,
+            "graphs": after,
+            "limit": limit,
+            "signature": _describe(key),
+        }
+        self.events.append(event)
+        for listener in list(self.listeners):
+            listener(event)

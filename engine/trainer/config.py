@@ -33,6 +33,12 @@ ATTENTION_IMPLS: tuple[str, ...] = ("auto", "flex", "sdpa")
 CUDA_STREAMS: tuple[str, ...] = ("per_thread", "per_device")
 DATA_RANDOM = "random"
 DATA_SHIPPED = "shipped"
+# loss_i's denominator (engine/trainer/loss.py): every position of the batch (SpecForge) or the masked ones.
+LOSS_MEAN_ALL = "all_positions"
+LOSS_MEAN_MASKED = "masked_positions"
+LOSS_MEANS: tuple[str, ...] = (LOSS_MEAN_ALL, LOSS_MEAN_MASKED)
+# Decoder-layer counts of the built-in random targets whose depth this config knows without loading them.
+BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32, "tiny-trained": 8}  # = builtin_target.Recipe.layers
 
 
 class ConfigError(ValueError):
@@ -44,7 +50,9 @@ class EngineConfig:
     # The target: a built-in random preset ("tiny", "llama3-8b-shape"), the built-in trained "tiny-trained"
     # (trained on the shipped corpus on first use, then cached), or a local Hugging Face directory.
     target: str = "tiny"
-    target_layers: list[int] | None = None  # None: low/middle/high as EAGLE-3 (2, L/2, L-3 for deep models)
+    # 0-based decoder layers whose OUTPUT is captured (SGLang's eagle_aux_hidden_state_layer_ids); None: as
+    # served, outputs of 1, L/2-1, L-4 (= inputs of vLLM's and SGLang's default layers 2, L/2, L-3).
+    target_layers: list[int] | None = None
     target_devices: list[str] = field(default_factory=lambda: ["cpu"])
     drafter_devices: list[str] = field(default_factory=lambda: ["cpu"])
     drafter_mode: str = "replicas"
@@ -53,9 +61,13 @@ class EngineConfig:
     buckets: list[int] = field(default_factory=lambda: [256])
     batch_size: int = 1
     draft_vocab_size: int = 128
-    vocab_sample_batches: int = 256
+    # Ignored (still accepted so old configs load): the draft vocabulary now counts every training conversation.
+    vocab_sample_batches: int | None = None
     # Conversations held out of training (a seeded choice, engine/trainer/holdout.py) for measuring acceptance.
     eval_holdout: int = 32
+    # Where tokenized data is cached ("": <output_dir>/data_cache); a restart with the same data, tokenizer,
+    # chat template, longest bucket and held-out split does not tokenize again.
+    data_cache_dir: str = ""
     # Acceptance length every eval_every steps (0: never): greedy chain speculation with eval_k draft tokens
     # over eval_conversations held-out prompts, eval_max_new_tokens each (engine/trainer/evaluate.py).
     eval_every: int = 0
@@ -63,6 +75,9 @@ class EngineConfig:
     eval_conversations: int = 8
     eval_max_new_tokens: int = 64
     ttt_steps: int = 3
+    # TTT step i rotates with positions arange(T) + i, as served; False only to compare against the old way.
+    ttt_rope_offset: bool = True
+    loss_mean: str = LOSS_MEAN_ALL  # loss_i / (B*T) as SpecForge, or "masked_positions": / (masked count)
     lr: float = 1e-3
     drafter_lrs: list[float] | None = None  # independent mode: one learning rate per drafter (a sweep)
     schedule: str = "constant"
@@ -95,7 +110,7 @@ class EngineConfig:
     torch_threads: int = 0  # 0: leave torch's default
     # Tiny target size knobs (only for target = "tiny").
     tiny_hidden: int = 64
-    tiny_layers: int = 4
+    tiny_layers: int = 8  # deep enough for the serve-time layers (outputs of 1, 3, 4) to be distinct
 
     def validate(self) -> EngineConfig:
         def need(cond: bool, key: str, msg: str) -> None:
@@ -117,6 +132,7 @@ class EngineConfig:
         one_of("dtype", self.dtype, DTYPES)
         one_of("attention", self.attention, ATTENTION_IMPLS)
         one_of("cuda_streams", self.cuda_streams, CUDA_STREAMS)
+        one_of("loss_mean", self.loss_mean, LOSS_MEANS)
         for key in ("target_devices", "drafter_devices"):
             devs = getattr(self, key)
             need(isinstance(devs, list) and len(devs) > 0, key, "a non-empty list of devices, e.g. ['cuda:0']")
@@ -152,7 +168,6 @@ class EngineConfig:
         )
         for key in ("eval_k", "eval_conversations", "eval_max_new_tokens"):
             need(getattr(self, key) >= 1, key, "an integer >= 1")
-        need(self.vocab_sample_batches >= 1, "vocab_sample_batches", "an integer >= 1")
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
@@ -160,15 +175,40 @@ class EngineConfig:
         for key in ("stall_after_s", "starve_after_s", "stop_grace_s"):
             need(getattr(self, key) > 0, key, "a positive number of seconds")
         need(self.step_delay_s >= 0, "step_delay_s", "a number of seconds >= 0")
+        need(self.tiny_layers >= 3, "tiny_layers", "an integer >= 3 (three distinct hidden layers are captured)")
         if self.target_layers is not None:
+            ids = self.target_layers
             need(
-                len(self.target_layers) == 3 and all(isinstance(i, int) and i >= 0 for i in self.target_layers),
+                len(ids) == 3 and all(isinstance(i, int) and i >= 0 for i in ids),
                 "target_layers",
                 "three non-negative layer indices (low, middle, high)",
             )
-        need(self.tiny_layers >= 4, "tiny_layers", "an integer >= 4 (three distinct hidden layers are captured)")
+            need(len(set(ids)) == 3, "target_layers", f"{ids}: three distinct layer indices")
+            depth = self.target_depth()
+            if depth is not None:
+                need(
+                    max(ids) < depth,
+                    "target_layers",
+                    f"{ids}: the target has {depth} decoder layers, so indices run 0..{depth - 1} "
+                    "(0-based; the output of each listed layer is captured)",
+                )
         need(self.tiny_hidden >= 32 and self.tiny_hidden % 16 == 0, "tiny_hidden", "a multiple of 16, >= 32")
         return self
+
+    def target_depth(self) -> int | None:
+        """The target's decoder-layer count where it is known without loading weights, else None."""
+        if self.target == "tiny":
+            return self.tiny_layers
+        if self.target in BUILTIN_TARGET_LAYERS:
+            return BUILTIN_TARGET_LAYERS[self.target]
+        config_json = Path(self.target).expanduser() / "config.json"
+        try:
+            hf = json.loads(config_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # the loader reports an unreadable target; validation only skips the bound here
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+        layers = text.get("num_hidden_layers") if isinstance(text, dict) else None
+        return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
 
     @property
     def uses_cuda(self) -> bool:
@@ -331,7 +371,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "batch_size": 2,  # measured on the H200: 16.6k tok/s (66.8% MFU) vs 15.0k at batch 1
         "ttt_steps": 7,
         "draft_vocab_size": 32000,
-        "vocab_sample_batches": 8,
         "lr": 1e-4,
         "schedule": "cosine",
         "warmup_steps": 50,

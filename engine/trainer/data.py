@@ -1,7 +1,8 @@
 """Training data: ShareGPT-style conversations tokenized with the target's chat template, or random tokens.
 
-A batch is a pure function of its index (epoch permutation seeded by ``seed + epoch``), so the data
-position of a checkpoint is one integer and a resumed run reads exactly the batches it would have read.
+A batch is a pure function of its index (epoch permutation seeded by ``seed + epoch``), so a checkpoint's data
+position is the set of indices trained (dispatch.IndexLedger) and a resumed run reads exactly the batches it had
+not trained. Nothing is dropped silently: every conversation not trained on is counted with its reason.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from __future__ import annotations
 import json
 import random
 import threading
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from engine.trainer.holdout import heldout_indices
 
 ROLE_ALIASES: dict[str, str] = {
     "human": "user",
@@ -54,9 +59,24 @@ class BatchSource(Protocol):
 
     def describe(self) -> str: ...
 
+    def token_counts(self, vocab_size: int) -> torch.Tensor: ...
 
-def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
-    """ShareGPT (``conversations: [{from, value}]``) or chat (``messages: [{role, content}]``) JSON lines."""
+
+SKIP_NO_ASSISTANT = "no assistant turn"
+SKIP_TEMPLATE_ERROR = "chat template error"
+SKIP_EMPTY_MASK = "no assistant tokens after templating"
+SKIP_TOO_LONG = "assistant tokens beyond the longest bucket"
+# Tokenizing is chunked so that progress can be reported; at most this many conversations per chunk.
+TOKENIZE_CHUNK = 512
+PROGRESS_EVERY_PCT = 10
+_PROBE_REPLY = "specdec-probe-reply"
+
+
+def load_conversations(path: str | Path, skipped: Counter[str] | None = None) -> list[list[dict[str, str]]]:
+    """ShareGPT (``conversations: [{from, value}]``) or chat (``messages: [{role, content}]``) JSON lines.
+
+    Rows without an assistant turn are left out (counted in ``skipped``); the held-out split indexes the list
+    this returns."""
     convs: list[list[dict[str, str]]] = []
     with Path(path).open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -77,27 +97,104 @@ def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
                 msgs.append({"role": role, "content": content})
             if any(m["role"] == "assistant" for m in msgs):
                 convs.append(msgs)
+            elif skipped is not None:
+                skipped[SKIP_NO_ASSISTANT] += 1
     if not convs:
         raise ValueError(f"{path}: no conversation with an assistant turn")
     return convs
 
 
-def _assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The chat-templated text and the character spans of assistant content (through the end-of-turn marker)."""
-    full: str = tokenizer.apply_chat_template(messages, tokenize=False)
+def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+    text: str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return text
+
+
+def end_of_turn_marker(tokenizer: Any) -> str:
+    """What the chat template writes after an assistant reply (``<|eot_id|>``, ``<|im_end|>\\n``, ...)."""
+    probe = [{"role": "user", "content": "specdec-probe"}, {"role": "assistant", "content": _PROBE_REPLY}]
+    text = _render(tokenizer, probe)
+    at = text.rfind(_PROBE_REPLY)
+    return text[at + len(_PROBE_REPLY) :] if at >= 0 else ""
+
+
+def _reply_variants(content: str) -> list[str]:
+    """The forms a template may render a reply in: as given, trimmed, without a leading reasoning block."""
+    after_think = content.split("</think>")[-1].lstrip("\n")
+    out: list[str] = []
+    for v in (content, content.strip(), after_think, after_think.strip()):
+        if v and v not in out:
+            out.append(v)
+    return out
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _safe_render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = False) -> str | None:
+    """The rendering of a conversation prefix, or None where the template refuses it (e.g. no user turn yet)."""
+    from jinja2 import TemplateError
+
+    try:
+        return _render(tokenizer, messages, generation_prompt)
+    except TemplateError:
+        return None
+
+
+def assistant_spans(
+    tokenizer: Any, messages: list[dict[str, str]], end_of_turn: str
+) -> tuple[str, list[tuple[int, int]]]:
+    """The chat-templated text and the character spans the model generates: each assistant turn from the end of
+    the generation prompt through the end-of-turn marker.
+
+    Templates trim replies (Llama 3.1: ``content | trim``) and rewrite them (Qwen3 drops earlier turns' reasoning
+    and adds an empty ``<think>`` block to the last one), so a turn is found from the renderings of the
+    conversation's prefixes, not by searching its content: it starts where ``messages[:k]`` plus the generation
+    prompt stops matching the full text and ends where ``messages[:k + 1]`` ends (or, where later turns change
+    how it is rendered, at its end-of-turn marker). The reply's own text is searched only as a last resort.
+    """
+    full = _render(tokenizer, messages)
     spans: list[tuple[int, int]] = []
-    search_from = 0
+    cursor = 0
     for k, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        upto: str = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
-        end = len(upto) if full.startswith(upto) else -1
-        start = full.find(msg["content"], search_from)
-        if start < 0:
+        start: int | None = None
+        before = _safe_render(tokenizer, messages[:k]) if k else ""
+        prompt = _safe_render(tokenizer, messages[:k], generation_prompt=True) if k else None
+        if before is not None and full.startswith(before) and len(before) >= cursor and prompt is not None:
+            start = max(len(before), _common_prefix_len(prompt, full))
+        if start is None or start >= len(full):
+            start = None
+            for variant in _reply_variants(msg["content"]):
+                at = full.find(variant, cursor)
+                if at >= 0:
+                    start = at
+                    break
+        if start is None:
             continue
-        end = max(end, start + len(msg["content"]))
+        end: int | None = None
+        upto = _safe_render(tokenizer, messages[: k + 1])
+        if upto is not None and full.startswith(upto) and len(upto) > start:
+            end = len(upto)
+        elif end_of_turn:
+            at = full.find(end_of_turn, start)
+            if at >= 0:
+                end = at + len(end_of_turn)
+        if end is None:
+            for variant in _reply_variants(msg["content"]):
+                at = full.find(variant, start)
+                if at >= 0:
+                    end = at + len(variant)
+                    break
+        if end is None or end <= start:
+            continue
         spans.append((start, end))
-        search_from = end
+        cursor = end
     return full, spans
 
 
@@ -113,19 +210,39 @@ def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, in
 
 
 def tokenize_conversations(
-    tokenizer: Any, conversations: list[list[dict[str, str]]]
-) -> list[tuple[list[int], list[int]]]:
-    """Token ids of each chat-templated conversation and a mask that is 1 on assistant content tokens."""
-    rendered = [_assistant_spans(tokenizer, msgs) for msgs in conversations]
-    enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-    return [
-        (list(ids), _mask_from_offsets(list(offsets), spans))
-        for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered, strict=True)
-    ]
+    tokenizer: Any, conversations: list[list[dict[str, str]]], end_of_turn: str | None = None
+) -> list[tuple[list[int], list[int]] | str]:
+    """Per conversation: its token ids and a mask that is 1 on the tokens the model generates (assistant turns),
+    or the reason it cannot be trained on (a template error)."""
+    from jinja2 import TemplateError
+
+    eot = end_of_turn_marker(tokenizer) if end_of_turn is None else end_of_turn
+    rendered: list[tuple[str, list[tuple[int, int]]] | str] = []
+    for msgs in conversations:
+        try:
+            rendered.append(assistant_spans(tokenizer, msgs, eot))
+        except TemplateError:
+            rendered.append(SKIP_TEMPLATE_ERROR)
+    texts = [r[0] for r in rendered if not isinstance(r, str)]
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+    out: list[tuple[list[int], list[int]] | str] = []
+    j = 0
+    for r in rendered:
+        if isinstance(r, str):
+            out.append(r)
+            continue
+        assert enc is not None
+        ids, offsets = enc["input_ids"][j], enc["offset_mapping"][j]
+        j += 1
+        out.append((list(ids), _mask_from_offsets(list(offsets), r[1])))
+    return out
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    return tokenize_conversations(tokenizer, [messages])[0]
+    (got,) = tokenize_conversations(tokenizer, [messages])
+    if isinstance(got, str):
+        raise ValueError(f"cannot tokenize the conversation: {got}")
+    return got
 
 
 def pick_bucket(length: int, buckets: list[int]) -> int:
@@ -135,8 +252,97 @@ def pick_bucket(length: int, buckets: list[int]) -> int:
     return buckets[-1]
 
 
+@dataclass
+class TokenizedCorpus:
+    """The training conversations tokenized and cut to the longest bucket, flattened: example ``i`` is
+    ``ids[offsets[i]:offsets[i + 1]]`` (and the same slice of ``mask``)."""
+
+    ids: torch.Tensor  # (N,) int32
+    mask: torch.Tensor  # (N,) bool: the tokens the model generates
+    offsets: torch.Tensor  # (E + 1,) int64
+    token_counts: torch.Tensor  # (V,) int64: how often each token id is trained on, over every example
+    conversations: int  # conversations in the file (with an assistant turn), held-out ones included
+    heldout: list[int]  # conversation indices (file order) kept out of training
+    skipped: dict[str, int]  # conversations not trained on, by reason
+    truncated: int  # conversations cut to the longest bucket (still trained on)
+
+    @property
+    def examples(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+
+def build_corpus(
+    tokenizer: Any,
+    path: str | Path,
+    *,
+    max_tokens: int,
+    eval_holdout: int,
+    seed: int,
+    progress: Callable[[str], None] | None = None,
+) -> TokenizedCorpus:
+    """Tokenize every conversation of ``path`` except the held-out ones, counting what is skipped and why, and
+    the trained token frequencies (the draft vocabulary's input), with a progress line every 10 %."""
+    skipped: Counter[str] = Counter()
+    convs = load_conversations(path, skipped)
+    heldout = heldout_indices(len(convs), eval_holdout, seed)
+    train = [c for i, c in enumerate(convs) if i not in heldout]
+    eot = end_of_turn_marker(tokenizer)
+    ids_parts: list[torch.Tensor] = []
+    mask_parts: list[torch.Tensor] = []
+    lengths: list[int] = []
+    truncated = 0
+    next_pct = PROGRESS_EVERY_PCT
+    chunk = max(1, min(TOKENIZE_CHUNK, -(-len(train) // (100 // PROGRESS_EVERY_PCT))))
+    for lo in range(0, len(train), chunk):
+        for got in tokenize_conversations(tokenizer, train[lo : lo + chunk], eot):
+            if isinstance(got, str):
+                skipped[got] += 1
+                continue
+            ids, mask = got
+            if sum(mask) == 0:
+                skipped[SKIP_EMPTY_MASK] += 1
+                continue
+            if len(ids) > max_tokens:
+                if sum(mask[:max_tokens]) == 0:
+                    skipped[SKIP_TOO_LONG] += 1
+                    continue
+                truncated += 1
+                ids, mask = ids[:max_tokens], mask[:max_tokens]
+            ids_parts.append(torch.tensor(ids, dtype=torch.int32))
+            mask_parts.append(torch.tensor(mask, dtype=torch.bool))
+            lengths.append(len(ids))
+        done = min(lo + chunk, len(train))
+        pct = 100 * done // max(1, len(train))
+        if progress is not None and (pct >= next_pct or done == len(train)):
+            progress(f"tokenized {pct}% ({done}/{len(train)} conversations)")
+            next_pct = (pct // PROGRESS_EVERY_PCT + 1) * PROGRESS_EVERY_PCT
+    flat_ids = torch.cat(ids_parts) if ids_parts else torch.zeros(0, dtype=torch.int32)
+    flat_mask = torch.cat(mask_parts) if mask_parts else torch.zeros(0, dtype=torch.bool)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    if lengths:
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    vocab = max(len(tokenizer), int(flat_ids.max()) + 1 if flat_ids.numel() else 0)
+    counts = torch.bincount(flat_ids[flat_mask].long(), minlength=vocab)
+    return TokenizedCorpus(
+        ids=flat_ids,
+        mask=flat_mask,
+        offsets=offsets,
+        token_counts=counts,
+        conversations=len(convs),
+        heldout=sorted(heldout),
+        skipped=dict(skipped),
+        truncated=truncated,
+    )
+
+
 class ConversationSource:
-    """Tokenized conversations, batched by a seeded per-epoch permutation, padded to fixed length buckets."""
+    """Tokenized conversations, batched by a seeded per-epoch permutation, padded to fixed length buckets.
+
+    The ``eval_holdout`` conversations chosen by ``holdout.heldout_indices`` are never trained on;
+    ``heldout_conversations()`` returns them for measuring acceptance. With a ``cache_dir`` the tokenized
+    corpus (and its token counts) is kept on disk, keyed by everything it depends on, so a restart does not
+    tokenize again.
+    """
 
     def __init__(
         self,
@@ -147,48 +353,97 @@ class ConversationSource:
         batch_size: int,
         seed: int,
         pad_id: int | None = None,
+        eval_holdout: int = 0,
+        cache_dir: str | Path | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.batch_size = batch_size
         self.seed = seed
         self.path = Path(path)
+        self.eval_holdout = eval_holdout
         pid = pad_id if pad_id is not None else getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pid) if pid is not None else 0
-        self.examples: list[tuple[list[int], list[int]]] = []
-        for ids, mask in tokenize_conversations(tokenizer, load_conversations(path)):
-            if sum(mask) == 0:
-                continue
-            self.examples.append((ids[: self.buckets[-1]], mask[: self.buckets[-1]]))
-        if len(self.examples) < batch_size:
-            raise ValueError(f"{path}: {len(self.examples)} usable conversations, fewer than batch_size {batch_size}")
-        self.batches_per_epoch = len(self.examples) // batch_size
+
+        def build() -> TokenizedCorpus:
+            return build_corpus(
+                tokenizer, path, max_tokens=self.buckets[-1], eval_holdout=eval_holdout, seed=seed, progress=progress
+            )
+
+        self.cache_hit = False
+        self.cache_path: Path | None = None
+        if cache_dir is not None:
+            from engine.trainer.datacache import load_or_build
+
+            self.corpus, self.cache_path, self.cache_hit = load_or_build(
+                Path(cache_dir),
+                tokenizer,
+                self.path,
+                max_tokens=self.buckets[-1],
+                eval_holdout=eval_holdout,
+                seed=seed,
+                build=build,
+                say=progress,
+            )
+        else:
+            self.corpus = build()
+        self.skipped = dict(self.corpus.skipped)
+        self.heldout_indices = list(self.corpus.heldout)
+        n = self.corpus.examples
+        if n < batch_size:
+            raise ValueError(f"{path}: {n} usable conversations, fewer than batch_size {batch_size}")
+        self.batches_per_epoch = n // batch_size
         self._perm_lock = threading.Lock()
         self._perms: dict[int, list[int]] = {}
+
+    @property
+    def examples(self) -> int:
+        return self.corpus.examples
+
+    def heldout_conversations(self) -> list[list[dict[str, str]]]:
+        """The held-out conversations (file order), as ``load_conversations`` returns them."""
+        convs = load_conversations(self.path)
+        return [convs[i] for i in self.heldout_indices]
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id is trained on over the whole training set, ``(vocab_size,)`` int64."""
+        counts = self.corpus.token_counts
+        out = torch.zeros(vocab_size, dtype=torch.long)
+        n = min(vocab_size, counts.numel())
+        out[:n] = counts[:n]
+        return out
 
     def _perm(self, epoch: int) -> list[int]:
         with self._perm_lock:
             perm = self._perms.get(epoch)
             if perm is None:
-                perm = list(range(len(self.examples)))
+                perm = list(range(self.corpus.examples))
                 random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
                 self._perms = {epoch: perm}  # keep only the current epoch's
             return perm
 
+    def example(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = int(self.corpus.offsets[i]), int(self.corpus.offsets[i + 1])
+        return self.corpus.ids[lo:hi], self.corpus.mask[lo:hi]
+
     def batch(self, index: int) -> HostBatch:
         epoch, offset = divmod(index, self.batches_per_epoch)
         perm = self._perm(epoch)
-        rows = [self.examples[perm[offset * self.batch_size + j]] for j in range(self.batch_size)]
-        bucket = pick_bucket(max(len(ids) for ids, _ in rows), self.buckets)
+        rows = [self.example(perm[offset * self.batch_size + j]) for j in range(self.batch_size)]
+        bucket = pick_bucket(max(int(ids.numel()) for ids, _ in rows), self.buckets)
         ids_t = torch.full((self.batch_size, bucket), self.pad_id, dtype=torch.long)
         mask_t = torch.zeros((self.batch_size, bucket), dtype=torch.float32)
         for j, (ids, mask) in enumerate(rows):
-            n = min(len(ids), bucket)
-            ids_t[j, :n] = torch.tensor(ids[:n], dtype=torch.long)
-            mask_t[j, :n] = torch.tensor(mask[:n], dtype=torch.float32)
+            n = min(int(ids.numel()), bucket)
+            ids_t[j, :n] = ids[:n].long()
+            mask_t[j, :n] = mask[:n].float()
         return HostBatch(index=index, input_ids=ids_t, loss_mask=mask_t, bucket=bucket)
 
     def describe(self) -> str:
-        return f"{len(self.examples)} conversations from {self.path} ({self.batches_per_epoch} batches/epoch)"
+        held = f", {len(self.heldout_indices)} held out" if self.heldout_indices else ""
+        return (
+            f"{self.corpus.examples} conversations from {self.path}{held} ({self.batches_per_epoch} batches/epoch)"
+        )
 
 
 class RandomTokenSource:
@@ -205,6 +460,10 @@ class RandomTokenSource:
         t = self.buckets[-1]
         ids = torch.randint(0, self.vocab_size, (self.batch_size, t), generator=g)
         return HostBatch(index=index, input_ids=ids, loss_mask=torch.ones(self.batch_size, t), bucket=t)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """Random ids are uniform: every id has the same expected count (the draft vocabulary is the lowest ids)."""
+        return torch.ones(vocab_size, dtype=torch.long)
 
     def describe(self) -> str:
         return f"random tokens (vocab {self.vocab_size}, {self.batch_size}x{self.buckets[-1]})"

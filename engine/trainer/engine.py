@@ -19,14 +19,16 @@ from typing import Any
 import torch
 
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.compile import GuardedFunction, set_guard_enabled
+from engine.trainer.compile import GuardedFunction, recompile_limit_for, set_guard_enabled, set_recompile_limit
 from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
 from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
 from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
+from engine.trainer.dispatch import Dispatcher, IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.health import HealthBoard
-from engine.trainer.metrics import EventLog, events_path_for
+from engine.trainer.loss import loss_function
+from engine.trainer.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.producer import DeviceBatch, Producer, Route
 from engine.trainer.queue import BoundedQueue
 from engine.trainer.target import Target, load_target, load_tokenizer
@@ -65,6 +67,7 @@ class Engine:
         self.workers: list[DrafterWorker] = []
         self.queues: list[BoundedQueue[DeviceBatch]] = []
         self.group: ReplicaGroup | None = None
+        self.dispatcher: Dispatcher | None = None
         self.vocab: DraftVocab | None = None
         self.source: BatchSource | None = None
         self.resumed_from: Path | None = None
@@ -97,6 +100,8 @@ class Engine:
         ddevs = [torch.device(d) for d in cfg.drafter_devices]
         if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
             raise RuntimeError("the config names CUDA devices but torch.cuda.is_available() is False")
+        set_recompile_limit(recompile_limit_for(cfg.ttt_steps, len(cfg.buckets), len(ddevs)))
+        on_compile = compile_listener(self.events)
         attn_impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
         if attn_impl == "flex" and any(d.type == "cpu" for d in ddevs):
             raise RuntimeError("attention = 'flex' needs CUDA drafters (flex_attention has no CPU backward)")
@@ -117,6 +122,8 @@ class Engine:
             )
             if cfg.compile and cfg.compile_target and dev.type == "cuda":
                 target.compile()
+            for fn in target.compiled_functions():
+                fn.listeners.append(on_compile)
             self.targets.append(target)
             self.events.stage(
                 "target_loaded",
@@ -130,9 +137,19 @@ class Engine:
             )
         else:
             path = shipped_corpus_path() if cfg.data == DATA_SHIPPED else Path(cfg.data).expanduser()
-            self.source = ConversationSource(
-                tokenizer, path, buckets=cfg.buckets, batch_size=cfg.batch_size, seed=cfg.seed
+            cache_dir = Path(cfg.data_cache_dir).expanduser() if cfg.data_cache_dir else self.output_dir / "data_cache"
+            source = ConversationSource(
+                tokenizer,
+                path,
+                buckets=cfg.buckets,
+                batch_size=cfg.batch_size,
+                seed=cfg.seed,
+                eval_holdout=cfg.eval_holdout,
+                cache_dir=cache_dir,
+                progress=lambda text: self.events.stage("data", text),
             )
+            self.source = source
+            self._report_data(source)
 
         latest = ckpt.latest_checkpoint(self.output_dir) if cfg.resume else None
         if latest is not None:
@@ -140,13 +157,20 @@ class Engine:
             self.resumed_from = latest
         else:
             draft_size = min(cfg.draft_vocab_size, target0.vocab_size)
-            self.vocab = build_draft_vocab(self.source, target0.vocab_size, draft_size, cfg.vocab_sample_batches)
+            self.vocab = build_draft_vocab(self.source, target0.vocab_size, draft_size)
+        if cfg.vocab_sample_batches is not None:
+            self.events.say(
+                "warning: vocab_sample_batches is ignored: the draft vocabulary counts every training conversation"
+            )
         dcfg = DraftConfig.from_target(target0.config, self.vocab.size)
 
         n = len(ddevs)
         replicas = cfg.drafter_mode == "replicas"
+        # The trained batch indices per model: replicas train one model (one ledger), independent drafters one each.
+        shared = IndexLedger()
+        ledgers = [shared] * n if replicas else [IndexLedger() for _ in range(n)]
         if replicas and n > 1:
-            self.group = ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set())
+            self.group = ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set(), shared)
         rounds = CheckpointRounds(
             {REPLICAS_CHECKPOINT} if replicas else {f"drafter{r}" for r in range(n)}, self._write_checkpoint
         )
@@ -156,6 +180,8 @@ class Engine:
         compiled = cfg.compile and ddevs[0].type == "cuda"
         attention = TTTAttention(attn_impl, compiled=compiled)
         step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
+        for fn in [step_fn, *attention.compiled_functions()]:
+            fn.listeners.append(on_compile)
         for rank, dev in enumerate(ddevs):
             embed = next((t.embed_weight() for t in self.targets if t.device == dev), None)
             if embed is None:
@@ -163,7 +189,9 @@ class Engine:
             seed = cfg.seed if replicas else cfg.seed + rank
             with torch.random.fork_rng(devices=[]), torch.device(dev):
                 torch.manual_seed(seed + 7919)
-                drafter = Drafter(dcfg, embed, self.vocab.draft_to_target.to(dev))
+                drafter = Drafter(
+                    dcfg, embed, self.vocab.draft_to_target.to(dev), ttt_rope_offset=cfg.ttt_rope_offset
+                )
             if replicas and first is not None:
                 drafter.load_state_dict(first.state_dict())
             first = first or drafter
@@ -203,10 +231,10 @@ class Engine:
                 log_every=cfg.log_every,
                 checkpoint_every=cfg.checkpoint_every,
                 group=self.group,
-                next_index=rank if replicas else 0,
-                index_stride=n if replicas else 1,
+                ledger=ledgers[rank],
                 submit_checkpoint=self._submit(REPLICAS_CHECKPOINT if replicas else name),
                 step_delay_s=cfg.step_delay_s,
+                loss_fn=loss_function(cfg.loss_mean),
             )
             if latest is not None:
                 state_name = REPLICAS_CHECKPOINT if replicas else name
@@ -216,14 +244,15 @@ class Engine:
                     state = None
                 if state is not None:
                     worker.restore_state(state)
-                    if replicas:
-                        worker.next_index = worker.step * n + rank
+                    if replicas and "data_position" not in state:
+                        # Before the ledger, replica r trained indices r, r + n, ...: step s means all below s * n.
+                        worker.ledger.restore({"watermark": worker.step * n})
             self.workers.append(worker)
 
-        start_index = min(w.next_index for w in self.workers)
-        if replicas:
-            start_index = min(w.step for w in self.workers) * n
+        self.dispatcher = Dispatcher(ledgers, cfg.drafter_mode)
         routes = [Route(q, d) for q, d in zip(self.queues, ddevs, strict=True)]
+        trained = max(ledger.trained for ledger in ledgers)
+        n_targets = len(self.targets)
         for p, target in enumerate(self.targets):
             _, autocast = self._dtypes(target.device)
             self.producers.append(
@@ -232,10 +261,9 @@ class Engine:
                     target,
                     self.source,
                     routes,
-                    mode=cfg.drafter_mode,
-                    start_index=start_index,
-                    offset=p,
-                    stride=len(self.targets),
+                    self.dispatcher,
+                    # The batches this producer would have made so far had the run not stopped.
+                    start_batches=trained // n_targets + (1 if p < trained % n_targets else 0),
                     draft_ids=self.vocab.draft_to_target,
                     t2d=self.vocab.t2d(target.vocab_size),
                     control=self.control,
@@ -265,6 +293,27 @@ class Engine:
             f"drafter {params_m:.1f}M trainable params, draft vocab {self.vocab.size}, attention {attn_impl}"
             f"{' compiled' if cfg.compile else ''}, data: {self.source.describe()}{resumed}"
         )
+
+    def _report_data(self, source: ConversationSource) -> None:
+        """Every conversation not trained on is counted, with its reason: an event and a log line."""
+        skipped = dict(sorted(source.skipped.items()))
+        total = sum(skipped.values())
+        detail = (
+            f"{source.examples} conversations to train on, {len(source.heldout_indices)} held out, "
+            f"{total} skipped" + (f" ({', '.join(f'{k}: {v}' for k, v in skipped.items())})" if total else "")
+            + (f", {source.corpus.truncated} cut to {source.buckets[-1]} tokens" if source.corpus.truncated else "")
+        )
+        self.events.emit(
+            "stage",
+            stage="data",
+            thread=None,
+            detail=detail,
+            skipped=skipped,
+            heldout=len(source.heldout_indices),
+            truncated=source.corpus.truncated,
+            cached=source.cache_hit,
+        )
+        self.events.say(f"stage=data {detail}")
 
     def _install_evaluation(self) -> None:
         """eval_every > 0: acceptance length on held-out prompts every eval_every steps, per drafter (``eval``)."""
@@ -309,7 +358,7 @@ class Engine:
             "config": self.cfg.to_dict(),
             "mode": self.cfg.drafter_mode,
             "data": self.source.describe(),
-            "data_position": {name: s.get("next_index") for name, s in states.items()},
+            "data_position": {name: s.get("data_position") for name, s in states.items()},
             "draft_config": self.workers[0].drafter.cfg.to_dict(),
             "target_layers": self.targets[0].layer_ids,
         }
@@ -323,16 +372,36 @@ class Engine:
 
     # --- failures ---------------------------------------------------------------------------------------------
     def _on_failure(self, failure: ThreadFailure, continuing: bool) -> None:
-        if failure.role == "producer":
+        if not continuing:
             return
-        if continuing:
-            if self.cfg.drafter_mode == "independent":
-                self._rounds.drop(failure.thread)
-            alive = [w.name for w in self.workers if not w.failed and w.name != failure.thread]
-            if not alive:
-                self.control.fail_run(f"every drafter thread failed (last: {failure.thread})")
+        if failure.role == "producer":
+            # Its claimed batch went back to the dispatcher: the live producers take over its share.
+            live = [p.name for p in self.producers if not p.failed and p.name != failure.thread]
+            if not live:
+                self.control.fail_run(f"every target thread failed (last: {failure.thread})")
             else:
-                self.events.stage("training", f"degraded: {failure.thread} died; {len(alive)} drafter(s) remain")
+                self.events.stage("training", f"degraded: {failure.thread} died; {len(live)} target thread(s) remain")
+            return
+        dead = next(w for w in self.workers if w.name == failure.thread)
+        assert self.dispatcher is not None
+        # Route nothing more to it, unblock producers waiting on its queue, and (replicas) give its batches back
+        # so that a live replica trains them.
+        self.dispatcher.retire(dead.rank)
+        queue = self.queues[dead.rank]
+        queue.close()
+        left = queue.drain()
+        if self.cfg.drafter_mode == "replicas":
+            for batch in left:
+                self.dispatcher.release(batch.index)
+            if dead.current_index is not None:
+                self.dispatcher.release(dead.current_index)
+        else:
+            self._rounds.drop(failure.thread)
+        alive = [w.name for w in self.workers if not w.failed and w.name != failure.thread]
+        if not alive:
+            self.control.fail_run(f"every drafter thread failed (last: {failure.thread})")
+        else:
+            self.events.stage("training", f"degraded: {failure.thread} died; {len(alive)} drafter(s) remain")
 
     # --- running ----------------------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:

@@ -398,7 +398,9 @@ def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Dr
 
     meta = ckpt.read_meta(path)
     dcfg = DraftConfig(**meta["draft_config"])
-    drafter = Drafter(dcfg, target.embed_weight().to(device), ckpt.load_vocab(path).to(device))
+    rope_offset = rope_offset_of(meta.get("config") or {})
+    embed, vocab = target.embed_weight().to(device), ckpt.load_vocab(path).to(device)
+    drafter = Drafter(dcfg, embed, vocab, ttt_rope_offset=rope_offset)
     drafter.load_state_dict(ckpt.load_drafter_state(path, name)["model"])
     return drafter.to(device).eval()
 

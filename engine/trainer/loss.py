@@ -1,27 +1,70 @@
 """EAGLE-3's loss: soft cross-entropy against the target's distribution on the draft vocabulary.
 
-Per TTT step ``i``: ``loss_i = -sum_t m_t * sum_v p_tv * log softmax(z_t)_v / max(1, sum_t m_t)`` and
-``acc_i = #{t : m_t and argmax z_t == argmax p_t} / sum_t m_t``. The total is ``sum_i 0.8**i * loss_i``.
+Per TTT step ``i``, over the ``B x T`` positions of a batch (``T`` the length bucket), with ``z`` the
+drafter's logits, ``p`` the target's softmax over the draft vocabulary, ``m`` the position mask (the data's
+loss mask and the target's top token in the draft vocabulary) and ``l`` the data's loss mask, all shifted
+to step ``i``'s targets (the tail beyond the sequence counts as masked):
+
+* ``loss_i = -sum_{b,t} m_bt * sum_v p_btv * log softmax(z_bt)_v / (B * T)`` by default
+  (``loss_mean = "all_positions"``): SpecForge's ``_compute_loss``, a mean over every position, masked ones
+  counting zero, so SpecForge's learning rates carry over. ``loss_mean = "masked_positions"`` divides by
+  ``max(1, sum m)`` instead: the mean cross-entropy of the positions trained on.
+* ``acc_i = #{(b,t) : m_bt and argmax z_bt == argmax p_bt} / sum_{b,t} l_bt``: top-1 agreement with the
+  target over the loss-masked positions (SpecForge's ``acces``); a position whose target token is outside
+  the draft vocabulary counts as a miss, as it would be rejected when served. Without ``l`` the
+  denominator is ``sum m`` (only the positions trained on).
+
+The total trained on is ``sum_i 0.8**i * loss_i`` (SpecForge's ``ploss_decay``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from engine.trainer.config import LOSS_MEAN_ALL, LOSS_MEAN_MASKED, LOSS_MEANS
 from engine.trainer.metrics import STEP_WEIGHT_DECAY
+
+LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _soft_cross_entropy(
+    logits: torch.Tensor,
+    target_p: torch.Tensor,
+    mask: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    mean: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = mask.to(torch.float32)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    summed = (-(target_p.float() * logp).sum(dim=-1) * m).sum()
+    denominator = float(m.numel()) if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
+    loss = summed / denominator
+    hits = (logits.argmax(dim=-1) == target_p.argmax(dim=-1)).to(torch.float32) * m
+    count = (loss_mask.to(torch.float32) if loss_mask is not None else m).sum()
+    return loss, hits.sum(), count
 
 
 def soft_cross_entropy(
-    logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor
+    logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (mean loss over masked positions, correct top-1 count, masked position count)."""
-    m = mask.to(torch.float32)
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    per_position = -(target_p.float() * logp).sum(dim=-1)
-    count = m.sum()
-    loss = (per_position * m).sum() / count.clamp_min(1.0)
-    hits = (logits.argmax(dim=-1) == target_p.argmax(dim=-1)).to(torch.float32) * m
-    return loss, hits.sum(), count
+    """(loss over all B*T positions, correct top-1 count, accuracy denominator): SpecForge's normalisation."""
+    return _soft_cross_entropy(logits, target_p, mask, loss_mask, LOSS_MEAN_ALL)
+
+
+def soft_cross_entropy_masked_mean(
+    logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss over the masked positions only, correct top-1 count, accuracy denominator)."""
+    return _soft_cross_entropy(logits, target_p, mask, loss_mask, LOSS_MEAN_MASKED)
+
+
+def loss_function(mean: str) -> LossFn:
+    """The loss function for the ``loss_mean`` config key (one of LOSS_MEANS)."""
+    if mean not in LOSS_MEANS:
+        raise ValueError(f"loss_mean {mean!r}; allowed: {', '.join(LOSS_MEANS)}")
+    return soft_cross_entropy if mean == LOSS_MEAN_ALL else soft_cross_entropy_masked_mean
 
 
 def step_weights(ttt_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -33,4 +76,5 @@ def total_loss(losses: torch.Tensor) -> torch.Tensor:
 
 
 def accuracies(correct: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """acc_i = correct_i / counts_i (0 where a step counted no position)."""
     return correct / counts.clamp_min(1.0)

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -76,6 +77,28 @@ class EventLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def compile_message(event: dict[str, Any]) -> str:
+    """One line for a compile event (see compile.GuardedFunction)."""
+    who, fn = event.get("thread"), event.get("function")
+    graphs, limit, sig = event.get("graphs"), event.get("limit"), event.get("signature")
+    if event.get("what") == "fallback":
+        return (
+            f"{who}: compile fallback: {fn} hit the recompile limit ({graphs} of {limit} graphs); new input "
+            f"signatures run eagerly from here (slow); last signature: {sig}"
+        )
+    return f"{who}: {fn} recompiled after warm-up (graph {graphs}, limit {limit}) for signature: {sig}"
+
+
+def compile_listener(events: EventLog) -> Callable[[dict[str, Any]], None]:
+    """A GuardedFunction listener that writes each compile event to ``events`` and a warning line to stdout."""
+
+    def on_compile(event: dict[str, Any]) -> None:
+        events.emit("compile", **event)
+        events.say(f"warning: {compile_message(event)}")
+
+    return on_compile
 
 
 STEP_WEIGHT_DECAY = 0.8  # the loss trained on is sum_i STEP_WEIGHT_DECAY**i * loss_i over TTT positions

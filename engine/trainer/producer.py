@@ -1,8 +1,10 @@
 """Target producers: one thread per target replica, feeding the drafters' bounded queues.
 
-Producer ``p`` of ``P`` reads batch indices ``start + p, start + p + P, ...``. In ``replicas`` mode batch
-``k`` goes to drafter ``k % n`` (data parallel); in ``independent`` mode every drafter gets every batch.
-On CUDA each producer runs on its own stream and hands each batch over with a CUDA event.
+Each producer claims its next batch index from the shared ``Dispatcher`` (so a dead producer's share is taken
+over by the live ones), runs the target on it and delivers it: in ``replicas`` mode to one live drafter (data
+parallel), in ``independent`` mode to every live drafter that has not trained it. A batch whose drafter died
+before taking it goes to another live replica. On CUDA each producer runs on its own stream and hands each
+batch over with a CUDA event.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from engine.trainer.compile import apply_dynamo_config
 from engine.trainer.control import RunControl
-from engine.trainer.data import BatchSource
+from engine.trainer.data import BatchSource, HostBatch
+from engine.trainer.dispatch import Dispatcher
 from engine.trainer.health import name_os_thread
 from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
 from engine.trainer.target import Target
@@ -35,6 +38,7 @@ class DeviceBatch:
     position_mask: torch.Tensor  # (B, T) float32
     ready: Any = None  # torch.cuda.Event recorded after the tensors were written, or None on the CPU
     target_ms: float = 0.0
+    loss_mask: torch.Tensor | None = None  # (B, T) the data's loss mask: the accuracy's denominator (loss.py)
 
     @property
     def tokens(self) -> int:
@@ -44,14 +48,29 @@ class DeviceBatch:
         if self.ready is not None:
             stream = torch.cuda.current_stream()
             stream.wait_event(self.ready)
-            for t in (self.input_ids, self.hidden3, self.target_p, self.position_mask):
-                t.record_stream(stream)
+            for t in (self.input_ids, self.hidden3, self.target_p, self.position_mask, self.loss_mask):
+                if t is not None:
+                    t.record_stream(stream)
 
 
 @dataclass
 class Route:
     queue: BoundedQueue[DeviceBatch]
     device: torch.device
+
+
+@dataclass
+class TargetOutput:
+    """One batch through the target, on the target's device."""
+
+    host: HostBatch
+    input_ids: torch.Tensor
+    hidden3: torch.Tensor
+    target_p: torch.Tensor
+    position_mask: torch.Tensor
+    ready: Any
+    target_ms: float
+    loss_mask: torch.Tensor  # the data's loss mask on the target device (the accuracy's denominator)
 
 
 class Producer:
@@ -61,11 +80,9 @@ class Producer:
         target: Target,
         source: BatchSource,
         routes: list[Route],
+        dispatcher: Dispatcher,
         *,
-        mode: str,
-        start_index: int,
-        offset: int,
-        stride: int,
+        start_batches: int,
         draft_ids: torch.Tensor,
         t2d: torch.Tensor,
         control: RunControl,
@@ -75,40 +92,26 @@ class Producer:
         self.target = target
         self.source = source
         self.routes = routes
-        self.mode = mode
-        self.next_index = start_index + offset
-        self.stride = stride
+        self.dispatcher = dispatcher
         self.draft_ids = draft_ids.to(target.device)
         self.t2d = t2d.to(target.device)
         self.control = control
         self.autocast_dtype = autocast_dtype
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.finished = threading.Event()
-        self.batches = 0
+        self.failed = False
+        # Batches produced, counted from the resumed data position, so the heartbeat's step goes on after a restart.
+        self.batches = start_batches
+        self.claimed: int | None = None  # the index being produced; given back if this thread dies
         self.stream: Any = None  # a CUDA stream shared with the other threads on this device, or None: own stream
-        self.inject_error: BaseException | None = None  # tests: raise this at the next batch
         control.health.register(name, "producer")
+        control.health.beat(name, step=self.batches)
 
     def start(self) -> None:
         self.thread.start()
 
-    def _destinations(self, index: int) -> list[Route]:
-        if self.mode == "replicas":
-            return [self.routes[index % len(self.routes)]]
-        return self.routes
-
-    def _put(self, route: Route, batch: DeviceBatch) -> bool:
-        while not self.control.producers_stop.is_set():
-            try:
-                route.queue.put(batch, timeout_s=PUT_POLL_S)
-                return True
-            except QueueTimeout:
-                self.control.health.beat(self.name, state="waiting", queue_depth=route.queue.depth())
-            except QueueClosed:
-                return False
-        return False
-
-    def _produce(self, index: int) -> list[tuple[Route, DeviceBatch]]:
+    def compute(self, index: int) -> TargetOutput:
+        """Batch ``index`` through the target: hidden states and target distributions on the target device."""
         dev = self.target.device
         t0 = time.perf_counter()
         hb = self.source.batch(index)
@@ -121,23 +124,57 @@ class Producer:
         )
         with ctx:
             out = self.target.run(ids, mask, self.draft_ids, self.t2d)
-        result: list[tuple[Route, DeviceBatch]] = []
-        for route in self._destinations(index):
-            same = route.device == dev
-            tensors = [ids, out.hidden3, out.target_p, out.position_mask]
-            if not same:
-                tensors = [t.to(route.device, non_blocking=True) for t in tensors]
-            batch = DeviceBatch(index, hb.bucket, tensors[0], tensors[1], tensors[2], tensors[3])
-            result.append((route, batch))
         ready = None
         if dev.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         ms = (time.perf_counter() - t0) * 1000.0
-        for _route, batch in result:
-            batch.ready = ready
-            batch.target_ms = ms
-        return result
+        return TargetOutput(hb, ids, out.hidden3, out.target_p, out.position_mask, ready, ms, out.loss_mask)
+
+    def _batch_for(self, route: Route, out: TargetOutput) -> DeviceBatch:
+        tensors = [out.input_ids, out.hidden3, out.target_p, out.position_mask, out.loss_mask]
+        if route.device != self.target.device:
+            tensors = [t.to(route.device, non_blocking=True) for t in tensors]
+        ready = out.ready
+        if route.device != self.target.device and self.target.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        batch = DeviceBatch(
+            out.host.index, out.host.bucket, tensors[0], tensors[1], tensors[2], tensors[3], loss_mask=tensors[4]
+        )
+        batch.ready = ready
+        batch.target_ms = out.target_ms
+        return batch
+
+    def _put(self, rank: int, out: TargetOutput) -> str:
+        """``"ok"``, ``"closed"`` (that drafter's queue is closed: it died) or ``"stop"`` (the run is stopping)."""
+        route = self.routes[rank]
+        batch = self._batch_for(route, out)
+        while not self.control.producers_stop.is_set():
+            try:
+                route.queue.put(batch, timeout_s=PUT_POLL_S)
+                return "ok"
+            except QueueTimeout:
+                self.control.health.beat(self.name, state="waiting", queue_depth=route.queue.depth())
+            except QueueClosed:
+                return "stop" if self.control.producers_stop.is_set() else "closed"
+        return "stop"
+
+    def deliver(self, out: TargetOutput) -> bool:
+        """Put the batch on its drafters' queues; False when the run is stopping."""
+        if self.dispatcher.mode == "replicas":
+            while True:
+                rank = self.dispatcher.next_replica()
+                if rank is None:
+                    return False
+                got = self._put(rank, out)
+                if got == "ok":
+                    return True
+                if got == "stop":
+                    return False
+                self.dispatcher.retire(rank)  # closed while the run goes on: that replica died; another takes it
+        # A "closed" queue (a drafter that died) is skipped: the other drafters still get the batch.
+        return all(self._put(rank, out) != "stop" for rank in self.dispatcher.destinations(out.host.index))
 
     def _run(self) -> None:
         name_os_thread(self.thread.name)
@@ -150,27 +187,27 @@ class Producer:
             )
         try:
             with stream_ctx, torch.no_grad():
-                self.control.health.beat(self.name, state="training")
+                self.control.health.beat(self.name, state="training", step=self.batches)
                 while not self.control.producers_stop.is_set():
-                    if self.inject_error is not None:
-                        raise self.inject_error
                     t0 = time.perf_counter()
-                    produced = self._produce(self.next_index)
-                    for route, batch in produced:
-                        if not self._put(route, batch):
-                            return
+                    self.claimed = self.dispatcher.claim()
+                    out = self.compute(self.claimed)
+                    if not self.deliver(out):
+                        return
+                    self.claimed = None
                     self.batches += 1
-                    self.next_index += self.stride
-                    tokens = sum(b.tokens for _r, b in produced[:1])
                     dt = max(time.perf_counter() - t0, 1e-9)
                     self.control.health.beat(
                         self.name,
                         state="training",
                         step=self.batches,
-                        tok_s=tokens / dt,
+                        tok_s=out.host.tokens / dt,
                         queue_depth=min(r.queue.depth() for r in self.routes),
                     )
         except BaseException as exc:
+            self.failed = True
+            if self.claimed is not None:
+                self.dispatcher.release(self.claimed)  # the live producers produce it instead
             continuing = self.control.thread_error(self.name, "producer", exc)
             if not continuing:
                 for route in self.routes:

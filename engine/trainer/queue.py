@@ -1,8 +1,9 @@
 """A bounded queue between target producers and one drafter worker, with close and error propagation.
 
 ``put`` blocks while the queue is full; ``get`` blocks while it is empty. ``close()`` lets the consumer
-drain what is left and then raises ``QueueClosed``; ``fail(exc)`` makes the next ``get`` raise
-``ProducerFailed`` at once (the producer's exception never vanishes). Both wake every waiter.
+drain what is left and then raises ``QueueClosed`` (``drain()`` takes what is left at once, for a dead
+consumer); ``fail(exc)`` makes the next ``get`` raise ``ProducerFailed`` at once (the producer's exception
+never vanishes). Both wake every waiter.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ class BoundedQueue(Generic[T]):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def drain(self) -> list[T]:
+        """Take every item left (a dead consumer's queue: its batches go elsewhere)."""
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+            return items
 
     def fail(self, error: BaseException, producer: str) -> None:
         with self._cond:

@@ -1,6 +1,15 @@
 """The frozen target model: a Hugging Face causal LM under ``no_grad``, with hooks on three decoder layers.
 
-Built-in random presets need no download: ``tiny`` (a 4-layer Llama with a byte-level tokenizer, for the
+Which hidden states: ``target_layers`` (the config key, ``Target.layer_ids`` and a checkpoint's
+``meta["target_layers"]``) are 0-based indices of decoder layers whose OUTPUT a forward hook captures
+(the residual stream after that layer; Hugging Face's ``output_hidden_states[i + 1]``). That is SGLang's
+``eagle_aux_hidden_state_layer_ids`` (it captures the input of layer ``i + 1``, "we plus 1 here") and one
+less than vLLM's ``aux_hidden_state_layers`` (it captures ``hidden_states + residual`` entering layer
+``i``). Both servers default to the inputs of layers ``2, L//2, L-3``, so the default here is the outputs
+of ``1, L//2 - 1, L - 4`` (SpecForge's default too). Targets too shallow for three distinct ids under that
+rule (fewer than 7 layers) use ``0, (L-1)//2, L-1``; a server would need those ids spelled out.
+
+Built-in random presets need no download: ``tiny`` (an 8-layer Llama with a byte-level tokenizer, for the
 CPU) and ``llama3-8b-shape`` (Llama-3.1-8B's shapes with random weights, for GPU throughput work).
 ``tiny-trained`` is trained on the shipped corpus on first use and cached (engine/trainer/builtin_target.py).
 """
@@ -18,19 +27,35 @@ import torch
 from torch import nn
 
 from engine.trainer.compile import GuardedFunction
+from engine.trainer.config import BUILTIN_TARGET_LAYERS
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high layers (2, L/2, L-3), kept distinct for any depth >= 4."""
-    if num_layers < 4:
-        raise ValueError(f"the target has {num_layers} layers; at least 4 are needed for three distinct layers")
-    low = min(2, num_layers // 4)
-    mid = num_layers // 2
-    high = max(mid + 1, num_layers - 3)
-    return [low, mid, high]
+    """The layers whose outputs are captured by default: ``1, L//2 - 1, L - 4`` as served (see above).
+
+    Below 7 layers that rule repeats an id; ``0, (L-1)//2, L-1`` stays distinct down to 3 layers.
+    """
+    if num_layers < 3:
+        raise ValueError(f"the target has {num_layers} layers; at least 3 are needed for three distinct layers")
+    served = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(served)) == 3 and min(served) >= 0:
+        return served
+    return [0, (num_layers - 1) // 2, num_layers - 1]
 
 
-def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 4) -> Any:
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """``layer_ids`` when they are three distinct decoder-layer indices of this target, else a ValueError."""
+    ids = list(layer_ids)
+    if len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0 or max(ids) >= num_layers:
+        raise ValueError(
+            f"target_layers {ids}: need 3 distinct 0-based decoder-layer indices in 0..{num_layers - 1} "
+            f"(the target has {num_layers} layers; the output of each listed layer is captured; "
+            f"the default here is {default_layer_ids(num_layers) if num_layers >= 3 else 'none'})"
+        )
+    return ids
+
+
+def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 8) -> Any:
     from transformers import LlamaConfig
 
     heads = hidden // 16
@@ -68,7 +93,7 @@ def llama3_8b_config() -> Any:
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
-        num_hidden_layers=32,
+        num_hidden_layers=BUILTIN_TARGET_LAYERS["llama3-8b-shape"],
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
@@ -105,6 +130,7 @@ class TargetOutput:
     hidden3: torch.Tensor  # (B, T, 3H): the three captured layers side by side
     target_p: torch.Tensor  # (B, T, Vd) float32: softmax of the target's logits over the draft vocabulary
     position_mask: torch.Tensor  # (B, T) float32: loss mask and the target's top token is in the draft vocab
+    loss_mask: torch.Tensor  # (B, T): the data's loss mask as given (the accuracy's denominator, see loss.py)
 
 
 class Target:
@@ -114,9 +140,7 @@ class Target:
         self.config: Any = model.config
         self.device = device
         layers = decoder_layers(model)
-        if len(set(layer_ids)) != 3 or max(layer_ids) >= len(layers):
-            raise ValueError(f"target_layers {layer_ids}: need 3 distinct ids below {len(layers)}")
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = check_layer_ids(layer_ids, len(layers))
         self._captured: dict[int, torch.Tensor] = {}
         # The hooks write one shared dict: a forward from another thread (the evaluation) waits for this one.
         self.lock = threading.Lock()
@@ -126,6 +150,10 @@ class Target:
 
     def compile(self) -> None:
         self._forward = GuardedFunction(self.model, compiled=True, name="target")
+
+    def compiled_functions(self) -> list[GuardedFunction]:
+        """The compiled forward, once ``compile`` was called (for compile-event listeners)."""
+        return [self._forward] if isinstance(self._forward, GuardedFunction) else []
 
     def _hook(self, lid: int) -> Any:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
@@ -165,7 +193,7 @@ class Target:
         in_draft = t2d[logits.argmax(dim=-1)]
         target_p = torch.softmax(logits.index_select(-1, draft_ids).float(), dim=-1)
         position_mask = loss_mask * in_draft.to(loss_mask.dtype)
-        return TargetOutput(hidden3=hidden3, target_p=target_p, position_mask=position_mask)
+        return TargetOutput(hidden3=hidden3, target_p=target_p, position_mask=position_mask, loss_mask=loss_mask)
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -189,7 +217,7 @@ def load_target(
     seed: int,
     dtype: torch.dtype,
     tiny_hidden: int = 64,
-    tiny_layers: int = 4,
+    tiny_layers: int = 8,
 ) -> Target:
     """Builds (random presets, seeded) or loads (local directory) the target on ``device``."""
     from transformers import LlamaForCausalLM

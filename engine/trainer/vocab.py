@@ -1,4 +1,5 @@
-"""The draft vocabulary: the most frequent trained tokens, with EAGLE-3's d2t / t2d maps."""
+"""The draft vocabulary: the most frequent trained tokens over the whole training set, with EAGLE-3's d2t / t2d
+maps."""
 
 from __future__ import annotations
 
@@ -40,10 +41,6 @@ def vocab_from_counts(counts: torch.Tensor, draft_size: int) -> DraftVocab:
     return DraftVocab(draft_to_target=chosen.long())
 
 
-def build_draft_vocab(source: BatchSource, vocab_size: int, draft_size: int, sample_batches: int) -> DraftVocab:
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(sample_batches):
-        b = source.batch(i)
-        ids = b.input_ids[b.loss_mask > 0]
-        counts += torch.bincount(ids.clamp(0, vocab_size - 1), minlength=vocab_size)
-    return vocab_from_counts(counts, draft_size)
+def build_draft_vocab(source: BatchSource, vocab_size: int, draft_size: int) -> DraftVocab:
+    """The draft vocabulary from the token counts over the whole training set (not a sample of batches)."""
+    return vocab_from_counts(source.token_counts(vocab_size), draft_size)

@@ -2,7 +2,8 @@
 
 ``replicas`` mode: the workers train one drafter data-parallel; after each backward they meet in a
 ``ReplicaGroup`` that averages the gradients (``torch.cuda.comm`` across distinct GPUs, a plain average on
-the CPU or when replicas share a device) and agrees on whether to stop after this step.
+the CPU or when replicas share a device), records the step's batch indices as trained in the shared ledger and
+agrees on whether to stop after this step.
 ``independent`` mode: each worker trains its own drafter on every batch (a sweep).
 """
 
@@ -21,6 +22,7 @@ import torch
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
 from engine.trainer.control import NonFiniteLoss, RunControl
+from engine.trainer.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, ttt_step
 from engine.trainer.health import name_os_thread
@@ -35,7 +37,15 @@ GET_POLL_S = 0.25
 class ReplicaGroup:
     """A barrier that averages gradients across replicas; survives a replica leaving (policy ``continue``)."""
 
-    def __init__(self, ranks: list[int], devices: list[torch.device], should_stop: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        ranks: list[int],
+        devices: list[torch.device],
+        should_stop: Callable[[], bool],
+        ledger: IndexLedger | None = None,
+    ) -> None:
+        self._ledger = ledger
+        self._indices: dict[int, int] = {}
         self._live = set(ranks)
         self._devices = dict(zip(ranks, devices, strict=True))
         self._should_stop = should_stop
@@ -54,6 +64,7 @@ class ReplicaGroup:
         with self._cond:
             self._live.discard(rank)
             self._slots.pop(rank, None)
+            self._indices.pop(rank, None)
             if self._live and set(self._slots) >= self._live:
                 self._complete()
 
@@ -62,8 +73,10 @@ class ReplicaGroup:
             self._error = error
             self._cond.notify_all()
 
-    def all_reduce(self, rank: int, grads: list[torch.Tensor]) -> bool:
-        """Average ``grads`` in place across live replicas; returns whether every replica stops after this step."""
+    def all_reduce(self, rank: int, grads: list[torch.Tensor], index: int = -1) -> bool:
+        """Average ``grads`` in place across live replicas and record every replica's batch ``index`` as trained
+        (all at once, so a checkpoint taken after this step holds all of them); returns whether every replica
+        stops after this step."""
         if self._devices[rank].type == "cuda":
             torch.cuda.current_stream().synchronize()  # this replica's grads are complete
         with self._cond:
@@ -71,6 +84,7 @@ class ReplicaGroup:
                 raise RuntimeError("replica group aborted") from self._error
             gen = self._generation
             self._slots[rank] = grads
+            self._indices[rank] = index
             if set(self._slots) >= self._live:
                 self._complete()
             else:
@@ -91,8 +105,13 @@ class ReplicaGroup:
             self._error = exc
             self._cond.notify_all()
             raise
+        if self._ledger is not None:
+            for r in ranks:
+                if self._indices.get(r, -1) >= 0:
+                    self._ledger.mark(self._indices[r])
         self._stop_decision = self._should_stop()
         self._slots.clear()
+        self._indices.clear()
         self._generation += 1
         self._cond.notify_all()
 
@@ -158,12 +177,12 @@ class DrafterWorker:
         log_every: int,
         checkpoint_every: int,
         group: ReplicaGroup | None,
-        next_index: int,
-        index_stride: int,
+        ledger: IndexLedger,
         submit_checkpoint: Callable[[int, str, dict[str, Any]], None] | None,
         step_delay_s: float = 0.0,
         start_step: int = 0,
         step_fn: GuardedFunction | None = None,
+        loss_fn: Callable[..., Any] = soft_cross_entropy,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -182,13 +201,14 @@ class DrafterWorker:
         self.autocast_dtype = autocast_dtype
         # The TTT step (layer, head and loss); compiled on CUDA, shared by the workers of an engine.
         self.step_fn = step_fn if step_fn is not None else GuardedFunction(ttt_step, compiled=compile_step, name="ttt")
+        self.loss_fn = loss_fn  # loss.soft_cross_entropy or its masked-mean variant (config loss_mean)
         self.grad_checkpointing = grad_checkpointing
         self.max_grad_norm = max_grad_norm
         self.log_every = log_every
         self.checkpoint_every = checkpoint_every
         self.group = group
-        self.next_index = next_index
-        self.index_stride = index_stride
+        self.ledger = ledger  # the trained batch indices (replicas: shared, marked at the gradient barrier)
+        self.current_index: int | None = None  # the batch being trained, not yet recorded in the ledger
         self.submit_checkpoint = submit_checkpoint
         self.step_delay_s = step_delay_s
         self.step = start_step
@@ -201,7 +221,6 @@ class DrafterWorker:
         self.history: list[StepResult] = []
         self.final_state: dict[str, Any] | None = None
         self.stream: Any = None  # a CUDA stream shared with the other threads on this device, or None: own stream
-        self.inject_error: BaseException | None = None  # tests: raise this at the next step
         self._last_done: float | None = None
         control.health.register(name, "drafter")
 
@@ -221,9 +240,10 @@ class DrafterWorker:
                 batch.position_mask,
                 ttt_steps=self.ttt_steps,
                 attention=self.attention,
-                loss_fn=soft_cross_entropy,
+                loss_fn=self.loss_fn,
                 grad_checkpointing=self.grad_checkpointing,
                 step_fn=self.step_fn,
+                loss_mask=batch.loss_mask,
             )
         return out
 
@@ -240,7 +260,7 @@ class DrafterWorker:
         hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(self.device, self.hidden_dtype)
         target_p = torch.softmax(torch.randn(b, bucket, cfg.draft_vocab_size, generator=g), -1).to(self.device)
         mask = torch.ones(b, bucket).to(self.device)
-        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask)
+        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask, loss_mask=mask)  # the signature trained on
 
     def warm_up(self) -> float:
         """Forward and backward of every bucket under the compile guard (first compiles and block masks)."""
@@ -251,6 +271,8 @@ class DrafterWorker:
                 self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+        self.step_fn.mark_warm()  # a graph compiled in this thread from now on is a recompile (an event)
+        self.attention.mark_warm()
         return time.perf_counter() - t0
 
     def train_step(self, batch: DeviceBatch, fetch_ms: float) -> tuple[StepResult, bool]:
@@ -273,7 +295,8 @@ class DrafterWorker:
         loss.backward()
         stop_after = False
         if self.group is not None:
-            stop_after = self.group.all_reduce(self.rank, [p.grad for p in self.params if p.grad is not None])
+            grads = [p.grad for p in self.params if p.grad is not None]
+            stop_after = self.group.all_reduce(self.rank, grads, batch.index)
         mark()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
@@ -310,7 +333,7 @@ class DrafterWorker:
             "optimizer": to_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
-            "next_index": self.next_index,
+            "data_position": self.ledger.state(),
             "rng": rng_state(self.device),
         }
 
@@ -319,7 +342,8 @@ class DrafterWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
-        self.next_index = int(state["next_index"])
+        # Checkpoints before the ledger kept one integer: every index below it trained.
+        self.ledger.restore(state.get("data_position") or {"watermark": int(state.get("next_index", 0))})
         self._pending_rng = state["rng"]
 
     _pending_rng: dict[str, Any] | None = None
@@ -340,8 +364,8 @@ class DrafterWorker:
                 continue
             except QueueClosed:
                 return None
-            if batch.index >= 0 and batch.index < self.next_index:
-                continue  # already trained on before the resume
+            if batch.index >= 0 and self.ledger.is_done(batch.index):
+                continue  # independent mode: this drafter trained it before the resume
             self._fetch_ms = (time.perf_counter() - t0) * 1000.0
             return batch
         return None
@@ -391,12 +415,13 @@ class DrafterWorker:
             batch = self._fetch()
             if batch is None:
                 break
-            if self.inject_error is not None:
-                raise self.inject_error
+            self.current_index = batch.index
             self.control.health.beat(self.name, state="training", queue_depth=self.queue.depth())
             result, stop_after = self.train_step(batch, self._fetch_ms)
             self.step = result.step
-            self.next_index = batch.index + self.index_stride
+            if self.group is None:
+                self.ledger.mark(batch.index)
+            self.current_index = None
             self.history.append(result)
             self.control.health.beat(
                 self.name, state="training", step=self.step, tok_s=result.tok_s, queue_depth=self.queue.depth()

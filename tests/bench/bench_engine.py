@@ -35,6 +35,7 @@ PEAK_TFLOPS = 794.0
 SEQ = 2048
 TTT = 7
 DRAFT_VOCAB = 32000
+BATCH = 1  # sequences per step for the baseline and the sides (--batch); the engine gets the same batch_size
 
 
 def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, float]:
@@ -67,8 +68,8 @@ def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
     target = load_target("llama3-8b-shape", dev, tokenizer=None, layer_ids=None, seed=0, dtype=torch.bfloat16)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    source = RandomTokenSource(target.vocab_size, buckets=[SEQ], batch_size=1, seed=0)
-    vocab = build_draft_vocab(source, target.vocab_size, DRAFT_VOCAB, 8)
+    source = RandomTokenSource(target.vocab_size, buckets=[SEQ], batch_size=BATCH, seed=0)
+    vocab = build_draft_vocab(source, target.vocab_size, DRAFT_VOCAB)
     dcfg = DraftConfig.from_target(target.config, vocab.size)
     with torch.device(dev):
         torch.manual_seed(0)
@@ -124,13 +125,14 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
             rows.append((time.perf_counter() - w0, e0.elapsed_time(e1), e1.elapsed_time(e2)))
     n = len(rows)
     step_ms = 1000 * sum(r[0] for r in rows) / n
-    f = flops(target.config, parts["dcfg"], SEQ, TTT, 1)
+    f = flops(target.config, parts["dcfg"], SEQ, TTT, BATCH)
     return {
-        "mode": "baseline",
+        "mode": f"baseline batch_size={BATCH}",
+        "batch_size": BATCH,
         "step_ms": step_ms,
         "target_ms": sum(r[1] for r in rows) / n,
         "drafter_ms": sum(r[2] for r in rows) / n,
-        "tok_s": SEQ / (step_ms / 1000),
+        "tok_s": SEQ * BATCH / (step_ms / 1000),
         "mfu": (f["target"] + f["drafter"]) / (step_ms / 1000) / (PEAK_TFLOPS * 1e12),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "drafter_params_m": sum(p.numel() for p in params) / 1e6,
@@ -144,6 +146,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
     from engine.trainer.compile import apply_dynamo_config
     from engine.trainer.control import RunControl
+    from engine.trainer.dispatch import IndexLedger
     from engine.trainer.health import HealthBoard
     from engine.trainer.metrics import EventLog, suggest_split
     from engine.trainer.producer import DeviceBatch
@@ -189,7 +192,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         ttt_steps=TTT,
         total_steps=10**9,
         buckets=[SEQ],
-        batch_size=1,
+        batch_size=BATCH,
         hidden_dtype=torch.bfloat16,
         autocast_dtype=torch.bfloat16,
         compile_step=True,
@@ -198,8 +201,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         log_every=1,
         checkpoint_every=0,
         group=None,
-        next_index=0,
-        index_stride=1,
+        ledger=IndexLedger(),
         submit_checkpoint=None,
     )
     warm_s = worker.warm_up()
@@ -215,7 +217,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
             phase[k] += res.ms[k] / steps
     torch.cuda.synchronize()
     drafter_ms = 1000 * (time.perf_counter() - t0) / steps
-    f = flops(target.config, parts["dcfg"], SEQ, TTT, 1)
+    f = flops(target.config, parts["dcfg"], SEQ, TTT, BATCH)
     t_rate, d_rate = SEQ / (target_ms / 1000), SEQ / (drafter_ms / 1000)
     return {
         "mode": "sides" + ("+compiled-target" if compile_target else ""),
@@ -290,6 +292,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "warmup_per_thread_s": [w.warmup_s for w in engine.workers],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "steps_seen": len(steps_ev),
+        "compile_events": [e for _t, e in got if e["kind"] == "compile"],  # recompiles after warm-up, fallbacks
     }
 
 
@@ -303,7 +306,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--plan", default="baseline;sides;engine")
+    ap.add_argument("--batch", type=int, default=1, help="batch size of every mode (the engine: --set batch_size)")
     a = ap.parse_args()
+    global BATCH
+    BATCH = a.batch
+    if not any(s.startswith("batch_size=") for s in a.set):
+        a.set.append(f"batch_size={a.batch}")
     if a.mode != "all":
         if a.mode == "baseline":
             res = mode_baseline(a.steps, a.warm)
@@ -318,7 +326,7 @@ def main() -> int:
     results = []
     for item in a.plan.split(";"):
         argv = item.split()
-        cmd = [sys.executable, __file__, *argv, "--steps", str(a.steps), "--warm", str(a.warm)]
+        cmd = [sys.executable, __file__, *argv, "--steps", str(a.steps), "--warm", str(a.warm), "--batch", str(a.batch)]
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, cwd=REPO)

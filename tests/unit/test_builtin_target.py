@@ -10,7 +10,7 @@ import torch
 
 from engine.trainer import builtin_target
 from engine.trainer.builtin_target import RECIPE_FILE, Recipe, ensure_built, read_metrics, split_corpus
-from engine.trainer.config import from_dict
+from engine.trainer.config import BUILTIN_TARGET_LAYERS, from_dict
 from engine.trainer.data import shipped_corpus_path
 from engine.trainer.target import load_target, load_tokenizer
 
@@ -68,6 +68,7 @@ def test_tiny_trained_is_a_target_name_the_engine_loads(
     monkeypatch.setattr(builtin_target, "DEFAULT_RECIPE", SMALL)
     monkeypatch.setattr(builtin_target, "cache_root", lambda: small_root)
     assert from_dict({"target": "tiny-trained"}).target == "tiny-trained"
+    assert BUILTIN_TARGET_LAYERS["tiny-trained"] == builtin_target.Recipe().layers  # config knows its depth
     tok = load_tokenizer("tiny-trained")
     target = load_target(
         "tiny-trained", torch.device("cpu"), tokenizer=tok, layer_ids=[1, 3, 4], seed=0, dtype=torch.float32

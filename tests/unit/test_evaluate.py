@@ -38,7 +38,7 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def tiny_drafter(seed: int = 0, vocab: int = 64, draft_vocab: int = 48) -> Drafter:
+def tiny_drafter(seed: int = 0, vocab: int = 64, draft_vocab: int = 48, *, rope_offset: bool = True) -> Drafter:
     cfg = DraftConfig(
         hidden_size=32,
         num_heads=2,
@@ -53,13 +53,13 @@ def tiny_drafter(seed: int = 0, vocab: int = 64, draft_vocab: int = 48) -> Draft
         torch.manual_seed(seed)
         embed = torch.randn(vocab, 32, generator=g)
         d2t = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
-        return Drafter(cfg, embed, d2t).eval()
+        return Drafter(cfg, embed, d2t, ttt_rope_offset=rope_offset).eval()
 
 
-@pytest.mark.parametrize("rope_offset", [False])
+@pytest.mark.parametrize("rope_offset", [False, True])
 def test_chain_drafting_reproduces_the_training_time_test_at_the_last_position(rope_offset: bool) -> None:
     """Chain step j's logits = TTT step j's logits at the last position when TTT reads the drafted tokens."""
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(rope_offset=rope_offset)
     n, k = 9, 4  # positions with target states; then the bonus token and k proposals
     g = torch.Generator().manual_seed(1)
     seq = torch.randint(0, 64, (n + 1,), generator=g).tolist()
@@ -220,5 +220,5 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["drafters"]) == {"drafter0", "drafter1"}
-    assert report["step"] == 4 and report["ttt_rope_offset"] is False
+    assert report["step"] == 4 and report["ttt_rope_offset"] is True
     assert all(1.0 <= r["tau"] <= 4.0 for r in report["drafters"].values())

@@ -73,7 +73,6 @@ def test_every_field_type_is_understood_and_every_preset_round_trips() -> None:
         ("weight_decay", -0.1, "weight_decay: a number >= 0"),
         ("stall_after_s", 0, "stall_after_s: a positive number of seconds"),
         ("stop_grace_s", -1, "stop_grace_s: a positive number of seconds"),
-        ("vocab_sample_batches", 0, "vocab_sample_batches: an integer >= 1"),
         ("torch_threads", -1, "torch_threads: an integer >= 0"),
     ],
 )

@@ -166,9 +166,9 @@ def test_draft_vocab_takes_the_most_frequent_tokens_with_consistent_maps() -> No
     assert vocab.t2d(7).tolist() == [False, True, False, True, False, True, True]
 
 
-def test_default_layers_are_distinct_for_any_depth_from_four() -> None:
-    assert default_layer_ids(32) == [2, 16, 29]
-    for depth in range(4, 64):
+def test_default_layers_are_distinct_for_any_depth_from_three() -> None:
+    assert default_layer_ids(32) == [1, 15, 28]  # outputs of 1, L/2-1, L-4 = inputs of vLLM's 2, L/2, L-3
+    for depth in range(3, 64):
         ids = default_layer_ids(depth)
         assert len(set(ids)) == 3 and max(ids) < depth and ids == sorted(ids)
 

@@ -1,4 +1,5 @@
-"""Every key, what it does and why (from the binding table, with the user's remaps applied)."""
+"""Every key, what it does and why (from the binding table, with the user's remaps applied), and what the
+training charts' loss and acc_i are."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from tui.keys import KEY_TABLE, display_key
+from tui.widgets.charts import ACC_HELP, LOSS_HELP
 
 
 class HelpScreen(Screen[None]):
@@ -20,6 +22,7 @@ class HelpScreen(Screen[None]):
                             background: $surface; padding: 0 1; }
     HelpScreen #help-title { text-style: bold; color: $primary; }
     HelpScreen #help-foot { color: $text-muted; }
+    HelpScreen #help-charts { margin-top: 1; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "close", "Close")]
 
@@ -33,6 +36,11 @@ class HelpScreen(Screen[None]):
         out.append(("ctrl+p", "Commands", "Command palette: every action above, searchable"))
         return out
 
+    @staticmethod
+    def charts_text() -> str:
+        """What the training charts' numbers are."""
+        return f"Charts\n{LOSS_HELP}\n{ACC_HELP}"
+
     def compose(self) -> ComposeResult:
         rows = self.rows()
         key_w = max(len(r[0]) for r in rows)
@@ -42,6 +50,7 @@ class HelpScreen(Screen[None]):
             yield Static("specdec-tui keys", id="help-title")
             with VerticalScroll():
                 yield Static(body, id="help-table", markup=False)
+                yield Static(self.charts_text(), id="help-charts", markup=False)
             yield Static(
                 'Remap a key in ~/.config/specdec-tui/tui.toml, e.g. [keys] restart = "ctrl+r". Esc closes.',
                 id="help-foot",

@@ -3,7 +3,8 @@
 Points come from the engine's ``step`` events (deduplicated by their byte offset in events.jsonl)
 or, for foreign commands, from log lines carrying ``step=``, ``tok/s`` and ``loss=``. The engine's
 ``loss`` series is its ``loss_total`` (the weighted sum it trains on, the same number as its log line's
-``loss=``), not the first position's loss. ``tau`` comes from the engine's ``eval`` events (every
+``loss=``), not the first position's loss. What ``loss`` and ``acc_i`` mean is ``LOSS_HELP`` / ``ACC_HELP``
+(the widget's tooltip and the help screen show them). ``tau`` comes from the engine's ``eval`` events (every
 ``eval_every`` steps: greedy chain speculation with the target on held-out prompts), with the latest
 per-position acceptance P(token j accepted | j-1 accepted) beside it.
 Drawn with Unicode block sparklines; the app redraws at a bounded rate.
@@ -26,6 +27,20 @@ SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_POINTS = 600
 METRICS: tuple[str, ...] = ("step", "tok/s", "loss", "acc", "tau")
 LOG_SERIES = "log"
+
+# What the engine's numbers are (engine/trainer/loss.py computes them; SpecForge's definitions).
+LOSS_HELP = (
+    "loss = sum_i 0.8^i * loss_i over the TTT steps i. loss_i = soft cross-entropy of the drafter against the "
+    "target's distribution on the draft vocabulary, summed over the positions trained on (data loss mask and "
+    "target's top token in the draft vocab) and divided by ALL B x T positions of the batch (SpecForge's "
+    "normalisation; config loss_mean = \"masked_positions\" divides by the positions trained on instead)."
+)
+ACC_HELP = (
+    "acc_i = positions where the drafter's top token at TTT step i equals the target's top token, divided by the "
+    "positions in the data's loss mask (a target token outside the draft vocab counts as a miss); acc_0 is the "
+    "first drafted token, acc_1 the second, ... Bars: acc_i of the latest step; sparkline: acc_0 over time."
+)
+CHARTS_TOOLTIP = f"{LOSS_HELP}\n\n{ACC_HELP}"
 
 _STEP_RE = re.compile(r"\bstep[=:\s]\s*(\d+)")
 _TOKS_AFTER_RE = re.compile(r"tok/s[=:]\s*([0-9]+(?:\.[0-9]+)?)")
@@ -206,6 +221,7 @@ class Charts(RowTracking):
         super().__init__(id=id)
         self.model = model
         self.redraws = 0
+        self.tooltip = CHARTS_TOOLTIP
 
     def redraw(self) -> None:
         self.model.dirty = False

@@ -37,6 +37,14 @@ class TTTAttention:
 
             self._flex = GuardedFunction(flex_attention, compiled=compiled, name="flex_attention")
 
+    def compiled_functions(self) -> list[GuardedFunction]:
+        """The compiled functions this attention calls (for compile-event listeners and ``mark_warm``)."""
+        return [self._flex] if self._flex is not None and self._flex.compiled else []
+
+    def mark_warm(self) -> None:
+        for fn in self.compiled_functions():
+            fn.mark_warm()
+
     def block_mask(self, device: torch.device, seq_len: int, step: int) -> Any:
         key = (str(device), seq_len, step)
         if key in self._block_masks:

@@ -3,6 +3,16 @@
 The training-time test (TTT) unrolls the drafter ``ttt_steps`` times; step ``i`` attends to the keys of
 steps ``0..i`` (see masks.py). Each step is a pure function of its inputs, prior K/V included, so gradient
 checkpointing (``use_reentrant=False``) recomputes it without appending to a cache twice.
+
+Rotary positions advance with the TTT step, as served: step ``i`` (0-based) rotates its queries and keys
+with positions ``arange(T) + i``, and the keys of earlier steps keep the rotation of their own step.
+SpecForge does the same (its attention adds ``lck``, the number of cached steps, to ``position_ids``);
+vLLM and SGLang advance the position by one for every drafted token. ``ttt_rope_offset=False`` gives
+every step positions ``arange(T)`` (this trainer's first behaviour), kept only to compare acceptance.
+
+Weights start as Hugging Face initialises a Llama (and as SpecForge's draft model does through
+``post_init``): every Linear ``normal(0, initializer_range)`` with zero bias, every RMSNorm weight one.
+The token embeddings are the target's, frozen: a buffer, never a parameter.
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.trainer.draft.attention import TTTAttention
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (logits, target_p, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator); see loss.py.
+LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -32,6 +43,7 @@ class DraftConfig:
     draft_vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    initializer_range: float = 0.02  # std of the Linear weights at init (the target's, as HF configs carry it)
 
     @classmethod
     def from_target(cls, hf_config: Any, draft_vocab_size: int) -> DraftConfig:
@@ -52,6 +64,7 @@ class DraftConfig:
             draft_vocab_size=draft_vocab_size,
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
+            initializer_range=float(getattr(hf_config, "initializer_range", None) or 0.02),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,21 +175,36 @@ def ttt_step(
     position_mask: torch.Tensor,
     shift: int,
     loss_fn: LossFn,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
 
-    Compiled as one graph on CUDA (norms, rotary, flex attention, MLP, head and loss fused where they can be).
+    ``cos``/``sin`` are this step's rotary tables (``Drafter.step_rotary``). ``loss_mask``, when given, is
+    the accuracy's denominator (see loss.py). Compiled as one graph on CUDA (norms, rotary, flex attention,
+    MLP, head and loss fused where they can be).
     """
     hidden, k_all, v_all = layer(hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
     logits = lm_head(norm(hidden))
-    loss, correct, count = loss_fn(logits, shift_left(target_p, shift), shift_left(position_mask, shift))
+    target_i, mask_i = shift_left(target_p, shift), shift_left(position_mask, shift)
+    if loss_mask is None:
+        loss, correct, count = loss_fn(logits, target_i, mask_i)
+    else:
+        loss, correct, count = loss_fn(logits, target_i, mask_i, shift_left(loss_mask, shift))
     return hidden, k_all, v_all, loss, correct, count
 
 
 class Drafter(nn.Module):
-    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor, draft_to_target: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        embed_weight: torch.Tensor,
+        draft_to_target: torch.Tensor,
+        *,
+        ttt_rope_offset: bool = True,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ttt_rope_offset = ttt_rope_offset
         h = cfg.hidden_size
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.layer = DraftDecoderLayer(cfg)
@@ -189,7 +217,19 @@ class Drafter(nn.Module):
         t2d[draft_to_target.long()] = True
         self.register_buffer("d2t", d2t)  # EAGLE-3's convention: target id = draft id + d2t[draft id]
         self.register_buffer("t2d", t2d)
-        self._rotary: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rotary: dict[tuple[int, int, bool, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Hugging Face's Llama init: Linear weights normal(0, initializer_range), biases zero, norms one."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, self.cfg.initializer_range)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
 
     @property
     def embed_table(self) -> torch.Tensor:
@@ -198,10 +238,23 @@ class Drafter(nn.Module):
         return table
 
     def rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq_len, str(device))
+        """cos and sin for positions ``0..seq_len-1`` (TTT step 0)."""
+        return self.step_rotary(seq_len, 1, device)[0]
+
+    def step_rotary(
+        self, seq_len: int, ttt_steps: int, device: torch.device
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin per TTT step: step ``i`` covers positions ``i..i+seq_len-1`` (``0..`` without the offset).
+
+        Slices of one table of ``seq_len + ttt_steps`` positions, each made contiguous once and cached, so every
+        step hands a compiled TTT step the same shape and stride (no recompile per step from the tables).
+        """
+        key = (seq_len, ttt_steps, self.ttt_rope_offset, str(device))
         tables = self._rotary.get(key)
         if tables is None:
-            tables = rotary_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, device)
+            cos, sin = rotary_tables(seq_len + ttt_steps, self.cfg.head_dim, self.cfg.rope_theta, device)
+            offsets = range(ttt_steps) if self.ttt_rope_offset else [0] * ttt_steps
+            tables = [(cos[i : i + seq_len].contiguous(), sin[i : i + seq_len].contiguous()) for i in offsets]
             self._rotary[key] = tables
         return tables
 
@@ -217,14 +270,17 @@ class Drafter(nn.Module):
         loss_fn: LossFn,
         grad_checkpointing: bool = False,
         step_fn: Callable[..., Any] | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
-        Position ``t`` of step ``i`` reads token ``t + 1 + i`` and predicts the target's distribution at
-        position ``t + 1 + i``; step 0's hidden state is the fused target state at ``t``.
+        Position ``t`` of step ``i`` reads token ``t + 1 + i`` at rotary position ``t + i`` and predicts the
+        target's distribution at position ``t + 1 + i``; step 0's hidden state is the fused target state at
+        ``t``. ``loss_mask`` (the data's, before the draft-vocabulary filter) makes the counted positions
+        SpecForge's accuracy denominator; without it they are the ``position_mask`` positions.
         """
         seq_len = input_ids.shape[1]
-        cos, sin = self.rotary(seq_len, input_ids.device)
+        rotary = self.step_rotary(seq_len, ttt_steps, input_ids.device)
         hidden = self.fc(hidden3)
         prior_k: torch.Tensor | None = None
         prior_v: torch.Tensor | None = None
@@ -234,8 +290,9 @@ class Drafter(nn.Module):
             with torch.no_grad():
                 emb = F.embedding(shift_left(input_ids, i + 1), self.embed_table)
             mask = attention.prepare(input_ids.device, seq_len, i)  # outside any compiled region
+            cos, sin = rotary[i]
             args = (self.layer, self.norm, self.lm_head, hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
-            tail = (target_p, position_mask, i + 1, loss_fn)
+            tail = (target_p, position_mask, i + 1, loss_fn, loss_mask)
             if grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(step, *args, *tail, use_reentrant=False)
             else:
