@@ -222,3 +222,10 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     assert set(report["drafters"]) == {"drafter0", "drafter1"}
     assert report["step"] == 4 and report["ttt_rope_offset"] is True
     assert all(1.0 <= r["tau"] <= 4.0 for r in report["drafters"].values())
+
+
+def test_eval_of_a_directory_without_checkpoints_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--checkpoint", str(tmp_path)]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err
