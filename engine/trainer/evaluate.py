@@ -415,6 +415,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     ap.add_argument("--drafter", action="append", help="only this drafter (repeatable); default: all")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument(
+        "--as-served",
+        action="store_true",
+        help="feed the drafter as vLLM/SGLang do by default, whatever it was trained with: rotary positions "
+        "advancing per draft token, and the outputs of target layers 1, L/2-1, L-4",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
@@ -449,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     layer_ids = meta.get("target_layers") or cfg.get("target_layers")
     if not layer_ids:
         layer_ids = legacy_layer_ids(spec, cfg)
+    if args.as_served:
+        layer_ids = None  # load_target's default is the servers' default
     say(f"{path}: target {spec}, layers {layer_ids}")
     target = load_target(
         spec,
@@ -472,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec-train eval: {exc}", file=sys.stderr)
         return 2
     names = args.drafter or list(meta.get("drafters") or [])
-    rope_offset = rope_offset_of(cfg)
+    rope_offset = True if args.as_served else rope_offset_of(cfg)
     eos_id = getattr(tokenizer, "eos_token_id", None)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     results: dict[str, Any] = {}
@@ -499,12 +507,16 @@ def main(argv: list[str] | None = None) -> int:
         "target": spec,
         "target_layers": target.layer_ids,
         "ttt_rope_offset": rope_offset,
+        "as_served": args.as_served,
         "drafters": results,
     }
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"checkpoint {path} (step {meta.get('step')}), target {spec}, k={args.k}, rope offset {rope_offset}")
+    print(
+        f"checkpoint {path} (step {meta.get('step')}), target {spec} layers {target.layer_ids}, k={args.k}, "
+        f"rope offset {rope_offset}{' (as served)' if args.as_served else ''}"
+    )
     for name, r in results.items():
         cond = " ".join(f"{v:.3f}" for v in r["per_position_conditional"])
         uncond = " ".join(f"{v:.3f}" for v in r["per_position"])

@@ -5,6 +5,9 @@
 For each variant the engine (``python3 -m engine.trainer --preset cpu-demo --set ...``) trains one drafter
 on ``tiny-trained`` for ``--steps`` steps, and ``specdec-train eval`` measures τ on the held-out prompts;
 the untrained τ is the same drafter after one step at a learning rate of 1e-30 (its initial weights).
+Each trained drafter is measured twice: with the conventions it was trained with (a self-consistent chain),
+and ``--as-served`` (rotary positions advancing per draft token and the outputs of layers 1, L/2-1, L-4,
+as vLLM and SGLang feed a drafter by default): the second shows what the old conventions cost when served.
 Variants toggle the two serve-time conventions: ``rope0``/``rope1`` = ``ttt_rope_offset`` false/true
 (rotary positions advancing with the TTT step; a variant that sets it is skipped where the config has no such
 key), ``old``/``new`` = ``target_layers`` (2, L/2, L-3) vs (1, L/2-1, L-4) (outputs captured).
@@ -71,8 +74,9 @@ def train(variant: str, steps: int, out: Path, lr: float) -> float:
     return time.perf_counter() - t0
 
 
-def measure(out: Path, k: int, conversations: int, max_new: int) -> dict[str, Any]:
+def measure(out: Path, k: int, conversations: int, max_new: int, *, as_served: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "engine.trainer", "eval", "--checkpoint", str(out), "--json", "--k", str(k)]
+    cmd += ["--as-served"] if as_served else []
     cmd += ["--conversations", str(conversations), "--max-new-tokens", str(max_new), "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
@@ -114,12 +118,19 @@ def main() -> int:
         before = measure(work / "untrained", args.k, args.conversations, args.max_new_tokens)
         train_s = train(variant, args.steps, work / "trained", lr=args.lr)
         after = measure(work / "trained", args.k, args.conversations, args.max_new_tokens)
-        results["variants"][variant] = {"untrained": before, "trained": after, "train_s": round(train_s, 1)}
+        served = measure(work / "trained", args.k, args.conversations, args.max_new_tokens, as_served=True)
+        results["variants"][variant] = {
+            "untrained": before,
+            "trained": after,
+            "trained_as_served": served,
+            "train_s": round(train_s, 1),
+        }
         per = " ".join(f"{p:.2f}" for p in after["per_position_conditional"])
         print(
             f"{variant}: layers {after['target_layers']} rope_offset {after['ttt_rope_offset']}: "
             f"tau untrained {before['tau']:.3f} -> {after['tau']:.3f} after {args.steps} steps "
-            f"({train_s:.0f} s); accept_j|j-1 {per}; rounds {after['rounds']}",
+            f"({train_s:.0f} s); accept_j|j-1 {per}; rounds {after['rounds']}; "
+            f"as served (layers {served['target_layers']}, rope offset on): tau {served['tau']:.3f}",
             flush=True,
         )
     if args.out:
