@@ -40,7 +40,13 @@ ACC_HELP = (
     "positions in the data's loss mask (a target token outside the draft vocab counts as a miss); acc_0 is the "
     "first drafted token, acc_1 the second, ... Bars: acc_i of the latest step; sparkline: acc_0 over time."
 )
-CHARTS_TOOLTIP = f"{LOSS_HELP}\n\n{ACC_HELP}"
+TAU_HELP = (
+    "tau = acceptance length: the engine's greedy chain speculation with the target on held-out prompts (every "
+    "eval_every steps). The drafter proposes k tokens, the target keeps the longest prefix it agrees with plus its "
+    "own next token; tau = mean tokens per target forward (1 to k + 1). Bars: P(draft token j accepted | j-1 "
+    "accepted), j = 1..k, of the latest evaluation; @N: its step."
+)
+CHARTS_TOOLTIP = f"{LOSS_HELP}\n\n{ACC_HELP}\n\n{TAU_HELP}"
 
 _STEP_RE = re.compile(r"\bstep[=:\s]\s*(\d+)")
 _TOKS_AFTER_RE = re.compile(r"tok/s[=:]\s*([0-9]+(?:\.[0-9]+)?)")
