@@ -9,6 +9,7 @@ screen never waits on the network.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import shlex
@@ -18,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 from textual.app import App, SuspendNotSupported, SystemCommand
@@ -26,10 +28,20 @@ from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Input
+from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from engine import protocol
-from tui import keys, theming
-from tui.messages import CommandFinished, ConnectionChanged, MilestoneReached, RunChanged, StreamBatch
+from tui import attach, keys, live_reload, theming
+from tui.messages import (
+    CommandFinished,
+    ConnectionChanged,
+    LiveReloadReady,
+    MilestoneReached,
+    ProfilesReloaded,
+    RunChanged,
+    StreamBatch,
+    ThemesReloaded,
+)
 from tui.screens.confirm import Choice, ConfirmScreen
 from tui.screens.dashboard import DashboardScreen, DashboardState
 from tui.screens.help import HelpScreen
@@ -131,7 +143,11 @@ class DashboardApp(App[int]):
         procs_interval_s: float = 1.0,
         on_connect: str = "none",
         tune_gc: bool = False,
+        live_reload: bool = False,
+        config: str | None = None,
     ) -> None:
+        """``live_reload``: watch theme files and the profiles' config file (``config``, else the session's
+        ``--config``, else the default path) and reload them when they change; off in tests and snapshots."""
         super().__init__()
         if on_connect not in ON_CONNECT:
             raise ValueError(f"on_connect: got {on_connect!r}; allowed: {', '.join(ON_CONNECT)}")
@@ -166,6 +182,12 @@ class DashboardApp(App[int]):
         self._theme_names = list(loaded.themes)
         keymap, self.keymap_errors = keys.valid_keymap(theming.saved_keymap())
         self.user_keymap = keymap
+        opts = getattr(session, "opts", None)
+        self.live_reload = live_reload
+        self.profiles_config = config if config is not None else getattr(opts, "config", None)
+        self.profile_name: str | None = getattr(opts, "profile", None)
+        self.live_reload_worker: Worker[None] | None = None
+        self._watch_stop = asyncio.Event()
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -203,6 +225,10 @@ class DashboardApp(App[int]):
             self.run_worker(self._connect_and_stream(), name="connect", exit_on_error=False)
         if self.tune_gc:
             self.call_after_refresh(self._tune_gc)
+        if self.live_reload:
+            self.live_reload_worker = self.run_worker(
+                self._watch_files(), name="live-reload", group="watch", exit_on_error=False
+            )
 
     def _tune_gc(self) -> None:
         """Measured under a 100k lines/s burst: full collections of the app's long-lived objects took 50-87 ms,
@@ -260,9 +286,75 @@ class DashboardApp(App[int]):
             chosen,
         )
 
-    def on_unmount(self) -> None:
+    async def on_unmount(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
+        await self._stop_watching()
+
+    async def _stop_watching(self) -> None:
+        """End the file watcher (its thread notices within live_reload.CHANGE_STEP_MS) and wait for it."""
+        self._watch_stop.set()
+        worker = self.live_reload_worker
+        if worker is None or worker.is_finished:
+            return
+        with contextlib.suppress(WorkerCancelled, WorkerFailed, asyncio.TimeoutError):
+            await asyncio.wait_for(worker.wait(), live_reload.STOP_TIMEOUT_S)
+
+    # -- live reload of themes and profiles ----------------------------------------------------------
+
+    async def _watch_files(self) -> None:
+        from tui.profiles import default_config_path
+
+        config_file = Path(self.profiles_config).expanduser() if self.profiles_config else default_config_path()
+        watched = live_reload.watched(config_file)
+
+        def ready() -> None:
+            self.post_message(LiveReloadReady([str(d) for d in watched.directories]))
+
+        await live_reload.watch(watched, self._watch_stop, ready, self._files_changed)
+
+    def _files_changed(self, kinds: live_reload.ChangeKinds) -> None:
+        if kinds.theme_files:
+            self.reload_themes(kinds.theme_files)
+        if kinds.config:
+            self.reload_profiles()
+
+    def reload_themes(self, changed: tuple[Path, ...] = ()) -> None:
+        """Read every theme file again: changed themes are registered (the current one repaints), a broken
+        file is reported and the theme it held before stays."""
+        try:
+            loaded = theming.load_themes()
+        except (ValueError, OSError) as exc:  # a broken shipped theme (ThemeError, TOMLDecodeError are ValueErrors)
+            errors = [str(exc)]
+            loaded = theming.ThemeSet()
+        else:
+            errors = [e for e in loaded.errors if not changed or any(p.name in e for p in changed)]
+        before = dict(self.available_themes)
+        changed_names = [name for name, theme in loaded.themes.items() if before.get(name) != theme]
+        for name in changed_names:
+            self.register_theme(loaded.themes[name])
+        self._theme_names = list(dict.fromkeys([*self._theme_names, *loaded.themes]))
+        if self.theme in changed_names:
+            self.refresh_css(animate=False)
+        for error in errors:
+            self.notify(f"{error}; the theme loaded before stays", severity="error", timeout=15)
+        if changed_names:
+            self.notify(f"theme reloaded: {', '.join(changed_names)}", timeout=4)
+        self.post_message(ThemesReloaded(changed_names, errors))
+
+    def reload_profiles(self) -> None:
+        """Read the profiles' config file again; a broken one is reported and the profile loaded before stays."""
+        from tui.profiles import ProfileError, resolve_profile
+
+        try:
+            profile = resolve_profile(self.profile_name, self.profiles_config)
+        except ProfileError as exc:
+            self.notify(f"{exc}; the profiles loaded before stay", severity="error", timeout=15)
+            self.post_message(ProfilesReloaded(None, str(exc)))
+            return
+        self.profile = profile.as_dict()
+        self.notify(f"profile {profile.name} reloaded from {profile.source}", timeout=4)
+        self.post_message(ProfilesReloaded(profile.name, None))
 
     # -- events in ---------------------------------------------------------------------------------
 
@@ -461,12 +553,21 @@ class DashboardApp(App[int]):
             self.notify(f"signalled {len(signalled)} process(es); {len(failed)} failed", severity=severity)
 
     def action_stacks(self) -> None:
-        self.run_worker(self._stacks(), group="command", exit_on_error=False)
+        screen = StacksScreen()  # "dumping stacks…" at once; the host's reply fills it in
+        self.push_screen(screen)
+        self.run_worker(self._stacks(screen), group="command", exit_on_error=False)
 
-    async def _stacks(self) -> None:
-        result = await self._request("stacks", timeout_s=STACKS_TIMEOUT_S + 5, params={"timeout_s": STACKS_TIMEOUT_S})
-        if result is not None:
-            self.push_screen(StacksScreen(str(result.get("method", "?")), str(result.get("text", ""))))
+    async def _stacks(self, screen: StacksScreen) -> None:
+        try:
+            result = await self.session.request(
+                "stacks", timeout_s=STACKS_TIMEOUT_S + 5, params={"timeout_s": STACKS_TIMEOUT_S}
+            )
+        except Exception as exc:  # CommandFailed or a lost link: the reason replaces the pending text
+            screen.show("failed", f"stacks failed: {exc}")
+            self.post_message(CommandFinished("stacks", False, error=str(exc)))
+            return
+        screen.show(str(result.get("method", "?")), str(result.get("text", "")))
+        self.post_message(CommandFinished("stacks", True, result))
 
     def action_filter(self) -> None:
         self.dashboard.log_pane.open_filter()
@@ -514,23 +615,48 @@ class DashboardApp(App[int]):
             self.notify("no tmux session to attach to (no run, or it was started without tmux)", severity="warning")
             return
         argv = self.session.attach_argv(tmux_session)
-        if os.environ.get("TMUX"):
+        if not os.environ.get("TMUX"):
+            self._attach_here(argv)
+            return
+        plan = attach.plan_here(argv)
+        if plan.hands_over_terminal:
             choices = [
                 Choice("window", "New tmux window", "primary", "w"),
                 Choice("here", "Use this terminal", "default", "h"),
                 Choice("no", "Cancel", "default", "n"),
             ]
-
-            def picked(choice: str | None) -> None:
-                if choice == "window":
-                    self._attach_new_window(argv)
-                elif choice == "here":
-                    self._attach_here(argv)
-
             body = f"You are inside tmux. Open the run in a new window instead of nesting?\n\n  {shlex.join(argv)}"
-            self.push_screen(ConfirmScreen("Attach to the run", body, choices), picked)
+        else:  # the run's session lives on this very tmux server: switch to it, never nest
+            choices = [Choice("here", "Use this terminal", "primary", "h"), Choice("no", "Cancel", "default", "n")]
+            body = (
+                f"The run's session {tmux_session} is on the tmux server you are in: this terminal switches to "
+                f"it, and `tmux switch-client -l` (prefix L) comes back here.\n\n  {shlex.join(plan.argv)}"
+            )
+
+        def picked(choice: str | None) -> None:
+            if choice == "window":
+                self._attach_new_window(argv)
+            elif choice == "here" and plan.hands_over_terminal:
+                self._attach_here(plan.argv)
+            elif choice == "here":
+                self._switch_client(plan)
+
+        self.push_screen(ConfirmScreen("Attach to the run", body, choices), picked)
+
+    def _switch_client(self, plan: attach.HerePlan) -> None:
+        """Same tmux server: point this client at the run's session; the dashboard keeps running in its pane."""
+        self.attach_history.append(plan.argv)
+        try:
+            code = self.external_runner(plan.argv)
+        except OSError as exc:
+            failure = f"tmux switch-client failed: {exc}"
         else:
-            self._attach_here(argv)
+            failure = f"tmux switch-client exited {code}" if code != 0 else ""
+        if failure:
+            self.notify(f"{failure}; run: {shlex.join(plan.argv)}", severity="error", timeout=20)
+        else:
+            self.notify(plan.note, timeout=10)
+        self.post_message(CommandFinished("attach", not failure, {"argv": plan.argv}, failure or None))
 
     def _attach_new_window(self, argv: list[str]) -> None:
         # The new window's shell inherits $TMUX; a local `tmux attach` refuses to nest unless it is unset.
@@ -602,6 +728,6 @@ def run_dashboard(
 
     on_connect: "offer" asks to launch the profile's run when none is active, "launch" starts it, "none" waits.
     """
-    app = DashboardApp(session, profile=profile, theme=theme, on_connect=on_connect, tune_gc=True)
+    app = DashboardApp(session, profile=profile, theme=theme, on_connect=on_connect, tune_gc=True, live_reload=True)
     app.run()
     return app.return_code if app.return_code is not None else 0

@@ -69,3 +69,29 @@ class CommandFinished(Message):
         self.ok = ok
         self.result = result
         self.error = error
+
+
+class LiveReloadReady(Message):
+    """The file watcher is watching these directories (changes from now on are reloaded)."""
+
+    def __init__(self, directories: list[str]) -> None:
+        super().__init__()
+        self.directories = directories
+
+
+class ThemesReloaded(Message):
+    """Theme files changed on disk and were read again; ``errors``: files rejected (their old themes kept)."""
+
+    def __init__(self, names: list[str], errors: list[str]) -> None:
+        super().__init__()
+        self.names = names
+        self.errors = errors
+
+
+class ProfilesReloaded(Message):
+    """The profiles' config file changed on disk; ``error`` set: it was rejected and the old profiles kept."""
+
+    def __init__(self, profile: str | None, error: str | None) -> None:
+        super().__init__()
+        self.profile = profile
+        self.error = error

@@ -7,12 +7,18 @@ nothing but ``<run_root>/agent/``: ``CHECK`` verifies the file (sha256), keeps a
 copy beside it and execs the agent from that copy; ``INSTALL`` reads the bundle from stdin into a
 temporary file, verifies its hash, renames. ``PYTHONPATH=<pyz> python3 -m engine.agent.main`` works
 too; the client uses the extracted tree as ``PYTHONPATH`` for ``python3 -m engine.trainer``.
+
+Besides ``engine`` the bundle carries ``_vendor/pynvml.py``, NVIDIA's single-file NVML binding taken from
+the client's nvidia-ml-py, with its BSD licence (``pynvml.LICENSE``) and a manifest (version, sha256):
+a host then needs only python3 and the driver for GPU data (engine/agent/nvml_binding.py picks it up).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
+import json
 import os
 import zipfile
 from dataclasses import dataclass
@@ -20,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from engine import protocol
+from engine.agent import nvml_binding
 
 # What goes into the bundle: every file of these packages, no tests, no caches, no hidden files.
 BUNDLED_PACKAGES: tuple[str, ...] = ("engine",)
@@ -127,27 +134,93 @@ def _source_files(root: Path) -> list[Path]:
     return files
 
 
+def _pynvml_origin() -> Path | None:
+    """The file `import pynvml` would load on the client (a single .py file), without importing it."""
+    spec = importlib.util.find_spec("pynvml")
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    return Path(spec.origin)
+
+
+def _client_pynvml() -> Path | None:
+    """NVIDIA's pynvml.py of the client's nvidia-ml-py (a dependency), or None when it is not installed."""
+    origin = _pynvml_origin()
+    if origin is None:
+        return None
+    from importlib import metadata  # ~30 ms to import: only when the bundle is built
+
+    try:
+        metadata.version(nvml_binding.DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None  # the deprecated PyPI `pynvml` fork, not NVIDIA's binding: do not ship it
+    return origin
+
+
+def licence_of(source: str) -> str:
+    """The licence text at the head of pynvml.py: its leading comment block, comment marks removed."""
+    lines: list[str] = []
+    for line in source.splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#")
+        lines.append(text[1:] if text.startswith(" ") else text)
+    body = "\n".join(lines).strip("\n")
+    if "Redistribution and use" not in body:
+        raise ValueError("pynvml.py does not start with its BSD licence block: refusing to ship it without one")
+    return body + "\n"
+
+
+def vendored_files() -> dict[str, bytes]:
+    """Bundle paths -> bytes of the vendored pynvml (module, licence, manifest); empty without nvidia-ml-py."""
+    source_path = _client_pynvml()
+    if source_path is None:
+        return {}
+    from importlib import metadata
+
+    source = source_path.read_bytes()
+    version = metadata.version(nvml_binding.DISTRIBUTION)
+    licence = (
+        f"pynvml.py is NVIDIA's Python binding for NVML, from {nvml_binding.DISTRIBUTION} {version}, shipped\n"
+        "unchanged inside the specdec-tui agent bundle under these terms:\n\n" + licence_of(source.decode("utf-8"))
+    )
+    manifest = {
+        "distribution": nvml_binding.DISTRIBUTION,
+        "version": version,
+        "sha256": hashlib.sha256(source).hexdigest(),
+        "license_file": nvml_binding.VENDORED_LICENSE,
+    }
+    base = nvml_binding.VENDOR_DIR
+    return {
+        f"{base}/{nvml_binding.VENDORED_MODULE}": source,
+        f"{base}/{nvml_binding.VENDORED_LICENSE}": licence.encode("utf-8"),
+        f"{base}/{nvml_binding.VENDORED_MANIFEST}": (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(),
+    }
+
+
 def _package_root() -> Path:
     import engine
 
     return Path(engine.__file__).resolve().parent.parent
 
 
+def _add(zf: zipfile.ZipFile, name: str, data: bytes) -> None:
+    info = zipfile.ZipInfo(name, date_time=_FIXED_DATE)  # fixed time: the same sources give the same bytes
+    info.compress_type = zipfile.ZIP_DEFLATED
+    info.external_attr = 0o644 << 16
+    zf.writestr(info, data)
+
+
 def build_bundle_bytes(root: Path | None = None) -> bytes:
-    """The zipapp's bytes: a shebang line, then a zip of the sources and a ``__main__.py``."""
+    """The zipapp's bytes: a shebang line, then a zip of the sources, the vendored pynvml and a ``__main__.py``."""
     root = root or _package_root()
     buf = io.BytesIO()
     buf.write(b"#!/usr/bin/env python3\n")
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         for path in _source_files(root):
-            info = zipfile.ZipInfo(path.relative_to(root).as_posix(), date_time=_FIXED_DATE)
-            info.compress_type = zipfile.ZIP_DEFLATED
-            info.external_attr = 0o644 << 16
-            zf.writestr(info, path.read_bytes())
-        info = zipfile.ZipInfo("__main__.py", date_time=_FIXED_DATE)
-        info.compress_type = zipfile.ZIP_DEFLATED
-        info.external_attr = 0o644 << 16
-        zf.writestr(info, _MAIN)
+            _add(zf, path.relative_to(root).as_posix(), path.read_bytes())
+        for name, data in sorted(vendored_files().items()):
+            _add(zf, name, data)
+        _add(zf, "__main__.py", _MAIN)
     return buf.getvalue()
 
 
@@ -162,6 +235,10 @@ def _sources_key(root: Path) -> str:
     for path in _source_files(root):
         st = path.stat()
         h.update(f"{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    vendored = _pynvml_origin()
+    if vendored is not None:  # an upgraded nvidia-ml-py on the client makes a new bundle
+        st = vendored.stat()
+        h.update(f"{vendored}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:32]
 
 

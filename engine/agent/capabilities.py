@@ -1,6 +1,7 @@
 """What this host can do for the agent: NVML, psutil, watchfiles, tmux, py-spy, each with a reason.
 
-Stdlib only at import; the optional modules are imported inside the probes.
+Stdlib only at import; the optional modules are imported inside the probes (pynvml through
+engine.agent.nvml_binding, which falls back to the copy shipped in the bundle).
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import importlib
 import shutil
 from typing import Any
+
+from engine.agent.nvml_binding import BindingMissing, load_pynvml
 
 Capability = dict[str, Any]  # {"ok": bool, "detail": str}
 
@@ -24,23 +27,47 @@ def nvml_error_text(exc: BaseException) -> str:
     return f"{name}: {exc}"
 
 
+def nvml_fix_text(exc: BaseException) -> str:
+    """What to do about an NVML failure, for the cause it has (doctor's fix line)."""
+    name = type(exc).__name__
+    if isinstance(exc, BindingMissing):
+        return (
+            "the agent bundle is incomplete (it ships nvidia-ml-py's pynvml.py): reinstall specdec-tui on the "
+            "client with nvidia-ml-py present, or pip install nvidia-ml-py on the host"
+        )
+    if "LibraryNotFound" in name:
+        return (
+            "install the NVIDIA driver (it provides libnvidia-ml.so.1) or, in a container, expose it "
+            "(docker --gpus all / nvidia-container-toolkit; for LXC bind-mount the driver libraries)"
+        )
+    if "DriverNotLoaded" in name:
+        return "load the NVIDIA kernel module (modprobe nvidia, or reboot after a driver install); check nvidia-smi"
+    if "NoPermission" in name:
+        return "give this user access to /dev/nvidia* (device permissions, or the container's device list)"
+    if "Mismatch" in name:
+        return "the driver library and kernel module versions differ (a driver upgrade without reboot): reboot"
+    return "run nvidia-smi on the host: it reports the driver's own error"
+
+
 def probe_nvml() -> Capability:
+    """NVML init and device count; ``binding`` says which pynvml answered, ``fix`` what to do when not ok."""
     try:
-        pynvml = importlib.import_module("pynvml")
-    except ImportError:
-        return {"ok": False, "detail": "python module pynvml not installed (pip install nvidia-ml-py)"}
+        binding = load_pynvml()
+    except BindingMissing as exc:
+        return {"ok": False, "detail": str(exc), "binding": None, "fix": nvml_fix_text(exc)}
+    pynvml = binding.module
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # pynvml raises NVMLError subclasses built at runtime
-        return {"ok": False, "detail": nvml_error_text(exc)}
+        return {"ok": False, "detail": nvml_error_text(exc), "binding": binding.origin, "fix": nvml_fix_text(exc)}
     try:
         count = pynvml.nvmlDeviceGetCount()
         driver = pynvml.nvmlSystemGetDriverVersion()
         if isinstance(driver, bytes):
             driver = driver.decode()
-        return {"ok": True, "detail": f"{count} GPU(s), driver {driver}"}
+        return {"ok": True, "detail": f"{count} GPU(s), driver {driver}", "binding": binding.origin, "fix": ""}
     except Exception as exc:
-        return {"ok": False, "detail": nvml_error_text(exc)}
+        return {"ok": False, "detail": nvml_error_text(exc), "binding": binding.origin, "fix": nvml_fix_text(exc)}
     finally:
         pynvml.nvmlShutdown()  # init is reference-counted; the sampler keeps its own
 

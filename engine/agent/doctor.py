@@ -176,15 +176,8 @@ def run_doctor(
         checks.append(check("nvml", True, f"simulated GPUs ({len(gpus)}); real NVML not consulted"))
     else:
         nv = probe_nvml()
-        checks.append(
-            check(
-                "nvml",
-                nv["ok"],
-                nv["detail"],
-                "install the NVIDIA driver (libnvidia-ml.so.1) or, in a container, expose it "
-                "(--gpus / nvidia-container-toolkit; for LXC bind-mount the driver libraries)",
-            )
-        )
+        binding = f" (pynvml: {nv['binding']})" if nv.get("binding") else ""
+        checks.append(check("nvml", nv["ok"], f"{nv['detail']}{binding}", nv.get("fix") or ""))
     tmux = shutil.which("tmux")
     checks.append(
         check(

@@ -1,4 +1,4 @@
-"""GPU samples from NVML (nvidia-ml-py, imported as ``pynvml``), initialised once per agent.
+"""GPU samples from NVML (nvidia-ml-py's ``pynvml``, the host's or the bundle's copy), initialised once per agent.
 
 Each (GPU, field) call is tried once; a call that answers NOT_SUPPORTED is marked unsupported and
 never made again (btop does the same). No NVML or no driver is a normal state with a reason.
@@ -6,7 +6,6 @@ never made again (btop does the same). No NVML or no driver is a normal state wi
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from engine.agent.capabilities import nvml_error_text
+from engine.agent.nvml_binding import BindingMissing, load_pynvml
 from engine.protocol import GpuInfo
 
 MIB = 1024 * 1024
@@ -83,12 +83,14 @@ class NvmlGpus:
         self._uuids: list[str] = []
         self.unsupported: list[set[str]] = []
         self.last_errors: dict[tuple[int, str], str] = {}  # transient failures of the last sample
+        self.binding: str | None = None  # which pynvml: the host's or the bundle's (nvml_binding)
         if self._nvml is None:
             try:
-                self._nvml = importlib.import_module("pynvml")
-            except ImportError:
-                self.error = "python module pynvml not installed (pip install nvidia-ml-py)"
+                found = load_pynvml()
+            except BindingMissing as exc:
+                self.error = str(exc)
                 return
+            self._nvml, self.binding = found.module, found.origin
         try:
             self._nvml.nvmlInit()
         except Exception as exc:  # NVMLError subclasses are generated at runtime

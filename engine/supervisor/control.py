@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import engine
-from engine import protocol
+from engine import protocol, stackdump
 from engine.agent import procs
 from engine.supervisor import records, tmux
 
@@ -918,8 +918,57 @@ def _is_python(pid: int) -> bool:
     return exe.startswith("python") or exe.startswith("pypy")
 
 
+# How long the named (Python-level) dump may take before faulthandler's unnamed one stands in: a thread
+# that holds the GIL (a long C call) keeps Python handlers from running, never faulthandler.
+NAMED_DUMP_WAIT_S = 0.75
+DUMP_POLL_S = 0.01
+
+
+def _dump_engine(rd: Path, pid: int) -> tuple[str, str]:
+    """(how, text) of one engine process that registered engine.stackdump: the named dump, else faulthandler's."""
+    files = stackdump.dump_files(rd, pid)
+    try:
+        before = files.text.stat().st_ino
+    except OSError:
+        before = None
+    try:
+        raw_start = files.raw.stat().st_size
+    except OSError:
+        raw_start = 0  # removed by hand since the engine started: only the named dump can answer
+    os.kill(pid, stackdump.SIGNAL)
+    deadline = time.monotonic() + NAMED_DUMP_WAIT_S
+    while True:
+        try:
+            st = files.text.stat()
+            if st.st_ino != before:
+                text = files.text.read_text(encoding="utf-8", errors="replace")
+                if text.rstrip().endswith(stackdump.END_MARKER):
+                    return "named threads", text
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(DUMP_POLL_S)
+    try:
+        with open(files.raw, "rb") as fh:  # faulthandler wrote in the signal handler itself: complete by now
+            fh.seek(raw_start)
+            raw = fh.read().decode("utf-8", "replace")
+    except OSError:
+        raw = ""
+    if not raw.strip():
+        raise SupervisorError(f"pid {pid} wrote no stack dump to {files.text.parent} within {NAMED_DUMP_WAIT_S:g} s")
+    why = f"no named dump within {NAMED_DUMP_WAIT_S:g} s: Python code cannot run, a thread holds the GIL"
+    return f"faulthandler, threads unnamed ({why})", raw
+
+
 def stacks(run_dir: Path | str, timeout_s: float = 5.0, boot_id: str | None = None) -> dict[str, Any]:
-    """Every thread's stack of the live run: faulthandler on SIGUSR1 (our engine), else py-spy, else why not."""
+    """Every thread's stack of the live run.
+
+    Our engine (it registered engine.stackdump): SIGUSR1, named threads from its own dump file in well under
+    a second. Any other Python job: py-spy when installed; else, when the job handles SIGUSR1 (faulthandler
+    to its stderr, as before), the dump read back from output.log, labelled as such (log lines may be mixed
+    in, and it waits for the log to go quiet); else why not.
+    """
     rd = Path(run_dir)
     info = records.read_run(rd, boot_id or records.read_boot_id())
     if info.state != "running":
@@ -930,32 +979,46 @@ def stacks(run_dir: Path | str, timeout_s: float = 5.0, boot_id: str | None = No
     if not pids:
         raise SupervisorError(f"run {rd.name}: the job process is gone")
     py_pids = [p for p in pids if _is_python(p)]
-    dumpers = [p for p in py_pids if _catches(p, signal.SIGUSR1)]
-    log = rd / records.OUTPUT_LOG
-    if dumpers:
+    engines = [p for p in py_pids if stackdump.dump_files(rd, p).raw.exists() and _catches(p, stackdump.SIGNAL)]
+    if engines:
         texts: list[str] = []
-        for pid in dumpers:
-            start = log.stat().st_size if log.exists() else 0
-            os.kill(pid, signal.SIGUSR1)
-            text = _read_appended(log, start, timeout_s)
+        hows: list[str] = []
+        for pid in engines:
+            how, text = _dump_engine(rd, pid)
+            hows.append(how)
             texts.append(f"--- pid {pid} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
-        return {"method": f"faulthandler via SIGUSR1 to pid {', '.join(map(str, dumpers))}", "text": "\n".join(texts)}
+        pids_text = ", ".join(map(str, engines))
+        return {"method": f"SIGUSR1 to pid {pids_text}: {'; '.join(sorted(set(hows)))}", "text": "\n".join(texts)}
     if not py_pids:
         names = ", ".join(f"{p} ({procs.cmdline_of(p)[:60]})" for p in pids[:5])
         raise SupervisorError(f"no Python process in the run ({names}): no Python stacks to dump")
     pyspy = shutil.which("py-spy")
-    if pyspy is None:
+    if pyspy is not None:
+        texts = []
+        for pid in py_pids:
+            res = subprocess.run(
+                [pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s + 10, check=False
+            )
+            texts.append(f"--- pid {pid} (py-spy dump, exit {res.returncode}) ---\n{res.stdout}{res.stderr}")
+        return {"method": "py-spy dump", "text": "\n".join(texts)}
+    dumpers = [p for p in py_pids if _catches(p, signal.SIGUSR1)]
+    if not dumpers:
         raise SupervisorError(
             f"the job's Python process(es) {', '.join(map(str, py_pids))} do not handle SIGUSR1 "
             "(not our engine) and py-spy is not installed on the host: pip install py-spy, then retry"
         )
+    log = rd / records.OUTPUT_LOG
     texts = []
-    for pid in py_pids:
-        res = subprocess.run(
-            [pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s + 10, check=False
-        )
-        texts.append(f"--- pid {pid} (py-spy dump, exit {res.returncode}) ---\n{res.stdout}{res.stderr}")
-    return {"method": "py-spy dump", "text": "\n".join(texts)}
+    for pid in dumpers:
+        start = log.stat().st_size if log.exists() else 0
+        os.kill(pid, signal.SIGUSR1)
+        text = _read_appended(log, start, timeout_s)
+        texts.append(f"--- pid {pid} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
+    return {
+        "method": f"faulthandler via SIGUSR1 to pid {', '.join(map(str, dumpers))}, read back from output.log "
+        "(not our engine: log lines may be mixed in; install py-spy for a clean dump)",
+        "text": "\n".join(texts),
+    }
 
 
 def _read_appended(path: Path, start: int, timeout_s: float, quiet_s: float = 0.3) -> str:

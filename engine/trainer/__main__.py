@@ -6,7 +6,8 @@
 
 Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl); human lines ``step=N loss=… acc0=…
 tok/s=…`` go to stdout. SIGTERM stops at the next step boundary, saves a checkpoint and exits 0.
-SIGUSR1 dumps every thread's stack to stderr. Exit codes: 0 done or stopped, 1 failed, 2 config error.
+SIGUSR1 dumps every thread's stack, named, into <run dir>/stacks/<pid>.txt (to stderr outside the
+supervisor). Exit codes: 0 done or stopped, 1 failed, 2 config error.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
+from engine import stackdump
 from engine.protocol import ENV_RUN_DIR
 from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, parse_override, preset
 from engine.trainer.metrics import EventLog, events_path_for
@@ -75,8 +76,7 @@ def link_checkpoints(cfg: EngineConfig, run_dir: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(sys.stderr)
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    stackdump.install(os.environ.get(ENV_RUN_DIR))  # SIGUSR1: named stacks into <run dir>/stacks/
     words = sys.argv[1:] if argv is None else argv
     if words[:1] == ["eval"]:
         from engine.trainer.evaluate import main as eval_main

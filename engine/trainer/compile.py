@@ -13,7 +13,9 @@ step, device and grad mode here) up to its recompile limit, then silently runs t
 every new signature. ``recompile_limit_for`` sizes the limit from the run, and a ``GuardedFunction`` reports
 to its listeners (the engine writes them as ``compile`` events) every graph compiled after the calling
 thread called ``mark_warm`` ("recompile") and every new signature left to eager because the limit was hit
-("fallback"), counted from dynamo's cache entries for the function's code.
+("fallback"), counted from dynamo's cache entries for the function's code (a few microseconds a call). A
+known signature that recompiles (a guard the signature does not show) is a recompile event too; it cannot
+be a fallback event (an eager run leaves no trace in the count), but its recompiles come first.
 """
 
 from __future__ import annotations
@@ -146,6 +148,31 @@ def _describe(key: Any) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+class _FirstCallCount:
+    """Guarded first calls (which may compile) started so far and running now, across all functions."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = 0
+        self.running = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.started += 1
+            self.running += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        with self._lock:
+            self.running -= 1
+
+    def snapshot(self) -> tuple[int, int]:
+        with self._lock:
+            return self.started, self.running
+
+
+_FIRST_CALLS = _FirstCallCount()
+
+
 class GuardedFunction:
     """A (possibly compiled) function whose first call per input signature runs under the compile guard.
 
@@ -160,15 +187,20 @@ class GuardedFunction:
         self._seen: set[Any] = set()
         self._seen_lock = threading.Lock()
         self._graphs = _graph_counter(fn) if compiled else None
-        self._warm_threads: set[int] = set()
+        self._warm: set[tuple[int, bool]] = set()  # (thread ident, grad mode) pairs that finished warm-up
         self._fell_back = False
         self.listeners: list[CompileListener] = []
         self.events: list[dict[str, Any]] = []
 
+    def graph_count(self) -> int | None:
+        """Graphs dynamo holds for this function's code (None when not compiled or not countable)."""
+        return self._graphs() if self._graphs is not None else None
+
     def mark_warm(self) -> None:
-        """From now on a graph compiled in the calling thread is a recompile after warm-up (an event)."""
+        """From now on a graph compiled in the calling thread, in the current grad mode, is a recompile after
+        warm-up (an event); a first no-grad call after a training warm-up (evaluation) is not."""
         with self._seen_lock:
-            self._warm_threads.add(threading.get_ident())
+            self._warm.add((threading.get_ident(), torch.is_grad_enabled()))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.compiled:
@@ -177,8 +209,8 @@ class GuardedFunction:
         with self._seen_lock:
             known = key in self._seen
         if known:
-            return self._fn(*args, **kwargs)
-        with compile_guard():
+            return self._call_known(key, args, kwargs)
+        with compile_guard(), _FIRST_CALLS:
             before = self._graphs() if self._graphs is not None else None
             out = self._fn(*args, **kwargs)
             if before is not None and self._graphs is not None:
@@ -187,9 +219,22 @@ class GuardedFunction:
             self._seen.add(key)
         return out
 
+    def _call_known(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A known signature can still recompile (a guard it does not show, e.g. two arguments that were one
+        tensor at warm-up): count graphs around warm calls, unless another thread's first call ran meanwhile."""
+        if self._graphs is None or (threading.get_ident(), key[0]) not in self._warm:
+            return self._fn(*args, **kwargs)
+        first_calls = _FIRST_CALLS.snapshot()
+        before = self._graphs()
+        out = self._fn(*args, **kwargs)
+        after = self._graphs()
+        if after > before and first_calls == _FIRST_CALLS.snapshot() and first_calls[1] == 0:
+            self._report("recompile", key, after, _dynamo_limit())
+        return out
+
     def _after_new_signature(self, key: Any, before: int, after: int) -> None:
         limit = _dynamo_limit()
-        warm = threading.get_ident() in self._warm_threads
+        warm = (threading.get_ident(), key[0]) in self._warm
         if after > before and warm:
             what = "recompile"
         elif after == before and after >= limit and not self._fell_back:
@@ -197,11 +242,14 @@ class GuardedFunction:
             self._fell_back = True
         else:
             return  # a first compile during warm-up, or a new signature that an existing graph's guards accept
+        self._report(what, key, after, limit)
+
+    def _report(self, what: str, key: Any, graphs: int, limit: int) -> None:
         event = {
             "what": what,
             "function": self.name,
             "thread": threading.current_thread().name,
-            "graphs": after,
+            "graphs": graphs,
             "limit": limit,
             "signature": _describe(key),
         }

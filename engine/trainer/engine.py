@@ -158,6 +158,9 @@ class Engine:
         else:
             draft_size = min(cfg.draft_vocab_size, target0.vocab_size)
             self.vocab = build_draft_vocab(self.source, target0.vocab_size, draft_size)
+            self.events.stage(
+                "data", f"draft vocabulary: the {self.vocab.size} most frequent token ids over the whole training set"
+            )
         if cfg.vocab_sample_batches is not None:
             self.events.say(
                 "warning: vocab_sample_batches is ignored: the draft vocabulary counts every training conversation"
@@ -360,6 +363,8 @@ class Engine:
             "data": self.source.describe(),
             "data_position": {name: s.get("data_position") for name, s in states.items()},
             "draft_config": self.workers[0].drafter.cfg.to_dict(),
+            # 0-based decoder layers whose output was captured = SGLang's eagle_aux_hidden_state_layer_ids;
+            # vLLM's aux_hidden_state_layers are these + 1 (target.py).
             "target_layers": self.targets[0].layer_ids,
         }
         with self._ckpt_lock:

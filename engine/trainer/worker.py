@@ -260,7 +260,8 @@ class DrafterWorker:
         hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(self.device, self.hidden_dtype)
         target_p = torch.softmax(torch.randn(b, bucket, cfg.draft_vocab_size, generator=g), -1).to(self.device)
         mask = torch.ones(b, bucket).to(self.device)
-        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask, loss_mask=mask)  # the signature trained on
+        # A loss mask as trained on, and a tensor of its own: dynamo guards on two arguments being one tensor.
+        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask, loss_mask=mask.clone())
 
     def warm_up(self) -> float:
         """Forward and backward of every bucket under the compile guard (first compiles and block masks)."""

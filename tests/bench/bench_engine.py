@@ -205,7 +205,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         submit_checkpoint=None,
     )
     warm_s = worker.warm_up()
-    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask)
+    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
     for _ in range(warm):
         worker.train_step(batch, 0.0)
     torch.cuda.synchronize()
@@ -293,6 +293,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "steps_seen": len(steps_ev),
         "compile_events": [e for _t, e in got if e["kind"] == "compile"],  # recompiles after warm-up, fallbacks
+        "failures": [e for _t, e in got if e["kind"] in ("thread_error", "run_end") and not e.get("ok", False)],
     }
 
 

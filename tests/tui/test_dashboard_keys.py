@@ -332,7 +332,7 @@ async def test_stacks_screen_shows_every_thread(recorded_app: Callable[..., Dash
         await wait_until(pilot, lambda: isinstance(app.screen, StacksScreen))
         assert session.requests == [("stacks", {"timeout_s": 20.0})]
         scroll = app.screen.query_one("#stacks-scroll")
-        assert scroll.max_scroll_y > 0
+        await wait_until(pilot, lambda: scroll.max_scroll_y > 0, what="the dump, taller than the screen")
         await pilot.press("end")
         await pilot.pause()
         assert scroll.scroll_y > 0

@@ -14,8 +14,8 @@ from engine.agent.anomalies import EngineState, engine_anomalies
 from engine.trainer import compile as guard
 from engine.trainer.config import ConfigError, from_dict
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.model import DraftConfig, Drafter, apply_rotary, rotary_tables
-from engine.trainer.loss import soft_cross_entropy
+from engine.trainer.draft.model import DraftConfig, Drafter, apply_rotary, rotary_tables, ttt_step
+from engine.trainer.loss import soft_cross_entropy, total_loss
 from engine.trainer.metrics import EventLog, compile_listener
 from engine.trainer.target import decoder_layers, default_layer_ids, load_target, tiny_config
 
@@ -244,16 +244,18 @@ def test_recompile_after_warm_up_and_fallback_to_eager_are_events_and_anomalies(
     old_limit = guard.recompile_limit()
 
     def drafter_thread() -> None:
-        guard.set_recompile_limit(3)
+        guard.set_recompile_limit(4)
         guard.apply_dynamo_config()
         x = torch.randn(4)
         fn(x, 1)  # warm-up: two graphs, no event
         fn(x, 2)
         fn.mark_warm()
         fn(x, 1)  # a known signature: no compile
+        with torch.no_grad():
+            fn(x, 1)  # a first no-grad call (evaluation) compiles its graph without an event
         assert seen == []
         fn(x, 3)  # a new graph after warm-up: a recompile event
-        fn(x, 4)  # the limit (3 graphs) is reached: runs eagerly, a fallback event
+        fn(x, 4)  # the limit (4 graphs) is reached: runs eagerly, a fallback event
         fn(x, 5)  # still eager: the fallback is reported once
 
     try:
@@ -266,7 +268,7 @@ def test_recompile_after_warm_up_and_fallback_to_eager_are_events_and_anomalies(
         ("compile", "recompile", "drafter1", "ttt_step"),
         ("compile", "fallback", "drafter1", "ttt_step"),
     ]
-    assert seen[1]["graphs"] == 3 and seen[1]["limit"] == 3
+    assert seen[1]["graphs"] == 4 and seen[1]["limit"] == 4
     assert any("drafter1: compile fallback" in line for line in lines)
 
     state = EngineState()
@@ -275,6 +277,23 @@ def test_recompile_after_warm_up_and_fallback_to_eager_are_events_and_anomalies(
     kinds = {(a.kind, a.thread): a.message for a in engine_anomalies(state, now=seen[-1]["t"], running=True)}
     assert kinds[("compile_fallback", "drafter1")].startswith("drafter1: compile fallback: ttt_step")
     assert "recompiled 1x after warm-up" in kinds[("recompile", "drafter1")]
+
+
+def aliased(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x * a + b
+
+
+def test_a_known_signature_that_recompiles_after_warm_up_is_an_event_too() -> None:
+    fn = guard.GuardedFunction(aliased, compiled=True, name="ttt_step", backend="eager")
+    seen: list[dict[str, Any]] = []
+    fn.listeners.append(seen.append)
+    m = torch.ones(3)
+    fn(torch.randn(3), m, m)  # warm-up with one tensor passed twice
+    fn.mark_warm()
+    fn(torch.randn(3), m, m)
+    assert seen == []
+    fn(torch.randn(3), torch.ones(3), torch.ones(3))  # same shapes, but dynamo guards on the aliasing
+    assert [(e["what"], e["graphs"]) for e in seen] == [("recompile", 2)]
 
 
 def test_recompile_limit_is_sized_from_steps_buckets_and_devices() -> None:
@@ -290,3 +309,44 @@ def test_help_screen_and_chart_tooltip_say_what_loss_i_and_acc_i_divide_by() -> 
     for text in (HelpScreen.charts_text(), CHARTS_TOOLTIP):
         assert "0.8^i" in text and "ALL B x T positions" in text
         assert "divided by the positions in the data's loss mask" in text
+
+
+def test_compiled_ttt_step_keeps_one_graph_per_step_and_bucket_with_per_step_rope() -> None:
+    # Dynamo with the eager backend (fast on the CPU): the per-step rotary tables are inputs of the compiled
+    # step, so training compiles ttt_steps x buckets graphs during warm-up and none afterwards.
+    torch._dynamo.reset()
+    drafter = small_drafter()
+    fn = guard.GuardedFunction(ttt_step, compiled=True, name="ttt_step", backend="eager")
+    seen: list[dict[str, Any]] = []
+    fn.listeners.append(seen.append)
+    attention = TTTAttention("sdpa")
+
+    def train(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        h, ids = torch.randn(2, t, 96, generator=g), torch.randint(0, VOCAB, (2, t), generator=g)
+        tp, m = torch.softmax(torch.randn(2, t, 20, generator=g), -1), torch.ones(2, t)
+        kw: dict[str, Any] = {"ttt_steps": 2, "attention": attention, "loss_fn": soft_cross_entropy, "loss_mask": m}
+        eager = drafter(h, ids, tp, m, **kw)[0]
+        compiled = drafter(h, ids, tp, m, step_fn=fn, **kw)[0]
+        total_loss(compiled).backward()
+        return eager.detach(), compiled.detach()
+
+    for t in (8, 16):
+        eager, compiled = train(t, 0)
+        torch.testing.assert_close(compiled, eager)
+    fn.mark_warm()
+    graphs = fn.graph_count()
+    for t in (8, 16):
+        train(t, 1)
+    assert graphs == 2 * 2 and fn.graph_count() == graphs
+    assert seen == []
+
+
+def test_rotary_for_growing_lengths_keeps_one_table_per_device() -> None:
+    drafter = small_drafter()
+    full_cos, full_sin = rotary_tables(40, 16, drafter.cfg.rope_theta, torch.device("cpu"))
+    for n in range(1, 41):
+        cos, sin = drafter.rotary(n, torch.device("cpu"))
+        torch.testing.assert_close(cos, full_cos[:n], rtol=0, atol=0)
+        torch.testing.assert_close(sin, full_sin[:n], rtol=0, atol=0)
+    assert len(drafter._positions) == 1 and drafter._positions["cpu"][0].shape[0] <= 2 * 40

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
@@ -41,15 +43,21 @@ class HelpScreen(Screen[None]):
         """What the training charts' numbers are."""
         return f"Charts\n{LOSS_HELP}\n{ACC_HELP}\n{TAU_HELP}"
 
+    def table(self) -> Table:
+        """Three columns; only the description wraps, under itself (a hanging indent), at any width."""
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True)
+        grid.add_column(no_wrap=True)
+        grid.add_column(ratio=1, overflow="fold")
+        for key, name, what in self.rows():
+            grid.add_row(Text(key), Text(name), Text(what))
+        return grid
+
     def compose(self) -> ComposeResult:
-        rows = self.rows()
-        key_w = max(len(r[0]) for r in rows)
-        name_w = max(len(r[1]) for r in rows)
-        body = "\n".join(f"{k:<{key_w}}  {n:<{name_w}}  {what}" for k, n, what in rows)
         with Vertical():
             yield Static("specdec-tui keys", id="help-title")
             with VerticalScroll():
-                yield Static(body, id="help-table", markup=False)
+                yield Static(self.table(), id="help-table")
                 yield Static(self.charts_text(), id="help-charts", markup=False)
             yield Static(
                 'Remap a key in ~/.config/specdec-tui/tui.toml, e.g. [keys] restart = "ctrl+r". Esc closes.',

@@ -1,4 +1,4 @@
-"""Every thread's stack of the live run, scrollable."""
+"""Every thread's stack of the live run, scrollable; opens at once with "dumping stacks…" until the reply."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
+
+PENDING_TEXT = "dumping stacks…"
 
 
 class StacksScreen(ModalScreen[None]):
@@ -21,19 +23,37 @@ class StacksScreen(ModalScreen[None]):
     """
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q", "close", "Close")]
 
-    def __init__(self, method: str, text: str) -> None:
+    def __init__(self, method: str | None = None, text: str = "") -> None:
+        """``method`` None: the dump was asked for and has not come back yet."""
         super().__init__()
         self.method = method
         self.text = text
+        # Kept, not queried: the reply can arrive after compose() but before the widgets are mounted.
+        self._title_widget = Static(self._title(), id="stacks-title", markup=False)
+        self._text_widget = Static(self._body(), id="stacks-text", markup=False)
+
+    def _title(self) -> str:
+        return f"thread stacks ({self.method or PENDING_TEXT}) - Esc closes"
+
+    def _body(self) -> str:
+        if self.method is None:
+            return PENDING_TEXT
+        return self.text or "(no stacks returned)"
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Static(f"thread stacks ({self.method}) - Esc closes", id="stacks-title", markup=False)
+            yield self._title_widget
             with VerticalScroll(id="stacks-scroll"):
-                yield Static(self.text or "(no stacks returned)", id="stacks-text", markup=False)
+                yield self._text_widget
 
     def on_mount(self) -> None:
         self.query_one("#stacks-scroll").focus()
+
+    def show(self, method: str, text: str) -> None:
+        """The reply arrived: replace the pending text with the dump (or with why there is none)."""
+        self.method, self.text = method, text
+        self._title_widget.update(self._title())
+        self._text_widget.update(self._body())
 
     def action_close(self) -> None:
         self.dismiss(None)

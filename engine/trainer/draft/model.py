@@ -217,7 +217,9 @@ class Drafter(nn.Module):
         t2d[draft_to_target.long()] = True
         self.register_buffer("d2t", d2t)  # EAGLE-3's convention: target id = draft id + d2t[draft id]
         self.register_buffer("t2d", t2d)
+        # Per-step tables per (bucket, TTT steps, offset, device): a handful per run, made once.
         self._rotary: dict[tuple[int, int, bool, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._positions: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> the longest table so far
         self.init_weights()
 
     @torch.no_grad()
@@ -238,8 +240,18 @@ class Drafter(nn.Module):
         return table
 
     def rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions ``0..seq_len-1`` (TTT step 0)."""
-        return self.step_rotary(seq_len, 1, device)[0]
+        """cos and sin for positions ``0..seq_len-1``: row ``p`` rotates position ``p`` (any drafted token's).
+
+        Prefix views of one table per device, grown by doubling: a caller stepping through every length
+        (chain drafting) keeps one table, not one per length.
+        """
+        key = str(device)
+        table = self._positions.get(key)
+        if table is None or table[0].shape[0] < seq_len:
+            length = max(seq_len, 2 * table[0].shape[0]) if table is not None else seq_len
+            table = rotary_tables(length, self.cfg.head_dim, self.cfg.rope_theta, device)
+            self._positions[key] = table
+        return table[0][:seq_len], table[1][:seq_len]
 
     def step_rotary(
         self, seq_len: int, ttt_steps: int, device: torch.device
