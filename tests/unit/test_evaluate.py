@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.trainer.data import shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.evaluate import (
@@ -186,26 +187,29 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     from engine.trainer.config import from_dict
     from engine.trainer.engine import Engine
 
+    out = tmp_path / "out"
+    corpus = tmp_path / "small.jsonl"  # tokenizing the whole shipped corpus would be most of the test's time
+    corpus.write_text("\n".join(shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:64]) + "\n")
     cfg = from_dict(
         {
             "target": "tiny",
+            "data": str(corpus),
             "drafter_devices": ["cpu", "cpu"],
             "drafter_mode": "independent",
             "buckets": [256],
             "batch_size": 1,
             "ttt_steps": 2,
             "draft_vocab_size": 96,
-            "vocab_sample_batches": 4,
             "steps": 4,
             "eval_every": 2,
             "eval_k": 3,
             "eval_conversations": 1,
             "eval_max_new_tokens": 6,
-            "output_dir": str(tmp_path),
+            "output_dir": str(out),
             "torch_threads": 1,
         }
     )
-    events = EventLog(tmp_path / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
+    events = EventLog(out / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
     seen: list[dict[str, Any]] = []
     events.listeners.append(seen.append)
     engine = Engine(cfg, events)
@@ -216,7 +220,7 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     for e in (e for e in seen if e["kind"] == "eval"):
         assert 1.0 <= e["tau"] <= 4.0 and len(e["per_position"]) == 3 and e["rounds"] >= 1
 
-    args = ["--checkpoint", str(tmp_path), "--k", "3", "--conversations", "1", "--max-new-tokens", "6", "--json"]
+    args = ["--checkpoint", str(out), "--k", "3", "--conversations", "1", "--max-new-tokens", "6", "--json"]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["drafters"]) == {"drafter0", "drafter1"}
