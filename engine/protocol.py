@@ -138,6 +138,10 @@ EXIT_HUNG = 4
 #   checkpoint    step, path
 #   run_end       ok, reason, step
 #   export        path, checkpoint, step, format, drafter   (appended by `specdec-train export`, after the run too)
+#   eval          thread, step, tau (mean tokens per target forward in greedy chain speculation on held-out
+#                 prompts), k, per_position: [P(draft token j accepted), j = 1..k],
+#                 per_position_conditional: [P(j accepted | j-1 accepted)], rounds, prompts, new_tokens;
+#                 or thread, step, error (str) when the evaluation failed
 ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "stage",
     "heartbeat",
@@ -147,6 +151,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "run_end",
     "compile",  # a recompile after warm-up or a fallback to eager (what, function, thread, graphs, limit)
     "export",  # specdec-train export wrote a servable drafter (path, checkpoint, step, format, drafter)
+    "eval",  # acceptance length on held-out prompts (thread, step, tau, k, per_position, ...)
 )
 
 # Environment variables the supervisor sets for the job (the engine writes its events there).

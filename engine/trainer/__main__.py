@@ -3,6 +3,7 @@
     specdec-train --preset cpu-demo
     specdec-train --config engine.toml --set steps=100 --set 'drafter_devices=["cuda:0","cuda:1"]'
     specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
+    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--json]   (acceptance length: engine/trainer/evaluate.py)
 
 Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl); human lines ``step=N loss=… acc0=…
 tok/s=…`` go to stdout. SIGTERM stops at the next step boundary, saves a checkpoint and exits 0.
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(words[1:])
     faulthandler.enable(sys.stderr)
     stackdump.install(os.environ.get(ENV_RUN_DIR))  # SIGUSR1: named stacks into <run dir>/stacks/
+    if words[:1] == ["eval"]:
+        from engine.trainer.evaluate import main as eval_main
+
+        return eval_main(words[1:])
     args = parse_args(argv)
     try:
         cfg = resolve_config(args)

@@ -156,6 +156,10 @@ class DashboardState:
         if kind == "step":
             self.engine_steps_seen = True
             self.dirty.add("charts")
+        elif kind == "eval":
+            self.dirty.add("charts")
+            if event.get("error"):
+                self.notices.append(("warning", f"evaluation of {event.get('thread')} failed: {event.get('error')}"))
         elif kind == "stage":
             stage = event.get("stage")
             if isinstance(stage, str):
