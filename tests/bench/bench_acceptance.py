@@ -42,6 +42,10 @@ def has_key(key: str) -> bool:
     return key in EngineConfig.__dataclass_fields__
 
 
+TTT_STEPS: int | None = None  # --ttt-steps: training depth (default: the eval k: every drafted position trained)
+TORCH_THREADS = 1  # --torch-threads: per training and per evaluation process
+
+
 def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
     rope, layers = variant.split("-")
     sets = [
@@ -56,7 +60,10 @@ def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
         f"target_layers={json.dumps(LAYER_SETS[layers])}",
         f'output_dir="{out}"',
         "resume=false",
+        f"torch_threads={TORCH_THREADS}",
     ]
+    if TTT_STEPS is not None:
+        sets.append(f"ttt_steps={TTT_STEPS}")
     if has_key("ttt_rope_offset"):
         sets.append(f"ttt_rope_offset={'true' if rope == 'rope1' else 'false'}")
     return [arg for s in sets for arg in ("--set", s)]
@@ -77,7 +84,7 @@ def train(variant: str, steps: int, out: Path, lr: float) -> float:
 def measure(out: Path, k: int, conversations: int, max_new: int, *, as_served: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "engine.trainer", "eval", "--checkpoint", str(out), "--json", "--k", str(k)]
     cmd += ["--as-served"] if as_served else []
-    cmd += ["--conversations", str(conversations), "--max-new-tokens", str(max_new), "--threads", "1"]
+    cmd += ["--conversations", str(conversations), "--max-new-tokens", str(max_new), "--threads", str(TORCH_THREADS)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -97,7 +104,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--work", default="/tmp/bench_acceptance", help="output dirs of the training runs")
     ap.add_argument("--out", help="also write the results as JSON here")
+    ap.add_argument("--ttt-steps", type=int, help="training depth (default: --k)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch threads of each training and evaluation")
     args = ap.parse_args()
+    global TTT_STEPS, TORCH_THREADS
+    TTT_STEPS = args.ttt_steps if args.ttt_steps is not None else args.k
+    TORCH_THREADS = args.torch_threads
 
     t0 = time.perf_counter()
     target_dir = ensure_built()
@@ -108,7 +120,13 @@ def main() -> int:
         f"(uniform {metrics['uniform_entropy_bits']:.2f}), built in {metrics.get('build_s', '?')} s",
         flush=True,
     )
-    results: dict[str, Any] = {"target": metrics, "steps": args.steps, "k": args.k, "variants": {}}
+    results: dict[str, Any] = {
+        "target": metrics,
+        "steps": args.steps,
+        "k": args.k,
+        "ttt_steps": TTT_STEPS,
+        "variants": {},
+    }
     for variant in args.variants.split(","):
         if variant.startswith("rope1") and not has_key("ttt_rope_offset"):
             print(f"{variant}: skipped (this tree's config has no ttt_rope_offset key)", flush=True)
@@ -128,7 +146,7 @@ def main() -> int:
         per = " ".join(f"{p:.2f}" for p in after["per_position_conditional"])
         print(
             f"{variant}: layers {after['target_layers']} rope_offset {after['ttt_rope_offset']}: "
-            f"tau untrained {before['tau']:.3f} -> {after['tau']:.3f} after {args.steps} steps "
+            f"tau untrained {before['tau']:.3f} -> {after['tau']:.3f} after {args.steps} steps (ttt {TTT_STEPS}) "
             f"({train_s:.0f} s); accept_j|j-1 {per}; rounds {after['rounds']}; "
             f"as served (layers {served['target_layers']}, rope offset on): tau {served['tau']:.3f}",
             flush=True,
