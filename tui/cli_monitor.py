@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from engine import protocol
+from tui import restarts
 from tui.cli_common import EXIT_CONNECTION, EXIT_FAILED, EXIT_OK, err, print_json, simulated_label, with_session
 from tui.session import Session
 
@@ -115,6 +116,11 @@ def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> s
             extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
         if extra:
             out.append("  " + "   ".join(extra))
+        said = restarts.summary(run)
+        if said:
+            out.append(f"  {said}")
+            for i, item in enumerate(restarts.restarts_of(run), start=1):
+                out.append(f"    {restarts.line(i, item, run.get('restart_max'))}")
     else:
         out.append("run       none")
     if tree:

@@ -9,6 +9,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from engine.protocol import MILESTONES
+from tui import restarts
 from tui.widgets.text_line import RowTracking
 
 
@@ -27,6 +28,8 @@ class TimelineModel:
     stage: str | None = None
     run_state: str | None = None
     exit_cause: str | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # the run's restarts, oldest first
+    restart_max: int | None = None
 
     def reset(self, run_id: str | None) -> None:
         self.run_id = run_id
@@ -35,6 +38,8 @@ class TimelineModel:
         self.stage = None
         self.run_state = None
         self.exit_cause = None
+        self.restarts = []
+        self.restart_max = None
 
     def from_run(self, run: dict[str, Any] | None) -> None:
         if run is None:
@@ -52,6 +57,8 @@ class TimelineModel:
                     state.ok = True
         stage = run.get("stage")
         self.stage = stage if isinstance(stage, str) else self.stage
+        self.restarts = restarts.restarts_of(run)
+        self.restart_max = run.get("restart_max") if isinstance(run.get("restart_max"), int) else None
         self.run_state = str(run.get("state")) if run.get("state") else self.run_state
         if self.run_state in ("failed", "vanished", "rebooted"):
             code, sig = run.get("exit_code"), run.get("signal")
@@ -130,6 +137,8 @@ class RunTimeline(RowTracking):
             out.append(f"   stage {model.stage}", style=pending)
         if not causes and model.exit_cause:
             causes.append(f"run {model.exit_cause}")
+        for i, item in enumerate(model.restarts, start=1):
+            out.append(f"\n  ↻ {restarts.line(i, item, model.restart_max)}", style=cause_style)
         for cause in causes:
             out.append(f"\n  cause: {cause}", style=cause_style)
         return self.track_rows(out)
