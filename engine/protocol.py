@@ -48,8 +48,10 @@ subscribe   {gpu_interval_s, procs_interval_s,          -> {}; then streams gpus
 unsubscribe {}                                          -> {"stopped": bool}; ends the streams of subscribe
 tail        {n}                                         -> {"lines": [str], "offset": int, "inode": int}
 launch      LaunchSpec fields                           -> {"run_id", "run_dir", "tmux_session", "attachable"}
+            (+ restart: the restart policy the wrapper applies on the host, engine/supervisor/restart.py)
 wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
 stop        {grace_s, release_timeout_s}                -> {"stopped", "steps": [str]}   (progress events meanwhile)
+            (a run under a restart policy is not restarted after a stop; during its backoff the stop ends it)
 kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
             -> {"candidates": [HolderInfo], "signalled": [...], "failed": [...]}
 stacks      {timeout_s}                                 -> {"method": str, "text": str}

@@ -135,6 +135,7 @@ class Ending:
     hang: str | None = None  # why the wrapper stopped it as hung
     oom: str | None = None  # the output line that names a CUDA OOM
     stacks: str | None = None  # where the hang's stack dump went, or why there is none
+    ended_at: float = 0.0  # when the wrapper reaped it (unix time)
 
     @property
     def ok(self) -> bool:

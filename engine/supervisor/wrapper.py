@@ -21,6 +21,7 @@ import contextlib
 import errno
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -283,7 +284,6 @@ class Wrapper:
                 self.restart_state = "cancelled" if why_not is not None and cause is not None else "done"
                 self.write_restarts()
                 return self.finish(ending.exit_code, ending.signal, self._ending_text(ending))
-            ended_at = time.time()
             self.clear_leftovers(int(self.launch["job_pgid"]), self.launch.get("job_start_ticks"))
             if len(self.restarts) >= self.policy.max:
                 self.restart_state = "gave_up"
@@ -296,7 +296,7 @@ class Wrapper:
                     f"gave up after {len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''} "
                     f"(causes: {causes}): the last attempt {self._ending_text(ending)}",
                 )
-            entry = self.record_restart(cause, ending, ended_at)
+            entry = self.record_restart(cause, ending)
             if not self.backoff():
                 why = self.cancelled() or "stop"
                 self.restart_state = "cancelled"
@@ -328,12 +328,12 @@ class Wrapper:
             return f"{ending.detail} (CUDA out of memory: {ending.oom})"
         return ending.detail
 
-    def record_restart(self, cause: str, ending: restart.Ending, ended_at: float) -> dict[str, Any]:
+    def record_restart(self, cause: str, ending: restart.Ending) -> dict[str, Any]:
         assert self.policy is not None
         entry: dict[str, Any] = {
             "attempt": self.attempt,  # the attempt that ended; the restart starts attempt + 1
             "cause": cause,
-            "at": ended_at,
+            "at": ending.ended_at,
             "exit_code": ending.exit_code,
             "signal": ending.signal,
             "detail": self._ending_text(ending),
@@ -343,7 +343,7 @@ class Wrapper:
             entry["stacks"] = ending.stacks
         self.restarts.append(entry)
         self.restart_state = "backoff"
-        self.write_restarts(restart_at=ended_at + self.policy.backoff_s)
+        self.write_restarts(restart_at=time.time() + self.policy.backoff_s)
         say(
             f"[specdec] ──── attempt {self.attempt} {entry['detail']}: {cause}; restart {len(self.restarts)}/"
             f"{self.policy.max} in {self.policy.backoff_s:g} s ────"
@@ -397,7 +397,6 @@ class Wrapper:
             entry["pid"] = job.pid
             self.write_restarts()
         watch: restart.ProgressWatch | None = None
-        poll_s = POLL_S
         if self.policy is not None and self.policy.watches_hangs:
             watch = restart.ProgressWatch(
                 self.run_dir / records.OUTPUT_LOG,
@@ -407,7 +406,6 @@ class Wrapper:
                 self.policy.stall_s,
                 _deadline(self.spec, "first-step"),
             )
-            poll_s = min(POLL_S, self.policy.stall_s / 20)
         status: int | None = None
         hang: str | None = None
         stacks: str | None = None
@@ -445,8 +443,9 @@ class Wrapper:
             if len(milestones) == 2 and entry is None and self.pane_fd is None and watch is None:
                 status = self._reap(job.pid, block=True)  # nothing left to watch: block until the job ends
                 break
-            time.sleep(poll_s if len(milestones) < 2 or watch is not None else ECHO_POLL_S)
+            self.nap(job.pid, POLL_S if len(milestones) < 2 or entry is not None else ECHO_POLL_S)
         assert status is not None
+        ended_at = time.time()
         if entry is not None:  # it printed and ended within one poll: this poll's time bounds its first output
             st = scanner.poll()
             if st.output_seen_at is not None:
@@ -462,10 +461,23 @@ class Wrapper:
             ending = restart.Ending(code, None, f"exited with code {code}")
         ending.hang = hang
         ending.stacks = stacks
+        ending.ended_at = ended_at
         if not ending.ok and hang is None:
             ending.oom = restart.find_oom(self.run_dir / records.OUTPUT_LOG, out_base)
         self.echo_offset = self.echo(self.echo_offset)
         return ending
+
+    def nap(self, pid: int, timeout_s: float) -> None:
+        """Sleep up to timeout_s, waking the moment the job exits (a pidfd, Linux >= 5.3; else a plain sleep)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            time.sleep(timeout_s)
+            return
+        try:
+            select.select([fd], [], [], timeout_s)
+        finally:
+            os.close(fd)
 
     def dump_stacks(self) -> str:
         """Every thread's stack of the hung attempt, into stacks/hang-attempt-N.txt: the path, or why there is none."""
