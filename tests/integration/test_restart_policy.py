@@ -72,11 +72,17 @@ def agent(tmp_path: Path) -> Iterator[AgentClient]:
         pool.close()
 
 
-def launch(agent: AgentClient, code: str, **policy: Any) -> Path:
+def launch(agent: AgentClient, code: str, deadlines_s: dict[str, float] | None = None, **policy: Any) -> Path:
     """Launch ``code`` as a script file (so a stack dump shows its source lines) under the restart policy."""
     script = Path(agent.hello["run_root"]) / f"job-{time.monotonic_ns()}.py"
     script.write_text(code)
-    launched = agent.ok("launch", command=[sys.executable, str(script)], cwd=str(REPO_ROOT), restart={**FAST, **policy})
+    launched = agent.ok(
+        "launch",
+        command=[sys.executable, str(script)],
+        cwd=str(REPO_ROOT),
+        restart={**FAST, **policy},
+        deadlines_s=deadlines_s or {},
+    )
     return Path(launched["run_dir"])
 
 
@@ -151,7 +157,8 @@ def test_a_job_that_always_fails_stops_after_max_restarts_with_the_causes_listed
 
 
 def test_a_stalled_job_is_dumped_stopped_and_restarted(agent: AgentClient) -> None:
-    run_dir = launch(agent, STALLS_ONCE, on=["hang"], max=2, stall_s=1.0)
+    # Starting Python may take longer than stall_s on a loaded box: the first-step deadline bounds the start.
+    run_dir = launch(agent, STALLS_ONCE, deadlines_s={"first-step": 20.0}, on=["hang"], max=2, stall_s=1.0)
     t0 = time.monotonic()
     info = ended(run_dir)
     assert info.state == "exited" and info.exit_code == 0, output(run_dir)

@@ -116,3 +116,20 @@ def test_a_hang_is_no_step_for_stall_s_and_loading_gets_the_first_step_deadline(
         fh.write("step=2 loss=1.0\n")
     watch.poll(1081.0)
     assert watch.hung(1090.0) is None
+
+
+def test_the_dashboards_launch_carries_the_profiles_restart_policy(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from tui.app import launch_spec_for
+
+    path = tmp_path / "config.toml"
+    path.write_text(
+        '[profiles.demo]\nrestart = { on = ["oom"], max = 1 }\n[profiles.demo.engine]\npreset = "cpu-demo"\n'
+    )
+    profiles, _, _ = load_profiles(str(path))
+    session = SimpleNamespace(hello={"python_path": "python3"}, opts=None, transport=None)
+    spec = launch_spec_for(profiles["demo"].as_dict(), session)  # type: ignore[arg-type]
+    assert spec["command"][1:3] == ["-m", "engine.trainer"]
+    assert spec["restart"] == {"on": ["oom"], "max": 1, "backoff_s": 30.0, "stall_s": 1800.0, "grace_s": 30.0}
+    assert control.coerce_spec(spec).restart == spec["restart"]
