@@ -41,8 +41,8 @@ DEFAULT_GRACE_S = 30.0  # our engine saves a checkpoint on SIGTERM at the next s
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 OOM_MARKERS: tuple[bytes, ...] = (b"OutOfMemoryError", b"CUDA out of memory")
-OOM_TAIL_LINES = 50
-OOM_TAIL_BYTES = 64 * 1024
+OOM_TAIL_LINES = 200  # torchrun prints every rank's traceback and its summary after the OOM line
+OOM_TAIL_BYTES = 256 * 1024
 READ_BUDGET_BYTES = 4 * 1024 * 1024  # of output.log / events.jsonl one progress poll reads at most
 _STEP_EVENT_RE = re.compile(rb'"kind"\s*:\s*"step"')
 

@@ -40,6 +40,7 @@ ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 CANCEL_SIGNAL = signal.SIGUSR2  # from `stop`: cancel the restart policy (never forwarded to the job)
 HANG_DUMP_TIMEOUT_S = 5.0
+KILL_WAIT_S = 5.0  # after SIGKILL, how long the ended attempt's processes may take to leave the table
 
 
 def say(text: str) -> None:
@@ -379,6 +380,12 @@ class Wrapper:
             say(f"[specdec] still there after the {self.policy.grace_s:g} s grace: SIGKILL to group {pgid}")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + KILL_WAIT_S
+            while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            stuck = _group_members(pgid, start_ticks)
+            if stuck:  # uninterruptible sleep in the driver: the next attempt may find its GPU memory still held
+                say(f"[specdec] pid(s) {', '.join(map(str, stuck))} still there {KILL_WAIT_S:g} s after SIGKILL")
 
     def finish(self, exit_code: int | None, sig: int | None, cause: str) -> int:
         self.write_exit(exit_code, sig, cause)

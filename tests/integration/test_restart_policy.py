@@ -222,3 +222,27 @@ def test_stop_of_a_running_attempt_cancels_the_policy(agent: AgentClient) -> Non
     launch_rec = records.read_json(run_dir / records.LAUNCH_JSON) or {}
     assert launch_rec["attempt"] == 1
     poll_until(lambda: not pid_alive(launch_rec["wrapper_pid"]), 5, "the wrapper to exit")
+
+
+LEAVES_A_WORKER = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    attempt = int(os.environ["SPECDEC_ATTEMPT"])
+    if attempt == 1:
+        worker = subprocess.Popen(["sleep", "600"])  # in the job's process group, like a launcher's worker
+        print(f"worker {worker.pid}", flush=True)
+        os._exit(1)  # the launcher dies, its worker lives on (and would hold the GPU)
+    print("attempt 2 runs alone", flush=True)
+    """
+)
+
+
+def test_what_is_left_of_a_crashed_attempts_group_is_ended_before_the_restart(agent: AgentClient) -> None:
+    run_dir = launch(agent, LEAVES_A_WORKER, on=["crash"], max=1)
+    info = ended(run_dir)
+    assert info.state == "exited" and info.exit_code == 0, output(run_dir)
+    log = output(run_dir)
+    worker_pid = int(log.split("worker ", 1)[1].split()[0])
+    assert not pid_alive(worker_pid)
+    ended_at = log.index("1 process(es) of the ended attempt's group remain: SIGTERM to group")
+    assert ended_at < log.index("attempt 2 runs alone")
