@@ -453,8 +453,9 @@ def wait_for(
         if info.state == "running":
             launch_rec = records.read_json(rd / records.LAUNCH_JSON)
             scan = records.scanner_for(rd, launch_rec).state if launch_rec is not None else None
-            if scan is not None and scan.thread_errors:
-                err = scan.thread_errors[0]
+            errors = _this_attempts(scan.thread_errors, launch_rec) if scan is not None else []
+            if errors and not _may_restart(info):
+                err = errors[0]
                 return result(
                     False,
                     info,
@@ -483,6 +484,24 @@ def wait_for(
         if cancel is not None and cancel.is_set():
             return result(False, info, "wait cancelled", info.state == "running")
         time.sleep(POLL_S)
+
+
+def _may_restart(info: protocol.RunInfo) -> bool:
+    """Under a restart policy with restarts left, a dead thread ends the process and the wrapper starts it again:
+    the wait goes on through the restart instead of failing on the first attempt's error."""
+    if info.restart_max is None:
+        return False
+    return info.restart_state == "backoff" or (
+        info.restart_state == "watching" and len(info.restarts) < info.restart_max
+    )
+
+
+def _this_attempts(events: list[dict[str, Any]], launch_rec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The events of the current attempt (a restarted run's earlier attempts wrote theirs to the same file)."""
+    since = (launch_rec or {}).get("attempt_started_at")
+    if not isinstance(since, (int, float)) or (launch_rec or {}).get("attempt", 1) == 1:
+        return events
+    return [e for e in events if not isinstance(e.get("t"), (int, float)) or e["t"] >= since]
 
 
 def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:

@@ -246,3 +246,27 @@ def test_what_is_left_of_a_crashed_attempts_group_is_ended_before_the_restart(ag
     assert not pid_alive(worker_pid)
     ended_at = log.index("1 process(es) of the ended attempt's group remain: SIGTERM to group")
     assert ended_at < log.index("attempt 2 runs alone")
+
+
+THREAD_DIES_ONCE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    attempt = int(os.environ["SPECDEC_ATTEMPT"])
+    if attempt == 1:
+        err = {"t": time.time(), "kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError",
+               "message": "boom", "traceback": "", "policy": "stop"}
+        with open(os.environ["SPECDEC_EVENTS"], "a") as ev:
+            ev.write(json.dumps(err) + "\\n")
+        time.sleep(0.3)  # the engine takes a moment to stop its other threads
+        sys.exit(1)
+    print("step=1", flush=True)
+    """
+)
+
+
+def test_a_wait_goes_on_through_a_restart_after_a_dead_thread(agent: AgentClient) -> None:
+    run_dir = launch(agent, THREAD_DIES_ONCE, on=["crash"], max=1)
+    res = agent.ok("wait", run_id=run_dir.name, milestone="first-step", timeout_s=20)
+    assert res["ok"] is True, res
+    info = ended(run_dir)
+    assert [r["cause"] for r in info.restarts] == ["crash"] and info.exit_code == 0
