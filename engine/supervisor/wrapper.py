@@ -11,6 +11,11 @@ atomically when the job ends (into space reserved before the job started when th
 then). It survives SIGHUP itself, so neither a closing SSH or ``pct exec`` channel nor a killed
 tmux session leaves the run without its exit record. It never uses nohup.
 
+Under a restart policy (the spec's ``restart``, engine/supervisor/restart.py) it starts the job again
+after a crash, a hang (stacks dumped, then stopped) or a CUDA OOM, as attempt 2, 3, ... of the same
+run (SPECDEC_ATTEMPT), recording each restart in ``restarts.json``; exit.json is written once, at the
+very end. SIGUSR2 from ``stop`` (and any signal it forwards) cancels the policy.
+
 Stdlib only.
 """
 
