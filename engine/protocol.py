@@ -46,7 +46,12 @@ subscribe   {gpu_interval_s, procs_interval_s,          -> {}; then streams gpus
             (+ optional engine_inode, run_id: the run the offsets belong to; another run streams from 0;
                + optional stall: {k, floor_s, cap_s, heartbeat_timeout_s} for the stalled/dead-thread checks)
 unsubscribe {}                                          -> {"stopped": bool}; ends the streams of subscribe
-tail        {n}                                         -> {"lines": [str], "offset": int, "inode": int}
+tail        {n, run_id?, stream?}                       -> {"lines": [str], "offset": int, "inode": int, "partial",
+                                                            "run_id", "current"}; at most 10,000 lines; with
+                                                            stream: no lines, "start" = where the last n begin
+read_log    {run_id?, offset, max_bytes}                -> {"data", "offset", "inode", "size", "run_id"}
+runs        {limit}                                     -> {"runs": [RunInfo + duration_s, current], "total"}
+run_info    {run_id?}                                   -> {"run": RunInfo}   (run_id: default the current run)
 launch      LaunchSpec fields                           -> {"run_id", "run_dir", "tmux_session", "attachable"}
             (+ restart: the restart policy the wrapper applies on the host, engine/supervisor/restart.py)
 wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
@@ -54,7 +59,7 @@ stop        {grace_s, release_timeout_s}                -> {"stopped", "steps": 
             (a run under a restart policy is not restarted after a stop; during its backoff the stop ends it)
 kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
             -> {"candidates": [HolderInfo], "signalled": [...], "failed": [...]}
-stacks      {timeout_s}                                 -> {"method": str, "text": str}
+stacks      {timeout_s, run_id?}                        -> {"method": str, "text": str}
 doctor      {}                                          -> {"checks": [{"name", "ok", "detail", "fix"}]}
 sim         {gpu, util_pct, mem_used_mib, holder_pid}   -> {}   only with --simulate-gpus: script an anomalous state
 host_map    {ctid}                                      -> HostMap fields; run on a Proxmox host: NVML's processes
@@ -134,6 +139,11 @@ EXIT_HUNG = 4
 #   thread_error  thread, exc_type, message, traceback, policy ("stop" | "continue")
 #   checkpoint    step, path
 #   run_end       ok, reason, step
+#   export        path, checkpoint, step, format, drafter   (appended by `specdec-train export`, after the run too)
+#   eval          thread, step, tau (mean tokens per target forward in greedy chain speculation on held-out
+#                 prompts), k, per_position: [P(draft token j accepted), j = 1..k],
+#                 per_position_conditional: [P(j accepted | j-1 accepted)], rounds, prompts, new_tokens;
+#                 or thread, step, error (str) when the evaluation failed
 ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "stage",
     "heartbeat",
@@ -142,6 +152,8 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "checkpoint",
     "run_end",
     "compile",  # a recompile after warm-up or a fallback to eager (what, function, thread, graphs, limit)
+    "export",  # specdec-train export wrote a servable drafter (path, checkpoint, step, format, drafter)
+    "eval",  # acceptance length on held-out prompts (thread, step, tau, k, per_position, ...)
 )
 
 # Environment variables the supervisor sets for the job (the engine writes its events there).
@@ -305,6 +317,7 @@ class RunInfo:
     restarts: list[dict[str, Any]] = field(default_factory=list)
     restart_max: int | None = None
     restart_state: str | None = None
+    last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
 
 
 @dataclass

@@ -46,12 +46,14 @@ from tui.screens.confirm import Choice, ConfirmScreen
 from tui.screens.dashboard import DashboardScreen, DashboardState
 from tui.screens.help import HelpScreen
 from tui.screens.kill_stale import KillStaleScreen
+from tui.screens.runs import RUN_TAIL_LINES, RunsScreen
 from tui.screens.stacks import StacksScreen
 
 FLUSH_INTERVAL_S = 0.1
 CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second
 STOP_TIMEOUT_S = 120.0
 STACKS_TIMEOUT_S = 20.0
+RUNS_SHOWN = 50  # newest runs listed by the runs screen (the agent caches scans of 64 runs)
 
 
 class SessionLike(Protocol):
@@ -570,6 +572,19 @@ class DashboardApp(App[int]):
             return
         screen.show(str(result.get("method", "?")), str(result.get("text", "")))
         self.post_message(CommandFinished("stacks", True, result))
+
+    def action_runs(self) -> None:
+        self.run_worker(self._runs(), group="command", exit_on_error=False)
+
+    async def _runs(self) -> None:
+        result = await self._request("runs", timeout_s=60.0, limit=RUNS_SHOWN)
+        if result is not None:
+            runs = [r for r in result.get("runs") or [] if isinstance(r, dict)]
+            total = int(result.get("total") or len(runs))
+            self.push_screen(RunsScreen(runs, total, self._run_tail))
+
+    async def _run_tail(self, run_id: str) -> dict[str, Any] | None:
+        return await self._request("tail", timeout_s=30.0, n=RUN_TAIL_LINES, run_id=run_id)
 
     def action_filter(self) -> None:
         self.dashboard.log_pane.open_filter()

@@ -38,10 +38,20 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def _count(text: str) -> int:
+def count_arg(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return int(text)
+
+
+def run_id_arg(text: str) -> str:
+    """A run id as the host names run directories (so it can never step out of <run-root>/runs)."""
+    from engine.supervisor.records import RunIdError, validate_run_id
+
+    try:
+        return validate_run_id(text)
+    except RunIdError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_float(text: str) -> float:
@@ -67,7 +77,7 @@ def common_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", metavar="NAME", help="run profile from the config file")
     g.add_argument("--config", metavar="FILE", help="config file with run profiles (TOML)")
     g.add_argument(
-        "--simulate-gpus", type=_count, default=0, metavar="N", help="show N simulated GPUs (labelled simulated)"
+        "--simulate-gpus", type=count_arg, default=0, metavar="N", help="show N simulated GPUs (labelled simulated)"
     )
     g.add_argument(
         "--connect-timeout", type=positive_float, default=10.0, metavar="S", help="SSH connect timeout (default 10)"

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import select
 import sys
 import time
 from typing import Any
 
 from engine import protocol
 from tui import restarts
-from tui.cli_common import EXIT_CONNECTION, EXIT_FAILED, EXIT_OK, err, print_json, simulated_label, with_session
-from tui.session import Session
+from tui.cli_common import (
+    EXIT_CONNECTION,
+    EXIT_FAILED,
+    EXIT_OK,
+    UsageError,
+    count_arg,
+    err,
+    print_json,
+    run_id_arg,
+    simulated_label,
+    with_session,
+)
+from tui.session import CommandFailed, Session
 
 # -- status ----------------------------------------------------------------------------------------
 
@@ -58,6 +71,42 @@ def _procs_of(snap: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     return [p for p in tree if isinstance(p, dict)], [h for h in holders if isinstance(h, dict)]
 
 
+def format_run(run: dict[str, Any]) -> list[str]:
+    """The run block of ``status``: id, state, command, milestones, step/exit, and a failed run's cause."""
+    out: list[str] = []
+    out.append(f"run       {run.get('run_id')}  state {run.get('state')}  pid {run.get('pid')}")
+    cmd = run.get("command") or []
+    if cmd:
+        out.append(f"  command {' '.join(str(c) for c in cmd)}")
+    ms = run.get("milestones") or {}
+    reached = [f"{m} ✓" if ms.get(m) else f"{m} ·" for m in protocol.MILESTONES if m in ms]
+    if reached:
+        out.append("  milestones " + "  ".join(reached))
+    extra = []
+    if run.get("stage"):
+        extra.append(f"stage {run['stage']}")
+    if run.get("last_step") is not None:
+        extra.append(f"step {run['last_step']}")
+    if run.get("exit_code") is not None:
+        extra.append(f"exit code {run['exit_code']}")
+    if run.get("signal") is not None:
+        extra.append(f"signal {run['signal']}")
+    if run.get("tmux_session"):
+        extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
+    if extra:
+        out.append("  " + "   ".join(extra))
+    if run.get("cause"):
+        out.append(f"  cause {run['cause']}")
+    said = restarts.summary(run)
+    if said:
+        out.append(f"  {said}")
+        for i, item in enumerate(restarts.restarts_of(run), start=1):
+            out.append(f"    {restarts.line(i, item, run.get('restart_max'))}")
+    if run.get("last_export"):
+        out.append(f"  exported {run['last_export']}")
+    return out
+
+
 def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> str:
     out: list[str] = []
     host_raw = snap.get("host")
@@ -94,35 +143,7 @@ def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> s
         out += _table(rows)
     tree, holders = _procs_of(snap)
     run = snap.get("run") if isinstance(snap.get("run"), dict) else None
-    if run:
-        out.append(f"run       {run.get('run_id')}  state {run.get('state')}  pid {run.get('pid')}")
-        cmd = run.get("command") or []
-        if cmd:
-            out.append(f"  command {' '.join(str(c) for c in cmd)}")
-        ms = run.get("milestones") or {}
-        reached = [f"{m} ✓" if ms.get(m) else f"{m} ·" for m in protocol.MILESTONES if m in ms]
-        if reached:
-            out.append("  milestones " + "  ".join(reached))
-        extra = []
-        if run.get("stage"):
-            extra.append(f"stage {run['stage']}")
-        if run.get("last_step") is not None:
-            extra.append(f"step {run['last_step']}")
-        if run.get("exit_code") is not None:
-            extra.append(f"exit code {run['exit_code']}")
-        if run.get("signal") is not None:
-            extra.append(f"signal {run['signal']}")
-        if run.get("tmux_session"):
-            extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
-        if extra:
-            out.append("  " + "   ".join(extra))
-        said = restarts.summary(run)
-        if said:
-            out.append(f"  {said}")
-            for i, item in enumerate(restarts.restarts_of(run), start=1):
-                out.append(f"    {restarts.line(i, item, run.get('restart_max'))}")
-    else:
-        out.append("run       none")
+    out += format_run(run) if run else ["run       none"]
     if tree:
         out.append(f"run processes: {len(tree)}")
         rows = [["pid", "ppid", "user", "cpu", "rss", "threads", "command"]]
@@ -175,6 +196,13 @@ async def fetch_status(session: Session, timeout_s: float = 30.0) -> dict[str, A
 
 async def cmd_status(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
+        run = await run_named(session, args)
+        if run is not None:
+            if args.json:
+                print_json({"run": run})
+            else:
+                print("\n".join(format_run(run)), flush=True)
+            return EXIT_OK
         snap = await fetch_status(session)
         if args.json:
             print_json(snap)
@@ -185,33 +213,166 @@ async def cmd_status(args: argparse.Namespace) -> int:
     return await with_session(args, body)
 
 
+# -- runs ------------------------------------------------------------------------------------------
+
+
+def _when(t: Any) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def format_runs(runs: list[dict[str, Any]], total: int) -> str:
+    rows = [["id", "state", "started", "duration", "last step", "exit", "cause"]]
+    for r in runs:
+        exit_txt = str(r["exit_code"]) if r.get("exit_code") is not None else "-"
+        if r.get("signal") is not None:
+            exit_txt = f"signal {r['signal']}"
+        rows.append(
+            [
+                str(r.get("run_id")) + (" *" if r.get("current") else ""),
+                str(r.get("state")),
+                _when(r.get("started_at")),
+                _duration(r.get("duration_s")),
+                str(r["last_step"]) if r.get("last_step") is not None else "-",
+                exit_txt,
+                str(r.get("cause") or "")[:100],
+            ]
+        )
+    more = f"   ({total - len(runs)} older: --limit)" if total > len(runs) else ""
+    return "\n".join([*_table(rows, indent=""), f"{len(runs)} of {total} runs, newest first; * current{more}"])
+
+
+async def cmd_runs(args: argparse.Namespace) -> int:
+    async def body(session: Session) -> int:
+        res = await session.request("runs", timeout_s=60.0, limit=args.limit)
+        runs = [r for r in res.get("runs") or [] if isinstance(r, dict)]
+        if args.json:
+            print_json(res)
+        elif not runs:
+            print("no runs yet", flush=True)
+        else:
+            print(format_runs(runs, int(res.get("total") or len(runs))), flush=True)
+        return EXIT_OK
+
+    return await with_session(args, body)
+
+
 # -- logs ------------------------------------------------------------------------------------------
 
 
-def _write_line(text: str) -> None:
-    data = protocol.decode_log_data(text)
-    sys.stdout.buffer.write(data if data.endswith(b"\n") else data + b"\n")
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of ``data`` to ``fd``, waiting while the reader is behind. Also when ``fd`` is non-blocking
+    (O_NONBLOCK is shared by every process holding that pipe end): a full pipe then raises EAGAIN, which must mean
+    "wait", never "skip". BrokenPipeError (the reader is gone) propagates."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            select.select([], [fd], [])
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``| head``): stop quietly, as a filter does."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    os.close(devnull)
+    return EXIT_FAILED
+
+
+TAIL_IN_REPLY_MAX_LINES = 10_000  # the agent's cap on lines in one tail reply; more are read as byte chunks
+READ_CHUNK_BYTES = 1024 * 1024
+
+
+def _run_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {"run_id": args.run} if getattr(args, "run", None) else {}
+
+
+async def run_named(session: Session, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The RunInfo of ``--run ID`` (None without --run); an ID the host does not have is a usage error (exit 2)."""
+    if not getattr(args, "run", None):
+        return None
+    try:
+        run = (await session.request("run_info", timeout_s=30.0, run_id=args.run)).get("run")
+    except CommandFailed as exc:
+        if exc.lost:
+            raise
+        raise UsageError(f"--run {args.run}: {exc.message} (`specdec-tui runs TARGET` lists them)") from None
+    return run if isinstance(run, dict) else {}
+
+
+async def _print_last_lines(session: Session, args: argparse.Namespace) -> dict[str, Any]:
+    """Print the last ``args.lines`` lines of the run's output.log, however many; returns the tail reply, whose
+    ``offset``/``inode`` say where the printed bytes end. BrokenPipeError when stdout's reader left."""
+    fd = sys.stdout.fileno()
+    n = int(args.lines)
+    tail = None
+    if n <= TAIL_IN_REPLY_MAX_LINES:
+        tail = await session.request("tail", timeout_s=30.0, n=n, **_run_params(args))
+    if tail is not None and not tail.get("window_cut"):  # else long lines overran the reply's byte window
+        lines = [str(line) for line in tail.get("lines") or []]
+        for i, line in enumerate(lines):
+            data = protocol.decode_log_data(line)
+            last_partial = i == len(lines) - 1 and tail.get("partial") and args.follow
+            write_all(fd, data if last_partial else data + b"\n")  # a follower continues a partial last line
+        return tail
+    tail = await session.request("tail", timeout_s=30.0, n=n, stream=True, **_run_params(args))
+    pos, end, inode = int(tail.get("start") or 0), int(tail.get("offset") or 0), tail.get("inode")
+    run_id = tail["run_id"]
+    last = b"\n"
+    while pos < end:
+        chunk = await session.request(
+            "read_log", timeout_s=60.0, run_id=run_id, offset=pos, max_bytes=min(READ_CHUNK_BYTES, end - pos)
+        )
+        data = protocol.decode_log_data(str(chunk.get("data") or ""))
+        if chunk.get("inode") != inode or not data:
+            raise CommandFailed(f"output.log of run {run_id} was replaced or truncated while read (at byte {pos})")
+        data = data[: end - pos]
+        write_all(fd, data)
+        pos += len(data)
+        last = data[-1:]
+    if last != b"\n" and not args.follow:
+        write_all(fd, b"\n")
+    return tail
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        tail = await session.request("tail", timeout_s=30.0, n=args.lines)
-        for line in tail.get("lines") or []:
-            _write_line(str(line))
-        sys.stdout.buffer.flush()
+        await run_named(session, args)
+        sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
+        try:
+            tail = await _print_last_lines(session, args)
+        except BrokenPipeError:
+            return _reader_gone()
         if not args.follow:
+            return EXIT_OK
+        if not tail.get("current", True):
+            err(f"[run {tail.get('run_id')} is not the current run: it has nothing more to follow]")
             return EXIT_OK
         offset, inode = tail.get("offset"), tail.get("inode")
         session.resume_from(
             {"offset": offset, "inode": inode} if isinstance(offset, int) and isinstance(inode, int) else None, None
         )
         ended = asyncio.Event()
+        reader_gone = False
 
         def on_event(ev: dict[str, Any]) -> None:
+            nonlocal reader_gone
             kind = ev.get("ev")
-            if kind == "log":
-                sys.stdout.buffer.write(protocol.decode_log_data(str(ev.get("data", ""))))
-                sys.stdout.buffer.flush()
+            if kind == "log" and not reader_gone:
+                # Written whole before the next event is read: the session's resume offset (bytes received) is
+                # then always the bytes on stdout, and a slow reader slows the stream down (TCP back-pressure).
+                try:
+                    write_all(sys.stdout.fileno(), protocol.decode_log_data(str(ev.get("data", ""))))
+                except BrokenPipeError:
+                    reader_gone = True
+                    ended.set()
             elif kind == "log_reset":
                 err(f"[log {ev.get('reason')}: following from byte {ev.get('offset')}]")
             elif kind == "connection":
@@ -225,7 +386,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         session.add_listener(on_event)
         await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
         await ended.wait()
-        return EXIT_CONNECTION
+        return _reader_gone() if reader_gone else EXIT_CONNECTION
 
     return await with_session(args, body, reconnect=args.follow)
 
@@ -282,7 +443,9 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
 
 async def cmd_stacks(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        result = await session.request("stacks", timeout_s=args.timeout + 15.0, params={"timeout_s": args.timeout})
+        await run_named(session, args)
+        params = {"timeout_s": args.timeout, **_run_params(args)}
+        result = await session.request("stacks", timeout_s=args.timeout + 15.0, params=params)
         print(f"# stacks via {result.get('method')}", flush=True)
         print(str(result.get("text") or "").rstrip(), flush=True)
         return EXIT_OK
@@ -293,11 +456,18 @@ async def cmd_stacks(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("status", parents=[common], help="one snapshot: GPUs, processes, run, anomalies")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help="only that run (see `runs`), past or current")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("runs", parents=[common], help="past and current runs: state, cause, duration, last step")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--limit", type=count_arg, default=20, metavar="N", help="the newest N runs (default 20)")
+    p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("logs", parents=[common], help="the current run's output.log")
     p.add_argument("-f", "--follow", action="store_true", help="keep following (resumes across reconnects)")
-    p.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="last N lines first (default 20)")
+    p.add_argument("-n", "--lines", type=count_arg, default=20, metavar="N", help="last N lines first (default 20)")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help="a past run's log (see `runs`); default: current")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("doctor", parents=[common], help="check ssh, python, torch, CUDA, NVML, tmux, disk, holders")
@@ -305,6 +475,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("stacks", parents=[common], help="every thread's stack of the live run")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="how long to wait for the dump")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help="that run (must be live); default: current")
     p.set_defaults(func=cmd_stacks)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import time
 from typing import Any
@@ -211,6 +212,17 @@ async def launch_and_wait(
         printer.unsubscribe()
 
 
+def launch_cwd(args: argparse.Namespace, profile_cwd: str | None) -> str | None:
+    """Where the job starts: --cwd, else the profile's cwd, else (``local`` only) the directory the command was
+    typed in, so a relative ``train.py`` means the file beside the user; None lets the host use its home."""
+    local = args.target == "local" and args.pct is None
+    if args.cwd:
+        return os.path.abspath(os.path.expanduser(args.cwd)) if local else str(args.cwd)
+    if profile_cwd:
+        return profile_cwd
+    return os.getcwd() if local else None
+
+
 def _split_command(args: argparse.Namespace) -> list[str] | None:
     cmd = list(getattr(args, "command", None) or [])
     return cmd or None
@@ -224,6 +236,7 @@ async def cmd_launch(args: argparse.Namespace) -> int:
         spec = profile.launch_spec(
             command, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
         )
+        spec.cwd = launch_cwd(args, spec.cwd)
         return await launch_and_wait(session, spec, wait=args.wait, timeout_s=args.timeout, as_json=args.json)
 
     return await with_session(args, body)
@@ -297,6 +310,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
         spec = profile.launch_spec(
             command, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
         )
+        spec.cwd = launch_cwd(args, spec.cwd)
         return await launch_and_wait(session, spec, wait=args.wait, timeout_s=args.timeout, as_json=args.json)
 
     return await with_session(args, body)
@@ -364,9 +378,16 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "launch",
         parents=[common],
         help="start the engine (or -- COMMAND) under supervision",
-        usage="%(prog)s TARGET [opts] [--wait started|output|first-step] [--timeout S] [--json] [-- COMMAND ...]",
+        usage="%(prog)s TARGET [opts] [--cwd DIR] [--wait started|output|first-step] [--timeout S] [--json]"
+        " [-- COMMAND ...]",
     )
     _add_wait_opts(p)
+    p.add_argument(
+        "--cwd",
+        metavar="DIR",
+        help="the job's working directory on the host (default: the profile's cwd; for local, else the current "
+        "directory; for a remote host, else its home)",
+    )
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("stop", parents=[common], help="SIGTERM the run's process group, grace, SIGKILL")

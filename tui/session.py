@@ -73,6 +73,8 @@ class Session:
         self._engine_offset: int | None = None
         self._attempt = 0
         self._host_link: HostLink | None = None
+        self._last_rx_s = 0.0  # monotonic time of the last line from the agent
+        self._resync: asyncio.Future[None] | None = None
 
     # -- listeners ---------------------------------------------------------------------------------
 
@@ -165,6 +167,7 @@ class Session:
                 break
             if not line:
                 break
+            self._last_rx_s = time.monotonic()
             try:
                 ev = protocol.parse_event(line)
             except protocol.ProtocolError as exc:
@@ -199,7 +202,14 @@ class Session:
         elif kind == "log":
             offset, inode, data = ev.get("offset"), ev.get("inode"), ev.get("data")
             if isinstance(offset, int) and isinstance(inode, int) and isinstance(data, str):
-                self._log_pos = {"offset": offset + len(protocol.decode_log_data(data)), "inode": inode}
+                raw = protocol.decode_log_data(data)
+                pos = self._log_pos
+                if pos is not None and pos.get("inode") == inode and offset != pos.get("offset"):
+                    fitted = self._fit_log_event(ev, offset, raw, int(pos.get("offset") or 0))
+                    if fitted is None:
+                        return
+                    ev, offset, raw = fitted
+                self._log_pos = {"offset": offset + len(raw), "inode": inode}
         elif kind == "log_reset":
             offset, inode = ev.get("offset"), ev.get("inode")
             if isinstance(offset, int) and isinstance(inode, int):
@@ -209,6 +219,34 @@ class Session:
             if isinstance(offset, int):
                 self._engine_offset = offset
         self._dispatch(ev)
+
+    def _fit_log_event(
+        self, ev: dict[str, Any], offset: int, raw: bytes, expected: int
+    ) -> tuple[dict[str, Any], int, bytes] | None:
+        """A log event that does not start where the received bytes end: trim what was already received, or
+        (a gap) drop it and subscribe again from the last byte received, so listeners never see a byte twice or
+        a hole."""
+        if offset < expected:
+            if offset + len(raw) <= expected:
+                return None  # all of it received already
+            raw = raw[expected - offset :]
+            return {**ev, "offset": expected, "data": protocol.encode_log_data(raw)}, expected, raw
+        if self._streams is not None and (self._resync is None or self._resync.done()):
+            self._dispatch(
+                {
+                    "ev": "warning",
+                    "message": f"log bytes {expected}..{offset} missing from the stream; resuming from byte {expected}",
+                }
+            )
+            self._resync = asyncio.ensure_future(self._resubscribe())
+        return None
+
+    async def _resubscribe(self) -> None:
+        """Ask for the streams again from the remembered positions (after a gap); the link stays up."""
+        try:
+            await self._subscribe()
+        except CommandFailed as exc:
+            self._dispatch({"ev": "warning", "message": f"re-subscribe after a gap failed: {exc.message}"})
 
     def _fail_pending(self, message: str) -> None:
         pending, self._pending = self._pending, {}
@@ -320,11 +358,13 @@ class Session:
         missed = 0
         while not self._closing:
             if self.state == "connected":
+                sent_s = time.monotonic()
                 try:
                     await self.ping(timeout_s=PING_TIMEOUT_S)
                     missed = 0
                 except CommandFailed as exc:
-                    missed = 0 if exc.lost else missed + 1
+                    # Lines that kept arriving mean a live link whose reply waits behind them (a slow consumer).
+                    missed = 0 if exc.lost or self._last_rx_s > sent_s else missed + 1
                 if missed >= PINGS_MISSED_BEFORE_RECONNECT:
                     # A link that stopped answering (no FIN, no RST) would otherwise wait for SSH keepalives.
                     missed = 0

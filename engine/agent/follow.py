@@ -259,7 +259,7 @@ def tail_lines(
 
     ``offset``/``inode`` are what a follower resumes from to continue right after these lines. At most
     ``max_bytes`` are read back; a line that starts before that window comes back as its end, behind
-    ``TAIL_CUT_MARK``.
+    ``TAIL_CUT_MARK``, and ``window_cut`` says that fewer than ``n`` lines came back for that reason.
     """
     p = os.fspath(path)
     with open(p, "rb") as fh:
@@ -285,8 +285,63 @@ def tail_lines(
             starts_mid_line = fh.read(1) != b"\n"
         body = buf[:-1] if buf.endswith(b"\n") else buf
         lines = body.split(b"\n")
+        # The look-back window ended before n whole lines were found: earlier lines exist that are not here.
+        window_cut = pos > 0 and len(lines) <= n
         if len(lines) > n:
             lines = lines[-n:]
         elif starts_mid_line:
             lines[0] = TAIL_CUT_MARK + lines[0]
-    return {"lines": [encode_log_data(line) for line in lines], "offset": size, "inode": st.st_ino}
+    # "partial": the last line has no newline yet (a follower continues it from ``offset``).
+    return {
+        "lines": [encode_log_data(line) for line in lines],
+        "offset": size,
+        "inode": st.st_ino,
+        "partial": not buf.endswith(b"\n"),
+        "window_cut": window_cut,
+    }
+
+
+def tail_start(path: str | os.PathLike[str], n: int, block_bytes: int = 1024 * 1024) -> dict[str, Any]:
+    """Where the last ``n`` lines of a file begin, for any ``n`` (no look-back limit): ``start`` (a line start),
+    ``offset`` (the file's size, read when asked) and ``inode``. The bytes in between are read in chunks
+    (``read_range``) rather than returned at once, so a million-line request costs no big reply."""
+    p = os.fspath(path)
+    with open(p, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        size = st.st_size
+        if n <= 0 or size == 0:
+            return {"start": size, "offset": size, "inode": st.st_ino}
+        pos = size
+        # A trailing newline ends the last line; it does not start an empty one.
+        wanted = n + 1 if _byte_at(fh, size - 1) == b"\n" else n
+        while pos > 0:
+            step = min(block_bytes, pos)
+            pos -= step
+            fh.seek(pos)
+            block = fh.read(step)
+            count = block.count(b"\n")
+            if count >= wanted:
+                cut = len(block)
+                for _ in range(wanted):
+                    cut = block.rindex(b"\n", 0, cut)
+                return {"start": pos + cut + 1, "offset": size, "inode": st.st_ino}
+            wanted -= count
+    return {"start": 0, "offset": size, "inode": st.st_ino}
+
+
+def _byte_at(fh: Any, pos: int) -> bytes:
+    fh.seek(pos)
+    return bytes(fh.read(1))
+
+
+def read_range(path: str | os.PathLike[str], offset: int, max_bytes: int) -> dict[str, Any]:
+    """Up to ``max_bytes`` of a file from ``offset`` (cut before an incomplete UTF-8 character unless that
+    would leave nothing), with the file's inode and current size."""
+    p = os.fspath(path)
+    with open(p, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        data = os.pread(fh.fileno(), max(0, max_bytes), offset) if offset < st.st_size else b""
+    if len(data) == max_bytes:
+        cut = _utf8_cut(data)
+        data = data[:cut] if cut > 0 else data
+    return {"data": encode_log_data(data), "offset": offset, "inode": st.st_ino, "size": st.st_size}

@@ -22,7 +22,7 @@ from engine.agent import anomalies, host_map, procs
 from engine.agent.capabilities import probe_capabilities
 from engine.agent.commands import CommandError, handler
 from engine.agent.doctor import run_doctor
-from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, tail_lines
+from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
 from engine.agent.gpus import GpuSample, GpuSource, open_gpu_source
 from engine.agent.simulate import SimError, SimulatedGpus
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
@@ -35,7 +35,8 @@ GPU_INTERVAL_DEFAULT_S = 0.5
 PROCS_INTERVAL_DEFAULT_S = 1.0
 MIN_INTERVAL_S = 0.1
 RUN_CHECK_INTERVAL_S = 0.25  # how often the follower looks at <run_root>/current
-TAIL_MAX_LINES = 10000
+TAIL_MAX_LINES = 10000  # lines in one tail reply; more are read with tail(stream=True) + read_log
+READ_LOG_MAX_BYTES = 4 * 1024 * 1024
 _TICK_SLACK_S = 0.005  # a procs scan due within this of a GPU tick runs on that tick
 
 
@@ -596,29 +597,56 @@ def _unsubscribe(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict
     return {"stopped": old is not None}
 
 
-@handler("tail")
-def _tail(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
-    n = args.get("n", 50)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise CommandError(f"n must be a non-negative integer, got {n!r}")
-    n = min(n, TAIL_MAX_LINES)
+def _run_dir_arg(agent: Agent, args: dict[str, Any]) -> Path:
+    """The run a command names (``run_id``), else the current run; CommandError for a bad or unknown id."""
     run_id = args.get("run_id")
     root = Path(agent.run_root)
     if run_id is not None:
         try:
-            run_dir: Path | None = records.run_dir_for(root, run_id)
+            run_dir = records.run_dir_for(root, run_id)
         except records.RunIdError as exc:
             raise CommandError(str(exc)) from exc
-        if run_dir is None or not run_dir.is_dir():
+        if not run_dir.is_dir():
             raise CommandError(f"no run {run_id!r} under {root}")
-    else:
-        run_dir = records.current_run_dir(root)
-        if run_dir is None:
-            raise CommandError(f"no run yet under {root} (nothing launched)")
+        return run_dir
+    current = records.current_run_dir(root)
+    if current is None:
+        raise CommandError(f"no run yet under {root} (nothing launched)")
+    return current
+
+
+@handler("tail")
+def _tail(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """The last ``n`` lines (at most TAIL_MAX_LINES in the reply); with ``stream``: only where they start
+    (``start``), for any ``n``, the client then reads the bytes with ``read_log``."""
+    n = args.get("n", 50)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise CommandError(f"n must be a non-negative integer, got {n!r}")
+    run_dir = _run_dir_arg(agent, args)
+    log = run_dir / records.OUTPUT_LOG
     try:
-        res = tail_lines(run_dir / records.OUTPUT_LOG, n)
+        if args.get("stream"):
+            res = {"lines": [], **tail_start(log, n)}
+        else:
+            res = tail_lines(log, min(n, TAIL_MAX_LINES))
+            res["cut_to"] = TAIL_MAX_LINES if n > TAIL_MAX_LINES else None
     except FileNotFoundError:
-        res = {"lines": [], "offset": 0, "inode": None}
+        res = {"lines": [], "start": 0, "offset": 0, "inode": None}
+    res["run_id"] = run_dir.name
+    res["current"] = run_dir == records.current_run_dir(agent.run_root)
+    return res
+
+
+@handler("read_log")
+def _read_log(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """Bytes of a run's output.log: {data, offset, inode, size} from ``offset``, at most ``max_bytes``."""
+    offset = _opt_int(args, "offset") or 0
+    max_bytes = min(_opt_int(args, "max_bytes") or READ_LOG_MAX_BYTES, READ_LOG_MAX_BYTES)
+    run_dir = _run_dir_arg(agent, args)
+    try:
+        res = read_range(run_dir / records.OUTPUT_LOG, offset, max_bytes)
+    except FileNotFoundError:
+        raise CommandError(f"run {run_dir.name} has no output.log") from None
     res["run_id"] = run_dir.name
     return res
 

@@ -1,11 +1,12 @@
 """Agent commands that start, wait for, stop and inspect supervised runs (engine/supervisor).
 
-launch, wait, stop, restart, kill_stale, stacks: argument and result shapes in engine/protocol.py.
+launch, wait, stop, restart, kill_stale, stacks, runs, run_info: argument and result shapes in engine/protocol.py.
 Every command that names no run acts on the current one (<run_root>/current).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,3 +174,33 @@ def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
         return control.stacks(rd, timeout_s=_num(args, "timeout_s", 5.0) or 5.0, boot_id=agent.boot_id)
     except control.SupervisorError as exc:
         raise CommandError(str(exc)) from exc
+
+
+RUNS_DEFAULT_LIMIT = 20
+RUNS_MAX_LIMIT = 500
+
+
+@handler("runs")
+def _runs(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """The newest ``limit`` runs, newest first, each as its RunInfo plus ``duration_s`` and ``current``."""
+    limit = args.get("limit", RUNS_DEFAULT_LIMIT)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= RUNS_MAX_LIMIT:
+        raise CommandError(f"limit must be an integer 1..{RUNS_MAX_LIMIT}")
+    current = records.current_run_dir(agent.run_root)
+    dirs = records.list_runs(agent.run_root)
+    runs = []
+    for rd in reversed(dirs[-limit:]):
+        info = records.read_run(rd, agent.boot_id)
+        row = protocol.to_jsonable(info)
+        end = info.ended_at if info.ended_at is not None else (time.time() if info.state == "running" else None)
+        row["duration_s"] = end - info.started_at if end is not None and info.started_at is not None else None
+        row["current"] = current is not None and rd.name == current.name
+        runs.append(row)
+    return {"runs": runs, "total": len(dirs)}
+
+
+@handler("run_info")
+def _run_info(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """One run (``run_id``, default the current one) as its records and the process table say it is now."""
+    rd = _run_dir(agent, args)
+    return {"run": records.read_run(rd, agent.boot_id)}

@@ -35,6 +35,7 @@ from typing import Any
 from engine import protocol
 from engine.agent import procs
 from engine.supervisor import tmux
+from engine.supervisor.failure import Failure, FailureScan, last_step_in
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -55,7 +56,7 @@ CHECKPOINTS_DIR = "checkpoints"
 # Bytes of output.log / events.jsonl one read_run call scans at most (status must never stall on a huge log).
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
-_SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end"})
+_SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"export"})
 
 
 class RunIdError(ValueError):
@@ -291,6 +292,9 @@ class ScanState:
     last_step_at: float | None = None
     thread_errors: list[dict[str, Any]] = field(default_factory=list)
     run_end: dict[str, Any] | None = None
+    last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
+    log_last_step: int | None = None  # the number in the last output.log line matching the step pattern
+    failure: Failure = field(default_factory=Failure)  # exceptions and torchrun's root cause in output.log
 
 
 class RunScanner:
@@ -303,6 +307,7 @@ class RunScanner:
     def __init__(self, run_dir: Path | str, step_pattern: str | None, output_base: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self._step_re = re.compile(step_pattern.encode()) if step_pattern else None
+        self._failure = FailureScan()
         self._output_base = output_base
         self._log_offset = output_base
         self._log_inode: int | None = None
@@ -312,12 +317,36 @@ class RunScanner:
         self._ev_carry = b""
         self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
         self.state = ScanState()
+        self.state.failure = self._failure.failure
 
     def poll(self, now: float | None = None, budget_bytes: int = _SCAN_BUDGET_BYTES) -> ScanState:
         t = now if now is not None else time.time()
         with self._lock:
             self._poll_log(t, budget_bytes)
             self._poll_events(budget_bytes)
+        return self.state
+
+    CATCH_UP_MAX_BYTES = 16 * 1024 * 1024  # of an ended run's log, read at once; beyond, only its end is read
+
+    def catch_up(self, now: float | None = None) -> ScanState:
+        """Scan an ended run's files to their end (its last step and cause are there), in budgeted passes."""
+        t = now if now is not None else time.time()
+        with self._lock:
+            try:
+                size = os.stat(self.run_dir / OUTPUT_LOG).st_size
+            except OSError:
+                size = 0
+            if size - self._log_offset > self.CATCH_UP_MAX_BYTES:
+                self._log_offset, self._log_carry = size - self.CATCH_UP_MAX_BYTES, b""
+            for _ in range(self.CATCH_UP_MAX_BYTES // _SCAN_BUDGET_BYTES + 1):
+                before = (self._log_offset, self._ev_offset)
+                self._poll_log(t, _SCAN_BUDGET_BYTES)
+                self._poll_events(_SCAN_BUDGET_BYTES)
+                if (self._log_offset, self._ev_offset) == before:
+                    break
+            if self._log_carry and self._step_re is not None:  # the last line may have no newline
+                step = last_step_in(self._log_carry, self._step_re)
+                self.state.log_last_step = step if step is not None else self.state.log_last_step
         return self.state
 
     def _poll_log(self, now: float, budget: int) -> None:
@@ -328,14 +357,13 @@ class RunScanner:
             return
         if self._log_inode is not None and (st.st_ino != self._log_inode or st.st_size < self._log_offset):
             self._log_offset, self._log_carry = 0, b""  # rotated or truncated: scan the new file from its start
+            self._failure = FailureScan()
+            self.state.failure, self.state.log_last_step = self._failure.failure, None
         self._log_inode = st.st_ino
         if st.st_size <= self._log_offset:
             return
         if self.state.output_seen_at is None and st.st_size > self._output_base:
             self.state.output_seen_at = now
-        if self._step_re is None or self.state.log_step_seen_at is not None:
-            self._log_offset = st.st_size
-            return
         try:
             with open(path, "rb") as fh:
                 fh.seek(self._log_offset)
@@ -348,8 +376,15 @@ class RunScanner:
         complete, self._log_carry = (chunk[: cut + 1], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
         if len(self._log_carry) > 64 * 1024:
             complete, self._log_carry = chunk, b""  # a line without end: scan what we have
-        if complete and self._step_re.search(complete):
-            self.state.log_step_seen_at = now
+        if not complete:
+            return
+        self._failure.feed(complete)
+        if self._step_re is not None:
+            step = last_step_in(complete, self._step_re)
+            if step is not None:
+                self.state.log_last_step = step
+            if self.state.log_step_seen_at is None and self._step_re.search(complete):
+                self.state.log_step_seen_at = now
 
     def _poll_events(self, budget: int) -> None:
         path = self.run_dir / EVENTS_JSONL
@@ -407,6 +442,10 @@ class RunScanner:
             self.state.thread_errors.append(ev)
         elif kind == "run_end":
             self.state.run_end = ev
+        elif kind == "export":
+            path = ev.get("path")
+            if isinstance(path, str):
+                self.state.last_export = path
 
 
 _scanners: dict[str, tuple[float | None, RunScanner]] = {}
@@ -558,10 +597,12 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         info.tmux_session = launch.get("tmux_session", info.tmux_session)
         info.attachable = bool(launch.get("attachable", info.attachable))
         info.profile = launch.get("profile", info.profile)
-        scan = scanner_for(rd, launch).poll()
+        scanner = scanner_for(rd, launch)
+        scan = scanner.catch_up() if exit_rec is not None else scanner.poll()
         info.stage = scan.stage
-        info.last_step = scan.last_step
+        info.last_step = scan.last_step if scan.last_step is not None else scan.log_last_step
         info.last_step_at = scan.last_step_at
+        info.last_export = scan.last_export
     if exit_rec is None and launch is not None:
         if launch.get("boot_id") not in (None, boot_id):
             info.state = "rebooted"
@@ -579,6 +620,8 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         info.signal = exit_rec.get("signal")
         info.ended_at = exit_rec.get("ended_at")
         info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
+        if info.state == "failed" and info.cause is None:
+            info.cause = failure_cause(scan, exit_rec, info.last_step)
     info.milestones = read_milestones(rd, launch, scan)
     _read_restarts(rd, info)
     return info
@@ -596,6 +639,29 @@ def _read_restarts(rd: Path, info: protocol.RunInfo) -> None:
     info.restart_max = max_restarts if isinstance(max_restarts, int) else None
     state = doc.get("state")
     info.restart_state = state if isinstance(state, str) else None
+
+
+def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: int | None) -> str:
+    """A failed run's cause: the root exception (torchrun: the failing rank and its exception), else what the wrapper
+    recorded; then how the job ended and its last step."""
+    parts: list[str] = []
+    named = scan.failure.describe() if scan is not None else None
+    errors = scan.thread_errors if scan is not None else []
+    recorded = exit_rec.get("cause")
+    if named:
+        parts.append(named)
+    elif errors:
+        first = errors[0]
+        parts.append(f"engine thread {first.get('thread')}: {first.get('exc_type')}: {first.get('message')}")
+    elif isinstance(recorded, str) and recorded and not recorded.startswith("exited with code"):
+        parts.append(recorded)
+    signum, exit_code = exit_rec.get("signal"), exit_rec.get("exit_code")
+    if isinstance(signum, int):
+        parts.append(f"killed by signal {signum} ({signal_name(signum)})")
+    elif exit_code is not None:
+        parts.append(f"exit code {exit_code}")
+    parts.append(f"last step {last_step}" if last_step is not None else "no step reached")
+    return "; ".join(parts)
 
 
 def list_runs(run_root: Path | str) -> list[Path]:

@@ -2,6 +2,8 @@
 
     specdec-train --preset cpu-demo
     specdec-train --config engine.toml --set steps=100 --set 'drafter_devices=["cuda:0","cuda:1"]'
+    specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
+    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--json]   (acceptance length: engine/trainer/evaluate.py)
 
 Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl); human lines ``step=N loss=… acc0=…
 tok/s=…`` go to stdout. SIGTERM stops at the next step boundary, saves a checkpoint and exits 0.
@@ -73,9 +75,27 @@ def link_checkpoints(cfg: EngineConfig, run_dir: str | None) -> None:
         print(f"specdec-train: cannot link {link} -> {target}: {exc}", file=sys.stderr)
 
 
+def export_main(argv: list[str]) -> int:
+    """``specdec-train export``: a checkpoint as the EAGLE-3 draft model vLLM / SGLang load (see export.py)."""
+    from engine.trainer import export
+
+    ap = argparse.ArgumentParser(
+        prog="specdec-train export", description="Export a trained drafter for vLLM / SGLang (EAGLE-3)"
+    )
+    export.add_arguments(ap)
+    return export.run(ap.parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["export"]:
+        return export_main(words[1:])
     faulthandler.enable(sys.stderr)
     stackdump.install(os.environ.get(ENV_RUN_DIR))  # SIGUSR1: named stacks into <run dir>/stacks/
+    if words[:1] == ["eval"]:
+        from engine.trainer.evaluate import main as eval_main
+
+        return eval_main(words[1:])
     args = parse_args(argv)
     try:
         cfg = resolve_config(args)

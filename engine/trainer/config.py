@@ -24,7 +24,7 @@ else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work with
     except ImportError:
         tomllib = None
 
-BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape")
+BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape", "tiny-trained")
 DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
@@ -38,7 +38,7 @@ LOSS_MEAN_ALL = "all_positions"
 LOSS_MEAN_MASKED = "masked_positions"
 LOSS_MEANS: tuple[str, ...] = (LOSS_MEAN_ALL, LOSS_MEAN_MASKED)
 # Decoder-layer counts of the built-in random targets whose depth this config knows without loading them.
-BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32}
+BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32, "tiny-trained": 8}  # = builtin_target.Recipe.layers
 
 
 class ConfigError(ValueError):
@@ -47,7 +47,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class EngineConfig:
-    # The target: a built-in random preset ("tiny", "llama3-8b-shape") or a local Hugging Face directory.
+    # The target: a built-in random preset ("tiny", "llama3-8b-shape"), the built-in trained "tiny-trained"
+    # (trained on the shipped corpus on first use, then cached), or a local Hugging Face directory.
     target: str = "tiny"
     # 0-based decoder layers whose OUTPUT is captured (SGLang's eagle_aux_hidden_state_layer_ids); None: as
     # served, outputs of 1, L/2-1, L-4 (= inputs of vLLM's and SGLang's default layers 2, L/2, L-3).
@@ -67,6 +68,12 @@ class EngineConfig:
     # Where tokenized data is cached ("": <output_dir>/data_cache); a restart with the same data, tokenizer,
     # chat template, longest bucket and held-out split does not tokenize again.
     data_cache_dir: str = ""
+    # Acceptance length every eval_every steps (0: never): greedy chain speculation with eval_k draft tokens
+    # over eval_conversations held-out prompts, eval_max_new_tokens each (engine/trainer/evaluate.py).
+    eval_every: int = 0
+    eval_k: int = 5
+    eval_conversations: int = 8
+    eval_max_new_tokens: int = 64
     ttt_steps: int = 3
     # TTT step i rotates with positions arange(T) + i, as served; False only to compare against the old way.
     ttt_rope_offset: bool = True
@@ -153,6 +160,14 @@ class EngineConfig:
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
         need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
+        need(self.eval_every >= 0, "eval_every", "an integer >= 0 (0: no evaluation during training)")
+        need(
+            not (self.eval_every and (self.data == DATA_RANDOM or self.eval_holdout == 0)),
+            "eval_every",
+            "needs held-out conversations (data = 'random' has none; eval_holdout = 0 holds none out); set 0",
+        )
+        for key in ("eval_k", "eval_conversations", "eval_max_new_tokens"):
+            need(getattr(self, key) >= 1, key, "an integer >= 1")
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")

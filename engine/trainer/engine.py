@@ -290,6 +290,7 @@ class Engine:
                     f"resumed from {latest.name}: lost {before - ckpt_step} step(s) since that checkpoint "
                     f"(the previous run reached step {before})",
                 )
+        self._install_evaluation()
         self.events.say(
             f"engine: {len(self.targets)} target thread(s), {n} drafter thread(s) ({cfg.drafter_mode}), "
             f"drafter {params_m:.1f}M trainable params, draft vocab {self.vocab.size}, attention {attn_impl}"
@@ -317,6 +318,36 @@ class Engine:
         )
         self.events.say(f"stage=data {detail}")
 
+    def _install_evaluation(self) -> None:
+        """eval_every > 0: acceptance length on held-out prompts every eval_every steps, per drafter (``eval``)."""
+        from engine.trainer.evaluate import EvalSubject, PeriodicEvaluation, heldout_prompts, rope_offset_of
+
+        cfg = self.cfg
+        if not cfg.eval_every:
+            return
+        target0 = self.targets[0]
+        tok = target0.tokenizer
+        prompts = heldout_prompts(tok, cfg.data, cfg.eval_holdout, cfg.seed, cfg.eval_conversations)
+        workers = self.workers[:1] if cfg.drafter_mode == "replicas" else self.workers  # replicas: one drafter
+        subjects = {
+            w.name: EvalSubject(
+                w.drafter, next((t for t in self.targets if t.device == w.device), target0), w.autocast_dtype
+            )
+            for w in workers
+        }
+        evaluation = PeriodicEvaluation(
+            self.events,
+            subjects,
+            prompts,
+            every=cfg.eval_every,
+            k=cfg.eval_k,
+            max_new_tokens=cfg.eval_max_new_tokens,
+            eos_id=getattr(tok, "eos_token_id", None),
+            rope_offset=rope_offset_of(cfg.to_dict()),
+            beat=lambda name: self.health.beat(name, state="training"),
+        )
+        self.events.listeners.append(evaluation.on_event)
+
     # --- checkpoints ------------------------------------------------------------------------------------------
     def _submit(self, name: str) -> Any:
         def submit(step: int, _thread: str, state: dict[str, Any]) -> None:
@@ -335,6 +366,7 @@ class Engine:
             # 0-based decoder layers whose output was captured = SGLang's eagle_aux_hidden_state_layer_ids;
             # vLLM's aux_hidden_state_layers are these + 1 (target.py).
             "target_layers": self.targets[0].layer_ids,
+            "target_hf_config": self.targets[0].config.to_dict(),  # rope, max positions, architectures for export
         }
         with self._ckpt_lock:
             path = ckpt.save_checkpoint(

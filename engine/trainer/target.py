@@ -11,11 +11,13 @@ rule (fewer than 7 layers) use ``0, (L-1)//2, L-1``; a server would need those i
 
 Built-in random presets need no download: ``tiny`` (an 8-layer Llama with a byte-level tokenizer, for the
 CPU) and ``llama3-8b-shape`` (Llama-3.1-8B's shapes with random weights, for GPU throughput work).
+``tiny-trained`` is trained on the shipped corpus on first use and cached (engine/trainer/builtin_target.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +142,8 @@ class Target:
         layers = decoder_layers(model)
         self.layer_ids = check_layer_ids(layer_ids, len(layers))
         self._captured: dict[int, torch.Tensor] = {}
+        # The hooks write one shared dict: a forward from another thread (the evaluation) waits for this one.
+        self.lock = threading.Lock()
         for lid in self.layer_ids:
             layers[lid].register_forward_hook(self._hook(lid))
         self._forward: Any = model
@@ -172,13 +176,20 @@ class Target:
         return emb.weight
 
     @torch.no_grad()
+    def logits_and_hidden3(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits ``(B, T, V)`` and the three captured layers side by side ``(B, T, 3H)``."""
+        with self.lock:
+            self._captured.clear()
+            logits = self._forward(input_ids=input_ids, use_cache=False).logits
+            hidden3 = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+            self._captured.clear()
+        return logits, hidden3
+
+    @torch.no_grad()
     def run(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
     ) -> TargetOutput:
-        self._captured.clear()
-        logits = self._forward(input_ids=input_ids, use_cache=False).logits
-        hidden3 = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-        self._captured.clear()
+        logits, hidden3 = self.logits_and_hidden3(input_ids)
         in_draft = t2d[logits.argmax(dim=-1)]
         target_p = torch.softmax(logits.index_select(-1, draft_ids).float(), dim=-1)
         position_mask = loss_mask * in_draft.to(loss_mask.dtype)
@@ -186,7 +197,7 @@ class Target:
 
 
 def load_tokenizer(spec: str) -> Any:
-    if spec == "tiny":
+    if spec in ("tiny", "tiny-trained"):
         from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
 
         return build_tiny_tokenizer()
@@ -211,6 +222,10 @@ def load_target(
     """Builds (random presets, seeded) or loads (local directory) the target on ``device``."""
     from transformers import LlamaForCausalLM
 
+    if spec == "tiny-trained":  # trained by the project on first use, then a local directory like any other
+        from engine.trainer.builtin_target import ensure_built
+
+        spec = str(ensure_built())
     if spec in ("tiny", "llama3-8b-shape"):
         if spec == "tiny":
             vocab = ((len(tokenizer) + 7) // 8) * 8

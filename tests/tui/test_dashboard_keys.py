@@ -265,6 +265,7 @@ async def test_help_lists_every_key_with_remaps(recorded_app: Callable[..., Dash
             "Kill stale",
             "Attach",
             "Stacks",
+            "Past runs",
             "Filter",
             "Theme",
             "Quit",
@@ -316,6 +317,7 @@ async def test_command_palette_offers_every_action(recorded_app: Callable[..., D
             "Kill stale",
             "Attach",
             "Stacks",
+            "Past runs",
             "Filter",
             "Theme",
             "Help",
@@ -516,3 +518,59 @@ async def test_anomaly_badge_explains_itself_on_focus(recorded_app: Callable[...
         await pilot.pause()
         assert explain.has_class("-on") and message in str(explain.render())
         assert badge.first().tooltip == message
+
+
+async def test_a_run_that_failed_after_its_milestones_shows_the_hosts_root_cause(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    cause = "torchrun: rank 1 (local_rank 1) exited with code 1: RuntimeError: boom; exit code 1; last step 30"
+    session = RecordingSession()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        session.emit(run(state="failed", exit_code=1, cause=cause))
+        app.flush_events()
+        await pilot.pause()
+        timeline = str(app.query_one("#timeline").render())
+        assert f"cause: run failed: {cause}" in timeline, timeline
+
+
+PAST_RUNS = {
+    "runs": [
+        {**run(state="exited", exit_code=0), "run_id": "20261201-110000-bbbb", "duration_s": 65.0, "current": True},
+        {
+            **run(state="failed", exit_code=1),
+            "run_id": "20261201-100000-aaaa",
+            "cause": "RuntimeError: rank 1 exploded at step 30; exit code 1; last step 30",
+            "last_step": 30,
+            "duration_s": 12.0,
+            "current": False,
+        },
+    ],
+    "total": 2,
+}
+
+
+async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and_log_tail(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    from tui.screens.runs import RunsScreen
+
+    def tail(args: dict[str, Any]) -> dict[str, Any]:
+        return {"lines": [f"{args['run_id']} line {i}" for i in range(3)], "run_id": args["run_id"]}
+
+    session = RecordingSession(replies={"runs": PAST_RUNS, "tail": tail})
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("p")
+        await wait_until(pilot, lambda: isinstance(app.screen, RunsScreen), what="the runs screen")
+        screen = app.screen
+        assert isinstance(screen, RunsScreen)
+        await wait_until(pilot, lambda: screen.shown == "20261201-110000-bbbb", what="the newest run's detail")
+        await pilot.press("down")
+        await wait_until(pilot, lambda: screen.shown == "20261201-100000-aaaa", what="the past run's detail")
+        detail = str(screen.query_one("#run-detail").render())
+        assert "cause: RuntimeError: rank 1 exploded at step 30; exit code 1; last step 30" in detail, detail
+        assert "20261201-100000-aaaa line 2" in detail
+        assert ("tail", {"n": 200, "run_id": "20261201-100000-aaaa"}) in session.requests
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not isinstance(app.screen, RunsScreen), what="the screen to close")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.agent.follow import CHUNK_BYTES, JsonlReader, LogFollower, tail_lines
+from engine.agent.follow import CHUNK_BYTES, JsonlReader, LogFollower, read_range, tail_lines, tail_start
 
 
 class Stream:
@@ -332,3 +333,38 @@ def test_tail_of_a_gigantic_line_is_bounded_fast_and_marked(tmp_path: Path) -> N
     lines = [protocol.decode_log_data(x) for x in res["lines"]]
     assert lines[-1] == b"end" and lines[0].startswith(b"[...cut] y") and len(lines[0]) < 1024 * 1024 + 16
     assert tail_lines(p, 1)["lines"] == ["end"]
+
+
+def test_tail_start_finds_the_last_n_lines_of_any_count_across_blocks(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    for trial in range(40):
+        lines = [b"x" * rng.randint(0, 30) for _ in range(rng.randint(0, 60))]
+        body = b"\n".join(lines) + (b"\n" if lines and rng.random() < 0.7 else b"")
+        p = tmp_path / f"f{trial}"
+        p.write_bytes(body)
+        whole_lines = re.findall(rb"[^\n]*\n|[^\n]+$", body)  # each with its newline; a partial last one too
+        for n in (0, 1, 2, 5, 59, 60, 61, 10**9):
+            got = tail_start(p, n, block_bytes=rng.choice([1, 3, 7, 64, 1 << 20]))
+            want_start = len(body) - sum(len(x) for x in whole_lines[-n:]) if n else len(body)
+            assert (got["start"], got["offset"]) == (want_start, len(body)), (trial, n)
+
+
+def test_read_range_returns_bytes_from_an_offset_without_splitting_a_character(tmp_path: Path) -> None:
+    p = tmp_path / "log"
+    p.write_bytes(b"ab\xc3\xa9cd")
+    first = read_range(p, 0, 3)
+    assert protocol.decode_log_data(first["data"]) == b"ab" and first["size"] == 6
+    rest = read_range(p, 2, 10)
+    assert protocol.decode_log_data(rest["data"]) == b"\xc3\xa9cd"
+    assert protocol.decode_log_data(read_range(p, 6, 10)["data"]) == b""
+
+
+def test_tail_lines_says_when_its_byte_window_held_fewer_lines_than_asked(tmp_path: Path) -> None:
+    p = tmp_path / "long-lines.log"
+    p.write_bytes(b"".join(b"%04d " % i + b"x" * 995 + b"\n" for i in range(100)))  # 1000-byte lines
+    short = tail_lines(p, 50, max_bytes=10_000)
+    assert short["window_cut"] is True and len(short["lines"]) <= 11
+    enough = tail_lines(p, 5, max_bytes=10_000)
+    assert enough["window_cut"] is False
+    assert [x[:4] for x in enough["lines"]] == ["0095", "0096", "0097", "0098", "0099"]
+    assert tail_lines(p, 500)["window_cut"] is False  # the whole file was read: nothing more exists

@@ -164,10 +164,20 @@ class DashboardState:
         if kind == "step":
             self.engine_steps_seen = True
             self.dirty.add("charts")
+        elif kind == "eval":
+            self.dirty.add("charts")
+            if event.get("error"):
+                self.notices.append(("warning", f"evaluation of {event.get('thread')} failed: {event.get('error')}"))
         elif kind == "stage":
             stage = event.get("stage")
             if isinstance(stage, str):
                 self.timeline.stage = stage
+                self.dirty.add("timeline")
+        elif kind == "export":
+            path = event.get("path")
+            if isinstance(path, str):
+                self.timeline.last_export = path
+                self.notices.append(("information", f"drafter exported to {path} ({event.get('format')})"))
                 self.dirty.add("timeline")
         elif kind == "thread_error":
             self.notices.append(

@@ -14,7 +14,7 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from tui.keys import KEY_TABLE, display_key
-from tui.widgets.charts import ACC_HELP, LOSS_HELP
+from tui.widgets.charts import ACC_HELP, LOSS_HELP, TAU_HELP
 
 
 class HelpScreen(Screen[None]):
@@ -41,7 +41,7 @@ class HelpScreen(Screen[None]):
     @staticmethod
     def charts_text() -> str:
         """What the training charts' numbers are."""
-        return f"Charts\n{LOSS_HELP}\n{ACC_HELP}"
+        return f"Charts\n{LOSS_HELP}\n{ACC_HELP}\n{TAU_HELP}"
 
     def table(self) -> Table:
         """Three columns; only the description wraps, under itself (a hanging indent), at any width."""

@@ -1,10 +1,12 @@
-"""Training charts: step, tok/s, loss and per-position acceptance over time, one series per thread.
+"""Training charts: step, tok/s, loss, per-position accuracy and acceptance length τ, one series per thread.
 
 Points come from the engine's ``step`` events (deduplicated by their byte offset in events.jsonl)
 or, for foreign commands, from log lines carrying ``step=``, ``tok/s`` and ``loss=``. The engine's
 ``loss`` series is its ``loss_total`` (the weighted sum it trains on, the same number as its log line's
 ``loss=``), not the first position's loss. What ``loss`` and ``acc_i`` mean is ``LOSS_HELP`` / ``ACC_HELP``
-(the widget's tooltip and the help screen show them).
+(the widget's tooltip and the help screen show them). ``tau`` comes from the engine's ``eval`` events (every
+``eval_every`` steps: greedy chain speculation with the target on held-out prompts), with the latest
+per-position acceptance P(token j accepted | j-1 accepted) beside it.
 Drawn with Unicode block sparklines; the app redraws at a bounded rate.
 """
 
@@ -23,7 +25,7 @@ from tui.widgets.text_line import RowTracking
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_POINTS = 600
-METRICS: tuple[str, ...] = ("step", "tok/s", "loss", "acc")
+METRICS: tuple[str, ...] = ("step", "tok/s", "loss", "acc", "tau")
 LOG_SERIES = "log"
 
 # What the engine's numbers are (engine/trainer/loss.py computes them; SpecForge's definitions).
@@ -38,7 +40,13 @@ ACC_HELP = (
     "positions in the data's loss mask (a target token outside the draft vocab counts as a miss); acc_0 is the "
     "first drafted token, acc_1 the second, ... Bars: acc_i of the latest step; sparkline: acc_0 over time."
 )
-CHARTS_TOOLTIP = f"{LOSS_HELP}\n\n{ACC_HELP}"
+TAU_HELP = (
+    "tau = acceptance length: the engine's greedy chain speculation with the target on held-out prompts (every "
+    "eval_every steps). The drafter proposes k tokens, the target keeps the longest prefix it agrees with plus its "
+    "own next token; tau = mean tokens per target forward (1 to k + 1). Bars: P(draft token j accepted | j-1 "
+    "accepted), j = 1..k, of the latest evaluation; @N: its step."
+)
+CHARTS_TOOLTIP = f"{LOSS_HELP}\n\n{ACC_HELP}\n\n{TAU_HELP}"
 
 _STEP_RE = re.compile(r"\bstep[=:\s]\s*(\d+)")
 _TOKS_AFTER_RE = re.compile(r"tok/s[=:]\s*([0-9]+(?:\.[0-9]+)?)")
@@ -103,6 +111,8 @@ class ChartModel:
     def __init__(self) -> None:
         self.series: dict[tuple[str, str], Series] = {}
         self.acc_latest: dict[str, list[float]] = {}  # thread -> acc per TTT position, latest step
+        self.accept_latest: dict[str, list[float]] = {}  # thread -> acceptance per draft position, latest eval
+        self.eval_steps: dict[str, int] = {}  # thread -> step of the latest eval
         self.engine_offset = -1
         self.duplicate_events = 0
         self.points_added = 0
@@ -124,6 +134,9 @@ class ChartModel:
                 self.duplicate_events += 1
                 return False
             self.engine_offset = offset
+        if event.get("kind") == "eval":
+            self._add_eval(event)
+            return True
         if event.get("kind") != "step":
             return True
         thread = str(event.get("thread") or "engine")
@@ -151,6 +164,21 @@ class ChartModel:
             self._add("acc", thread, t, values[0])
         return True
 
+    def _add_eval(self, event: dict[str, Any]) -> None:
+        tau = event.get("tau")
+        if not isinstance(tau, (int, float)) or isinstance(tau, bool):
+            return  # a failed evaluation (its error is a notice) or a malformed event: no point
+        thread = str(event.get("thread") or "engine")
+        self._add("tau", thread, float(event.get("t") or 0.0), float(tau))
+        per = event.get("per_position_conditional")
+        if isinstance(per, list):
+            self.accept_latest[thread] = [
+                float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else float("nan") for x in per
+            ]
+        step = event.get("step")
+        if isinstance(step, int):
+            self.eval_steps[thread] = step
+
     def add_log_line(self, line: str, t: float) -> bool:
         found = parse_log_metrics(line)
         for metric, value in found.items():
@@ -166,6 +194,8 @@ class ChartModel:
     def clear(self) -> None:
         self.series.clear()
         self.acc_latest.clear()
+        self.accept_latest.clear()
+        self.eval_steps.clear()
         self.engine_offset = -1
         self.dirty = True
 
@@ -238,8 +268,29 @@ class Charts(RowTracking):
                     out.append("  acc_0 ", style=label_style)
                     out.append(sparkline(series.values(), max(4, width - 40)), style=colour)
                     continue
+                if metric == "tau":
+                    self._render_tau(out, thread, series, width, colour, label_style, value_style)
+                    continue
                 out.append(f"{sparkline(series.values(), width):<{width}} ", style=colour)
                 last = series.last()
                 shown = f"{last:.3f}" if metric in ("loss", "acc") and last is not None else human(last)
                 out.append(shown, style=value_style)
         return self.track_rows(out)
+
+    def _render_tau(
+        self, out: Text, thread: str, series: Series, width: int, colour: Any, label_style: Any, value_style: Any
+    ) -> None:
+        """τ's sparkline and latest value, then the latest per-position acceptance as bars (draft token 1..k)."""
+        per_pos = self.model.accept_latest.get(thread, [])
+        bars_w = len(per_pos) + 8 if per_pos else 0
+        spark_w = max(4, width - bars_w - 10)
+        out.append(f"{sparkline(series.values(), spark_w):<{spark_w}} ", style=colour)
+        last = series.last()
+        out.append(f"{last:.2f}" if last is not None else "–", style=value_style)
+        step = self.model.eval_steps.get(thread)
+        if step is not None:
+            out.append(f" @{step}", style=label_style)
+        if per_pos:
+            bars = "".join(SPARK_CHARS[max(0, min(7, round(v * 7)))] if math.isfinite(v) else "?" for v in per_pos)
+            out.append("  acc_j ", style=label_style)
+            out.append(bars, style=colour)

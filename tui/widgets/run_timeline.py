@@ -30,6 +30,7 @@ class TimelineModel:
     exit_cause: str | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)  # the run's restarts, oldest first
     restart_max: int | None = None
+    last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` of this run
 
     def reset(self, run_id: str | None) -> None:
         self.run_id = run_id
@@ -40,6 +41,7 @@ class TimelineModel:
         self.exit_cause = None
         self.restarts = []
         self.restart_max = None
+        self.last_export = None
 
     def from_run(self, run: dict[str, Any] | None) -> None:
         if run is None:
@@ -59,10 +61,14 @@ class TimelineModel:
         self.stage = stage if isinstance(stage, str) else self.stage
         self.restarts = restarts.restarts_of(run)
         self.restart_max = run.get("restart_max") if isinstance(run.get("restart_max"), int) else None
+        export = run.get("last_export")
+        self.last_export = export if isinstance(export, str) else self.last_export
         self.run_state = str(run.get("state")) if run.get("state") else self.run_state
         if self.run_state in ("failed", "vanished", "rebooted"):
-            code, sig = run.get("exit_code"), run.get("signal")
-            if sig:
+            code, sig, cause = run.get("exit_code"), run.get("signal"), run.get("cause")
+            if isinstance(cause, str) and cause:
+                self.exit_cause = f"failed: {cause}"  # the root cause, exit code and last step, from the host
+            elif sig:
                 self.exit_cause = f"killed by signal {sig}"
             elif code is not None:
                 self.exit_cause = f"exited with code {code}"
@@ -135,6 +141,8 @@ class RunTimeline(RowTracking):
                     causes.append(f"{name}: {state.cause}")
         if model.stage:
             out.append(f"   stage {model.stage}", style=pending)
+        if model.last_export:
+            out.append(f"   exported {model.last_export}", style=pending)
         if not causes and model.exit_cause:
             causes.append(f"run {model.exit_cause}")
         for i, item in enumerate(model.restarts, start=1):

@@ -1,0 +1,526 @@
+"""Acceptance length τ: greedy chain speculation with the real target over held-out conversations.
+
+For each held-out prompt (a conversation up to its last assistant turn, chat-templated) the target decodes
+greedily; every round the drafter proposes ``k`` tokens as a chain and the target verifies them:
+
+* step 0: ``fc(hidden3)`` of the target at the last position whose hidden state the target has computed,
+  with the embedding of the token after it (the target's own last greedy token), attending causally to the
+  drafter's step-0 keys over the whole prefix (recomputed from the target's hidden states every round);
+* step ``j``: the drafter's previous (pre-norm) hidden output with the embedding of its previous argmax
+  (draft id mapped to a target id with ``d2t``), attending to the prefix keys plus its own chain keys;
+  rotary position = the step-0 position + ``j`` when the drafter was trained with ``ttt_rope_offset``,
+  else the step-0 position (the training-time test's convention either way);
+* accepted = the longest prefix of the proposals equal to the target's greedy tokens; the round commits
+  those and the target's next greedy token, so it yields ``accepted + 1`` tokens. τ = mean over rounds.
+
+That is how vLLM and SGLang chain-draft an EAGLE-3 head. No KV cache: the target and the drafter's prefix
+are recomputed each round (one target forward per round), which is plenty for small targets and bounded
+evaluations, and keeps the arithmetic the same as training's.
+
+    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--conversations 8] [--max-new-tokens 64] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.trainer.data import load_conversations, shipped_corpus_path
+from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.model import Drafter, rotary_tables
+from engine.trainer.holdout import heldout_indices
+
+TargetForward = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]  # ids -> (logits (T, V), hidden3 (1, T, 3H))
+
+
+@dataclass
+class AcceptanceStats:
+    """Counts of accepted draft tokens per verification round; τ and per-position acceptance derive from them."""
+
+    k: int
+    hist: list[int] = field(default_factory=list)  # hist[a] = rounds that accepted exactly a tokens, a = 0..k
+    prompts: int = 0
+    new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.hist:
+            self.hist = [0] * (self.k + 1)
+
+    def add(self, accepted: int) -> None:
+        self.hist[accepted] += 1
+
+    def merge(self, other: AcceptanceStats) -> None:
+        self.hist = [a + b for a, b in zip(self.hist, other.hist, strict=True)]
+        self.prompts += other.prompts
+        self.new_tokens += other.new_tokens
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.hist)
+
+    def at_least(self, j: int) -> int:
+        """Rounds whose first ``j`` proposals were all accepted."""
+        return sum(self.hist[j:])
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward: accepted proposals + the target's own token."""
+        n = self.rounds
+        return sum((a + 1) * c for a, c in enumerate(self.hist)) / n if n else float("nan")
+
+    def per_position(self) -> list[float]:
+        """P(proposal j accepted) for j = 1..k: the chance a round gets at least j tokens from the drafter."""
+        n = self.rounds
+        return [self.at_least(j) / n if n else float("nan") for j in range(1, self.k + 1)]
+
+    def per_position_conditional(self) -> list[float]:
+        """P(proposal j accepted | proposal j-1 accepted), j = 1..k (vLLM's per-position acceptance rate)."""
+        out = []
+        for j in range(1, self.k + 1):
+            before = self.at_least(j - 1)
+            out.append(self.at_least(j) / before if before else float("nan"))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tau": self.tau,
+            "k": self.k,
+            "rounds": self.rounds,
+            "prompts": self.prompts,
+            "new_tokens": self.new_tokens,
+            "per_position": self.per_position(),
+            "per_position_conditional": self.per_position_conditional(),
+            "accepted_hist": list(self.hist),
+        }
+
+
+class Proposer(Protocol):
+    def propose(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[int]:
+        """``k`` target token ids to follow ``seq``; ``hidden3`` holds the target's states of ``seq[:-1]``."""
+        ...
+
+
+class DrafterProposer:
+    """The EAGLE-3 drafter proposing a chain (see the module docstring for the exact inputs of each step)."""
+
+    def __init__(
+        self, drafter: Drafter, *, rope_offset: bool, autocast_dtype: torch.dtype | None = None
+    ) -> None:
+        self.drafter = drafter
+        self.rope_offset = rope_offset
+        self.autocast_dtype = autocast_dtype
+        self.attention = TTTAttention("sdpa")  # a single query per chain step: no block mask to exploit
+        self.device = drafter.fc.weight.device
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def rotary(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..length-1: one table, grown by doubling (the drafter's own cache keeps every
+        length it was asked for, and every round here asks for a new one)."""
+        if self._tables is None or self._tables[0].shape[0] < length:
+            cfg = self.drafter.cfg
+            self._tables = rotary_tables(max(256, 2 * length), cfg.head_dim, cfg.rope_theta, self.device)
+        cos, sin = self._tables
+        return cos[:length], sin[:length]
+
+    @torch.no_grad()
+    def chain_logits(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """The draft-vocabulary logits of the ``k`` chain steps, each ``(Vd,)``, greedy within the chain."""
+        d = self.drafter
+        n = len(seq) - 1  # positions 0..n-1 have target states; seq[n] is the target's latest greedy token
+        if hidden3.shape[1] != n or n < 1:
+            raise ValueError(f"hidden3 covers {hidden3.shape[1]} positions; the sequence needs {n} (>= 1)")
+        ids = torch.tensor([seq], device=self.device)
+        cos, sin = self.rotary(n + k)
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        d2t = self.d2t
+        out: list[torch.Tensor] = []
+        token = ids[0, -1]
+        with self._autocast():
+            h0 = d.fc(hidden3.to(self.device))
+            emb = F.embedding(ids[:, 1:], d.embed_table)  # position p reads token p + 1
+            h, k_all, v_all = d.layer(h0, emb, cos[:n], sin[:n], None, None, causal, self.attention)
+            hidden = h[:, -1:]
+            for j in range(k):
+                if j > 0:
+                    pos = n - 1 + (j if self.rope_offset else 0)
+                    emb = F.embedding(token.view(1, 1), d.embed_table)
+                    hidden, k_all, v_all = d.layer(
+                        hidden, emb, cos[pos : pos + 1], sin[pos : pos + 1], k_all, v_all, None, self.attention
+                    )
+                logits = d.lm_head(d.norm(hidden))[0, 0].float()
+                out.append(logits)
+                draft_id = logits.argmax()
+                token = draft_id + d2t[draft_id]  # EAGLE-3's map: target id = draft id + d2t[draft id]
+        return out
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        d2t = self.drafter.d2t
+        assert isinstance(d2t, torch.Tensor)
+        return d2t
+
+    def propose(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[int]:
+        d2t = self.d2t
+        return [int(i + d2t[i]) for i in (lg.argmax() for lg in self.chain_logits(seq, hidden3, k))]
+
+
+def target_forward(target: Any) -> TargetForward:
+    """A ``TargetForward`` over an engine ``Target`` (its hooks give hidden3; its lock keeps other threads out)."""
+
+    def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.tensor([ids], device=target.device)
+        logits, hidden3 = target.logits_and_hidden3(x)
+        return logits[0], hidden3
+
+    return forward
+
+
+def speculate(
+    forward: TargetForward,
+    proposer: Proposer,
+    prompt: list[int],
+    *,
+    k: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+    stats: AcceptanceStats,
+) -> list[int]:
+    """Greedy chain speculation on one prompt; adds each round to ``stats``; returns the generated tokens.
+
+    The output equals plain greedy decoding by the target (speculation changes speed, never the text).
+    """
+    logits, hidden3 = forward(prompt)
+    generated = [int(logits[-1].argmax())]
+    stats.prompts += 1
+    while len(generated) < max_new_tokens and generated[-1] != eos_id:
+        seq = prompt + generated
+        draft = proposer.propose(seq, hidden3[:, : len(seq) - 1], k)
+        logits, hidden3 = forward(seq + draft)
+        greedy = logits[len(seq) - 1 :].argmax(-1).tolist()  # the target's token after seq, seq+d1, ..., (k + 1)
+        accepted = 0
+        while accepted < k and draft[accepted] == greedy[accepted] and greedy[accepted] != eos_id:
+            accepted += 1
+        stats.add(accepted)
+        generated.extend(greedy[: accepted + 1])
+    del generated[max_new_tokens:]
+    stats.new_tokens += len(generated)
+    return generated
+
+
+# --- held-out prompts -----------------------------------------------------------------------------------------
+
+
+def heldout_conversations(data_path: str | Path, holdout: int, seed: int) -> list[list[dict[str, str]]]:
+    """The conversations the trainer held out (holdout.heldout_indices), in file order."""
+    convs = load_conversations(data_path)
+    held = heldout_indices(len(convs), holdout, seed)
+    return [c for i, c in enumerate(convs) if i in held]
+
+
+def prompt_ids(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
+    """The chat-templated conversation up to (not including) its last assistant turn, ready for the reply."""
+    last = max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+    text: str = tokenizer.apply_chat_template(conversation[:last], tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def data_path_of(data: str) -> Path:
+    from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED
+
+    if data == DATA_RANDOM:
+        raise ValueError("data = 'random' has no conversations to hold out: acceptance needs real text")
+    return shipped_corpus_path() if data == DATA_SHIPPED else Path(data).expanduser()
+
+
+def heldout_prompts(tokenizer: Any, data: str, holdout: int, seed: int, count: int) -> list[list[int]]:
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer (random-weight preset): acceptance needs real text")
+    if holdout <= 0:
+        raise ValueError("eval_holdout = 0: no held-out conversations to evaluate on")
+    convs = heldout_conversations(data_path_of(data), holdout, seed)
+    return [prompt_ids(tokenizer, c) for c in convs[:count]]
+
+
+def evaluate(
+    forward: TargetForward,
+    proposer: Proposer,
+    prompts: Sequence[list[int]],
+    *,
+    k: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+    on_prompt: Callable[[int, AcceptanceStats], None] | None = None,
+) -> AcceptanceStats:
+    stats = AcceptanceStats(k)
+    for i, prompt in enumerate(prompts):
+        speculate(forward, proposer, prompt, k=k, max_new_tokens=max_new_tokens, eos_id=eos_id, stats=stats)
+        if on_prompt is not None:
+            on_prompt(i + 1, stats)
+    return stats
+
+
+def rope_offset_of(config: dict[str, Any]) -> bool:
+    """Whether the drafter was trained with rotary positions advancing per TTT step (absent: the old, no)."""
+    return bool(config.get("ttt_rope_offset", False))
+
+
+def legacy_layer_ids(spec: str, config: dict[str, Any]) -> list[int] | None:
+    """The target layers of a checkpoint that did not record them: the first engine's rule (2, L/2, L-3)."""
+    layers = int(config.get("tiny_layers", 4)) if spec == "tiny" else None
+    if layers is None:
+        return None  # another target: its depth is known only once loaded, and load_target's default applies
+    low, mid = min(2, layers // 4), layers // 2
+    return [low, mid, max(mid + 1, layers - 3)]
+
+
+# --- during training -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalSubject:
+    """One drafter to evaluate: evaluated in its own worker thread, between two of its steps."""
+
+    drafter: Drafter
+    target: Any
+    autocast_dtype: torch.dtype | None
+
+
+class PeriodicEvaluation:
+    """An ``EventLog`` listener: on a drafter's step event that crosses a multiple of ``every``, measures τ
+    and emits an ``eval`` event (thread, step, tau, per_position, ...).
+
+    It runs in the worker thread that emitted the step (that drafter is idle between steps; the target's
+    lock serialises its forwards with the producers'), so training pauses for one small evaluation.
+    A failed evaluation is reported as an ``eval`` event with ``error`` and training goes on.
+    """
+
+    def __init__(
+        self,
+        events: Any,
+        subjects: dict[str, EvalSubject],
+        prompts: list[list[int]],
+        *,
+        every: int,
+        k: int,
+        max_new_tokens: int,
+        eos_id: int | None,
+        rope_offset: bool,
+        beat: Callable[[str], None] | None = None,
+    ) -> None:
+        self.events = events
+        self.subjects = subjects
+        self.prompts = prompts
+        self.every = every
+        self.k = k
+        self.max_new_tokens = max_new_tokens
+        self.eos_id = eos_id
+        self.rope_offset = rope_offset
+        self.beat = beat
+        self._last: dict[str, int] = {}
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("kind") != "step":
+            return
+        thread, step = event.get("thread"), event.get("step")
+        subject = self.subjects.get(thread) if isinstance(thread, str) else None
+        if subject is None or not isinstance(step, int):
+            return
+        assert isinstance(thread, str)
+        if step // self.every <= self._last.get(thread, 0) // self.every:
+            return
+        self._last[thread] = step
+        self.run(thread, step, subject)
+
+    def run(self, thread: str, step: int, subject: EvalSubject) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        proposer = DrafterProposer(subject.drafter, rope_offset=self.rope_offset, autocast_dtype=subject.autocast_dtype)
+        beat = self.beat
+
+        def alive(_done: int, _stats: AcceptanceStats) -> None:
+            if beat is not None:
+                beat(thread)  # the stall detector sees a thread that is evaluating, not a hung one
+
+        try:
+            stats = evaluate(
+                target_forward(subject.target),
+                proposer,
+                self.prompts,
+                k=self.k,
+                max_new_tokens=self.max_new_tokens,
+                eos_id=self.eos_id,
+                on_prompt=alive,
+            )
+        except (RuntimeError, ValueError, IndexError) as exc:  # training goes on; the failure is an event
+            self.events.say(f"warning: evaluation of {thread} at step {step} failed: {type(exc).__name__}: {exc}")
+            return dict(self.events.emit("eval", thread=thread, step=step, error=f"{type(exc).__name__}: {exc}"))
+        body = stats.to_dict()
+        body["eval_s"] = round(time.perf_counter() - t0, 3)
+        event = self.events.emit("eval", thread=thread, step=step, **body)
+        per = " ".join(f"{p:.2f}" for p in stats.per_position_conditional())
+        self.events.say(f"eval step={step} thread={thread} tau={stats.tau:.3f} accept_i={per} rounds={stats.rounds}")
+        return dict(event)
+
+
+# --- the command line ----------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory (``step_N`` with meta.json) or an output directory (its newest checkpoint)."""
+    from engine.trainer import checkpoint as ckpt
+
+    p = Path(path).expanduser()
+    if (p / ckpt.META).is_file():
+        return p
+    latest = ckpt.latest_checkpoint(p)
+    if latest is None:
+        raise FileNotFoundError(f"{p}: neither a checkpoint (no {ckpt.META}) nor an output directory with one")
+    return latest
+
+
+def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Drafter:
+    from engine.trainer import checkpoint as ckpt
+    from engine.trainer.draft.model import DraftConfig
+
+    meta = ckpt.read_meta(path)
+    dcfg = DraftConfig(**meta["draft_config"])
+    rope_offset = rope_offset_of(meta.get("config") or {})
+    embed, vocab = target.embed_weight().to(device), ckpt.load_vocab(path).to(device)
+    drafter = Drafter(dcfg, embed, vocab, ttt_rope_offset=rope_offset)
+    drafter.load_state_dict(ckpt.load_drafter_state(path, name)["model"])
+    return drafter.to(device).eval()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="specdec-train eval", description="Acceptance length τ of a checkpoint's drafters on held-out data"
+    )
+    ap.add_argument("--checkpoint", required=True, help="a checkpoint directory, or an output_dir (newest one)")
+    ap.add_argument("--k", type=int, default=5, help="draft tokens per round (chain length)")
+    ap.add_argument("--conversations", type=int, default=16, help="held-out prompts to decode")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    ap.add_argument("--drafter", action="append", help="only this drafter (repeatable); default: all")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument(
+        "--as-served",
+        action="store_true",
+        help="feed the drafter as vLLM/SGLang do by default, whatever it was trained with: rotary positions "
+        "advancing per draft token, and the outputs of target layers 1, L/2-1, L-4",
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = ap.parse_args(argv)
+    for key in ("k", "conversations", "max_new_tokens"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.trainer import checkpoint as ckpt
+    from engine.trainer.target import load_target, load_tokenizer
+
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)  # small ops on a shared CPU: extra threads mostly wait for each other
+
+    def say(line: str) -> None:
+        print(f"eval: {line}", file=sys.stderr, flush=True)
+
+    try:
+        path = resolve_checkpoint(args.checkpoint)
+    except FileNotFoundError as exc:
+        print(f"specdec-train eval: {exc}", file=sys.stderr)
+        return 2
+    meta = ckpt.read_meta(path)
+    cfg: dict[str, Any] = meta.get("config") or {}
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec = str(cfg.get("target", "tiny"))
+    tokenizer = load_tokenizer(spec)
+    layer_ids = meta.get("target_layers") or cfg.get("target_layers")
+    if not layer_ids:
+        layer_ids = legacy_layer_ids(spec, cfg)
+    if args.as_served:
+        layer_ids = None  # load_target's default is the servers' default
+    say(f"{path}: target {spec}, layers {layer_ids}")
+    target = load_target(
+        spec,
+        device,
+        tokenizer=tokenizer,
+        layer_ids=list(layer_ids) if layer_ids else None,
+        seed=int(cfg.get("seed", 0)),
+        dtype=dtype,
+        tiny_hidden=int(cfg.get("tiny_hidden", 64)),
+        tiny_layers=int(cfg.get("tiny_layers", 4)),
+    )
+    try:
+        prompts = heldout_prompts(
+            tokenizer,
+            str(cfg.get("data", "shipped")),
+            int(cfg.get("eval_holdout", 32)),
+            int(cfg.get("seed", 0)),
+            args.conversations,
+        )
+    except ValueError as exc:
+        print(f"specdec-train eval: {exc}", file=sys.stderr)
+        return 2
+    names = args.drafter or list(meta.get("drafters") or [])
+    rope_offset = True if args.as_served else rope_offset_of(cfg)
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    results: dict[str, Any] = {}
+    for name in names:
+        drafter = load_drafter(path, name, target, device)
+        t0 = time.perf_counter()
+
+        def progress(i: int, stats: AcceptanceStats, name: str = name) -> None:
+            say(f"{name}: {i}/{len(prompts)} prompts, {stats.rounds} rounds, tau {stats.tau:.3f}")
+
+        stats = evaluate(
+            target_forward(target),
+            DrafterProposer(drafter, rope_offset=rope_offset, autocast_dtype=autocast),
+            prompts,
+            k=args.k,
+            max_new_tokens=args.max_new_tokens,
+            eos_id=eos_id,
+            on_prompt=progress,
+        )
+        results[name] = {**stats.to_dict(), "eval_s": round(time.perf_counter() - t0, 2)}
+    summary = {
+        "checkpoint": str(path),
+        "step": meta.get("step"),
+        "target": spec,
+        "target_layers": target.layer_ids,
+        "ttt_rope_offset": rope_offset,
+        "as_served": args.as_served,
+        "drafters": results,
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(
+        f"checkpoint {path} (step {meta.get('step')}), target {spec} layers {target.layer_ids}, k={args.k}, "
+        f"rope offset {rope_offset}{' (as served)' if args.as_served else ''}"
+    )
+    for name, r in results.items():
+        cond = " ".join(f"{v:.3f}" for v in r["per_position_conditional"])
+        uncond = " ".join(f"{v:.3f}" for v in r["per_position"])
+        print(f"{name}: tau={r['tau']:.3f} rounds={r['rounds']} prompts={r['prompts']} new_tokens={r['new_tokens']}")
+        print(f"  accept_i | accept_(i-1): {cond}")
+        print(f"  accept_i:                {uncond}")
+    return 0

@@ -1,0 +1,67 @@
+"""`launch --cwd DIR`, and where a relative script is looked up without it: beside the user for `local`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.supervisor import records
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "import os\nprint('ran in', os.getcwd(), flush=True)\n"
+
+
+def _launch(where: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(
+        [sys.executable, "-m", "tui", "launch", *args, "--wait", "output", "--json", "--", sys.executable, "train.py"],
+        cwd=str(where), env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return done, json.loads(done.stdout) if done.stdout.startswith("{") else {}
+
+
+def _output(run_root: Path, run_id: str) -> str:
+    log = records.run_dir_for(run_root, run_id) / records.OUTPUT_LOG
+    deadline = time.monotonic() + 10
+    while "ran in" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    return log.read_text()
+
+
+def test_local_launch_of_a_relative_script_runs_it_in_the_directory_it_was_typed_in(
+    run_root: Path, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    done, res = _launch(work, "local", "--run-root", str(run_root))
+    assert done.returncode == 0 and res["ok"] is True, done.stdout + done.stderr
+    assert f"ran in {work}" in _output(run_root, res["run_id"])
+
+
+def test_launch_cwd_names_the_jobs_directory_relative_to_where_it_was_typed(run_root: Path, tmp_path: Path) -> None:
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "train.py").write_text(SCRIPT)
+    done, res = _launch(tmp_path, "local", "--run-root", str(run_root), "--cwd", "proj")
+    assert done.returncode == 0 and res["ok"] is True, done.stdout + done.stderr
+    assert f"ran in {tmp_path / 'proj'}" in _output(run_root, res["run_id"])
+    missing, res = _launch(tmp_path, "local", "--run-root", str(run_root), "--cwd", "nowhere")
+    assert missing.returncode == 1 and f"{tmp_path / 'nowhere'} does not exist" in res["cause"], missing.stdout
+
+
+@pytest.mark.ssh
+def test_launch_cwd_reaches_a_remote_host(sshd: Any, run_root: Path, tmp_path: Path) -> None:
+    (tmp_path / "remote-proj").mkdir()
+    (tmp_path / "remote-proj" / "train.py").write_text(SCRIPT)
+    args = [sshd.target, *sshd.args(), "--run-root", str(run_root), "--cwd", str(tmp_path / "remote-proj")]
+    done, res = _launch(tmp_path, *args)
+    assert done.returncode == 0 and res["ok"] is True, done.stdout + done.stderr
+    assert f"ran in {tmp_path / 'remote-proj'}" in _output(run_root, res["run_id"])

@@ -1,0 +1,72 @@
+"""The engine's ``eval`` events reach the training pane: one τ series per drafter, per-position acceptance beside it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import App, ComposeResult
+
+from tui.screens.dashboard import DashboardState
+from tui.widgets.charts import ChartModel, Charts
+
+
+def eval_event(thread: str, step: int, tau: float, per: list[float]) -> dict[str, Any]:
+    return {
+        "t": 1000.0 + step,
+        "kind": "eval",
+        "thread": thread,
+        "step": step,
+        "tau": tau,
+        "k": len(per),
+        "per_position": per,
+        "per_position_conditional": per,
+        "rounds": 40,
+        "prompts": 8,
+        "new_tokens": 96,
+    }
+
+
+def wire(offset: int, event: dict[str, Any]) -> dict[str, Any]:
+    """The agent's ``engine`` event carrying one events.jsonl line."""
+    return {"ev": "engine", "offset": offset, "inode": 7, "run_id": "r1", "event": event}
+
+
+class ChartsApp(App[None]):
+    def __init__(self, model: ChartModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def compose(self) -> ComposeResult:
+        yield Charts(self.model, id="charts")
+
+
+async def test_eval_events_chart_tau_per_drafter_with_the_latest_acceptance_per_position() -> None:
+    state = DashboardState(target="local")
+    feed = [
+        eval_event("drafter0", 100, 1.40, [0.3, 0.2, 0.1]),
+        eval_event("drafter1", 100, 1.20, [0.2, 0.1, 0.0]),
+        eval_event("drafter0", 200, 2.75, [1.0, 0.6, 0.3]),
+    ]
+    for i, ev in enumerate(feed):
+        state.ingest(wire(100 * (i + 1), ev))
+    state.ingest(wire(300, eval_event("drafter0", 200, 2.75, [1.0, 0.6, 0.3])))  # a resumed stream repeats a line
+    assert "charts" in state.dirty
+    assert state.charts.series[("tau", "drafter0")].values() == [1.40, 2.75]
+    assert state.charts.series[("tau", "drafter1")].values() == [1.20]
+    assert state.charts.accept_latest["drafter0"] == [1.0, 0.6, 0.3]
+
+    app = ChartsApp(state.charts)
+    async with app.run_test(size=(100, 10)):
+        rows = app.query_one(Charts).render()
+    lines = str(rows).splitlines()
+    tau0 = next(line for line in lines if line.startswith("tau    drafter0"))
+    tau1 = next(line for line in lines if line.startswith("tau    drafter1"))
+    assert "2.75 @200" in tau0 and "acc_j █▅▃" in tau0  # 1.0, 0.6, 0.3 as bars
+    assert "1.20 @100" in tau1
+
+
+def test_a_failed_evaluation_is_a_notice_and_no_point() -> None:
+    state = DashboardState(target="local")
+    state.ingest(wire(50, {"t": 1.0, "kind": "eval", "thread": "drafter0", "step": 10, "error": "ValueError: boom"}))
+    assert ("tau", "drafter0") not in state.charts.series
+    assert ("warning", "evaluation of drafter0 failed: ValueError: boom") in state.notices

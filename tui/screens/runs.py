@@ -1,0 +1,116 @@
+"""Past and current runs: a list (newest first), and the highlighted run's cause and log tail below it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import OptionList, Static
+from textual.widgets.option_list import Option
+
+from engine import protocol
+
+RUN_TAIL_LINES = 200
+TailFetcher = Callable[[str], Awaitable[dict[str, Any] | None]]
+
+
+def _when(t: Any) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def run_row(run: dict[str, Any]) -> str:
+    """One line of the list: id, state, start, duration, last step, exit."""
+    step = run.get("last_step")
+    code, sig = run.get("exit_code"), run.get("signal")
+    ended = f"signal {sig}" if sig is not None else f"exit {code}" if code is not None else ""
+    mark = "*" if run.get("current") else " "
+    return (
+        f"{mark} {run.get('run_id')}  {run.get('state')!s:<9} {_when(run.get('started_at'))}  "
+        f"{_duration(run.get('duration_s')):>7}  step {step if step is not None else '-':<7} {ended}"
+    )
+
+
+def run_detail(run: dict[str, Any], tail: dict[str, Any] | None) -> str:
+    """The cause first (why it ended), then what ran and the end of its output.log."""
+    out = [f"run {run.get('run_id')}   state {run.get('state')}"]
+    if run.get("cause"):
+        out.append(f"cause: {run['cause']}")
+    cmd = run.get("command") or []
+    if cmd:
+        out.append("command: " + " ".join(str(c) for c in cmd))
+    if run.get("cwd"):
+        out.append(f"cwd: {run['cwd']}")
+    if tail is None:
+        out.append("(output.log could not be read)")
+    else:
+        lines = [protocol.decode_log_data(str(x)).decode("utf-8", "replace") for x in tail.get("lines") or []]
+        out.append(f"--- last {len(lines)} lines of output.log ---")
+        out += lines
+    return "\n".join(out)
+
+
+class RunsScreen(ModalScreen[None]):
+    DEFAULT_CSS = """
+    RunsScreen { align: center middle; }
+    RunsScreen > Vertical { width: 95%; height: 90%; border: thick $primary; background: $surface; }
+    RunsScreen #runs-title { text-style: bold; padding: 0 1; background: $panel; }
+    RunsScreen #runs-list { height: 40%; }
+    RunsScreen #run-detail-scroll { height: 1fr; padding: 0 1; }
+    RunsScreen #run-detail { width: auto; }
+    """
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q", "close", "Close")]
+
+    def __init__(self, runs: list[dict[str, Any]], total: int, fetch_tail: TailFetcher) -> None:
+        super().__init__()
+        self.runs = {str(r.get("run_id")): r for r in runs}
+        self.order = [str(r.get("run_id")) for r in runs]
+        self.total = total
+        self.fetch_tail = fetch_tail
+        self.shown: str | None = None  # the run whose detail is on screen (set once its tail arrived)
+
+    def compose(self) -> ComposeResult:
+        title = f"runs: {len(self.order)} of {self.total}, newest first (* current) - Enter/↑↓ show one, Esc closes"
+        with Vertical():
+            yield Static(title, id="runs-title", markup=False)
+            yield OptionList(*[Option(run_row(self.runs[i]), id=i) for i in self.order], id="runs-list")
+            with VerticalScroll(id="run-detail-scroll"):
+                yield Static("no runs yet" if not self.order else "", id="run-detail", markup=False)
+
+    def on_mount(self) -> None:
+        listing = self.query_one("#runs-list", OptionList)
+        listing.focus()
+        if self.order:
+            listing.highlighted = 0
+
+    def on_option_list_option_highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        if event.option.id is not None:
+            self.show(event.option.id)
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        if event.option.id is not None:
+            self.show(event.option.id)
+            self.query_one("#run-detail-scroll").focus()
+
+    def show(self, run_id: str) -> None:
+        self.query_one("#run-detail", Static).update(f"run {run_id}: reading its log ...")
+        self.run_worker(self._load(run_id), group="run-detail", exclusive=True, exit_on_error=False)
+
+    async def _load(self, run_id: str) -> None:
+        tail = await self.fetch_tail(run_id)
+        self.query_one("#run-detail", Static).update(run_detail(self.runs[run_id], tail))
+        self.shown = run_id
+
+    def action_close(self) -> None:
+        self.dismiss(None)
