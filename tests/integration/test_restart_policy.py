@@ -270,3 +270,43 @@ def test_a_wait_goes_on_through_a_restart_after_a_dead_thread(agent: AgentClient
     assert res["ok"] is True, res
     info = ended(run_dir)
     assert [r["cause"] for r in info.restarts] == ["crash"] and info.exit_code == 0
+
+
+# Attempt 1: a thread dies, then the process waits for "go" and exits 1; attempt 2 lives until "done".
+DEAD_THREAD_THEN_HEALTHY = textwrap.dedent(
+    """
+    import json, os, sys, time
+    here = os.path.dirname(os.path.abspath(__file__))
+    def wait_for(name):
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(here, name)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    attempt = int(os.environ["SPECDEC_ATTEMPT"])
+    if attempt == 1:
+        err = {"t": time.time(), "kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError",
+               "message": "boom", "traceback": "", "policy": "stop"}
+        with open(os.environ["SPECDEC_EVENTS"], "a") as ev:
+            ev.write(json.dumps(err) + "\\n")
+        wait_for("go")
+        sys.exit(1)
+    print("attempt 2 up", flush=True)
+    wait_for("done")
+    """
+)
+
+
+def test_the_first_attempts_dead_thread_is_not_reported_after_the_restart(agent: AgentClient) -> None:
+    here = Path(agent.hello["run_root"])
+    run_dir = launch(agent, DEAD_THREAD_THEN_HEALTHY, on=["crash"], max=1)
+
+    def dead_threads() -> list[dict[str, Any]]:
+        return [a for a in agent.ok("status")["anomalies"] if a["kind"] == "dead_thread"]
+
+    assert poll_until(dead_threads, 20, "the dead-thread anomaly of attempt 1")
+    (here / "go").touch()
+    poll_until(lambda: "attempt 2 up" in output(run_dir), 20, "attempt 2")
+    status = agent.ok("status")
+    assert [r["cause"] for r in status["run"]["restarts"]] == ["crash"] and status["run"]["state"] == "running"
+    assert not [a for a in status["anomalies"] if a["kind"] == "dead_thread"], status["anomalies"]
+    (here / "done").touch()
+    assert ended(run_dir).exit_code == 0
