@@ -47,7 +47,9 @@ async def test_the_header_and_timeline_show_each_restart_with_its_cause() -> Non
     state = DashboardState("root@gpu-box")
     state.ingest({"ev": "run", "run": run()})
     assert state.header.restarts == "restarts 0/3" and not state.notices
+    state.health.mark_dead("drafter0", "RuntimeError: boom")
     state.ingest({"ev": "run", "run": run(CRASH, OOM, state="backoff")})
+    assert not state.health.threads  # the restarted attempt's threads are new
     assert state.header.restarts == "restarts 2/3 (crash, oom), restarting"
     notices = [text for _, text in state.notices]
     assert len(notices) == 2 and notices[1].startswith("run r1: restart 2/3 at ")

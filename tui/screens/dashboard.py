@@ -153,6 +153,8 @@ class DashboardState:
         self.header.restarts = restarts.summary(run)
         done = restarts.restarts_of(run)
         self.header.restarted = bool(done)
+        if len(done) > before:
+            self.health.clear()  # restarted: the threads (and their deaths) of the attempt before are gone
         max_restarts = run.get("restart_max") if run else None
         for i, item in enumerate(done[before:], start=before + 1):
             self.notices.append(("warning", f"run {new_id}: {restarts.line(i, item, max_restarts)}"))
