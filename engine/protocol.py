@@ -53,8 +53,10 @@ read_log    {run_id?, offset, max_bytes}                -> {"data", "offset", "i
 runs        {limit}                                     -> {"runs": [RunInfo + duration_s, current], "total"}
 run_info    {run_id?}                                   -> {"run": RunInfo}   (run_id: default the current run)
 launch      LaunchSpec fields                           -> {"run_id", "run_dir", "tmux_session", "attachable"}
+            (+ restart: the restart policy the wrapper applies on the host, engine/supervisor/restart.py)
 wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
 stop        {grace_s, release_timeout_s}                -> {"stopped", "steps": [str]}   (progress events meanwhile)
+            (a run under a restart policy is not restarted after a stop; during its backoff the stop ends it)
 kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
             -> {"candidates": [HolderInfo], "signalled": [...], "failed": [...]}
 stacks      {timeout_s, run_id?}                        -> {"method": str, "text": str}
@@ -158,6 +160,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
 ENV_RUN_DIR = "SPECDEC_RUN_DIR"
 ENV_EVENTS_PATH = "SPECDEC_EVENTS"
 ENV_RUN_ID = "SPECDEC_RUN_ID"
+ENV_ATTEMPT = "SPECDEC_ATTEMPT"  # 1 for the first start, 2 for the first restart under a restart policy, ...
 
 
 class ProtocolError(ValueError):
@@ -307,6 +310,13 @@ class RunInfo:
     last_step_at: float | None = None
     profile: str | None = None
     cause: str | None = None  # why it failed when the records say more than an exit code (e.g. never started)
+    # Under a restart policy (restarts.json): every restart, oldest first, as
+    # {attempt (the attempt that ended), cause ("crash" | "hang" | "oom"), at, exit_code, signal, detail,
+    #  restarted_at, first_output_at, ...}; restart_max is the policy's max (None: no policy); restart_state one of
+    # "watching" | "backoff" | "gave_up" | "cancelled" | "done".
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    restart_max: int | None = None
+    restart_state: str | None = None
     last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
 
 
@@ -321,6 +331,8 @@ class LaunchSpec:
     step_pattern: str = r"step=\d+"
     deadlines_s: dict[str, float] = field(default_factory=dict)  # milestone -> seconds after launch
     profile: str | None = None
+    # The restart policy, {on: ["crash" | "hang" | "oom"], max, backoff_s, stall_s, grace_s}; None: never restarted.
+    restart: dict[str, Any] | None = None
 
 
 @dataclass

@@ -111,6 +111,8 @@ def launch_spec_for(profile: dict[str, Any] | None, session: SessionLike) -> dic
         prof.step_pattern = profile["step_pattern"]
     if isinstance(profile.get("deadlines_s"), dict):
         prof.deadlines_s = dict(profile["deadlines_s"])
+    if isinstance(profile.get("restart"), dict):
+        prof.restart = dict(profile["restart"])
     hello = session.hello or {}
     python = str(hello.get("python_path") or getattr(getattr(session, "opts", None), "python", None) or "python3")
     pythonpath = getattr(getattr(session, "transport", None), "engine_pythonpath", None)

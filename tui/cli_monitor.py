@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from engine import protocol
+from tui import restarts
 from tui.cli_common import (
     EXIT_CONNECTION,
     EXIT_FAILED,
@@ -96,6 +97,11 @@ def format_run(run: dict[str, Any]) -> list[str]:
         out.append("  " + "   ".join(extra))
     if run.get("cause"):
         out.append(f"  cause {run['cause']}")
+    said = restarts.summary(run)
+    if said:
+        out.append(f"  {said}")
+        for i, item in enumerate(restarts.restarts_of(run), start=1):
+            out.append(f"    {restarts.line(i, item, run.get('restart_max'))}")
     if run.get("last_export"):
         out.append(f"  exported {run['last_export']}")
     return out

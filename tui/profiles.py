@@ -10,6 +10,9 @@ The config file (``--config FILE``, default ``<user config dir>/specdec-tui/conf
     env = { HF_HOME = "/data/hf" }
     step_pattern = 'step=\\d+'
     deadlines_s = { started = 10, output = 60, first-step = 900 }
+    # Restart on the host when it exits non-zero, hangs (no step for stall_s) or dies of CUDA OOM (then with
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): at most max times, backoff_s apart; `stop` cancels it.
+    restart = { on = ["crash", "hang", "oom"], max = 3, backoff_s = 30, stall_s = 1800, grace_s = 30 }
 
     [profiles.demo.engine]             # used when there is no command: python3 -m engine.trainer ...
     preset = "cpu-demo"                # or: config = "/root/work/train.toml" (a path on the host)
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
+from engine.supervisor import restart as restart_policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,7 +46,7 @@ DEFAULT_STEP_PATTERN = r"step=\d+"
 DEFAULT_DEADLINES_S: dict[str, float] = {"submitted": 10.0, "started": 15.0, "output": 60.0, "first-step": 900.0}
 ENGINE_PRESET_DEFAULT = "cpu-demo"
 
-_PROFILE_KEYS = {"command", "cwd", "env", "step_pattern", "deadlines_s", "engine"}
+_PROFILE_KEYS = {"command", "cwd", "env", "step_pattern", "deadlines_s", "engine", "restart"}
 _ENGINE_KEYS = {"preset", "config", "args"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -76,6 +80,7 @@ class Profile:
     step_pattern: str = DEFAULT_STEP_PATTERN
     deadlines_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DEADLINES_S))
     engine: EngineConfig = field(default_factory=EngineConfig)
+    restart: dict[str, Any] | None = None  # the restart policy (engine/supervisor/restart.py); None: never restarted
     source: str = "built-in"
 
     def as_dict(self) -> dict[str, Any]:
@@ -87,6 +92,7 @@ class Profile:
             "step_pattern": self.step_pattern,
             "deadlines_s": dict(self.deadlines_s),
             "engine": {"preset": self.engine.preset, "config": self.engine.config, "args": list(self.engine.args)},
+            "restart": dict(self.restart) if self.restart is not None else None,
             "source": self.source,
         }
 
@@ -108,6 +114,7 @@ class Profile:
             step_pattern=self.step_pattern,
             deadlines_s=dict(self.deadlines_s),
             profile=self.name,
+            restart=dict(self.restart) if self.restart is not None else None,
         )
 
 
@@ -177,6 +184,12 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise _err(path, f"{where}.deadlines_s.{k}", f"must be a positive number of seconds, got {v!r}")
             prof.deadlines_s[k] = float(v)
+    if "restart" in raw:
+        try:
+            prof.restart = restart_policy.parse_policy(raw["restart"]).as_dict()
+        except restart_policy.PolicyError as exc:
+            key = f"{where}.restart" + (f".{exc.key}" if exc.key else "")
+            raise _err(path, key, exc.problem) from None
     if "engine" in raw:
         eng = raw["engine"]
         if not isinstance(eng, dict):

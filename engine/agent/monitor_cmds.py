@@ -98,6 +98,7 @@ class Monitor:
         self._engine_dir: Path | None = None
         self._engine_reader: JsonlReader | None = None
         self.engine_state = anomalies.EngineState()
+        self._engine_restarts = 0  # restarts of the watched run: a restarted attempt's threads start afresh
         self.stall_limits: dict[str, float] = {}
         self.subscription: Subscription | None = None
         self._sub_lock = threading.Lock()
@@ -149,6 +150,11 @@ class Monitor:
             self._engine_dir = run_dir
             self._engine_reader = JsonlReader(run_dir / records.EVENTS_JSONL) if run_dir is not None else None
             self.engine_state = anomalies.EngineState()
+            self._engine_restarts = len(run.restarts) if run is not None else 0
+        elif run is not None and len(run.restarts) != self._engine_restarts:
+            # Restarted in the same run dir: the dead threads and step times of the attempt before are not this one's.
+            self.engine_state = anomalies.EngineState()
+            self._engine_restarts = len(run.restarts)
         if self._engine_reader is None:
             return
         for _, line in self._engine_reader.poll():

@@ -29,7 +29,7 @@ from typing import Any
 import engine
 from engine import protocol, stackdump
 from engine.agent import procs
-from engine.supervisor import records, tmux
+from engine.supervisor import records, restart, tmux
 
 POLL_S = 0.05
 LAST_LINES = 20
@@ -95,6 +95,12 @@ def coerce_spec(raw: protocol.LaunchSpec | dict[str, Any]) -> protocol.LaunchSpe
     if cwd is not None and not isinstance(cwd, str):
         raise SupervisorError("cwd must be a string")
     profile = data.get("profile")
+    policy: dict[str, Any] | None = None
+    if data.get("restart") is not None:
+        try:
+            policy = restart.parse_policy(data["restart"]).as_dict()
+        except restart.PolicyError as exc:
+            raise SupervisorError(f"launch field {exc}") from exc
     return protocol.LaunchSpec(
         command=list(command),
         cwd=cwd,
@@ -103,6 +109,7 @@ def coerce_spec(raw: protocol.LaunchSpec | dict[str, Any]) -> protocol.LaunchSpe
         step_pattern=pattern,
         deadlines_s={k: float(v) for k, v in deadlines.items()},
         profile=profile if isinstance(profile, str) else None,
+        restart=policy,
     )
 
 
@@ -446,8 +453,9 @@ def wait_for(
         if info.state == "running":
             launch_rec = records.read_json(rd / records.LAUNCH_JSON)
             scan = records.scanner_for(rd, launch_rec).state if launch_rec is not None else None
-            if scan is not None and scan.thread_errors:
-                err = scan.thread_errors[0]
+            errors = _this_attempts(scan.thread_errors, launch_rec) if scan is not None else []
+            if errors and not _may_restart(info):
+                err = errors[0]
                 return result(
                     False,
                     info,
@@ -476,6 +484,24 @@ def wait_for(
         if cancel is not None and cancel.is_set():
             return result(False, info, "wait cancelled", info.state == "running")
         time.sleep(POLL_S)
+
+
+def _may_restart(info: protocol.RunInfo) -> bool:
+    """Under a restart policy with restarts left, a dead thread ends the process and the wrapper starts it again:
+    the wait goes on through the restart instead of failing on the first attempt's error."""
+    if info.restart_max is None:
+        return False
+    return info.restart_state == "backoff" or (
+        info.restart_state == "watching" and len(info.restarts) < info.restart_max
+    )
+
+
+def _this_attempts(events: list[dict[str, Any]], launch_rec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The events of the current attempt (a restarted run's earlier attempts wrote theirs to the same file)."""
+    since = (launch_rec or {}).get("attempt_started_at")
+    if not isinstance(since, (int, float)) or (launch_rec or {}).get("attempt", 1) == 1:
+        return events
+    return [e for e in events if not isinstance(e.get("t"), (int, float)) or e["t"] >= since]
 
 
 def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
@@ -565,6 +591,8 @@ def stop(
         step(f"the job ended ({info.state}) but {len(leftovers)} process(es) of its group remain")
     wrapper_pid = int(launch_rec.get("wrapper_pid") or 0)
     wrapper_ticks = launch_rec.get("wrapper_start_ticks")
+    if _cancel_restarts(launch_rec, wrapper_pid, wrapper_ticks):
+        step("restart policy cancelled: nothing is restarted after this stop")
     group_alive = isinstance(pgid, int) and bool(_group_members(pgid, None, job_ticks))
 
     def target_gone() -> bool:
@@ -579,7 +607,10 @@ def stop(
     else:
         if not records.process_alive(wrapper_pid, wrapper_ticks):
             raise SupervisorError(f"run {rd.name}: neither its job nor its wrapper is alive: nothing to stop")
-        step(f"job not started yet: SIGTERM to the wrapper (pid {wrapper_pid})")
+        if info.restart_state == "backoff":
+            step(f"waiting to restart (backoff): SIGTERM to the wrapper (pid {wrapper_pid}) ends the run")
+        else:
+            step(f"job not started yet: SIGTERM to the wrapper (pid {wrapper_pid})")
         os.kill(wrapper_pid, signal.SIGTERM)
     t0 = time.monotonic()
     escalated = False
@@ -619,6 +650,25 @@ def stop(
         "exit": exit_rec,
         "gpu_released": released,
     }
+
+
+def _cancel_restarts(launch_rec: dict[str, Any], wrapper_pid: int, wrapper_ticks: int | None) -> bool:
+    """Tell a wrapper that runs a restart policy to restart nothing more (before its job is signalled)."""
+    spec = launch_rec.get("spec")
+    name = launch_rec.get("cancel_signal")
+    if not isinstance(spec, dict) or spec.get("restart") is None or not isinstance(name, str):
+        return False  # no policy, or a wrapper from before restart policies: it would not know the signal
+    try:
+        sig = signal.Signals[name]
+    except KeyError:
+        return False
+    if not records.process_alive(wrapper_pid, wrapper_ticks):
+        return False
+    try:
+        os.kill(wrapper_pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _killpg(pgid: int, sig: int) -> None:

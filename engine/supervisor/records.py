@@ -12,6 +12,7 @@ Layout (DESIGN.md)::
         exit.json                 exit code or signal, written atomically when the job ends
         .exit.reserved            space for exit.json, taken before the job starts (used when the disk is full)
         events.jsonl              the engine's structured events
+        restarts.json             under a restart policy: each restart's attempt, cause, time and exit (restart.py)
         checkpoints/              the engine's checkpoints
 
 Stdlib only: this module runs on hosts that have nothing but python3.
@@ -49,6 +50,7 @@ EXIT_RESERVED = ".exit.reserved"  # the exit record's blocks, allocated at launc
 EXIT_RESERVE_BYTES = 16 * 1024
 OUTPUT_LOG = "output.log"
 EVENTS_JSONL = "events.jsonl"
+RESTARTS_JSON = "restarts.json"  # engine/supervisor/restart.py writes it through the wrapper
 CHECKPOINTS_DIR = "checkpoints"
 
 # Bytes of output.log / events.jsonl one read_run call scans at most (status must never stall on a huge log).
@@ -621,7 +623,22 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         if info.state == "failed" and info.cause is None:
             info.cause = failure_cause(scan, exit_rec, info.last_step)
     info.milestones = read_milestones(rd, launch, scan)
+    _read_restarts(rd, info)
     return info
+
+
+def _read_restarts(rd: Path, info: protocol.RunInfo) -> None:
+    """The restart policy's record (restarts.json) into the run info: each restart, the policy's max, its state."""
+    doc = read_json(rd / RESTARTS_JSON)
+    if doc is None:
+        return
+    restarts = doc.get("restarts")
+    info.restarts = [r for r in restarts if isinstance(r, dict)] if isinstance(restarts, list) else []
+    policy = doc.get("policy")
+    max_restarts = policy.get("max") if isinstance(policy, dict) else None
+    info.restart_max = max_restarts if isinstance(max_restarts, int) else None
+    state = doc.get("state")
+    info.restart_state = state if isinstance(state, str) else None
 
 
 def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: int | None) -> str:

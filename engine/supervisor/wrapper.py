@@ -11,6 +11,11 @@ atomically when the job ends (into space reserved before the job started when th
 then). It survives SIGHUP itself, so neither a closing SSH or ``pct exec`` channel nor a killed
 tmux session leaves the run without its exit record. It never uses nohup.
 
+Under a restart policy (the spec's ``restart``, engine/supervisor/restart.py) it starts the job again
+after a crash, a hang (stacks dumped, then stopped) or a CUDA OOM, as attempt 2, 3, ... of the same
+run (SPECDEC_ATTEMPT), recording each restart in ``restarts.json``; exit.json is written once, at the
+very end. SIGUSR2 from ``stop`` (and any signal it forwards) cancels the policy.
+
 Stdlib only.
 """
 
@@ -21,6 +26,7 @@ import contextlib
 import errno
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -30,12 +36,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from engine import protocol
-from engine.supervisor import records
+from engine import protocol, stackdump
+from engine.agent import procs
+from engine.supervisor import control, records, restart
 
 POLL_S = 0.05  # milestone timing and exit detection resolution
 ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+CANCEL_SIGNAL = signal.SIGUSR2  # from `stop`: cancel the restart policy (never forwarded to the job)
+HANG_DUMP_TIMEOUT_S = 5.0
+KILL_WAIT_S = 5.0  # after SIGKILL, how long the ended attempt's processes may take to leave the table
 
 
 def say(text: str) -> None:
@@ -55,21 +65,63 @@ class Wrapper:
         self.command = [str(a) for a in spec.get("command") or []]
         self.cwd = spec.get("cwd") or os.path.expanduser("~")
         self.pane_fd = pane_fd
-        self.job: subprocess.Popen[bytes] | None = None
-        self.pending: list[int] = []  # signals that arrived before the job existed
+        self.job: subprocess.Popen[bytes] | None = None  # the live attempt's job; None between attempts
+        self.pending: list[int] = []  # signals that arrived while no job existed
         self.forwarded: list[dict[str, Any]] = []
+        self.signals_seen: list[int] = []  # every forwarded-kind signal the wrapper got: each cancels the policy
+        self.cancel_reason: str | None = None  # set by `stop` (CANCEL_SIGNAL): restart nothing after this
         self.launch: dict[str, Any] = {}
+        self.policy: restart.Policy | None = None
+        self.attempt = 0
+        self.restarts: list[dict[str, Any]] = []
+        self.restart_state = "watching"
+        self.env: dict[str, str] = {}
+        self.milestones: dict[str, float] = {}
+        self.echo_offset = 0
+        self.next_restart: dict[str, Any] | None = None  # the restart entry the next attempt completes
 
     # -- signals ---------------------------------------------------------------------------------
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals_seen.append(signum)
+        if self.job is None:
+            self.pending.append(signum)
+            return
+        self.forward(signum)
+
+    def forward(self, signum: int) -> None:
         job = self.job
         if job is None:
-            self.pending.append(signum)
             return
         self.forwarded.append({"signal": signum, "name": records.signal_name(signum), "t": time.time()})
         # The group may be gone already; the exit record will say how it ended.
         with contextlib.suppress(OSError):
             os.killpg(job.pid, signum)
+
+    def on_cancel(self, signum: int, frame: FrameType | None) -> None:
+        self.cancel_reason = "stop"
+
+    def cancelled(self) -> str | None:
+        """Why the restart policy no longer applies (a stop, or a signal to the wrapper); None while it does."""
+        if self.cancel_reason is not None:
+            return self.cancel_reason
+        if self.signals_seen:
+            return f"{records.signal_name(self.signals_seen[0])} to the wrapper"
+        return None
+
+    def _reap(self, pid: int, block: bool = False) -> int | None:
+        """The job's wait status once it has ended (None while it runs); self.job is cleared in the same breath,
+        so a signal handled after the reap can never reach a process group whose id was reused."""
+        if block:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # until it is a zombie, still unreaped
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+        try:
+            got, raw = os.waitpid(pid, os.WNOHANG)
+            if got != pid:
+                return None
+            self.job = None
+            return raw
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     # -- records ---------------------------------------------------------------------------------
     def write_launch(self, **extra: Any) -> None:
@@ -77,7 +129,7 @@ class Wrapper:
         records.write_json_atomic(self.run_dir / records.LAUNCH_JSON, self.launch, mode=0o600)
 
     def write_exit(self, exit_code: int | None, sig: int | None, cause: str) -> None:
-        rec = {
+        rec: dict[str, Any] = {
             "run_id": self.run_id,
             "exit_code": exit_code,
             "signal": sig,
@@ -86,6 +138,8 @@ class Wrapper:
             "cause": cause,
             "forwarded_signals": self.forwarded,
         }
+        if self.policy is not None:
+            rec.update(attempts=self.attempt, restarts=self.restarts, restart_state=self.restart_state)
         records.write_exit_record(self.run_dir, rec)
 
     def write_milestones(self, milestones: dict[str, float]) -> None:
@@ -94,6 +148,22 @@ class Wrapper:
             records.write_json_atomic(self.run_dir / records.MILESTONES_JSON, milestones)
         except OSError as exc:
             say(f"specdec: cannot record milestones: {exc.strerror or exc}")
+
+    def write_restarts(self, **extra: Any) -> None:
+        if self.policy is None:
+            return
+        doc = {
+            "run_id": self.run_id,
+            "policy": self.policy.as_dict(),
+            "attempt": self.attempt,
+            "state": self.restart_state,
+            "restarts": self.restarts,
+            **extra,
+        }
+        try:  # a full disk loses this record only: the restarts still happen and output.log says so
+            records.write_json_atomic(self.run_dir / records.RESTARTS_JSON, doc)
+        except OSError as exc:
+            say(f"specdec: cannot record the restarts: {exc.strerror or exc}")
 
     def fail_before_start(self, exit_code: int, cause: str) -> int:
         say(f"specdec: cannot start run {self.run_id}: {cause}")
@@ -112,10 +182,12 @@ class Wrapper:
     def run(self) -> int:
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self.on_signal)
+        signal.signal(CANCEL_SIGNAL, self.on_cancel)
         try:
             out_size = os.fstat(1).st_size
         except OSError:
             out_size = 0
+        self.echo_offset = out_size
         now = time.time()
         self.launch = {
             "run_id": self.run_id,
@@ -136,12 +208,18 @@ class Wrapper:
             "spec": self.spec,
             "output_offset_at_start": out_size,
             "python": sys.executable,
+            "cancel_signal": records.signal_name(CANCEL_SIGNAL),  # `stop` sends it to cancel the restart policy
         }
         self.write_launch()
         if not records.reserve_exit_record(self.run_dir):
             say("specdec: no room to reserve the exit record; it is written only if room is left")
         if not self.command:
             return self.fail_before_start(2, "the launch spec has an empty command")
+        if self.spec.get("restart") is not None:
+            try:
+                self.policy = restart.parse_policy(self.spec["restart"])
+            except restart.PolicyError as exc:
+                return self.fail_before_start(2, f"the launch spec's restart policy is not usable: {exc}")
         if self.pending:
             first = self.pending[0]
             self.write_exit(None, first, f"{records.signal_name(first)} arrived before the job started; not started")
@@ -159,6 +237,14 @@ class Wrapper:
         env[protocol.ENV_RUN_DIR] = str(self.run_dir)
         env[protocol.ENV_EVENTS_PATH] = str(self.run_dir / records.EVENTS_JSONL)
         env[protocol.ENV_RUN_ID] = self.run_id
+        self.env = env
+        return self.attempts(out_size)
+
+    def start_job(self) -> subprocess.Popen[bytes] | tuple[int, str]:
+        """Start one attempt of the job; (exit code, the reason as a sentence) when it cannot be started."""
+        self.attempt += 1
+        env = dict(self.env)
+        env[protocol.ENV_ATTEMPT] = str(self.attempt)
         try:
             job = subprocess.Popen(
                 self.command,
@@ -168,31 +254,179 @@ class Wrapper:
                 start_new_session=True,  # its own session and process group: stop signals exactly the job
             )
         except OSError as exc:
-            code = 127 if exc.errno == errno.ENOENT else 126
-            return self.fail_before_start(code, f"cannot run {self.command[0]!r}: {exc.strerror or exc}")
+            return 127 if exc.errno == errno.ENOENT else 126, f"cannot run {self.command[0]!r}: {exc.strerror or exc}"
         self.job = job
+        now = time.time()
+        attempt_fields: dict[str, Any] = {"attempt": self.attempt, "attempt_started_at": now}
+        if self.attempt == 1:
+            attempt_fields["job_started_at"] = now  # the `started` milestone: the run's job first existed
         self.write_launch(
-            job_pid=job.pid,
-            job_pgid=job.pid,
-            job_start_ticks=records.start_ticks_of(job.pid),
-            job_started_at=time.time(),
+            job_pid=job.pid, job_pgid=job.pid, job_start_ticks=records.start_ticks_of(job.pid), **attempt_fields
         )
-        for pending_sig in self.pending:  # arrived between the check and Popen
-            self.on_signal(pending_sig, None)
-        return self.supervise(job, out_size)
+        return job
 
-    def supervise(self, job: subprocess.Popen[bytes], out_base: int) -> int:
+    def attempts(self, out_base: int) -> int:
+        """Run the job; under a restart policy, again after each ending the policy restarts, at most `max` times."""
+        while True:
+            started = self.start_job()
+            if isinstance(started, tuple):
+                code, why = started
+                if self.attempt == 1:
+                    return self.fail_before_start(code, why)
+                self.restart_state = "gave_up"
+                self.write_restarts()
+                return self.finish(code, None, f"restart {self.attempt - 1} could not start the job: {why}")
+            if self.attempt == 1:
+                self.write_restarts()
+            for pending_sig in self.pending:  # arrived between the check and Popen
+                self.forward(pending_sig)
+            self.pending.clear()
+            ending = self.supervise(started, out_base)
+            if self.policy is None:
+                return self.finish(ending.exit_code, ending.signal, ending.detail)
+            cause = restart.restart_cause(ending, self.policy)
+            why_not = self.cancelled()
+            if cause is None or why_not is not None:
+                self.restart_state = "cancelled" if why_not is not None and cause is not None else "done"
+                self.write_restarts()
+                return self.finish(ending.exit_code, ending.signal, self._ending_text(ending))
+            self.clear_leftovers(int(self.launch["job_pgid"]), self.launch.get("job_start_ticks"))
+            if len(self.restarts) >= self.policy.max:
+                self.restart_state = "gave_up"
+                self.write_restarts()
+                causes = restart.summary([*self.restarts, {"cause": cause}])
+                say(f"[specdec] ──── {self._ending_text(ending)}: gave up after {len(self.restarts)} restarts ────")
+                return self.finish(
+                    ending.exit_code,
+                    ending.signal,
+                    f"gave up after {len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''} "
+                    f"(causes: {causes}): the last attempt {self._ending_text(ending)}",
+                )
+            entry = self.record_restart(cause, ending)
+            if not self.backoff():
+                why = self.cancelled() or "stop"
+                self.restart_state = "cancelled"
+                self.write_restarts()
+                say(f"[specdec] ──── restart {len(self.restarts)} cancelled ({why}) during the backoff ────")
+                return self.finish(
+                    ending.exit_code,
+                    ending.signal,
+                    f"restart cancelled ({why}) during the backoff after attempt {self.attempt}, which "
+                    f"{self._ending_text(ending)}",
+                )
+            if cause == "oom":
+                self.env, said = restart.with_expandable_segments(self.env)
+                entry["env"] = {restart.ALLOC_CONF_ENV: self.env.get(restart.ALLOC_CONF_ENV)}
+                entry["note"] = said
+                say(f"[specdec] restart {len(self.restarts)} after a CUDA OOM: {said}")
+            say(
+                f"[specdec] ──── attempt {self.attempt + 1} of run {self.run_id}: restart {len(self.restarts)}/"
+                f"{self.policy.max} after {cause} ────"
+            )
+            out_base = _size_of(self.run_dir / records.OUTPUT_LOG)
+            self.restart_state = "watching"
+            self.next_restart = entry  # supervise() adds the new attempt's start and first output to it
+
+    def _ending_text(self, ending: restart.Ending) -> str:
+        if ending.hang is not None:
+            return f"hung ({ending.hang}), stopped: {ending.detail}"
+        if ending.oom is not None and not ending.ok:
+            return f"{ending.detail} (CUDA out of memory: {ending.oom})"
+        return ending.detail
+
+    def record_restart(self, cause: str, ending: restart.Ending) -> dict[str, Any]:
+        assert self.policy is not None
+        entry: dict[str, Any] = {
+            "attempt": self.attempt,  # the attempt that ended; the restart starts attempt + 1
+            "cause": cause,
+            "at": ending.ended_at,
+            "exit_code": ending.exit_code,
+            "signal": ending.signal,
+            "detail": self._ending_text(ending),
+            "backoff_s": self.policy.backoff_s,
+        }
+        if ending.stacks is not None:
+            entry["stacks"] = ending.stacks
+        self.restarts.append(entry)
+        self.restart_state = "backoff"
+        self.write_restarts(restart_at=time.time() + self.policy.backoff_s)
+        say(
+            f"[specdec] ──── attempt {self.attempt} {entry['detail']}: {cause}; restart {len(self.restarts)}/"
+            f"{self.policy.max} in {self.policy.backoff_s:g} s ────"
+        )
+        return entry
+
+    def backoff(self) -> bool:
+        """Wait the policy's backoff; False as soon as a stop (or a signal) cancels the restart."""
+        assert self.policy is not None
+        deadline = time.monotonic() + self.policy.backoff_s
+        while self.cancelled() is None:
+            self.echo_offset = self.echo(self.echo_offset)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(POLL_S, left))
+        return False
+
+    def clear_leftovers(self, pgid: int, start_ticks: int | None) -> None:
+        """End what is left of the ended attempt's process group (workers of a dead launcher) before the next one:
+        they would hold its GPU memory. SIGTERM, the policy's grace, SIGKILL."""
+        assert self.policy is not None
+        left = _group_members(pgid, start_ticks)
+        if not left:
+            return
+        say(f"[specdec] {len(left)} process(es) of the ended attempt's group remain: SIGTERM to group {pgid}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.policy.grace_s
+        while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if _group_members(pgid, start_ticks):
+            say(f"[specdec] still there after the {self.policy.grace_s:g} s grace: SIGKILL to group {pgid}")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + KILL_WAIT_S
+            while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            stuck = _group_members(pgid, start_ticks)
+            if stuck:  # uninterruptible sleep in the driver: the next attempt may find its GPU memory still held
+                say(f"[specdec] pid(s) {', '.join(map(str, stuck))} still there {KILL_WAIT_S:g} s after SIGKILL")
+
+    def finish(self, exit_code: int | None, sig: int | None, cause: str) -> int:
+        self.write_exit(exit_code, sig, cause)
+        self.echo_offset = self.echo(self.echo_offset)
+        after = f" (after {len(self.restarts)} restarts: {restart.summary(self.restarts)})" if self.restarts else ""
+        self.echo_status(f"[specdec] run {self.run_id} {cause}{after}")
+        return 128 + sig if sig is not None else int(exit_code or 0)
+
+    def supervise(self, job: subprocess.Popen[bytes], out_base: int) -> restart.Ending:
+        """Watch one attempt until its job ends (or, under a hang policy, until it is stopped as hung)."""
+        milestones = self.milestones
         scanner = records.RunScanner(self.run_dir, self.launch["step_pattern"], out_base)
-        milestones: dict[str, float] = {}
-        echo_offset = out_base
+        entry, self.next_restart = self.next_restart, None
+        if entry is not None:
+            entry["restarted_at"] = self.launch["attempt_started_at"]
+            entry["pid"] = job.pid
+            self.write_restarts()
+        watch: restart.ProgressWatch | None = None
+        if self.policy is not None and self.policy.watches_hangs:
+            watch = restart.ProgressWatch(
+                self.run_dir / records.OUTPUT_LOG,
+                self.run_dir / records.EVENTS_JSONL,
+                self.launch["step_pattern"],
+                float(self.launch["attempt_started_at"]),
+                self.policy.stall_s,
+                _deadline(self.spec, "first-step"),
+            )
         status: int | None = None
+        hang: str | None = None
+        stacks: str | None = None
         while status is None:
-            pid, raw = os.waitpid(job.pid, os.WNOHANG)
-            if pid == job.pid:
-                status = raw
+            status = self._reap(job.pid)
+            if status is not None:
                 break
             now = time.time()
-            if len(milestones) < 2:
+            if len(milestones) < 2 or entry is not None:
                 st = scanner.poll(now)
                 changed = False
                 if "output" not in milestones and st.output_seen_at is not None:
@@ -204,25 +438,98 @@ class Wrapper:
                     changed = True
                 if changed:
                     self.write_milestones(milestones)
-            echo_offset = self.echo(echo_offset)
-            if len(milestones) == 2 and self.pane_fd is None:
-                _, status = os.waitpid(job.pid, 0)  # nothing left to watch: block until the job ends
+                if entry is not None and st.output_seen_at is not None:
+                    entry["first_output_at"] = st.output_seen_at  # the restart's timing: exit -> new output
+                    self.write_restarts()
+                    entry = None
+            self.echo_offset = self.echo(self.echo_offset)
+            if watch is not None:
+                watch.poll(now)
+                hang = watch.hung(now)
+                if hang is not None and self.cancelled() is None:
+                    say(f"[specdec] attempt {self.attempt} hung: {hang}; dumping its stacks, then stopping it")
+                    stacks = self.dump_stacks()
+                    status = self.stop_hung(job)
+                    break
+                hang = None
+            if len(milestones) == 2 and entry is None and self.pane_fd is None and watch is None:
+                status = self._reap(job.pid, block=True)  # nothing left to watch: block until the job ends
                 break
-            time.sleep(POLL_S if len(milestones) < 2 else ECHO_POLL_S)
+            self.nap(job.pid, POLL_S if len(milestones) < 2 or entry is not None else ECHO_POLL_S)
+        assert status is not None
+        ended_at = time.time()
+        if entry is not None:  # it printed and ended within one poll: this poll's time bounds its first output
+            st = scanner.poll()
+            if st.output_seen_at is not None:
+                entry["first_output_at"] = st.output_seen_at
+                self.write_restarts()
         job.returncode = os.waitstatus_to_exitcode(status)
         self._final_milestones(scanner, milestones)  # before exit.json: a reader that sees the end sees these
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
-            cause = f"killed by signal {sig} ({records.signal_name(sig)})"
-            self.write_exit(None, sig, cause)
-            code = 128 + sig
+            ending = restart.Ending(None, sig, f"killed by signal {sig} ({records.signal_name(sig)})")
         else:
             code = os.WEXITSTATUS(status)
-            self.write_exit(code, None, f"exited with code {code}")
-            cause = f"exited with code {code}"
-        self.echo(echo_offset)
-        self.echo_status(f"[specdec] run {self.run_id} {cause}")
-        return code
+            ending = restart.Ending(code, None, f"exited with code {code}")
+        ending.hang = hang
+        ending.stacks = stacks
+        ending.ended_at = ended_at
+        if not ending.ok and hang is None:
+            ending.oom = restart.find_oom(self.run_dir / records.OUTPUT_LOG, out_base)
+        self.echo_offset = self.echo(self.echo_offset)
+        return ending
+
+    def nap(self, pid: int, timeout_s: float) -> None:
+        """Sleep up to timeout_s, waking the moment the job exits (a pidfd, Linux >= 5.3; else a plain sleep)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            time.sleep(timeout_s)
+            return
+        try:
+            select.select([fd], [], [], timeout_s)
+        finally:
+            os.close(fd)
+
+    def dump_stacks(self) -> str:
+        """Every thread's stack of the hung attempt, into stacks/hang-attempt-N.txt: the path, or why there is none."""
+        rel = f"{stackdump.STACKS_DIR}/hang-attempt-{self.attempt}.txt"
+        try:
+            res = control.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.get("boot_id"))
+        except control.SupervisorError as exc:
+            say(f"[specdec] no stack dump: {exc}")
+            return f"no stack dump: {exc}"
+        try:
+            (self.run_dir / stackdump.STACKS_DIR).mkdir(exist_ok=True)
+            (self.run_dir / rel).write_text(f"# {res['method']}\n{res['text']}", encoding="utf-8")
+        except OSError as exc:
+            say(f"[specdec] the stack dump could not be saved: {exc}")
+            return f"stack dump not saved: {exc}"
+        say(f"[specdec] stacks in {rel} ({res['method']})")
+        return rel
+
+    def stop_hung(self, job: subprocess.Popen[bytes]) -> int:
+        """SIGTERM to the hung job's group, the policy's grace, then SIGKILL; the job's wait status."""
+        assert self.policy is not None
+        say(f"[specdec] SIGTERM to process group {job.pid} ({self.policy.grace_s:g} s grace, then SIGKILL)")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.policy.grace_s
+        while time.monotonic() < deadline:
+            status = self._reap(job.pid)
+            if status is not None:
+                return status
+            self.echo_offset = self.echo(self.echo_offset)
+            time.sleep(POLL_S)
+        status = self._reap(job.pid)
+        if status is not None:
+            return status
+        say(f"[specdec] still running after the {self.policy.grace_s:g} s grace: SIGKILL to process group {job.pid}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        blocked = self._reap(job.pid, block=True)
+        assert blocked is not None
+        return blocked
 
     def _final_milestones(self, scanner: records.RunScanner, milestones: dict[str, float]) -> None:
         # A job that printed and died within one poll still gets its output milestone recorded.
@@ -258,6 +565,29 @@ class Wrapper:
             self.pane_fd = None  # the pane is gone (tmux killed): supervision goes on
             return offset
         return offset + written
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _deadline(spec: dict[str, Any], milestone: str) -> float | None:
+    value = (spec.get("deadlines_s") or {}).get(milestone)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def _group_members(pgid: int, min_start_ticks: int | None) -> list[int]:
+    """Live members of a process group that started no earlier than the job did (a reused pgid is not ours)."""
+    return [
+        st.pid
+        for st in procs.all_stats().values()
+        if st.pgrp == pgid
+        and st.state not in ("Z", "X", "x")
+        and (min_start_ticks is None or st.start_ticks >= min_start_ticks)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widget import Widget
 
+from tui import restarts
 from tui.widgets.charts import ChartModel, Charts
 from tui.widgets.footer import KeyFooter
 from tui.widgets.gpu_bars import GpuBars
@@ -144,10 +145,19 @@ class DashboardState:
             self.charts.clear()
             self.health.clear()
             self.engine_steps_seen = False
+        before = len(restarts.restarts_of(self.run)) if new_id == old_id else 0
         self.run = run
         self.timeline.from_run(run)
         self.header.run_id = new_id if isinstance(new_id, str) else None
         self.header.run_state = str(run.get("state")) if run else None
+        self.header.restarts = restarts.summary(run)
+        done = restarts.restarts_of(run)
+        self.header.restarted = bool(done)
+        if len(done) > before:
+            self.health.clear()  # restarted: the threads (and their deaths) of the attempt before are gone
+        max_restarts = run.get("restart_max") if run else None
+        for i, item in enumerate(done[before:], start=before + 1):
+            self.notices.append(("warning", f"run {new_id}: {restarts.line(i, item, max_restarts)}"))
         self.dirty.update({"header", "timeline", "charts", "procs"})
 
     def _engine_event(self, event: dict[str, Any]) -> None:

@@ -37,6 +37,8 @@ class HeaderModel:
     rtt_ms: float | None = None
     run_id: str | None = None
     run_state: str | None = None
+    restarts: str | None = None  # "restarts 2/3 (crash, oom)" under a restart policy (tui/restarts.py)
+    restarted: bool = False  # at least one restart happened: shown as a warning
     simulated: bool = False
 
 
@@ -91,6 +93,8 @@ class RunHeader(Widget):
             out.append(m.run_id)
             state = m.run_state or "?"
             out.append(f" {state}", style=self._style(RUN_STATE_CLASS.get(state, "warn")))
+            if m.restarts:
+                out.append(f"  {m.restarts}", style=self._style("warn" if m.restarted else "muted"))
         else:
             out.append("none", style=self._style("muted"))
         if m.simulated:

@@ -9,6 +9,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from engine.protocol import MILESTONES
+from tui import restarts
 from tui.widgets.text_line import RowTracking
 
 
@@ -27,6 +28,8 @@ class TimelineModel:
     stage: str | None = None
     run_state: str | None = None
     exit_cause: str | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # the run's restarts, oldest first
+    restart_max: int | None = None
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` of this run
 
     def reset(self, run_id: str | None) -> None:
@@ -36,6 +39,8 @@ class TimelineModel:
         self.stage = None
         self.run_state = None
         self.exit_cause = None
+        self.restarts = []
+        self.restart_max = None
         self.last_export = None
 
     def from_run(self, run: dict[str, Any] | None) -> None:
@@ -54,6 +59,8 @@ class TimelineModel:
                     state.ok = True
         stage = run.get("stage")
         self.stage = stage if isinstance(stage, str) else self.stage
+        self.restarts = restarts.restarts_of(run)
+        self.restart_max = run.get("restart_max") if isinstance(run.get("restart_max"), int) else None
         export = run.get("last_export")
         self.last_export = export if isinstance(export, str) else self.last_export
         self.run_state = str(run.get("state")) if run.get("state") else self.run_state
@@ -138,6 +145,8 @@ class RunTimeline(RowTracking):
             out.append(f"   exported {model.last_export}", style=pending)
         if not causes and model.exit_cause:
             causes.append(f"run {model.exit_cause}")
+        for i, item in enumerate(model.restarts, start=1):
+            out.append(f"\n  ↻ {restarts.line(i, item, model.restart_max)}", style=cause_style)
         for cause in causes:
             out.append(f"\n  cause: {cause}", style=cause_style)
         return self.track_rows(out)

@@ -1,0 +1,266 @@
+"""The restart policy: a run that crashes, hangs or dies of CUDA OOM is started again, in the same run.
+
+A profile's ``restart = { on = ["crash", "hang", "oom"], max = 3, backoff_s = 30 }`` reaches the launch
+wrapper in the LaunchSpec; the wrapper (on the host, under tmux: no client needs to be connected) applies it:
+
+* ``crash``: the job exited non-zero or was killed by a signal nobody sent through the supervisor;
+* ``hang``: no step (a step event in events.jsonl, or an output.log line matching the step pattern) for
+  ``stall_s`` seconds; before the attempt's first step the bound is the larger of ``stall_s`` and the
+  profile's first-step deadline (loading a model is not a hang). The wrapper dumps every thread's stack
+  (``stacks/hang-attempt-N.txt``), then stops the job: SIGTERM to its process group, ``grace_s``, SIGKILL;
+* ``oom``: it failed and the last lines of its output name ``torch.OutOfMemoryError`` / "CUDA out of
+  memory"; the next attempts run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` added. An OOM
+  counts as a crash when only ``crash`` is listed.
+
+A restart is a new attempt of the same run: the same id and directory, output.log appended after a
+separator line, ``restarts.json`` (records.RESTARTS_JSON) listing every restart (attempt, cause, when,
+exit code); exit.json is written once, when the run ends for good. Our engine resumes from its newest
+checkpoint on its own (``resume = true``); any other command is simply run again. ``max`` restarts at
+most, then the run ends with the causes listed. ``stop`` cancels the policy: the wrapper restarts
+nothing after a stop, and a stop during the backoff ends the run at once.
+
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CAUSES: tuple[str, ...] = ("crash", "hang", "oom")
+POLICY_KEYS: tuple[str, ...] = ("on", "max", "backoff_s", "stall_s", "grace_s")
+DEFAULT_ON: tuple[str, ...] = ("crash",)
+DEFAULT_MAX = 3
+DEFAULT_BACKOFF_S = 30.0
+DEFAULT_STALL_S = 1800.0  # the stalled-run anomaly's cap: a step slower than this is not training
+DEFAULT_GRACE_S = 30.0  # our engine saves a checkpoint on SIGTERM at the next step boundary
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+OOM_MARKERS: tuple[bytes, ...] = (b"OutOfMemoryError", b"CUDA out of memory")
+OOM_TAIL_LINES = 200  # torchrun prints every rank's traceback and its summary after the OOM line
+OOM_TAIL_BYTES = 256 * 1024
+READ_BUDGET_BYTES = 4 * 1024 * 1024  # of output.log / events.jsonl one progress poll reads at most
+_STEP_EVENT_RE = re.compile(rb'"kind"\s*:\s*"step"')
+
+# restarts.json "state": what the policy is doing now.
+STATES: tuple[str, ...] = (
+    "watching",  # an attempt is running under the policy
+    "backoff",  # an attempt ended with a cause in `on`: waiting backoff_s before the next
+    "gave_up",  # `max` restarts done and the last attempt failed too
+    "cancelled",  # stopped (stop, or a signal to the wrapper): nothing restarted after it
+    "done",  # the run ended in a way the policy does not restart (success, or a cause not in `on`)
+)
+
+
+class PolicyError(ValueError):
+    """A restart table that cannot be used; ``key`` names the offending key inside it (None: the table)."""
+
+    def __init__(self, key: str | None, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"restart{'.' + key if key else ''}: {problem}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    on: tuple[str, ...] = DEFAULT_ON
+    max: int = DEFAULT_MAX
+    backoff_s: float = DEFAULT_BACKOFF_S
+    stall_s: float = DEFAULT_STALL_S
+    grace_s: float = DEFAULT_GRACE_S
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["on"] = list(self.on)
+        return out
+
+    @property
+    def watches_hangs(self) -> bool:
+        return "hang" in self.on and self.max > 0
+
+
+def _seconds(raw: dict[str, Any], key: str, default: float, positive: bool) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise PolicyError(key, f"must be a number of seconds, got {value!r}")
+    if positive and value <= 0:
+        raise PolicyError(key, f"must be a positive number of seconds, got {value!r}")
+    if value < 0:
+        raise PolicyError(key, f"must not be negative, got {value!r}")
+    return float(value)
+
+
+def parse_policy(raw: Any) -> Policy:
+    """A Policy from a profile's ``restart`` table (or the LaunchSpec's ``restart`` dict); PolicyError names the key."""
+    if isinstance(raw, Policy):
+        return raw
+    if not isinstance(raw, dict):
+        raise PolicyError(
+            None, f"must be a table such as {{ on = [\"crash\", \"hang\", \"oom\"], max = 3 }}, got {raw!r}"
+        )
+    unknown = sorted(str(k) for k in raw if k not in POLICY_KEYS)
+    if unknown:
+        raise PolicyError(unknown[0], f"unknown key; allowed: {', '.join(POLICY_KEYS)}")
+    on_raw = raw.get("on", list(DEFAULT_ON))
+    if not isinstance(on_raw, list) or not all(isinstance(c, str) for c in on_raw):
+        raise PolicyError("on", f"must be a list of causes among {', '.join(CAUSES)}, got {on_raw!r}")
+    for cause in on_raw:
+        if cause not in CAUSES:
+            raise PolicyError("on", f"unknown cause {cause!r}; allowed: {', '.join(CAUSES)}")
+    max_raw = raw.get("max", DEFAULT_MAX)
+    if isinstance(max_raw, bool) or not isinstance(max_raw, int):
+        raise PolicyError("max", f"must be a whole number of restarts, got {max_raw!r}")
+    if max_raw < 0:
+        raise PolicyError("max", f"must not be negative, got {max_raw}")
+    return Policy(
+        on=tuple(c for c in CAUSES if c in on_raw),
+        max=max_raw,
+        backoff_s=_seconds(raw, "backoff_s", DEFAULT_BACKOFF_S, positive=False),
+        stall_s=_seconds(raw, "stall_s", DEFAULT_STALL_S, positive=True),
+        grace_s=_seconds(raw, "grace_s", DEFAULT_GRACE_S, positive=False),
+    )
+
+
+@dataclass
+class Ending:
+    """How one attempt ended, as the wrapper saw it."""
+
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None
+    detail: str  # "exited with code 1", "killed by signal 9 (SIGKILL)"
+    hang: str | None = None  # why the wrapper stopped it as hung
+    oom: str | None = None  # the output line that names a CUDA OOM
+    stacks: str | None = None  # where the hang's stack dump went, or why there is none
+    ended_at: float = 0.0  # when the wrapper reaped it (unix time)
+
+    @property
+    def ok(self) -> bool:
+        return self.hang is None and self.exit_code == 0 and self.signal is None
+
+
+def restart_cause(ending: Ending, policy: Policy) -> str | None:
+    """The cause to restart for (one of CAUSES), or None when the policy does not restart this ending."""
+    if ending.hang is not None:
+        return "hang" if "hang" in policy.on else None
+    if ending.ok:
+        return None
+    if ending.oom is not None and "oom" in policy.on:
+        return "oom"
+    return "crash" if "crash" in policy.on else None
+
+
+def find_oom(log_path: Path | str, start_offset: int) -> str | None:
+    """The first of the last lines after ``start_offset`` of output.log that names a CUDA OOM; None when none does."""
+    try:
+        with open(log_path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            begin = max(start_offset, size - OOM_TAIL_BYTES)
+            fh.seek(begin)
+            data = fh.read(size - begin)
+    except OSError:
+        return None
+    for line in data.replace(b"\r", b"\n").split(b"\n")[-OOM_TAIL_LINES:]:
+        if any(m in line for m in OOM_MARKERS):
+            text = line.decode("utf-8", "replace").strip()
+            return text if len(text) <= 200 else text[:199] + "…"
+    return None
+
+
+def with_expandable_segments(env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """The job's environment for the attempt after an OOM, and a sentence saying what changed."""
+    out = dict(env)
+    current = out.get(ALLOC_CONF_ENV, "")
+    if "expandable_segments" in current:
+        return out, f"{ALLOC_CONF_ENV}={current} already sets expandable_segments: left as it is"
+    out[ALLOC_CONF_ENV] = f"{current},{EXPANDABLE_SEGMENTS}" if current else EXPANDABLE_SEGMENTS
+    return out, f"{ALLOC_CONF_ENV}={out[ALLOC_CONF_ENV]} added to the job's environment"
+
+
+class _Appended:
+    """Complete lines appended to a file since an offset (a file replaced or truncated is read from its start)."""
+
+    def __init__(self, path: Path, offset: int) -> None:
+        self.path = path
+        self.offset = offset
+        self.carry = b""
+        self.inode: int | None = None
+
+    def read(self) -> bytes:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return b""
+        if self.inode is not None and (st.st_ino != self.inode or st.st_size < self.offset):
+            self.offset, self.carry = 0, b""
+        self.inode = st.st_ino
+        if st.st_size <= self.offset:
+            return b""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(min(READ_BUDGET_BYTES, st.st_size - self.offset))
+        except OSError:
+            return b""
+        self.offset += len(data)
+        chunk = self.carry + data
+        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if cut < 0:
+            self.carry = chunk if len(chunk) <= 64 * 1024 else b""  # a line without end: give up on its start
+            return b""
+        self.carry = chunk[cut + 1 :]
+        return chunk[: cut + 1]
+
+
+class ProgressWatch:
+    """When one attempt last made progress: a step event in events.jsonl or a step-pattern line in output.log."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        events_path: Path,
+        step_pattern: str,
+        started_at: float,
+        stall_s: float,
+        first_step_deadline_s: float | None,
+    ) -> None:
+        self._log = _Appended(log_path, _size(log_path))
+        self._events = _Appended(events_path, _size(events_path))
+        self._step_re = re.compile(step_pattern.encode())
+        self.started_at = started_at
+        self.last_step_seen_at: float | None = None
+        self.stall_s = stall_s
+        self.first_step_bound_s = max(stall_s, first_step_deadline_s or 0.0)
+
+    def poll(self, now: float) -> None:
+        in_log = self._step_re.search(self._log.read()) is not None
+        in_events = _STEP_EVENT_RE.search(self._events.read()) is not None
+        if in_log or in_events:
+            self.last_step_seen_at = now
+
+    def hung(self, now: float) -> str | None:
+        """Why the attempt counts as hung now; None while it is within its bound."""
+        if self.last_step_seen_at is None:
+            idle_s = now - self.started_at
+            if idle_s <= self.first_step_bound_s:
+                return None
+            return f"no step {idle_s:.1f} s after the attempt started (bound {self.first_step_bound_s:g} s)"
+        idle_s = now - self.last_step_seen_at
+        if idle_s <= self.stall_s:
+            return None
+        return f"no step for {idle_s:.1f} s (stall_s {self.stall_s:g})"
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def summary(restarts: list[dict[str, Any]]) -> str:
+    """ "crash, oom" for the causes of a run's restarts, in order."""
+    return ", ".join(str(r.get("cause")) for r in restarts)

@@ -1,0 +1,34 @@
+"""A run's restarts (RunInfo.restarts, under a profile's restart policy) in words: header, timeline, status."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+_STATE_WORDS = {"backoff": "restarting", "gave_up": "gave up", "cancelled": "cancelled by stop"}
+
+
+def restarts_of(run: dict[str, Any] | None) -> list[dict[str, Any]]:
+    items = (run or {}).get("restarts")
+    return [r for r in items if isinstance(r, dict)] if isinstance(items, list) else []
+
+
+def summary(run: dict[str, Any] | None) -> str | None:
+    """ "restarts 2/3 (crash, oom)", with "restarting" / "gave up" when so; None for a run without a restart policy."""
+    if not run or not isinstance(run.get("restart_max"), int):
+        return None
+    items = restarts_of(run)
+    text = f"restarts {len(items)}/{run['restart_max']}"
+    if items:
+        text += f" ({', '.join(str(r.get('cause')) for r in items)})"
+    state = _STATE_WORDS.get(str(run.get("restart_state")))
+    return f"{text}, {state}" if state else text
+
+
+def line(index: int, item: dict[str, Any], max_restarts: int | None) -> str:
+    """One restart: "restart 1/3 at 03:12:09: oom: exited with code 1 (CUDA out of memory: ...)"."""
+    at = item.get("at")
+    when = f" at {time.strftime('%H:%M:%S', time.localtime(at))}" if isinstance(at, (int, float)) else ""
+    of = f"/{max_restarts}" if max_restarts is not None else ""
+    detail = item.get("detail") or (f"exit code {item.get('exit_code')}" if item.get("exit_code") is not None else "")
+    return f"restart {index}{of}{when}: {item.get('cause')}" + (f": {detail}" if detail else "")
