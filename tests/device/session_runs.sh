@@ -3,6 +3,7 @@
 #   1. acceptance length on the CPU cores, four fidelity variants in parallel (background, tests/bench/bench_acceptance.py)
 #   2. the host-side holder mapping against real NVML (tests/device/host_map_nvml.py)
 #   3. the engine as one torchrun rank on CUDA: the NCCL code path with world size 1 (bench_engine.py ranks --nproc 1)
+#   4. the restart policy against a real CUDA OOM (tests/device/restart_oom.py)
 # Usage: sh tests/device/session_runs.sh [ACCEPT_STEPS]
 set -u
 OUT=${OUT:-/tmp/out}
@@ -18,5 +19,7 @@ echo "host_map exit $?" >> "$OUT/host_map.txt"
 timeout 330 python3 tests/bench/bench_engine.py all --plan "ranks --nproc 1" --batch 2 --steps 12 --warm 3 \
     --timeout-s 320 --out "$OUT/ranks1" > "$OUT/ranks1.txt" 2>&1
 echo "ranks exit $?" >> "$OUT/ranks1.txt"
+timeout 120 python3 tests/device/restart_oom.py > "$OUT/restart_oom.txt" 2>&1
+echo "restart_oom exit $?" >> "$OUT/restart_oom.txt"
 wait
 tail -n 3 "$OUT"/*.txt
