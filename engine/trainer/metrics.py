@@ -24,10 +24,22 @@ def events_path_for(output_dir: str | Path) -> Path:
 
 
 class EventLog:
-    """Appends one JSON object per line, flushed at once; thread-safe."""
+    """Appends one JSON object per line, flushed at once; thread-safe.
 
-    def __init__(self, path: str | Path | None, stdout: IO[str] | None = None) -> None:
+    ``tags`` are added to every event (a torchrun rank's ``rank``, ``world_size`` and ``node``); ``prefix`` starts
+    every human line (``[rank 1] ``), so the ranks' lines in one output.log can be told apart."""
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        stdout: IO[str] | None = None,
+        *,
+        tags: dict[str, Any] | None = None,
+        prefix: str = "",
+    ) -> None:
         self.path = Path(path) if path is not None else None
+        self.tags = dict(tags or {})
+        self.prefix = prefix
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
         self._stdout = stdout if stdout is not None else sys.stdout
@@ -40,7 +52,7 @@ class EventLog:
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         if kind not in ENGINE_EVENT_KINDS:
             raise ValueError(f"unknown engine event kind {kind!r}")
-        event = {"t": time.time(), "kind": kind, **fields}
+        event = {"t": time.time(), "kind": kind, **self.tags, **fields}
         line = json.dumps(to_jsonable(event), separators=(",", ":"))
         with self._lock:
             if self._file is not None:
@@ -56,7 +68,7 @@ class EventLog:
             if self._stdout_broken:
                 return
             try:
-                self._stdout.write(text + "\n")
+                self._stdout.write(self.prefix + text + "\n")
                 self._stdout.flush()
             except (BrokenPipeError, ValueError, OSError) as exc:
                 # A closed stdout must not kill training threads; events.jsonl still gets everything.
