@@ -95,6 +95,10 @@ class Peer:
     pid: int
 
 
+def describe(peers: list[Peer]) -> str:
+    return ", ".join(f"rank {p.rank} (node {p.node}, {p.host} pid {p.pid})" for p in peers)
+
+
 def _process_gone(pid: int) -> bool:
     """True when ``pid`` no longer runs here (no such process, or a zombie waiting to be reaped)."""
     try:
@@ -178,8 +182,7 @@ class CrossRank:
         """A PeerFailure that names the ranks found gone."""
         gone = self.gone_peers()
         if gone:
-            who = ", ".join(f"rank {p.rank} (node {p.node}, {p.host} pid {p.pid})" for p in gone)
-            lead = f"peer {who} is gone"
+            lead = f"peer {describe(gone)} is gone"
         else:
             others = ", ".join(f"rank {p.rank} (node {p.node}, {p.host})" for p in self.peers if p.rank != self.rank)
             lead = f"a peer failed or timed out after {self.timeout_s:.0f} s; peers: {others}"
@@ -194,11 +197,15 @@ class CrossRank:
         counts: list[int],
         stop: bool,
         step: int,
+        failing: bool = False,
     ) -> tuple[list[int], bool]:
         """Sum every model's gradients (``None``: this rank contributes zeros) and replica counts over the ranks,
-        in place; returns the world's counts per model and whether any rank asked to stop."""
+        in place; returns the world's counts per model and whether any rank asked to stop. ``failing``: this
+        rank is aborting (a thread failed, its agent died): the peers raise a PeerFailure naming it instead of
+        taking it for a graceful stop."""
         sizes = [sum(s.numel() for s in model) for model in shapes]
-        flat = torch.zeros(sum(sizes) + len(models) + 1, dtype=torch.float32, device=self.device)
+        tail_len = len(models) + 1 + self.world_size  # counts, the stop flag, one failing flag per rank
+        flat = torch.zeros(sum(sizes) + tail_len, dtype=torch.float32, device=self.device)
         offset = 0
         for grads, size in zip(models, sizes, strict=True):
             pos = offset
@@ -207,7 +214,8 @@ class CrossRank:
                 pos += g.numel()
             offset += size
         flat[offset : offset + len(models)] = torch.tensor(counts, dtype=torch.float32)
-        flat[-1] = 1.0 if stop else 0.0
+        flat[offset + len(models)] = 1.0 if stop or failing else 0.0
+        flat[offset + len(models) + 1 + self.rank] = 1.0 if failing else 0.0
         try:
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
@@ -219,6 +227,13 @@ class CrossRank:
         except (RuntimeError, OSError, dist.DistBackendError) as exc:
             raise self.failure(f"gradient all-reduce of step {step}", exc) from exc
         tail = flat[offset:].tolist()
+        failed = [r for r, flag in enumerate(tail[len(models) + 1 :]) if flag > 0.5 and r != self.rank]
+        if failed and not failing:
+            who = describe([self.peers[r] for r in failed])
+            raise PeerFailure(
+                f"rank {self.rank} (node {self.info.node}): peer {who} failed at step {step} and left the run "
+                "(its own log says why)"
+            )
         offset = 0
         for grads, size in zip(models, sizes, strict=True):
             if grads is not None:
@@ -227,7 +242,7 @@ class CrossRank:
                     g.copy_(flat[pos : pos + g.numel()].view_as(g))
                     pos += g.numel()
             offset += size
-        return [round(c) for c in tail[:-1]], tail[-1] > 0.5
+        return [round(c) for c in tail[: len(models)]], tail[len(models)] > 0.5
 
     def gather_positions(self, step: int, mine: dict[str, Any]) -> None:
         """Every rank's data positions after ``step``, kept for rank 0's checkpoint of that step."""

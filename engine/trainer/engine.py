@@ -118,12 +118,22 @@ class Engine:
         if self.info.launched:
             t0 = time.perf_counter()
             self.cross = start_distributed(self.info, [str(d) for d in ddevs], cfg.dist_timeout_s)
-            self.events.stage(
-                "distributed",
+            detail = (
                 f"rank {self.info.rank} of {self.info.world_size} (node {self.info.node}, local rank "
                 f"{self.info.local_rank}) via {self.cross.backend} in {time.perf_counter() - t0:.1f} s; "
-                f"drafters {[str(d) for d in ddevs]}, targets {[str(d) for d in tdevs]}",
+                f"drafters {[str(d) for d in ddevs]}, targets {[str(d) for d in tdevs]}"
             )
+            # pid and local_rank let the agent map a rank to its process (torchrun starts each in its own session).
+            self.events.emit(
+                "stage",
+                stage="distributed",
+                thread=None,
+                detail=detail,
+                pid=os.getpid(),
+                local_rank=self.info.local_rank,
+                backend=self.cross.backend,
+            )
+            self.events.say(f"stage=distributed {detail}")
         set_recompile_limit(recompile_limit_for(cfg.ttt_steps, len(cfg.buckets), len(ddevs)))
         on_compile = compile_listener(self.events)
         attn_impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
@@ -217,6 +227,7 @@ class Engine:
                 cross=self.cross,
                 shapes=shapes,
                 after_round=self._after_round,
+                failing=lambda: self.control.should_exit,
             )
         elif replicas and n > 1:
             self.group = ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set(), shared)

@@ -57,6 +57,7 @@ class ReplicaGroup:
         cross: CrossRank | None = None,
         shapes: list[list[torch.Size]] | None = None,
         after_round: Callable[[int, bool], None] | None = None,
+        failing: Callable[[], bool] = lambda: False,
     ) -> None:
         if ledgers is None:
             ledgers = {r: ledger for r in ranks} if ledger is not None else {}
@@ -66,6 +67,7 @@ class ReplicaGroup:
         self._cross = cross
         self._shapes = shapes if shapes is not None else []  # the engine fills it as it builds the drafters
         self._after_round = after_round
+        self._failing = failing  # this process is aborting: peers must fail, not stop gracefully
         self._indices: dict[int, int] = {}
         self._live = set(ranks)
         self._devices = dict(zip(ranks, devices, strict=True))
@@ -142,7 +144,7 @@ class ReplicaGroup:
             elif self._cross is not None:
                 models = [self._slots.get(m) for m in self._members]
                 counts = [1 if m in self._slots else 0 for m in self._members]
-                totals, stop = self._cross.all_reduce(models, self._shapes, counts, stop, step)
+                totals, stop = self._cross.all_reduce(models, self._shapes, counts, stop, step, self._failing())
                 for grads, total in zip(models, totals, strict=True):
                     if grads is not None and total > 1:
                         torch._foreach_div_(grads, float(total))
@@ -170,7 +172,7 @@ class ReplicaGroup:
                 average_gradients(grads, devices)
             return stop
         total = sum_gradients(grads, devices)
-        (count,), stop = self._cross.all_reduce([total], self._shapes, [len(ranks)], stop, step)
+        (count,), stop = self._cross.all_reduce([total], self._shapes, [len(ranks)], stop, step, self._failing())
         if count > 1:
             torch._foreach_div_(total, float(count))
         set_gradients(total, grads, devices)
