@@ -577,8 +577,9 @@ class Engine:
             or "steps done"
         )
         degraded = [f.thread for f in self.control.failures]
-        if ok and self.cross is not None:
+        if ok:
             self._write_rank_record(step)
+        if ok and self.cross is not None:
             self.cross.close()
         self.events.emit("run_end", ok=ok, reason=reason, step=step, degraded=degraded)
         self.events.stage("done", reason)
