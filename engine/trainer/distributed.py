@@ -113,7 +113,7 @@ def _process_gone(pid: int) -> bool:
 class CrossRank:
     """This rank's process group: the per-step collective, gathers, broadcasts and naming a dead peer."""
 
-    def __init__(self, info: RankInfo, comm_device: torch.device, timeout_s: float) -> None:
+    def __init__(self, info: RankInfo, comm_device: torch.device, timeout_s: float, setup_timeout_s: float) -> None:
         self.info = info
         self.rank = info.rank
         self.world_size = info.world_size
@@ -123,9 +123,12 @@ class CrossRank:
         timeout = datetime.timedelta(seconds=timeout_s)
         if comm_device.type == "cuda":
             torch.cuda.set_device(comm_device)
-        dist.init_process_group(backend=self.backend, timeout=timeout)
-        # Python objects (ledgers, checkpoint states, the peer table) travel over gloo on the CPU.
-        self.cpu_group: Any = dist.new_group(backend="gloo", timeout=timeout) if self.backend == "nccl" else None
+            dist.init_process_group(backend=self.backend, timeout=timeout, device_id=comm_device)
+        else:
+            dist.init_process_group(backend=self.backend, timeout=timeout)
+        # Python objects (the peer table, the vocabulary and checkpoint to resume from, ledgers) travel over a gloo
+        # group on the CPU whose timeout also covers the setup, where peers wait while rank 0 prepares the data.
+        self.cpu_group: Any = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=setup_timeout_s))
         self._parent = os.getppid()  # the torchrun agent that started this rank
         self._store: Any = None
         self._beat_thread: threading.Thread | None = None
@@ -185,7 +188,7 @@ class CrossRank:
             lead = f"peer {describe(gone)} is gone"
         else:
             others = ", ".join(f"rank {p.rank} (node {p.node}, {p.host})" for p in self.peers if p.rank != self.rank)
-            lead = f"a peer failed or timed out after {self.timeout_s:.0f} s; peers: {others}"
+            lead = f"a peer failed or hung (step collectives time out after {self.timeout_s:.0f} s); peers: {others}"
         me = f"rank {self.rank} (node {self.info.node})"
         return PeerFailure(f"{me}: {what} failed: {lead}: {type(exc).__name__}: {exc}")
 
@@ -276,9 +279,9 @@ class CrossRank:
         dist.destroy_process_group()
 
 
-def start(info: RankInfo, drafter_devices: list[str], timeout_s: float) -> CrossRank:
+def start(info: RankInfo, drafter_devices: list[str], timeout_s: float, setup_timeout_s: float) -> CrossRank:
     """Join the torchrun world: NCCL when this rank's drafters are on CUDA (on the first drafter's GPU), else gloo."""
-    return CrossRank(info, torch.device(drafter_devices[0]), timeout_s)
+    return CrossRank(info, torch.device(drafter_devices[0]), timeout_s, setup_timeout_s)
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
