@@ -221,8 +221,9 @@ class CrossRank:
         flat[offset + len(models) + 1 + self.rank] = 1.0 if failing else 0.0
         try:
             if self.device.type == "cuda":
+                # The calling thread may be any drafter thread of the rank, with its own streams: sync the device.
+                torch.cuda.synchronize(self.device)
                 with torch.cuda.device(self.device):
-                    torch.cuda.current_stream().synchronize()
                     dist.all_reduce(flat)
                     torch.cuda.current_stream().synchronize()
             else:
@@ -238,13 +239,18 @@ class CrossRank:
                 "(its own log says why)"
             )
         offset = 0
+        written: dict[str, torch.device] = {}
         for grads, size in zip(models, sizes, strict=True):
             if grads is not None:
                 pos = offset
                 for g in grads:
                     g.copy_(flat[pos : pos + g.numel()].view_as(g))
                     pos += g.numel()
+                    written.setdefault(str(g.device), g.device)
             offset += size
+        for d in written.values():
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)  # the owning threads read these on their own streams next
         return [round(c) for c in tail[: len(models)]], tail[len(models)] > 0.5
 
     def gather_positions(self, step: int, mine: dict[str, Any]) -> None:
