@@ -167,30 +167,34 @@ class CrossRank:
         """True when the torchrun agent that started this rank has died (this process was re-parented)."""
         return os.getppid() != self._parent
 
-    def gone_peers(self) -> list[Peer]:
+    def gone_peers(self) -> tuple[list[Peer], list[Peer]]:
+        """(peers whose process is gone, peers whose store heartbeat stood still for PROBE_WAIT_S: hung or gone
+        on another host); the process check covers this host, the store check every peer while the store lives."""
         host = socket.gethostname()
-        gone = [p for p in self.peers if p.rank != self.rank and p.host == host and _process_gone(p.pid)]
-        remote = [p for p in self.peers if p.host != host]
-        if remote and self._store is not None:
+        others = [p for p in self.peers if p.rank != self.rank]
+        gone = [p for p in others if p.host == host and _process_gone(p.pid)]
+        rest = [p for p in others if p not in gone]
+        silent: list[Peer] = []
+        if rest and self._store is not None:
             try:
-                before = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in remote}
+                before = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in rest}
                 time.sleep(PROBE_WAIT_S)
-                after = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in remote}
-                gone += [p for p in remote if after[p.rank] == before[p.rank]]
+                after = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in rest}
+                silent = [p for p in rest if after[p.rank] == before[p.rank]]
             except (RuntimeError, OSError):
-                pass  # the store went with its host; the message lists the remote ranks instead
-        return sorted(gone, key=lambda p: p.rank)
+                pass  # the store went with its host; the message lists the peers instead
+        return gone, silent
 
     def failure(self, what: str, exc: BaseException) -> PeerFailure:
-        """A PeerFailure that names the ranks found gone."""
-        gone = self.gone_peers()
-        if gone:
-            lead = f"peer {describe(gone)} is gone"
-        else:
-            others = ", ".join(f"rank {p.rank} (node {p.node}, {p.host})" for p in self.peers if p.rank != self.rank)
-            lead = f"a peer failed or hung (step collectives time out after {self.timeout_s:.0f} s); peers: {others}"
+        """A PeerFailure that names the ranks found gone or silent."""
+        gone, silent = self.gone_peers()
+        parts = [f"peer {describe(gone)} is gone"] if gone else []
+        parts += [f"peer {describe(silent)} stopped responding (hung, or gone with its host)"] if silent else []
+        if not parts:
+            others = describe([p for p in self.peers if p.rank != self.rank])
+            parts = [f"a peer failed or hung (step collectives time out after {self.timeout_s:.0f} s); peers: {others}"]
         me = f"rank {self.rank} (node {self.info.node})"
-        return PeerFailure(f"{me}: {what} failed: {lead}: {type(exc).__name__}: {exc}")
+        return PeerFailure(f"{me}: {what} failed: {'; '.join(parts)}: {type(exc).__name__}: {exc}")
 
     # --- collectives ------------------------------------------------------------------------------------------
     def all_reduce(
