@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import threading
 import time
@@ -37,6 +38,7 @@ from engine.trainer.dispatch import IndexLedger
 from engine.trainer.launch import RankInfo
 
 LOCAL_DEVICE = "cuda:local"  # a device string meaning cuda:<LOCAL_RANK>
+AGENT_DEATH_SIGNAL = signal.SIGUSR2  # sent by the kernel when this rank's torchrun agent dies (SIGUSR1: stacks)
 BEAT_KEY = "specdec/beat/{rank}"
 BEAT_EVERY_S = 0.5
 PROBE_WAIT_S = 1.5  # how long a peer's store heartbeat must stand still for it to be named as gone
@@ -95,6 +97,20 @@ class Peer:
     pid: int
 
 
+def set_parent_death_signal(signum: int) -> None:
+    """Linux: have the kernel send ``signum`` when the parent (the torchrun agent) dies, so this rank learns of it
+    at once; the engine's handler checks that the parent really changed (the signal also comes when the thread
+    that started this process ends). Elsewhere the engine's half-second parent check stands in."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def describe(peers: list[Peer]) -> str:
     return ", ".join(f"rank {p.rank} (node {p.node}, {p.host} pid {p.pid})" for p in peers)
 
@@ -130,6 +146,7 @@ class CrossRank:
         # group on the CPU whose timeout also covers the setup, where peers wait while rank 0 prepares the data.
         self.cpu_group: Any = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=setup_timeout_s))
         self._parent = os.getppid()  # the torchrun agent that started this rank
+        set_parent_death_signal(AGENT_DEATH_SIGNAL)
         self._store: Any = None
         self._beat_thread: threading.Thread | None = None
         self._closing = threading.Event()

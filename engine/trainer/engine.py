@@ -26,7 +26,14 @@ from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
 from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
 from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.dispatch import Dispatcher, IndexLedger
-from engine.trainer.distributed import CrossRank, ShardedSource, map_devices, reshard, weights_digest
+from engine.trainer.distributed import (
+    AGENT_DEATH_SIGNAL,
+    CrossRank,
+    ShardedSource,
+    map_devices,
+    reshard,
+    weights_digest,
+)
 from engine.trainer.distributed import start as start_distributed
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
@@ -516,6 +523,19 @@ class Engine:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        if self.info.launched:
+
+            def on_parent_death(_signum: int, _frame: FrameType | None) -> None:
+                if self.cross is not None and self.cross.agent_gone():  # not a thread of the agent ending
+                    self._agent_lost()
+
+            signal.signal(AGENT_DEATH_SIGNAL, on_parent_death)
+
+    def _agent_lost(self) -> None:
+        """This rank's torchrun agent died: fail at once, so that the peers' next step names this rank
+        (rather than this rank agreeing to a stop that the peers' agents may be asking for meanwhile)."""
+        who = f"rank {self.info.rank} (node {self.info.node})"
+        self.control.fail_run(f"{who}: the torchrun agent that started it is gone")
 
     def start(self) -> None:
         for w in self.workers:
@@ -540,9 +560,7 @@ class Engine:
                 self.control.fail_run(f"threads did not reach a step boundary within {self.cfg.stop_grace_s:.0f} s")
                 break
             if self.cross is not None and self.cross.agent_gone():
-                self.control.fail_run(
-                    f"rank {self.info.rank} (node {self.info.node}): the torchrun agent that started it is gone"
-                )
+                self._agent_lost()
                 break
             self.control.wake.wait(min(interval, 0.5))
             self.control.wake.clear()

@@ -205,7 +205,9 @@ def wait_for_step_then_pid(path: Path, step: int, timeout_s: float) -> int:
 
 
 @pytest.mark.slow
-def test_killing_one_node_agent_stops_the_other_node_naming_the_peer_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", [1, 0], ids=["kill-node1", "kill-node0-the-rendezvous-host"])
+def test_killing_one_node_agent_stops_the_other_node_naming_the_peer_rank(tmp_path: Path, victim: int) -> None:
+    survivor = 1 - victim
     port = free_port()
     config = write_config(tmp_path, steps=100_000, step_delay_s=0.05)
     procs: list[subprocess.Popen[str]] = []
@@ -225,8 +227,8 @@ def test_killing_one_node_agent_stops_the_other_node_naming_the_peer_rank(tmp_pa
         for n in (0, 1):  # both nodes train together: each rank has stepped
             wait_for_step_then_pid(outs[n] / "events.jsonl", step=3, timeout_s=RUN_TIMEOUT_S)
         t0 = time.monotonic()
-        os.killpg(procs[1].pid, signal.SIGKILL)  # node 1's torchrun agent (its worker is in a session of its own)
-        code = procs[0].wait(timeout=60)
+        os.killpg(procs[victim].pid, signal.SIGKILL)  # the node's torchrun agent (its worker has its own session)
+        code = procs[survivor].wait(timeout=60)
         stop_s = time.monotonic() - t0
     finally:
         for p in procs:
@@ -234,9 +236,12 @@ def test_killing_one_node_agent_stops_the_other_node_naming_the_peer_rank(tmp_pa
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     assert code != 0
-    end0 = run_end(outs[0] / "events.jsonl")
-    assert not end0["ok"] and "rank 1 (node 1" in end0["reason"], end0["reason"]
-    end1 = run_end(outs[1] / "events.jsonl")
-    assert not end1["ok"] and "torchrun agent" in end1["reason"]
-    assert stop_s < 20.0, f"node 0 stopped {stop_s:.1f} s after node 1's agent was killed"
+    end = run_end(outs[survivor] / "events.jsonl")
+    assert not end["ok"] and f"peer rank {victim} (node {victim}" in end["reason"], end["reason"]
+    # Named either way it learns of it: the victim's worker says it is failing in the step's all-reduce, or its
+    # process is found gone after the collective broke.
+    assert "is gone" in end["reason"] or "left the run" in end["reason"], end["reason"]
+    orphan = run_end(outs[victim] / "events.jsonl")  # the killed node's worker saw its agent go and left
+    assert not orphan["ok"] and "torchrun agent" in orphan["reason"]
+    assert stop_s < 20.0, f"node {survivor} stopped {stop_s:.1f} s after node {victim}'s agent was killed"
     print(f"kill-to-stop: {stop_s:.2f} s")
