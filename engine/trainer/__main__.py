@@ -4,8 +4,15 @@
     specdec-train --config engine.toml --set steps=100 --set 'drafter_devices=["cuda:0","cuda:1"]'
     specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
 
-Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl); human lines ``step=N loss=… acc0=…
-tok/s=…`` go to stdout. SIGTERM stops at the next step boundary, saves a checkpoint and exits 0.
+Several processes (torch.distributed, one rank per node by default, each rank the threaded engine):
+
+    specdec-train --print-torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 --preset h200-single
+    specdec-train --torchrun --nproc-per-node 2 --preset cpu-demo   # execs the torchrun command line
+
+Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl), each tagged with ``rank``, ``world_size`` and
+``node`` under torchrun; further ranks of a node write events.rank<R>.jsonl beside it and prefix their human
+lines with ``[rank R]``. Human lines ``step=N loss=… acc0=… tok/s=…`` go to stdout. SIGTERM stops every rank at
+the next step boundary, rank 0 saves a checkpoint, and all exit 0.
 SIGUSR1 dumps every thread's stack, named, into <run dir>/stacks/<pid>.txt (to stderr outside the
 supervisor). Exit codes: 0 done or stopped, 1 failed, 2 config error.
 """
@@ -22,6 +29,7 @@ from pathlib import Path
 from engine import stackdump
 from engine.protocol import ENV_RUN_DIR
 from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, parse_override, preset
+from engine.trainer.launch import RankInfo, events_path_for_rank, rank_from_env, shell_line, torchrun_command
 from engine.trainer.metrics import EventLog, events_path_for
 
 
@@ -33,7 +41,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (TOML value)")
     ap.add_argument("--output-dir", help="override output_dir")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    launch = ap.add_argument_group("torchrun launch (config keys nproc_per_node, nnodes, node_rank, rdzv_endpoint)")
+    launch.add_argument("--nproc-per-node", type=int, help="ranks on this node (1: one rank drives every GPU)")
+    launch.add_argument("--nnodes", type=int, help="nodes in the run")
+    launch.add_argument("--node-rank", type=int, help="this node's rank, 0..nnodes-1")
+    launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (on node 0)")
+    how = launch.add_mutually_exclusive_group()
+    how.add_argument("--print-torchrun", action="store_true", help="print the torchrun command line and exit")
+    how.add_argument("--torchrun", action="store_true", help="run this config under torchrun (exec)")
     return ap.parse_args(argv)
+
+
+LAUNCH_KEYS = {"nproc_per_node": "--nproc-per-node", "nnodes": "--nnodes", "node_rank": "--node-rank"}
+LAUNCH_ONLY_FLAGS = ("--print-torchrun", "--torchrun")
+
+
+def engine_argv(argv: list[str]) -> list[str]:
+    """The arguments each rank gets: these minus the launch-only flags."""
+    return [a for a in argv if a not in LAUNCH_ONLY_FLAGS]
+
+
+def torchrun_line(cfg: EngineConfig, argv: list[str]) -> list[str]:
+    return torchrun_command(
+        engine_argv(argv),
+        nproc_per_node=cfg.nproc_per_node,
+        nnodes=cfg.nnodes,
+        node_rank=cfg.node_rank,
+        rdzv_endpoint=cfg.rdzv_endpoint,
+    )
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:
@@ -44,6 +79,9 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
     else:
         cfg = preset("cpu-demo")
     overrides = dict(parse_override(s) for s in args.set)
+    for key in ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
     cfg = from_dict(overrides, cfg) if overrides else cfg
@@ -101,8 +139,21 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in cfg.to_dict().items():
             print(f"{key} = {value!r}")
         return 0
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    if args.print_torchrun:
+        print(shell_line(torchrun_line(cfg, raw_argv)))
+        return 0
+    if args.torchrun:
+        cmd = torchrun_line(cfg, raw_argv)
+        sys.stdout.flush()
+        os.execvp(cmd[0], cmd)
+    info = rank_from_env() if cfg.distributed == "auto" else RankInfo()
     link_checkpoints(cfg, os.environ.get(ENV_RUN_DIR))
-    events = EventLog(events_path_for(cfg.output_dir))
+    events = EventLog(
+        events_path_for_rank(events_path_for(cfg.output_dir), info),
+        tags=info.tags(),
+        prefix=f"[rank {info.rank}] " if info.rank > 0 else "",
+    )
     t0 = time.perf_counter()
     events.stage("imports", "importing torch")
     try:
@@ -113,16 +164,30 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("run_end", ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0)
         raise
     events.stage("imports", f"torch {torch.__version__} in {time.perf_counter() - t0:.1f} s")
-    engine = Engine(cfg, events)
+    engine = Engine(cfg, events, info)
     engine.install_signal_handlers()
     try:
         engine.build()
     except Exception as exc:
         events.emit("run_end", ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0)
+        if info.launched:
+            leave_now(events, 1, f"setup failed: {type(exc).__name__}: {exc}")
         raise
     code = engine.run()
+    if code != 0 and info.launched:
+        leave_now(events, code, engine.control.abort_reason or "failed")
     events.close()
     return code
+
+
+def leave_now(events: EventLog, code: int, reason: str) -> None:
+    """A failed rank exits at once: its peers' next collective then fails fast (naming it) instead of waiting
+    out the timeout, and interpreter teardown cannot block on threads stuck in a collective."""
+    events.close()
+    print(f"specdec-train: {reason}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

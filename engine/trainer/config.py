@@ -31,6 +31,8 @@ THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "flex", "sdpa")
 CUDA_STREAMS: tuple[str, ...] = ("per_thread", "per_device")
+DISTRIBUTED: tuple[str, ...] = ("auto", "off")
+LOCAL_DEVICE = "cuda:local"  # cuda:<LOCAL_RANK> of a torchrun rank (engine/trainer/distributed.py)
 DATA_RANDOM = "random"
 DATA_SHIPPED = "shipped"
 # loss_i's denominator (engine/trainer/loss.py): every position of the batch (SpecForge) or the masked ones.
@@ -101,6 +103,16 @@ class EngineConfig:
     stop_grace_s: float = 300.0  # after a stop request, threads still running past this are reported stuck
     step_delay_s: float = 0.0  # a pause after each step, so a demo on a laptop leaves the CPU some air
     torch_threads: int = 0  # 0: leave torch's default
+    # torch.distributed: "auto" joins the torchrun world when started by torchrun (RANK/WORLD_SIZE set), "off"
+    # ignores it. Collectives that wait longer than dist_timeout_s fail the rank (a peer hung).
+    distributed: str = "auto"
+    dist_timeout_s: float = 600.0
+    # The torchrun launch (specdec-train --print-torchrun / --torchrun): ranks per node, nodes, this node's rank,
+    # and the c10d rendezvous HOST:PORT (required for more than one node; "" runs a standalone single node).
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
     # Tiny target size knobs (only for target = "tiny").
     tiny_hidden: int = 64
     tiny_layers: int = 8  # deep enough for the serve-time layers (outputs of 1, 3, 4) to be distinct
@@ -131,9 +143,9 @@ class EngineConfig:
             need(isinstance(devs, list) and len(devs) > 0, key, "a non-empty list of devices, e.g. ['cuda:0']")
             for d in devs:
                 need(
-                    isinstance(d, str) and (d == "cpu" or d == "cuda" or d.startswith("cuda:")),
+                    isinstance(d, str) and (d in ("cpu", "cuda", LOCAL_DEVICE) or _cuda_index(d) is not None),
                     key,
-                    f"device {d!r}; allowed: 'cpu', 'cuda', 'cuda:N'",
+                    f"device {d!r}; allowed: 'cpu', 'cuda', 'cuda:N', '{LOCAL_DEVICE}' (cuda:<LOCAL_RANK>)",
                 )
         need(len(self.buckets) > 0, "buckets", "at least one sequence length")
         need(all(isinstance(b, int) and b >= 16 for b in self.buckets), "buckets", "integers >= 16")
@@ -177,6 +189,22 @@ class EngineConfig:
                     f"{ids}: the target has {depth} decoder layers, so indices run 0..{depth - 1} "
                     "(0-based; the output of each listed layer is captured)",
                 )
+        one_of("distributed", self.distributed, DISTRIBUTED)
+        need(self.dist_timeout_s > 0, "dist_timeout_s", "a positive number of seconds")
+        need(self.nproc_per_node >= 1, "nproc_per_node", "an integer >= 1 (ranks on this node)")
+        need(self.nnodes >= 1, "nnodes", "an integer >= 1 (nodes in the run)")
+        need(
+            0 <= self.node_rank < self.nnodes,
+            "node_rank",
+            f"got {self.node_rank}; this node's rank runs 0..{self.nnodes - 1} (nnodes = {self.nnodes})",
+        )
+        if self.nnodes > 1 or self.rdzv_endpoint:
+            need(
+                _endpoint_ok(self.rdzv_endpoint),
+                "rdzv_endpoint",
+                f"got {self.rdzv_endpoint!r}; HOST:PORT of the c10d rendezvous (node 0's address), port 1..65535"
+                + (f", required with nnodes = {self.nnodes}" if self.nnodes > 1 else ""),
+            )
         need(self.tiny_hidden >= 32 and self.tiny_hidden % 16 == 0, "tiny_hidden", "a multiple of 16, >= 32")
         return self
 
@@ -201,6 +229,16 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _cuda_index(device: str) -> int | None:
+    head, _, tail = device.partition(":")
+    return int(tail) if head == "cuda" and tail.isdigit() else None
+
+
+def _endpoint_ok(endpoint: str) -> bool:
+    host, sep, port = endpoint.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 1 <= int(port) <= 65535)
 
 
 # What a key's value must be when its type is wrong, where the plain type name says too little.

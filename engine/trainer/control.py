@@ -17,6 +17,10 @@ class NonFiniteLoss(RuntimeError):
     """A loss that is NaN or infinite: the run stops, naming the step and the thread."""
 
 
+class PeerFailure(RuntimeError):
+    """A collective across ranks failed: a peer rank died or timed out. The rank stops; the message names the peer."""
+
+
 @dataclass
 class ThreadFailure:
     thread: str
@@ -67,7 +71,7 @@ class RunControl:
         Returns True when the run goes on without this thread (policy ``continue``).
         """
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        policy = "stop" if force_stop or isinstance(exc, NonFiniteLoss) else self.policy
+        policy = "stop" if force_stop or isinstance(exc, (NonFiniteLoss, PeerFailure)) else self.policy
         failure = ThreadFailure(thread, role, type(exc).__name__, str(exc), tb)
         with self._lock:
             self.failures.append(failure)

@@ -7,7 +7,9 @@ queues between them, heartbeats and step metrics to events.jsonl, checkpoints pe
 from __future__ import annotations
 
 import faulthandler
+import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -24,9 +26,12 @@ from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
 from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
 from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.dispatch import Dispatcher, IndexLedger
+from engine.trainer.distributed import CrossRank, ShardedSource, map_devices, reshard, weights_digest
+from engine.trainer.distributed import start as start_distributed
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.health import HealthBoard
+from engine.trainer.launch import RankInfo, rank_from_env
 from engine.trainer.loss import loss_function
 from engine.trainer.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.producer import DeviceBatch, Producer, Route
@@ -55,8 +60,11 @@ def lr_lambda(cfg: EngineConfig) -> Any:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, events: EventLog | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, events: EventLog | None = None, rank: RankInfo | None = None) -> None:
         self.cfg = cfg.validate()
+        # Who this process is in a torchrun world; a plain process (or distributed = "off") is rank 0 of 1.
+        self.info = rank if rank is not None else (rank_from_env() if cfg.distributed == "auto" else RankInfo())
+        self.cross: CrossRank | None = None
         self.output_dir = Path(cfg.output_dir).expanduser().resolve()
         self.events = events if events is not None else EventLog(events_path_for(cfg.output_dir))
         self.health = HealthBoard(self.events, stall_after_s=cfg.stall_after_s, starve_after_s=cfg.starve_after_s)
@@ -78,7 +86,8 @@ class Engine:
         self._stop_seen: float | None = None
         self.progress = ckpt.ProgressRecord(self.output_dir)
         self._last_step_before = self.progress.last_recorded_step()  # read before this run's steps overwrite it
-        self.events.listeners.append(self.progress.on_event)
+        if self.info.rank == 0:  # the ranks of a node share output_dir: rank 0 keeps the record
+            self.events.listeners.append(self.progress.on_event)
 
     # --- building ---------------------------------------------------------------------------------------------
     def _dtypes(self, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -96,10 +105,35 @@ class Engine:
         set_guard_enabled(cfg.compile_guard)
         if not cfg.compile_guard:
             self.events.say("warning: compile guard DISABLED (control experiment): threads may compile concurrently")
-        tdevs = [torch.device(d) for d in cfg.target_devices]
-        ddevs = [torch.device(d) for d in cfg.drafter_devices]
+        tdevs = [torch.device(d) for d in map_devices(cfg.target_devices, self.info)]
+        ddevs = [torch.device(d) for d in map_devices(cfg.drafter_devices, self.info)]
         if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
             raise RuntimeError("the config names CUDA devices but torch.cuda.is_available() is False")
+        for d in tdevs + ddevs:
+            if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"rank {self.info.rank} (local rank {self.info.local_rank}) maps to {d}, but this node has "
+                    f"{torch.cuda.device_count()} GPU(s): lower nproc_per_node or name fewer devices per rank"
+                )
+        if self.info.launched:
+            t0 = time.perf_counter()
+            self.cross = start_distributed(self.info, [str(d) for d in ddevs], cfg.dist_timeout_s)
+            detail = (
+                f"rank {self.info.rank} of {self.info.world_size} (node {self.info.node}, local rank "
+                f"{self.info.local_rank}) via {self.cross.backend} in {time.perf_counter() - t0:.1f} s; "
+                f"drafters {[str(d) for d in ddevs]}, targets {[str(d) for d in tdevs]}"
+            )
+            # pid and local_rank let the agent map a rank to its process (torchrun starts each in its own session).
+            self.events.emit(
+                "stage",
+                stage="distributed",
+                thread=None,
+                detail=detail,
+                pid=os.getpid(),
+                local_rank=self.info.local_rank,
+                backend=self.cross.backend,
+            )
+            self.events.say(f"stage=distributed {detail}")
         set_recompile_limit(recompile_limit_for(cfg.ttt_steps, len(cfg.buckets), len(ddevs)))
         on_compile = compile_listener(self.events)
         attn_impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
@@ -131,6 +165,10 @@ class Engine:
             )
         target0 = self.targets[0]
 
+        # The first rank of each node tokenizes (and caches) the data before the node's other ranks read the cache.
+        first_on_node = self.cross is None or self.info.local_rank == 0
+        if not first_on_node and self.cross is not None:
+            self.cross.barrier("waiting for the data cache of the node's first rank")
         if cfg.data == DATA_RANDOM or tokenizer is None:
             self.source = RandomTokenSource(
                 target0.vocab_size, buckets=cfg.buckets, batch_size=cfg.batch_size, seed=cfg.seed
@@ -150,17 +188,20 @@ class Engine:
             )
             self.source = source
             self._report_data(source)
+        if first_on_node and self.cross is not None:
+            self.cross.barrier("the data cache of the node's first rank")
 
-        latest = ckpt.latest_checkpoint(self.output_dir) if cfg.resume else None
+        resume = self._resume_package(target0.vocab_size)
+        latest = Path(resume["path"]) if resume["path"] is not None else None
+        self.vocab = DraftVocab(resume["vocab"])
         if latest is not None:
-            self.vocab = DraftVocab(ckpt.load_vocab(latest))
             self.resumed_from = latest
-        else:
-            draft_size = min(cfg.draft_vocab_size, target0.vocab_size)
-            self.vocab = build_draft_vocab(self.source, target0.vocab_size, draft_size)
+        elif self.info.rank == 0:
             self.events.stage(
                 "data", f"draft vocabulary: the {self.vocab.size} most frequent token ids over the whole training set"
             )
+        if self.cross is not None:
+            self.source = ShardedSource(self.source, self.info.rank, self.info.world_size)
         if cfg.vocab_sample_batches is not None:
             self.events.say(
                 "warning: vocab_sample_batches is ignored: the draft vocabulary counts every training conversation"
@@ -172,7 +213,23 @@ class Engine:
         # The trained batch indices per model: replicas train one model (one ledger), independent drafters one each.
         shared = IndexLedger()
         ledgers = [shared] * n if replicas else [IndexLedger() for _ in range(n)]
-        if replicas and n > 1:
+        self._ledgers = ledgers
+        shapes: list[list[torch.Size]] = []  # the gradients' shapes per model, filled as the drafters are built
+        if self.cross is not None:
+            # In a torchrun world every step meets at the group (even one drafter), whose completing thread runs
+            # the cross-rank all-reduce; independent drafters are each averaged with the same drafter elsewhere.
+            self.group = ReplicaGroup(
+                list(range(n)),
+                ddevs,
+                lambda: self.control.stop_requested.is_set(),
+                mode=cfg.drafter_mode,
+                ledgers=dict(enumerate(ledgers)),
+                cross=self.cross,
+                shapes=shapes,
+                after_round=self._after_round,
+                failing=lambda: self.control.should_exit,
+            )
+        elif replicas and n > 1:
             self.group = ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set(), shared)
         rounds = CheckpointRounds(
             {REPLICAS_CHECKPOINT} if replicas else {f"drafter{r}" for r in range(n)}, self._write_checkpoint
@@ -198,6 +255,8 @@ class Engine:
             if replicas and first is not None:
                 drafter.load_state_dict(first.state_dict())
             first = first or drafter
+            if not replicas or rank == 0:
+                shapes.append([p.shape for p in drafter.trainable_parameters()])
             params = drafter.trainable_parameters()
             optimizer = torch.optim.AdamW(
                 params,
@@ -241,11 +300,12 @@ class Engine:
             )
             if latest is not None:
                 state_name = REPLICAS_CHECKPOINT if replicas else name
-                try:
-                    state: dict[str, Any] | None = ckpt.load_drafter_state(latest, state_name)
-                except FileNotFoundError:  # a drafter that had died (policy continue) starts afresh
-                    state = None
+                # A drafter that had died (policy continue) has no state: it starts afresh.
+                state: dict[str, Any] | None = resume["states"].get(state_name)
                 if state is not None:
+                    position = self._position_for(resume["meta"], state_name, state)
+                    if position is not None:
+                        state = {**state, "data_position": position}
                     worker.restore_state(state)
                     if replicas and "data_position" not in state:
                         # Before the ledger, replica r trained indices r, r + n, ...: step s means all below s * n.
@@ -324,9 +384,72 @@ class Engine:
 
         return submit
 
+    def _resume_package(self, target_vocab_size: int) -> dict[str, Any]:
+        """What rank 0 resumes from (the newest checkpoint in its output_dir: path, vocabulary, meta and drafter
+        states) or, for a fresh run, its draft vocabulary; every rank gets rank 0's, so the ranks need no
+        shared filesystem and agree on the vocabulary."""
+        assert self.source is not None
+        package: dict[str, Any] | None = None
+        if self.info.rank == 0:
+            latest = ckpt.latest_checkpoint(self.output_dir) if self.cfg.resume else None
+            if latest is not None:
+                meta = ckpt.read_meta(latest)
+                states = {}
+                for name in meta.get("drafters", []):
+                    try:
+                        states[name] = ckpt.load_drafter_state(latest, name)
+                    except FileNotFoundError:
+                        continue
+                package = {"path": str(latest), "vocab": ckpt.load_vocab(latest), "meta": meta, "states": states}
+            else:
+                draft_size = min(self.cfg.draft_vocab_size, target_vocab_size)
+                vocab = build_draft_vocab(self.source, target_vocab_size, draft_size)
+                package = {"path": None, "vocab": vocab.draft_to_target, "meta": {}, "states": {}}
+        if self.cross is not None:
+            package = self.cross.broadcast(package, "the vocabulary and the checkpoint to resume from")
+        assert package is not None
+        return package
+
+    def _position_for(self, meta: dict[str, Any], name: str, state: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's data position for model ``name`` from a checkpoint written by any number of ranks."""
+        old_world = int(meta.get("world_size") or 1)
+        by_rank = meta.get("rank_positions")
+        if by_rank:
+            positions = {int(r): (p or {}).get(name) for r, p in by_rank.items()}
+        else:
+            positions = {0: state.get("data_position")}
+        known = {r: p for r, p in positions.items() if p is not None}
+        if len(known) != old_world:
+            return None  # an older checkpoint: the worker's own fallbacks apply
+        if old_world == self.info.world_size:
+            return known[self.info.rank]
+        return reshard(known, old_world, self.info.rank, self.info.world_size)
+
+    def _after_round(self, step: int, stop: bool) -> None:
+        """After each cross-rank step: gather every rank's data position where rank 0 will write a checkpoint."""
+        cfg = self.cfg
+        if self.cross is None:
+            return
+        if stop or step >= cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            self.cross.gather_positions(step, self._positions())
+
+    def _positions(self) -> dict[str, Any]:
+        if self.cfg.drafter_mode == "replicas":
+            return {REPLICAS_CHECKPOINT: self._ledgers[0].state()}
+        return {f"drafter{r}": ledger.state() for r, ledger in enumerate(self._ledgers)}
+
     def _write_checkpoint(self, step: int, states: dict[str, dict[str, Any]]) -> None:
         assert self.vocab is not None and self.source is not None
+        if self.info.rank != 0:
+            return  # rank 0 writes the world's checkpoints
+        rank_positions: dict[int, Any] | None = None
+        if self.cross is not None:
+            rank_positions = self.cross.positions.get(step)
+            if rank_positions is None:
+                raise RuntimeError(f"no data positions were gathered from the ranks for step {step}")
         meta = {
+            "world_size": self.info.world_size,
+            "rank_positions": rank_positions,
             "config": self.cfg.to_dict(),
             "mode": self.cfg.drafter_mode,
             "data": self.source.describe(),
@@ -413,6 +536,11 @@ class Engine:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 self.control.fail_run(f"threads did not reach a step boundary within {self.cfg.stop_grace_s:.0f} s")
                 break
+            if self.cross is not None and self.cross.agent_gone():
+                self.control.fail_run(
+                    f"rank {self.info.rank} (node {self.info.node}): the torchrun agent that started it is gone"
+                )
+                break
             self.control.wake.wait(min(interval, 0.5))
             self.control.wake.clear()
             if self.training_started_at is None and all(w.warm.is_set() for w in self.workers):
@@ -439,7 +567,7 @@ class Engine:
         ok = not self.control.should_exit and not stuck
         if ok:
             states = self._final_states()
-            if states:
+            if states and self.info.rank == 0:
                 self.events.stage("checkpoint", f"final checkpoint at step {step}")
                 self._write_checkpoint(step, states)
         self.health.publish()
@@ -450,10 +578,32 @@ class Engine:
             or "steps done"
         )
         degraded = [f.thread for f in self.control.failures]
+        if ok:
+            self._write_rank_record(step)
+        if ok and self.cross is not None:
+            self.cross.close()
         self.events.emit("run_end", ok=ok, reason=reason, step=step, degraded=degraded)
         self.events.stage("done", reason)
         self.exit_code = 0 if ok else 1
         return self.exit_code
+
+    def _write_rank_record(self, step: int) -> None:
+        """<output_dir>/ranks/rank<R>.json: this rank's step, a digest of each drafter's weights and its data
+        position, so equal weights and disjoint data across ranks are checked, not assumed."""
+        record = {
+            "rank": self.info.rank,
+            "world_size": self.info.world_size,
+            "node": self.info.node,
+            "step": step,
+            "devices": [str(w.device) for w in self.workers],
+            "weights_sha256": {w.name: weights_digest(w.drafter.state_dict()) for w in self.workers if not w.failed},
+            "data_position": self._positions(),
+        }
+        path = self.output_dir / "ranks" / f"rank{self.info.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
 
     def _final_states(self) -> dict[str, dict[str, Any]]:
         good = [w for w in self.workers if not w.failed and w.final_state is not None]

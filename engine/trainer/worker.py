@@ -21,8 +21,9 @@ import torch
 
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
-from engine.trainer.control import NonFiniteLoss, RunControl
+from engine.trainer.control import NonFiniteLoss, PeerFailure, RunControl
 from engine.trainer.dispatch import IndexLedger
+from engine.trainer.distributed import CrossRank
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, ttt_step
 from engine.trainer.health import name_os_thread
@@ -35,7 +36,14 @@ GET_POLL_S = 0.25
 
 
 class ReplicaGroup:
-    """A barrier that averages gradients across replicas; survives a replica leaving (policy ``continue``)."""
+    """A barrier that averages gradients across replicas; survives a replica leaving (policy ``continue``).
+
+    ``replicas`` mode: the members train one model; their gradients are summed on the first member's device and
+    divided by the number of contributing replicas (in this process, or in the world when ``cross`` is given).
+    ``independent`` mode (only with ``cross``): each member is its own model, averaged with the same member
+    on the other ranks. The thread that completes the barrier runs the cross-rank collective: one thread per
+    rank per round, rounds in the same order on every rank.
+    """
 
     def __init__(
         self,
@@ -43,14 +51,30 @@ class ReplicaGroup:
         devices: list[torch.device],
         should_stop: Callable[[], bool],
         ledger: IndexLedger | None = None,
+        *,
+        mode: str = "replicas",
+        ledgers: dict[int, IndexLedger] | None = None,
+        cross: CrossRank | None = None,
+        shapes: list[list[torch.Size]] | None = None,
+        after_round: Callable[[int, bool], None] | None = None,
+        failing: Callable[[], bool] = lambda: False,
     ) -> None:
-        self._ledger = ledger
+        if ledgers is None:
+            ledgers = {r: ledger for r in ranks} if ledger is not None else {}
+        self._ledgers = ledgers
+        self._members = list(ranks)
+        self._mode = mode
+        self._cross = cross
+        self._shapes = shapes if shapes is not None else []  # the engine fills it as it builds the drafters
+        self._after_round = after_round
+        self._failing = failing  # this process is aborting: peers must fail, not stop gracefully
         self._indices: dict[int, int] = {}
         self._live = set(ranks)
         self._devices = dict(zip(ranks, devices, strict=True))
         self._should_stop = should_stop
         self._cond = threading.Condition()
         self._slots: dict[int, list[torch.Tensor]] = {}
+        self._steps: dict[int, int] = {}
         self._generation = 0
         self._stop_decision = False
         self._error: BaseException | None = None
@@ -60,12 +84,21 @@ class ReplicaGroup:
         with self._cond:
             return sorted(self._live)
 
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def crosses_ranks(self) -> bool:
+        return self._cross is not None
+
     def leave(self, rank: int) -> None:
         with self._cond:
             self._live.discard(rank)
             self._slots.pop(rank, None)
             self._indices.pop(rank, None)
-            if self._live and set(self._slots) >= self._live:
+            self._steps.pop(rank, None)
+            if self._error is None and self._live and set(self._slots) >= self._live:
                 self._complete()
 
     def abort(self, error: BaseException) -> None:
@@ -73,73 +106,118 @@ class ReplicaGroup:
             self._error = error
             self._cond.notify_all()
 
-    def all_reduce(self, rank: int, grads: list[torch.Tensor], index: int = -1) -> bool:
+    def _raise_aborted(self) -> None:
+        err = self._error
+        if isinstance(err, PeerFailure):
+            raise PeerFailure(str(err)) from err  # every thread of the rank names the peer
+        raise RuntimeError(f"replica group aborted: {type(err).__name__}: {err}") from err
+
+    def all_reduce(self, rank: int, grads: list[torch.Tensor], index: int = -1, step: int = 0) -> bool:
         """Average ``grads`` in place across live replicas and record every replica's batch ``index`` as trained
         (all at once, so a checkpoint taken after this step holds all of them); returns whether every replica
-        stops after this step."""
+        stops after this step (in a torchrun world: every rank)."""
         if self._devices[rank].type == "cuda":
             torch.cuda.current_stream().synchronize()  # this replica's grads are complete
         with self._cond:
             if self._error is not None:
-                raise RuntimeError("replica group aborted") from self._error
+                self._raise_aborted()
             gen = self._generation
             self._slots[rank] = grads
             self._indices[rank] = index
+            self._steps[rank] = step
             if set(self._slots) >= self._live:
                 self._complete()
             else:
                 while self._generation == gen and self._error is None:
                     self._cond.wait(0.5)
                 if self._error is not None and self._generation == gen:
-                    raise RuntimeError("replica group aborted") from self._error
+                    self._raise_aborted()
             return self._stop_decision
 
     def _complete(self) -> None:
         ranks = sorted(self._slots)
-        grads = [self._slots[r] for r in ranks]
-        devices = [self._devices[r] for r in ranks]
+        step = max(self._steps.values(), default=0)
         try:
-            if len(ranks) > 1:
-                average_gradients(grads, devices)
+            stop = self._should_stop()
+            if self._mode == "replicas":
+                stop = self._reduce_replicas(ranks, stop, step)
+            elif self._cross is not None:
+                models = [self._slots.get(m) for m in self._members]
+                counts = [1 if m in self._slots else 0 for m in self._members]
+                totals, stop = self._cross.all_reduce(models, self._shapes, counts, stop, step, self._failing())
+                for grads, total in zip(models, totals, strict=True):
+                    if grads is not None and total > 1:
+                        torch._foreach_div_(grads, float(total))
+            for r in ranks:
+                if self._indices.get(r, -1) >= 0 and r in self._ledgers:
+                    self._ledgers[r].mark(self._indices[r])
+            if self._after_round is not None:
+                self._after_round(step, stop)
         except BaseException as exc:
             self._error = exc
             self._cond.notify_all()
             raise
-        if self._ledger is not None:
-            for r in ranks:
-                if self._indices.get(r, -1) >= 0:
-                    self._ledger.mark(self._indices[r])
-        self._stop_decision = self._should_stop()
+        self._stop_decision = stop
         self._slots.clear()
         self._indices.clear()
+        self._steps.clear()
         self._generation += 1
         self._cond.notify_all()
 
+    def _reduce_replicas(self, ranks: list[int], stop: bool, step: int) -> bool:
+        grads = [self._slots[r] for r in ranks]
+        devices = [self._devices[r] for r in ranks]
+        if self._cross is None:
+            if len(ranks) > 1:
+                average_gradients(grads, devices)
+            return stop
+        total = sum_gradients(grads, devices)
+        (count,), stop = self._cross.all_reduce([total], self._shapes, [len(ranks)], stop, step, self._failing())
+        if count > 1:
+            torch._foreach_div_(total, float(count))
+        set_gradients(total, grads, devices)
+        return stop
 
-def average_gradients(grads: list[list[torch.Tensor]], devices: list[torch.device]) -> None:
-    n = len(grads)
-    distinct_cuda = all(d.type == "cuda" for d in devices) and len({str(d) for d in devices}) == n
-    if distinct_cuda:
+
+def _distinct_cuda(devices: list[torch.device]) -> bool:
+    return all(d.type == "cuda" for d in devices) and len({str(d) for d in devices}) == len(devices)
+
+
+def sum_gradients(grads: list[list[torch.Tensor]], devices: list[torch.device]) -> list[torch.Tensor]:
+    """The members' gradients summed on the first member's device (the first member's own tensors for one)."""
+    if len(grads) == 1:
+        return grads[0]
+    if _distinct_cuda(devices):
         from torch.cuda import comm
 
-        summed = comm.reduce_add_coalesced(grads, destination=devices[0].index)
-        for t in summed:
-            t.div_(n)
-        copies = comm.broadcast_coalesced(summed, [d.index for d in devices])
-        for rank_grads, rank_copy in zip(grads, copies, strict=True):
-            torch._foreach_copy_(rank_grads, list(rank_copy))
-        for d in devices:
-            torch.cuda.synchronize(d)
-        return
+        return list(comm.reduce_add_coalesced(grads, destination=devices[0].index))
     total = [g.to(grads[0][0].device, copy=True) for g in grads[0]]
     for other in grads[1:]:
         torch._foreach_add_(total, [g.to(total[0].device) for g in other])
-    torch._foreach_div_(total, float(n))
-    for rank_grads in grads:
-        torch._foreach_copy_(rank_grads, [t.to(rank_grads[0].device) for t in total])
+    return total
+
+
+def set_gradients(total: list[torch.Tensor], grads: list[list[torch.Tensor]], devices: list[torch.device]) -> None:
+    """Copy ``total`` into every member's gradients."""
+    if len(grads) > 1 and _distinct_cuda(devices):
+        from torch.cuda import comm
+
+        copies = comm.broadcast_coalesced(total, [d.index for d in devices])
+        for rank_grads, rank_copy in zip(grads, copies, strict=True):
+            torch._foreach_copy_(rank_grads, list(rank_copy))
+    else:
+        for rank_grads in grads:
+            if rank_grads is not total:
+                torch._foreach_copy_(rank_grads, [t.to(rank_grads[0].device) for t in total])
     for d in {str(d): d for d in devices}.values():
         if d.type == "cuda":
             torch.cuda.synchronize(d)
+
+
+def average_gradients(grads: list[list[torch.Tensor]], devices: list[torch.device]) -> None:
+    total = sum_gradients(grads, devices)
+    torch._foreach_div_(total, float(len(grads)))
+    set_gradients(total, grads, devices)
 
 
 @dataclass
@@ -296,8 +374,11 @@ class DrafterWorker:
         loss.backward()
         stop_after = False
         if self.group is not None:
+            for p in self.params if self.group.crosses_ranks else []:
+                if p.grad is None:  # every replica and rank exchanges the same tensors, in the same order
+                    p.grad = torch.zeros_like(p)
             grads = [p.grad for p in self.params if p.grad is not None]
-            stop_after = self.group.all_reduce(self.rank, grads, batch.index)
+            stop_after = self.group.all_reduce(self.rank, grads, batch.index, self.step + 1)
         mark()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
@@ -443,7 +524,8 @@ class DrafterWorker:
                     target_ms=batch.target_ms,
                 )
                 self.control.events.say(step_line(self.name, self.step, result.loss, result.acc, result.tok_s))
-            leader = self.group is None or self.rank == min(self.group.live)
+            # One state per model: the first live replica's (independent drafters are models of their own).
+            leader = self.group is None or self.group.mode != "replicas" or self.rank == min(self.group.live)
             if (
                 self.submit_checkpoint is not None
                 and leader

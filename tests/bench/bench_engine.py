@@ -7,19 +7,27 @@ TTT 7, draft vocab 32k, batch 1. Each mode runs in its own subprocess (fresh mem
             no compile, dense SDPA masks (the TTT mask materialised).
   sides     the two sides alone: target forward only, and the drafter step alone (compiled flex, block-sparse
             mask, compiled loss) on a fixed batch -> per-GPU rates and the suggested target/drafter split.
-  engine    the engine itself (producer thread + drafter thread, own CUDA streams, compile guard, warm-up).
+  engine    the engine itself (producer thread + drafter thread, own CUDA streams, compile guard, warm-up);
+            with --set drafter_devices/target_devices over two GPUs: the threaded single-process layout.
+  ranks     the engine as torchrun ranks (--nproc N, one rank per GPU, NCCL; N = 1 is the NCCL code path with
+            world size 1): tok/s summed over the ranks, and whether the drafter weights are equal on every
+            rank at the end (each rank's digest in <output_dir>/ranks/).
 
-MFU = model FLOPs per step / step time / 794e12 (bf16 8192^3 matmul measured on this H200). Model FLOPs:
+MFU (per GPU) = model FLOPs per step / step time / GPUs used / 794e12 (bf16 8192^3 matmul measured on this
+H200). Model FLOPs:
   target  = 2*T*(P_layers + H*V) + L * 4*hd*nh * T(T+1)/2               (causal pairs only)
   drafter = 3 * [2*T*3H*H + sum_i (2*T*(P_layer + H*Vd) + 4*hd*nh*(T(T+1)/2 + i*T))]
             (backward = 2x forward; attention counts only the unmasked pairs of the TTT mask)
 
     python3 tests/bench/bench_engine.py all --out DIR
+    python3 tests/bench/bench_engine.py all --batch 2 --plan 'engine;engine --set drafter_devices=["cuda:0","cuda:1"]
+        --set target_devices=["cuda:0","cuda:1"];ranks --nproc 2'     (the two-GPU layouts, one line)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -173,6 +181,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         target.run(ids, mask, draft_ids, t2d)
     torch.cuda.synchronize()
     target_ms = 1000 * (time.perf_counter() - t0) / steps
+    target_gib = torch.cuda.max_memory_allocated() / 2**30  # the target's weights and one batch's activations
     # Drafter side alone, through the engine's worker step (compiled flex + loss).
     events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
     control = RunControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
@@ -217,6 +226,8 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
             phase[k] += res.ms[k] / steps
     torch.cuda.synchronize()
     drafter_ms = 1000 * (time.perf_counter() - t0) / steps
+    drafter_gib = torch.cuda.max_memory_allocated() / 2**30 - target_gib  # what the drafter's training added
+    gpu_gib = torch.cuda.get_device_properties(dev).total_memory / 2**30
     f = flops(target.config, parts["dcfg"], SEQ, TTT, BATCH)
     t_rate, d_rate = SEQ / (target_ms / 1000), SEQ / (drafter_ms / 1000)
     return {
@@ -231,7 +242,14 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
         "drafter_tok_s_per_gpu": d_rate,
         "drafter_mfu": f["drafter"] / (drafter_ms / 1000) / (PEAK_TFLOPS * 1e12),
         "sequential_sum_tok_s": SEQ / ((target_ms + drafter_ms) / 1000),
-        "split": {str(n): suggest_split(t_rate, d_rate, n) for n in (2, 4, 8)},
+        "layout": {
+            str(n): dataclasses.asdict(
+                suggest_split(t_rate, d_rate, n, target_gib=target_gib, drafter_gib=drafter_gib, gpu_gib=gpu_gib)
+            )
+            for n in (2, 4, 8)
+        },
+        "target_gib": target_gib,
+        "drafter_gib": drafter_gib,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
 
@@ -268,6 +286,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     first_step = steps_ev[0][0] if steps_ev else float("nan")
     tail = [t for t, e in steps_ev if e["step"] > warm]
     n_workers = len(cfg.drafter_devices)
+    gpus = {d for d in cfg.drafter_devices + cfg.target_devices if d.startswith("cuda")} or {"cuda:0"}
     tokens_per_step = SEQ * cfg.batch_size
     if len(tail) >= 2:
         span = tail[-1] - tail[0]
@@ -283,7 +302,8 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "tok_s": tok_s,
         "tok_s_all_threads": tok_s if cfg.drafter_mode == "replicas" else tok_s * n_workers,
         "step_ms": 1000 * tokens_per_step / tok_s if tok_s == tok_s else None,
-        "mfu": (f["target"] + f["drafter"]) * tok_s / tokens_per_step / (PEAK_TFLOPS * 1e12),
+        "gpus": len(gpus),
+        "mfu_per_gpu": (f["target"] + f["drafter"]) * tok_s / tokens_per_step / len(gpus) / (PEAK_TFLOPS * 1e12),
         "phase_ms": {k: sum(m[k] for m in ms) / max(1, len(ms)) for k in ("fetch", "fwd", "bwd", "opt")},
         "producer_target_ms": sum(tms) / max(1, len(tms)),
         "build_s": built - t0,
@@ -297,9 +317,61 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     }
 
 
+def mode_ranks(steps: int, warm: int, extra: list[str], nproc: int, timeout_s: float) -> dict[str, Any]:
+    """The engine as ``nproc`` torchrun ranks of one node (h200-single per rank: rank L on cuda:L)."""
+    out = Path(f"/tmp/bench-ranks-{os.getpid()}")
+    sets = [
+        f"steps={warm + steps}",
+        "log_every=1",
+        "checkpoint_every=0",
+        "resume=false",
+        f"buckets=[{SEQ}]",
+        f"ttt_steps={TTT}",
+        f"draft_vocab_size={DRAFT_VOCAB}",
+        *extra,
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd += ["-m", "engine.trainer", "--preset", "h200-single", "--output-dir", str(out)]
+    for item in sets:
+        cmd += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("SPECDEC_EVENTS", None)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env)
+    wall = time.perf_counter() - t0
+    batch = next((int(x.split("=", 1)[1]) for x in extra if x.startswith("batch_size=")), BATCH)
+    per_rank: dict[int, float] = {}
+    first_step_s: dict[int, float] = {}
+    for path in sorted(out.glob("events*.jsonl")):
+        evs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rank = next((e["rank"] for e in evs if "rank" in e), 0)
+        ts = [e["t"] for e in evs if e["kind"] == "step" and e["step"] > warm]
+        start = next((e["t"] for e in evs if e["kind"] == "stage" and e.get("stage") == "imports"), None)
+        first = next((e["t"] for e in evs if e["kind"] == "step"), None)
+        if start is not None and first is not None:
+            first_step_s[rank] = first - start
+        if len(ts) >= 2:
+            per_rank[rank] = SEQ * batch * (len(ts) - 1) / (ts[-1] - ts[0])
+    records = {int(f.stem[4:]): json.loads(f.read_text()) for f in sorted((out / "ranks").glob("rank*.json"))}
+    digests = {d for r in records.values() for d in r["weights_sha256"].values()}
+    tok_s = sum(per_rank.values()) if per_rank else float("nan")
+    return {
+        "mode": f"ranks nproc={nproc} " + " ".join(extra),
+        "exit_code": p.returncode,
+        "tok_s": tok_s,
+        "tok_s_per_rank": per_rank,
+        "start_to_first_step_s": first_step_s,
+        "weights_equal_across_ranks": len(digests) == 1 if records else None,
+        "ranks_recorded": sorted(records),
+        "run_s": wall,
+        "output_tail": (p.stdout + p.stderr)[-3000:] if p.returncode else "",
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["all", "baseline", "sides", "engine"])
+    ap.add_argument("mode", choices=["all", "baseline", "sides", "engine", "ranks"])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks: torchrun ranks on this node (one GPU each)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--compile-target", action="store_true")
@@ -318,6 +390,8 @@ def main() -> int:
             res = mode_baseline(a.steps, a.warm)
         elif a.mode == "sides":
             res = mode_sides(a.steps, a.warm, a.compile_target)
+        elif a.mode == "ranks":
+            res = mode_ranks(a.steps, a.warm, a.set, a.nproc, a.timeout_s)
         else:
             res = mode_engine(a.steps, a.warm, a.set)
         print("RESULT " + json.dumps(res))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import astuple
 from typing import Any
 
 import pytest
@@ -173,10 +174,11 @@ def test_default_layers_are_distinct_for_any_depth_from_three() -> None:
         assert len(set(ids)) == 3 and max(ids) < depth and ids == sorted(ids)
 
 
-def test_split_suggestion_balances_target_and_drafter_rates() -> None:
-    assert suggest_split(27_000, 9_000, 8) == (2, 6)
-    assert suggest_split(10_000, 10_000, 8) == (4, 4)
-    assert suggest_split(1.0, 1000.0, 4) == (3, 1)
+def test_split_suggestion_balances_target_and_drafter_rates_when_they_do_not_fit_together() -> None:
+    tight = {"target_gib": 100.0, "drafter_gib": 60.0, "gpu_gib": 140.0}
+    assert astuple(suggest_split(27_000, 9_000, 8, **tight))[:3] == (False, 2, 6)
+    assert astuple(suggest_split(10_000, 10_000, 8, **tight))[:3] == (False, 4, 4)
+    assert astuple(suggest_split(1.0, 1000.0, 4, **tight))[:3] == (False, 3, 1)
 
 
 def test_heartbeats_flag_a_stalled_thread_and_a_starving_queue() -> None:
