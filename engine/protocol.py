@@ -303,6 +303,8 @@ class RunInfo:
     profile: str | None = None
     cause: str | None = None  # why it failed when the records say more than an exit code (e.g. never started)
     last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
+    failed_rank: int | None = None  # a torchrun run: the global rank that failed first (its node below), when named
+    failed_node: int | None = None
 
 
 @dataclass
