@@ -138,7 +138,8 @@ def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(
         stop_s = time.monotonic() - t0
         assert stop.returncode == 0, stop.output
         assert not [p for p in pids.values() if alive(p)], f"ranks alive after stop: {pids}\n{stop.output}"
-        ends = {n: [e for e in events(rd / n) if e["kind"] == "run_end"] for n in ("events.jsonl", "events.rank1.jsonl")}
+        files = ("events.jsonl", "events.rank1.jsonl")
+        ends = {n: [e for e in events(rd / n) if e["kind"] == "run_end"] for n in files}
         # Every rank agreed on the stop (SIGTERM reached both): a clean end on the same step, no SIGKILL needed.
         assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends.values()), ends
         assert ends["events.jsonl"][-1]["step"] == ends["events.rank1.jsonl"][-1]["step"]
