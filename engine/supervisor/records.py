@@ -279,8 +279,9 @@ def last_lines(path: Path | str, n: int = 20, max_bytes: int = 64 * 1024) -> lis
     return lines[-n:]
 
 
-_RANK_EVENTS_RE = re.compile(r"events\.rank(\d+)\.jsonl")
+RANK_EVENTS_RE = re.compile(r"events\.rank(\d+)\.jsonl")
 _PEER_RE = re.compile(r"peer rank (\d+) \(node (\d+)")
+_LISTED_PEER_RE = re.compile(r"rank (\d+) \(node (\d+)")
 _NPROC_RE = re.compile(r"--nproc[-_]per[-_]node(?:=|$)")
 
 
@@ -426,7 +427,7 @@ class RunScanner:
     def _poll_events(self, budget: int) -> None:
         names = [EVENTS_JSONL]
         try:
-            names += sorted(e for e in os.listdir(self.run_dir) if _RANK_EVENTS_RE.fullmatch(e))
+            names += sorted(e for e in os.listdir(self.run_dir) if RANK_EVENTS_RE.fullmatch(e))
         except OSError:
             return
         for name in names:
@@ -772,18 +773,30 @@ def _own_error(rs: RankState) -> str | None:
         if err.get("exc_type") != PEER_FAILURE:
             return f"thread {err.get('thread')}: {err.get('exc_type')}: {_short(str(err.get('message')))}"
     end = rs.run_end
-    if end is not None and not end.get("ok") and _PEER_RE.search(str(end.get("reason") or "")) is None:
-        return _short(str(end.get("reason")))
+    reason = str((end or {}).get("reason") or "")
+    if end is not None and not end.get("ok") and PEER_FAILURE not in reason and _peer_in(reason) is None:
+        return _short(reason)
     return None
+
+
+def _peer_in(text: str) -> tuple[int, int] | None:
+    """(rank, node) of the peer a PeerFailure message blames: "peer rank 1 (node 1, host pid 7) is gone", or the
+    only one listed in "a peer failed or timed out ...; peers: rank 1 (node 1, host)"."""
+    m = _PEER_RE.search(text)
+    if m is not None:
+        return int(m.group(1)), int(m.group(2))
+    listed = text.split("; peers: ", 1)[1] if "; peers: " in text else ""
+    found = _LISTED_PEER_RE.findall(listed.split(":", 1)[0])
+    return (int(found[0][0]), int(found[0][1])) if len(found) == 1 else None
 
 
 def _blamed_peer(rs: RankState) -> tuple[int, int, str] | None:
     """(peer rank, its node, what this rank said) when this rank ended because a peer failed or went away."""
     texts = [str((rs.run_end or {}).get("reason") or "")] + [str(e.get("message") or "") for e in rs.thread_errors]
     for text in texts:
-        m = _PEER_RE.search(text)
-        if m is not None:
-            return int(m.group(1)), int(m.group(2)), text
+        peer = _peer_in(text)
+        if peer is not None:
+            return peer[0], peer[1], text
     return None
 
 

@@ -85,15 +85,16 @@ def events(path: Path) -> list[dict[str, Any]]:
 
 
 def rank_pid(run_dir: Path, rank: int, timeout_s: float) -> int:
-    """The pid rank ``rank`` reported in its ``distributed`` stage event (bounded wait on its events file)."""
-    path = run_dir / ("events.jsonl" if rank == 0 else f"events.rank{rank}.jsonl")
+    """The pid global rank ``rank`` reported in its ``distributed`` stage event, in whichever events file of the
+    run directory it writes (a node's first rank writes events.jsonl), by a bounded wait."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pid = next((e["pid"] for e in events(path) if e.get("stage") == "distributed"), None)
-        if pid is not None:
-            return int(pid)
+        for path in sorted(run_dir.glob("events*.jsonl")):
+            for e in events(path):
+                if e.get("stage") == "distributed" and e.get("rank") == rank:
+                    return int(e["pid"])
         time.sleep(0.1)
-    raise AssertionError(f"rank {rank} reported no distributed stage in {path} within {timeout_s} s")
+    raise AssertionError(f"rank {rank} reported no distributed stage in {run_dir} within {timeout_s} s")
 
 
 def current_run_dir(root: Path, timeout_s: float = 30.0) -> Path:
@@ -179,3 +180,71 @@ def test_a_rank_killed_before_first_step_is_named_by_launch_wait_and_status(
     run = json.loads(status.stdout)["run"]
     assert (run["failed_rank"], run["failed_node"]) == (1, 0) and "rank 1 (node 0) killed by SIGKILL" in run["cause"]
     print(f"rank 1 SIGKILLed: named by launch --wait {named_s:.1f} s later")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_exit_record(run_dir: Path, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rec = records.read_json(run_dir / records.EXIT_JSON)
+        if rec is not None:
+            return rec
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir.name} wrote no exit record within {timeout_s} s")
+
+
+def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_the_other_naming_it(
+    tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    port = free_port()
+    config = write_config(tmp_path)
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    waits: list[subprocess.Popen[str]] = []
+    try:
+        for n in (0, 1):
+            cmd = job_command(
+                "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                *engine_args(config, tmp_path / f"out{n}"),
+            )  # fmt: skip
+            waits.append(
+                subprocess.Popen(
+                    launch_cli(roots[n], cmd, "--wait", "first-step", "--json"),
+                    cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )
+            )
+        for n, w in enumerate(waits):  # each node's supervisor saw its rank step, together with the other node
+            out, err = w.communicate(timeout=START_TIMEOUT_S)
+            assert w.returncode == 0, f"node {n}: {out}{err}"
+        dirs = [current_run_dir(r) for r in roots]
+        node1_rank = rank_pid(dirs[1], 1, 5)  # node 1's only rank: global rank 1, writing node 1's events.jsonl
+        agent1 = records.read_json(dirs[1] / records.LAUNCH_JSON)["job_pgid"]  # type: ignore[index]
+        t_kill = time.time()
+        os.killpg(agent1, signal.SIGKILL)  # node 1's torchrun agent, as a machine's agent dies
+        ended = wait_exit_record(dirs[0], 60)
+        stop_s = float(ended["ended_at"]) - t_kill
+        deadline = time.monotonic() + 20
+        while alive(node1_rank) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(node1_rank), "node 1's rank outlived its killed agent"
+        status0 = json.loads(cli("status", "local", "--run-root", str(roots[0]), "--json").stdout)["run"]
+        status1 = json.loads(cli("status", "local", "--run-root", str(roots[1]), "--json").stdout)["run"]
+    finally:
+        for w in waits:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+        for r in roots:
+            cli("stop", "local", "--run-root", str(r), "--grace", "2", timeout_s=60)
+    assert status0["state"] == "failed" and (status0["failed_rank"], status0["failed_node"]) == (1, 1), status0
+    assert status0["cause"].startswith("rank 1 (node 1) failed or left the run; rank 0 (node 0) said: "), status0
+    assert status1["state"] == "failed" and status1["signal"] == signal.SIGKILL, status1
+    assert stop_s < 20.0, f"node 0 ended {stop_s:.1f} s after node 1's agent was killed"
+    print(f"two loopback nodes: node 0 ended {stop_s:.2f} s after node 1's agent was SIGKILLed; {status0['cause']}")

@@ -112,3 +112,11 @@ def test_rank_last_lines_are_that_ranks_own(tmp_path: Path) -> None:
     log.write_text("step=3 loss 1\n[rank 1] step=3 loss 2\n[rank 1] thread drafter0 died\nW torchrun warning\n")
     assert records.rank_last_lines(log, 1) == ["[rank 1] step=3 loss 2", "[rank 1] thread drafter0 died"]
     assert records.rank_last_lines(log, 0) == ["step=3 loss 1", "W torchrun warning"]
+
+
+def test_a_timed_out_collective_with_one_peer_names_that_peer(tmp_path: Path) -> None:
+    said = "rank 0 (node 0): gradient all-reduce of step 5 failed: a peer failed or timed out after 60 s; peers: " \
+        "rank 1 (node 1, hostb): RuntimeError: Connection closed by peer"  # fmt: skip
+    write_events(tmp_path / "events.jsonl", {"kind": "run_end", "ok": False, "reason": said, "step": 4, **tags(0)})
+    failed = records.rank_failure(records.RunScanner(tmp_path, None).poll())
+    assert failed is not None and (failed.rank, failed.node) == (1, 1), failed
