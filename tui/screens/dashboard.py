@@ -80,7 +80,11 @@ class DashboardState:
         elif kind == "engine":
             event = ev.get("event")
             offset = ev.get("offset")
-            if isinstance(event, dict) and self.charts.add_engine_event(
+            if isinstance(event, dict) and ev.get("source"):
+                # Another rank's events file: its threads' health only (the charts show the run's events.jsonl).
+                self.health.add_engine_event(event, main_file=False)
+                self.dirty.add("procs")
+            elif isinstance(event, dict) and self.charts.add_engine_event(
                 offset if isinstance(offset, int) else None, event
             ):
                 self._engine_event(event)
