@@ -503,7 +503,7 @@ class Subscription:
 
     def _open_run(self, run_dir: Path, resume: bool) -> tuple[LogFollower, JsonlReader]:
         same_run = self.resume_run_id is None or self.resume_run_id == run_dir.name
-        self._resumed_run = resume and same_run
+        self._resumed_run = resume and same_run and bool(self.engine_offset)  # the client has this run's history
         log_path = run_dir / records.OUTPUT_LOG
         if resume and same_run:
             log = LogFollower(log_path, offset=self.log_offset, inode=self.log_inode)

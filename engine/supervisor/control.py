@@ -596,9 +596,9 @@ def stop(
     if members:
         outside = sorted(p for p in members if not (isinstance(pgid, int) and _pgrp(p) == pgid))
         what = f"process group {pgid}" if isinstance(pgid, int) else "the job"
+        n = len(members) - len(outside)
         also = f" and {len(outside)} rank process(es) in sessions of their own ({_pids_text(outside)})"
-        also = also if outside else ""
-        step(f"SIGTERM to {what} ({len(members) - len(outside)} process(es)){also}")
+        step(f"SIGTERM to {what} ({n} process{'es' if n != 1 else ''}){also if outside else ''}")
         if isinstance(pgid, int):
             _killpg(pgid, signal.SIGTERM)
         for pid in outside:
@@ -667,8 +667,9 @@ def _runs_in(pid: int, rd: Path) -> bool:
 
 
 def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
-    """pid -> start ticks of every live process of the run: the job's group, the job's tree and this node's ranks
-    (torchrun starts each in a session of its own; a rank outlives a killed agent until it notices)."""
+    """pid -> start ticks of every live process of the run: the job's group, torchrun's workers (it starts each in a
+    session of its own) and this node's ranks as their events name them (a rank outlives a killed agent until it
+    notices)."""
     table = procs.all_stats()
     job_ticks = launch_rec.get("job_start_ticks")
     pids: set[int] = set()
@@ -677,8 +678,12 @@ def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
         pids.update(_group_members(pgid, table, job_ticks))
     job_pid = launch_rec.get("job_pid")
     job = table.get(job_pid) if isinstance(job_pid, int) else None
-    if job is not None and (job_ticks is None or job.start_ticks == job_ticks):
-        pids.update(procs.tree_pids(job.pid, table))
+    if job is not None and (job_ticks is None or job.start_ticks == job_ticks) and _is_torchrun(launch_rec):
+        # Its workers, each in a session of its own (any other process that left the group is only reported).
+        agents = {job.pid} | {p for p in procs.tree_pids(job.pid, table) if table[p].pgrp == pgid}
+        workers = [st.pid for st in table.values() if st.ppid in agents and st.pgrp != pgid]
+        for pid in workers:
+            pids.update(procs.tree_pids(pid, table))
     for pid in rank_pids(rd, launch_rec).values():
         st = table.get(pid)
         if st is not None and (job_ticks is None or st.start_ticks >= job_ticks) and _runs_in(pid, rd):
@@ -686,6 +691,15 @@ def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
     return {
         pid: table[pid].start_ticks for pid in sorted(pids) if pid in table and table[pid].state not in ("Z", "X", "x")
     }
+
+
+TORCHRUN_PROGRAMS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def _is_torchrun(launch_rec: dict[str, Any]) -> bool:
+    """The job is torchrun (directly, or through env/python -m): its workers are the run's, in sessions of their own."""
+    command = [str(a) for a in launch_rec.get("command") or []]
+    return any(os.path.basename(a) in TORCHRUN_PROGRAMS for a in command[:8])
 
 
 def _pgrp(pid: int) -> int | None:

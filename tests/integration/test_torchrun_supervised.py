@@ -224,7 +224,10 @@ def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_t
             out, err = w.communicate(timeout=START_TIMEOUT_S)
             assert w.returncode == 0, f"node {n}: {out}{err}"
         dirs = [current_run_dir(r) for r in roots]
-        node1_rank = rank_pid(dirs[1], 1, 5)  # node 1's only rank: global rank 1, writing node 1's events.jsonl
+        # c10d's rendezvous numbers the nodes in the order they join (not by --node-rank): ask the events.
+        killed = next(e for e in events(dirs[1] / "events.jsonl") if e.get("stage") == "distributed")
+        survivor = next(e for e in events(dirs[0] / "events.jsonl") if e.get("stage") == "distributed")
+        node1_rank = int(killed["pid"])
         agent1 = records.read_json(dirs[1] / records.LAUNCH_JSON)["job_pgid"]  # type: ignore[index]
         t_kill = time.time()
         os.killpg(agent1, signal.SIGKILL)  # node 1's torchrun agent, as a machine's agent dies
@@ -243,8 +246,11 @@ def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_t
                 w.wait()
         for r in roots:
             cli("stop", "local", "--run-root", str(r), "--grace", "2", timeout_s=60)
-    assert status0["state"] == "failed" and (status0["failed_rank"], status0["failed_node"]) == (1, 1), status0
-    assert status0["cause"].startswith("rank 1 (node 1) failed or left the run; rank 0 (node 0) said: "), status0
+    dead = f"rank {killed['rank']} (node {killed['node']})"
+    alive_ = f"rank {survivor['rank']} (node {survivor['node']})"
+    assert status0["state"] == "failed", status0
+    assert (status0["failed_rank"], status0["failed_node"]) == (killed["rank"], killed["node"]), status0
+    assert status0["cause"].startswith(f"{dead} failed or left the run; {alive_} said: "), status0
     assert status1["state"] == "failed" and status1["signal"] == signal.SIGKILL, status1
     assert stop_s < 20.0, f"node 0 ended {stop_s:.1f} s after node 1's agent was killed"
     print(f"two loopback nodes: node 0 ended {stop_s:.2f} s after node 1's agent was SIGKILLed; {status0['cause']}")

@@ -69,3 +69,18 @@ async def test_threads_of_a_rank_not_in_the_process_table_are_grouped_by_rank() 
         await pilot.pause()
         text = pane.render().plain  # type: ignore[union-attr]
     assert "rank 0: drafter0, target0" in text and "rank 1: drafter0, target0" in text
+
+
+def test_the_dashboard_header_and_timeline_name_the_failed_node_and_rank() -> None:
+    from tui.screens.dashboard import DashboardState
+
+    state = DashboardState("local", clock=lambda: 100.0)
+    cause = "rank 1 (node 1) failed or left the run; rank 0 (node 0) said: peer rank 1 (node 1, b pid 7) is gone"
+    run = {"run_id": "r1", "state": "failed", "exit_code": 1, "failed_rank": 1, "failed_node": 1, "cause": cause}
+    state.ingest({"ev": "run", "run": run})
+    assert state.header.failed_rank == "rank 1 (node 1)"
+    assert state.timeline.exit_cause is not None and state.timeline.exit_cause.startswith("failed: rank 1 (node 1)")
+    # Another rank's events (forwarded with their file's name) feed the threads' health, not the run's charts.
+    beat = {"t": 99.0, "kind": "step", "thread": "drafter0", "step": 3, "rank": 1, "world_size": 2, "node": 0}
+    state.ingest({"ev": "engine", "run_id": "r1", "source": "events.rank1.jsonl", "event": beat})
+    assert state.health.threads[(1, "drafter0")].step == 3 and not state.charts.series

@@ -152,6 +152,10 @@ class DashboardState:
         self.timeline.from_run(run)
         self.header.run_id = new_id if isinstance(new_id, str) else None
         self.header.run_state = str(run.get("state")) if run else None
+        failed = run is not None and run.get("state") == "failed"
+        rank, node = (run.get("failed_rank"), run.get("failed_node")) if failed and run else (None, None)
+        where = f"rank {rank}" + (f" (node {node})" if isinstance(node, int) else "") if isinstance(rank, int) else None
+        self.header.failed_rank = where
         self.dirty.update({"header", "timeline", "charts", "procs"})
 
     def _engine_event(self, event: dict[str, Any]) -> None:

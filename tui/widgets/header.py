@@ -37,6 +37,7 @@ class HeaderModel:
     rtt_ms: float | None = None
     run_id: str | None = None
     run_state: str | None = None
+    failed_rank: str | None = None  # "rank 1 (node 1)": the torchrun rank that failed first, when the host named it
     simulated: bool = False
 
 
@@ -91,6 +92,8 @@ class RunHeader(Widget):
             out.append(m.run_id)
             state = m.run_state or "?"
             out.append(f" {state}", style=self._style(RUN_STATE_CLASS.get(state, "warn")))
+            if m.failed_rank:
+                out.append(f" at {m.failed_rank}", style=self._style("bad"))
         else:
             out.append("none", style=self._style("muted"))
         if m.simulated:
