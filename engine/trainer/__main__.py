@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os.execvp(cmd[0], cmd)
     info = rank_from_env() if cfg.distributed == "auto" else RankInfo()
-    link_checkpoints(cfg, os.environ.get(ENV_RUN_DIR))
+    if info.local_rank == 0:  # the ranks of a node share the run dir: one link
+        link_checkpoints(cfg, os.environ.get(ENV_RUN_DIR))
     events = EventLog(
         events_path_for_rank(events_path_for(cfg.output_dir), info),
         tags=info.tags(),

@@ -104,9 +104,11 @@ class EngineConfig:
     step_delay_s: float = 0.0  # a pause after each step, so a demo on a laptop leaves the CPU some air
     torch_threads: int = 0  # 0: leave torch's default
     # torch.distributed: "auto" joins the torchrun world when started by torchrun (RANK/WORLD_SIZE set), "off"
-    # ignores it. Collectives that wait longer than dist_timeout_s fail the rank (a peer hung).
+    # ignores it. A training step's collective that waits longer than dist_timeout_s fails the rank (a peer
+    # hung); the setup's (peers waiting while rank 0 tokenizes the data or loads a checkpoint) dist_setup_timeout_s.
     distributed: str = "auto"
     dist_timeout_s: float = 600.0
+    dist_setup_timeout_s: float = 3600.0
     # The torchrun launch (specdec-train --print-torchrun / --torchrun): ranks per node, nodes, this node's rank,
     # and the c10d rendezvous HOST:PORT (required for more than one node; "" runs a standalone single node).
     nproc_per_node: int = 1
@@ -190,7 +192,8 @@ class EngineConfig:
                     "(0-based; the output of each listed layer is captured)",
                 )
         one_of("distributed", self.distributed, DISTRIBUTED)
-        need(self.dist_timeout_s > 0, "dist_timeout_s", "a positive number of seconds")
+        for key in ("dist_timeout_s", "dist_setup_timeout_s"):
+            need(getattr(self, key) > 0, key, "a positive number of seconds")
         need(self.nproc_per_node >= 1, "nproc_per_node", "an integer >= 1 (ranks on this node)")
         need(self.nnodes >= 1, "nnodes", "an integer >= 1 (nodes in the run)")
         need(

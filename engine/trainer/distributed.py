@@ -113,7 +113,7 @@ def _process_gone(pid: int) -> bool:
 class CrossRank:
     """This rank's process group: the per-step collective, gathers, broadcasts and naming a dead peer."""
 
-    def __init__(self, info: RankInfo, comm_device: torch.device, timeout_s: float) -> None:
+    def __init__(self, info: RankInfo, comm_device: torch.device, timeout_s: float, setup_timeout_s: float) -> None:
         self.info = info
         self.rank = info.rank
         self.world_size = info.world_size
@@ -123,9 +123,12 @@ class CrossRank:
         timeout = datetime.timedelta(seconds=timeout_s)
         if comm_device.type == "cuda":
             torch.cuda.set_device(comm_device)
-        dist.init_process_group(backend=self.backend, timeout=timeout)
-        # Python objects (ledgers, checkpoint states, the peer table) travel over gloo on the CPU.
-        self.cpu_group: Any = dist.new_group(backend="gloo", timeout=timeout) if self.backend == "nccl" else None
+            dist.init_process_group(backend=self.backend, timeout=timeout, device_id=comm_device)
+        else:
+            dist.init_process_group(backend=self.backend, timeout=timeout)
+        # Python objects (the peer table, the vocabulary and checkpoint to resume from, ledgers) travel over a gloo
+        # group on the CPU whose timeout also covers the setup, where peers wait while rank 0 prepares the data.
+        self.cpu_group: Any = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=setup_timeout_s))
         self._parent = os.getppid()  # the torchrun agent that started this rank
         self._store: Any = None
         self._beat_thread: threading.Thread | None = None
@@ -164,30 +167,34 @@ class CrossRank:
         """True when the torchrun agent that started this rank has died (this process was re-parented)."""
         return os.getppid() != self._parent
 
-    def gone_peers(self) -> list[Peer]:
+    def gone_peers(self) -> tuple[list[Peer], list[Peer]]:
+        """(peers whose process is gone, peers whose store heartbeat stood still for PROBE_WAIT_S: hung or gone
+        on another host); the process check covers this host, the store check every peer while the store lives."""
         host = socket.gethostname()
-        gone = [p for p in self.peers if p.rank != self.rank and p.host == host and _process_gone(p.pid)]
-        remote = [p for p in self.peers if p.host != host]
-        if remote and self._store is not None:
+        others = [p for p in self.peers if p.rank != self.rank]
+        gone = [p for p in others if p.host == host and _process_gone(p.pid)]
+        rest = [p for p in others if p not in gone]
+        silent: list[Peer] = []
+        if rest and self._store is not None:
             try:
-                before = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in remote}
+                before = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in rest}
                 time.sleep(PROBE_WAIT_S)
-                after = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in remote}
-                gone += [p for p in remote if after[p.rank] == before[p.rank]]
+                after = {p.rank: self._store.add(BEAT_KEY.format(rank=p.rank), 0) for p in rest}
+                silent = [p for p in rest if after[p.rank] == before[p.rank]]
             except (RuntimeError, OSError):
-                pass  # the store went with its host; the message lists the remote ranks instead
-        return sorted(gone, key=lambda p: p.rank)
+                pass  # the store went with its host; the message lists the peers instead
+        return gone, silent
 
     def failure(self, what: str, exc: BaseException) -> PeerFailure:
-        """A PeerFailure that names the ranks found gone."""
-        gone = self.gone_peers()
-        if gone:
-            lead = f"peer {describe(gone)} is gone"
-        else:
-            others = ", ".join(f"rank {p.rank} (node {p.node}, {p.host})" for p in self.peers if p.rank != self.rank)
-            lead = f"a peer failed or timed out after {self.timeout_s:.0f} s; peers: {others}"
+        """A PeerFailure that names the ranks found gone or silent."""
+        gone, silent = self.gone_peers()
+        parts = [f"peer {describe(gone)} is gone"] if gone else []
+        parts += [f"peer {describe(silent)} stopped responding (hung, or gone with its host)"] if silent else []
+        if not parts:
+            others = describe([p for p in self.peers if p.rank != self.rank])
+            parts = [f"a peer failed or hung (step collectives time out after {self.timeout_s:.0f} s); peers: {others}"]
         me = f"rank {self.rank} (node {self.info.node})"
-        return PeerFailure(f"{me}: {what} failed: {lead}: {type(exc).__name__}: {exc}")
+        return PeerFailure(f"{me}: {what} failed: {'; '.join(parts)}: {type(exc).__name__}: {exc}")
 
     # --- collectives ------------------------------------------------------------------------------------------
     def all_reduce(
@@ -218,8 +225,9 @@ class CrossRank:
         flat[offset + len(models) + 1 + self.rank] = 1.0 if failing else 0.0
         try:
             if self.device.type == "cuda":
+                # The calling thread may be any drafter thread of the rank, with its own streams: sync the device.
+                torch.cuda.synchronize(self.device)
                 with torch.cuda.device(self.device):
-                    torch.cuda.current_stream().synchronize()
                     dist.all_reduce(flat)
                     torch.cuda.current_stream().synchronize()
             else:
@@ -235,13 +243,18 @@ class CrossRank:
                 "(its own log says why)"
             )
         offset = 0
+        written: dict[str, torch.device] = {}
         for grads, size in zip(models, sizes, strict=True):
             if grads is not None:
                 pos = offset
                 for g in grads:
                     g.copy_(flat[pos : pos + g.numel()].view_as(g))
                     pos += g.numel()
+                    written.setdefault(str(g.device), g.device)
             offset += size
+        for d in written.values():
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)  # the owning threads read these on their own streams next
         return [round(c) for c in tail[: len(models)]], tail[len(models)] > 0.5
 
     def gather_positions(self, step: int, mine: dict[str, Any]) -> None:
@@ -276,9 +289,9 @@ class CrossRank:
         dist.destroy_process_group()
 
 
-def start(info: RankInfo, drafter_devices: list[str], timeout_s: float) -> CrossRank:
+def start(info: RankInfo, drafter_devices: list[str], timeout_s: float, setup_timeout_s: float) -> CrossRank:
     """Join the torchrun world: NCCL when this rank's drafters are on CUDA (on the first drafter's GPU), else gloo."""
-    return CrossRank(info, torch.device(drafter_devices[0]), timeout_s)
+    return CrossRank(info, torch.device(drafter_devices[0]), timeout_s, setup_timeout_s)
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -117,7 +117,9 @@ class Engine:
                 )
         if self.info.launched:
             t0 = time.perf_counter()
-            self.cross = start_distributed(self.info, [str(d) for d in ddevs], cfg.dist_timeout_s)
+            self.cross = start_distributed(
+                self.info, [str(d) for d in ddevs], cfg.dist_timeout_s, cfg.dist_setup_timeout_s
+            )
             detail = (
                 f"rank {self.info.rank} of {self.info.world_size} (node {self.info.node}, local rank "
                 f"{self.info.local_rank}) via {self.cross.backend} in {time.perf_counter() - t0:.1f} s; "
@@ -243,6 +245,7 @@ class Engine:
         step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
         for fn in [step_fn, *attention.compiled_functions()]:
             fn.listeners.append(on_compile)
+        writes = self.info.rank == 0
         for rank, dev in enumerate(ddevs):
             embed = next((t.embed_weight() for t in self.targets if t.device == dev), None)
             if embed is None:
@@ -295,7 +298,8 @@ class Engine:
                 checkpoint_every=cfg.checkpoint_every,
                 group=self.group,
                 ledger=ledgers[rank],
-                submit_checkpoint=self._submit(REPLICAS_CHECKPOINT if replicas else name),
+                # Rank 0 writes the world's checkpoints: the other ranks need not copy their states for it.
+                submit_checkpoint=self._submit(REPLICAS_CHECKPOINT if replicas else name) if writes else None,
                 step_delay_s=cfg.step_delay_s,
                 loss_fn=loss_function(cfg.loss_mean),
             )

@@ -22,6 +22,7 @@ ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 ENV_GROUP_RANK = "GROUP_RANK"  # the node's rank
+ENV_MASTER_ADDR = "MASTER_ADDR"  # where the ranks' store is: without it there is no world to join
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class RankInfo:
     local_rank: int = 0
     local_world_size: int = 1
     node: int = 0
-    launched: bool = False  # started by torchrun (RANK and WORLD_SIZE set), even as a world of one
+    launched: bool = False  # started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set), even as a world of one
 
     def tags(self) -> dict[str, int]:
         """Fields added to every event of a rank of a torchrun world (none for a plain process)."""
@@ -44,7 +45,7 @@ class RankInfo:
 
 def rank_from_env(env: dict[str, str] | None = None) -> RankInfo:
     e = os.environ if env is None else env
-    if ENV_RANK not in e or ENV_WORLD_SIZE not in e:
+    if ENV_RANK not in e or ENV_WORLD_SIZE not in e or ENV_MASTER_ADDR not in e:
         return RankInfo()
 
     def num(key: str, default: int) -> int:

@@ -281,6 +281,8 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     engine.build()
     built = time.perf_counter()
     code = engine.run()
+    record = Path(cfg.output_dir) / "ranks" / "rank0.json"
+    digests = json.loads(record.read_text())["weights_sha256"] if record.exists() else {}
     steps_ev = [(t, e) for t, e in got if e["kind"] == "step"]
     training = [t for t, e in got if e["kind"] == "stage" and e["stage"] == "training"]
     first_step = steps_ev[0][0] if steps_ev else float("nan")
@@ -312,6 +314,8 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "warmup_per_thread_s": [w.warmup_s for w in engine.workers],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "steps_seen": len(steps_ev),
+        # Replicas on several GPUs: equal weight digests on every GPU at the end (checked, not assumed).
+        "weights_equal_across_gpus": len(set(digests.values())) == 1 if digests else None,
         "compile_events": [e for _t, e in got if e["kind"] == "compile"],  # recompiles after warm-up, fallbacks
         "failures": [e for _t, e in got if e["kind"] in ("thread_error", "run_end") and not e.get("ok", False)],
     }

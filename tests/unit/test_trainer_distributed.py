@@ -132,6 +132,7 @@ def test_launch_values_are_checked_with_errors_that_name_the_key(values: dict[st
 
 def test_a_rank_tags_its_events_and_writes_its_own_file_beside_the_first_rank(tmp_path: Path) -> None:
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    env["MASTER_ADDR"] = "node0"
     info = rank_from_env(env)
     path = events_path_for_rank(tmp_path / "events.jsonl", info)
     assert path.name == "events.rank3.jsonl"
@@ -155,6 +156,7 @@ def test_a_rank_tags_its_events_and_writes_its_own_file_beside_the_first_rank(tm
     assert (event["rank"], event["world_size"], event["node"], event["step"]) == (3, 4, 1, 1)
     assert lines[0] == "[rank 3] step=1 thread=drafter0\n"
     assert rank_from_env({}).tags() == {}  # a plain process adds nothing
+    assert not rank_from_env({"RANK": "0", "WORLD_SIZE": "1"}).launched  # no MASTER_ADDR: no world to join
 
 
 # --- gradient weighting across ranks ------------------------------------------------------------------------
