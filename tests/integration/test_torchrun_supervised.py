@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CliResult
 
 from engine.supervisor import records
 
@@ -112,7 +111,7 @@ def alive(pid: int) -> bool:
 
 
 def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(
-    tmp_path: Path, cli: Callable[..., CliResult]
+    tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
     root = tmp_path / "root"
     cmd = job_command("--standalone", "--nproc-per-node", "2", *engine_args(write_config(tmp_path), tmp_path / "out"))
@@ -151,7 +150,7 @@ def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(
 
 
 def test_a_rank_killed_before_first_step_is_named_by_launch_wait_and_status(
-    tmp_path: Path, cli: Callable[..., CliResult]
+    tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
     root = tmp_path / "root"
     cmd = job_command("--standalone", "--nproc-per-node", "2", *engine_args(write_config(tmp_path), tmp_path / "out"))
@@ -201,7 +200,7 @@ def wait_exit_record(run_dir: Path, timeout_s: float) -> dict[str, Any]:
 
 
 def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_the_other_naming_it(
-    tmp_path: Path, cli: Callable[..., CliResult]
+    tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
     port = free_port()
     config = write_config(tmp_path)
