@@ -253,3 +253,26 @@ def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_t
     assert status1["state"] == "failed" and status1["signal"] == signal.SIGKILL, status1
     assert stop_s < 20.0, f"node 0 ended {stop_s:.1f} s after node 1's agent was killed"
     print(f"two loopback nodes: node 0 ended {stop_s:.2f} s after node 1's agent was SIGKILLed; {status0['cause']}")
+
+
+def test_a_rank_that_raises_is_named_with_its_exception_and_its_own_last_lines(
+    tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    root = tmp_path / "root"
+    fault = ["env", "SPECDEC_TEST_FAULT_RANK=1", "SPECDEC_TEST_FAULT_STEP=1"]
+    engine = [str(REPO / "tests" / "integration" / "rank_fault.py"), "--config", str(write_config(tmp_path))]
+    cmd = fault + job_command("--standalone", "--nproc-per-node", "2", *engine, "--output-dir", str(tmp_path / "out"))
+    t0 = time.monotonic()
+    r = cli(*launch_cli(root, cmd, "--wait", "first-step", "--json")[3:], timeout_s=START_TIMEOUT_S)
+    took = time.monotonic() - t0
+    try:
+        assert r.returncode == 1, r.output
+        result = json.loads(r.stdout)
+        assert result["cause"].startswith("rank 1 (node 0): thread drafter"), result["cause"]
+        assert "RuntimeError: injected fault on rank 1 at step 1" in result["cause"], result["cause"]
+        assert result["last_lines"] and all(ln.startswith("[rank 1] ") for ln in result["last_lines"]), result
+        # The wait ends on the rank's thread_error event, with its traceback, before the rank's log says more.
+        assert result["detail"].rstrip().endswith("RuntimeError: injected fault on rank 1 at step 1"), result
+    finally:
+        cli("stop", "local", "--run-root", str(root), "--grace", "2", timeout_s=60)
+    print(f"rank 1 raised: launch --wait answered in {took:.1f} s: {result['cause'][:160]}")
