@@ -458,9 +458,10 @@ class RunScanner:
             return
         tail.carry = chunk[cut + 1 :]
         for line in chunk[:cut].split(b"\n"):
-            self._event_line(line)
+            self._event_line(line, name == EVENTS_JSONL)
 
-    def _event_line(self, line: bytes) -> None:
+    def _event_line(self, line: bytes, main: bool = True) -> None:
+        """One event; ``main``: from events.jsonl, whose rank (this node's first) speaks for the run."""
         # Heartbeats are the bulk of the file and change nothing here: skip them before parsing.
         m = _KIND_RE.search(line)
         if m is None:
@@ -492,13 +493,13 @@ class RunScanner:
             step = ev.get("step")
             if isinstance(step, int):
                 rs.last_step = step
-                if rank in (None, 0) or self.state.last_step is None:
-                    self.state.last_step = step  # rank 0's step is the run's (ranks agree on every step)
+                if main or self.state.last_step is None:
+                    self.state.last_step = step  # the node's first rank speaks for the run (ranks agree on steps)
             self.state.last_step_at = t_f
         elif kind == "stage":
             stage = ev.get("stage")
-            if isinstance(stage, str) and (rank in (None, 0) or self.state.stage is None):
-                self.state.stage = stage  # rank 0's stage is the run's
+            if isinstance(stage, str) and (main or self.state.stage is None):
+                self.state.stage = stage
             if stage == "distributed":
                 rs.pid = ev.get("pid") if isinstance(ev.get("pid"), int) else rs.pid
                 lws = ev.get("local_world_size")
@@ -508,7 +509,7 @@ class RunScanner:
             rs.thread_errors.append(ev)
         elif kind == "run_end":
             rs.run_end = ev
-            if rank in (None, 0) or self.state.run_end is None:
+            if main or self.state.run_end is None:
                 self.state.run_end = ev
         elif kind == "export":
             path = ev.get("path")

@@ -120,3 +120,15 @@ def test_a_timed_out_collective_with_one_peer_names_that_peer(tmp_path: Path) ->
     write_events(tmp_path / "events.jsonl", {"kind": "run_end", "ok": False, "reason": said, "step": 4, **tags(0)})
     failed = records.rank_failure(records.RunScanner(tmp_path, None).poll())
     assert failed is not None and (failed.rank, failed.node) == (1, 1), failed
+
+
+def test_on_the_second_node_its_first_rank_speaks_for_the_run(tmp_path: Path) -> None:
+    # Node 1's only rank is global rank 1, writing that node's events.jsonl: its stages and steps are the run's.
+    write_events(
+        tmp_path / "events.jsonl",
+        distributed(1, local_world=1, node=1),
+        {"kind": "stage", "stage": "training", **tags(1, node=1)},
+        {"kind": "step", "step": 4, **tags(1, node=1)},
+    )
+    st = records.RunScanner(tmp_path, None).poll()
+    assert st.stage == "training" and st.last_step == 4 and st.first_step_t is not None
