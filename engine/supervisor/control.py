@@ -594,11 +594,17 @@ def stop(
         return not records.process_alive(wrapper_pid, wrapper_ticks)
 
     if members:
-        outside = sorted(p for p in members if not (isinstance(pgid, int) and _pgrp(p) == pgid))
+        in_group = [p for p in members if isinstance(pgid, int) and _pgrp(p) == pgid]
+        # A worker whose torchrun agent lives gets SIGTERM from it (one signal each: a second one while the first
+        # is handled can deadlock a handler that logs); only an orphaned rank needs ours.
+        outside = sorted(p for p in members if p not in in_group and _parent(p) not in in_group)
+        forwarded = len(members) - len(in_group) - len(outside)
         what = f"process group {pgid}" if isinstance(pgid, int) else "the job"
-        n = len(members) - len(outside)
-        also = f" and {len(outside)} rank process(es) in sessions of their own ({_pids_text(outside)})"
-        step(f"SIGTERM to {what} ({n} process{'es' if n != 1 else ''}){also if outside else ''}")
+        n = len(in_group)
+        text = f"SIGTERM to {what} ({n} process{'es' if n != 1 else ''})"
+        text += f" (torchrun forwards it to its {forwarded} worker(s))" if forwarded else ""
+        text += f" and to {len(outside)} orphaned rank process(es) ({_pids_text(outside)})" if outside else ""
+        step(text)
         if isinstance(pgid, int):
             _killpg(pgid, signal.SIGTERM)
         for pid in outside:
@@ -700,6 +706,11 @@ def _is_torchrun(launch_rec: dict[str, Any]) -> bool:
     """The job is torchrun (directly, or through env/python -m): its workers are the run's, in sessions of their own."""
     command = [str(a) for a in launch_rec.get("command") or []]
     return any(os.path.basename(a) in TORCHRUN_PROGRAMS for a in command[:8])
+
+
+def _parent(pid: int) -> int | None:
+    st = procs.read_stat(pid)
+    return st.ppid if st is not None else None
 
 
 def _pgrp(pid: int) -> int | None:
