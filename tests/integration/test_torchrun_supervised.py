@@ -189,6 +189,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_listening(port: int, timeout_s: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
+
+
 def wait_exit_record(run_dir: Path, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -219,6 +231,8 @@ def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_t
                     cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 )
             )
+            if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does: the one kept
+                wait_listening(port, START_TIMEOUT_S)
         for n, w in enumerate(waits):  # each node's supervisor saw its rank step, together with the other node
             out, err = w.communicate(timeout=START_TIMEOUT_S)
             assert w.returncode == 0, f"node {n}: {out}{err}"
