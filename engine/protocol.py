@@ -318,6 +318,8 @@ class RunInfo:
     restart_max: int | None = None
     restart_state: str | None = None
     last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
+    failed_rank: int | None = None  # a torchrun run: the global rank that failed first (its node below), when named
+    failed_node: int | None = None
 
 
 @dataclass

@@ -179,7 +179,7 @@ async def wait_and_report(
         _print_wait_human(obj, wait)
         if attach:
             print(f"  attach: {attach}", flush=True)
-    return _wait_exit_code(obj)
+    return _wait_exit_code(result)  # the agent's answer: it says hung (the printed object leaves that out)
 
 
 async def launch_and_wait(

@@ -365,6 +365,10 @@ class Subscription:
         self.resume_run_id = run_id
         # Offsets apply to the run that is current now; any later run is new to the client.
         self.initial_run_dir = records.current_run_dir(monitor.run_root)
+        self._rank_readers: dict[str, JsonlReader] = {}  # events.rank<R>.jsonl of the followed run
+        self._rank_dir: Path | None = None
+        self._rank_from_end = False
+        self._resumed_run = False
         self.stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -500,9 +504,12 @@ class Subscription:
                 log.close()
             if engine is not None:
                 engine.close()
+            for reader in self._rank_readers.values():
+                reader.close()
 
     def _open_run(self, run_dir: Path, resume: bool) -> tuple[LogFollower, JsonlReader]:
         same_run = self.resume_run_id is None or self.resume_run_id == run_dir.name
+        self._resumed_run = resume and same_run and bool(self.engine_offset)  # the client has this run's history
         log_path = run_dir / records.OUTPUT_LOG
         if resume and same_run:
             log = LogFollower(log_path, offset=self.log_offset, inode=self.log_inode)
@@ -553,7 +560,38 @@ class Subscription:
                     )
                     continue
                 self._emit(protocol.event("engine", offset=end, inode=engine.inode, run_id=run_id, event=eng))
+            self._pump_ranks(run_dir)
         return log.more
+
+    def _pump_ranks(self, run_dir: Path) -> None:
+        """The other ranks' events files of a torchrun node (events.rank<R>.jsonl), forwarded as engine events
+        without an offset: a resumed stream starts them at their end (their heartbeats are live state)."""
+        if self._rank_dir != run_dir:
+            for reader in self._rank_readers.values():
+                reader.close()
+            self._rank_readers, self._rank_dir = {}, run_dir
+            self._rank_from_end = self._resumed_run
+        try:
+            names = [n for n in os.listdir(run_dir) if records.RANK_EVENTS_RE.fullmatch(n)]
+        except OSError:
+            return
+        for name in sorted(names):
+            found = self._rank_readers.get(name)
+            if found is not None:
+                reader = found
+            else:
+                start = 0
+                if self._rank_from_end:
+                    try:
+                        start = os.stat(run_dir / name).st_size
+                    except OSError:
+                        start = 0
+                reader = self._rank_readers[name] = JsonlReader(run_dir / name, offset=start)
+            for _, line in reader.poll():
+                eng = _parse_engine_line(line)
+                if eng is not None:
+                    self._emit(protocol.event("engine", run_id=run_dir.name, source=name, event=eng))
+            reader.reset = None
 
     def _drain(self, log: LogFollower, engine: JsonlReader | None, run_dir: Path | None) -> None:
         if run_dir is None:

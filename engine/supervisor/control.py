@@ -431,7 +431,7 @@ def wait_for(
             exit_code=info.exit_code,
             signal=info.signal,
             elapsed_s=round(time.monotonic() - t0, 3),
-            last_lines=[] if ok else records.last_lines(rd / records.OUTPUT_LOG, LAST_LINES),
+            last_lines=[] if ok else _failed_lines(rd, info),
             alive=alive,
             detail=detail,
             run_id=info.run_id,
@@ -454,12 +454,17 @@ def wait_for(
             launch_rec = records.read_json(rd / records.LAUNCH_JSON)
             scan = records.scanner_for(rd, launch_rec).state if launch_rec is not None else None
             errors = _this_attempts(scan.thread_errors, launch_rec) if scan is not None else []
-            if errors and not _may_restart(info):
-                err = errors[0]
+            # A peer's failure that a rank only saw is no cause: torchrun ends the run within seconds, naming the rank.
+            own = [e for e in errors if e.get("exc_type") != records.PEER_FAILURE]
+            if own and not _may_restart(info):
+                err = own[0]
+                where = f"rank {err['rank']} (node {err.get('node')}): " if isinstance(err.get("rank"), int) else ""
+                if where:
+                    info.failed_rank, info.failed_node = err["rank"], err.get("node")
                 return result(
                     False,
                     info,
-                    f"thread {err.get('thread')} died: {err.get('exc_type')}: {err.get('message')}",
+                    f"{where}thread {err.get('thread')} died: {err.get('exc_type')}: {err.get('message')}",
                     True,
                     str(err.get("traceback") or "") or None,
                 )
@@ -502,6 +507,17 @@ def _this_attempts(events: list[dict[str, Any]], launch_rec: dict[str, Any] | No
     if not isinstance(since, (int, float)) or (launch_rec or {}).get("attempt", 1) == 1:
         return events
     return [e for e in events if not isinstance(e.get("t"), (int, float)) or e["t"] >= since]
+
+
+def _failed_lines(rd: Path, info: protocol.RunInfo) -> list[str]:
+    """The last lines of the rank that failed (its own, from output.log) when a torchrun rank was named, else the
+    log's last lines."""
+    log = rd / records.OUTPUT_LOG
+    if info.failed_rank is not None:
+        own = records.rank_last_lines(log, info.failed_rank, LAST_LINES)
+        if own:
+            return own
+    return records.last_lines(log, LAST_LINES)
 
 
 def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
@@ -584,26 +600,43 @@ def stop(
     job_pid = launch_rec.get("job_pid")
     job_ticks = launch_rec.get("job_start_ticks")
     pgid = launch_rec.get("job_pgid")
-    leftovers = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []
+    # torchrun starts each rank in a session of its own: the group alone misses them, so the run's processes are
+    # its group, the job's tree and the ranks its events name, each pinned by pid and start time from now on.
+    members = run_members(rd, launch_rec)
     if info.state != "running":
-        if not leftovers:
+        if not members:
             raise SupervisorError(f"run {rd.name} is not running ({info.state}): nothing to stop")
-        step(f"the job ended ({info.state}) but {len(leftovers)} process(es) of its group remain")
+        step(f"the job ended ({info.state}) but {len(members)} of its process(es) remain")
     wrapper_pid = int(launch_rec.get("wrapper_pid") or 0)
     wrapper_ticks = launch_rec.get("wrapper_start_ticks")
     if _cancel_restarts(launch_rec, wrapper_pid, wrapper_ticks):
         step("restart policy cancelled: nothing is restarted after this stop")
-    group_alive = isinstance(pgid, int) and bool(_group_members(pgid, None, job_ticks))
+
+    def alive_members() -> list[int]:
+        late = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []  # started in it since
+        return sorted({pid for pid, ticks in members.items() if records.process_alive(pid, ticks)} | set(late))
 
     def target_gone() -> bool:
-        if group_alive and isinstance(pgid, int):
-            return not _group_members(pgid, None, job_ticks)
+        if members:
+            return not alive_members()
         return not records.process_alive(wrapper_pid, wrapper_ticks)
 
-    if group_alive and isinstance(pgid, int):
-        members = _group_members(pgid, None, job_ticks)
-        step(f"SIGTERM to process group {pgid} ({len(members)} process{'es' if len(members) != 1 else ''})")
-        _killpg(pgid, signal.SIGTERM)
+    if members:
+        in_group = [p for p in members if isinstance(pgid, int) and _pgrp(p) == pgid]
+        # A worker whose torchrun agent lives gets SIGTERM from it (one signal each: a second one while the first
+        # is handled can deadlock a handler that logs); only an orphaned rank needs ours.
+        outside = sorted(p for p in members if p not in in_group and _parent(p) not in in_group)
+        forwarded = len(members) - len(in_group) - len(outside)
+        what = f"process group {pgid}" if isinstance(pgid, int) else "the job"
+        n = len(in_group)
+        text = f"SIGTERM to {what} ({n} process{'es' if n != 1 else ''})"
+        text += f" (torchrun forwards it to its {forwarded} worker(s))" if forwarded else ""
+        text += f" and to {len(outside)} orphaned rank process(es) ({_pids_text(outside)})" if outside else ""
+        step(text)
+        if isinstance(pgid, int):
+            _killpg(pgid, signal.SIGTERM)
+        for pid in outside:
+            _kill_checked(pid, members[pid], signal.SIGTERM)
     else:
         if not records.process_alive(wrapper_pid, wrapper_ticks):
             raise SupervisorError(f"run {rd.name}: neither its job nor its wrapper is alive: nothing to stop")
@@ -618,14 +651,17 @@ def stop(
         step(f"exited {time.monotonic() - t0:.1f} s after SIGTERM")
     else:
         escalated = True
-        left = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []
+        left = alive_members()
         step(f"still alive after the {grace_s:g} s grace ({len(left)} process(es)): SIGKILL to process group {pgid}")
         if isinstance(pgid, int) and left:
             _killpg(pgid, signal.SIGKILL)
+        for pid in left:
+            if pid in members:
+                _kill_checked(pid, members[pid], signal.SIGKILL)
         if _wait_until(target_gone, KILL_WAIT_S):
             step(f"killed: gone {time.monotonic() - t0:.1f} s after SIGTERM")
         else:
-            stuck = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []
+            stuck = alive_members()
             states = ", ".join(f"{p} ({_state(p)})" for p in stuck[:8])
             step(f"still present {KILL_WAIT_S:g} s after SIGKILL: {states} (uninterruptible sleep in the driver?)")
     t_rel = time.monotonic()
@@ -642,7 +678,7 @@ def stop(
     if exit_rec is not None:
         step(f"exit record: {exit_rec.get('cause')}")
     return {
-        "stopped": not _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else True,
+        "stopped": not alive_members(),
         "escalated": escalated,
         "steps": steps,
         "run_id": rd.name,
@@ -669,6 +705,78 @@ def _cancel_restarts(launch_rec: dict[str, Any], wrapper_pid: int, wrapper_ticks
     except ProcessLookupError:
         return False
     return True
+
+
+def rank_pids(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
+    """global rank -> pid of this node's torchrun ranks, from their ``distributed`` stage events."""
+    ranks = records.scanner_for(rd, launch_rec).poll().ranks
+    return {r.rank: r.pid for r in ranks.values() if r.rank is not None and r.pid is not None}
+
+
+def _runs_in(pid: int, rd: Path) -> bool:
+    """The process was started for this run: its environment names this run directory (a reused pid's does not)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{protocol.ENV_RUN_DIR}={rd}".encode() in env
+
+
+def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
+    """pid -> start ticks of every live process of the run: the job's group, torchrun's workers (it starts each in a
+    session of its own) and this node's ranks as their events name them (a rank outlives a killed agent until it
+    notices)."""
+    table = procs.all_stats()
+    job_ticks = launch_rec.get("job_start_ticks")
+    pids: set[int] = set()
+    pgid = launch_rec.get("job_pgid")
+    if isinstance(pgid, int):
+        pids.update(_group_members(pgid, table, job_ticks))
+    job_pid = launch_rec.get("job_pid")
+    job = table.get(job_pid) if isinstance(job_pid, int) else None
+    if job is not None and (job_ticks is None or job.start_ticks == job_ticks) and _is_torchrun(launch_rec):
+        # Its workers, each in a session of its own (any other process that left the group is only reported).
+        agents = {job.pid} | {p for p in procs.tree_pids(job.pid, table) if table[p].pgrp == pgid}
+        workers = [st.pid for st in table.values() if st.ppid in agents and st.pgrp != pgid]
+        for pid in workers:
+            pids.update(procs.tree_pids(pid, table))
+    for pid in rank_pids(rd, launch_rec).values():
+        st = table.get(pid)
+        if st is not None and (job_ticks is None or st.start_ticks >= job_ticks) and _runs_in(pid, rd):
+            pids.update(procs.tree_pids(pid, table))
+    return {
+        pid: table[pid].start_ticks for pid in sorted(pids) if pid in table and table[pid].state not in ("Z", "X", "x")
+    }
+
+
+TORCHRUN_PROGRAMS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def _is_torchrun(launch_rec: dict[str, Any]) -> bool:
+    """The job is torchrun (directly, or through env/python -m): its workers are the run's, in sessions of their own."""
+    command = [str(a) for a in launch_rec.get("command") or []]
+    return any(os.path.basename(a) in TORCHRUN_PROGRAMS for a in command[:8])
+
+
+def _parent(pid: int) -> int | None:
+    st = procs.read_stat(pid)
+    return st.ppid if st is not None else None
+
+
+def _pgrp(pid: int) -> int | None:
+    st = procs.read_stat(pid)
+    return st.pgrp if st is not None else None
+
+
+def _pids_text(pids: list[int]) -> str:
+    return ", ".join(map(str, pids[:8])) + (f" and {len(pids) - 8} more" if len(pids) > 8 else "")
+
+
+def _kill_checked(pid: int, start_ticks: int, sig: int) -> None:
+    # Only the very process we listed (pid and start time): a pid reused since is left alone.
+    if records.process_alive(pid, start_ticks):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -1039,17 +1147,26 @@ def stacks(run_dir: Path | str, timeout_s: float = 5.0, boot_id: str | None = No
     pids = _tree(job_pid) if isinstance(job_pid, int) else []
     if not pids:
         raise SupervisorError(f"run {rd.name}: the job process is gone")
+    # torchrun's ranks: in the job's tree while their agent lives, and named with their pid by their events.
+    pids = sorted(set(pids) | set(run_members(rd, launch_rec)))
+    rank_of = {pid: rank for rank, pid in rank_pids(rd, launch_rec).items()}
     py_pids = [p for p in pids if _is_python(p)]
     engines = [p for p in py_pids if stackdump.dump_files(rd, p).raw.exists() and _catches(p, stackdump.SIGNAL)]
+    engines.sort(key=lambda p: (rank_of.get(p, -1), p))
     if engines:
         texts: list[str] = []
         hows: list[str] = []
         for pid in engines:
             how, text = _dump_engine(rd, pid)
             hows.append(how)
-            texts.append(f"--- pid {pid} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
+            who = f"rank {rank_of[pid]}, pid {pid}" if pid in rank_of else f"pid {pid}"
+            texts.append(f"--- {who} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
         pids_text = ", ".join(map(str, engines))
-        return {"method": f"SIGUSR1 to pid {pids_text}: {'; '.join(sorted(set(hows)))}", "text": "\n".join(texts)}
+        return {
+            "method": f"SIGUSR1 to pid {pids_text}: {'; '.join(sorted(set(hows)))}",
+            "text": "\n".join(texts),
+            "ranks": {str(rank_of[p]): p for p in engines if p in rank_of},
+        }
     if not py_pids:
         names = ", ".join(f"{p} ({procs.cmdline_of(p)[:60]})" for p in pids[:5])
         raise SupervisorError(f"no Python process in the run ({names}): no Python stacks to dump")

@@ -13,6 +13,8 @@ Layout (DESIGN.md)::
         .exit.reserved            space for exit.json, taken before the job starts (used when the disk is full)
         events.jsonl              the engine's structured events
         restarts.json             under a restart policy: each restart's attempt, cause, time and exit (restart.py)
+        events.jsonl              the engine's structured events (under torchrun: local rank 0 of this node)
+        events.rank<R>.jsonl      the events of global rank R, another rank of this node
         checkpoints/              the engine's checkpoints
 
 Stdlib only: this module runs on hosts that have nothing but python3.
@@ -280,13 +282,37 @@ def last_lines(path: Path | str, n: int = 20, max_bytes: int = 64 * 1024) -> lis
     return lines[-n:]
 
 
+RANK_EVENTS_RE = re.compile(r"events\.rank(\d+)\.jsonl")
+_PEER_RE = re.compile(r"peer rank (\d+) \(node (\d+)")
+_LISTED_PEER_RE = re.compile(r"rank (\d+) \(node (\d+)")
+_NPROC_RE = re.compile(r"--nproc[-_]per[-_]node(?:=|$)")
+
+
+@dataclass
+class RankState:
+    """One torchrun rank as its tagged events say (rank None: an engine outside torchrun)."""
+
+    rank: int | None
+    node: int | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None  # from its ``distributed`` stage event
+    pid: int | None = None  # from its ``distributed`` stage event
+    first_step_t: float | None = None
+    last_step: int | None = None
+    thread_errors: list[dict[str, Any]] = field(default_factory=list)
+    run_end: dict[str, Any] | None = None
+
+    def label(self) -> str:
+        return f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
+
+
 @dataclass
 class ScanState:
-    """What an incremental scan of a run's output.log and events.jsonl has found so far."""
+    """What an incremental scan of a run's output.log and its events files has found so far."""
 
     output_seen_at: float | None = None  # when this scanner first saw a byte of job output
-    log_step_seen_at: float | None = None  # when this scanner first saw a line matching the step pattern
-    first_step_t: float | None = None  # "t" of the first engine step event
+    log_step_seen_at: float | None = None  # a step-pattern line, for a job that writes no engine events
+    first_step_t: float | None = None  # when every rank of this node had stepped (the last one's first step)
     stage: str | None = None
     last_step: int | None = None
     last_step_at: float | None = None
@@ -295,6 +321,21 @@ class ScanState:
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
     log_last_step: int | None = None  # the number in the last output.log line matching the step pattern
     failure: Failure = field(default_factory=Failure)  # exceptions and torchrun's root cause in output.log
+    engine_events: bool = False  # the job writes engine events: first-step comes from them, not the step pattern
+    ranks: dict[int | None, RankState] = field(default_factory=dict)
+    nproc_hint: int | None = None  # --nproc-per-node of a torchrun command line, when the events do not say
+
+    def ranks_expected(self) -> int:
+        """How many ranks of this node write into this run directory."""
+        if None in self.ranks or not self.ranks:
+            return 1
+        sizes = [r.local_world_size for r in self.ranks.values() if r.local_world_size]
+        if sizes:
+            return max(sizes)
+        return max(self.nproc_hint or 0, len(self.ranks))
+
+    def distributed(self) -> bool:
+        return any(r is not None for r in self.ranks)
 
 
 class RunScanner:
@@ -304,7 +345,9 @@ class RunScanner:
     within one poll of a milestone) and by read_run (cached per run dir, for the engine's stage).
     """
 
-    def __init__(self, run_dir: Path | str, step_pattern: str | None, output_base: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path | str, step_pattern: str | None, output_base: int = 0, nproc_hint: int | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self._step_re = re.compile(step_pattern.encode()) if step_pattern else None
         self._failure = FailureScan()
@@ -312,18 +355,16 @@ class RunScanner:
         self._log_offset = output_base
         self._log_inode: int | None = None
         self._log_carry = b""
-        self._ev_offset = 0
-        self._ev_inode: int | None = None
-        self._ev_carry = b""
+        self._ev: dict[str, _Tail] = {}  # events file name -> how far it was read
         self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
-        self.state = ScanState()
+        self.state = ScanState(nproc_hint=nproc_hint)
         self.state.failure = self._failure.failure
 
     def poll(self, now: float | None = None, budget_bytes: int = _SCAN_BUDGET_BYTES) -> ScanState:
         t = now if now is not None else time.time()
         with self._lock:
+            self._poll_events(budget_bytes)  # first: a step line in the log of an engine run is not its first-step
             self._poll_log(t, budget_bytes)
-            self._poll_events(budget_bytes)
         return self.state
 
     CATCH_UP_MAX_BYTES = 16 * 1024 * 1024  # of an ended run's log, read at once; beyond, only its end is read
@@ -339,10 +380,10 @@ class RunScanner:
             if size - self._log_offset > self.CATCH_UP_MAX_BYTES:
                 self._log_offset, self._log_carry = size - self.CATCH_UP_MAX_BYTES, b""
             for _ in range(self.CATCH_UP_MAX_BYTES // _SCAN_BUDGET_BYTES + 1):
-                before = (self._log_offset, self._ev_offset)
-                self._poll_log(t, _SCAN_BUDGET_BYTES)
+                before = (self._log_offset, sum(tail.offset for tail in self._ev.values()))
                 self._poll_events(_SCAN_BUDGET_BYTES)
-                if (self._log_offset, self._ev_offset) == before:
+                self._poll_log(t, _SCAN_BUDGET_BYTES)
+                if (self._log_offset, sum(tail.offset for tail in self._ev.values())) == before:
                     break
             if self._log_carry and self._step_re is not None:  # the last line may have no newline
                 step = last_step_in(self._log_carry, self._step_re)
@@ -383,40 +424,53 @@ class RunScanner:
             step = last_step_in(complete, self._step_re)
             if step is not None:
                 self.state.log_last_step = step
-            if self.state.log_step_seen_at is None and self._step_re.search(complete):
+            if self.state.log_step_seen_at is None and not self.state.engine_events and self._step_re.search(complete):
                 self.state.log_step_seen_at = now
 
     def _poll_events(self, budget: int) -> None:
-        path = self.run_dir / EVENTS_JSONL
+        names = [EVENTS_JSONL]
+        try:
+            names += sorted(e for e in os.listdir(self.run_dir) if RANK_EVENTS_RE.fullmatch(e))
+        except OSError:
+            return
+        for name in names:
+            self._poll_events_file(name, self._ev.setdefault(name, _Tail()), budget)
+
+    def _poll_events_file(self, name: str, tail: _Tail, budget: int) -> None:
+        path = self.run_dir / name
         try:
             st = os.stat(path)
         except OSError:
             return
-        if self._ev_inode is not None and (st.st_ino != self._ev_inode or st.st_size < self._ev_offset):
-            self._ev_offset, self._ev_carry = 0, b""
-        self._ev_inode = st.st_ino
-        if st.st_size <= self._ev_offset:
+        if tail.inode is not None and (st.st_ino != tail.inode or st.st_size < tail.offset):
+            tail.offset, tail.carry = 0, b""
+        tail.inode = st.st_ino
+        if st.st_size <= tail.offset:
             return
         try:
             with open(path, "rb") as fh:
-                fh.seek(self._ev_offset)
-                data = fh.read(min(budget, st.st_size - self._ev_offset))
+                fh.seek(tail.offset)
+                data = fh.read(min(budget, st.st_size - tail.offset))
         except OSError:
             return
-        self._ev_offset += len(data)
-        chunk = self._ev_carry + data
+        tail.offset += len(data)
+        chunk = tail.carry + data
         cut = chunk.rfind(b"\n")
         if cut < 0:
-            self._ev_carry = chunk
+            tail.carry = chunk
             return
-        self._ev_carry = chunk[cut + 1 :]
+        tail.carry = chunk[cut + 1 :]
         for line in chunk[:cut].split(b"\n"):
-            self._event_line(line)
+            self._event_line(line, name == EVENTS_JSONL)
 
-    def _event_line(self, line: bytes) -> None:
+    def _event_line(self, line: bytes, main: bool = True) -> None:
+        """One event; ``main``: from events.jsonl, whose rank (this node's first) speaks for the run."""
         # Heartbeats are the bulk of the file and change nothing here: skip them before parsing.
         m = _KIND_RE.search(line)
-        if m is None or m.group(1) not in _SCANNED_KINDS:
+        if m is None:
+            return
+        self.state.engine_events = True
+        if m.group(1) not in _SCANNED_KINDS:
             return
         try:
             ev = json.loads(line)
@@ -427,25 +481,67 @@ class RunScanner:
         kind = ev.get("kind")
         t = ev.get("t")
         t_f = float(t) if isinstance(t, (int, float)) else None
+        rank = ev.get("rank") if isinstance(ev.get("rank"), int) else None
+        rs = self.state.ranks.get(rank)
+        if rs is None:
+            rs = self.state.ranks[rank] = RankState(rank)
+        if isinstance(ev.get("node"), int):
+            rs.node = ev["node"]
+        if isinstance(ev.get("world_size"), int):
+            rs.world_size = ev["world_size"]
         if kind == "step":
-            if self.state.first_step_t is None:
-                self.state.first_step_t = t_f if t_f is not None else time.time()
+            if rs.first_step_t is None:
+                rs.first_step_t = t_f if t_f is not None else time.time()
+                self._check_first_step()
             step = ev.get("step")
             if isinstance(step, int):
-                self.state.last_step = step
+                rs.last_step = step
+                if main or self.state.last_step is None:
+                    self.state.last_step = step  # the node's first rank speaks for the run (ranks agree on steps)
             self.state.last_step_at = t_f
         elif kind == "stage":
             stage = ev.get("stage")
-            if isinstance(stage, str):
+            if isinstance(stage, str) and (main or self.state.stage is None):
                 self.state.stage = stage
+            if stage == "distributed":
+                rs.pid = ev.get("pid") if isinstance(ev.get("pid"), int) else rs.pid
+                lws = ev.get("local_world_size")
+                rs.local_world_size = lws if isinstance(lws, int) else rs.local_world_size
         elif kind == "thread_error":
             self.state.thread_errors.append(ev)
+            rs.thread_errors.append(ev)
         elif kind == "run_end":
-            self.state.run_end = ev
+            rs.run_end = ev
+            if main or self.state.run_end is None:
+                self.state.run_end = ev
         elif kind == "export":
             path = ev.get("path")
             if isinstance(path, str):
                 self.state.last_export = path
+
+    def _check_first_step(self) -> None:
+        # first-step: every rank of this node has stepped (a rank that has not would be the one stuck).
+        firsts = [r.first_step_t for r in self.state.ranks.values() if r.first_step_t is not None]
+        if self.state.first_step_t is None and len(firsts) >= self.state.ranks_expected():
+            self.state.first_step_t = max(firsts)
+
+
+@dataclass
+class _Tail:
+    offset: int = 0
+    inode: int | None = None
+    carry: bytes = b""
+
+
+def nproc_per_node(command: list[str]) -> int | None:
+    """--nproc-per-node N of a torchrun command line (its number only: ``auto``/``gpu`` say nothing here)."""
+    for i, arg in enumerate(command):
+        value: str | None = None
+        if _NPROC_RE.match(arg):
+            value = arg.split("=", 1)[1] if "=" in arg else (command[i + 1] if i + 1 < len(command) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
 
 
 _scanners: dict[str, tuple[float | None, RunScanner]] = {}
@@ -462,7 +558,12 @@ def scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
         cached = _scanners.get(key)
         if cached is not None and cached[0] == started:
             return cached[1]
-        sc = RunScanner(run_dir, launch.get("step_pattern"), int(launch.get("output_offset_at_start") or 0))
+        sc = RunScanner(
+            run_dir,
+            launch.get("step_pattern"),
+            int(launch.get("output_offset_at_start") or 0),
+            nproc_per_node([str(a) for a in launch.get("command") or []]),
+        )
         if len(_scanners) > 64:
             _scanners.clear()
         _scanners[key] = (started, sc)
@@ -603,6 +704,9 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         info.last_step = scan.last_step if scan.last_step is not None else scan.log_last_step
         info.last_step_at = scan.last_step_at
         info.last_export = scan.last_export
+        blamed = rank_failure(scan)
+        if blamed is not None:
+            info.failed_rank, info.failed_node = blamed.rank, blamed.node
     if exit_rec is None and launch is not None:
         if launch.get("boot_id") not in (None, boot_id):
             info.state = "rebooted"
@@ -648,7 +752,10 @@ def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: i
     named = scan.failure.describe() if scan is not None else None
     errors = scan.thread_errors if scan is not None else []
     recorded = exit_rec.get("cause")
-    if named:
+    blamed = rank_failure(scan) if scan is not None else None
+    if blamed is not None:
+        parts.append(blamed.text)
+    elif named:
         parts.append(named)
     elif errors:
         first = errors[0]
@@ -662,6 +769,110 @@ def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: i
         parts.append(f"exit code {exit_code}")
     parts.append(f"last step {last_step}" if last_step is not None else "no step reached")
     return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    text: str  # "rank 1 (node 0) killed by SIGKILL", "rank 1 (node 0): thread drafter0: RuntimeError: boom"
+    rank: int | None
+    node: int | None
+
+
+_REASON_CHARS = 400
+PEER_FAILURE = "PeerFailure"  # the engine's exception for "a peer rank failed or left": a consequence, not a cause
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 1] + "…"
+
+
+def _own_error(rs: RankState) -> str | None:
+    """What a rank's own events say failed in it (not a peer's failure it only saw)."""
+    for err in rs.thread_errors:
+        if err.get("exc_type") != PEER_FAILURE:
+            return f"thread {err.get('thread')}: {err.get('exc_type')}: {_short(str(err.get('message')))}"
+    end = rs.run_end
+    reason = str((end or {}).get("reason") or "")
+    if end is not None and not end.get("ok") and PEER_FAILURE not in reason and _peer_in(reason) is None:
+        return _short(reason)
+    return None
+
+
+def _peer_in(text: str) -> tuple[int, int] | None:
+    """(rank, node) of the peer a PeerFailure message blames: "peer rank 1 (node 1, host pid 7) is gone", or the
+    only one listed in "a peer failed or timed out ...; peers: rank 1 (node 1, host)"."""
+    m = _PEER_RE.search(text)
+    if m is not None:
+        return int(m.group(1)), int(m.group(2))
+    listed = text.split("; peers: ", 1)[1] if "; peers: " in text else ""
+    found = _LISTED_PEER_RE.findall(listed.split(":", 1)[0])
+    return (int(found[0][0]), int(found[0][1])) if len(found) == 1 else None
+
+
+def _blamed_peer(rs: RankState) -> tuple[int, int, str] | None:
+    """(peer rank, its node, what this rank said) when this rank ended because a peer failed or went away."""
+    texts = [str((rs.run_end or {}).get("reason") or "")] + [str(e.get("message") or "") for e in rs.thread_errors]
+    for text in texts:
+        peer = _peer_in(text)
+        if peer is not None:
+            return peer[0], peer[1], text
+    return None
+
+
+def rank_failure(scan: ScanState) -> RankFailure | None:
+    """The rank of a torchrun run that failed first and why: torchrun's root cause names the rank (and its signal
+    or exit code), the rank's own events say why; a rank that only saw a peer go (the killed node's agent, on
+    another host) names that peer. None for a run that is not torchrun's or where no rank failed."""
+    if not scan.distributed():
+        return None
+    f = scan.failure
+    if f.root_rank is not None:
+        rs = scan.ranks.get(f.root_rank) or RankState(f.root_rank)
+        peer = _blamed_peer(rs)
+        if peer is not None and _own_error(rs) is None:
+            return _peer_failure(rs, peer)
+        code = f.root_exitcode
+        if code is not None and code < 0:
+            return RankFailure(f"{rs.label()} killed by {signal_name(-code)}", rs.rank, rs.node)
+        own = _own_error(rs)
+        if own is not None:
+            return RankFailure(f"{rs.label()}: {own}", rs.rank, rs.node)
+        how = f" exited with code {code}" if code is not None else " failed"
+        return RankFailure(f"{rs.label()}{how}" + (f": {f.root_detail}" if f.root_detail else ""), rs.rank, rs.node)
+    ended = sorted(
+        (
+            r
+            for r in scan.ranks.values()
+            if r.rank is not None and (r.thread_errors or (r.run_end or {}).get("ok") is False)
+        ),
+        key=lambda r: r.rank or 0,
+    )
+    for rs in ended:  # a rank that failed on its own first
+        own = _own_error(rs)
+        if own is not None:
+            return RankFailure(f"{rs.label()}: {own}", rs.rank, rs.node)
+    for rs in ended:
+        peer = _blamed_peer(rs)
+        if peer is not None:
+            return _peer_failure(rs, peer)
+    return None
+
+
+def _peer_failure(rs: RankState, peer: tuple[int, int, str]) -> RankFailure:
+    rank, node, said = peer
+    return RankFailure(
+        f"rank {rank} (node {node}) failed or left the run; {rs.label()} said: {_short(said)}", rank, node
+    )
+
+
+def rank_last_lines(path: Path | str, rank: int, n: int = 20) -> list[str]:
+    """The last n lines of output.log that rank ``rank`` wrote: ranks above 0 prefix theirs ``[rank R] ``; rank 0's
+    carry no prefix (they share that with torchrun's own). [] when the log holds none of them."""
+    lines = last_lines(path, 4000, 1024 * 1024)
+    if rank > 0:
+        tag = f"[rank {rank}] "
+        return [ln for ln in lines if ln.startswith(tag)][-n:]
+    return [ln for ln in lines if not ln.startswith("[rank ")][-n:]
 
 
 def list_runs(run_root: Path | str) -> list[Path]:

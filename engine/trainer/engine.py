@@ -140,6 +140,7 @@ class Engine:
                 detail=detail,
                 pid=os.getpid(),
                 local_rank=self.info.local_rank,
+                local_world_size=self.info.local_world_size,
                 backend=self.cross.backend,
             )
             self.events.say(f"stage=distributed {detail}")

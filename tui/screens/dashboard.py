@@ -81,7 +81,11 @@ class DashboardState:
         elif kind == "engine":
             event = ev.get("event")
             offset = ev.get("offset")
-            if isinstance(event, dict) and self.charts.add_engine_event(
+            if isinstance(event, dict) and ev.get("source"):
+                # Another rank's events file: its threads' health only (the charts show the run's events.jsonl).
+                self.health.add_engine_event(event, main_file=False)
+                self.dirty.add("procs")
+            elif isinstance(event, dict) and self.charts.add_engine_event(
                 offset if isinstance(offset, int) else None, event
             ):
                 self._engine_event(event)
@@ -158,6 +162,10 @@ class DashboardState:
         max_restarts = run.get("restart_max") if run else None
         for i, item in enumerate(done[before:], start=before + 1):
             self.notices.append(("warning", f"run {new_id}: {restarts.line(i, item, max_restarts)}"))
+        failed = run is not None and run.get("state") == "failed"
+        rank, node = (run.get("failed_rank"), run.get("failed_node")) if failed and run else (None, None)
+        where = f"rank {rank}" + (f" (node {node})" if isinstance(node, int) else "") if isinstance(rank, int) else None
+        self.header.failed_rank = where
         self.dirty.update({"header", "timeline", "charts", "procs"})
 
     def _engine_event(self, event: dict[str, Any]) -> None:

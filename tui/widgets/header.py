@@ -39,6 +39,7 @@ class HeaderModel:
     run_state: str | None = None
     restarts: str | None = None  # "restarts 2/3 (crash, oom)" under a restart policy (tui/restarts.py)
     restarted: bool = False  # at least one restart happened: shown as a warning
+    failed_rank: str | None = None  # "rank 1 (node 1)": the torchrun rank that failed first, when the host named it
     simulated: bool = False
 
 
@@ -93,6 +94,8 @@ class RunHeader(Widget):
             out.append(m.run_id)
             state = m.run_state or "?"
             out.append(f" {state}", style=self._style(RUN_STATE_CLASS.get(state, "warn")))
+            if m.failed_rank:
+                out.append(f" at {m.failed_rank}", style=self._style("bad"))
             if m.restarts:
                 out.append(f"  {m.restarts}", style=self._style("warn" if m.restarted else "muted"))
         else:

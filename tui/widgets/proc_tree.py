@@ -1,7 +1,9 @@
 """The run's process tree with its threads and their health; stale GPU holders listed apart.
 
 Thread health comes from the engine's ``heartbeat``, ``step`` and ``thread_error`` events (and the
-agent's ``dead_thread`` anomalies); thread names (``drafter-0``) join them to the process table.
+agent's ``dead_thread`` anomalies); thread names (``drafter-0``) join them to the process table. Under torchrun
+every rank has the same thread names: health is kept per (rank, thread), a rank's ``distributed`` stage event
+names its pid, and the tree groups each rank's threads under its process (``rank 1 (node 0)``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ STALE_HEARTBEAT_S = 30.0
 MAX_THREADS = 256
 
 
+ThreadKey = tuple[int | None, str]  # (torchrun rank or None outside torchrun, thread name)
+
+
 @dataclass
 class ThreadHealth:
     name: str
+    rank: int | None = None
     state: str = "unknown"
     step: int | None = None
     tok_s: float | None = None
@@ -32,26 +38,38 @@ class ThreadHealth:
 
 class ThreadHealthModel:
     def __init__(self) -> None:
-        self.threads: dict[str, ThreadHealth] = {}
+        self.threads: dict[ThreadKey, ThreadHealth] = {}
+        self.rank_pids: dict[int, tuple[int, int | None]] = {}  # pid -> (rank, node), from `distributed` stages
+        self.main_rank: int | None = None  # the rank of the run's events.jsonl (the agent's anomalies read it)
 
-    def _get(self, name: str) -> ThreadHealth:
-        health = self.threads.get(name)
+    def _get(self, name: str, rank: int | None = None) -> ThreadHealth:
+        health = self.threads.get((rank, name))
         if health is None:
             if len(self.threads) >= MAX_THREADS:
                 oldest = min(self.threads.values(), key=lambda h: h.heartbeat_t or 0.0)
-                del self.threads[oldest.name]
-            health = self.threads[name] = ThreadHealth(name)
+                del self.threads[(oldest.rank, oldest.name)]
+            health = self.threads[(rank, name)] = ThreadHealth(name, rank)
         return health
 
-    def add_engine_event(self, event: dict[str, Any]) -> None:
+    def ranks(self) -> list[int]:
+        return sorted({r for r, _ in self.threads if r is not None} | {r for r, _ in self.rank_pids.values()})
+
+    def add_engine_event(self, event: dict[str, Any], main_file: bool = True) -> None:
         kind = event.get("kind")
         thread = event.get("thread")
+        rank = event.get("rank") if isinstance(event.get("rank"), int) else None
+        if main_file and rank is not None:
+            self.main_rank = rank
+        if kind == "stage" and event.get("stage") == "distributed" and rank is not None:
+            pid, node = event.get("pid"), event.get("node")
+            if isinstance(pid, int):
+                self.rank_pids[pid] = (rank, node if isinstance(node, int) else None)
         if not isinstance(thread, str) or not thread:
             return
         t = event.get("t")
         t = float(t) if isinstance(t, (int, float)) else None
         if kind == "heartbeat":
-            health = self._get(thread)
+            health = self._get(thread, rank)
             health.state = str(event.get("state", health.state))
             if isinstance(event.get("step"), int):
                 health.step = event["step"]
@@ -64,26 +82,28 @@ class ThreadHealthModel:
             if health.state == "error":
                 health.dead = True
         elif kind == "step":
-            health = self._get(thread)
+            health = self._get(thread, rank)
             if isinstance(event.get("step"), int):
                 health.step = event["step"]
             if health.heartbeat_t is None or (t is not None and t > health.heartbeat_t):
                 health.heartbeat_t = t
         elif kind == "thread_error":
-            health = self._get(thread)
+            health = self._get(thread, rank)
             health.last_exception = f"{event.get('exc_type', 'Error')}: {event.get('message', '')}"
             if event.get("policy", "stop") == "stop":
                 health.dead = True
                 health.state = "error"
 
     def mark_dead(self, thread: str, message: str) -> None:
-        health = self._get(thread)
+        health = self._get(thread, self.main_rank)  # the agent's anomaly comes from the run's events.jsonl
         health.dead = True
         if not health.last_exception:
             health.last_exception = message
 
     def clear(self) -> None:
         self.threads.clear()
+        self.rank_pids.clear()
+        self.main_rank = None
 
 
 class ProcTree(RowTracking):
@@ -148,8 +168,10 @@ class ProcTree(RowTracking):
     def _style(self, name: str) -> Any:
         return self.get_component_rich_style(f"proc-tree--{name}")
 
-    def _thread_line(self, out: Text, prefix: str, name: str, tid: int | None, now: float) -> None:
-        health = self.health.threads.get(name)
+    def _thread_line(
+        self, out: Text, prefix: str, name: str, tid: int | None, now: float, rank: int | None = None
+    ) -> None:
+        health = self.health.threads.get((rank, name))
         out.append(f"\n{prefix}", style=self._style("muted"))
         out.append(f"{name:<11}", style=self._style("proc"))
         if health is None:
@@ -176,7 +198,7 @@ class ProcTree(RowTracking):
         now = self.clock()
         out = Text(no_wrap=True, overflow="ellipsis")
         out.append("run", style=self._style("title"))
-        seen_threads: set[str] = set()
+        seen_threads: set[ThreadKey] = set()
         if not self.run_tree:
             out.append("\n  no run processes", style=self._style("muted"))
         children: dict[int, list[dict[str, Any]]] = {}
@@ -204,27 +226,41 @@ class ProcTree(RowTracking):
                 details.append(str(proc["state"]))
             if details:
                 out.append("  " + "  ".join(details), style=self._style("muted"))
+            pid = int(proc.get("pid", -1))
+            rank, node = self.health.rank_pids.get(pid, (None, None))
+            if rank is not None:
+                out.append(
+                    f"  rank {rank}" + (f" (node {node})" if node is not None else ""), style=self._style("title")
+                )
             threads = [t for t in proc.get("threads") or [] if isinstance(t, dict)]
             argv0 = str(proc.get("cmd", "")).split(" ", 1)[0].rsplit("/", 1)[-1]
-            named = [t for t in threads if str(t.get("name", "")) in self.health.threads] or [
+            named = [t for t in threads if (rank, str(t.get("name", ""))) in self.health.threads] or [
                 t for t in threads if str(t.get("name", "")) not in ("", argv0)
             ]
             for i, thread in enumerate(named[:32]):
                 name = str(thread.get("name", ""))
-                seen_threads.add(name)
+                seen_threads.add((rank, name))
                 branch = "└ " if i == len(named[:32]) - 1 else "├ "
                 tid = thread.get("tid")
-                self._thread_line(out, indent + branch, name, tid if isinstance(tid, int) else None, now)
+                self._thread_line(out, indent + branch, name, tid if isinstance(tid, int) else None, now, rank)
             for child in children.get(int(proc.get("pid", -1)), []):
                 walk(child, depth + 1)
 
         for root in roots:
             walk(root, 0)
-        orphans = [name for name in sorted(self.health.threads) if name not in seen_threads]
+        orphans = sorted(
+            (key for key in self.health.threads if key not in seen_threads), key=lambda k: (k[0] or 0, k[1])
+        )
         if orphans:
             out.append("\n  engine threads (from heartbeats)", style=self._style("muted"))
-            for name in orphans:
-                self._thread_line(out, "    ", name, None, now)
+            last_rank: int | None = None
+            for rank, name in orphans:
+                if rank is not None and rank != last_rank:
+                    names = ", ".join(n for r, n in orphans if r == rank)
+                    out.append(f"\n    rank {rank}: ", style=self._style("title"))
+                    out.append(names[:100], style=self._style("muted"))
+                    last_rank = rank
+                self._thread_line(out, "      " if rank is not None else "    ", name, None, now, rank)
         here = [h for h in self.holders if h.get("scope", "here") == "here"]
         foreign = [h for h in self.holders if h.get("scope", "here") != "here"]
         stale = [h for h in here if not h.get("in_run")]

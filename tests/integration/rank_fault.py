@@ -1,0 +1,31 @@
+"""A torchrun worker that is the engine, except that one rank raises in its step all-reduce (an exception inside a
+rank, as a bug or a failing device would raise), for the supervisor's tests. Not a test module itself.
+
+SPECDEC_TEST_FAULT_RANK: the global rank that raises; SPECDEC_TEST_FAULT_STEP: from which step on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from engine.trainer import distributed
+from engine.trainer.__main__ import main
+
+FAULT_RANK = int(os.environ["SPECDEC_TEST_FAULT_RANK"])
+FAULT_STEP = int(os.environ.get("SPECDEC_TEST_FAULT_STEP", "1"))
+_all_reduce = distributed.CrossRank.all_reduce
+
+
+def _faulty_all_reduce(self: distributed.CrossRank, *args: Any, **kwargs: Any) -> Any:
+    step = args[4] if len(args) > 4 else kwargs.get("step", 0)
+    if self.rank == FAULT_RANK and step >= FAULT_STEP:
+        raise RuntimeError(f"injected fault on rank {self.rank} at step {step}")
+    return _all_reduce(self, *args, **kwargs)
+
+
+distributed.CrossRank.all_reduce = _faulty_all_reduce  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The run scanner over every rank's events file: first-step when every rank of the node stepped, and the rank
+that failed first named from torchrun's root cause and the ranks' own events."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.supervisor import records
+
+
+def write_events(path: Path, *events: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as fh:
+        for ev in events:
+            fh.write(json.dumps({"t": time.time(), **ev}) + "\n")
+
+
+def tags(rank: int, node: int = 0, world: int = 2) -> dict[str, int]:
+    return {"rank": rank, "world_size": world, "node": node}
+
+
+def distributed(rank: int, local_world: int = 2, node: int = 0) -> dict[str, Any]:
+    return {"kind": "stage", "stage": "distributed", "pid": 1000 + rank, "local_world_size": local_world,
+            **tags(rank, node)}  # fmt: skip
+
+
+def test_first_step_waits_for_every_rank_of_the_node_not_the_first_one(tmp_path: Path) -> None:
+    (tmp_path / records.OUTPUT_LOG).write_text("step=1 loss=1.0\n")  # rank 0's line: not first-step for an engine
+    write_events(tmp_path / "events.jsonl", distributed(0), {"kind": "step", "step": 1, **tags(0)})
+    scanner = records.RunScanner(tmp_path, r"step=\d+")
+    st = scanner.poll()
+    assert st.first_step_t is None and st.log_step_seen_at is None
+    write_events(tmp_path / "events.rank1.jsonl", distributed(1), {"kind": "step", "step": 1, **tags(1)})
+    st = scanner.poll()
+    assert st.first_step_t is not None
+    assert st.ranks[1].pid == 1001 and st.ranks[0].last_step == 1
+
+
+def test_without_local_world_size_the_torchrun_command_says_how_many_ranks(tmp_path: Path) -> None:
+    write_events(tmp_path / "events.jsonl", {"kind": "step", "step": 1, **tags(0)})
+    scanner = records.RunScanner(tmp_path, None, nproc_hint=records.nproc_per_node(["torchrun", "--nproc-per-node=2"]))
+    assert scanner.poll().first_step_t is None
+    write_events(tmp_path / "events.rank1.jsonl", {"kind": "step", "step": 1, **tags(1)})
+    assert scanner.poll().first_step_t is not None
+
+
+def test_a_foreign_command_keeps_the_step_pattern(tmp_path: Path) -> None:
+    (tmp_path / records.OUTPUT_LOG).write_text("epoch 1 step=3\n")
+    st = records.RunScanner(tmp_path, r"step=\d+").poll()
+    assert st.log_step_seen_at is not None and st.log_last_step == 3 and not st.distributed()
+
+
+ROOT_CAUSE_KILLED = b"""Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_11:54:14
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 17257)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 17257
+============================================================
+"""
+
+
+def test_a_killed_rank_is_named_with_its_signal_not_the_peer_error_it_caused(tmp_path: Path) -> None:
+    peer_said = "thread drafter1 failed: PeerFailure: rank 0 (node 0): gradient all-reduce of step 12 failed: " \
+        "peer rank 1 (node 0, vm pid 17257) is gone: RuntimeError: Connection reset by peer"  # fmt: skip
+    write_events(
+        tmp_path / "events.jsonl",
+        distributed(0),
+        {"kind": "thread_error", "thread": "drafter1", "exc_type": "PeerFailure", "message": peer_said, **tags(0)},
+        {"kind": "run_end", "ok": False, "reason": peer_said, "step": 11, **tags(0)},
+    )
+    write_events(tmp_path / "events.rank1.jsonl", distributed(1), {"kind": "step", "step": 11, **tags(1)})
+    (tmp_path / records.OUTPUT_LOG).write_bytes(
+        b"Traceback (most recent call last):\nRuntimeError: reset\n" + ROOT_CAUSE_KILLED
+    )
+    st = records.RunScanner(tmp_path, r"step=\d+").catch_up()
+    failed = records.rank_failure(st)
+    assert failed == records.RankFailure("rank 1 (node 0) killed by SIGKILL", 1, 0)
+    cause = records.failure_cause(st, {"exit_code": 1, "signal": None}, 11)
+    assert cause.startswith("rank 1 (node 0) killed by SIGKILL; exit code 1"), cause
+
+
+def test_a_rank_that_raised_is_named_with_its_exception(tmp_path: Path) -> None:
+    write_events(tmp_path / "events.jsonl", distributed(0))
+    write_events(
+        tmp_path / "events.rank1.jsonl",
+        distributed(1),
+        {"kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError", "message": "boom", **tags(1)},
+    )
+    failed = records.rank_failure(records.RunScanner(tmp_path, None).poll())
+    assert failed == records.RankFailure("rank 1 (node 0): thread drafter0: RuntimeError: boom", 1, 0)
+
+
+def test_the_surviving_node_names_the_rank_of_the_other_node(tmp_path: Path) -> None:
+    said = "rank 0 (node 0): gradient all-reduce of step 5 failed: peer rank 1 (node 1, hostb pid 77) is gone: x"
+    write_events(
+        tmp_path / "events.jsonl",
+        distributed(0, local_world=1),
+        {"kind": "run_end", "ok": False, "reason": said, "step": 4, **tags(0)},
+    )
+    failed = records.rank_failure(records.RunScanner(tmp_path, None).poll())
+    assert failed is not None and (failed.rank, failed.node) == (1, 1)
+    assert failed.text.startswith("rank 1 (node 1) failed or left the run; rank 0 (node 0) said: ")
+
+
+def test_rank_last_lines_are_that_ranks_own(tmp_path: Path) -> None:
+    log = tmp_path / records.OUTPUT_LOG
+    log.write_text("step=3 loss 1\n[rank 1] step=3 loss 2\n[rank 1] thread drafter0 died\nW torchrun warning\n")
+    assert records.rank_last_lines(log, 1) == ["[rank 1] step=3 loss 2", "[rank 1] thread drafter0 died"]
+    assert records.rank_last_lines(log, 0) == ["step=3 loss 1", "W torchrun warning"]
+
+
+def test_a_timed_out_collective_with_one_peer_names_that_peer(tmp_path: Path) -> None:
+    said = "rank 0 (node 0): gradient all-reduce of step 5 failed: a peer failed or timed out after 60 s; peers: " \
+        "rank 1 (node 1, hostb): RuntimeError: Connection closed by peer"  # fmt: skip
+    write_events(tmp_path / "events.jsonl", {"kind": "run_end", "ok": False, "reason": said, "step": 4, **tags(0)})
+    failed = records.rank_failure(records.RunScanner(tmp_path, None).poll())
+    assert failed is not None and (failed.rank, failed.node) == (1, 1), failed
+
+
+def test_on_the_second_node_its_first_rank_speaks_for_the_run(tmp_path: Path) -> None:
+    # Node 1's only rank is global rank 1, writing that node's events.jsonl: its stages and steps are the run's.
+    write_events(
+        tmp_path / "events.jsonl",
+        distributed(1, local_world=1, node=1),
+        {"kind": "stage", "stage": "training", **tags(1, node=1)},
+        {"kind": "step", "step": 4, **tags(1, node=1)},
+    )
+    st = records.RunScanner(tmp_path, None).poll()
+    assert st.stage == "training" and st.last_step == 4 and st.first_step_t is not None
