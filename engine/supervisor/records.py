@@ -59,6 +59,9 @@ CHECKPOINTS_DIR = "checkpoints"
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
 _SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"export"})
+# Events only a running engine writes about its own progress: a job that writes them takes first-step from them
+# (not from the step pattern); an error event alone (a job that died before training) does not make it an engine.
+_PROGRESS_KINDS = frozenset({b"stage", b"heartbeat", b"step"})
 
 
 class RunIdError(ValueError):
@@ -469,7 +472,8 @@ class RunScanner:
         m = _KIND_RE.search(line)
         if m is None:
             return
-        self.state.engine_events = True
+        if m.group(1) in _PROGRESS_KINDS:
+            self.state.engine_events = True
         if m.group(1) not in _SCANNED_KINDS:
             return
         try:

@@ -551,18 +551,31 @@ class Engine:
         self.control.request_stop(reason)
 
     def install_signal_handlers(self) -> None:
+        # The handlers only note the signal: they run on the main thread between two bytecodes, maybe while it holds
+        # the event log's or an Event's lock (a second SIGTERM deadlocked there); the watch loop acts within 0.5 s.
         def on_signal(signum: int, _frame: FrameType | None) -> None:
-            self.request_stop(signal.Signals(signum).name)
+            self._signalled = self._signalled or signal.Signals(signum).name
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         if self.info.launched:
 
             def on_parent_death(_signum: int, _frame: FrameType | None) -> None:
-                if self.cross is not None and self.cross.agent_gone():  # not a thread of the agent ending
-                    self._agent_lost()
+                self._parent_death_signalled = True
 
             signal.signal(AGENT_DEATH_SIGNAL, on_parent_death)
+
+    _signalled: str | None = None  # the first stop signal's name, noted by its handler
+    _parent_death_signalled = False
+
+    def _take_signals(self) -> None:
+        """Act on what the signal handlers noted (outside any handler, so taking locks is safe here)."""
+        if self._signalled is not None and not self.control.stop_requested.is_set():
+            self.request_stop(self._signalled)
+        if self._parent_death_signalled:
+            self._parent_death_signalled = False
+            if self.cross is not None and self.cross.agent_gone():  # not a thread of the agent ending
+                self._agent_lost()
 
     def _agent_lost(self) -> None:
         """This rank's torchrun agent died: fail at once, so that the peers' next step names this rank
@@ -582,6 +595,7 @@ class Engine:
         interval = self.cfg.heartbeat_interval_s
         next_beat = 0.0
         while True:
+            self._take_signals()
             live = [w for w in self.workers if not w.finished.is_set()]
             if not live or self.control.should_exit:
                 break
