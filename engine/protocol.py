@@ -54,7 +54,7 @@ runs        {limit}                                     -> {"runs": [RunInfo + d
 run_info    {run_id?}                                   -> {"run": RunInfo}   (run_id: default the current run)
 launch      LaunchSpec fields                           -> {"run_id", "run_dir", "tmux_session", "attachable"}
             (+ restart: the restart policy the wrapper applies on the host, engine/supervisor/restart.py)
-wait        {run_id, milestone, timeout_s}              -> WaitResult fields (see DESIGN.md, ``launch --json``)
+wait        {run_id, milestone, timeout_s}              -> WaitResult fields (``launch --json``)
 stop        {grace_s, release_timeout_s}                -> {"stopped", "steps": [str]}   (progress events meanwhile)
             (a run under a restart policy is not restarted after a stop; during its backoff the stop ends it)
 kill_stale  {dry_run, targets: [[pid, create_time]] | None, grace_s}
@@ -79,13 +79,13 @@ from typing import Any
 PROTOCOL_VERSION = 1
 AGENT_VERSION = "0.1.0"
 
-# Milestones of a launch, in order (DESIGN.md).
+# Milestones of a launch, in order.
 MILESTONES: tuple[str, ...] = ("submitted", "started", "output", "first-step")
 
-# Keys every `status --json` object carries (DESIGN.md contract).
+# Keys every `status --json` object carries (a contract scripts rely on).
 STATUS_KEYS: tuple[str, ...] = ("host", "gpus", "processes", "run", "anomalies")
 
-# Anomaly kinds (DESIGN.md).
+# Anomaly kinds (computed on the host, engine/agent/anomalies.py).
 ANOMALY_KINDS: tuple[str, ...] = (
     "phantom_utilization",
     "orphan_memory",
@@ -119,7 +119,7 @@ RUN_STATES: tuple[str, ...] = (
     "rebooted",  # launch.json's boot id differs from the host's: ended by reboot
 )
 
-# `launch --wait` exit codes (DESIGN.md).
+# `launch --wait` exit codes (README).
 EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
@@ -339,7 +339,7 @@ class LaunchSpec:
 
 @dataclass
 class WaitResult:
-    """The `launch --wait --json` object (DESIGN.md)."""
+    """The `launch --wait --json` object."""
 
     ok: bool
     milestone: str  # the milestone waited for

@@ -1,4 +1,4 @@
-"""The anomalies the agent flags (DESIGN.md), as pure functions of samples and engine events.
+"""The anomalies the agent flags, as pure functions of samples and engine events.
 
 GPU side, from one GPU sample + the holders + the run's process tree:
 * phantom utilization: util >= 90 % with ~0 MiB used and no holder process at all;

@@ -1,6 +1,6 @@
 """Run records on the host: run ids, the run directory layout, atomic JSON records, and reading a run back.
 
-Layout (DESIGN.md)::
+Layout::
 
     <run_root>/current            symlink to the newest run directory
     <run_root>/runs/<run_id>/

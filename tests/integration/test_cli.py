@@ -1,4 +1,4 @@
-"""The `specdec-tui` command line over the local transport: contracts of DESIGN.md, exit codes, profiles."""
+"""The `specdec-tui` command line over the local transport: the documented contracts, exit codes, profiles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Anomaly rules (DESIGN.md) as pure functions of a GPU sample, holders, the run tree and engine events."""
+"""Anomaly rules as pure functions of a GPU sample, holders, the run tree and engine events."""
 
 from __future__ import annotations
 
