@@ -216,8 +216,9 @@ def launch_cwd(args: argparse.Namespace, profile_cwd: str | None) -> str | None:
     """Where the job starts: --cwd, else the profile's cwd, else (``local`` only) the directory the command was
     typed in, so a relative ``train.py`` means the file beside the user; None lets the host use its home."""
     local = args.target == "local" and args.pct is None
-    if args.cwd:
-        return os.path.abspath(os.path.expanduser(args.cwd)) if local else str(args.cwd)
+    cwd = getattr(args, "cwd", None)  # `restart` has no --cwd: it relaunches where the profile says
+    if cwd:
+        return os.path.abspath(os.path.expanduser(cwd)) if local else str(cwd)
     if profile_cwd:
         return profile_cwd
     return os.getcwd() if local else None

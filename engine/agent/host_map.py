@@ -109,7 +109,12 @@ def build_host_map(source: GpuSource, ctid: str) -> HostMap:
     found: list[HostProcess] = []
     for pid, per_gpu in sorted(sample.pid_gpu_mib.items()):
         for index, mib in sorted(per_gpu.items()):
-            found.append(describe_host_process(pid, uuid_of.get(index, f"unknown-{index}"), index, mib))
+            proc = describe_host_process(pid, uuid_of.get(index, f"unknown-{index}"), index, mib)
+            if proc.container != ctid:
+                # Another tenant's or the host's command line can carry secrets (--api-key ...): the container
+                # gets its program name only.
+                proc.cmd = (proc.cmd or "").split(" ", 1)[0].rsplit("/", 1)[-1][:32]
+            found.append(proc)
     error = None if sample.processes_listed else "NVML on the host did not list the processes of every GPU"
     return HostMap(
         t=sample.t, ctid=ctid, hostname=hostname, gpus=gpus, processes=found, source=source.source, error=error

@@ -613,7 +613,9 @@ def stop(
         step("restart policy cancelled: nothing is restarted after this stop")
 
     def alive_members() -> list[int]:
-        late = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) else []  # started in it since
+        # Processes started in the group since we listed it count only while the group is provably still ours.
+        ours_now = isinstance(pgid, int) and group_is_ours(pgid, members)
+        late = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) and ours_now else []
         return sorted({pid for pid, ticks in members.items() if records.process_alive(pid, ticks)} | set(late))
 
     def target_gone() -> bool:
@@ -633,8 +635,8 @@ def stop(
         text += f" (torchrun forwards it to its {forwarded} worker(s))" if forwarded else ""
         text += f" and to {len(outside)} orphaned rank process(es) ({_pids_text(outside)})" if outside else ""
         step(text)
-        if isinstance(pgid, int):
-            _killpg(pgid, signal.SIGTERM)
+        if isinstance(pgid, int) and in_group:
+            signal_group_checked(pgid, {p: members[p] for p in in_group}, signal.SIGTERM)
         for pid in outside:
             _kill_checked(pid, members[pid], signal.SIGTERM)
     else:
@@ -654,7 +656,7 @@ def stop(
         left = alive_members()
         step(f"still alive after the {grace_s:g} s grace ({len(left)} process(es)): SIGKILL to process group {pgid}")
         if isinstance(pgid, int) and left:
-            _killpg(pgid, signal.SIGKILL)
+            signal_group_checked(pgid, members, signal.SIGKILL)
         for pid in left:
             if pid in members:
                 _kill_checked(pid, members[pid], signal.SIGKILL)
@@ -719,7 +721,8 @@ def _runs_in(pid: int, rd: Path) -> bool:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
-    return f"{protocol.ENV_RUN_DIR}={rd}".encode() in env
+    names = {f"{protocol.ENV_RUN_DIR}={p}".encode() for p in (rd, os.path.realpath(rd))}  # the wrapper resolves it
+    return any(entry in names for entry in env)
 
 
 def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
@@ -783,6 +786,22 @@ def _killpg(pgid: int, sig: int) -> None:
     # The group may have emptied between our check and the signal: that is what we wanted.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+def group_is_ours(pgid: int, pinned: dict[int, int]) -> bool:
+    """A process we pinned (pid and start ticks) is still alive in the group: while it lives the group id cannot
+    have been reused, so signalling the group reaches only the run's processes."""
+    return any(records.process_alive(pid, ticks) and _pgrp(pid) == pgid for pid, ticks in pinned.items())
+
+
+def signal_group_checked(pgid: int, pinned: dict[int, int], sig: int) -> bool:
+    """``sig`` to the group when it is still ours, else to each pinned process still alive; True for the group."""
+    if group_is_ours(pgid, pinned):
+        _killpg(pgid, sig)
+        return True
+    for pid, ticks in pinned.items():
+        _kill_checked(pid, ticks, sig)
+    return False
 
 
 def _state(pid: int) -> str:

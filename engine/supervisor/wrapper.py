@@ -375,16 +375,16 @@ class Wrapper:
         left = _group_members(pgid, start_ticks)
         if not left:
             return
+        # Pinned now (pid and start ticks): the group is signalled only while one of these still lives in it.
+        pinned = {pid: ticks for pid in left if (ticks := _start_ticks(pid)) is not None}
         say(f"[specdec] {len(left)} process(es) of the ended attempt's group remain: SIGTERM to group {pgid}")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
+        control.signal_group_checked(pgid, pinned, signal.SIGTERM)
         deadline = time.monotonic() + self.policy.grace_s
         while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         if _group_members(pgid, start_ticks):
             say(f"[specdec] still there after the {self.policy.grace_s:g} s grace: SIGKILL to group {pgid}")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
+            control.signal_group_checked(pgid, pinned, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT_S
             while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
@@ -496,8 +496,9 @@ class Wrapper:
         rel = f"{stackdump.STACKS_DIR}/hang-attempt-{self.attempt}.txt"
         try:
             res = control.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.get("boot_id"))
-        except control.SupervisorError as exc:
-            say(f"[specdec] no stack dump: {exc}")
+        except (control.SupervisorError, OSError, subprocess.SubprocessError) as exc:
+            # A rank exiting mid-dump or py-spy timing out: the hang is still handled (stop, restart) without stacks.
+            say(f"[specdec] no stack dump: {type(exc).__name__}: {exc}")
             return f"no stack dump: {exc}"
         try:
             (self.run_dir / stackdump.STACKS_DIR).mkdir(exist_ok=True)
@@ -577,6 +578,11 @@ def _size_of(path: Path) -> int:
 def _deadline(spec: dict[str, Any], milestone: str) -> float | None:
     value = (spec.get("deadlines_s") or {}).get(milestone)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def _start_ticks(pid: int) -> int | None:
+    st = procs.read_stat(pid)
+    return st.start_ticks if st is not None else None
 
 
 def _group_members(pgid: int, min_start_ticks: int | None) -> list[int]:

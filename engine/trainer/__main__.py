@@ -35,7 +35,10 @@ from engine.trainer.metrics import EventLog, events_path_for
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="specdec-train", description="Threaded EAGLE-3 drafter trainer")
+    # No abbreviations: --torchrun is filtered out of the ranks' argv by its exact spelling (--torch would respawn).
+    ap = argparse.ArgumentParser(
+        prog="specdec-train", description="Threaded EAGLE-3 drafter trainer", allow_abbrev=False
+    )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", help="engine config (TOML)")
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config")

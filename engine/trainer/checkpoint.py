@@ -97,7 +97,8 @@ def load_vocab(path: Path) -> torch.Tensor:
 
 
 def load_drafter_state(path: Path, name: str) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False)
+    # weights_only: export and eval load paths the user names; a crafted pickle must not run code here.
+    state: dict[str, Any] = torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True)
     return state
 
 

@@ -176,11 +176,15 @@ class Target:
         return emb.weight
 
     @torch.no_grad()
-    def logits_and_hidden3(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's logits ``(B, T, V)`` and the three captured layers side by side ``(B, T, 3H)``."""
+    def logits_and_hidden3(self, input_ids: torch.Tensor, *, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits ``(B, T, V)`` and the three captured layers side by side ``(B, T, 3H)``.
+
+        ``eager``: the uncompiled model, for calls whose lengths vary (evaluation), which would otherwise compile
+        one graph per length while holding the target and the compile guard."""
         with self.lock:
             self._captured.clear()
-            logits = self._forward(input_ids=input_ids, use_cache=False).logits
+            forward = self.model if eager else self._forward
+            logits = forward(input_ids=input_ids, use_cache=False).logits
             hidden3 = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
             self._captured.clear()
         return logits, hidden3

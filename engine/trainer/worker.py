@@ -478,7 +478,14 @@ class DrafterWorker:
         except BaseException as exc:
             self.failed = True
             if self.group is not None:
-                self.group.leave(self.rank)
+                try:
+                    self.group.leave(self.rank)
+                except BaseException as leave_exc:  # the cross-rank round inside leave() failed too
+                    # The thread's own exception is the root cause: it must still reach thread_error below.
+                    self.control.events.say(
+                        f"warning: {self.name} could not leave its replica group: "
+                        f"{type(leave_exc).__name__}: {leave_exc}"
+                    )
             continuing = self.control.thread_error(self.name, "drafter", exc)
             if not continuing and self.group is not None:
                 self.group.abort(exc)

@@ -254,6 +254,9 @@ def test_host_pid_maps_to_the_pid_the_namespace_itself_shows(namespace: dict[str
     assert mine.container == CTID and mine.cgroup is not None and f"/lxc/{CTID}/ns" in mine.cgroup
     neighbour = by_pid[namespace["neighbour"]]
     assert neighbour.container == OTHER_CTID and neighbour.ns_pid is None
+    # Another tenant's command line never reaches this container (it may carry secrets): its program name only.
+    assert neighbour.cmd and " " not in neighbour.cmd and "/" not in neighbour.cmd
+    assert mine.cmd and " " in mine.cmd  # our own container's processes keep their full command line
 
 
 def test_container_side_view_made_exact_inside_the_namespace(namespace: dict[str, Any]) -> None:
