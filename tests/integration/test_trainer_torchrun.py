@@ -20,27 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torchrun_support import TINY_ENGINE_TOML
 
 from engine.trainer.data import shipped_corpus_path
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 150.0
 
-TINY_TOML = """
-target = "tiny"
-target_devices = ["cpu"]
-drafter_devices = ["cpu", "cpu"]
-drafter_mode = "replicas"
-buckets = [64]
-batch_size = 2
-ttt_steps = 2
-draft_vocab_size = 64
-torch_threads = 1
-tiny_hidden = 32
-tiny_layers = 4
-eval_holdout = 0
-heartbeat_interval_s = 0.5
-"""
+TINY_TOML = TINY_ENGINE_TOML
 
 
 def free_port() -> int:

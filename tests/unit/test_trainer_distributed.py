@@ -97,7 +97,7 @@ def test_torchrun_command_for_one_and_for_several_nodes() -> None:
 
 
 def test_specdec_train_prints_the_torchrun_command() -> None:
-    argv = ["--print-torchrun", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29500"]
+    argv = ["--print-torchrun", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "gpu-node0:29500"]
     proc = subprocess.run(
         [sys.executable, "-m", "engine.trainer", *argv, "--preset", "cpu-demo", "--set", "steps=5"],
         capture_output=True,
@@ -108,8 +108,8 @@ def test_specdec_train_prints_the_torchrun_command() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.strip()
-    assert "--nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500" in line
-    assert line.endswith("-m engine.trainer --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29500 "
+    assert "--nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint gpu-node0:29500" in line
+    assert line.endswith("-m engine.trainer --nnodes 2 --node-rank 1 --rdzv-endpoint gpu-node0:29500 "
                          "--preset cpu-demo --set steps=5")  # fmt: skip
     assert "--print-torchrun" not in line
 
