@@ -37,12 +37,20 @@ class GpuSample:
 
     t: float
     gpus: list[GpuInfo]
-    pid_used_mib: dict[int, float] = field(default_factory=dict)  # pid -> MiB summed over GPUs
-    pid_gpus: dict[int, list[int]] = field(default_factory=dict)  # pid -> GPU indices
     # pid -> {GPU index: MiB on that GPU | None when NVML does not say}: NVML's per-GPU process lists
     pid_gpu_mib: dict[int, dict[int, float | None]] = field(default_factory=dict)
     # True when every GPU's process list was read: an empty list then means "no process", not "unknown"
     processes_listed: bool = False
+
+    @property
+    def pid_gpus(self) -> dict[int, list[int]]:
+        """pid -> the GPU indices NVML lists it on."""
+        return {pid: sorted(per_gpu) for pid, per_gpu in self.pid_gpu_mib.items()}
+
+    @property
+    def pid_used_mib(self) -> dict[int, float]:
+        """pid -> MiB summed over its GPUs (0 where NVML does not say)."""
+        return {pid: sum(m for m in per_gpu.values() if m is not None) for pid, per_gpu in self.pid_gpu_mib.items()}
 
 
 class GpuSource(Protocol):
@@ -141,8 +149,6 @@ class NvmlGpus:
         with self._lock:
             self.last_errors = {}
             out: list[GpuInfo] = []
-            pid_used: dict[int, float] = {}
-            pid_gpus: dict[int, list[int]] = {}
             pid_gpu_mib: dict[int, dict[int, float | None]] = {}
             listed = bool(self._handles)
             for i, h in enumerate(self._handles):
@@ -158,12 +164,7 @@ class NvmlGpus:
                 holders: list[int] = []
                 for pid, used_bytes in procs or []:
                     holders.append(pid)
-                    pid_gpus.setdefault(pid, []).append(i)
                     pid_gpu_mib.setdefault(pid, {})[i] = used_bytes / MIB if used_bytes is not None else None
-                    if used_bytes is not None:
-                        pid_used[pid] = pid_used.get(pid, 0.0) + used_bytes / MIB
-                    else:
-                        pid_used.setdefault(pid, 0.0)
                 out.append(
                     GpuInfo(
                         index=i,
@@ -183,8 +184,6 @@ class NvmlGpus:
             return GpuSample(
                 t=time.time(),
                 gpus=out,
-                pid_used_mib=pid_used,
-                pid_gpus=pid_gpus,
                 pid_gpu_mib=pid_gpu_mib,
                 processes_listed=listed,
             )

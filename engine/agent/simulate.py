@@ -146,21 +146,15 @@ class SimulatedGpus:
                 if pid != busy_pid:
                     del self._busy_since[pid]
             gpus: list[GpuInfo] = []
-            pid_used: dict[int, float] = {}
-            pid_gpus: dict[int, list[int]] = {}
             pid_gpu_mib: dict[int, dict[int, float | None]] = {}
             for i in range(self.count):
                 gpu = self._one(i, busy_pid, now_m)
                 gpus.append(gpu)
                 for pid in gpu.holder_pids:
-                    pid_gpus.setdefault(pid, []).append(i)
-                    pid_used[pid] = pid_used.get(pid, 0.0) + (gpu.mem_used_mib or 0.0)
                     pid_gpu_mib.setdefault(pid, {})[i] = gpu.mem_used_mib or 0.0
             return GpuSample(
                 t=time.time(),
                 gpus=gpus,
-                pid_used_mib=pid_used,
-                pid_gpus=pid_gpus,
                 pid_gpu_mib=pid_gpu_mib,
                 processes_listed=True,
             )
