@@ -92,6 +92,9 @@ class EngineConfig:
     compile: bool = False
     compile_guard: bool = True  # False only for the control experiment that shows why the guard exists
     compile_target: bool = False
+    # The target's decoder Linears as e4m3 matmuls with row-wise scales (engine/trainer/fp8.py): faster on
+    # FP8 tensor cores, measured against bf16 by tests/bench/bench_fp8_target.py; lm_head stays exact.
+    target_fp8: bool = False
     attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU
     # CUDA streams of co-located threads: "per_thread" (target and drafters overlap on the GPU) or
     # "per_device" (one stream per GPU: kernels queue in order, only the CPU work of the threads overlaps).

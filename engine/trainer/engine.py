@@ -66,6 +66,9 @@ def lr_lambda(cfg: EngineConfig) -> Any:
     return fn
 
 
+FP8_NOTE = " (FP8 linears)"  # the target_loaded stage names an FP8 target
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, events: EventLog | None = None, rank: RankInfo | None = None) -> None:
         self.cfg = cfg.validate()
@@ -163,6 +166,7 @@ class Engine:
                 dtype=tdtype,
                 tiny_hidden=cfg.tiny_hidden,
                 tiny_layers=cfg.tiny_layers,
+                fp8=cfg.target_fp8,
             )
             if cfg.compile and cfg.compile_target and dev.type == "cuda":
                 target.compile()
@@ -171,7 +175,8 @@ class Engine:
             self.targets.append(target)
             self.events.stage(
                 "target_loaded",
-                f"target{i} {cfg.target} on {dev} layers {target.layer_ids} in {time.perf_counter() - t0:.1f} s",
+                f"target{i} {cfg.target} on {dev}{FP8_NOTE if cfg.target_fp8 else ''} layers {target.layer_ids} "
+                f"in {time.perf_counter() - t0:.1f} s",
             )
         target0 = self.targets[0]
 

@@ -222,8 +222,19 @@ def load_target(
     dtype: torch.dtype,
     tiny_hidden: int = 64,
     tiny_layers: int = 8,
+    fp8: bool = False,
 ) -> Target:
-    """Builds (random presets, seeded) or loads (local directory) the target on ``device``."""
+    """Builds (random presets, seeded) or loads (local directory) the target on ``device``.
+
+    ``fp8``: its decoder's Linear layers become FP8 matmuls (see fp8.py); a device without FP8 tensor cores is
+    a named error.
+    """
+    if fp8:
+        from engine.trainer.fp8 import fp8_unsupported_reason
+
+        reason = fp8_unsupported_reason(device)
+        if reason is not None:
+            raise RuntimeError(reason)
     from transformers import LlamaForCausalLM
 
     if spec == "tiny-trained":  # trained by the project on first use, then a local directory like any other
@@ -250,4 +261,8 @@ def load_target(
             loaded = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
         model = loaded.to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
+    if fp8:
+        from engine.trainer.fp8 import quantize_linears
+
+        quantize_linears(model)
     return Target(model, tokenizer, ids, device)

@@ -10,7 +10,9 @@ and ``--as-served`` (rotary positions advancing per draft token and the outputs 
 as vLLM and SGLang feed a drafter by default): the second shows what the old conventions cost when served.
 Variants toggle the two serve-time conventions: ``rope0``/``rope1`` = ``ttt_rope_offset`` false/true
 (rotary positions advancing with the TTT step; a variant that sets it is skipped where the config has no such
-key), ``old``/``new`` = ``target_layers`` (2, L/2, L-3) vs (1, L/2-1, L-4) (outputs captured).
+key), ``old``/``new`` = ``target_layers`` (2, L/2, L-3) vs (1, L/2-1, L-4) (outputs captured). A third part
+``-fp8`` trains against the FP8 target (``target_fp8``); its τ is still measured with the exact target, as a
+server runs it, so ``rope1-new`` vs ``rope1-new-fp8`` is what training on the FP8 target costs when served.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ TORCH_THREADS = 1  # --torch-threads: per training and per evaluation process
 
 
 def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
-    rope, layers = variant.split("-")
+    rope, layers, *rest = variant.split("-")
+    if rest not in ([], ["fp8"]):
+        raise SystemExit(f"variant {variant!r}: ROPE-LAYERS[-fp8], e.g. rope1-new or rope1-new-fp8")
     sets = [
         'target="tiny-trained"',
         'drafter_devices=["cpu"]',
@@ -64,6 +68,8 @@ def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
     ]
     if TTT_STEPS is not None:
         sets.append(f"ttt_steps={TTT_STEPS}")
+    if rest == ["fp8"]:
+        sets.append("target_fp8=true")
     if has_key("ttt_rope_offset"):
         sets.append(f"ttt_rope_offset={'true' if rope == 'rope1' else 'false'}")
     return [arg for s in sets for arg in ("--set", s)]

@@ -1,0 +1,94 @@
+"""FP8 forward for the frozen target (``target_fp8 = true``): the decoder's Linear layers as e4m3 matmuls.
+
+The target never trains, so its weights are quantised once, per output row (``scale_w = amax(row) / 448``),
+and each forward quantises its activations per token (``scale_x = amax(token) / 448``); the matmul is
+``torch._scaled_mm`` with both row-wise scales, accumulating in fp32 and writing bf16. On Hopper this runs
+the target's matmuls at FP8 rate; under ``compile_target`` the activation scaling fuses into the producers
+of each matmul.
+
+What stays in the model's dtype: the embeddings, the norms, attention itself and ``lm_head``, whose logits
+define the drafter's training targets (``target_p`` and the position mask). How far FP8 moves the target is
+measured by ``tests/bench/bench_fp8_target.py`` (top-1 agreement, KL of ``target_p``, error of the captured
+hidden states) and must be judged per target before a run trusts it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+SCALE_FLOOR = 1e-12  # an all-zero row or token keeps a finite scale
+MIN_CUDA_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
+SKIPPED_MODULES = ("lm_head",)  # its logits are the training targets: kept exact
+
+
+def fp8_unsupported_reason(device: torch.device) -> str | None:
+    """Why ``device`` cannot run the FP8 target, or None when it can (CUDA with FP8 tensor cores, or the CPU)."""
+    if device.type == "cpu":
+        return None  # torch's CPU _scaled_mm: slow, exact to the same rounding; for tests and small targets
+    if device.type != "cuda":
+        return f"target_fp8 needs a CUDA or CPU device, not {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CUDA_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"target_fp8 needs FP8 tensor cores (compute capability 8.9+); {device} is {name} ({major}.{minor})"
+    return None
+
+
+def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x quantised to e4m3 per row, the fp32 scale per row as a column): ``x ~= q * scale``."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(SCALE_FLOOR) / E4M3_MAX
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class Fp8Linear(nn.Module):
+    """A frozen Linear whose weight is stored in e4m3 with one fp32 scale per output row."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.in_features % 16 or linear.out_features % 16:
+            raise ValueError(
+                f"an FP8 matmul needs both sizes divisible by 16, not {linear.out_features}x{linear.in_features}"
+            )
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = linear.weight.dtype
+        self.weight_fp8: torch.Tensor
+        self.weight_scale: torch.Tensor
+        self.bias: torch.Tensor | None
+        q, scale = _rowwise(linear.weight.detach())
+        self.register_buffer("weight_fp8", q)  # (out, in) row-major: its transpose is the column-major operand
+        self.register_buffer("weight_scale", scale.reshape(1, -1))  # (1, out)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features)
+        q, scale = _rowwise(flat)
+        out = torch._scaled_mm(
+            q,
+            self.weight_fp8.t(),
+            scale_a=scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=self.out_dtype,
+        )
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
+
+
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = SKIPPED_MODULES) -> int:
+    """Replaces every ``nn.Linear`` of ``model`` (except those named in ``skip``) by an ``Fp8Linear``, in place.
+
+    Returns how many were replaced; the bf16 weights they held are released.
+    """
+    replaced = 0
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name not in skip:
+                setattr(module, child_name, Fp8Linear(child))
+                replaced += 1
+    return replaced
