@@ -101,8 +101,9 @@ def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, smal
     (ev,) = rec.of("step")
     assert ev["loss_total"] == pytest.approx(sum(0.8**i * x for i, x in enumerate(ev["loss"])))
     a, b = straight.workers[0], resumed.workers[0]
-    assert a.history[-1].loss == b.history[-1].loss
-    assert a.history[-1].acc == b.history[-1].acc
+    assert a.last_result is not None and b.last_result is not None
+    assert a.last_result.loss == b.last_result.loss
+    assert a.last_result.acc == b.last_result.acc
     for (name, pa), pb in zip(a.drafter.named_parameters(), b.drafter.parameters(), strict=True):
         assert torch.equal(pa, pb), name
 
