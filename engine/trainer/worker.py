@@ -10,6 +10,7 @@ agrees on whether to stop after this step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import threading
 import time
@@ -450,7 +451,9 @@ class DrafterWorker:
 
     def restore_state(self, state: dict[str, Any]) -> None:
         self.drafter.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # A copy: load_state_dict keeps a tensor already on the right device as is, so replicas on one device
+        # restored from one state would share (and each update) the same moments.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         # Checkpoints before the ledger kept one integer: every index below it trained.

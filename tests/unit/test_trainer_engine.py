@@ -108,6 +108,24 @@ def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, smal
         assert torch.equal(pa, pb), name
 
 
+def test_replicas_resumed_on_one_device_stay_identical(tmp_path: Path, small_corpus: Path) -> None:
+    """Replicas restored from one checkpoint each get optimizer moments of their own (shared moments would be
+    updated once per replica and step)."""
+
+    def replicas(steps: int) -> EngineConfig:
+        return make_config(tmp_path, small_corpus, drafter_devices=["cpu", "cpu"], steps=steps)
+
+    first, _ = build(replicas(2), tmp_path)
+    assert first.run() == 0
+    resumed, _ = build(replicas(4), tmp_path)
+    assert resumed.resumed_from is not None
+    assert resumed.run() == 0
+    a, b = resumed.workers
+    assert a.step == b.step == 4
+    for (name, pa), pb in zip(a.drafter.named_parameters(), b.drafter.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_injected_drafter_exception_is_reported_within_a_second_and_policy_applies(
     tmp_path: Path, small_corpus: Path, policy: str, monkeypatch: pytest.MonkeyPatch
