@@ -76,7 +76,7 @@ class Engine:
         self.vocab: DraftVocab | None = None
         self.source: BatchSource | None = None
         self.resumed_from: Path | None = None
-        self.checkpoints: list[Path] = []
+        self.last_checkpoint: Path | None = None  # the newest written (older ones are pruned: keep_checkpoints)
         self._ckpt_lock = threading.Lock()
         self.training_started_at: float | None = None
         self.exit_code: int | None = None
@@ -382,7 +382,7 @@ class Engine:
             path = ckpt.save_checkpoint(
                 self.output_dir, step, states, meta, self.vocab.draft_to_target, self.cfg.keep_checkpoints
             )
-            self.checkpoints.append(path)
+            self.last_checkpoint = path
         self.events.emit("checkpoint", step=step, path=str(path))
         self.events.say(f"checkpoint step={step} path={path}")
 

@@ -93,7 +93,8 @@ def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, smal
     assert straight.run() == 0
     first, _ = build(make_config(tmp_path / "b", small_corpus, steps=2), tmp_path / "b")
     assert first.run() == 0
-    assert (tmp_path / "b" / "checkpoints" / "step_00000002" / "meta.json").exists()
+    assert first.last_checkpoint == tmp_path / "b" / "checkpoints" / "step_00000002"
+    assert (first.last_checkpoint / "meta.json").exists()
     resumed, rec = build(make_config(tmp_path / "b", small_corpus, steps=3), tmp_path / "b")
     assert resumed.resumed_from is not None and resumed.workers[0].step == 2
     assert resumed.run() == 0
