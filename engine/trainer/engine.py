@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -53,6 +54,17 @@ from engine.trainer.worker import DrafterTraining, DrafterWorker, ReplicaGroup, 
 
 JOIN_TIMEOUT_S = 30.0
 REPLICAS_CHECKPOINT = "replicas"
+
+
+@dataclass
+class ResumePoint:
+    """Where a run starts: the draft vocabulary and, when resuming, the checkpoint's path, meta and drafter states
+    (rank 0 reads it and broadcasts it, so the ranks need no shared filesystem)."""
+
+    vocab: torch.Tensor  # the draft vocabulary's target ids (DraftVocab.draft_to_target)
+    path: Path | None = None  # None: a fresh run
+    meta: dict[str, Any] = field(default_factory=dict)
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model name; a drafter that died has none
 
 
 class Engine:
@@ -110,7 +122,7 @@ class Engine:
         attention, step_fn = shared_step(cfg, ddevs, attn_impl, on_compile)
         for rank, (dev, drafter) in enumerate(zip(ddevs, drafters, strict=True)):
             worker = self._build_worker(rank, drafter_training(cfg, drafter, rank, dev, attention, step_fn))
-            if resume["path"] is not None:
+            if resume.path is not None:
                 self._restore(worker, resume)
             self.workers.append(worker)
         self.dispatcher = Dispatcher(self._ledgers, cfg.drafter_mode)
@@ -161,13 +173,13 @@ class Engine:
             self.cross.barrier("the data cache of the node's first rank")
         return source
 
-    def _load_vocab(self, target_vocab_size: int) -> dict[str, Any]:
+    def _load_vocab(self, target_vocab_size: int) -> ResumePoint:
         """The draft vocabulary (rank 0's: from the checkpoint resumed, or counted over the training set); then
-        this rank's shard of the data. Returns what to resume from (``_resume_package``)."""
-        resume = self._resume_package(target_vocab_size)
-        self.vocab = DraftVocab(resume["vocab"])
-        if resume["path"] is not None:
-            self.resumed_from = Path(resume["path"])
+        this rank's shard of the data. Returns what to resume from."""
+        resume = self._resume_point(target_vocab_size)
+        self.vocab = DraftVocab(resume.vocab)
+        if resume.path is not None:
+            self.resumed_from = resume.path
         elif self.info.rank == 0:
             self.events.stage(
                 "data", f"draft vocabulary: the {self.vocab.size} most frequent token ids over the whole training set"
@@ -224,15 +236,15 @@ class Engine:
         )
         return DrafterWorker(name, rank, training, WorkerSettings.from_config(cfg), links)
 
-    def _restore(self, worker: DrafterWorker, resume: dict[str, Any]) -> None:
+    def _restore(self, worker: DrafterWorker, resume: ResumePoint) -> None:
         """Load a worker's model, optimizer, step and data position from the checkpoint resumed."""
         replicas = self.cfg.drafter_mode == "replicas"
         state_name = REPLICAS_CHECKPOINT if replicas else worker.name
         # A drafter that had died (policy continue) has no state: it starts afresh.
-        state: dict[str, Any] | None = resume["states"].get(state_name)
+        state = resume.states.get(state_name)
         if state is None:
             return
-        position = self._position_for(resume["meta"], state_name, state)
+        position = self._position_for(resume.meta, state_name, state)
         if position is not None:
             state = {**state, "data_position": position}
         worker.restore_state(state)
@@ -259,9 +271,9 @@ class Engine:
         latest = self.resumed_from
         resumed = f", resumed from {latest.name} at step {self.workers[0].step}" if latest is not None else ""
         self.events.say(
-            f"engine: {len(self.targets)} target thread(s), {len(self.workers)} drafter thread(s) "
-            f"({cfg.drafter_mode}), "
-            f"drafter {params_m:.1f}M trainable params, draft vocab {self.vocab.size}, attention {attn_impl}"
+            f"engine: {len(self.targets)} target thread(s), "
+            f"{len(self.workers)} drafter thread(s) ({cfg.drafter_mode}), drafter {params_m:.1f}M trainable params, "
+            f"draft vocab {self.vocab.size}, attention {attn_impl}"
             f"{' compiled' if cfg.compile else ''}, data: {self.source.describe()}{resumed}"
         )
 
@@ -302,12 +314,12 @@ class Engine:
 
         return submit
 
-    def _resume_package(self, target_vocab_size: int) -> dict[str, Any]:
+    def _resume_point(self, target_vocab_size: int) -> ResumePoint:
         """What rank 0 resumes from (the newest checkpoint in its output_dir: path, vocabulary, meta and drafter
         states) or, for a fresh run, its draft vocabulary; every rank gets rank 0's, so the ranks need no
         shared filesystem and agree on the vocabulary."""
         assert self.source is not None
-        package: dict[str, Any] | None = None
+        package: ResumePoint | None = None
         if self.info.rank == 0:
             latest = ckpt.latest_checkpoint(self.output_dir) if self.cfg.resume else None
             if latest is not None:
@@ -318,11 +330,11 @@ class Engine:
                         states[name] = ckpt.load_drafter_state(latest, name)
                     except FileNotFoundError:
                         continue
-                package = {"path": str(latest), "vocab": ckpt.load_vocab(latest), "meta": meta, "states": states}
+                package = ResumePoint(ckpt.load_vocab(latest), latest, meta, states)
             else:
                 draft_size = min(self.cfg.draft_vocab_size, target_vocab_size)
                 vocab = build_draft_vocab(self.source, target_vocab_size, draft_size)
-                package = {"path": None, "vocab": vocab.draft_to_target, "meta": {}, "states": {}}
+                package = ResumePoint(vocab.draft_to_target)
         if self.cross is not None:
             package = self.cross.broadcast(package, "the vocabulary and the checkpoint to resume from")
         assert package is not None
