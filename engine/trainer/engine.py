@@ -2,6 +2,8 @@
 
 All in one process: one producer thread per target device, one worker thread per drafter device, bounded
 queues between them, heartbeats and step metrics to events.jsonl, checkpoints periodically and on SIGTERM.
+The parts are made by the factories in ``assembly``; the engine calls them in order and owns what needs the
+run's state (the torchrun world, the checkpoint resumed, failures, checkpoints).
 """
 
 from __future__ import annotations
