@@ -2,18 +2,20 @@
 
 All in one process: one producer thread per target device, one worker thread per drafter device, bounded
 queues between them, heartbeats and step metrics to events.jsonl, checkpoints periodically and on SIGTERM.
+The parts are made by the factories in ``assembly``; the engine calls them in order and owns what needs the
+run's state (the torchrun world, the checkpoint resumed, failures, checkpoints).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
-import math
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -21,52 +23,50 @@ from typing import Any
 import torch
 
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.compile import GuardedFunction, recompile_limit_for, set_guard_enabled, set_recompile_limit
-from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
-from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
-from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
-from engine.trainer.dispatch import Dispatcher, IndexLedger
-from engine.trainer.distributed import (
-    AGENT_DEATH_SIGNAL,
-    CrossRank,
-    ShardedSource,
-    map_devices,
-    reshard,
-    weights_digest,
+from engine.trainer.assembly import (
+    attention_impl,
+    build_drafters,
+    build_producers,
+    configure_torch,
+    data_source,
+    devices_for,
+    drafter_training,
+    gradient_shapes,
+    load_targets,
+    model_ledgers,
+    share_streams,
+    shared_step,
 )
+from engine.trainer.compile import recompile_limit_for, set_recompile_limit
+from engine.trainer.config import EngineConfig
+from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
+from engine.trainer.data import BatchSource
+from engine.trainer.dispatch import Dispatcher, IndexLedger
+from engine.trainer.distributed import AGENT_DEATH_SIGNAL, CrossRank, ShardedSource, reshard, weights_digest
 from engine.trainer.distributed import start as start_distributed
-from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
+from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.health import HealthBoard
 from engine.trainer.launch import RankInfo, rank_from_env
-from engine.trainer.loss import loss_function
 from engine.trainer.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.producer import DeviceBatch, Producer, Route
 from engine.trainer.queue import BoundedQueue
-from engine.trainer.target import Target, load_target, load_tokenizer
+from engine.trainer.target import Target, load_tokenizer
 from engine.trainer.vocab import DraftVocab, build_draft_vocab
-from engine.trainer.worker import DrafterWorker, ReplicaGroup
+from engine.trainer.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
 
 JOIN_TIMEOUT_S = 30.0
 REPLICAS_CHECKPOINT = "replicas"
 
 
-def lr_lambda(cfg: EngineConfig) -> Any:
-    def fn(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        span = max(1, cfg.steps - cfg.warmup_steps)
-        frac = min(1.0, (step - cfg.warmup_steps) / span)
-        if cfg.schedule == "linear":
-            return max(0.0, 1.0 - frac)
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
+@dataclass
+class ResumePoint:
+    """Where a run starts: the draft vocabulary and, when resuming, the checkpoint's path, meta and drafter states
+    (rank 0 reads it and broadcasts it, so the ranks need no shared filesystem)."""
 
-    return fn
-
-
-FP8_NOTE = " (FP8 linears)"  # the target_loaded stage names an FP8 target
+    vocab: torch.Tensor  # the draft vocabulary's target ids (DraftVocab.draft_to_target)
+    path: Path | None = None  # None: a fresh run
+    meta: dict[str, Any] = field(default_factory=dict)
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model name; a drafter that died has none
 
 
 class Engine:
@@ -84,12 +84,13 @@ class Engine:
         self.producers: list[Producer] = []
         self.workers: list[DrafterWorker] = []
         self.queues: list[BoundedQueue[DeviceBatch]] = []
+        self._ledgers: list[IndexLedger] = []  # the trained batch indices per drafter (replicas: one, shared)
         self.group: ReplicaGroup | None = None
         self.dispatcher: Dispatcher | None = None
         self.vocab: DraftVocab | None = None
         self.source: BatchSource | None = None
         self.resumed_from: Path | None = None
-        self.checkpoints: list[Path] = []
+        self.last_checkpoint: Path | None = None  # the newest written (older ones are pruned: keep_checkpoints)
         self._ckpt_lock = threading.Lock()
         self.training_started_at: float | None = None
         self.exit_code: int | None = None
@@ -100,300 +101,183 @@ class Engine:
             self.events.listeners.append(self.progress.on_event)
 
     # --- building ---------------------------------------------------------------------------------------------
-    def _dtypes(self, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-        """(target dtype, autocast dtype) for a device."""
-        if self.cfg.dtype == "float32":
-            return torch.float32, None
-        if device.type == "cuda" or self.cfg.dtype == "bfloat16":
-            return torch.bfloat16, torch.bfloat16
-        return torch.float32, None
-
     def build(self) -> None:
+        """Devices, the torchrun world, targets, data, vocabulary, drafters and their workers, producers: each
+        from its factory in ``assembly``, in the order every rank follows (its barriers and broadcasts meet)."""
         cfg = self.cfg
-        if cfg.torch_threads:
-            torch.set_num_threads(cfg.torch_threads)
-        set_guard_enabled(cfg.compile_guard)
-        if not cfg.compile_guard:
-            self.events.say("warning: compile guard DISABLED (control experiment): threads may compile concurrently")
-        tdevs = [torch.device(d) for d in map_devices(cfg.target_devices, self.info)]
-        ddevs = [torch.device(d) for d in map_devices(cfg.drafter_devices, self.info)]
-        if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
-            raise RuntimeError("the config names CUDA devices but torch.cuda.is_available() is False")
-        for d in tdevs + ddevs:
-            if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
-                raise RuntimeError(
-                    f"rank {self.info.rank} (local rank {self.info.local_rank}) maps to {d}, but this node has "
-                    f"{torch.cuda.device_count()} GPU(s): lower nproc_per_node or name fewer devices per rank"
-                )
+        configure_torch(cfg, self.events)
+        tdevs, ddevs = devices_for(cfg, self.info)
         if self.info.launched:
-            t0 = time.perf_counter()
-            self.cross = start_distributed(
-                self.info, [str(d) for d in ddevs], cfg.dist_timeout_s, cfg.dist_setup_timeout_s
-            )
-            detail = (
-                f"rank {self.info.rank} of {self.info.world_size} (node {self.info.node}, local rank "
-                f"{self.info.local_rank}) via {self.cross.backend} in {time.perf_counter() - t0:.1f} s; "
-                f"drafters {[str(d) for d in ddevs]}, targets {[str(d) for d in tdevs]}"
-            )
-            # pid and local_rank let the agent map a rank to its process (torchrun starts each in its own session).
-            self.events.emit(
-                "stage",
-                stage="distributed",
-                thread=None,
-                detail=detail,
-                pid=os.getpid(),
-                local_rank=self.info.local_rank,
-                local_world_size=self.info.local_world_size,
-                backend=self.cross.backend,
-            )
-            self.events.say(f"stage=distributed {detail}")
+            self.cross = self._start_distributed(tdevs, ddevs)
         set_recompile_limit(recompile_limit_for(cfg.ttt_steps, len(cfg.buckets), len(ddevs)))
         on_compile = compile_listener(self.events)
-        attn_impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
-        if attn_impl == "flex" and any(d.type == "cpu" for d in ddevs):
-            raise RuntimeError("attention = 'flex' needs CUDA drafters (flex_attention has no CPU backward)")
-
+        attn_impl = attention_impl(cfg, ddevs)
         tokenizer = load_tokenizer(cfg.target)
-        for i, dev in enumerate(tdevs):
-            t0 = time.perf_counter()
-            tdtype, _ = self._dtypes(dev)
-            target = load_target(
-                cfg.target,
-                dev,
-                tokenizer=tokenizer,
-                layer_ids=cfg.target_layers,
-                seed=cfg.seed,
-                dtype=tdtype,
-                tiny_hidden=cfg.tiny_hidden,
-                tiny_layers=cfg.tiny_layers,
-                fp8=cfg.target_fp8,
-            )
-            if cfg.compile and cfg.compile_target and dev.type == "cuda":
-                target.compile()
-            for fn in target.compiled_functions():
-                fn.listeners.append(on_compile)
-            self.targets.append(target)
-            self.events.stage(
-                "target_loaded",
-                f"target{i} {cfg.target} on {dev}{FP8_NOTE if cfg.target_fp8 else ''} layers {target.layer_ids} "
-                f"in {time.perf_counter() - t0:.1f} s",
-            )
-        target0 = self.targets[0]
+        self.targets = load_targets(cfg, tdevs, tokenizer, on_compile, self.events)
+        self.source = self._load_data(tokenizer, self.targets[0].vocab_size)
+        resume = self._load_vocab(self.targets[0].vocab_size)
+        self._ledgers = model_ledgers(cfg.drafter_mode, len(ddevs))
+        drafters = self._build_drafters(ddevs)
+        self.group = self._build_group(ddevs, gradient_shapes(cfg, drafters))
+        models = {REPLICAS_CHECKPOINT} if cfg.drafter_mode == "replicas" else {f"drafter{r}" for r in range(len(ddevs))}
+        self._rounds = CheckpointRounds(models, self._write_checkpoint)
+        attention, step_fn = shared_step(cfg, ddevs, attn_impl, on_compile)
+        for rank, (dev, drafter) in enumerate(zip(ddevs, drafters, strict=True)):
+            worker = self._build_worker(rank, drafter_training(cfg, drafter, rank, dev, attention, step_fn))
+            if resume.path is not None:
+                self._restore(worker, resume)
+            self.workers.append(worker)
+        self.dispatcher = Dispatcher(self._ledgers, cfg.drafter_mode)
+        routes = [Route(q, d) for q, d in zip(self.queues, ddevs, strict=True)]
+        trained = max(ledger.trained for ledger in self._ledgers)
+        assert self.vocab is not None
+        self.producers = build_producers(
+            self.targets, self.source, routes, self.dispatcher, self.vocab, self.control, trained
+        )
+        if cfg.cuda_streams == "per_device":
+            share_streams(self.producers, self.workers)
+        self._report_lost_steps()
+        self._install_evaluation()
+        self._report_built(attn_impl)
 
-        # The first rank of each node tokenizes (and caches) the data before the node's other ranks read the cache.
+    def _start_distributed(self, tdevs: list[torch.device], ddevs: list[torch.device]) -> CrossRank:
+        """Join the torchrun world; a ``distributed`` stage names this rank, its devices and its process."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        cross = start_distributed(self.info, [str(d) for d in ddevs], cfg.dist_timeout_s, cfg.dist_setup_timeout_s)
+        detail = (
+            f"rank {self.info.rank} of {self.info.world_size} (node {self.info.node}, local rank "
+            f"{self.info.local_rank}) via {cross.backend} in {time.perf_counter() - t0:.1f} s; "
+            f"drafters {[str(d) for d in ddevs]}, targets {[str(d) for d in tdevs]}"
+        )
+        # pid and local_rank let the agent map a rank to its process (torchrun starts each in its own session).
+        self.events.emit(
+            "stage",
+            stage="distributed",
+            thread=None,
+            detail=detail,
+            pid=os.getpid(),
+            local_rank=self.info.local_rank,
+            local_world_size=self.info.local_world_size,
+            backend=cross.backend,
+        )
+        self.events.say(f"stage=distributed {detail}")
+        return cross
+
+    def _load_data(self, tokenizer: Any, target_vocab_size: int) -> BatchSource:
+        """The training batches; the first rank of each node tokenizes (and caches) the data before the node's
+        other ranks read the cache."""
         first_on_node = self.cross is None or self.info.local_rank == 0
         if not first_on_node and self.cross is not None:
             self.cross.barrier("waiting for the data cache of the node's first rank")
-        if cfg.data == DATA_RANDOM or tokenizer is None:
-            self.source = RandomTokenSource(
-                target0.vocab_size, buckets=cfg.buckets, batch_size=cfg.batch_size, seed=cfg.seed
-            )
-        else:
-            path = shipped_corpus_path() if cfg.data == DATA_SHIPPED else Path(cfg.data).expanduser()
-            cache_dir = Path(cfg.data_cache_dir).expanduser() if cfg.data_cache_dir else self.output_dir / "data_cache"
-            source = ConversationSource(
-                tokenizer,
-                path,
-                buckets=cfg.buckets,
-                batch_size=cfg.batch_size,
-                seed=cfg.seed,
-                eval_holdout=cfg.eval_holdout,
-                cache_dir=cache_dir,
-                progress=lambda text: self.events.stage("data", text),
-            )
-            self.source = source
-            self._report_data(source)
+        source = data_source(self.cfg, tokenizer, target_vocab_size, self.output_dir, self.events)
         if first_on_node and self.cross is not None:
             self.cross.barrier("the data cache of the node's first rank")
+        return source
 
-        resume = self._resume_package(target0.vocab_size)
-        latest = Path(resume["path"]) if resume["path"] is not None else None
-        self.vocab = DraftVocab(resume["vocab"])
-        if latest is not None:
-            self.resumed_from = latest
+    def _load_vocab(self, target_vocab_size: int) -> ResumePoint:
+        """The draft vocabulary (rank 0's: from the checkpoint resumed, or counted over the training set); then
+        this rank's shard of the data. Returns what to resume from."""
+        resume = self._resume_point(target_vocab_size)
+        self.vocab = DraftVocab(resume.vocab)
+        if resume.path is not None:
+            self.resumed_from = resume.path
         elif self.info.rank == 0:
             self.events.stage(
                 "data", f"draft vocabulary: the {self.vocab.size} most frequent token ids over the whole training set"
             )
         if self.cross is not None:
+            assert self.source is not None
             self.source = ShardedSource(self.source, self.info.rank, self.info.world_size)
-        if cfg.vocab_sample_batches is not None:
+        if self.cfg.vocab_sample_batches is not None:
             self.events.say(
                 "warning: vocab_sample_batches is ignored: the draft vocabulary counts every training conversation"
             )
-        dcfg = DraftConfig.from_target(target0.config, self.vocab.size)
+        return resume
 
+    def _build_drafters(self, ddevs: list[torch.device]) -> list[Drafter]:
+        assert self.vocab is not None
+        dcfg = DraftConfig.from_target(self.targets[0].config, self.vocab.size)
+        return build_drafters(self.cfg, dcfg, ddevs, self.targets, self.vocab)
+
+    def _build_group(self, ddevs: list[torch.device], shapes: list[list[torch.Size]]) -> ReplicaGroup | None:
+        """Where the drafters' steps meet: None for one drafter training alone."""
         n = len(ddevs)
-        replicas = cfg.drafter_mode == "replicas"
-        # The trained batch indices per model: replicas train one model (one ledger), independent drafters one each.
-        shared = IndexLedger()
-        ledgers = [shared] * n if replicas else [IndexLedger() for _ in range(n)]
-        self._ledgers = ledgers
-        shapes: list[list[torch.Size]] = []  # the gradients' shapes per model, filled as the drafters are built
         if self.cross is not None:
             # In a torchrun world every step meets at the group (even one drafter), whose completing thread runs
             # the cross-rank all-reduce; independent drafters are each averaged with the same drafter elsewhere.
-            self.group = ReplicaGroup(
+            return ReplicaGroup(
                 list(range(n)),
                 ddevs,
                 lambda: self.control.stop_requested.is_set(),
-                mode=cfg.drafter_mode,
-                ledgers=dict(enumerate(ledgers)),
+                mode=self.cfg.drafter_mode,
+                ledgers=dict(enumerate(self._ledgers)),
                 cross=self.cross,
                 shapes=shapes,
                 after_round=self._after_round,
                 failing=lambda: self.control.should_exit,
             )
-        elif replicas and n > 1:
-            self.group = ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set(), shared)
-        rounds = CheckpointRounds(
-            {REPLICAS_CHECKPOINT} if replicas else {f"drafter{r}" for r in range(n)}, self._write_checkpoint
-        )
-        self._rounds = rounds
-        first: Drafter | None = None
-        # One compiled attention and loss for all workers: compiled once (under the guard), then shared.
-        compiled = cfg.compile and ddevs[0].type == "cuda"
-        attention = TTTAttention(attn_impl, compiled=compiled)
-        step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
-        for fn in [step_fn, *attention.compiled_functions()]:
-            fn.listeners.append(on_compile)
-        writes = self.info.rank == 0
-        for rank, dev in enumerate(ddevs):
-            embed = next((t.embed_weight() for t in self.targets if t.device == dev), None)
-            if embed is None:
-                embed = target0.embed_weight().to(dev)
-            seed = cfg.seed if replicas else cfg.seed + rank
-            with torch.random.fork_rng(devices=[]), torch.device(dev):
-                torch.manual_seed(seed + 7919)
-                drafter = Drafter(
-                    dcfg, embed, self.vocab.draft_to_target.to(dev), ttt_rope_offset=cfg.ttt_rope_offset
-                )
-            if replicas and first is not None:
-                drafter.load_state_dict(first.state_dict())
-            first = first or drafter
-            if not replicas or rank == 0:
-                shapes.append([p.shape for p in drafter.trainable_parameters()])
-            params = drafter.trainable_parameters()
-            optimizer = torch.optim.AdamW(
-                params,
-                lr=float(cfg.drafter_lrs[rank]) if cfg.drafter_lrs else cfg.lr,
-                betas=(0.9, 0.95),
-                weight_decay=cfg.weight_decay,
-                **({"fused": True} if dev.type == "cuda" else {}),
-            )
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-            queue: BoundedQueue[DeviceBatch] = BoundedQueue(cfg.queue_size, name=f"queue{rank}")
-            self.queues.append(queue)
-            tdtype, autocast = self._dtypes(dev)
-            name = f"drafter{rank}"
-            worker = DrafterWorker(
-                name,
-                rank,
-                drafter,
-                dev,
-                queue,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                attention=attention,
-                step_fn=step_fn,
-                control=self.control,
-                ttt_steps=cfg.ttt_steps,
-                total_steps=cfg.steps,
-                buckets=cfg.buckets,
-                batch_size=cfg.batch_size,
-                hidden_dtype=tdtype,
-                autocast_dtype=autocast,
-                compile_step=compiled,
-                grad_checkpointing=cfg.grad_checkpointing,
-                max_grad_norm=cfg.max_grad_norm,
-                log_every=cfg.log_every,
-                checkpoint_every=cfg.checkpoint_every,
-                group=self.group,
-                ledger=ledgers[rank],
-                # Rank 0 writes the world's checkpoints: the other ranks need not copy their states for it.
-                submit_checkpoint=self._submit(REPLICAS_CHECKPOINT if replicas else name) if writes else None,
-                step_delay_s=cfg.step_delay_s,
-                loss_fn=loss_function(cfg.loss_mean),
-            )
-            if latest is not None:
-                state_name = REPLICAS_CHECKPOINT if replicas else name
-                # A drafter that had died (policy continue) has no state: it starts afresh.
-                state: dict[str, Any] | None = resume["states"].get(state_name)
-                if state is not None:
-                    position = self._position_for(resume["meta"], state_name, state)
-                    if position is not None:
-                        state = {**state, "data_position": position}
-                    worker.restore_state(state)
-                    if replicas and "data_position" not in state:
-                        # Before the ledger, replica r trained indices r, r + n, ...: step s means all below s * n.
-                        worker.ledger.restore({"watermark": worker.step * n})
-            self.workers.append(worker)
+        if self.cfg.drafter_mode == "replicas" and n > 1:
+            return ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set(), self._ledgers[0])
+        return None
 
-        self.dispatcher = Dispatcher(ledgers, cfg.drafter_mode)
-        routes = [Route(q, d) for q, d in zip(self.queues, ddevs, strict=True)]
-        trained = max(ledger.trained for ledger in ledgers)
-        n_targets = len(self.targets)
-        for p, target in enumerate(self.targets):
-            _, autocast = self._dtypes(target.device)
-            self.producers.append(
-                Producer(
-                    f"target{p}",
-                    target,
-                    self.source,
-                    routes,
-                    self.dispatcher,
-                    # The batches this producer would have made so far had the run not stopped.
-                    start_batches=trained // n_targets + (1 if p < trained % n_targets else 0),
-                    draft_ids=self.vocab.draft_to_target,
-                    t2d=self.vocab.t2d(target.vocab_size),
-                    control=self.control,
-                    autocast_dtype=None,
-                )
+    def _build_worker(self, rank: int, training: DrafterTraining) -> DrafterWorker:
+        """Drafter thread ``rank`` with its own bounded input queue."""
+        cfg = self.cfg
+        queue: BoundedQueue[DeviceBatch] = BoundedQueue(cfg.queue_size, name=f"queue{rank}")
+        self.queues.append(queue)
+        name = f"drafter{rank}"
+        model = REPLICAS_CHECKPOINT if cfg.drafter_mode == "replicas" else name
+        links = WorkerLinks(
+            queue,
+            self.control,
+            self._ledgers[rank],
+            self.group,
+            # Rank 0 writes the world's checkpoints: the other ranks need not copy their states for it.
+            submit_checkpoint=self._submit(model) if self.info.rank == 0 else None,
+        )
+        return DrafterWorker(name, rank, training, WorkerSettings.from_config(cfg), links)
+
+    def _restore(self, worker: DrafterWorker, resume: ResumePoint) -> None:
+        """Load a worker's model, optimizer, step and data position from the checkpoint resumed."""
+        replicas = self.cfg.drafter_mode == "replicas"
+        state_name = REPLICAS_CHECKPOINT if replicas else worker.name
+        # A drafter that had died (policy continue) has no state: it starts afresh.
+        state = resume.states.get(state_name)
+        if state is None:
+            return
+        position = self._position_for(resume.meta, state_name, state)
+        if position is not None:
+            state = {**state, "data_position": position}
+        worker.restore_state(state)
+        if replicas and "data_position" not in state:
+            # Before the ledger, replica r trained indices r, r + n, ...: step s means all below s * n.
+            worker.ledger.restore({"watermark": worker.step * len(self._ledgers)})
+
+    def _report_lost_steps(self) -> None:
+        """A resumed run names the steps the previous run made after the checkpoint it resumes from."""
+        if self.resumed_from is None:
+            return
+        ckpt_step, before = self.workers[0].step, self._last_step_before
+        if before is not None and before > ckpt_step:
+            self.events.stage(
+                "checkpoint",
+                f"resumed from {self.resumed_from.name}: lost {before - ckpt_step} step(s) since that checkpoint "
+                f"(the previous run reached step {before})",
             )
-        if cfg.cuda_streams == "per_device":
-            streams: dict[str, Any] = {}
-            for thread_dev, obj in [(p.target.device, p) for p in self.producers] + [
-                (w.device, w) for w in self.workers
-            ]:
-                if thread_dev.type == "cuda":
-                    obj.stream = streams.setdefault(str(thread_dev), torch.cuda.Stream(thread_dev))
+
+    def _report_built(self, attn_impl: str) -> None:
+        assert self.vocab is not None and self.source is not None
+        cfg = self.cfg
         params_m = sum(p.numel() for p in self.workers[0].params) / 1e6
+        latest = self.resumed_from
         resumed = f", resumed from {latest.name} at step {self.workers[0].step}" if latest is not None else ""
-        if latest is not None:
-            ckpt_step, before = self.workers[0].step, self._last_step_before
-            if before is not None and before > ckpt_step:
-                self.events.stage(
-                    "checkpoint",
-                    f"resumed from {latest.name}: lost {before - ckpt_step} step(s) since that checkpoint "
-                    f"(the previous run reached step {before})",
-                )
-        self._install_evaluation()
         self.events.say(
-            f"engine: {len(self.targets)} target thread(s), {n} drafter thread(s) ({cfg.drafter_mode}), "
-            f"drafter {params_m:.1f}M trainable params, draft vocab {self.vocab.size}, attention {attn_impl}"
+            f"engine: {len(self.targets)} target thread(s), "
+            f"{len(self.workers)} drafter thread(s) ({cfg.drafter_mode}), drafter {params_m:.1f}M trainable params, "
+            f"draft vocab {self.vocab.size}, attention {attn_impl}"
             f"{' compiled' if cfg.compile else ''}, data: {self.source.describe()}{resumed}"
         )
-
-    def _report_data(self, source: ConversationSource) -> None:
-        """Every conversation not trained on is counted, with its reason: an event and a log line."""
-        skipped = dict(sorted(source.skipped.items()))
-        total = sum(skipped.values())
-        detail = (
-            f"{source.examples} conversations to train on, {len(source.heldout_indices)} held out, "
-            f"{total} skipped" + (f" ({', '.join(f'{k}: {v}' for k, v in skipped.items())})" if total else "")
-            + (f", {source.corpus.truncated} cut to {source.buckets[-1]} tokens" if source.corpus.truncated else "")
-        )
-        self.events.emit(
-            "stage",
-            stage="data",
-            thread=None,
-            detail=detail,
-            skipped=skipped,
-            heldout=len(source.heldout_indices),
-            truncated=source.corpus.truncated,
-            cached=source.cache_hit,
-        )
-        self.events.say(f"stage=data {detail}")
 
     def _install_evaluation(self) -> None:
         """eval_every > 0: acceptance length on held-out prompts every eval_every steps, per drafter (``eval``)."""
@@ -432,12 +316,12 @@ class Engine:
 
         return submit
 
-    def _resume_package(self, target_vocab_size: int) -> dict[str, Any]:
+    def _resume_point(self, target_vocab_size: int) -> ResumePoint:
         """What rank 0 resumes from (the newest checkpoint in its output_dir: path, vocabulary, meta and drafter
         states) or, for a fresh run, its draft vocabulary; every rank gets rank 0's, so the ranks need no
         shared filesystem and agree on the vocabulary."""
         assert self.source is not None
-        package: dict[str, Any] | None = None
+        package: ResumePoint | None = None
         if self.info.rank == 0:
             latest = ckpt.latest_checkpoint(self.output_dir) if self.cfg.resume else None
             if latest is not None:
@@ -448,11 +332,11 @@ class Engine:
                         states[name] = ckpt.load_drafter_state(latest, name)
                     except FileNotFoundError:
                         continue
-                package = {"path": str(latest), "vocab": ckpt.load_vocab(latest), "meta": meta, "states": states}
+                package = ResumePoint(ckpt.load_vocab(latest), latest, meta, states)
             else:
                 draft_size = min(self.cfg.draft_vocab_size, target_vocab_size)
                 vocab = build_draft_vocab(self.source, target_vocab_size, draft_size)
-                package = {"path": None, "vocab": vocab.draft_to_target, "meta": {}, "states": {}}
+                package = ResumePoint(vocab.draft_to_target)
         if self.cross is not None:
             package = self.cross.broadcast(package, "the vocabulary and the checkpoint to resume from")
         assert package is not None
@@ -512,7 +396,7 @@ class Engine:
             path = ckpt.save_checkpoint(
                 self.output_dir, step, states, meta, self.vocab.draft_to_target, self.cfg.keep_checkpoints
             )
-            self.checkpoints.append(path)
+            self.last_checkpoint = path
         self.events.emit("checkpoint", step=step, path=str(path))
         self.events.say(f"checkpoint step={step} path={path}")
 

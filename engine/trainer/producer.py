@@ -86,7 +86,6 @@ class Producer:
         draft_ids: torch.Tensor,
         t2d: torch.Tensor,
         control: RunControl,
-        autocast_dtype: torch.dtype | None,
     ) -> None:
         self.name = name
         self.target = target
@@ -96,7 +95,6 @@ class Producer:
         self.draft_ids = draft_ids.to(target.device)
         self.t2d = t2d.to(target.device)
         self.control = control
-        self.autocast_dtype = autocast_dtype
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.finished = threading.Event()
         self.failed = False
@@ -117,13 +115,7 @@ class Producer:
         hb = self.source.batch(index)
         ids = hb.input_ids.to(dev, non_blocking=True)
         mask = hb.loss_mask.to(dev, non_blocking=True)
-        ctx = (
-            torch.autocast(dev.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with ctx:
-            out = self.target.run(ids, mask, self.draft_ids, self.t2d)
+        out = self.target.run(ids, mask, self.draft_ids, self.t2d)  # in the dtype the target was loaded in
         ready = None
         if dev.type == "cuda":
             ready = torch.cuda.Event()

@@ -10,6 +10,7 @@ agrees on whether to stop after this step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import threading
 import time
@@ -21,13 +22,14 @@ import torch
 
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
+from engine.trainer.config import EngineConfig
 from engine.trainer.control import NonFiniteLoss, PeerFailure, RunControl
 from engine.trainer.dispatch import IndexLedger
 from engine.trainer.distributed import CrossRank
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.model import Drafter, ttt_step
+from engine.trainer.draft.model import Drafter
 from engine.trainer.health import name_os_thread
-from engine.trainer.loss import accuracies, soft_cross_entropy, total_loss
+from engine.trainer.loss import accuracies, loss_function, soft_cross_entropy, total_loss
 from engine.trainer.metrics import step_line, weighted_total
 from engine.trainer.producer import DeviceBatch
 from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
@@ -230,77 +232,105 @@ class StepResult:
     ms: dict[str, float]
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What every drafter worker of an engine takes from the run's config."""
+
+    ttt_steps: int
+    total_steps: int
+    buckets: tuple[int, ...]  # the sequence lengths warmed up (compiled) before the first step
+    batch_size: int
+    grad_checkpointing: bool = False
+    max_grad_norm: float = 1.0
+    log_every: int = 1  # a step event every log_every steps (and at step 1)
+    checkpoint_every: int = 0  # 0: no periodic checkpoint (only at the end and on a stop)
+    step_delay_s: float = 0.0
+    loss_fn: Callable[..., Any] = soft_cross_entropy  # loss.soft_cross_entropy or its masked-mean variant
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> WorkerSettings:
+        return cls(
+            ttt_steps=cfg.ttt_steps,
+            total_steps=cfg.steps,
+            buckets=tuple(cfg.buckets),
+            batch_size=cfg.batch_size,
+            grad_checkpointing=cfg.grad_checkpointing,
+            max_grad_norm=cfg.max_grad_norm,
+            log_every=cfg.log_every,
+            checkpoint_every=cfg.checkpoint_every,
+            step_delay_s=cfg.step_delay_s,
+            loss_fn=loss_function(cfg.loss_mean),
+        )
+
+
+@dataclass(frozen=True)
+class DrafterTraining:
+    """One worker's model on its device and what updates it."""
+
+    drafter: Drafter
+    device: torch.device
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    attention: TTTAttention
+    step_fn: GuardedFunction  # the TTT step (layer, head and loss); compiled on CUDA, shared by an engine's workers
+    hidden_dtype: torch.dtype  # the target's hidden states as they arrive (the warm-up batches are made alike)
+    autocast_dtype: torch.dtype | None
+
+
+@dataclass(frozen=True)
+class WorkerLinks:
+    """How a worker meets the rest of the engine: its input queue, the run's control, its model's ledger."""
+
+    queue: BoundedQueue[DeviceBatch]
+    control: RunControl
+    ledger: IndexLedger  # the trained batch indices (replicas: shared, marked at the gradient barrier)
+    group: ReplicaGroup | None = None  # the gradient barrier of replicas or of ranks; None: trains alone
+    # Hands a periodic checkpoint's state over (None: this worker's states are not written, e.g. on rank > 0).
+    submit_checkpoint: Callable[[int, str, dict[str, Any]], None] | None = None
+
+
 class DrafterWorker:
     def __init__(
-        self,
-        name: str,
-        rank: int,
-        drafter: Drafter,
-        device: torch.device,
-        queue: BoundedQueue[DeviceBatch],
-        *,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        attention: TTTAttention,
-        control: RunControl,
-        ttt_steps: int,
-        total_steps: int,
-        buckets: list[int],
-        batch_size: int,
-        hidden_dtype: torch.dtype,
-        autocast_dtype: torch.dtype | None,
-        compile_step: bool,
-        grad_checkpointing: bool,
-        max_grad_norm: float,
-        log_every: int,
-        checkpoint_every: int,
-        group: ReplicaGroup | None,
-        ledger: IndexLedger,
-        submit_checkpoint: Callable[[int, str, dict[str, Any]], None] | None,
-        step_delay_s: float = 0.0,
-        start_step: int = 0,
-        step_fn: GuardedFunction | None = None,
-        loss_fn: Callable[..., Any] = soft_cross_entropy,
+        self, name: str, rank: int, training: DrafterTraining, settings: WorkerSettings, links: WorkerLinks
     ) -> None:
         self.name = name
         self.rank = rank
-        self.drafter = drafter
-        self.device = device
-        self.queue = queue
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.attention = attention
-        self.control = control
-        self.ttt_steps = ttt_steps
-        self.total_steps = total_steps
-        self.buckets = buckets
-        self.batch_size = batch_size
-        self.hidden_dtype = hidden_dtype
-        self.autocast_dtype = autocast_dtype
-        # The TTT step (layer, head and loss); compiled on CUDA, shared by the workers of an engine.
-        self.step_fn = step_fn if step_fn is not None else GuardedFunction(ttt_step, compiled=compile_step, name="ttt")
-        self.loss_fn = loss_fn  # loss.soft_cross_entropy or its masked-mean variant (config loss_mean)
-        self.grad_checkpointing = grad_checkpointing
-        self.max_grad_norm = max_grad_norm
-        self.log_every = log_every
-        self.checkpoint_every = checkpoint_every
-        self.group = group
-        self.ledger = ledger  # the trained batch indices (replicas: shared, marked at the gradient barrier)
+        self.drafter = training.drafter
+        self.device = training.device
+        self.optimizer = training.optimizer
+        self.scheduler = training.scheduler
+        self.attention = training.attention
+        self.step_fn = training.step_fn
+        self.hidden_dtype = training.hidden_dtype
+        self.autocast_dtype = training.autocast_dtype
+        self.ttt_steps = settings.ttt_steps
+        self.total_steps = settings.total_steps
+        self.buckets = list(settings.buckets)
+        self.batch_size = settings.batch_size
+        self.loss_fn = settings.loss_fn
+        self.grad_checkpointing = settings.grad_checkpointing
+        self.max_grad_norm = settings.max_grad_norm
+        self.log_every = settings.log_every
+        self.checkpoint_every = settings.checkpoint_every
+        self.step_delay_s = settings.step_delay_s
+        self.queue = links.queue
+        self.control = links.control
+        self.group = links.group
+        self.ledger = links.ledger
+        self.submit_checkpoint = links.submit_checkpoint
         self.current_index: int | None = None  # the batch being trained, not yet recorded in the ledger
-        self.submit_checkpoint = submit_checkpoint
-        self.step_delay_s = step_delay_s
-        self.step = start_step
-        self.params = drafter.trainable_parameters()
+        self.step = 0  # restore_state sets a resumed step
+        self.params = self.drafter.trainable_parameters()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.finished = threading.Event()
         self.warm = threading.Event()
         self.warmup_s: float | None = None
         self.failed = False
-        self.history: list[StepResult] = []
+        self.last_result: StepResult | None = None  # the latest step's losses, accuracies and timings
         self.final_state: dict[str, Any] | None = None
         self.stream: Any = None  # a CUDA stream shared with the other threads on this device, or None: own stream
         self._last_done: float | None = None
-        control.health.register(name, "drafter")
+        self.control.health.register(name, "drafter")
 
     # --- the pieces -------------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -421,7 +451,9 @@ class DrafterWorker:
 
     def restore_state(self, state: dict[str, Any]) -> None:
         self.drafter.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # A copy: load_state_dict keeps a tensor already on the right device as is, so replicas on one device
+        # restored from one state would share (and each update) the same moments.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         # Checkpoints before the ledger kept one integer: every index below it trained.
@@ -511,7 +543,7 @@ class DrafterWorker:
             if self.group is None:
                 self.ledger.mark(batch.index)
             self.current_index = None
-            self.history.append(result)
+            self.last_result = result
             self.control.health.beat(
                 self.name, state="training", step=self.step, tok_s=result.tok_s, queue_depth=self.queue.depth()
             )

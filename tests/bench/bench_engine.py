@@ -152,14 +152,15 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
 def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     parts = build_parts(compiled=True, attn="flex")
     torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
-    from engine.trainer.compile import apply_dynamo_config
+    from engine.trainer.compile import GuardedFunction, apply_dynamo_config
     from engine.trainer.control import RunControl
     from engine.trainer.dispatch import IndexLedger
+    from engine.trainer.draft.model import ttt_step
     from engine.trainer.health import HealthBoard
     from engine.trainer.metrics import EventLog, suggest_split
     from engine.trainer.producer import DeviceBatch
     from engine.trainer.queue import BoundedQueue
-    from engine.trainer.worker import DrafterWorker
+    from engine.trainer.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
 
     apply_dynamo_config()
     draft_ids = parts["vocab"].draft_to_target.to(dev)
@@ -188,31 +189,18 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     params = drafter.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    worker = DrafterWorker(
-        "drafter0",
-        0,
+    training = DrafterTraining(
         drafter,
         dev,
-        BoundedQueue(1),
-        optimizer=opt,
-        scheduler=sched,
-        attention=parts["attention"],
-        control=control,
-        ttt_steps=TTT,
-        total_steps=10**9,
-        buckets=[SEQ],
-        batch_size=BATCH,
+        opt,
+        sched,
+        parts["attention"],
+        GuardedFunction(ttt_step, compiled=True, name="ttt_step"),
         hidden_dtype=torch.bfloat16,
         autocast_dtype=torch.bfloat16,
-        compile_step=True,
-        grad_checkpointing=False,
-        max_grad_norm=1.0,
-        log_every=1,
-        checkpoint_every=0,
-        group=None,
-        ledger=IndexLedger(),
-        submit_checkpoint=None,
     )
+    settings = WorkerSettings(ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH)
+    worker = DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
     warm_s = worker.warm_up()
     batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
     for _ in range(warm):

@@ -93,7 +93,8 @@ def prepare(work: Path, steps: int, fmt: str) -> tuple[Path, Path, dict[str, Any
     events.close()
     if code != 0:
         raise SystemExit(f"training failed (exit {code}); see {out_dir / 'events.jsonl'}")
-    last = engine.workers[0].history[-1]
+    last = engine.workers[0].last_result
+    assert last is not None
     trained = {"steps": steps, "train_s": round(time.perf_counter() - t0, 1), "acc": [round(a, 3) for a in last.acc]}
     result = export.export_checkpoint(out_dir, served, fmt=fmt)
     for line in export.summary_lines(result):

@@ -93,7 +93,8 @@ def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, smal
     assert straight.run() == 0
     first, _ = build(make_config(tmp_path / "b", small_corpus, steps=2), tmp_path / "b")
     assert first.run() == 0
-    assert (tmp_path / "b" / "checkpoints" / "step_00000002" / "meta.json").exists()
+    assert first.last_checkpoint == tmp_path / "b" / "checkpoints" / "step_00000002"
+    assert (first.last_checkpoint / "meta.json").exists()
     resumed, rec = build(make_config(tmp_path / "b", small_corpus, steps=3), tmp_path / "b")
     assert resumed.resumed_from is not None and resumed.workers[0].step == 2
     assert resumed.run() == 0
@@ -101,8 +102,27 @@ def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, smal
     (ev,) = rec.of("step")
     assert ev["loss_total"] == pytest.approx(sum(0.8**i * x for i, x in enumerate(ev["loss"])))
     a, b = straight.workers[0], resumed.workers[0]
-    assert a.history[-1].loss == b.history[-1].loss
-    assert a.history[-1].acc == b.history[-1].acc
+    assert a.last_result is not None and b.last_result is not None
+    assert a.last_result.loss == b.last_result.loss
+    assert a.last_result.acc == b.last_result.acc
+    for (name, pa), pb in zip(a.drafter.named_parameters(), b.drafter.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_replicas_resumed_on_one_device_stay_identical(tmp_path: Path, small_corpus: Path) -> None:
+    """Replicas restored from one checkpoint each get optimizer moments of their own (shared moments would be
+    updated once per replica and step)."""
+
+    def replicas(steps: int) -> EngineConfig:
+        return make_config(tmp_path, small_corpus, drafter_devices=["cpu", "cpu"], steps=steps)
+
+    first, _ = build(replicas(2), tmp_path)
+    assert first.run() == 0
+    resumed, _ = build(replicas(4), tmp_path)
+    assert resumed.resumed_from is not None
+    assert resumed.run() == 0
+    a, b = resumed.workers
+    assert a.step == b.step == 4
     for (name, pa), pb in zip(a.drafter.named_parameters(), b.drafter.parameters(), strict=True):
         assert torch.equal(pa, pb), name
 

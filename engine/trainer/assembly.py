@@ -1,0 +1,289 @@
+"""The engine's parts, each made by one small factory: devices, targets, data, drafters with their optimizers, the
+workers' shared step, producers and streams.
+
+``engine.Engine.build`` calls them in order and keeps what they return; each can be called (and tested) alone.
+The factories that depend on the torchrun world (barriers, broadcasts) stay on the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.trainer.compile import GuardedFunction, set_guard_enabled
+from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
+from engine.trainer.control import RunControl
+from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
+from engine.trainer.dispatch import Dispatcher, IndexLedger
+from engine.trainer.distributed import map_devices
+from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
+from engine.trainer.launch import RankInfo
+from engine.trainer.metrics import EventLog
+from engine.trainer.producer import Producer, Route
+from engine.trainer.target import Target, load_target
+from engine.trainer.vocab import DraftVocab
+from engine.trainer.worker import DrafterTraining, DrafterWorker
+
+# Added to a drafter's seed for its initial weights, so they do not repeat the target's (seeded with the seed).
+DRAFTER_SEED_OFFSET = 7919
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def lr_lambda(cfg: EngineConfig) -> Callable[[int], float]:
+    """The learning-rate factor per step: linear warm-up, then constant, linear or cosine decay to cfg.steps."""
+
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        frac = min(1.0, (step - cfg.warmup_steps) / span)
+        if cfg.schedule == "linear":
+            return max(0.0, 1.0 - frac)
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return fn
+
+
+def dtypes_for(cfg: EngineConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(target dtype, autocast dtype) for a device."""
+    if cfg.dtype == "float32":
+        return torch.float32, None
+    if device.type == "cuda" or cfg.dtype == "bfloat16":
+        return torch.bfloat16, torch.bfloat16
+    return torch.float32, None
+
+
+def configure_torch(cfg: EngineConfig, events: EventLog) -> None:
+    """The process-wide torch settings of a run: intra-op threads and the compile guard."""
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    set_guard_enabled(cfg.compile_guard)
+    if not cfg.compile_guard:
+        events.say("warning: compile guard DISABLED (control experiment): threads may compile concurrently")
+
+
+def devices_for(cfg: EngineConfig, info: RankInfo) -> tuple[list[torch.device], list[torch.device]]:
+    """This rank's (target devices, drafter devices); raises when one names a GPU this node lacks."""
+    tdevs = [torch.device(d) for d in map_devices(cfg.target_devices, info)]
+    ddevs = [torch.device(d) for d in map_devices(cfg.drafter_devices, info)]
+    if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
+        raise RuntimeError("the config names CUDA devices but torch.cuda.is_available() is False")
+    for d in tdevs + ddevs:
+        if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"rank {info.rank} (local rank {info.local_rank}) maps to {d}, but this node has "
+                f"{torch.cuda.device_count()} GPU(s): lower nproc_per_node or name fewer devices per rank"
+            )
+    return tdevs, ddevs
+
+
+def attention_impl(cfg: EngineConfig, ddevs: list[torch.device]) -> str:
+    """The drafters' attention kernel: the configured one, or for "auto" flex on CUDA and sdpa on the CPU."""
+    impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
+    if impl == "flex" and any(d.type == "cpu" for d in ddevs):
+        raise RuntimeError("attention = 'flex' needs CUDA drafters (flex_attention has no CPU backward)")
+    return impl
+
+
+FP8_NOTE = " (FP8 linears)"  # the target_loaded stage names an FP8 target
+
+
+def load_targets(
+    cfg: EngineConfig,
+    devices: list[torch.device],
+    tokenizer: Any,
+    on_compile: Callable[..., None],
+    events: EventLog,
+) -> list[Target]:
+    """One target per target device (compiled when asked, on CUDA), each reported as ``target_loaded``."""
+    targets = []
+    for i, dev in enumerate(devices):
+        t0 = time.perf_counter()
+        tdtype, _ = dtypes_for(cfg, dev)
+        target = load_target(
+            cfg.target,
+            dev,
+            tokenizer=tokenizer,
+            layer_ids=cfg.target_layers,
+            seed=cfg.seed,
+            dtype=tdtype,
+            tiny_hidden=cfg.tiny_hidden,
+            tiny_layers=cfg.tiny_layers,
+            fp8=cfg.target_fp8,
+        )
+        if cfg.compile and cfg.compile_target and dev.type == "cuda":
+            target.compile()
+        for fn in target.compiled_functions():
+            fn.listeners.append(on_compile)
+        targets.append(target)
+        events.stage(
+            "target_loaded",
+            f"target{i} {cfg.target} on {dev}{FP8_NOTE if cfg.target_fp8 else ''} layers {target.layer_ids} "
+            f"in {time.perf_counter() - t0:.1f} s",
+        )
+    return targets
+
+
+def data_source(
+    cfg: EngineConfig, tokenizer: Any, target_vocab_size: int, output_dir: Path, events: EventLog
+) -> BatchSource:
+    """The training batches: random token ids, or the configured conversations tokenized (through the cache)."""
+    if cfg.data == DATA_RANDOM or tokenizer is None:
+        return RandomTokenSource(target_vocab_size, buckets=cfg.buckets, batch_size=cfg.batch_size, seed=cfg.seed)
+    path = shipped_corpus_path() if cfg.data == DATA_SHIPPED else Path(cfg.data).expanduser()
+    cache_dir = Path(cfg.data_cache_dir).expanduser() if cfg.data_cache_dir else output_dir / "data_cache"
+    source = ConversationSource(
+        tokenizer,
+        path,
+        buckets=cfg.buckets,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        eval_holdout=cfg.eval_holdout,
+        cache_dir=cache_dir,
+        progress=lambda text: events.stage("data", text),
+    )
+    report_data(source, events)
+    return source
+
+
+def report_data(source: ConversationSource, events: EventLog) -> None:
+    """Every conversation not trained on is counted, with its reason: an event and a log line."""
+    skipped = dict(sorted(source.skipped.items()))
+    total = sum(skipped.values())
+    detail = (
+        f"{source.examples} conversations to train on, {len(source.heldout_indices)} held out, "
+        f"{total} skipped" + (f" ({', '.join(f'{k}: {v}' for k, v in skipped.items())})" if total else "")
+        + (f", {source.corpus.truncated} cut to {source.buckets[-1]} tokens" if source.corpus.truncated else "")
+    )
+    events.emit(
+        "stage",
+        stage="data",
+        thread=None,
+        detail=detail,
+        skipped=skipped,
+        heldout=len(source.heldout_indices),
+        truncated=source.corpus.truncated,
+        cached=source.cache_hit,
+    )
+    events.say(f"stage=data {detail}")
+
+
+def model_ledgers(mode: str, drafters: int) -> list[IndexLedger]:
+    """The trained batch indices per drafter: replicas train one model (one ledger), independent drafters one each."""
+    if mode == "replicas":
+        return [IndexLedger()] * drafters
+    return [IndexLedger() for _ in range(drafters)]
+
+
+def shared_step(
+    cfg: EngineConfig, ddevs: list[torch.device], impl: str, on_compile: Callable[..., None]
+) -> tuple[TTTAttention, GuardedFunction]:
+    """The attention and TTT step all workers share: compiled once (under the guard) on CUDA, then reused."""
+    compiled = cfg.compile and ddevs[0].type == "cuda"
+    attention = TTTAttention(impl, compiled=compiled)
+    step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
+    for fn in [step_fn, *attention.compiled_functions()]:
+        fn.listeners.append(on_compile)
+    return attention, step_fn
+
+
+def build_drafters(
+    cfg: EngineConfig, dcfg: DraftConfig, ddevs: list[torch.device], targets: list[Target], vocab: DraftVocab
+) -> list[Drafter]:
+    """One drafter per drafter device, its embedding the target's on that device (else a copy of the first
+    target's); replicas start from the same weights, independent drafters each from their own seed."""
+    replicas = cfg.drafter_mode == "replicas"
+    drafters: list[Drafter] = []
+    for rank, dev in enumerate(ddevs):
+        embed = next((t.embed_weight() for t in targets if t.device == dev), None)
+        if embed is None:
+            embed = targets[0].embed_weight().to(dev)
+        seed = cfg.seed if replicas else cfg.seed + rank
+        with torch.random.fork_rng(devices=[]), torch.device(dev):
+            torch.manual_seed(seed + DRAFTER_SEED_OFFSET)
+            drafter = Drafter(dcfg, embed, vocab.draft_to_target.to(dev), ttt_rope_offset=cfg.ttt_rope_offset)
+        if replicas and drafters:
+            drafter.load_state_dict(drafters[0].state_dict())
+        drafters.append(drafter)
+    return drafters
+
+
+def gradient_shapes(cfg: EngineConfig, drafters: list[Drafter]) -> list[list[torch.Size]]:
+    """The trainable parameters' shapes per model (replicas: one model), in the order they are exchanged."""
+    models = drafters[:1] if cfg.drafter_mode == "replicas" else drafters
+    return [[p.shape for p in d.trainable_parameters()] for d in models]
+
+
+def build_optimizer(
+    cfg: EngineConfig, drafter: Drafter, rank: int, device: torch.device
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the drafter's trainable parameters (drafter_lrs: one rate per drafter) and its LR schedule."""
+    optimizer = torch.optim.AdamW(
+        drafter.trainable_parameters(),
+        lr=float(cfg.drafter_lrs[rank]) if cfg.drafter_lrs else cfg.lr,
+        betas=ADAMW_BETAS,
+        weight_decay=cfg.weight_decay,
+        **({"fused": True} if device.type == "cuda" else {}),
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def drafter_training(
+    cfg: EngineConfig,
+    drafter: Drafter,
+    rank: int,
+    device: torch.device,
+    attention: TTTAttention,
+    step_fn: GuardedFunction,
+) -> DrafterTraining:
+    """A worker's model with its optimizer and schedule, and the dtypes of its device."""
+    optimizer, scheduler = build_optimizer(cfg, drafter, rank, device)
+    hidden_dtype, autocast_dtype = dtypes_for(cfg, device)
+    return DrafterTraining(drafter, device, optimizer, scheduler, attention, step_fn, hidden_dtype, autocast_dtype)
+
+
+def start_batches(trained: int, n_targets: int, producer: int) -> int:
+    """The batches producer ``producer`` of ``n_targets`` would have made so far had the run not stopped."""
+    return trained // n_targets + (1 if producer < trained % n_targets else 0)
+
+
+def build_producers(
+    targets: list[Target],
+    source: BatchSource,
+    routes: list[Route],
+    dispatcher: Dispatcher,
+    vocab: DraftVocab,
+    control: RunControl,
+    trained: int,
+) -> list[Producer]:
+    """One producer thread per target, feeding every drafter's route through the shared dispatcher."""
+    return [
+        Producer(
+            f"target{p}",
+            target,
+            source,
+            routes,
+            dispatcher,
+            start_batches=start_batches(trained, len(targets), p),
+            draft_ids=vocab.draft_to_target,
+            t2d=vocab.t2d(target.vocab_size),
+            control=control,
+        )
+        for p, target in enumerate(targets)
+    ]
+
+
+def share_streams(producers: list[Producer], workers: list[DrafterWorker]) -> None:
+    """cuda_streams = "per_device": the threads on one GPU share one stream (kernels queue in order)."""
+    streams: dict[str, Any] = {}
+    for thread_dev, obj in [(p.target.device, p) for p in producers] + [(w.device, w) for w in workers]:
+        if thread_dev.type == "cuda":
+            obj.stream = streams.setdefault(str(thread_dev), torch.cuda.Stream(thread_dev))
