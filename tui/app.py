@@ -42,6 +42,7 @@ from tui.messages import (
     StreamBatch,
     ThemesReloaded,
 )
+from tui.relaunch import engine_python, restart_run
 from tui.screens.confirm import Choice, ConfirmScreen
 from tui.screens.dashboard import DashboardScreen, DashboardState
 from tui.screens.help import HelpScreen
@@ -113,8 +114,10 @@ def launch_spec_for(profile: dict[str, Any] | None, session: SessionLike) -> dic
         prof.deadlines_s = dict(profile["deadlines_s"])
     if isinstance(profile.get("restart"), dict):
         prof.restart = dict(profile["restart"])
-    hello = session.hello or {}
-    python = str(hello.get("python_path") or getattr(getattr(session, "opts", None), "python", None) or "python3")
+    python_path = (session.hello or {}).get("python_path")
+    python = engine_python(
+        getattr(getattr(session, "opts", None), "python", None), python_path if isinstance(python_path, str) else None
+    )
     pythonpath = getattr(getattr(session, "transport", None), "engine_pythonpath", None)
     spec = protocol.to_jsonable(prof.launch_spec(None, python=python, engine_pythonpath=pythonpath))
     return {k: v for k, v in spec.items() if v is not None}
@@ -169,7 +172,6 @@ class DashboardApp(App[int]):
         self.procs_interval_s = procs_interval_s
         self.state = DashboardState(session.target_display, max_log_lines=max_log_lines, clock=clock)
         self.state.header.state = session.state
-        self.last_spec: dict[str, Any] | None = None
         self.attach_history: list[list[str]] = []
         self.exit_message: str | None = None
         self.flushes = 0
@@ -473,43 +475,32 @@ class DashboardApp(App[int]):
         self.notify(f"launching {shlex.join(str(a) for a in spec.get('command', []))}", timeout=4)
         result = await self._request("launch", timeout_s=60.0, **spec)
         if result is not None:
-            self.last_spec = dict(spec)
             self.notify(f"launched run {result.get('run_id')} (tmux {result.get('tmux_session')})", timeout=5)
         return result
 
-    def _same_spec(self) -> dict[str, Any] | None:
-        if self.last_spec is not None:
-            return {k: v for k, v in self.last_spec.items() if k != "run_id"}
-        run = self.state.run
-        if run and run.get("command"):
-            spec: dict[str, Any] = {"command": list(run["command"])}
-            if run.get("cwd"):
-                spec["cwd"] = run["cwd"]
-            if run.get("profile"):
-                spec["profile"] = run["profile"]
-            return spec
-        try:
-            return launch_spec_for(self.profile, self.session)
-        except (ValueError, TypeError):
-            return None
-
     def action_restart(self) -> None:
-        spec = self._same_spec()
-        if spec is None:
-            self.notify("nothing to restart: no run and no profile command", severity="warning")
+        run = self.state.run
+        if not run:
+            self.notify("nothing to restart: no run yet (l launches the profile)", severity="warning")
             return
-        body = f"Stop {self._run_label()}, then launch:\n  {shlex.join(str(a) for a in spec['command'])}"
-        self._confirm("Restart the run?", body, lambda: self._start_restart(spec), "Restart")
+        body = (
+            f"Stop {self._run_label()}, then launch its recorded command again:\n"
+            f"  {shlex.join(str(a) for a in run.get('command') or [])}"
+        )
+        self._confirm("Restart the run?", body, self._start_restart, "Restart")
 
-    def _start_restart(self, spec: dict[str, Any]) -> None:
-        self.run_worker(self._restart(spec), group="command", exit_on_error=False)
+    def _start_restart(self) -> None:
+        self.run_worker(self._restart(), group="command", exit_on_error=False)
 
-    async def _restart(self, spec: dict[str, Any]) -> None:
-        if self.state.run and self.state.run.get("state") in ("running", "starting"):
-            stopped = await self._request("stop", timeout_s=STOP_TIMEOUT_S)
-            if stopped is None:
-                return
-        await self._launch(spec)
+    async def _restart(self) -> None:
+        try:
+            done = await restart_run(self.session)
+        except Exception as exc:  # CommandFailed or a lost link: a visible error, never a crash
+            self.notify(f"restart failed: {exc}", severity="error", timeout=12)
+            self.post_message(CommandFinished("restart", False, error=str(exc)))
+            return
+        self.notify(f"restarted: run {done.run_id} (was {done.previous_run_id})", timeout=5)
+        self.post_message(CommandFinished("restart", True, {"previous_run_id": done.previous_run_id, **done.launch}))
 
     def action_stop(self) -> None:
         if not self.state.run:

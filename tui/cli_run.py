@@ -21,6 +21,7 @@ from tui.cli_common import (
     with_session,
 )
 from tui.profiles import Profile, ProfileError, resolve_profile
+from tui.relaunch import engine_python, restart_run
 from tui.session import CommandFailed, Session
 
 WAIT_CHOICES = ("started", "output", "first-step")
@@ -35,8 +36,8 @@ def _profile(args: argparse.Namespace) -> Profile:
 
 
 def _engine_python(session: Session) -> str:
-    hello = session.hello or {}
-    return str(session.opts.python or hello.get("python_path") or "python3")
+    python_path = (session.hello or {}).get("python_path")
+    return engine_python(session.opts.python, python_path if isinstance(python_path, str) else None)
 
 
 def _wait_exit_code(result: dict[str, Any]) -> int:
@@ -277,19 +278,16 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             progress = session.add_listener(_on_progress if not args.json else (lambda ev: None))
             try:
                 try:
-                    done = await session.request(
-                        "restart", timeout_s=args.grace + 180.0, grace_s=args.grace, release_timeout_s=30.0
-                    )
+                    done = await restart_run(session, grace_s=args.grace)
                 except CommandFailed as exc:
                     if exc.lost:
                         raise
                     return _refused(args.wait, exc.message, time.monotonic() - printer.t0, args.json)
                 if not args.json:
-                    print(f"previous run {done.get('previous_run_id')}", flush=True)
-                launched = done.get("launch") or {}
+                    print(f"previous run {done.previous_run_id}", flush=True)
                 return await wait_and_report(
                     session,
-                    launched,
+                    done.launch,
                     wait=args.wait,
                     timeout_s=args.timeout,
                     deadlines_s=None,

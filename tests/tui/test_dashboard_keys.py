@@ -28,7 +28,13 @@ LAUNCH_REPLY = {"run_id": "20261129-120000-cd34", "run_dir": "/r", "tmux_session
 
 
 def session_with_run() -> RecordingSession:
-    return RecordingSession(replies={"launch": LAUNCH_REPLY, "stop": {"stopped": True, "steps": ["SIGTERM"]}})
+    return RecordingSession(
+        replies={
+            "launch": LAUNCH_REPLY,
+            "stop": {"stopped": True, "steps": ["SIGTERM"]},
+            "restart": {"previous_run_id": RUN_ID, "stop": {"stopped": True}, "launch": LAUNCH_REPLY},
+        }
+    )
 
 
 def started(app: DashboardApp, session: RecordingSession) -> None:
@@ -46,23 +52,39 @@ async def test_launch_sends_the_profiles_spec(recorded_app: Callable[..., Dashbo
         _, args = session.requests[-1]
         assert args["command"] == ["bash", "start_training.sh"]
         assert args["cwd"] == "/root/work" and args["env"] == {"A": "1"} and args["profile"] == "demo"
-        await wait_until(pilot, lambda: app.last_spec is not None)
 
 
-async def test_restart_confirmed_stops_then_launches_the_same_command(
+async def test_restart_confirmed_asks_the_agent_to_relaunch_the_recorded_spec(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
     session = session_with_run()
+    finished: list[CommandFinished] = []
     app = recorded_app(session)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(
+        size=SIZE, message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None
+    ) as pilot:
         started(app, session)
         await pilot.press("r")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        body = str(app.screen.query_one("#confirm-body").render())
+        assert "python3 -m engine.trainer --preset cpu-demo" in body  # the command the run recorded
         assert session.requests == []  # nothing is sent before the answer
         await pilot.press("y")
-        await wait_until(pilot, lambda: session.commands() == ["stop", "launch"], what="stop then launch")
-        assert session.requests[1][1]["command"] == ["python3", "-m", "engine.trainer", "--preset", "cpu-demo"]
-        assert session.requests[1][1]["cwd"] == "/root/work"
+        await wait_until(pilot, lambda: [m.cmd for m in finished] == ["restart"], what="the restart reply")
+        # One command: the agent stops the run and launches the spec it recorded (the CLI's restart does the same).
+        assert session.commands() == ["restart"]
+        assert session.requests[0][1]["grace_s"] == 30.0
+        assert finished[0].ok and finished[0].result == {"previous_run_id": RUN_ID, **LAUNCH_REPLY}
+
+
+async def test_restart_without_a_run_sends_nothing_and_says_why(recorded_app: Callable[..., DashboardApp]) -> None:
+    session = session_with_run()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("r")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen) and session.requests == []
+        assert any("nothing to restart" in str(n.message) for n in app._notifications)
 
 
 async def test_restart_cancelled_sends_nothing(recorded_app: Callable[..., DashboardApp]) -> None:

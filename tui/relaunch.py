@@ -1,0 +1,65 @@
+"""Launching and restarting, composed once for the headless CLI and the dashboard.
+
+A restart is the agent's ``restart`` command: it stops the current run (when it still runs) and launches the
+spec that run recorded (command, cwd, env, deadlines, restart policy) under a new run id, in one reply. The
+client never rebuilds that spec itself, so the CLI's ``restart`` and the dashboard's ``r`` start the same thing.
+
+The engine's interpreter on the host is chosen here, once, for every launch the client composes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL grace of a stop (the agent's own default)
+RELEASE_TIMEOUT_S = 30.0  # how long a stop waits for the run's GPU devices to be released
+RESTART_REPLY_MARGIN_S = 180.0  # the restart reply may take the grace, the release wait and a launch
+
+
+class Requester(Protocol):
+    """What a restart needs of a session (``tui.session.Session`` or a test's stand-in)."""
+
+    async def request(
+        self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
+    ) -> dict[str, Any]: ...
+
+
+def engine_python(explicit: str | None, agent_python: str | None) -> str:
+    """The interpreter that runs the engine on the host.
+
+    The user's ``--python`` first (an explicit choice is never overridden by a discovered default), then the
+    agent's own interpreter (an absolute path known to run there), then ``python3`` from the run's PATH.
+    """
+    return explicit or agent_python or "python3"
+
+
+@dataclass
+class Restarted:
+    """The agent's ``restart`` reply."""
+
+    previous_run_id: str
+    launch: dict[str, Any]  # the ``launch`` reply of the new run: run_id, run_dir, tmux_session, attachable
+    stop: dict[str, Any] | None  # the ``stop`` reply, None when the run had already ended
+
+    @property
+    def run_id(self) -> str | None:
+        run_id = self.launch.get("run_id")
+        return run_id if isinstance(run_id, str) else None
+
+
+async def restart_run(session: Requester, *, grace_s: float = STOP_GRACE_S) -> Restarted:
+    """Stop the current run if it runs, then launch its recorded spec again; raises the session's CommandFailed."""
+    reply = await session.request(
+        "restart",
+        timeout_s=grace_s + RELEASE_TIMEOUT_S + RESTART_REPLY_MARGIN_S,
+        grace_s=grace_s,
+        release_timeout_s=RELEASE_TIMEOUT_S,
+    )
+    launch = reply.get("launch")
+    stop = reply.get("stop")
+    return Restarted(
+        previous_run_id=str(reply.get("previous_run_id")),
+        launch=launch if isinstance(launch, dict) else {},
+        stop=stop if isinstance(stop, dict) else None,
+    )
