@@ -9,8 +9,10 @@ The engine's interpreter on the host is chosen here, once, for every launch the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
+
+from engine import protocol
 
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL grace of a stop (the agent's own default)
 RELEASE_TIMEOUT_S = 30.0  # how long a stop waits for the run's GPU devices to be released
@@ -25,6 +27,12 @@ class Requester(Protocol):
     ) -> dict[str, Any]: ...
 
 
+class HasHello(Protocol):
+    """A session whose agent said hello (its ``opts`` and ``transport``, when it has them, refine the launch)."""
+
+    hello: dict[str, Any] | None
+
+
 def engine_python(explicit: str | None, agent_python: str | None) -> str:
     """The interpreter that runs the engine on the host.
 
@@ -32,6 +40,49 @@ def engine_python(explicit: str | None, agent_python: str | None) -> str:
     agent's own interpreter (an absolute path known to run there), then ``python3`` from the run's PATH.
     """
     return explicit or agent_python or "python3"
+
+
+def launch_spec_for(profile: dict[str, Any] | None, session: HasHello) -> dict[str, Any]:
+    """The ``launch`` command's arguments for a profile dict (a LaunchSpec dict, or a Profile.as_dict()).
+
+    Raises ValueError with a sentence when no spec can be made.
+    """
+    from tui.profiles import EngineConfig, Profile, ProfileError, resolve_profile
+
+    allowed = {f.name for f in fields(protocol.LaunchSpec)}
+    if profile is None:
+        config = getattr(getattr(session, "opts", None), "config", None)
+        name = getattr(getattr(session, "opts", None), "profile", None)
+        try:
+            profile = resolve_profile(name, config).as_dict()
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from exc
+    if profile.get("command"):
+        spec = {k: v for k, v in profile.items() if k in allowed and v is not None}
+        if "profile" not in spec and isinstance(profile.get("name"), str):
+            spec["profile"] = profile["name"]
+        return spec
+    engine = profile.get("engine") or {}
+    prof = Profile(
+        name=str(profile.get("name") or "default"),
+        command=None,
+        cwd=profile.get("cwd"),
+        env=dict(profile.get("env") or {}),
+        engine=EngineConfig(**{k: v for k, v in engine.items() if k in ("preset", "config", "args")}),
+    )
+    if isinstance(profile.get("step_pattern"), str):
+        prof.step_pattern = profile["step_pattern"]
+    if isinstance(profile.get("deadlines_s"), dict):
+        prof.deadlines_s = dict(profile["deadlines_s"])
+    if isinstance(profile.get("restart"), dict):
+        prof.restart = dict(profile["restart"])
+    python_path = (session.hello or {}).get("python_path")
+    python = engine_python(
+        getattr(getattr(session, "opts", None), "python", None), python_path if isinstance(python_path, str) else None
+    )
+    pythonpath = getattr(getattr(session, "transport", None), "engine_pythonpath", None)
+    spec = protocol.to_jsonable(prof.launch_spec(None, python=python, engine_pythonpath=pythonpath))
+    return {k: v for k, v in spec.items() if v is not None}
 
 
 @dataclass

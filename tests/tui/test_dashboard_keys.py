@@ -596,3 +596,13 @@ async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and
         assert ("tail", {"n": 200, "run_id": "20261201-100000-aaaa"}) in session.requests
         await pilot.press("escape")
         await wait_until(pilot, lambda: not isinstance(app.screen, RunsScreen), what="the screen to close")
+
+
+def test_every_key_action_has_exactly_one_owner_and_the_app_keeps_only_routing() -> None:
+    from tui import keys
+
+    app = DashboardApp(RecordingSession(), connect=False, flush_interval_s=None)
+    assert set(app.actions) == {spec.action for spec in keys.KEY_TABLE}
+    owners = {name: type(getattr(handler, "__self__", None)).__name__ for name, handler in app.actions.items()}
+    assert owners["restart"] == owners["attach"] == "RunControl" and owners["filter"] == "ViewControl"
+    assert not [name for name in dir(DashboardApp) if name.startswith("action_") and name[7:] in app.actions]
