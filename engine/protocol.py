@@ -73,8 +73,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, TypeVar, Union
 
 PROTOCOL_VERSION = 1
 AGENT_VERSION = "0.1.0"
@@ -426,3 +428,407 @@ def encode_log_data(data: bytes) -> str:
 
 def decode_log_data(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
+
+
+# -- typed events ------------------------------------------------------------------------------------
+# What a client reads: every event above as a dataclass, decoded once (``decode_event``) where the line
+# arrives. The wire stays the JSON objects documented at the top; unknown keys are ignored (a field added
+# on one side never breaks the other), a missing required key or a value of the wrong type is a
+# ProtocolError. Engine events (the ``event`` of an ``engine`` line) are chosen by their ``kind``.
+
+
+@dataclass
+class StageEvent:
+    KIND: ClassVar[str] = "stage"
+    stage: str
+    thread: str | None = None
+    detail: str = ""
+    t: float | None = None
+    rank: int | None = None  # torchrun rank (every event of a rank's events file carries it)
+    node: int | None = None
+    pid: int | None = None  # the "distributed" stage: the rank's process
+
+
+@dataclass
+class HeartbeatEvent:
+    KIND: ClassVar[str] = "heartbeat"
+    thread: str
+    state: str = "unknown"  # "starting" | "warmup" | "training" | "waiting" | "stopped" | "error"
+    step: int | None = None
+    tok_s: float | None = None
+    queue_depth: int | None = None
+    last_exception: str | None = None
+    t: float | None = None  # when the thread last beat (a hung thread's heartbeats age)
+    rank: int | None = None
+
+
+@dataclass
+class StepEvent:
+    KIND: ClassVar[str] = "step"
+    step: int
+    thread: str | None = None
+    loss: list[float | None] = field(default_factory=list)  # per TTT position (None: not finite)
+    acc: list[float | None] = field(default_factory=list)
+    loss_total: float | None = None  # sum_i 0.8**i * loss_i: the loss trained on
+    tok_s: float | None = None
+    ms: dict[str, float | None] = field(default_factory=dict)
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class ThreadErrorEvent:
+    KIND: ClassVar[str] = "thread_error"
+    thread: str
+    exc_type: str = "Error"
+    message: str = ""
+    traceback: str | None = None
+    policy: str = "stop"  # "stop" | "continue"
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class CheckpointEvent:
+    KIND: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class RunEndEvent:
+    KIND: ClassVar[str] = "run_end"
+    ok: bool
+    reason: str = ""
+    step: int | None = None
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class CompileEvent:
+    KIND: ClassVar[str] = "compile"
+    what: str  # "recompile" | "fallback"
+    function: str | None = None
+    thread: str | None = None
+    graphs: int | None = None
+    limit: int | None = None
+    signature: str | None = None
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class ExportEvent:
+    KIND: ClassVar[str] = "export"
+    path: str
+    checkpoint: str | None = None
+    step: int | None = None
+    format: str | None = None
+    drafter: str | None = None
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class EvalEvent:
+    KIND: ClassVar[str] = "eval"
+    thread: str
+    step: int
+    tau: float | None = None
+    k: int | None = None
+    per_position: list[float | None] = field(default_factory=list)
+    per_position_conditional: list[float | None] = field(default_factory=list)
+    rounds: int | None = None
+    prompts: int | None = None
+    new_tokens: int | None = None
+    error: str | None = None  # the evaluation failed (then no tau)
+    t: float | None = None
+    rank: int | None = None
+
+
+# Union[...], not X | Y: evaluated when the module loads, on hosts whose python3 may predate 3.10.
+EngineEvent = Union[  # noqa: UP007
+    StageEvent,
+    HeartbeatEvent,
+    StepEvent,
+    ThreadErrorEvent,
+    CheckpointEvent,
+    RunEndEvent,
+    CompileEvent,
+    ExportEvent,
+    EvalEvent,
+]
+
+
+@dataclass
+class HelloEvent:
+    EV: ClassVar[str] = "hello"
+    protocol: int
+    agent_version: str = "?"
+    hostname: str | None = None
+    boot_id: str | None = None
+    python: str | None = None  # its version
+    python_path: str | None = None  # the agent's interpreter (sys.executable)
+    pid: int | None = None
+    run_root: str | None = None
+    simulated: bool = False
+    capabilities: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GpusEvent:
+    EV: ClassVar[str] = "gpus"
+    t: float
+    gpus: list[GpuInfo] = field(default_factory=list)
+    simulated: bool = False
+    source: str | None = None
+    nvml_error: str | None = None
+
+
+@dataclass
+class HoldersSource:
+    """Where the holders' GPU indices come from (one of GPUS_SOURCES), in one sentence."""
+
+    source: str
+    detail: str = ""
+
+
+@dataclass
+class HostMapState:
+    """Under --pct: whether the Proxmox host's view is in use ("ok" | "stale" | "unavailable"), and why not."""
+
+    state: str
+    detail: str | None = None
+    ctid: str | int | None = None
+
+
+@dataclass
+class ProcsEvent:
+    EV: ClassVar[str] = "procs"
+    t: float
+    run_tree: list[ProcInfo] = field(default_factory=list)
+    holders: list[HolderInfo] = field(default_factory=list)
+    holders_source: HoldersSource | None = None
+    host_map: HostMapState | None = None
+
+
+@dataclass
+class LogEvent:
+    EV: ClassVar[str] = "log"
+    offset: int  # the byte of output.log that ``data`` starts at
+    inode: int
+    data: str  # encode_log_data of the bytes
+
+    @property
+    def raw(self) -> bytes:
+        return decode_log_data(self.data)
+
+
+@dataclass
+class LogResetEvent:
+    EV: ClassVar[str] = "log_reset"
+    inode: int
+    offset: int
+    reason: str = "reset"  # "created" | "rotated" | "truncated"
+    run_id: str | None = None
+
+
+@dataclass
+class EngineLineEvent:
+    """One line of a run's events file (``ev: "engine"``)."""
+
+    EV: ClassVar[str] = "engine"
+    event: EngineEvent
+    offset: int | None = None  # the byte after the line in events.jsonl (None: another rank's file)
+    inode: int | None = None
+    run_id: str | None = None
+    source: str | None = None  # another rank's events file (events.rank<R>.jsonl); None: the run's own
+
+
+@dataclass
+class RunEvent:
+    EV: ClassVar[str] = "run"
+    run: RunInfo | None
+
+
+@dataclass
+class AnomaliesEvent:
+    EV: ClassVar[str] = "anomalies"
+    items: list[Anomaly] = field(default_factory=list)
+    t: float | None = None
+
+
+@dataclass
+class MilestoneEvent:
+    EV: ClassVar[str] = "milestone"
+    milestone: str
+    ok: bool = True
+    run_id: str | None = None
+    t: float | None = None
+    cause: str | None = None
+
+
+@dataclass
+class ProgressEvent:
+    EV: ClassVar[str] = "progress"
+    message: str
+    id: int | None = None
+
+
+@dataclass
+class ReplyEvent:
+    EV: ClassVar[str] = "reply"
+    id: int | None
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class WarningEvent:
+    EV: ClassVar[str] = "warning"
+    message: str
+
+
+@dataclass
+class ErrorEvent:
+    EV: ClassVar[str] = "error"
+    message: str
+
+
+Event = Union[  # noqa: UP007
+    HelloEvent,
+    GpusEvent,
+    ProcsEvent,
+    LogEvent,
+    LogResetEvent,
+    EngineLineEvent,
+    RunEvent,
+    AnomaliesEvent,
+    MilestoneEvent,
+    ProgressEvent,
+    ReplyEvent,
+    WarningEvent,
+    ErrorEvent,
+]
+
+EVENT_TYPES: dict[str, type[Any]] = {cls.EV: cls for cls in typing.get_args(Event)}
+ENGINE_EVENT_TYPES: dict[str, type[Any]] = {cls.KIND: cls for cls in typing.get_args(EngineEvent)}
+
+T = TypeVar("T")
+
+
+def decode_event(obj: dict[str, Any]) -> Event:
+    """A parsed event line (``parse_event``) as its dataclass; raises ProtocolError naming the bad field."""
+    kind = obj.get("ev")
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown event {kind!r}")
+    decoded: Event = from_json(cls, obj, kind)
+    return decoded
+
+
+def event_to_wire(ev: Event) -> dict[str, Any]:
+    """The JSON object of a typed event, as the agent sends it (``decode_event``'s inverse)."""
+    wire: dict[str, Any] = {"ev": ev.EV, **to_jsonable(ev)}
+    if isinstance(ev, EngineLineEvent):
+        wire["event"] = {"kind": ev.event.KIND, **wire["event"]}
+    return wire
+
+
+def decode_engine_event(obj: Any) -> EngineEvent:
+    """One line of events.jsonl (parsed) as its dataclass, chosen by ``kind``; raises ProtocolError."""
+    decoded: EngineEvent = _coerce(EngineEvent, obj, "event")
+    return decoded
+
+
+def from_json(cls: type[T], obj: Any, where: str | None = None) -> T:
+    """A dataclass from a JSON object, every field checked against its annotation (ints pass as floats)."""
+    where = where or cls.__name__
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{where}: expected an object, got {type(obj).__name__}")
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in obj:
+            kwargs[f.name] = _coerce(hints[f.name], obj[f.name], f"{where}.{f.name}")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ProtocolError(f"{where}: no {f.name!r}")
+    return cls(**kwargs)
+
+
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is not None:
+            raise ProtocolError(f"{where}: expected null, got {type(value).__name__}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected true/false, got {type(value).__name__}")
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
+        return value
+    if tp is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected a string, got {type(value).__name__}")
+        return value
+    origin = typing.get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        return _coerce_union(typing.get_args(tp), value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected an object, got {type(value).__name__}")
+        _, item = typing.get_args(tp)
+        return {str(k): _coerce(item, v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(tp, type) and is_dataclass(tp):
+        return from_json(tp, value, where)
+    raise TypeError(f"{where}: no decoder for {tp!r}")  # a field annotated with a type this module does not map
+
+
+def _coerce_union(args: tuple[Any, ...], value: Any, where: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    tagged = [a for a in args if isinstance(a, type) and is_dataclass(a) and hasattr(a, "KIND")]
+    if tagged:  # engine events: chosen by their kind
+        kind = value.get("kind") if isinstance(value, dict) else None
+        for cls in tagged:
+            if kind == cls.KIND:
+                return from_json(cls, value, f"{where} ({kind})")
+        raise ProtocolError(f"{where}: unknown engine event kind {kind!r}")
+    failures: list[str] = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(arg, value, where)
+        except ProtocolError as exc:
+            failures.append(str(exc))
+    if len(failures) == 1:
+        raise ProtocolError(failures[0])
+    raise ProtocolError(f"{where}: {type(value).__name__} fits none of its types")

@@ -28,8 +28,10 @@ from textual.theme import Theme
 from textual.widgets import Input
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
+from engine import protocol
 from tui import keys, live_reload, theming
 from tui.controls import Handler, RunControl, SessionLike, ViewControl, action_table, run_external
+from tui.events import ClientEvent, ConnectionEvent
 from tui.messages import (
     ConnectionChanged,
     LiveReloadReady,
@@ -145,9 +147,9 @@ class DashboardApp(App[int]):
             self.set_keymap(self.user_keymap)
         for complaint in [*self.theme_errors, *self.keymap_errors]:
             self.notify(complaint, severity="warning", timeout=10)
-        self._unsubscribe = self.session.add_listener(self._on_agent_event)
-        if self.session.hello:
-            self.state.ingest(self.session.hello)
+        self._unsubscribe = self.session.add_event_listener(self._on_agent_event)
+        if self.session.agent:
+            self.state.ingest(self.session.agent)
         if self.flush_interval_s is not None:
             self.set_interval(self.flush_interval_s, self.flush_events, name="flush")
         else:  # deterministic mode (snapshots): nothing may change between frames on its own
@@ -177,14 +179,14 @@ class DashboardApp(App[int]):
         try:
             if self.session.state != "connected":
                 await self.session.connect()
-            if self.session.hello:
-                self.state.ingest(self.session.hello)
+            if self.session.agent:
+                self.state.ingest(self.session.agent)
             await self.session.start_streams(self.gpu_interval_s, self.procs_interval_s)
             if self.on_connect != "none":
                 await self.run_control.offer_launch(self.on_connect)
         except Exception as exc:  # ConnectError / CommandFailed: shown in the header, the app stays up
             message = getattr(exc, "message", None) or str(exc)
-            self.state.ingest({"ev": "connection", "state": self.session.state, "detail": message, "attempt": None})
+            self.state.ingest(ConnectionEvent(self.session.state, message, None))
             self.post_message(ConnectionChanged(self.session.state, message))
             self.notify(f"cannot connect: {message}", severity="error", timeout=15)
 
@@ -261,17 +263,17 @@ class DashboardApp(App[int]):
 
     # -- events in ---------------------------------------------------------------------------------
 
-    def _on_agent_event(self, ev: dict[str, Any]) -> None:
+    def _on_agent_event(self, ev: ClientEvent) -> None:
         self.state.ingest(ev)
-        if ev.get("ev") == "connection":
+        if isinstance(ev, ConnectionEvent):
             self.post_message(ConnectionChanged.from_event(ev))
 
     def on_connection_changed(self, message: ConnectionChanged) -> None:
         """Drawn at once, not on the next flush: a lost link must show immediately."""
         if self.screen_stack and self.dashboard.ready:
             self.dashboard.query_one("#header").refresh()
-        if message.state == "connected" and self.session.hello:
-            self.state.ingest(self.session.hello)
+        if message.state == "connected" and self.session.agent:
+            self.state.ingest(self.session.agent)
 
     def flush_events(self, *, force_charts: bool = False) -> None:
         """Draw what arrived since the last flush (one batch, one frame)."""
@@ -291,7 +293,7 @@ class DashboardApp(App[int]):
         )
         if charts_allowed and ("charts" in state.dirty or state.charts.dirty):
             self._last_chart_draw = now
-        sampled = state.gpus.get("t") if state.gpus is not None and "gpus" in state.dirty else None
+        sampled = state.gpus.t if state.gpus is not None and "gpus" in state.dirty else None
         log_lines = state.new_log_lines
         state.new_log_lines = 0
         try:
@@ -305,32 +307,22 @@ class DashboardApp(App[int]):
         events = state.pending_messages
         state.pending_messages = []
         for ev in events:
-            if ev.get("ev") == "run":
-                run = ev.get("run")
-                self.post_message(RunChanged(run if isinstance(run, dict) else None))
-            elif ev.get("ev") == "milestone":
-                t = ev.get("t")
-                self.post_message(
-                    MilestoneReached(
-                        ev.get("run_id"),
-                        str(ev.get("milestone")),
-                        float(t) if isinstance(t, (int, float)) else None,
-                        bool(ev.get("ok")),
-                        ev.get("cause") if isinstance(ev.get("cause"), str) else None,
-                    )
-                )
+            if isinstance(ev, protocol.RunEvent):
+                self.post_message(RunChanged(ev.run))
+            elif isinstance(ev, protocol.MilestoneEvent):
+                self.post_message(MilestoneReached(ev.run_id, ev.milestone, ev.t, ev.ok, ev.cause))
         self.post_message(StreamBatch(events, log_lines))
-        if isinstance(sampled, (int, float)):
-            self.call_after_refresh(self._record_sample_latency, float(sampled))
+        if sampled is not None:
+            self.call_after_refresh(self._record_sample_latency, sampled)
 
     def _record_sample_latency(self, sampled_t: float) -> None:
         self.sample_latency_ms.append((time.time() - sampled_t) * 1000.0)
 
     async def quit_dashboard(self) -> None:
         run = self.state.run
-        if run and run.get("state") in ("running", "starting"):
+        if run and run.state in ("running", "starting"):
             message = (
-                f"Left the dashboard. Run {run.get('run_id')} keeps running on {self.session.target_display}; "
+                f"Left the dashboard. Run {run.run_id} keeps running on {self.session.target_display}; "
                 "run specdec-tui connect with the same target to watch it again."
             )
         else:

@@ -21,8 +21,10 @@ from typing import Any, Protocol
 from textual.app import App, SuspendNotSupported
 from textual.notifications import SeverityLevel
 
+from engine import protocol
 from tui import theming
 from tui.attach import HerePlan, plan_here
+from tui.events import ClientEvent
 from tui.messages import CommandFinished
 from tui.relaunch import launch_spec_for, restart_run
 from tui.screens.confirm import Choice, ConfirmScreen
@@ -44,14 +46,14 @@ class SessionLike(Protocol):
 
     target_display: str
     state: str
-    hello: dict[str, Any] | None
+    agent: protocol.HelloEvent | None
     rtt_ms: float | None
 
     async def connect(self) -> None: ...
     async def request(
         self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
     ) -> dict[str, Any]: ...
-    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> Callable[[], None]: ...
+    def add_event_listener(self, fn: Callable[[ClientEvent], None]) -> Callable[[], None]: ...
     async def start_streams(self, gpu_interval_s: float = 0.5, procs_interval_s: float = 1.0) -> None: ...
     def attach_argv(self, tmux_session: str) -> list[str]: ...
     async def close(self) -> None: ...
@@ -84,8 +86,10 @@ class RunControl:
     async def offer_launch(self, on_connect: str) -> None:
         """`connect --launch` starts the profile's run when none is active; plain `connect` offers it."""
         status = await self._request("status", timeout_s=30.0)
-        run = (status or {}).get("run") or {}
-        if run.get("state") in ("starting", "running") or self.launch_asked:
+        if status is not None:
+            self.state.ingest_status(status)  # decoded as the stream's events are
+        run = self.state.run
+        if (run is not None and run.state in ("starting", "running")) or self.launch_asked:
             return
         try:
             spec = launch_spec_for(self.profile(), self.session)
@@ -96,7 +100,7 @@ class RunControl:
             await self._launch(spec)
             return
         what = shlex.join(str(a) for a in spec.get("command", []))
-        last = f"The last run, {run.get('run_id')}, is {run.get('state')}.\n" if run else ""
+        last = f"The last run, {run.run_id}, is {run.state}.\n" if run else ""
 
         def chosen(choice: str | None) -> None:
             if choice == "launch":
@@ -140,7 +144,7 @@ class RunControl:
         run = self.state.run
         if not run:
             return "the run"
-        return f"run {run.get('run_id')} ({shlex.join(str(a) for a in run.get('command') or [])})"
+        return f"run {run.run_id} ({shlex.join(run.command)})"
 
     def launch(self) -> None:
         self.launch_asked = True
@@ -165,7 +169,7 @@ class RunControl:
             return
         body = (
             f"Stop {self._run_label()}, then launch its recorded command again:\n"
-            f"  {shlex.join(str(a) for a in run.get('command') or [])}"
+            f"  {shlex.join(run.command)}"
         )
         self._confirm("Restart the run?", body, self._start_restart, "Restart")
 
@@ -260,8 +264,8 @@ class RunControl:
 
     def attach(self) -> None:
         run = self.state.run
-        tmux_session = run.get("tmux_session") if run else None
-        if not run or not isinstance(tmux_session, str) or not run.get("attachable", True):
+        tmux_session = run.tmux_session if run else None
+        if not run or tmux_session is None or not run.attachable:
             self.app.notify("no tmux session to attach to (no run, or it was started without tmux)", severity="warning")
             return
         argv = self.session.attach_argv(tmux_session)

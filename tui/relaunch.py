@@ -30,7 +30,7 @@ class Requester(Protocol):
 class HasHello(Protocol):
     """A session whose agent said hello (its ``opts`` and ``transport``, when it has them, refine the launch)."""
 
-    hello: dict[str, Any] | None
+    agent: protocol.HelloEvent | None
 
 
 def engine_python(explicit: str | None, agent_python: str | None) -> str:
@@ -76,10 +76,8 @@ def launch_spec_for(profile: dict[str, Any] | None, session: HasHello) -> dict[s
         prof.deadlines_s = dict(profile["deadlines_s"])
     if isinstance(profile.get("restart"), dict):
         prof.restart = dict(profile["restart"])
-    python_path = (session.hello or {}).get("python_path")
-    python = engine_python(
-        getattr(getattr(session, "opts", None), "python", None), python_path if isinstance(python_path, str) else None
-    )
+    python_path = session.agent.python_path if session.agent else None
+    python = engine_python(getattr(getattr(session, "opts", None), "python", None), python_path)
     pythonpath = getattr(getattr(session, "transport", None), "engine_pythonpath", None)
     spec = protocol.to_jsonable(prof.launch_spec(None, python=python, engine_pythonpath=pythonpath))
     return {k: v for k, v in spec.items() if v is not None}

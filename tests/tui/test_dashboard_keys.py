@@ -513,8 +513,8 @@ def test_launch_spec_from_a_cli_profile_starts_the_engine() -> None:
     from tui.profiles import Profile
 
     session = RecordingSession()
-    assert session.hello is not None
-    session.hello["python_path"] = "/usr/bin/python3"
+    assert session.agent is not None
+    session.agent.python_path = "/usr/bin/python3"
     spec = launch_spec_for(Profile(name="default").as_dict(), session)
     assert spec["command"][:3] == ["/usr/bin/python3", "-m", "engine.trainer"]
     assert "--preset" in spec["command"] and spec["profile"] == "default"
