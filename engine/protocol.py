@@ -75,6 +75,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, TypeVar, Union
 
@@ -741,94 +742,186 @@ def event_to_wire(ev: Event) -> dict[str, Any]:
 
 def decode_engine_event(obj: Any) -> EngineEvent:
     """One line of events.jsonl (parsed) as its dataclass, chosen by ``kind``; raises ProtocolError."""
-    decoded: EngineEvent = _coerce(EngineEvent, obj, "event")
+    try:
+        decoded: EngineEvent = _decoder(EngineEvent)(obj)
+    except _Mismatch as exc:
+        raise ProtocolError(f"event{exc.path}: {exc.what}") from None
     return decoded
 
 
 def from_json(cls: type[T], obj: Any, where: str | None = None) -> T:
     """A dataclass from a JSON object, every field checked against its annotation (ints pass as floats)."""
-    where = where or cls.__name__
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"{where}: expected an object, got {type(obj).__name__}")
-    hints = _hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in fields(cls):  # type: ignore[arg-type]
-        if f.name in obj:
-            kwargs[f.name] = _coerce(hints[f.name], obj[f.name], f"{where}.{f.name}")
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ProtocolError(f"{where}: no {f.name!r}")
-    return cls(**kwargs)
+    try:
+        decoded: T = _decoder(cls)(obj)
+    except _Mismatch as exc:
+        raise ProtocolError(f"{where or cls.__name__}{exc.path}: {exc.what}") from None
+    return decoded
 
 
-_HINTS: dict[type[Any], dict[str, Any]] = {}
+# A decoder per annotation, built once: it checks and converts one JSON value. The path to a bad value is
+# assembled only on the way out of a failure, so a valid event costs a few dict look-ups per field.
+
+Decoder = Callable[[Any], Any]
 
 
-def _hints(cls: type[Any]) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    return hints
+class _Mismatch(Exception):
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+        self.path = ""
+
+    def under(self, step: str) -> _Mismatch:
+        self.path = step + self.path
+        return self
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    if tp is Any:
+_DECODERS: dict[Any, Decoder] = {}
+
+
+def _decoder(tp: Any) -> Decoder:
+    found = _DECODERS.get(tp)
+    if found is None:
+        found = _DECODERS[tp] = _build(tp)
+    return found
+
+
+def _got(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _exact(kind: type[Any], expected: str) -> Decoder:
+    def decode(value: Any) -> Any:
+        if type(value) is kind:  # exact type: a bool is not an int here
+            return value
+        raise _Mismatch(f"expected {expected}, got {_got(value)}")
+
+    return decode
+
+
+def _number(value: Any) -> float:
+    if type(value) is float:
         return value
-    if tp is type(None):
-        if value is not None:
-            raise ProtocolError(f"{where}: expected null, got {type(value).__name__}")
-        return None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected true/false, got {type(value).__name__}")
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
-        return value
-    if tp is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+    if type(value) is int:
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"{where}: expected a string, got {type(value).__name__}")
-        return value
+    raise _Mismatch(f"expected a number, got {_got(value)}")
+
+
+def _null(value: Any) -> None:
+    if value is not None:
+        raise _Mismatch(f"expected null, got {_got(value)}")
+
+
+def _build(tp: Any) -> Decoder:
+    if tp is Any:
+        return lambda value: value
+    if tp is type(None):
+        return _null
+    simple = {bool: _exact(bool, "true/false"), int: _exact(int, "an integer"), str: _exact(str, "a string")}
+    if tp in simple:
+        return simple[tp]
+    if tp is float:
+        return _number
     origin = typing.get_origin(tp)
     if origin is Union or origin is types.UnionType:
-        return _coerce_union(typing.get_args(tp), value, where)
+        return _union(typing.get_args(tp))
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return _list(_decoder(typing.get_args(tp)[0]))
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected an object, got {type(value).__name__}")
-        _, item = typing.get_args(tp)
-        return {str(k): _coerce(item, v, f"{where}.{k}") for k, v in value.items()}
+        return _dict(_decoder(typing.get_args(tp)[1]))
     if isinstance(tp, type) and is_dataclass(tp):
-        return from_json(tp, value, where)
-    raise TypeError(f"{where}: no decoder for {tp!r}")  # a field annotated with a type this module does not map
+        return _dataclass(tp)
+    raise TypeError(f"no decoder for {tp!r}")  # a field annotated with a type this module does not map
 
 
-def _coerce_union(args: tuple[Any, ...], value: Any, where: str) -> Any:
-    if value is None and type(None) in args:
-        return None
-    tagged = [a for a in args if isinstance(a, type) and is_dataclass(a) and hasattr(a, "KIND")]
+def _union(args: tuple[Any, ...]) -> Decoder:
+    options = [a for a in args if a is not type(None)]
+    nullable = len(options) < len(args)
+    tagged = {a.KIND: _decoder(a) for a in options if isinstance(a, type) and is_dataclass(a) and hasattr(a, "KIND")}
     if tagged:  # engine events: chosen by their kind
-        kind = value.get("kind") if isinstance(value, dict) else None
-        for cls in tagged:
-            if kind == cls.KIND:
-                return from_json(cls, value, f"{where} ({kind})")
-        raise ProtocolError(f"{where}: unknown engine event kind {kind!r}")
-    failures: list[str] = []
-    for arg in args:
-        if arg is type(None):
-            continue
-        try:
-            return _coerce(arg, value, where)
-        except ProtocolError as exc:
-            failures.append(str(exc))
-    if len(failures) == 1:
-        raise ProtocolError(failures[0])
-    raise ProtocolError(f"{where}: {type(value).__name__} fits none of its types")
+
+        def by_kind(value: Any) -> Any:
+            if value is None and nullable:
+                return None
+            kind = value.get("kind") if type(value) is dict else None
+            decode = tagged.get(kind) if isinstance(kind, str) else None
+            if decode is None:
+                raise _Mismatch(f"unknown engine event kind {kind!r}")
+            try:
+                return decode(value)
+            except _Mismatch as exc:
+                raise exc.under(f" ({kind})") from None
+
+        return by_kind
+    decoders = [_decoder(a) for a in options]
+    if len(decoders) == 1:
+        (only,) = decoders
+
+        def optional(value: Any) -> Any:
+            return None if value is None else only(value)
+
+        return optional if nullable else only
+
+    def first_fit(value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        for decode in decoders:
+            try:
+                return decode(value)
+            except _Mismatch:
+                continue
+        raise _Mismatch(f"{_got(value)} fits none of its types")
+
+    return first_fit
+
+
+def _list(item: Decoder) -> Decoder:
+    def decode(value: Any) -> list[Any]:
+        if type(value) is not list:
+            raise _Mismatch(f"expected a list, got {_got(value)}")
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(item(v))
+            except _Mismatch as exc:
+                raise exc.under(f"[{i}]") from None
+        return out
+
+    return decode
+
+
+def _dict(item: Decoder) -> Decoder:
+    def decode(value: Any) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise _Mismatch(f"expected an object, got {_got(value)}")
+        out = {}
+        for k, v in value.items():
+            try:
+                out[str(k)] = item(v)
+            except _Mismatch as exc:
+                raise exc.under(f".{k}") from None
+        return out
+
+    return decode
+
+
+def _dataclass(cls: type[Any]) -> Decoder:
+    hints = typing.get_type_hints(cls)
+    spec = [
+        (f.name, _decoder(hints[f.name]), f.default is MISSING and f.default_factory is MISSING) for f in fields(cls)
+    ]
+
+    def decode(value: Any) -> Any:
+        if type(value) is not dict:
+            raise _Mismatch(f"expected an object, got {_got(value)}")
+        kwargs = {}
+        for name, field_decoder, required in spec:
+            if name in value:
+                try:
+                    kwargs[name] = field_decoder(value[name])
+                except _Mismatch as exc:
+                    raise exc.under(f".{name}") from None
+            elif required:
+                raise _Mismatch(f"no {name!r}")
+        return cls(**kwargs)
+
+    return decode
