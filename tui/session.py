@@ -18,7 +18,6 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from engine import protocol
@@ -109,17 +108,12 @@ class Session:
 
     def _dispatch(self, ev: ClientEvent, wire: dict[str, Any] | None = None) -> None:
         """Hand one event to the listeners; ``wire``: its object as received (built from ``ev`` when None)."""
-        listeners: list[Callable[[Any], None]] = list(self._listeners)
+        for fn in list(self._listeners):
+            _call(fn, ev, ev.EV)
         if self._wire_listeners:
-            wire_ev = wire if wire is not None else to_wire(ev)
-            listeners += [partial(_call, fn, wire_ev) for fn in self._wire_listeners]
-        for fn in listeners:
-            try:
-                fn(ev)
-            except Exception as exc:  # a broken listener must not stop the stream; the loop reports it
-                asyncio.get_running_loop().call_exception_handler(
-                    {"message": f"session listener {fn!r} failed on {ev.EV!r} event", "exception": exc}
-                )
+            obj = wire if wire is not None else to_wire(ev)
+            for wire_fn in list(self._wire_listeners):
+                _call(wire_fn, obj, ev.EV)
 
     def _warn(self, message: str) -> None:
         self._dispatch(protocol.WarningEvent(message))
@@ -545,8 +539,13 @@ class HostLink:
         await self._drop_host()
 
 
-def _call(fn: WireListener, wire: dict[str, Any], _typed: ClientEvent) -> None:
-    fn(wire)
+def _call(fn: Callable[[Any], None], arg: Any, kind: str) -> None:
+    try:
+        fn(arg)
+    except Exception as exc:  # a broken listener must not stop the stream; the loop reports it
+        asyncio.get_running_loop().call_exception_handler(
+            {"message": f"session listener {fn!r} failed on {kind!r} event", "exception": exc}
+        )
 
 
 def open_session(target_spec: str, opts: ConnectOptions) -> Session:
