@@ -73,8 +73,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, TypeVar, Union
 
 PROTOCOL_VERSION = 1
 AGENT_VERSION = "0.1.0"
@@ -426,3 +429,499 @@ def encode_log_data(data: bytes) -> str:
 
 def decode_log_data(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
+
+
+# -- typed events ------------------------------------------------------------------------------------
+# What a client reads: every event above as a dataclass, decoded once (``decode_event``) where the line
+# arrives. The wire stays the JSON objects documented at the top; unknown keys are ignored (a field added
+# on one side never breaks the other), a missing required key or a value of the wrong type is a
+# ProtocolError. Engine events (the ``event`` of an ``engine`` line) are chosen by their ``kind``.
+
+
+@dataclass
+class StageEvent:
+    KIND: ClassVar[str] = "stage"
+    stage: str
+    thread: str | None = None
+    detail: str = ""
+    t: float | None = None
+    rank: int | None = None  # torchrun rank (every event of a rank's events file carries it)
+    node: int | None = None
+    pid: int | None = None  # the "distributed" stage: the rank's process
+
+
+@dataclass
+class HeartbeatEvent:
+    KIND: ClassVar[str] = "heartbeat"
+    thread: str
+    state: str = "unknown"  # "starting" | "warmup" | "training" | "waiting" | "stopped" | "error"
+    step: int | None = None
+    tok_s: float | None = None
+    queue_depth: int | None = None
+    last_exception: str | None = None
+    t: float | None = None  # when the thread last beat (a hung thread's heartbeats age)
+    rank: int | None = None
+
+
+@dataclass
+class StepEvent:
+    KIND: ClassVar[str] = "step"
+    step: int
+    thread: str | None = None
+    loss: list[float | None] = field(default_factory=list)  # per TTT position (None: not finite)
+    acc: list[float | None] = field(default_factory=list)
+    loss_total: float | None = None  # sum_i 0.8**i * loss_i: the loss trained on
+    tok_s: float | None = None
+    ms: dict[str, float | None] = field(default_factory=dict)
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class ThreadErrorEvent:
+    KIND: ClassVar[str] = "thread_error"
+    thread: str
+    exc_type: str = "Error"
+    message: str = ""
+    traceback: str | None = None
+    policy: str = "stop"  # "stop" | "continue"
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class CheckpointEvent:
+    KIND: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class RunEndEvent:
+    KIND: ClassVar[str] = "run_end"
+    ok: bool
+    reason: str = ""
+    step: int | None = None
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class CompileEvent:
+    KIND: ClassVar[str] = "compile"
+    what: str  # "recompile" | "fallback"
+    function: str | None = None
+    thread: str | None = None
+    graphs: int | None = None
+    limit: int | None = None
+    signature: str | None = None
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class ExportEvent:
+    KIND: ClassVar[str] = "export"
+    path: str
+    checkpoint: str | None = None
+    step: int | None = None
+    format: str | None = None
+    drafter: str | None = None
+    t: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class EvalEvent:
+    KIND: ClassVar[str] = "eval"
+    thread: str
+    step: int
+    tau: float | None = None
+    k: int | None = None
+    per_position: list[float | None] = field(default_factory=list)
+    per_position_conditional: list[float | None] = field(default_factory=list)
+    rounds: int | None = None
+    prompts: int | None = None
+    new_tokens: int | None = None
+    error: str | None = None  # the evaluation failed (then no tau)
+    t: float | None = None
+    rank: int | None = None
+
+
+# Union[...], not X | Y: evaluated when the module loads, on hosts whose python3 may predate 3.10.
+EngineEvent = Union[  # noqa: UP007
+    StageEvent,
+    HeartbeatEvent,
+    StepEvent,
+    ThreadErrorEvent,
+    CheckpointEvent,
+    RunEndEvent,
+    CompileEvent,
+    ExportEvent,
+    EvalEvent,
+]
+
+
+@dataclass
+class HelloEvent:
+    EV: ClassVar[str] = "hello"
+    protocol: int
+    agent_version: str = "?"
+    hostname: str | None = None
+    boot_id: str | None = None
+    python: str | None = None  # its version
+    python_path: str | None = None  # the agent's interpreter (sys.executable)
+    pid: int | None = None
+    run_root: str | None = None
+    simulated: bool = False
+    capabilities: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GpusEvent:
+    EV: ClassVar[str] = "gpus"
+    t: float
+    gpus: list[GpuInfo] = field(default_factory=list)
+    simulated: bool = False
+    source: str | None = None
+    nvml_error: str | None = None
+
+
+@dataclass
+class HoldersSource:
+    """Where the holders' GPU indices come from (one of GPUS_SOURCES), in one sentence."""
+
+    source: str
+    detail: str = ""
+
+
+@dataclass
+class HostMapState:
+    """Under --pct: whether the Proxmox host's view is in use ("ok" | "stale" | "unavailable"), and why not."""
+
+    state: str
+    detail: str | None = None
+    ctid: str | int | None = None
+
+
+@dataclass
+class ProcsEvent:
+    EV: ClassVar[str] = "procs"
+    t: float
+    run_tree: list[ProcInfo] = field(default_factory=list)
+    holders: list[HolderInfo] = field(default_factory=list)
+    holders_source: HoldersSource | None = None
+    host_map: HostMapState | None = None
+
+
+@dataclass
+class LogEvent:
+    EV: ClassVar[str] = "log"
+    offset: int  # the byte of output.log that ``data`` starts at
+    inode: int
+    data: str  # encode_log_data of the bytes
+
+    @property
+    def raw(self) -> bytes:
+        return decode_log_data(self.data)
+
+
+@dataclass
+class LogResetEvent:
+    EV: ClassVar[str] = "log_reset"
+    inode: int
+    offset: int
+    reason: str = "reset"  # "created" | "rotated" | "truncated"
+    run_id: str | None = None
+
+
+@dataclass
+class EngineLineEvent:
+    """One line of a run's events file (``ev: "engine"``)."""
+
+    EV: ClassVar[str] = "engine"
+    event: EngineEvent
+    offset: int | None = None  # the byte after the line in events.jsonl (None: another rank's file)
+    inode: int | None = None
+    run_id: str | None = None
+    source: str | None = None  # another rank's events file (events.rank<R>.jsonl); None: the run's own
+
+
+@dataclass
+class RunEvent:
+    EV: ClassVar[str] = "run"
+    run: RunInfo | None
+
+
+@dataclass
+class AnomaliesEvent:
+    EV: ClassVar[str] = "anomalies"
+    items: list[Anomaly] = field(default_factory=list)
+    t: float | None = None
+
+
+@dataclass
+class MilestoneEvent:
+    EV: ClassVar[str] = "milestone"
+    milestone: str
+    ok: bool = True
+    run_id: str | None = None
+    t: float | None = None
+    cause: str | None = None
+
+
+@dataclass
+class ProgressEvent:
+    EV: ClassVar[str] = "progress"
+    message: str
+    id: int | None = None
+
+
+@dataclass
+class ReplyEvent:
+    EV: ClassVar[str] = "reply"
+    id: int | None
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class WarningEvent:
+    EV: ClassVar[str] = "warning"
+    message: str
+
+
+@dataclass
+class ErrorEvent:
+    EV: ClassVar[str] = "error"
+    message: str
+
+
+Event = Union[  # noqa: UP007
+    HelloEvent,
+    GpusEvent,
+    ProcsEvent,
+    LogEvent,
+    LogResetEvent,
+    EngineLineEvent,
+    RunEvent,
+    AnomaliesEvent,
+    MilestoneEvent,
+    ProgressEvent,
+    ReplyEvent,
+    WarningEvent,
+    ErrorEvent,
+]
+
+EVENT_TYPES: dict[str, type[Any]] = {cls.EV: cls for cls in typing.get_args(Event)}
+ENGINE_EVENT_TYPES: dict[str, type[Any]] = {cls.KIND: cls for cls in typing.get_args(EngineEvent)}
+
+T = TypeVar("T")
+
+
+def decode_event(obj: dict[str, Any]) -> Event:
+    """A parsed event line (``parse_event``) as its dataclass; raises ProtocolError naming the bad field."""
+    kind = obj.get("ev")
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown event {kind!r}")
+    decoded: Event = from_json(cls, obj, kind)
+    return decoded
+
+
+def event_to_wire(ev: Event) -> dict[str, Any]:
+    """The JSON object of a typed event, as the agent sends it (``decode_event``'s inverse)."""
+    wire: dict[str, Any] = {"ev": ev.EV, **to_jsonable(ev)}
+    if isinstance(ev, EngineLineEvent):
+        wire["event"] = {"kind": ev.event.KIND, **wire["event"]}
+    return wire
+
+
+def decode_engine_event(obj: Any) -> EngineEvent:
+    """One line of events.jsonl (parsed) as its dataclass, chosen by ``kind``; raises ProtocolError."""
+    try:
+        decoded: EngineEvent = _decoder(EngineEvent)(obj)
+    except _Mismatch as exc:
+        raise ProtocolError(f"event{exc.path}: {exc.what}") from None
+    return decoded
+
+
+def from_json(cls: type[T], obj: Any, where: str | None = None) -> T:
+    """A dataclass from a JSON object, every field checked against its annotation (ints pass as floats)."""
+    try:
+        decoded: T = _decoder(cls)(obj)
+    except _Mismatch as exc:
+        raise ProtocolError(f"{where or cls.__name__}{exc.path}: {exc.what}") from None
+    return decoded
+
+
+# A decoder per annotation, built once: it checks and converts one JSON value. The path to a bad value is
+# assembled only on the way out of a failure, so a valid event costs a few dict look-ups per field.
+
+Decoder = Callable[[Any], Any]
+
+
+class _Mismatch(Exception):
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+        self.path = ""
+
+    def under(self, step: str) -> _Mismatch:
+        self.path = step + self.path
+        return self
+
+
+_DECODERS: dict[Any, Decoder] = {}
+
+
+def _decoder(tp: Any) -> Decoder:
+    found = _DECODERS.get(tp)
+    if found is None:
+        found = _DECODERS[tp] = _build(tp)
+    return found
+
+
+def _got(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _exact(kind: type[Any], expected: str) -> Decoder:
+    def decode(value: Any) -> Any:
+        if type(value) is kind:  # exact type: a bool is not an int here
+            return value
+        raise _Mismatch(f"expected {expected}, got {_got(value)}")
+
+    return decode
+
+
+def _number(value: Any) -> float:
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        return float(value)
+    raise _Mismatch(f"expected a number, got {_got(value)}")
+
+
+def _null(value: Any) -> None:
+    if value is not None:
+        raise _Mismatch(f"expected null, got {_got(value)}")
+
+
+def _build(tp: Any) -> Decoder:
+    if tp is Any:
+        return lambda value: value
+    if tp is type(None):
+        return _null
+    simple = {bool: _exact(bool, "true/false"), int: _exact(int, "an integer"), str: _exact(str, "a string")}
+    if tp in simple:
+        return simple[tp]
+    if tp is float:
+        return _number
+    origin = typing.get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        return _union(typing.get_args(tp))
+    if origin is list:
+        return _list(_decoder(typing.get_args(tp)[0]))
+    if origin is dict:
+        return _dict(_decoder(typing.get_args(tp)[1]))
+    if isinstance(tp, type) and is_dataclass(tp):
+        return _dataclass(tp)
+    raise TypeError(f"no decoder for {tp!r}")  # a field annotated with a type this module does not map
+
+
+def _union(args: tuple[Any, ...]) -> Decoder:
+    options = [a for a in args if a is not type(None)]
+    nullable = len(options) < len(args)
+    tagged = {a.KIND: _decoder(a) for a in options if isinstance(a, type) and is_dataclass(a) and hasattr(a, "KIND")}
+    if tagged:  # engine events: chosen by their kind
+
+        def by_kind(value: Any) -> Any:
+            if value is None and nullable:
+                return None
+            kind = value.get("kind") if type(value) is dict else None
+            decode = tagged.get(kind) if isinstance(kind, str) else None
+            if decode is None:
+                raise _Mismatch(f"unknown engine event kind {kind!r}")
+            try:
+                return decode(value)
+            except _Mismatch as exc:
+                raise exc.under(f" ({kind})") from None
+
+        return by_kind
+    decoders = [_decoder(a) for a in options]
+    if len(decoders) == 1:
+        (only,) = decoders
+
+        def optional(value: Any) -> Any:
+            return None if value is None else only(value)
+
+        return optional if nullable else only
+
+    def first_fit(value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        for decode in decoders:
+            try:
+                return decode(value)
+            except _Mismatch:
+                continue
+        raise _Mismatch(f"{_got(value)} fits none of its types")
+
+    return first_fit
+
+
+def _list(item: Decoder) -> Decoder:
+    def decode(value: Any) -> list[Any]:
+        if type(value) is not list:
+            raise _Mismatch(f"expected a list, got {_got(value)}")
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(item(v))
+            except _Mismatch as exc:
+                raise exc.under(f"[{i}]") from None
+        return out
+
+    return decode
+
+
+def _dict(item: Decoder) -> Decoder:
+    def decode(value: Any) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise _Mismatch(f"expected an object, got {_got(value)}")
+        out = {}
+        for k, v in value.items():
+            try:
+                out[str(k)] = item(v)
+            except _Mismatch as exc:
+                raise exc.under(f".{k}") from None
+        return out
+
+    return decode
+
+
+def _dataclass(cls: type[Any]) -> Decoder:
+    hints = typing.get_type_hints(cls)
+    spec = [
+        (f.name, _decoder(hints[f.name]), f.default is MISSING and f.default_factory is MISSING) for f in fields(cls)
+    ]
+
+    def decode(value: Any) -> Any:
+        if type(value) is not dict:
+            raise _Mismatch(f"expected an object, got {_got(value)}")
+        kwargs = {}
+        for name, field_decoder, required in spec:
+            if name in value:
+                try:
+                    kwargs[name] = field_decoder(value[name])
+                except _Mismatch as exc:
+                    raise exc.under(f".{name}") from None
+            elif required:
+                raise _Mismatch(f"no {name!r}")
+        return cls(**kwargs)
+
+    return decode

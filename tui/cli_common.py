@@ -190,4 +190,4 @@ def run_async(coro: Awaitable[int]) -> int:
 
 
 def simulated_label(session: Session) -> str:
-    return " (SIMULATED GPUs)" if (session.hello or {}).get("simulated") else ""
+    return " (SIMULATED GPUs)" if session.agent and session.agent.simulated else ""

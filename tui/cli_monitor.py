@@ -24,6 +24,7 @@ from tui.cli_common import (
     simulated_label,
     with_session,
 )
+from tui.events import ClientEvent, ConnectionEvent, Undecodable
 from tui.session import CommandFailed, Session
 
 # -- status ----------------------------------------------------------------------------------------
@@ -71,39 +72,42 @@ def _procs_of(snap: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     return [p for p in tree if isinstance(p, dict)], [h for h in holders if isinstance(h, dict)]
 
 
-def format_run(run: dict[str, Any]) -> list[str]:
+def format_run(obj: dict[str, Any]) -> list[str]:
     """The run block of ``status``: id, state, command, milestones, step/exit, and a failed run's cause."""
+    try:
+        run = protocol.from_json(protocol.RunInfo, obj, "run")
+    except protocol.ProtocolError as exc:
+        return [f"run       {obj.get('run_id')}: not understood ({exc})"]
     out: list[str] = []
-    out.append(f"run       {run.get('run_id')}  state {run.get('state')}  pid {run.get('pid')}")
-    cmd = run.get("command") or []
-    if cmd:
-        out.append(f"  command {' '.join(str(c) for c in cmd)}")
-    ms = run.get("milestones") or {}
+    out.append(f"run       {run.run_id}  state {run.state}  pid {run.pid}")
+    if run.command:
+        out.append(f"  command {' '.join(run.command)}")
+    ms = run.milestones
     reached = [f"{m} ✓" if ms.get(m) else f"{m} ·" for m in protocol.MILESTONES if m in ms]
     if reached:
         out.append("  milestones " + "  ".join(reached))
     extra = []
-    if run.get("stage"):
-        extra.append(f"stage {run['stage']}")
-    if run.get("last_step") is not None:
-        extra.append(f"step {run['last_step']}")
-    if run.get("exit_code") is not None:
-        extra.append(f"exit code {run['exit_code']}")
-    if run.get("signal") is not None:
-        extra.append(f"signal {run['signal']}")
-    if run.get("tmux_session"):
-        extra.append(f"tmux {run['tmux_session']}" + ("" if run.get("attachable", True) else " (not attachable)"))
+    if run.stage:
+        extra.append(f"stage {run.stage}")
+    if run.last_step is not None:
+        extra.append(f"step {run.last_step}")
+    if run.exit_code is not None:
+        extra.append(f"exit code {run.exit_code}")
+    if run.signal is not None:
+        extra.append(f"signal {run.signal}")
+    if run.tmux_session:
+        extra.append(f"tmux {run.tmux_session}" + ("" if run.attachable else " (not attachable)"))
     if extra:
         out.append("  " + "   ".join(extra))
-    if run.get("cause"):
-        out.append(f"  cause {run['cause']}")
+    if run.cause:
+        out.append(f"  cause {run.cause}")
     said = restarts.summary(run)
     if said:
         out.append(f"  {said}")
         for i, item in enumerate(restarts.restarts_of(run), start=1):
-            out.append(f"    {restarts.line(i, item, run.get('restart_max'))}")
-    if run.get("last_export"):
-        out.append(f"  exported {run['last_export']}")
+            out.append(f"    {restarts.line(i, item, run.restart_max)}")
+    if run.last_export:
+        out.append(f"  exported {run.last_export}")
     return out
 
 
@@ -188,8 +192,7 @@ def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> s
 
 async def fetch_status(session: Session, timeout_s: float = 30.0) -> dict[str, Any]:
     snap = await session.request("status", timeout_s=timeout_s)
-    hello = session.hello or {}
-    if hello.get("simulated"):
+    if session.agent and session.agent.simulated:
         snap.setdefault("simulated", True)
     return snap
 
@@ -362,28 +365,29 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         ended = asyncio.Event()
         reader_gone = False
 
-        def on_event(ev: dict[str, Any]) -> None:
+        def on_event(ev: ClientEvent) -> None:
             nonlocal reader_gone
-            kind = ev.get("ev")
-            if kind == "log" and not reader_gone:
+            if isinstance(ev, protocol.LogEvent) and not reader_gone:
                 # Written whole before the next event is read: the session's resume offset (bytes received) is
                 # then always the bytes on stdout, and a slow reader slows the stream down (TCP back-pressure).
                 try:
-                    write_all(sys.stdout.fileno(), protocol.decode_log_data(str(ev.get("data", ""))))
+                    write_all(sys.stdout.fileno(), ev.raw)
                 except BrokenPipeError:
                     reader_gone = True
                     ended.set()
-            elif kind == "log_reset":
-                err(f"[log {ev.get('reason')}: following from byte {ev.get('offset')}]")
-            elif kind == "connection":
-                if ev.get("state") in ("reconnecting", "failed"):
-                    err(f"[{ev.get('state')}: {ev.get('detail')}]")
-                elif ev.get("state") == "connected" and ev.get("detail", "").startswith("reconnected"):
-                    err(f"[{ev.get('detail')}]")
-                if ev.get("state") == "failed":
+            elif isinstance(ev, protocol.LogResetEvent):
+                err(f"[log {ev.reason}: following from byte {ev.offset}]")
+            elif isinstance(ev, Undecodable):
+                err(f"[{ev.message}]")
+            elif isinstance(ev, ConnectionEvent):
+                if ev.state in ("reconnecting", "failed"):
+                    err(f"[{ev.state}: {ev.detail}]")
+                elif ev.state == "connected" and ev.detail.startswith("reconnected"):
+                    err(f"[{ev.detail}]")
+                if ev.state == "failed":
                     ended.set()
 
-        session.add_listener(on_event)
+        session.add_event_listener(on_event)
         await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
         await ended.wait()
         return _reader_gone() if reader_gone else EXIT_CONNECTION
@@ -415,13 +419,14 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
         return exc.exit_code
     session.auto_reconnect = False
     try:
-        hello = session.hello or {}
+        hello = session.agent
         via = "local" if session.target_display.startswith("local") else "ssh"
+        version, hostname, python = (hello.agent_version, hello.hostname, hello.python) if hello else (None,) * 3
         _print_check(
             True,
             "connection" if via == "local" else "ssh",
-            f"{via} to {session.target_display} in {time.perf_counter() - t0:.2f} s; agent {hello.get('agent_version')}"
-            f" on {hello.get('hostname')}, python {hello.get('python')}{simulated_label(session)}",
+            f"{via} to {session.target_display} in {time.perf_counter() - t0:.2f} s; agent {version}"
+            f" on {hostname}, python {python}{simulated_label(session)}",
             None,
         )
         result = await session.request("doctor", timeout_s=120.0)

@@ -20,7 +20,9 @@ from tui.cli_common import (
     simulated_label,
     with_session,
 )
+from tui.events import ClientEvent
 from tui.profiles import Profile, ProfileError, resolve_profile
+from tui.relaunch import engine_python, restart_run
 from tui.session import CommandFailed, Session
 
 WAIT_CHOICES = ("started", "output", "first-step")
@@ -35,8 +37,7 @@ def _profile(args: argparse.Namespace) -> Profile:
 
 
 def _engine_python(session: Session) -> str:
-    hello = session.hello or {}
-    return str(session.opts.python or hello.get("python_path") or "python3")
+    return engine_python(session.opts.python, session.agent.python_path if session.agent else None)
 
 
 def _wait_exit_code(result: dict[str, Any]) -> int:
@@ -97,19 +98,18 @@ class _MilestonePrinter:
         self.run_id: str | None = None
         self.enabled = enabled
         self.printed: set[tuple[str, bool]] = set()
-        self.unsubscribe = session.add_listener(self)
+        self.unsubscribe = session.add_event_listener(self)
 
-    def __call__(self, ev: dict[str, Any]) -> None:
-        if not self.enabled or ev.get("ev") != "milestone":
+    def __call__(self, ev: ClientEvent) -> None:
+        if not self.enabled or not isinstance(ev, protocol.MilestoneEvent):
             return
-        if self.run_id is not None and ev.get("run_id") not in (None, self.run_id):
+        if self.run_id is not None and ev.run_id not in (None, self.run_id):
             return
-        ok = bool(ev.get("ok", True))
-        key = (str(ev.get("milestone")), ok)
+        key = (ev.milestone, ev.ok)
         if key in self.printed:
             return
         self.printed.add(key)
-        print(f"  {'✓' if ok else '✗'} {ev.get('milestone'):<11} {time.monotonic() - self.t0:6.2f} s", flush=True)
+        print(f"  {'✓' if ev.ok else '✗'} {ev.milestone:<11} {time.monotonic() - self.t0:6.2f} s", flush=True)
 
 
 def _refused(wait: str | None, message: str, elapsed_s: float, as_json: bool) -> int:
@@ -243,13 +243,17 @@ async def cmd_launch(args: argparse.Namespace) -> int:
     return await with_session(args, body)
 
 
-def _on_progress(ev: dict[str, Any]) -> None:
-    if ev.get("ev") == "progress":
-        print(f"  … {ev.get('message')}", flush=True)
+def _on_progress(ev: ClientEvent) -> None:
+    if isinstance(ev, protocol.ProgressEvent):
+        print(f"  … {ev.message}", flush=True)
+
+
+def _quiet(ev: ClientEvent) -> None:
+    """A listener for --json: progress goes unsaid."""
 
 
 async def _stop(session: Session, grace_s: float, quiet: bool = False) -> dict[str, Any]:
-    unsubscribe = session.add_listener(_on_progress if not quiet else (lambda ev: None))
+    unsubscribe = session.add_event_listener(_on_progress if not quiet else _quiet)
     try:
         return await session.request("stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0)
     finally:
@@ -274,22 +278,19 @@ async def cmd_restart(args: argparse.Namespace) -> int:
         if profile is None:
             # The agent relaunches the recorded spec (command, cwd, env, deadlines) under a new run id.
             printer = _MilestonePrinter(session, enabled=not args.json)
-            progress = session.add_listener(_on_progress if not args.json else (lambda ev: None))
+            progress = session.add_event_listener(_on_progress if not args.json else _quiet)
             try:
                 try:
-                    done = await session.request(
-                        "restart", timeout_s=args.grace + 180.0, grace_s=args.grace, release_timeout_s=30.0
-                    )
+                    done = await restart_run(session, grace_s=args.grace)
                 except CommandFailed as exc:
                     if exc.lost:
                         raise
                     return _refused(args.wait, exc.message, time.monotonic() - printer.t0, args.json)
                 if not args.json:
-                    print(f"previous run {done.get('previous_run_id')}", flush=True)
-                launched = done.get("launch") or {}
+                    print(f"previous run {done.previous_run_id}", flush=True)
                 return await wait_and_report(
                     session,
-                    launched,
+                    done.launch,
                     wait=args.wait,
                     timeout_s=args.timeout,
                     deadlines_s=None,
@@ -347,7 +348,7 @@ async def cmd_kill_stale(args: argparse.Namespace) -> int:
                 print("dry run: nothing signalled (use --yes to signal exactly these)")
             return EXIT_OK
         targets = [[c.get("pid"), c.get("create_time")] for c in candidates]
-        unsubscribe = session.add_listener(_on_progress if not args.json else (lambda ev: None))
+        unsubscribe = session.add_event_listener(_on_progress if not args.json else _quiet)
         try:
             done = await session.request(
                 "kill_stale", timeout_s=args.grace + 120.0, dry_run=False, targets=targets, grace_s=args.grace

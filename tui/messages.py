@@ -1,4 +1,4 @@
-"""Textual messages that carry the agent's events (engine/protocol.py) into the widget tree.
+"""Textual messages that carry the agent's events (decoded, tui/events.py) into the widget tree.
 
 The session calls its listeners on the asyncio loop, once per event. The app buffers those
 events and posts at most one ``StreamBatch`` per flush interval; connection changes are posted at
@@ -11,9 +11,12 @@ from typing import Any
 
 from textual.message import Message
 
+from engine.protocol import RunInfo
+from tui.events import ClientEvent, ConnectionEvent
+
 
 class ConnectionChanged(Message):
-    """The session's synthetic ``{"ev": "connection", "state", "detail", "attempt"}`` event."""
+    """The session's ``ConnectionEvent``."""
 
     def __init__(self, state: str, detail: str | None = None, attempt: int | None = None) -> None:
         super().__init__()
@@ -22,19 +25,14 @@ class ConnectionChanged(Message):
         self.attempt = attempt
 
     @classmethod
-    def from_event(cls, event: dict[str, Any]) -> ConnectionChanged:
-        attempt = event.get("attempt")
-        return cls(
-            str(event.get("state", "unknown")),
-            event.get("detail") if isinstance(event.get("detail"), str) else None,
-            attempt if isinstance(attempt, int) else None,
-        )
+    def from_event(cls, event: ConnectionEvent) -> ConnectionChanged:
+        return cls(event.state, event.detail or None, event.attempt)
 
 
 class StreamBatch(Message):
     """The events that arrived since the last flush, after coalescing (latest gpus/procs/anomalies/run)."""
 
-    def __init__(self, events: list[dict[str, Any]], log_lines: int) -> None:
+    def __init__(self, events: list[ClientEvent], log_lines: int) -> None:
         super().__init__()
         self.events = events
         self.log_lines = log_lines  # complete log lines the log model took in during this batch
@@ -43,7 +41,7 @@ class StreamBatch(Message):
 class RunChanged(Message):
     """The agent's ``run`` event: the current run's state changed (None: there is no run)."""
 
-    def __init__(self, run: dict[str, Any] | None) -> None:
+    def __init__(self, run: RunInfo | None) -> None:
         super().__init__()
         self.run = run
 

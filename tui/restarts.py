@@ -5,23 +5,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from engine.protocol import RunInfo
+
 _STATE_WORDS = {"backoff": "restarting", "gave_up": "gave up", "cancelled": "cancelled by stop"}
 
 
-def restarts_of(run: dict[str, Any] | None) -> list[dict[str, Any]]:
-    items = (run or {}).get("restarts")
-    return [r for r in items if isinstance(r, dict)] if isinstance(items, list) else []
+def restarts_of(run: RunInfo | None) -> list[dict[str, Any]]:
+    return list(run.restarts) if run is not None else []
 
 
-def summary(run: dict[str, Any] | None) -> str | None:
+def summary(run: RunInfo | None) -> str | None:
     """ "restarts 2/3 (crash, oom)", with "restarting" / "gave up" when so; None for a run without a restart policy."""
-    if not run or not isinstance(run.get("restart_max"), int):
+    if run is None or run.restart_max is None:
         return None
     items = restarts_of(run)
-    text = f"restarts {len(items)}/{run['restart_max']}"
+    text = f"restarts {len(items)}/{run.restart_max}"
     if items:
         text += f" ({', '.join(str(r.get('cause')) for r in items)})"
-    state = _STATE_WORDS.get(str(run.get("restart_state")))
+    state = _STATE_WORDS.get(str(run.restart_state))
     return f"{text}, {state}" if state else text
 
 

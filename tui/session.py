@@ -3,8 +3,12 @@
 A ``Session`` sends commands (each gets exactly one reply, matched by id), hands every agent event
 to its listeners, measures the round trip with ``ping``, and, when the link breaks, reconnects with
 capped exponential backoff plus jitter. After a reconnect the streams resume from the remembered
-log offset/inode and events.jsonl offset, so nothing is skipped or repeated. State changes reach
-listeners as synthetic ``{"ev": "connection", "state", "detail", "attempt"}`` events.
+log offset/inode and events.jsonl offset, so nothing is skipped or repeated.
+
+Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/events.py): event
+listeners (``add_event_listener``) get those, the session's own ``ConnectionEvent`` on every state change,
+and an ``Undecodable`` for a line that is JSON but not the protocol. Wire listeners (``add_listener``) get
+the same events as JSON objects of the wire's shape, for tools that record or forward the stream.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from engine import protocol
+from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode, to_wire
 from tui.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
 
 __all__ = ["CommandFailed", "ConnectError", "ConnectOptions", "Session", "open_session"]
 
-Listener = Callable[[dict[str, Any]], None]
+Listener = Callable[[ClientEvent], None]
+WireListener = Callable[[dict[str, Any]], None]
 
 HELLO_TIMEOUT_S = 30.0
 HOST_MAP_INTERVAL_S = 2.0  # how often the Proxmox host's map is refreshed under --pct
@@ -54,16 +60,18 @@ class Session:
         self.opts = opts
         self.target_display: str = transport.display
         self.state: str = "disconnected"
-        self.hello: dict[str, Any] | None = None
+        self.hello: dict[str, Any] | None = None  # the agent's hello line as received (scripts read it)
+        self.agent: protocol.HelloEvent | None = None  # the same, decoded: what the client reads
         self.rtt_ms: float | None = None
         self.auto_reconnect: bool = True
         self.max_reconnect_attempts: int | None = None  # None: keep trying until close()
         self.backoff_base_s: float = 0.5
         self.backoff_cap_s: float = 30.0
         self._stream: AgentStream | None = None
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._pending: dict[int, asyncio.Future[protocol.ReplyEvent]] = {}
         self._next_id = 1
         self._listeners: list[Listener] = []
+        self._wire_listeners: list[WireListener] = []
         self._reader: asyncio.Task[None] | None = None
         self._reconnector: asyncio.Task[None] | None = None
         self._pinger: asyncio.Task[None] | None = None
@@ -78,7 +86,8 @@ class Session:
 
     # -- listeners ---------------------------------------------------------------------------------
 
-    def add_listener(self, fn: Listener) -> Callable[[], None]:
+    def add_event_listener(self, fn: Listener) -> Callable[[], None]:
+        """Call ``fn`` with every event, decoded; returns the function that removes it."""
         self._listeners.append(fn)
 
         def unsubscribe() -> None:
@@ -87,18 +96,31 @@ class Session:
 
         return unsubscribe
 
-    def _dispatch(self, ev: dict[str, Any]) -> None:
+    def add_listener(self, fn: WireListener) -> Callable[[], None]:
+        """Call ``fn`` with every event as a JSON object of the wire's shape; returns the function that removes it."""
+        self._wire_listeners.append(fn)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._wire_listeners.remove(fn)
+
+        return unsubscribe
+
+    def _dispatch(self, ev: ClientEvent, wire: dict[str, Any] | None = None) -> None:
+        """Hand one event to the listeners; ``wire``: its object as received (built from ``ev`` when None)."""
         for fn in list(self._listeners):
-            try:
-                fn(ev)
-            except Exception as exc:  # a broken listener must not stop the stream; the loop reports it
-                asyncio.get_running_loop().call_exception_handler(
-                    {"message": f"session listener {fn!r} failed on {ev.get('ev')!r} event", "exception": exc}
-                )
+            _call(fn, ev, ev.EV)
+        if self._wire_listeners:
+            obj = wire if wire is not None else to_wire(ev)
+            for wire_fn in list(self._wire_listeners):
+                _call(wire_fn, obj, ev.EV)
+
+    def _warn(self, message: str) -> None:
+        self._dispatch(protocol.WarningEvent(message))
 
     def _set_state(self, state: str, detail: str = "") -> None:
         self.state = state
-        self._dispatch({"ev": "connection", "state": state, "detail": detail, "attempt": self._attempt})
+        self._dispatch(ConnectionEvent(state, detail, self._attempt))
 
     # -- connecting --------------------------------------------------------------------------------
 
@@ -118,8 +140,8 @@ class Session:
             self._host_link.start()
 
     def _hello_detail(self) -> str:
-        h = self.hello or {}
-        return f"agent {h.get('agent_version')} on {h.get('hostname')} (python {h.get('python')})"
+        h = self.agent
+        return f"agent {h.agent_version} on {h.hostname} (python {h.python})" if h else "no hello"
 
     async def _open(self) -> None:
         stream = await self.transport.open()
@@ -152,10 +174,15 @@ class Session:
                 f"{self.target_display}: agent speaks protocol {hello.get('protocol')}, "
                 f"this client {protocol.PROTOCOL_VERSION}"
             )
-        self.hello = hello
+        try:
+            agent = protocol.from_json(protocol.HelloEvent, hello, "hello")
+        except protocol.ProtocolError as exc:
+            await stream.close()
+            raise ConnectError(f"{self.target_display}: the agent's hello is not understood: {exc}") from None
+        self.hello, self.agent = hello, agent
         self._stream = stream
         self._reader = asyncio.ensure_future(self._read_loop(stream))
-        self._dispatch(hello)
+        self._dispatch(agent, hello)
 
     async def _read_loop(self, stream: AgentStream) -> None:
         reason = "the agent closed the connection"
@@ -171,73 +198,58 @@ class Session:
             try:
                 ev = protocol.parse_event(line)
             except protocol.ProtocolError as exc:
-                self._dispatch({"ev": "warning", "message": f"unreadable line from the agent: {exc}"})
+                self._warn(f"unreadable line from the agent: {exc}")
                 continue
             try:
                 self._on_event(ev)
             except Exception as exc:  # one bad event must not end the reader while the state says "connected"
-                self._dispatch({"ev": "warning", "message": f"event {ev.get('ev')!r} not understood: {exc!r}"})
+                self._warn(f"event {ev.get('ev')!r} not handled: {exc!r}")
         if stream is self._stream:
             await self._lost(stream, reason)
 
-    def _on_event(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("ev")
+    def _on_event(self, obj: dict[str, Any]) -> None:
+        """One parsed agent line: decoded, then replies matched, stream positions kept, listeners called."""
+        kind = obj.get("ev")
         if kind in SESSION_EVENTS:
             # The session's own state events come from the session; an agent that sends one is faulty or hostile.
-            self._dispatch(
-                {
-                    "ev": "warning",
-                    "message": f"the agent sent a {kind!r} event, which only the session may emit; ignored",
-                }
-            )
+            self._warn(f"the agent sent a {kind!r} event, which only the session may emit; ignored")
             return
-        if kind == "reply":
-            cmd_id = ev.get("id")
-            if not isinstance(cmd_id, int) or isinstance(cmd_id, bool):
-                self._dispatch({"ev": "warning", "message": f"reply with a malformed id {cmd_id!r} ignored"})
+        ev = decode(obj)
+        if kind == "engine" and isinstance(obj.get("offset"), int) and not isinstance(obj.get("offset"), bool):
+            self._engine_offset = obj["offset"]  # an engine line resumes after its byte even when it did not decode
+        if isinstance(ev, Undecodable):
+            self._dispatch(ev)
+            return
+        if isinstance(ev, protocol.ReplyEvent):
+            if ev.id is None:
+                self._warn("reply without an id ignored")
                 return
-            fut = self._pending.pop(cmd_id, None)
+            fut = self._pending.pop(ev.id, None)
             if fut is not None and not fut.done():
                 fut.set_result(ev)
-        elif kind == "log":
-            offset, inode, data = ev.get("offset"), ev.get("inode"), ev.get("data")
-            if isinstance(offset, int) and isinstance(inode, int) and isinstance(data, str):
-                raw = protocol.decode_log_data(data)
-                pos = self._log_pos
-                if pos is not None and pos.get("inode") == inode and offset != pos.get("offset"):
-                    fitted = self._fit_log_event(ev, offset, raw, int(pos.get("offset") or 0))
-                    if fitted is None:
-                        return
-                    ev, offset, raw = fitted
-                self._log_pos = {"offset": offset + len(raw), "inode": inode}
-        elif kind == "log_reset":
-            offset, inode = ev.get("offset"), ev.get("inode")
-            if isinstance(offset, int) and isinstance(inode, int):
-                self._log_pos = {"offset": offset, "inode": inode}
-        elif kind == "engine":
-            offset = ev.get("offset")
-            if isinstance(offset, int):
-                self._engine_offset = offset
-        self._dispatch(ev)
+        elif isinstance(ev, protocol.LogEvent):
+            pos = self._log_pos
+            if pos is not None and pos.get("inode") == ev.inode and ev.offset != pos.get("offset"):
+                fitted = self._fit_log_event(ev, int(pos.get("offset") or 0))
+                if fitted is None:
+                    return
+                ev, obj = fitted, {**obj, "offset": fitted.offset, "data": fitted.data}
+            self._log_pos = {"offset": ev.offset + len(ev.raw), "inode": ev.inode}
+        elif isinstance(ev, protocol.LogResetEvent):
+            self._log_pos = {"offset": ev.offset, "inode": ev.inode}
+        self._dispatch(ev, obj)
 
-    def _fit_log_event(
-        self, ev: dict[str, Any], offset: int, raw: bytes, expected: int
-    ) -> tuple[dict[str, Any], int, bytes] | None:
+    def _fit_log_event(self, ev: protocol.LogEvent, expected: int) -> protocol.LogEvent | None:
         """A log event that does not start where the received bytes end: trim what was already received, or
         (a gap) drop it and subscribe again from the last byte received, so listeners never see a byte twice or
         a hole."""
-        if offset < expected:
-            if offset + len(raw) <= expected:
+        raw = ev.raw
+        if ev.offset < expected:
+            if ev.offset + len(raw) <= expected:
                 return None  # all of it received already
-            raw = raw[expected - offset :]
-            return {**ev, "offset": expected, "data": protocol.encode_log_data(raw)}, expected, raw
+            return protocol.LogEvent(expected, ev.inode, protocol.encode_log_data(raw[expected - ev.offset :]))
         if self._streams is not None and (self._resync is None or self._resync.done()):
-            self._dispatch(
-                {
-                    "ev": "warning",
-                    "message": f"log bytes {expected}..{offset} missing from the stream; resuming from byte {expected}",
-                }
-            )
+            self._warn(f"log bytes {expected}..{ev.offset} missing from the stream; resuming from byte {expected}")
             self._resync = asyncio.ensure_future(self._resubscribe())
         return None
 
@@ -246,7 +258,7 @@ class Session:
         try:
             await self._subscribe()
         except CommandFailed as exc:
-            self._dispatch({"ev": "warning", "message": f"re-subscribe after a gap failed: {exc.message}"})
+            self._warn(f"re-subscribe after a gap failed: {exc.message}")
 
     def _fail_pending(self, message: str) -> None:
         pending, self._pending = self._pending, {}
@@ -309,7 +321,7 @@ class Session:
                 try:
                     await self._subscribe()
                 except CommandFailed as exc:
-                    self._dispatch({"ev": "warning", "message": f"re-subscribe failed: {exc.message}"})
+                    self._warn(f"re-subscribe failed: {exc.message}")
             return
 
     # -- commands ----------------------------------------------------------------------------------
@@ -331,7 +343,7 @@ class Session:
             raise CommandFailed(f"{cmd}: not connected ({self.state})", cmd=cmd, lost=True)
         cmd_id = self._next_id
         self._next_id += 1
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[protocol.ReplyEvent] = asyncio.get_running_loop().create_future()
         self._pending[cmd_id] = fut
         try:
             stream.write(protocol.encode(protocol.command(cmd_id, cmd, **args)))
@@ -343,9 +355,9 @@ class Session:
         except asyncio.TimeoutError:
             self._pending.pop(cmd_id, None)
             raise CommandFailed(f"{cmd}: no reply within {timeout_s:g} s", cmd=cmd) from None
-        if not reply.get("ok"):
-            raise CommandFailed(str(reply.get("error") or f"{cmd} failed"), cmd=cmd)
-        result = reply.get("result")
+        if not reply.ok:
+            raise CommandFailed(reply.error or f"{cmd} failed", cmd=cmd)
+        result = reply.result
         return result if isinstance(result, dict) else {"value": result}
 
     async def ping(self, timeout_s: float = 10.0) -> float:
@@ -479,7 +491,7 @@ class HostLink:
             if error is not None:
                 if error != self._said:  # said once; a container agent that reconnected still gets the reason
                     self._said = error
-                    self.session._dispatch({"ev": "warning", "message": f"{error}; showing the container's own view"})
+                    self.session._warn(f"{error}; showing the container's own view")
                 await self._hand_over(error=error)
             self.ready.set()
             await self._drop_host()
@@ -508,7 +520,7 @@ class HostLink:
             why = f"host map not accepted: {exc.message}"
             if not exc.lost and why != self._said:
                 self._said = why
-                self.session._dispatch({"ev": "warning", "message": why})
+                self.session._warn(why)
             return False
         finally:
             self.ready.set()
@@ -525,6 +537,15 @@ class HostLink:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         await self._drop_host()
+
+
+def _call(fn: Callable[[Any], None], arg: Any, kind: str) -> None:
+    try:
+        fn(arg)
+    except Exception as exc:  # a broken listener must not stop the stream; the loop reports it
+        asyncio.get_running_loop().call_exception_handler(
+            {"message": f"session listener {fn!r} failed on {kind!r} event", "exception": exc}
+        )
 
 
 def open_session(target_spec: str, opts: ConnectOptions) -> Session:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from engine.protocol import RunInfo  # noqa: E402
 from tui.app import DashboardApp  # noqa: E402
 
 BURST = """
@@ -115,13 +116,13 @@ async def wait(pilot: Any, predicate: Any, timeout_s: float, what: str) -> None:
         await pilot.pause(0.01)
 
 
-def pin_host_side(session: Any, run: dict[str, Any] | None, cpu: int) -> None:
+def pin_host_side(session: Any, run: RunInfo | None, cpu: int) -> None:
     """--pin: the agent and the job (the "host" side) on one core, this dashboard on the other, as when the host
     is a separate machine. Affinity is set by PID on processes this benchmark started; nothing else is touched."""
-    pids = [int((session.hello or {}).get("pid", 0))]
-    if run and run.get("pid"):
+    pids = [(session.agent.pid or 0) if session.agent else 0]
+    if run and run.pid:
         with contextlib.suppress(psutil.Error):
-            root = psutil.Process(int(run["pid"]))
+            root = psutil.Process(run.pid)
             pids += [root.pid, *(c.pid for c in root.children(recursive=True))]
     for pid in pids:
         if pid > 0:
@@ -171,12 +172,12 @@ async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
                 line.startswith("burst line ") for line in list(model.lines)[-min(len(model.lines), 1000) : -1]
             )
             rss_end = proc.memory_info().rss / 2**20
-            run = app.state.run or {}
+            run = app.state.run
             await pilot.press("q")
             await pilot.pause()
     finally:
         await session.close()
-    end_run(run.get("run_dir"), os.environ["SPECDEC_TMUX_SOCKET"])
+    end_run(run.run_dir if run else None, os.environ["SPECDEC_TMUX_SOCKET"])
 
     print(f"first full frame (local, headless)      {first_frame_s * 1000:8.0f} ms      (goal <= 1500)")
     print(
@@ -441,11 +442,11 @@ async def screenshot(path: Path, settle_s: float) -> None:
             app.flush_events(force_charts=True)
             await pilot.pause()
             app.save_screenshot(filename=path.name, path=str(path.parent))
-            run = app.state.run or {}
+            run = app.state.run
             await pilot.press("q")
     finally:
         await session.close()
-    end_run(run.get("run_dir"), os.environ["SPECDEC_TMUX_SOCKET"])
+    end_run(run.run_dir if run else None, os.environ["SPECDEC_TMUX_SOCKET"])
     print(f"saved {path}")
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from textual.app import App, ComposeResult
 
+from tui.events import decode
 from tui.screens.dashboard import DashboardState
 from tui.widgets.charts import ChartModel, Charts
 
@@ -48,8 +49,9 @@ async def test_eval_events_chart_tau_per_drafter_with_the_latest_acceptance_per_
         eval_event("drafter0", 200, 2.75, [1.0, 0.6, 0.3]),
     ]
     for i, ev in enumerate(feed):
-        state.ingest(wire(100 * (i + 1), ev))
-    state.ingest(wire(300, eval_event("drafter0", 200, 2.75, [1.0, 0.6, 0.3])))  # a resumed stream repeats a line
+        state.ingest(decode(wire(100 * (i + 1), ev)))
+    repeated = wire(300, eval_event("drafter0", 200, 2.75, [1.0, 0.6, 0.3]))  # a resumed stream repeats a line
+    state.ingest(decode(repeated))
     assert "charts" in state.dirty
     assert state.charts.series[("tau", "drafter0")].values() == [1.40, 2.75]
     assert state.charts.series[("tau", "drafter1")].values() == [1.20]
@@ -67,6 +69,7 @@ async def test_eval_events_chart_tau_per_drafter_with_the_latest_acceptance_per_
 
 def test_a_failed_evaluation_is_a_notice_and_no_point() -> None:
     state = DashboardState(target="local")
-    state.ingest(wire(50, {"t": 1.0, "kind": "eval", "thread": "drafter0", "step": 10, "error": "ValueError: boom"}))
+    failed = {"t": 1.0, "kind": "eval", "thread": "drafter0", "step": 10, "error": "ValueError: boom"}
+    state.ingest(decode(wire(50, failed)))
     assert ("tau", "drafter0") not in state.charts.series
     assert ("warning", "evaluation of drafter0 failed: ValueError: boom") in state.notices

@@ -28,7 +28,13 @@ LAUNCH_REPLY = {"run_id": "20261129-120000-cd34", "run_dir": "/r", "tmux_session
 
 
 def session_with_run() -> RecordingSession:
-    return RecordingSession(replies={"launch": LAUNCH_REPLY, "stop": {"stopped": True, "steps": ["SIGTERM"]}})
+    return RecordingSession(
+        replies={
+            "launch": LAUNCH_REPLY,
+            "stop": {"stopped": True, "steps": ["SIGTERM"]},
+            "restart": {"previous_run_id": RUN_ID, "stop": {"stopped": True}, "launch": LAUNCH_REPLY},
+        }
+    )
 
 
 def started(app: DashboardApp, session: RecordingSession) -> None:
@@ -46,23 +52,39 @@ async def test_launch_sends_the_profiles_spec(recorded_app: Callable[..., Dashbo
         _, args = session.requests[-1]
         assert args["command"] == ["bash", "start_training.sh"]
         assert args["cwd"] == "/root/work" and args["env"] == {"A": "1"} and args["profile"] == "demo"
-        await wait_until(pilot, lambda: app.last_spec is not None)
 
 
-async def test_restart_confirmed_stops_then_launches_the_same_command(
+async def test_restart_confirmed_asks_the_agent_to_relaunch_the_recorded_spec(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
     session = session_with_run()
+    finished: list[CommandFinished] = []
     app = recorded_app(session)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(
+        size=SIZE, message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None
+    ) as pilot:
         started(app, session)
         await pilot.press("r")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        body = str(app.screen.query_one("#confirm-body").render())
+        assert "python3 -m engine.trainer --preset cpu-demo" in body  # the command the run recorded
         assert session.requests == []  # nothing is sent before the answer
         await pilot.press("y")
-        await wait_until(pilot, lambda: session.commands() == ["stop", "launch"], what="stop then launch")
-        assert session.requests[1][1]["command"] == ["python3", "-m", "engine.trainer", "--preset", "cpu-demo"]
-        assert session.requests[1][1]["cwd"] == "/root/work"
+        await wait_until(pilot, lambda: [m.cmd for m in finished] == ["restart"], what="the restart reply")
+        # One command: the agent stops the run and launches the spec it recorded (the CLI's restart does the same).
+        assert session.commands() == ["restart"]
+        assert session.requests[0][1]["grace_s"] == 30.0
+        assert finished[0].ok and finished[0].result == {"previous_run_id": RUN_ID, **LAUNCH_REPLY}
+
+
+async def test_restart_without_a_run_sends_nothing_and_says_why(recorded_app: Callable[..., DashboardApp]) -> None:
+    session = session_with_run()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("r")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen) and session.requests == []
+        assert any("nothing to restart" in str(n.message) for n in app._notifications)
 
 
 async def test_restart_cancelled_sends_nothing(recorded_app: Callable[..., DashboardApp]) -> None:
@@ -491,8 +513,8 @@ def test_launch_spec_from_a_cli_profile_starts_the_engine() -> None:
     from tui.profiles import Profile
 
     session = RecordingSession()
-    assert session.hello is not None
-    session.hello["python_path"] = "/usr/bin/python3"
+    assert session.agent is not None
+    session.agent.python_path = "/usr/bin/python3"
     spec = launch_spec_for(Profile(name="default").as_dict(), session)
     assert spec["command"][:3] == ["/usr/bin/python3", "-m", "engine.trainer"]
     assert "--preset" in spec["command"] and spec["profile"] == "default"
@@ -574,3 +596,13 @@ async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and
         assert ("tail", {"n": 200, "run_id": "20261201-100000-aaaa"}) in session.requests
         await pilot.press("escape")
         await wait_until(pilot, lambda: not isinstance(app.screen, RunsScreen), what="the screen to close")
+
+
+def test_every_key_action_has_exactly_one_owner_and_the_app_keeps_only_routing() -> None:
+    from tui import keys
+
+    app = DashboardApp(RecordingSession(), connect=False, flush_interval_s=None)
+    assert set(app.actions) == {spec.action for spec in keys.KEY_TABLE}
+    owners = {name: type(getattr(handler, "__self__", None)).__name__ for name, handler in app.actions.items()}
+    assert owners["restart"] == owners["attach"] == "RunControl" and owners["filter"] == "ViewControl"
+    assert not [name for name in dir(DashboardApp) if name.startswith("action_") and name[7:] in app.actions]

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import wait_until
 
+from engine.protocol import to_jsonable
 from tui.app import DashboardApp
 from tui.screens.kill_stale import KillStaleScreen
 
@@ -60,12 +61,12 @@ def first_step_ok(app: DashboardApp) -> bool:
 async def launch_and_watch(app: DashboardApp, pilot: Any) -> dict[str, Any]:
     await wait_until(pilot, lambda: app.state.gpus is not None, 15, "first GPU sample")
     await pilot.press("l")
-    await wait_until(pilot, lambda: app.state.run and app.state.run.get("state") == "running", 20, "run running")
+    await wait_until(pilot, lambda: app.state.run and app.state.run.state == "running", 20, "run running")
     await wait_until(pilot, lambda: app.state.log.total_lines >= 5, 20, "log lines")
-    await wait_until(pilot, lambda: app.state.procs and app.state.procs.get("run_tree"), 20, "run processes")
+    await wait_until(pilot, lambda: app.state.procs and app.state.procs.run_tree, 20, "run processes")
     run = app.state.run
     assert run is not None
-    return run
+    return to_jsonable(run)  # type: ignore[no-any-return]
 
 
 async def test_launch_key_starts_a_real_run_and_every_pane_fills(
@@ -142,7 +143,7 @@ async def test_kill_stale_lists_exactly_the_stale_holders_and_signals_only_after
             await wait_until(pilot, lambda: session.state == "connected", 15, "connected")
             await wait_until(
                 pilot,
-                lambda: stale <= {h["pid"] for h in (app.state.procs or {}).get("holders", [])},
+                lambda: stale <= {h.pid for h in (app.state.procs.holders if app.state.procs else [])},
                 15,
                 "holders in the procs stream",
             )

@@ -7,6 +7,7 @@ from typing import Any
 
 from textual.app import App, ComposeResult
 
+from engine.protocol import ProcsEvent, from_json
 from tui.widgets.proc_tree import ProcTree, ThreadHealthModel
 
 
@@ -23,7 +24,7 @@ async def _rendered(event: dict[str, Any]) -> str:
     app = _Pane()
     async with app.run_test() as pilot:
         pane = app.query_one(ProcTree)
-        pane.update_procs(event)
+        pane.update_procs(from_json(ProcsEvent, {"t": 0.0, **event}))  # the procs event as the session decodes it
         await pilot.pause()
         return pane.render().plain  # type: ignore[union-attr]
 

@@ -10,6 +10,7 @@ from typing import Any
 from conftest import wait_until
 from test_dashboard_live import SIZE, STEP_SCRIPT
 
+from engine.protocol import to_jsonable
 from tui.app import DashboardApp
 from tui.screens.confirm import ConfirmScreen
 
@@ -27,8 +28,8 @@ async def test_connect_offers_a_launch_and_l_accepts_it(
             assert "No run is active" in app.screen.title_text  # type: ignore[attr-defined]
             assert STEP_SCRIPT.split("\n")[0] in app.screen.body  # type: ignore[attr-defined]
             await pilot.press("l")
-            await wait_until(pilot, lambda: app.state.run and app.state.run.get("state") == "running", 20, "run")
-            cleanup_runs.append(app.state.run)
+            await wait_until(pilot, lambda: app.state.run and app.state.run.state == "running", 20, "run")
+            cleanup_runs.append(to_jsonable(app.state.run))
             assert not isinstance(app.screen, ConfirmScreen)
     finally:
         await session.close()
@@ -57,10 +58,10 @@ async def test_connect_with_launch_starts_the_run_without_asking(
     app = DashboardApp(session, profile=PROFILE, on_connect="launch")
     try:
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.state.run and app.state.run.get("state") == "running", 20, "run")
-            cleanup_runs.append(app.state.run)
+            await wait_until(pilot, lambda: app.state.run and app.state.run.state == "running", 20, "run")
+            cleanup_runs.append(to_jsonable(app.state.run))
             assert not isinstance(app.screen, ConfirmScreen)
             status = await session.request("status")
-            assert status["run"]["run_id"] == app.state.run["run_id"]
+            assert status["run"]["run_id"] == app.state.run.run_id
     finally:
         await session.close()

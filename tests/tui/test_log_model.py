@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.protocol import encode_log_data
+from engine.protocol import decode_engine_event, encode_log_data
 from tui.widgets.charts import ChartModel, parse_log_metrics, sparkline
 from tui.widgets.log_tail import LogModel, clean_line, is_error_line
 
@@ -94,10 +94,10 @@ def test_foreign_log_metrics_parsed() -> None:
 def test_engine_events_deduplicated_by_offset() -> None:
     model = ChartModel()
     ev = {"kind": "step", "thread": "drafter-0", "t": 1.0, "step": 1, "tok_s": 10.0, "loss": [2.0], "acc": [0.5]}
-    assert model.add_engine_event(100, ev)
-    assert not model.add_engine_event(100, ev)  # the same line again after a resume
-    assert not model.add_engine_event(50, ev)
-    assert model.add_engine_event(200, {**ev, "step": 2})
+    assert model.add_engine_event(100, decode_engine_event(ev))
+    assert not model.add_engine_event(100, decode_engine_event(ev))  # the same line again after a resume
+    assert not model.add_engine_event(50, decode_engine_event(ev))
+    assert model.add_engine_event(200, decode_engine_event({**ev, "step": 2}))
     assert model.series[("step", "drafter-0")].values() == [1.0, 2.0]
     assert model.duplicate_events == 2
 
@@ -109,13 +109,14 @@ def test_engine_loss_series_is_the_loss_its_log_line_prints() -> None:
     per_position = [2.0, 3.0, 4.0]
     model = ChartModel()
     ev = {"kind": "step", "thread": "drafter0", "t": 1.0, "step": 7, "tok_s": 10.0, "acc": [0.5, 0.4, 0.3]}
-    model.add_engine_event(100, {**ev, "loss": per_position, "loss_total": weighted_total(per_position)})
+    step = decode_engine_event({**ev, "loss": per_position, "loss_total": weighted_total(per_position)})
+    model.add_engine_event(100, step)
     drawn = model.series[("loss", "drafter0")].values()[-1]
     assert drawn == pytest.approx(2.0 + 0.8 * 3.0 + 0.64 * 4.0)
     logged = parse_log_metrics(step_line("drafter0", 7, per_position, [0.5, 0.4, 0.3], 10.0))["loss"]
     assert logged == pytest.approx(drawn, abs=1e-4)
     # An engine without loss_total (older events files): the first position's loss, as before.
-    model.add_engine_event(200, {**ev, "step": 8, "loss": per_position})
+    model.add_engine_event(200, decode_engine_event({**ev, "step": 8, "loss": per_position}))
     assert model.series[("loss", "drafter0")].values()[-1] == 2.0
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 from textual.app import App, ComposeResult
 
+from engine.protocol import ProcsEvent, decode_engine_event, from_json
+from tui.events import decode
 from tui.widgets.proc_tree import ProcTree, ThreadHealthModel
 
 
@@ -19,7 +21,7 @@ class _Pane(App[None]):
         yield ProcTree(self.health, clock=lambda: 100.0, id="procs")
 
 
-def rank_events(rank: int, pid: int, *, dead: str | None = None) -> list[dict[str, Any]]:
+def rank_events(rank: int, pid: int, *, dead: str | None = None) -> list[Any]:
     tags = {"rank": rank, "world_size": 2, "node": 0}
     out: list[dict[str, Any]] = [{"t": 99.0, "kind": "stage", "stage": "distributed", "pid": pid, **tags}]
     for thread in ("target0", "drafter0"):
@@ -27,7 +29,7 @@ def rank_events(rank: int, pid: int, *, dead: str | None = None) -> list[dict[st
     if dead is not None:
         out.append({"t": 99.6, "kind": "thread_error", "thread": dead, "exc_type": "RuntimeError",
                     "message": "boom on rank 1", **tags})  # fmt: skip
-    return out
+    return [decode_engine_event(ev) for ev in out]
 
 
 def rank_proc(pid: int, ppid: int) -> dict[str, Any]:
@@ -36,7 +38,14 @@ def rank_proc(pid: int, ppid: int) -> dict[str, Any]:
         {"tid": pid + 1, "name": "target0"},
         {"tid": pid + 2, "name": "drafter0"},
     ]
-    return {"pid": pid, "ppid": ppid, "cmd": "python3 -u -m engine.trainer", "threads": threads}
+    return {**PROC, "pid": pid, "ppid": ppid, "cmd": "python3 -u -m engine.trainer", "threads": threads}
+
+
+PROC = {"user": "root", "cpu_pct": None, "rss_mib": None, "create_time": None, "state": None}
+
+
+def procs(*tree: dict[str, Any]) -> ProcsEvent:
+    return from_json(ProcsEvent, {"t": 100.0, "run_tree": list(tree)})
 
 
 async def test_each_ranks_threads_are_listed_under_its_process_and_a_dead_one_on_its_rank() -> None:
@@ -48,8 +57,8 @@ async def test_each_ranks_threads_are_listed_under_its_process_and_a_dead_one_on
     app = _Pane(health)
     async with app.run_test() as pilot:
         pane = app.query_one(ProcTree)
-        torchrun = {"pid": 200, "ppid": 1, "cmd": "python3 -m torch.distributed.run", "threads": []}
-        pane.update_procs({"run_tree": [torchrun, rank_proc(201, 200), rank_proc(202, 200)]})
+        torchrun = {**PROC, "pid": 200, "ppid": 1, "cmd": "python3 -m torch.distributed.run", "threads": []}
+        pane.update_procs(procs(torchrun, rank_proc(201, 200), rank_proc(202, 200)))
         await pilot.pause()
         text = pane.render().plain  # type: ignore[union-attr]
     rank0, _, rank1 = text.partition("202 ")
@@ -65,7 +74,7 @@ async def test_threads_of_a_rank_not_in_the_process_table_are_grouped_by_rank() 
     app = _Pane(health)
     async with app.run_test() as pilot:
         pane = app.query_one(ProcTree)
-        pane.update_procs({"run_tree": []})
+        pane.update_procs(procs())
         await pilot.pause()
         text = pane.render().plain  # type: ignore[union-attr]
     assert "rank 0: drafter0, target0" in text and "rank 1: drafter0, target0" in text
@@ -76,11 +85,12 @@ def test_the_dashboard_header_and_timeline_name_the_failed_node_and_rank() -> No
 
     state = DashboardState("local", clock=lambda: 100.0)
     cause = "rank 1 (node 1) failed or left the run; rank 0 (node 0) said: peer rank 1 (node 1, b pid 7) is gone"
-    run = {"run_id": "r1", "state": "failed", "exit_code": 1, "failed_rank": 1, "failed_node": 1, "cause": cause}
-    state.ingest({"ev": "run", "run": run})
+    run = {"run_id": "r1", "run_dir": "/runs/r1", "state": "failed", "exit_code": 1, "cause": cause}
+    run.update(failed_rank=1, failed_node=1)
+    state.ingest(decode({"ev": "run", "run": run}))
     assert state.header.failed_rank == "rank 1 (node 1)"
     assert state.timeline.exit_cause is not None and state.timeline.exit_cause.startswith("failed: rank 1 (node 1)")
     # Another rank's events (forwarded with their file's name) feed the threads' health, not the run's charts.
     beat = {"t": 99.0, "kind": "step", "thread": "drafter0", "step": 3, "rank": 1, "world_size": 2, "node": 0}
-    state.ingest({"ev": "engine", "run_id": "r1", "source": "events.rank1.jsonl", "event": beat})
+    state.ingest(decode({"ev": "engine", "run_id": "r1", "source": "events.rank1.jsonl", "event": beat}))
     assert state.health.threads[(1, "drafter0")].step == 3 and not state.charts.series

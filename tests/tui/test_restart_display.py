@@ -7,6 +7,7 @@ from typing import Any
 from textual.app import App, ComposeResult
 
 from tui.cli_monitor import format_status
+from tui.events import decode
 from tui.screens.dashboard import DashboardState
 from tui.widgets.header import RunHeader
 from tui.widgets.run_timeline import RunTimeline
@@ -45,16 +46,16 @@ class _Top(App[None]):
 
 async def test_the_header_and_timeline_show_each_restart_with_its_cause() -> None:
     state = DashboardState("root@gpu-box")
-    state.ingest({"ev": "run", "run": run()})
+    state.ingest(decode({"ev": "run", "run": run()}))
     assert state.header.restarts == "restarts 0/3" and not state.notices
     state.health.mark_dead("drafter0", "RuntimeError: boom")
-    state.ingest({"ev": "run", "run": run(CRASH, OOM, state="backoff")})
+    state.ingest(decode({"ev": "run", "run": run(CRASH, OOM, state="backoff")}))
     assert not state.health.threads  # the restarted attempt's threads are new
     assert state.header.restarts == "restarts 2/3 (crash, oom), restarting"
     notices = [text for _, text in state.notices]
     assert len(notices) == 2 and notices[1].startswith("run r1: restart 2/3 at ")
     assert notices[1].endswith(f": oom: {OOM['detail']}")
-    state.ingest({"ev": "run", "run": run(CRASH, OOM)})
+    state.ingest(decode({"ev": "run", "run": run(CRASH, OOM)}))
     assert len(state.notices) == 2  # the same restarts again: no new notice
     app = _Top(state)
     async with app.run_test(size=(160, 12)) as pilot:
@@ -76,7 +77,7 @@ def test_status_lists_the_restarts_and_says_when_it_gave_up() -> None:
 def test_a_run_without_a_restart_policy_says_nothing_of_restarts() -> None:
     plain = {"run_id": "r2", "run_dir": "/x", "state": "running", "restarts": [], "restart_max": None}
     state = DashboardState("local")
-    state.ingest({"ev": "run", "run": plain})
+    state.ingest(decode({"ev": "run", "run": plain}))
     assert state.header.restarts is None
     snap = {"host": {}, "gpus": [], "processes": [], "anomalies": [], "run": plain}
     assert "restart" not in format_status(snap, {}, "local")

@@ -1,4 +1,4 @@
-"""Recorded agent events (plain dicts shaped per engine/protocol.py) and a session that records requests.
+"""Recorded agent events (wire-shaped dicts, per engine/protocol.py) and a session that records requests.
 
 Used for deterministic snapshots and for key paths that need a state the real agent cannot be put
 in on this machine (a dead drafter thread, a phantom-busy GPU, a lost link). Tests only.
@@ -10,7 +10,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from engine.protocol import encode_log_data
+from engine.protocol import HelloEvent, encode_log_data, from_json
+from tui.events import ClientEvent, ConnectionEvent, decode
 
 T0 = 1_764_400_000.0  # a fixed clock for snapshots
 RUN_ID = "20261129-111500-ab12"
@@ -21,16 +22,17 @@ class CommandFailed(Exception):
 
 
 class RecordingSession:
-    """Answers commands from a table and records every request; feeds events to its listeners."""
+    """Answers commands from a table and records every request; decodes the events it is given for its listeners,
+    as the real session does."""
 
     def __init__(self, target: str = "root@gpu-box [pct 200]", replies: dict[str, Any] | None = None) -> None:
         self.target_display = target
         self.state = "connected"
-        self.hello: dict[str, Any] | None = hello()
+        self.agent: HelloEvent | None = from_json(HelloEvent, hello())
         self.rtt_ms: float | None = 12.0
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.replies: dict[str, Any] = replies or {}
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.listeners: list[Callable[[ClientEvent], None]] = []
         self.closed = False
         self.streams_started = False
         self.argv_prefix = ["ssh", "-t", "-p", "22", "root@gpu-box", "pct", "exec", "200", "--"]
@@ -51,7 +53,7 @@ class RecordingSession:
             raise reply
         return dict(reply)
 
-    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    def add_event_listener(self, fn: Callable[[ClientEvent], None]) -> Callable[[], None]:
         self.listeners.append(fn)
         return lambda: self.listeners.remove(fn) if fn in self.listeners else None
 
@@ -65,10 +67,16 @@ class RecordingSession:
         self.closed = True
         self.state = "disconnected"
 
-    def emit(self, *events: dict[str, Any]) -> None:
+    def emit(self, *events: dict[str, Any] | ClientEvent) -> None:
+        """Wire-shaped dicts are decoded here (the session's boundary); decoded events pass as they are."""
         for ev in events:
+            if isinstance(ev, dict):
+                # the session's own connection events are made by the session, never decoded from the agent
+                typed = from_json(ConnectionEvent, ev) if ev.get("ev") == "connection" else decode(ev)
+            else:
+                typed = ev
             for fn in list(self.listeners):
-                fn(ev)
+                fn(typed)
 
     def commands(self) -> list[str]:
         return [cmd for cmd, _ in self.requests]

@@ -128,7 +128,7 @@ def test_the_dashboards_launch_carries_the_profiles_restart_policy(tmp_path: Pat
         '[profiles.demo]\nrestart = { on = ["oom"], max = 1 }\n[profiles.demo.engine]\npreset = "cpu-demo"\n'
     )
     profiles, _, _ = load_profiles(str(path))
-    session = SimpleNamespace(hello={"python_path": "python3"}, opts=None, transport=None)
+    session = SimpleNamespace(agent=None, opts=None, transport=None)
     spec = launch_spec_for(profiles["demo"].as_dict(), session)  # type: ignore[arg-type]
     assert spec["command"][1:3] == ["-m", "engine.trainer"]
     assert spec["restart"] == {"on": ["oom"], "max": 1, "backoff_s": 30.0, "stall_s": 1800.0, "grace_s": 30.0}

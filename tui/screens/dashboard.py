@@ -20,7 +20,9 @@ from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widget import Widget
 
+from engine import protocol
 from tui import restarts
+from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode
 from tui.widgets.charts import ChartModel, Charts
 from tui.widgets.footer import KeyFooter
 from tui.widgets.gpu_bars import GpuBars
@@ -36,7 +38,7 @@ _METRIC_HINTS = ("step", "tok/s", "loss")
 
 
 class DashboardState:
-    """Everything the dashboard knows, fed one agent event at a time."""
+    """Everything the dashboard knows, fed one decoded event at a time."""
 
     def __init__(self, target: str, max_log_lines: int = 20_000, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
@@ -45,105 +47,93 @@ class DashboardState:
         self.charts = ChartModel()
         self.health = ThreadHealthModel()
         self.timeline = TimelineModel()
-        self.run: dict[str, Any] | None = None
-        self.gpus: dict[str, Any] | None = None
-        self.procs: dict[str, Any] | None = None
-        self.anomalies: list[dict[str, Any]] = []
+        self.run: protocol.RunInfo | None = None
+        self.gpus: protocol.GpusEvent | None = None
+        self.procs: protocol.ProcsEvent | None = None
+        self.anomalies: list[protocol.Anomaly] = []
         self.notices: deque[tuple[str, str]] = deque(maxlen=MAX_NOTICES)  # (severity, message) to show
         self.events_in = 0
+        self.undecodable: dict[str | None, int] = {}  # agent events not understood, by their ``ev``
         self.dirty: set[str] = set()
         self.engine_steps_seen = False
         self.new_log_lines = 0
-        self.pending_messages: list[dict[str, Any]] = []  # run / milestone events to post as messages
+        self.pending_messages: list[ClientEvent] = []  # run / milestone events to post as messages
 
-    def ingest(self, ev: dict[str, Any]) -> None:
+    def ingest(self, ev: ClientEvent) -> None:
         self.events_in += 1
-        kind = ev.get("ev")
-        if kind == "log":
-            offset = ev.get("offset")
-            data = ev.get("data")
-            if isinstance(offset, int) and isinstance(data, str):
-                n = self.log.feed(offset, ev.get("inode") if isinstance(ev.get("inode"), int) else None, data)
-                if n:
-                    self.new_log_lines += n
-                    self.dirty.add("log")
-                    if not self.engine_steps_seen:
-                        self._parse_log_metrics(n)
-        elif kind == "log_reset":
-            offset = ev.get("offset")
-            inode = ev.get("inode")
-            self.log.reset(
-                inode if isinstance(inode, int) else None,
-                offset if isinstance(offset, int) else 0,
-                str(ev.get("reason", "reset")),
-            )
+        if isinstance(ev, protocol.LogEvent):
+            n = self.log.feed(ev.offset, ev.inode, ev.data)
+            if n:
+                self.new_log_lines += n
+                self.dirty.add("log")
+                if not self.engine_steps_seen:
+                    self._parse_log_metrics(n)
+        elif isinstance(ev, protocol.LogResetEvent):
+            self.log.reset(ev.inode, ev.offset, ev.reason)
             self.dirty.add("log")
-        elif kind == "engine":
-            event = ev.get("event")
-            offset = ev.get("offset")
-            if isinstance(event, dict) and ev.get("source"):
+        elif isinstance(ev, protocol.EngineLineEvent):
+            if ev.source:
                 # Another rank's events file: its threads' health only (the charts show the run's events.jsonl).
-                self.health.add_engine_event(event, main_file=False)
+                self.health.add_engine_event(ev.event, main_file=False)
                 self.dirty.add("procs")
-            elif isinstance(event, dict) and self.charts.add_engine_event(
-                offset if isinstance(offset, int) else None, event
-            ):
-                self._engine_event(event)
-        elif kind == "gpus":
+            elif self.charts.add_engine_event(ev.offset, ev.event):
+                self._engine_event(ev.event)
+        elif isinstance(ev, protocol.GpusEvent):
             self.gpus = ev
-            self.header.simulated = bool(ev.get("simulated"))
+            self.header.simulated = ev.simulated
             self.dirty.add("gpus")
-        elif kind == "procs":
+        elif isinstance(ev, protocol.ProcsEvent):
             self.procs = ev
             self.dirty.add("procs")
-        elif kind == "anomalies":
-            items = ev.get("items")
-            self.anomalies = [a for a in items if isinstance(a, dict)] if isinstance(items, list) else []
+        elif isinstance(ev, protocol.AnomaliesEvent):
+            self.anomalies = ev.items
             for anomaly in self.anomalies:
-                if anomaly.get("kind") == "dead_thread" and isinstance(anomaly.get("thread"), str):
-                    self.health.mark_dead(anomaly["thread"], str(anomaly.get("message", "")))
+                if anomaly.kind == "dead_thread" and anomaly.thread:
+                    self.health.mark_dead(anomaly.thread, anomaly.message)
             self.dirty.update({"gpus", "procs"})
-        elif kind == "run":
-            run = ev.get("run")
-            self._set_run(run if isinstance(run, dict) else None)
+        elif isinstance(ev, protocol.RunEvent):
+            self._set_run(ev.run)
             self.pending_messages.append(ev)
-        elif kind == "milestone":
+        elif isinstance(ev, protocol.MilestoneEvent):
             self.timeline.from_milestone(ev)
-            if isinstance(ev.get("run_id"), str):
-                self.header.run_id = ev["run_id"]
-            if not ev.get("ok") and ev.get("cause"):
-                self.notices.append(("error", f"launch failed at {ev.get('milestone')}: {ev.get('cause')}"))
+            if ev.run_id is not None:
+                self.header.run_id = ev.run_id
+            if not ev.ok and ev.cause:
+                self.notices.append(("error", f"launch failed at {ev.milestone}: {ev.cause}"))
             self.pending_messages.append(ev)
             self.dirty.update({"timeline", "header"})
-        elif kind == "connection":
-            self.header.state = str(ev.get("state", self.header.state))
-            detail = ev.get("detail")
-            self.header.detail = detail if isinstance(detail, str) else None
-            attempt = ev.get("attempt")
-            self.header.attempt = attempt if isinstance(attempt, int) else None
+        elif isinstance(ev, ConnectionEvent):
+            self.header.state = ev.state
+            self.header.detail = ev.detail or None
+            self.header.attempt = ev.attempt
             self.dirty.add("header")
-        elif kind == "hello":
-            host = ev.get("hostname")
-            self.header.hostname = host if isinstance(host, str) else None
-            self.header.simulated = bool(ev.get("simulated"))
+        elif isinstance(ev, protocol.HelloEvent):
+            self.header.hostname = ev.hostname
+            self.header.simulated = ev.simulated
             self.dirty.add("header")
-        elif kind in ("warning", "error"):
-            self.notices.append(("warning" if kind == "warning" else "error", str(ev.get("message", ""))))
+        elif isinstance(ev, (protocol.WarningEvent, protocol.ErrorEvent)):
+            self.notices.append(("warning" if isinstance(ev, protocol.WarningEvent) else "error", ev.message))
+        elif isinstance(ev, Undecodable):
+            seen = self.undecodable[ev.ev] = self.undecodable.get(ev.ev, 0) + 1
+            self.header.undecodable = sum(self.undecodable.values())
+            self.dirty.add("header")
+            if seen == 1:  # the first of its kind in words; the header counts them all
+                self.notices.append(("error", ev.message))
 
     def ingest_status(self, status: dict[str, Any]) -> None:
         """A ``status`` reply (after an attach, or at start) as the events it summarises."""
         gpus = status.get("gpus")
         if isinstance(gpus, list):
             simulated = any(isinstance(g, dict) and g.get("simulated") for g in gpus)
-            self.ingest({"ev": "gpus", "gpus": gpus, "simulated": simulated, "t": self.clock()})
+            self.ingest(decode({"ev": "gpus", "gpus": gpus, "simulated": simulated, "t": self.clock()}))
         if "run" in status:
-            self.ingest({"ev": "run", "run": status.get("run")})
+            self.ingest(decode({"ev": "run", "run": status.get("run")}))
         if isinstance(status.get("anomalies"), list):
-            self.ingest({"ev": "anomalies", "items": status["anomalies"]})
+            self.ingest(decode({"ev": "anomalies", "items": status["anomalies"]}))
 
-    def _set_run(self, run: dict[str, Any] | None) -> None:
-        old_id = self.run.get("run_id") if self.run else None
-        new_id = run.get("run_id") if run else None
+    def _set_run(self, run: protocol.RunInfo | None) -> None:
+        old_id = self.run.run_id if self.run else None
+        new_id = run.run_id if run else None
         if new_id != old_id and old_id is not None:
             # A new run: its events.jsonl starts again at byte 0 and its threads are new.
             self.charts.clear()
@@ -152,53 +142,45 @@ class DashboardState:
         before = len(restarts.restarts_of(self.run)) if new_id == old_id else 0
         self.run = run
         self.timeline.from_run(run)
-        self.header.run_id = new_id if isinstance(new_id, str) else None
-        self.header.run_state = str(run.get("state")) if run else None
+        self.header.run_id = new_id
+        self.header.run_state = run.state if run else None
         self.header.restarts = restarts.summary(run)
         done = restarts.restarts_of(run)
         self.header.restarted = bool(done)
         if len(done) > before:
             self.health.clear()  # restarted: the threads (and their deaths) of the attempt before are gone
-        max_restarts = run.get("restart_max") if run else None
+        max_restarts = run.restart_max if run else None
         for i, item in enumerate(done[before:], start=before + 1):
             self.notices.append(("warning", f"run {new_id}: {restarts.line(i, item, max_restarts)}"))
-        failed = run is not None and run.get("state") == "failed"
-        rank, node = (run.get("failed_rank"), run.get("failed_node")) if failed and run else (None, None)
-        where = f"rank {rank}" + (f" (node {node})" if isinstance(node, int) else "") if isinstance(rank, int) else None
+        failed = run is not None and run.state == "failed"
+        rank, node = (run.failed_rank, run.failed_node) if failed and run else (None, None)
+        where = f"rank {rank}" + (f" (node {node})" if node is not None else "") if rank is not None else None
         self.header.failed_rank = where
         self.dirty.update({"header", "timeline", "charts", "procs"})
 
-    def _engine_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("kind")
+    def _engine_event(self, event: protocol.EngineEvent) -> None:
         self.health.add_engine_event(event)
-        if kind == "step":
+        if isinstance(event, protocol.StepEvent):
             self.engine_steps_seen = True
             self.dirty.add("charts")
-        elif kind == "eval":
+        elif isinstance(event, protocol.EvalEvent):
             self.dirty.add("charts")
-            if event.get("error"):
-                self.notices.append(("warning", f"evaluation of {event.get('thread')} failed: {event.get('error')}"))
-        elif kind == "stage":
-            stage = event.get("stage")
-            if isinstance(stage, str):
-                self.timeline.stage = stage
-                self.dirty.add("timeline")
-        elif kind == "export":
-            path = event.get("path")
-            if isinstance(path, str):
-                self.timeline.last_export = path
-                self.notices.append(("information", f"drafter exported to {path} ({event.get('format')})"))
-                self.dirty.add("timeline")
-        elif kind == "thread_error":
-            self.notices.append(
-                ("error", f"thread {event.get('thread')} died: {event.get('exc_type')}: {event.get('message')}")
-            )
-        elif kind == "run_end":
-            ok = bool(event.get("ok"))
+            if event.error:
+                self.notices.append(("warning", f"evaluation of {event.thread} failed: {event.error}"))
+        elif isinstance(event, protocol.StageEvent):
+            self.timeline.stage = event.stage
+            self.dirty.add("timeline")
+        elif isinstance(event, protocol.ExportEvent):
+            self.timeline.last_export = event.path
+            self.notices.append(("information", f"drafter exported to {event.path} ({event.format})"))
+            self.dirty.add("timeline")
+        elif isinstance(event, protocol.ThreadErrorEvent):
+            self.notices.append(("error", f"thread {event.thread} died: {event.exc_type}: {event.message}"))
+        elif isinstance(event, protocol.RunEndEvent):
             self.notices.append(
                 (
-                    "information" if ok else "error",
-                    f"engine finished ({'ok' if ok else 'failed'}): {event.get('reason')}",
+                    "information" if event.ok else "error",
+                    f"engine finished ({'ok' if event.ok else 'failed'}): {event.reason}",
                 )
             )
         self.dirty.add("procs")
@@ -265,7 +247,7 @@ class DashboardScreen(Screen[None]):
             bars.update_anomalies(state.anomalies)
         if "procs" in dirty:
             tree = self.query_one(ProcTree)
-            tree.update_procs(state.procs or {})
+            tree.update_procs(state.procs)
         if "log" in dirty:
             self.log_pane.flush()
         keep: set[str] = set()

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from rich.console import RenderableType
 from rich.text import Text
 
+from engine import protocol
 from tui.widgets.text_line import RowTracking
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
@@ -127,57 +128,46 @@ class ChartModel:
         self.points_added += 1
         self.dirty = True
 
-    def add_engine_event(self, offset: int | None, event: dict[str, Any]) -> bool:
+    def add_engine_event(self, offset: int | None, event: protocol.EngineEvent) -> bool:
         """Take one ``engine`` event; False when it was already taken (a resumed stream)."""
-        if isinstance(offset, int):
+        if offset is not None:
             if offset <= self.engine_offset:
                 self.duplicate_events += 1
                 return False
             self.engine_offset = offset
-        if event.get("kind") == "eval":
+        if isinstance(event, protocol.EvalEvent):
             self._add_eval(event)
-            return True
-        if event.get("kind") != "step":
-            return True
-        thread = str(event.get("thread") or "engine")
-        t = float(event.get("t") or 0.0)
-        step = event.get("step")
-        if isinstance(step, (int, float)):
-            self._add("step", thread, t, float(step))
-        tok_s = event.get("tok_s")
-        if isinstance(tok_s, (int, float)):
-            self._add("tok/s", thread, t, float(tok_s))
-        loss = event.get("loss")
-        total = event.get("loss_total")
-        if isinstance(total, (int, float)) and not isinstance(total, bool):
-            self._add("loss", thread, t, float(total))  # the number the engine's log line calls loss=
-        elif isinstance(loss, list) and loss:
-            finite = [float(x) for x in loss if isinstance(x, (int, float))]
-            if finite:
-                self._add("loss", thread, t, finite[0])
-        elif isinstance(loss, (int, float)):
-            self._add("loss", thread, t, float(loss))
-        acc = event.get("acc")
-        if isinstance(acc, list) and acc:
-            values = [float(x) if isinstance(x, (int, float)) else float("nan") for x in acc]
-            self.acc_latest[thread] = values
-            self._add("acc", thread, t, values[0])
+        elif isinstance(event, protocol.StepEvent):
+            self._add_step(event)
         return True
 
-    def _add_eval(self, event: dict[str, Any]) -> None:
-        tau = event.get("tau")
-        if not isinstance(tau, (int, float)) or isinstance(tau, bool):
-            return  # a failed evaluation (its error is a notice) or a malformed event: no point
-        thread = str(event.get("thread") or "engine")
-        self._add("tau", thread, float(event.get("t") or 0.0), float(tau))
-        per = event.get("per_position_conditional")
-        if isinstance(per, list):
+    def _add_step(self, event: protocol.StepEvent) -> None:
+        thread = event.thread or "engine"
+        t = event.t or 0.0
+        self._add("step", thread, t, float(event.step))
+        if event.tok_s is not None:
+            self._add("tok/s", thread, t, event.tok_s)
+        if event.loss_total is not None:
+            self._add("loss", thread, t, event.loss_total)  # the number the engine's log line calls loss=
+        elif event.loss:
+            finite = [x for x in event.loss if x is not None]
+            if finite:
+                self._add("loss", thread, t, finite[0])
+        if event.acc:
+            values = [x if x is not None else float("nan") for x in event.acc]
+            self.acc_latest[thread] = values
+            self._add("acc", thread, t, values[0])
+
+    def _add_eval(self, event: protocol.EvalEvent) -> None:
+        if event.tau is None:
+            return  # a failed evaluation: its error is a notice
+        thread = event.thread or "engine"
+        self._add("tau", thread, event.t or 0.0, event.tau)
+        if event.per_position_conditional:
             self.accept_latest[thread] = [
-                float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else float("nan") for x in per
+                x if x is not None else float("nan") for x in event.per_position_conditional
             ]
-        step = event.get("step")
-        if isinstance(step, int):
-            self.eval_steps[thread] = step
+        self.eval_steps[thread] = event.step
 
     def add_log_line(self, line: str, t: float) -> bool:
         found = parse_log_metrics(line)

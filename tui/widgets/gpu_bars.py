@@ -6,13 +6,14 @@ tooltip), so "100% busy, 0 MiB, no process" explains itself. A simulated source 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 
+from engine.protocol import Anomaly, GpuInfo, GpusEvent
 from tui.widgets.text_line import TextLine
 
 BADGE_LABELS = {
@@ -34,10 +35,6 @@ def bar(fraction: float | None, width: int) -> str:
     return "█" * full + "░" * (width - full)
 
 
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 class AnomalyBadge(Static, can_focus=True):
     DEFAULT_CSS = """
     AnomalyBadge { width: auto; height: 1; margin: 0 0 0 1; padding: 0 1; background: $error 30%; color: $error;
@@ -47,11 +44,11 @@ class AnomalyBadge(Static, can_focus=True):
     AnomalyBadge.-warning:focus { background: $warning; color: $background; }
     """
 
-    def __init__(self, anomaly: dict[str, Any]) -> None:
-        kind = str(anomaly.get("kind", "anomaly"))
+    def __init__(self, anomaly: Anomaly) -> None:
+        kind = anomaly.kind
         super().__init__(BADGE_LABELS.get(kind, kind.upper()), markup=False)
         self.anomaly = anomaly
-        self.tooltip = str(anomaly.get("message", ""))
+        self.tooltip = anomaly.message
         if kind in ("stale_holder", "orphan_memory", "foreign_holder"):
             self.add_class("-warning")
 
@@ -68,25 +65,25 @@ class GpuRow(Horizontal):
     GpuRow > .gpu-line { width: 1fr; }
     """
 
-    def __init__(self, index: int, line: Text, anomalies: list[dict[str, Any]]) -> None:
+    def __init__(self, index: int, line: Text, anomalies: list[Anomaly]) -> None:
         super().__init__(id=f"gpu-row-{index}")
         self.index = index
         self._line = line
         self._initial = anomalies
-        self._badges_key: tuple[str, ...] = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
+        self._badges_key: tuple[str, ...] = tuple(f"{a.kind}|{a.message}" for a in anomalies)
 
     def compose(self) -> ComposeResult:
         yield TextLine(self._line, classes="gpu-line")
         for anomaly in self._initial:
             yield AnomalyBadge(anomaly)
 
-    def pending(self, line: Text, anomalies: list[dict[str, Any]]) -> None:
+    def pending(self, line: Text, anomalies: list[Anomaly]) -> None:
         self._line = line
         self._initial = anomalies
-        self._badges_key = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
+        self._badges_key = tuple(f"{a.kind}|{a.message}" for a in anomalies)
 
-    def set_badges(self, anomalies: list[dict[str, Any]]) -> None:
-        key = tuple(f"{a.get('kind')}|{a.get('message')}" for a in anomalies)
+    def set_badges(self, anomalies: list[Anomaly]) -> None:
+        key = tuple(f"{a.kind}|{a.message}" for a in anomalies)
         if key == self._badges_key:
             return
         self._badges_key = key
@@ -123,32 +120,30 @@ class GpuBars(Vertical):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.border_title = "GPUs"
-        self.gpus: list[dict[str, Any]] = []
+        self.gpus: list[GpuInfo] = []
         self.simulated = False
         self.nvml_error: str | None = None
-        self.anomalies: list[dict[str, Any]] = []
+        self.anomalies: list[Anomaly] = []
 
     def compose(self) -> ComposeResult:
         yield Static(" SIMULATED GPUs (--simulate-gpus): not real hardware ", id="gpu-simulated", markup=False)
         yield Static("waiting for the first GPU sample…", id="gpu-empty", markup=False)
         yield Static("", id="gpu-explain", markup=False)
 
-    def explain(self, anomaly: dict[str, Any]) -> None:
+    def explain(self, anomaly: Anomaly) -> None:
         box = self.query_one("#gpu-explain", Static)
-        label = BADGE_LABELS.get(str(anomaly.get("kind")), str(anomaly.get("kind")))
-        box.update(Text(f"{label}: {anomaly.get('message', '')}"))
+        label = BADGE_LABELS.get(anomaly.kind, anomaly.kind)
+        box.update(Text(f"{label}: {anomaly.message}"))
         box.add_class("-on")
 
-    def update_sample(self, event: dict[str, Any]) -> None:
-        gpus = event.get("gpus") or []
-        self.gpus = [g for g in gpus if isinstance(g, dict)]
-        self.simulated = bool(event.get("simulated")) or any(g.get("simulated") for g in self.gpus)
-        err = event.get("nvml_error")
-        self.nvml_error = err if isinstance(err, str) else None
+    def update_sample(self, event: GpusEvent) -> None:
+        self.gpus = event.gpus
+        self.simulated = event.simulated or any(g.simulated for g in self.gpus)
+        self.nvml_error = event.nvml_error
         self._render_rows()
 
-    def update_anomalies(self, items: list[dict[str, Any]]) -> None:
-        self.anomalies = [a for a in items if isinstance(a, dict)]
+    def update_anomalies(self, items: list[Anomaly]) -> None:
+        self.anomalies = items
         self._render_rows()
 
     def _render_rows(self) -> None:
@@ -159,7 +154,7 @@ class GpuBars(Vertical):
             empty.update(f"no GPU data: {self.nvml_error}" if self.nvml_error else "waiting for the first GPU sample…")
         else:
             empty.display = False
-        wanted = {int(g.get("index", i)) for i, g in enumerate(self.gpus)}
+        wanted = {g.index for g in self.gpus}
         existing: dict[int, GpuRow] = {}
         for old in list(self.query(GpuRow)):
             if old.index not in wanted:
@@ -167,9 +162,9 @@ class GpuBars(Vertical):
             else:
                 existing[old.index] = old
         explain = self.query_one("#gpu-explain")
-        first_index = int(self.gpus[0].get("index", 0)) if self.gpus else None
-        for i, gpu in enumerate(self.gpus):
-            index = int(gpu.get("index", i))
+        first_index = self.gpus[0].index if self.gpus else None
+        for gpu in self.gpus:
+            index = gpu.index
             badges = self._anomalies_for(index, index == first_index)
             row = existing.get(index)
             if row is None:
@@ -182,22 +177,19 @@ class GpuBars(Vertical):
             else:  # mounted this frame, not composed yet: compose will use these
                 row.pending(self.format_gpu(gpu), badges)
 
-    def _anomalies_for(self, index: int, include_unplaced: bool) -> list[dict[str, Any]]:
+    def _anomalies_for(self, index: int, include_unplaced: bool) -> list[Anomaly]:
         """GPU anomalies of this GPU; those naming no GPU go on the first row."""
         return [
             a
             for a in self.anomalies
-            if a.get("kind") in GPU_ANOMALIES and (a.get("gpu") == index or (include_unplaced and a.get("gpu") is None))
+            if a.kind in GPU_ANOMALIES and (a.gpu == index or (include_unplaced and a.gpu is None))
         ]
 
-    def format_gpu(self, gpu: dict[str, Any]) -> Text:
+    def format_gpu(self, gpu: GpuInfo) -> Text:
         label = self.get_component_rich_style("gpu-bars--label")
         muted = self.get_component_rich_style("gpu-bars--muted")
-        util = _num(gpu.get("util_pct"))
-        used = _num(gpu.get("mem_used_mib"))
-        total = _num(gpu.get("mem_total_mib"))
-        temp = _num(gpu.get("temp_c"))
-        power = _num(gpu.get("power_w"))
+        util, used, total = gpu.util_pct, gpu.mem_used_mib, gpu.mem_total_mib
+        temp, power = gpu.temp_c, gpu.power_w
 
         def level(frac: float | None) -> str:
             if frac is None:
@@ -205,8 +197,8 @@ class GpuBars(Vertical):
             return "gpu-bars--hot" if frac >= 0.95 else "gpu-bars--high" if frac >= 0.8 else "gpu-bars--ok"
 
         text = Text(no_wrap=True, overflow="ellipsis")
-        text.append(f"{int(gpu.get('index', 0))} ", style=label)
-        name = str(gpu.get("name", "")).replace("NVIDIA ", "")[:10]
+        text.append(f"{gpu.index} ", style=label)
+        name = gpu.name.replace("NVIDIA ", "")[:10]
         text.append(f"{name:<10} ", style=muted)
         ufrac = util / 100.0 if util is not None else None
         text.append("util ", style=label)

@@ -41,6 +41,7 @@ class HeaderModel:
     restarted: bool = False  # at least one restart happened: shown as a warning
     failed_rank: str | None = None  # "rank 1 (node 1)": the torchrun rank that failed first, when the host named it
     simulated: bool = False
+    undecodable: int = 0  # agent events the client could not decode (each kind's first is also a notice)
 
 
 class RunHeader(Widget):
@@ -100,6 +101,8 @@ class RunHeader(Widget):
                 out.append(f"  {m.restarts}", style=self._style("warn" if m.restarted else "muted"))
         else:
             out.append("none", style=self._style("muted"))
+        if m.undecodable:
+            out.append(f"  {m.undecodable} agent events not understood", style=self._style("bad"))
         if m.simulated:
             out.append("  ")
             out.append(" SIMULATED GPUs ", style=self._style("simulated"))

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from rich.console import RenderableType
 from rich.text import Text
 
+from engine import protocol
 from tui.widgets.text_line import RowTracking
 
 STALE_HEARTBEAT_S = 30.0
@@ -54,43 +55,36 @@ class ThreadHealthModel:
     def ranks(self) -> list[int]:
         return sorted({r for r, _ in self.threads if r is not None} | {r for r, _ in self.rank_pids.values()})
 
-    def add_engine_event(self, event: dict[str, Any], main_file: bool = True) -> None:
-        kind = event.get("kind")
-        thread = event.get("thread")
-        rank = event.get("rank") if isinstance(event.get("rank"), int) else None
+    def add_engine_event(self, event: protocol.EngineEvent, main_file: bool = True) -> None:
+        rank = event.rank
         if main_file and rank is not None:
             self.main_rank = rank
-        if kind == "stage" and event.get("stage") == "distributed" and rank is not None:
-            pid, node = event.get("pid"), event.get("node")
-            if isinstance(pid, int):
-                self.rank_pids[pid] = (rank, node if isinstance(node, int) else None)
-        if not isinstance(thread, str) or not thread:
+        if isinstance(event, protocol.StageEvent):
+            if event.stage == "distributed" and rank is not None and event.pid is not None:
+                self.rank_pids[event.pid] = (rank, event.node)
             return
-        t = event.get("t")
-        t = float(t) if isinstance(t, (int, float)) else None
-        if kind == "heartbeat":
-            health = self._get(thread, rank)
-            health.state = str(event.get("state", health.state))
-            if isinstance(event.get("step"), int):
-                health.step = event["step"]
-            if isinstance(event.get("tok_s"), (int, float)):
-                health.tok_s = float(event["tok_s"])
-            health.heartbeat_t = t
-            exc = event.get("last_exception")
-            if isinstance(exc, str) and exc:
-                health.last_exception = exc
+        if isinstance(event, protocol.HeartbeatEvent) and event.thread:
+            health = self._get(event.thread, rank)
+            health.state = event.state
+            if event.step is not None:
+                health.step = event.step
+            if event.tok_s is not None:
+                health.tok_s = event.tok_s
+            health.heartbeat_t = event.t
+            if event.last_exception:
+                health.last_exception = event.last_exception
             if health.state == "error":
                 health.dead = True
-        elif kind == "step":
-            health = self._get(thread, rank)
-            if isinstance(event.get("step"), int):
-                health.step = event["step"]
+        elif isinstance(event, protocol.StepEvent) and event.thread:
+            health = self._get(event.thread, rank)
+            health.step = event.step
+            t = event.t
             if health.heartbeat_t is None or (t is not None and t > health.heartbeat_t):
                 health.heartbeat_t = t
-        elif kind == "thread_error":
-            health = self._get(thread, rank)
-            health.last_exception = f"{event.get('exc_type', 'Error')}: {event.get('message', '')}"
-            if event.get("policy", "stop") == "stop":
+        elif isinstance(event, protocol.ThreadErrorEvent) and event.thread:
+            health = self._get(event.thread, rank)
+            health.last_exception = f"{event.exc_type}: {event.message}"
+            if event.policy == "stop":
                 health.dead = True
                 health.state = "error"
 
@@ -133,37 +127,36 @@ class ProcTree(RowTracking):
         self.border_title = "processes"
         self.health = health
         self.clock = clock
-        self.run_tree: list[dict[str, Any]] = []
-        self.holders: list[dict[str, Any]] = []
-        self.holders_source: dict[str, Any] = {}
-        self.host_map: dict[str, Any] | None = None
+        self.run_tree: list[protocol.ProcInfo] = []
+        self.holders: list[protocol.HolderInfo] = []
+        self.holders_source: protocol.HoldersSource | None = None
+        self.host_map: protocol.HostMapState | None = None
 
-    def update_procs(self, event: dict[str, Any]) -> None:
-        self.run_tree = [p for p in event.get("run_tree") or [] if isinstance(p, dict)]
-        self.holders = [h for h in event.get("holders") or [] if isinstance(h, dict)]
-        src, host = event.get("holders_source"), event.get("host_map")
-        self.holders_source = src if isinstance(src, dict) else {}
-        self.host_map = host if isinstance(host, dict) else None
+    def update_procs(self, event: protocol.ProcsEvent | None) -> None:
+        self.run_tree = event.run_tree if event else []
+        self.holders = event.holders if event else []
+        self.holders_source = event.holders_source if event else None
+        self.host_map = event.host_map if event else None
         self.refresh()
 
-    def _gpus_label(self, holder: dict[str, Any]) -> tuple[str, str]:
+    def _gpus_label(self, holder: protocol.HolderInfo) -> tuple[str, str]:
         """(text, style) of a holder's GPUs: exact from NVML, or the fd scan's guess said as such."""
-        gpus = ",".join(str(g) for g in holder.get("gpus") or [])
-        if holder.get("gpus_source") == "fd-scan":
+        gpus = ",".join(str(g) for g in holder.gpus)
+        if holder.gpus_source == "fd-scan":
             return f"gpu ? (fd scan: {gpus})  ", "warn"
         return f"gpu {gpus or '?'}  ", "muted"
 
     def _attribution_line(self, out: Text) -> None:
-        source = self.holders_source.get("source")
-        if source == "fd-scan":
+        source = self.holders_source
+        if source is not None and source.source == "fd-scan":
             out.append("\n  GPUs from the fd scan, not exact: ", style=self._style("warn"))
-            out.append(str(self.holders_source.get("detail") or "")[:120], style=self._style("muted"))
-        elif source == "host-nvml":
+            out.append(source.detail[:120], style=self._style("muted"))
+        elif source is not None and source.source == "host-nvml":
             out.append("\n  exact, from the Proxmox host: ", style=self._style("ok"))
-            out.append(str(self.holders_source.get("detail") or "")[:120], style=self._style("muted"))
-        if self.host_map is not None and self.host_map.get("state") != "ok":
-            out.append(f"\n  host view {self.host_map.get('state')}: ", style=self._style("warn"))
-            out.append(str(self.host_map.get("detail") or "")[:120], style=self._style("muted"))
+            out.append(source.detail[:120], style=self._style("muted"))
+        if self.host_map is not None and self.host_map.state != "ok":
+            out.append(f"\n  host view {self.host_map.state}: ", style=self._style("warn"))
+            out.append((self.host_map.detail or "")[:120], style=self._style("muted"))
 
     def _style(self, name: str) -> Any:
         return self.get_component_rich_style(f"proc-tree--{name}")
@@ -201,49 +194,42 @@ class ProcTree(RowTracking):
         seen_threads: set[ThreadKey] = set()
         if not self.run_tree:
             out.append("\n  no run processes", style=self._style("muted"))
-        children: dict[int, list[dict[str, Any]]] = {}
-        pids = {int(p.get("pid", -1)) for p in self.run_tree}
-        roots: list[dict[str, Any]] = []
+        children: dict[int, list[protocol.ProcInfo]] = {}
+        pids = {p.pid for p in self.run_tree}
+        roots: list[protocol.ProcInfo] = []
         for proc in self.run_tree:
-            ppid = int(proc.get("ppid", -1))
-            if ppid in pids:
-                children.setdefault(ppid, []).append(proc)
+            if proc.ppid in pids:
+                children.setdefault(proc.ppid, []).append(proc)
             else:
                 roots.append(proc)
 
-        def walk(proc: dict[str, Any], depth: int) -> None:
+        def walk(proc: protocol.ProcInfo, depth: int) -> None:
             indent = "  " * (depth + 1)
-            cpu = proc.get("cpu_pct")
-            rss = proc.get("rss_mib")
-            out.append(f"\n{indent}{proc.get('pid')} ", style=self._style("muted"))
-            out.append(str(proc.get("cmd", ""))[:60], style=self._style("proc"))
+            out.append(f"\n{indent}{proc.pid} ", style=self._style("muted"))
+            out.append(proc.cmd[:60], style=self._style("proc"))
             details = []
-            if isinstance(cpu, (int, float)):
-                details.append(f"cpu {cpu:.0f}%")
-            if isinstance(rss, (int, float)):
-                details.append(f"rss {rss:.0f} MiB")
-            if proc.get("state"):
-                details.append(str(proc["state"]))
+            if proc.cpu_pct is not None:
+                details.append(f"cpu {proc.cpu_pct:.0f}%")
+            if proc.rss_mib is not None:
+                details.append(f"rss {proc.rss_mib:.0f} MiB")
+            if proc.state:
+                details.append(proc.state)
             if details:
                 out.append("  " + "  ".join(details), style=self._style("muted"))
-            pid = int(proc.get("pid", -1))
-            rank, node = self.health.rank_pids.get(pid, (None, None))
+            rank, node = self.health.rank_pids.get(proc.pid, (None, None))
             if rank is not None:
                 out.append(
                     f"  rank {rank}" + (f" (node {node})" if node is not None else ""), style=self._style("title")
                 )
-            threads = [t for t in proc.get("threads") or [] if isinstance(t, dict)]
-            argv0 = str(proc.get("cmd", "")).split(" ", 1)[0].rsplit("/", 1)[-1]
-            named = [t for t in threads if (rank, str(t.get("name", ""))) in self.health.threads] or [
-                t for t in threads if str(t.get("name", "")) not in ("", argv0)
+            argv0 = proc.cmd.split(" ", 1)[0].rsplit("/", 1)[-1]
+            named = [t for t in proc.threads if (rank, t.name) in self.health.threads] or [
+                t for t in proc.threads if t.name not in ("", argv0)
             ]
             for i, thread in enumerate(named[:32]):
-                name = str(thread.get("name", ""))
-                seen_threads.add((rank, name))
+                seen_threads.add((rank, thread.name))
                 branch = "└ " if i == len(named[:32]) - 1 else "├ "
-                tid = thread.get("tid")
-                self._thread_line(out, indent + branch, name, tid if isinstance(tid, int) else None, now, rank)
-            for child in children.get(int(proc.get("pid", -1)), []):
+                self._thread_line(out, indent + branch, thread.name, thread.tid, now, rank)
+            for child in children.get(proc.pid, []):
                 walk(child, depth + 1)
 
         for root in roots:
@@ -261,9 +247,9 @@ class ProcTree(RowTracking):
                     out.append(names[:100], style=self._style("muted"))
                     last_rank = rank
                 self._thread_line(out, "      " if rank is not None else "    ", name, None, now, rank)
-        here = [h for h in self.holders if h.get("scope", "here") == "here"]
-        foreign = [h for h in self.holders if h.get("scope", "here") != "here"]
-        stale = [h for h in here if not h.get("in_run")]
+        here = [h for h in self.holders if h.scope == "here"]
+        foreign = [h for h in self.holders if h.scope != "here"]
+        stale = [h for h in here if not h.in_run]
         out.append("\n")
         out.append("stale GPU holders (not in this run)", style=self._style("title"))
         self._attribution_line(out)
@@ -271,26 +257,26 @@ class ProcTree(RowTracking):
             out.append("\n  none", style=self._style("muted"))
         for holder in stale:
             out.append("\n  ! STALE ", style=self._style("stale"))
-            out.append(f"{holder.get('pid')} ", style=self._style("proc"))
-            out.append(f"{holder.get('user') or '?'}  ", style=self._style("muted"))
+            out.append(f"{holder.pid} ", style=self._style("proc"))
+            out.append(f"{holder.user or '?'}  ", style=self._style("muted"))
             text, style = self._gpus_label(holder)
             out.append(text, style=self._style(style))
-            used = holder.get("used_mib")
-            out.append(f"{used:.0f} MiB  " if isinstance(used, (int, float)) else "? MiB  ", style=self._style("muted"))
-            if holder.get("resolved") is False:
+            used = holder.used_mib
+            out.append(f"{used:.0f} MiB  " if used is not None else "? MiB  ", style=self._style("muted"))
+            if not holder.resolved:
                 out.append("(NVML pid not visible here) ", style=self._style("warn"))
-            out.append(str(holder.get("cmd") or "")[:50], style=self._style("proc"))
+            out.append((holder.cmd or "")[:50], style=self._style("proc"))
         if foreign:
             out.append("\n")
             title = "other containers and the host (seen from the host, never stopped from here)"
             out.append(title, style=self._style("title"))
         for holder in foreign:
-            where = f"ct {holder.get('container')}" if holder.get("scope") == "container" else "host"
+            where = f"ct {holder.container}" if holder.scope == "container" else "host"
             out.append(f"\n  {where:<8} ", style=self._style("warn"))
-            out.append(f"host pid {holder.get('host_pid') or holder.get('pid')} ", style=self._style("proc"))
-            out.append(f"{holder.get('user') or '?'}  ", style=self._style("muted"))
+            out.append(f"host pid {holder.host_pid or holder.pid} ", style=self._style("proc"))
+            out.append(f"{holder.user or '?'}  ", style=self._style("muted"))
             out.append(self._gpus_label(holder)[0], style=self._style("muted"))
-            used = holder.get("used_mib")
-            out.append(f"{used:.0f} MiB  " if isinstance(used, (int, float)) else "? MiB  ", style=self._style("muted"))
-            out.append(str(holder.get("cmd") or "")[:50], style=self._style("proc"))
+            used = holder.used_mib
+            out.append(f"{used:.0f} MiB  " if used is not None else "? MiB  ", style=self._style("muted"))
+            out.append((holder.cmd or "")[:50], style=self._style("proc"))
         return self.track_rows(out)

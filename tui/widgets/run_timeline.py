@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from rich.console import RenderableType
 from rich.text import Text
 
-from engine.protocol import MILESTONES
+from engine.protocol import MILESTONES, MilestoneEvent, RunInfo
 from tui import restarts
 from tui.widgets.text_line import RowTracking
 
@@ -43,49 +43,40 @@ class TimelineModel:
         self.restart_max = None
         self.last_export = None
 
-    def from_run(self, run: dict[str, Any] | None) -> None:
+    def from_run(self, run: RunInfo | None) -> None:
         if run is None:
             return
-        run_id = run.get("run_id")
-        if run_id != self.run_id:
-            self.reset(run_id if isinstance(run_id, str) else None)
-        started = run.get("started_at")
-        self.started_at = float(started) if isinstance(started, (int, float)) else self.started_at
-        for name, t in (run.get("milestones") or {}).items():
-            state = self.milestones.setdefault(str(name), MilestoneState())
-            if isinstance(t, (int, float)):
-                state.t = float(t)
+        if run.run_id != self.run_id:
+            self.reset(run.run_id)
+        self.started_at = run.started_at if run.started_at is not None else self.started_at
+        for name, t in run.milestones.items():
+            state = self.milestones.setdefault(name, MilestoneState())
+            if t is not None:
+                state.t = t
                 if state.ok is None:
                     state.ok = True
-        stage = run.get("stage")
-        self.stage = stage if isinstance(stage, str) else self.stage
+        self.stage = run.stage or self.stage
         self.restarts = restarts.restarts_of(run)
-        self.restart_max = run.get("restart_max") if isinstance(run.get("restart_max"), int) else None
-        export = run.get("last_export")
-        self.last_export = export if isinstance(export, str) else self.last_export
-        self.run_state = str(run.get("state")) if run.get("state") else self.run_state
+        self.restart_max = run.restart_max
+        self.last_export = run.last_export or self.last_export
+        self.run_state = run.state or self.run_state
         if self.run_state in ("failed", "vanished", "rebooted"):
-            code, sig, cause = run.get("exit_code"), run.get("signal"), run.get("cause")
-            if isinstance(cause, str) and cause:
-                self.exit_cause = f"failed: {cause}"  # the root cause, exit code and last step, from the host
-            elif sig:
-                self.exit_cause = f"killed by signal {sig}"
-            elif code is not None:
-                self.exit_cause = f"exited with code {code}"
+            if run.cause:
+                self.exit_cause = f"failed: {run.cause}"  # the root cause, exit code and last step, from the host
+            elif run.signal:
+                self.exit_cause = f"killed by signal {run.signal}"
+            elif run.exit_code is not None:
+                self.exit_cause = f"exited with code {run.exit_code}"
             else:
                 self.exit_cause = self.run_state
 
-    def from_milestone(self, event: dict[str, Any]) -> None:
-        run_id = event.get("run_id")
-        if isinstance(run_id, str) and run_id != self.run_id:
-            self.reset(run_id)
-        name = str(event.get("milestone", "?"))
-        state = self.milestones.setdefault(name, MilestoneState())
-        t = event.get("t")
-        state.t = float(t) if isinstance(t, (int, float)) else state.t
-        state.ok = bool(event.get("ok"))
-        cause = event.get("cause")
-        state.cause = cause if isinstance(cause, str) else None
+    def from_milestone(self, event: MilestoneEvent) -> None:
+        if event.run_id is not None and event.run_id != self.run_id:
+            self.reset(event.run_id)
+        state = self.milestones.setdefault(event.milestone, MilestoneState())
+        state.t = event.t if event.t is not None else state.t
+        state.ok = event.ok
+        state.cause = event.cause
 
     def origin(self) -> float | None:
         sub = self.milestones.get("submitted")

@@ -1,0 +1,409 @@
+"""What the dashboard's keys do, each owned by the object it acts on; the app only routes them.
+
+``action_table`` is the routing: a key's action name (tui/keys.py) to the method of its owner.
+
+- ``RunControl``: the run's verbs, sent to the host (launch, restart, stop, kill stale, stacks, past runs, attach).
+- ``ViewControl``: what changes this screen only (log filter, follow, theme, help).
+- the app itself: leaving (quit), which ends the session and the app's life.
+
+Every command runs in a worker, so the screen never waits on the network; a failed command is a notification and
+a ``CommandFinished`` message, never a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from textual.app import App, SuspendNotSupported
+from textual.notifications import SeverityLevel
+
+from engine import protocol
+from tui import theming
+from tui.attach import HerePlan, plan_here
+from tui.events import ClientEvent
+from tui.messages import CommandFinished
+from tui.relaunch import launch_spec_for, restart_run
+from tui.screens.confirm import Choice, ConfirmScreen
+from tui.screens.dashboard import DashboardScreen, DashboardState
+from tui.screens.help import HelpScreen
+from tui.screens.kill_stale import KillStaleScreen
+from tui.screens.runs import RUN_TAIL_LINES, RunsScreen
+from tui.screens.stacks import StacksScreen
+
+STOP_TIMEOUT_S = 120.0
+STACKS_TIMEOUT_S = 20.0
+RUNS_SHOWN = 50  # newest runs listed by the runs screen (the agent caches scans of 64 runs)
+
+Handler = Callable[[], Awaitable[None] | None]
+
+
+class SessionLike(Protocol):
+    """What the dashboard needs of ``tui.session.Session`` (tests may pass a recording stand-in)."""
+
+    target_display: str
+    state: str
+    agent: protocol.HelloEvent | None
+    rtt_ms: float | None
+
+    async def connect(self) -> None: ...
+    async def request(
+        self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
+    ) -> dict[str, Any]: ...
+    def add_event_listener(self, fn: Callable[[ClientEvent], None]) -> Callable[[], None]: ...
+    async def start_streams(self, gpu_interval_s: float = 0.5, procs_interval_s: float = 1.0) -> None: ...
+    def attach_argv(self, tmux_session: str) -> list[str]: ...
+    async def close(self) -> None: ...
+
+
+def run_external(argv: list[str]) -> int:
+    """Hand the terminal to ``argv`` (tmux attach, ssh -t ...) and return its exit status."""
+    return subprocess.run(argv, check=False).returncode
+
+
+class RunControl:
+    """The run's verbs: each asks first where it changes the host, then sends its command in a worker."""
+
+    def __init__(
+        self,
+        app: App[Any],
+        session: SessionLike,
+        state: DashboardState,
+        profile: Callable[[], dict[str, Any] | None],
+        external_runner: Callable[[list[str]], int] = run_external,
+    ) -> None:
+        self.app = app
+        self.session = session
+        self.state = state
+        self.profile = profile  # read at each launch: the profiles' file may have been reloaded
+        self.external_runner = external_runner
+        self.attach_history: list[list[str]] = []  # every argv handed the terminal (or a tmux window)
+        self.launch_asked = False  # the user pressed launch: no offer on connect
+
+    async def offer_launch(self, on_connect: str) -> None:
+        """`connect --launch` starts the profile's run when none is active; plain `connect` offers it."""
+        status = await self._request("status", timeout_s=30.0)
+        if status is not None:
+            self.state.ingest_status(status)  # decoded as the stream's events are
+        run = self.state.run
+        if (run is not None and run.state in ("starting", "running")) or self.launch_asked:
+            return
+        try:
+            spec = launch_spec_for(self.profile(), self.session)
+        except (ValueError, TypeError) as exc:
+            self.app.notify(f"cannot launch: {exc}", severity="error", timeout=12)
+            return
+        if on_connect == "launch":
+            await self._launch(spec)
+            return
+        what = shlex.join(str(a) for a in spec.get("command", []))
+        last = f"The last run, {run.run_id}, is {run.state}.\n" if run else ""
+
+        def chosen(choice: str | None) -> None:
+            if choice == "launch":
+                self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
+
+        self.app.push_screen(
+            ConfirmScreen(
+                f"No run is active on {self.session.target_display}. Launch one?",
+                f"{last}Command: {what}\nThe run keeps going when you quit; `s` stops it.",
+                [Choice("launch", "Launch", "success", "l"), Choice("no", "Not now", "default", "n")],
+            ),
+            chosen,
+        )
+
+    async def _request(self, cmd: str, *, timeout_s: float | None = None, **args: Any) -> dict[str, Any] | None:
+        try:
+            result = await self.session.request(cmd, timeout_s=timeout_s, **args)
+        except Exception as exc:  # CommandFailed or a lost link: a visible error, never a crash
+            self.app.notify(f"{cmd} failed: {exc}", severity="error", timeout=12)
+            self.app.post_message(CommandFinished(cmd, False, error=str(exc)))
+            return None
+        self.app.post_message(CommandFinished(cmd, True, result))
+        return result
+
+    def _confirm(self, title: str, body: str, on_yes: Callable[[], Any], yes_label: str = "Yes") -> None:
+        def done(choice: str | None) -> None:
+            if choice == "yes":
+                on_yes()
+            else:
+                self.app.notify(f"{title.rstrip('?')}: cancelled", timeout=3)
+                self.app.post_message(CommandFinished("confirm", False, error="cancelled"))
+
+        self.app.push_screen(
+            ConfirmScreen(
+                title, body, [Choice("yes", yes_label, "error", "y"), Choice("no", "Cancel", "default", "n")]
+            ),
+            done,
+        )
+
+    def _run_label(self) -> str:
+        run = self.state.run
+        if not run:
+            return "the run"
+        return f"run {run.run_id} ({shlex.join(run.command)})"
+
+    def launch(self) -> None:
+        self.launch_asked = True
+        try:
+            spec = launch_spec_for(self.profile(), self.session)
+        except (ValueError, TypeError) as exc:
+            self.app.notify(f"cannot launch: {exc}", severity="error", timeout=12)
+            return
+        self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
+
+    async def _launch(self, spec: dict[str, Any]) -> dict[str, Any] | None:
+        self.app.notify(f"launching {shlex.join(str(a) for a in spec.get('command', []))}", timeout=4)
+        result = await self._request("launch", timeout_s=60.0, **spec)
+        if result is not None:
+            self.app.notify(f"launched run {result.get('run_id')} (tmux {result.get('tmux_session')})", timeout=5)
+        return result
+
+    def restart(self) -> None:
+        run = self.state.run
+        if not run:
+            self.app.notify("nothing to restart: no run yet (l launches the profile)", severity="warning")
+            return
+        body = (
+            f"Stop {self._run_label()}, then launch its recorded command again:\n"
+            f"  {shlex.join(run.command)}"
+        )
+        self._confirm("Restart the run?", body, self._start_restart, "Restart")
+
+    def _start_restart(self) -> None:
+        self.app.run_worker(self._restart(), group="command", exit_on_error=False)
+
+    async def _restart(self) -> None:
+        try:
+            done = await restart_run(self.session)
+        except Exception as exc:  # CommandFailed or a lost link: a visible error, never a crash
+            self.app.notify(f"restart failed: {exc}", severity="error", timeout=12)
+            self.app.post_message(CommandFinished("restart", False, error=str(exc)))
+            return
+        self.app.notify(f"restarted: run {done.run_id} (was {done.previous_run_id})", timeout=5)
+        result = {"previous_run_id": done.previous_run_id, **done.launch}
+        self.app.post_message(CommandFinished("restart", True, result))
+
+    def stop(self) -> None:
+        if not self.state.run:
+            self.app.notify("no run to stop", severity="warning")
+            return
+        body = f"Stop {self._run_label()}: SIGTERM to its process group, SIGKILL after the grace period."
+        self._confirm("Stop the run?", body, self._start_stop, "Stop")
+
+    def _start_stop(self) -> None:
+        self.app.run_worker(self._stop(), group="command", exit_on_error=False)
+
+    async def _stop(self) -> None:
+        result = await self._request("stop", timeout_s=STOP_TIMEOUT_S)
+        if result is not None:
+            steps = "; ".join(str(s) for s in result.get("steps", []))
+            self.app.notify(f"stopped: {steps}" if steps else "stopped", timeout=6)
+
+    def kill_stale(self) -> None:
+        self.app.run_worker(self._kill_stale(), group="command", exit_on_error=False)
+
+    async def _kill_stale(self) -> None:
+        listing = await self._request("kill_stale", timeout_s=30.0, dry_run=True, targets=None)
+        if listing is None:
+            return
+        candidates = [c for c in listing.get("candidates", []) if isinstance(c, dict)]
+        if not candidates:
+            self.app.notify("no stale GPU holders", timeout=4)
+            return
+
+        def chosen(targets: list[list[Any]] | None) -> None:
+            if not targets:
+                self.app.notify("kill stale: cancelled, nothing signalled", timeout=4)
+                self.app.post_message(CommandFinished("confirm", False, error="cancelled"))
+                return
+            self.app.run_worker(self._signal_stale(targets), group="command", exit_on_error=False)
+
+        self.app.push_screen(KillStaleScreen(candidates), chosen)
+
+    async def _signal_stale(self, targets: list[list[Any]]) -> None:
+        result = await self._request("kill_stale", timeout_s=60.0, dry_run=False, targets=targets)
+        if result is not None:
+            signalled = result.get("signalled", [])
+            failed = result.get("failed", [])
+            severity: SeverityLevel = "warning" if failed else "information"
+            self.app.notify(f"signalled {len(signalled)} process(es); {len(failed)} failed", severity=severity)
+
+    def stacks(self) -> None:
+        screen = StacksScreen()  # "dumping stacks…" at once; the host's reply fills it in
+        self.app.push_screen(screen)
+        self.app.run_worker(self._stacks(screen), group="command", exit_on_error=False)
+
+    async def _stacks(self, screen: StacksScreen) -> None:
+        try:
+            result = await self.session.request(
+                "stacks", timeout_s=STACKS_TIMEOUT_S + 5, params={"timeout_s": STACKS_TIMEOUT_S}
+            )
+        except Exception as exc:  # CommandFailed or a lost link: the reason replaces the pending text
+            screen.show("failed", f"stacks failed: {exc}")
+            self.app.post_message(CommandFinished("stacks", False, error=str(exc)))
+            return
+        screen.show(str(result.get("method", "?")), str(result.get("text", "")))
+        self.app.post_message(CommandFinished("stacks", True, result))
+
+    def runs(self) -> None:
+        self.app.run_worker(self._runs(), group="command", exit_on_error=False)
+
+    async def _runs(self) -> None:
+        result = await self._request("runs", timeout_s=60.0, limit=RUNS_SHOWN)
+        if result is not None:
+            runs = [r for r in result.get("runs") or [] if isinstance(r, dict)]
+            total = int(result.get("total") or len(runs))
+            self.app.push_screen(RunsScreen(runs, total, self._run_tail))
+
+    async def _run_tail(self, run_id: str) -> dict[str, Any] | None:
+        return await self._request("tail", timeout_s=30.0, n=RUN_TAIL_LINES, run_id=run_id)
+
+    def attach(self) -> None:
+        run = self.state.run
+        tmux_session = run.tmux_session if run else None
+        if not run or tmux_session is None or not run.attachable:
+            self.app.notify("no tmux session to attach to (no run, or it was started without tmux)", severity="warning")
+            return
+        argv = self.session.attach_argv(tmux_session)
+        if not os.environ.get("TMUX"):
+            self._attach_here(argv)
+            return
+        plan = plan_here(argv)
+        if plan.hands_over_terminal:
+            choices = [
+                Choice("window", "New tmux window", "primary", "w"),
+                Choice("here", "Use this terminal", "default", "h"),
+                Choice("no", "Cancel", "default", "n"),
+            ]
+            body = f"You are inside tmux. Open the run in a new window instead of nesting?\n\n  {shlex.join(argv)}"
+        else:  # the run's session lives on this very tmux server: switch to it, never nest
+            choices = [Choice("here", "Use this terminal", "primary", "h"), Choice("no", "Cancel", "default", "n")]
+            body = (
+                f"The run's session {tmux_session} is on the tmux server you are in: this terminal switches to "
+                f"it, and `tmux switch-client -l` (prefix L) comes back here.\n\n  {shlex.join(plan.argv)}"
+            )
+
+        def picked(choice: str | None) -> None:
+            if choice == "window":
+                self._attach_new_window(argv)
+            elif choice == "here" and plan.hands_over_terminal:
+                self._attach_here(plan.argv)
+            elif choice == "here":
+                self._switch_client(plan)
+
+        self.app.push_screen(ConfirmScreen("Attach to the run", body, choices), picked)
+
+    def _switch_client(self, plan: HerePlan) -> None:
+        """Same tmux server: point this client at the run's session; the dashboard keeps running in its pane."""
+        self.attach_history.append(plan.argv)
+        try:
+            code = self.external_runner(plan.argv)
+        except OSError as exc:
+            failure = f"tmux switch-client failed: {exc}"
+        else:
+            failure = f"tmux switch-client exited {code}" if code != 0 else ""
+        if failure:
+            self.app.notify(f"{failure}; run: {shlex.join(plan.argv)}", severity="error", timeout=20)
+        else:
+            self.app.notify(plan.note, timeout=10)
+        self.app.post_message(CommandFinished("attach", not failure, {"argv": plan.argv}, failure or None))
+
+    def _attach_new_window(self, argv: list[str]) -> None:
+        # The new window's shell inherits $TMUX; a local `tmux attach` refuses to nest unless it is unset.
+        command = ["env", "-u", "TMUX", *argv] if argv and argv[0] == "tmux" else argv
+        window = ["tmux", "new-window", "-n", "specdec-run", "--", *command]
+        self.attach_history.append(window)
+        try:
+            code = self.external_runner(window)
+        except OSError as exc:
+            self.app.notify(f"tmux new-window failed: {exc}; run: {shlex.join(argv)}", severity="error", timeout=20)
+            return
+        if code != 0:
+            self.app.notify(f"tmux new-window exited {code}; run: {shlex.join(argv)}", severity="error", timeout=20)
+
+    def _attach_here(self, argv: list[str]) -> None:
+        self.attach_history.append(argv)
+        outcome: list[str] = []
+        try:
+            with self.app.suspend():
+                try:  # nothing may escape the suspended block, or the app does not resume (textual #6692)
+                    code = self.external_runner(argv)
+                    if code != 0:
+                        outcome.append(f"attach exited with status {code}")
+                except OSError as exc:
+                    outcome.append(f"attach failed: {exc}")
+        except SuspendNotSupported:
+            command = shlex.join(argv)
+            self.app.push_screen(
+                ConfirmScreen(
+                    "Attach from a terminal",
+                    f"This terminal cannot be handed over. In another terminal run:\n\n  {command}\n\n"
+                    "Detach with Ctrl-b d; the run keeps going either way.",
+                    [Choice("no", "Close", "primary")],
+                )
+            )
+            self.app.post_message(CommandFinished("attach", False, {"argv": argv}, "suspend not supported"))
+            return
+        for line in outcome:
+            self.app.notify(line, severity="warning", timeout=10)
+        self.app.post_message(CommandFinished("attach", not outcome, {"argv": argv}))
+        self.app.run_worker(self._resync(), name="resync", exit_on_error=False)
+
+    async def _resync(self) -> None:
+        """Back from an attach: the loop was blocked meanwhile, so re-check the link and the run."""
+        self.state.header.state = self.session.state
+        self.state.dirty.add("header")
+        if self.session.state != "connected":
+            return  # the session's reconnect loop is at work; the header shows its attempts
+        status = await self._request("status", timeout_s=15.0)
+        if status is not None:
+            self.state.ingest_status(status)
+
+
+class ViewControl:
+    """What changes this screen only: the log's filter and follow mode, the colour theme, the help screen."""
+
+    def __init__(self, app: App[Any], dashboard: Callable[[], DashboardScreen], keymap: dict[str, str]) -> None:
+        self.app = app
+        self.dashboard = dashboard
+        self.keymap = keymap
+        self.theme_names: list[str] = []  # the order `t` cycles through (the app adds reloaded themes)
+
+    def filter(self) -> None:
+        self.dashboard().log_pane.open_filter()
+
+    def follow(self) -> None:
+        self.dashboard().log_pane.tail.action_follow()
+
+    def next_theme(self) -> None:
+        names = self.theme_names or [theming.DEFAULT_THEME]
+        current = names.index(self.app.theme) if self.app.theme in names else -1
+        self.app.theme = names[(current + 1) % len(names)]
+        self.app.notify(f"theme: {self.app.theme} (saved)", timeout=3)
+
+    def help(self) -> None:
+        if not self.app.is_screen_installed("help"):
+            self.app.install_screen(HelpScreen(self.keymap), "help")
+        self.app.push_screen("help")
+
+
+def action_table(run: RunControl, view: ViewControl, quit_: Handler) -> dict[str, Handler]:
+    """Each key action (tui/keys.py's ``action``) to the method of the object that owns it."""
+    return {
+        "launch": run.launch,
+        "restart": run.restart,
+        "stop": run.stop,
+        "kill_stale": run.kill_stale,
+        "attach": run.attach,
+        "stacks": run.stacks,
+        "runs": run.runs,
+        "filter": view.filter,
+        "follow": view.follow,
+        "next_theme": view.next_theme,
+        "help": view.help,
+        "quit_dashboard": quit_,
+    }
