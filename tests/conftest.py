@@ -1,4 +1,5 @@
-"""Shared fixtures: a private tmux server per test session, and a temporary run root.
+"""Shared fixtures: a private tmux server per test session, and a temporary run root. Helpers every suite
+shares (the agent client, the one bounded wait) live in tests/support.
 
 Every tmux call in product code adds ``-L $SPECDEC_TMUX_SOCKET`` when that variable is set; it is
 set here, before any test runs, so no test ever touches the user's default tmux server. The
@@ -11,18 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TMUX_SOCKET = f"specdec-test-{os.getpid()}"
 os.environ["SPECDEC_TMUX_SOCKET"] = TMUX_SOCKET
-
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,21 +43,3 @@ def run_root(tmp_path: Path) -> Path:
 def python_exe() -> str:
     """The interpreter that has the project's dependencies (pass it as ``--python`` to hosts)."""
     return sys.executable
-
-
-def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> T:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate!r}")
-        time.sleep(interval_s)
-
-
-@pytest.fixture(scope="session")
-def wait_until() -> Callable[..., object]:
-    """``wait_until(predicate, timeout_s=10, what="...")``: poll with a bound instead of sleeping."""
-    return wait_for

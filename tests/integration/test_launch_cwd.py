@@ -6,11 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from engine.supervisor import records
 
@@ -29,10 +29,7 @@ def _launch(where: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
 
 def _output(run_root: Path, run_id: str) -> str:
     log = records.run_dir_for(run_root, run_id) / records.OUTPUT_LOG
-    deadline = time.monotonic() + 10
-    while "ran in" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.02)
+    wait_until(lambda: "ran in" in log.read_text(), 10, "the job's line 'ran in'", observe=log.read_text)
     return log.read_text()
 
 

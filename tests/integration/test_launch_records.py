@@ -16,25 +16,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
+from support.agent import AgentClient, launch_and_wait
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine.supervisor import control, records, tmux
 
 pytestmark = pytest.mark.tmux
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    root = tmp_path / "run-root"
-    root.mkdir()
-    p = AgentPool(root)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def agent(pool: AgentPool) -> AgentClient:
-    return pool.make()
 
 
 def test_generated_run_ids_are_valid_and_distinct() -> None:
@@ -114,7 +102,7 @@ def test_killing_the_tmux_session_ends_the_job_and_still_leaves_an_exit_record(a
     job_pid = records.read_run(rd, records.read_boot_id()).pid
     assert job_pid is not None
     assert tmux.kill_session(launched["tmux_session"])  # SIGHUP to the pane: the wrapper forwards it
-    exit_rec = poll_until(lambda: records.read_json(rd / records.EXIT_JSON), 10, "exit.json")
+    exit_rec = wait_until(lambda: records.read_json(rd / records.EXIT_JSON), 10, "exit.json")
     assert exit_rec["signal"] == signal.SIGHUP and exit_rec["signal_name"] == "SIGHUP"
     assert [f["name"] for f in exit_rec["forwarded_signals"]] == ["SIGHUP"]
     assert not pid_alive(job_pid)

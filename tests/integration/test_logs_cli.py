@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from engine.supervisor import records
 
@@ -92,18 +93,8 @@ def _read(fd: int, into: bytearray, most: int) -> None:
         into += os.read(fd, most)
 
 
-def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
-
-
 KILLS = 4
+READ_POLL_S = 0.01  # each look reads at most SLOW_READ_BYTES: this interval sets the slow reader's pace
 QUIET_S = 5.0  # no byte for this long after the run ended: the follower has sent all it will
 
 
@@ -135,24 +126,40 @@ def test_follow_into_a_slow_pipe_loses_nothing_when_the_ssh_link_drops_while_the
     pipe_bytes = fcntl.fcntl(fd, F_GETPIPE_SZ)
     got = bytearray()
     try:
-        got += _wait(lambda: os.read(fd, 6), 30, "the tail's one line")  # unbuffered: every byte is counted
+        # unbuffered: every byte is counted
+        got += wait_until(lambda: os.read(fd, 6), 30, "the tail's one line", interval_s=READ_POLL_S)
         assert got == b"start\n"
         go.write_text("")
         served_by: set[int] = set()
         for _ in range(KILLS):
             # A new SSH session serves the follower (the first one, or the one after the last kill).
             old = before | served_by
-            new = _wait(lambda o=old: _read(fd, got, 1 << 20) or _children_of(main_sshd) - o, 60, "a session")
+            new = wait_until(
+                lambda o=old: _read(fd, got, 1 << 20) or _children_of(main_sshd) - o,
+                60,
+                "a session",
+                interval_s=READ_POLL_S,
+            )
             assert len(new) == 1, new
             served_by |= new
             # The reader falls behind: the pipe fills and the client waits on it while the link keeps carrying.
-            _wait(lambda: _read(fd, got, SLOW_READ_BYTES) or _pending_bytes(fd) > pipe_bytes // 2, 30, "a full pipe")
+            wait_until(
+                lambda: _read(fd, got, SLOW_READ_BYTES) or _pending_bytes(fd) > pipe_bytes // 2,
+                30,
+                "a full pipe",
+                interval_s=READ_POLL_S,
+            )
             for _ in range(30):
                 _read(fd, got, SLOW_READ_BYTES)
                 time.sleep(0.01)
             os.kill(_session_process(min(new)), signal.SIGKILL)  # the session's sshd dies: the connection is cut
         stop.write_text("")
-        _wait(lambda: _read(fd, got, 1 << 20) or (run_dir / records.EXIT_JSON).exists(), 30, "the writer's exit")
+        wait_until(
+            lambda: _read(fd, got, 1 << 20) or (run_dir / records.EXIT_JSON).exists(),
+            30,
+            "the writer's exit",
+            interval_s=READ_POLL_S,
+        )
         size = (run_dir / records.OUTPUT_LOG).stat().st_size
         while len(got) < size and select.select([fd], [], [], QUIET_S)[0]:
             chunk = os.read(fd, 1 << 20)

@@ -400,7 +400,7 @@ def test_engine_launched_over_ssh_runs_from_the_shipped_bundle(
 
 
 def test_kill_stale_yes_over_ssh_lists_then_signals_only_the_stand_in_holder(
-    sshd: Any, cli: Callable[..., Any], run_root: Path, wait_until: Callable[..., Any]
+    sshd: Any, cli: Callable[..., Any], run_root: Path
 ) -> None:
     # The sshd sessions see SPECDEC_DEV_DIR = sshd.dev_dir: a process holding a file named nvidia0 there is a holder.
     device = sshd.dev_dir / "nvidia0"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until_async
 
 from engine.supervisor import records
 from tui.app import DashboardApp
@@ -28,16 +28,8 @@ def tui_config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 async def wait_until(pilot: Any, predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
-    """Let the app run until ``predicate()`` is truthy; fail after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate!r}")
-        await pilot.pause(0.02)
+    """``support.waiting.wait_until_async`` with the pilot's pause: the app runs between two looks."""
+    return await wait_until_async(predicate, timeout_s, what or repr(predicate), pause=pilot.pause)
 
 
 @pytest.fixture
