@@ -43,3 +43,19 @@ def run_root(tmp_path: Path) -> Path:
 def python_exe() -> str:
     """The interpreter that has the project's dependencies (pass it as ``--python`` to hosts)."""
     return sys.executable
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own, for a disk that fills up (root can mount one here; anyone else gets a skip)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 1 MiB tmpfs needs root (CI runs as root); a loop device would need root too")
+    mnt = tmp_path / "tiny-fs"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)

@@ -3,7 +3,6 @@ SSH session found through /proc, and a byte-exact collector of a session's log s
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +11,9 @@ from tui.session import ConnectOptions
 
 
 def ssh_options(sshd: Any, run_root: Path | None = None, **extra: Any) -> ConnectOptions:
-    """Options that reach the test sshd with its own key and known_hosts (never the user's ~/.ssh)."""
-    kw: dict[str, Any] = {
-        "identity": str(sshd.identity),
-        "port": sshd.port,
-        "known_hosts": str(sshd.known_hosts),
-        "python": sys.executable,
-        "run_root": str(run_root) if run_root is not None else None,
-        "connect_timeout_s": 5.0,
-        "keepalive_s": 2.0,
-    }
-    kw.update(extra)
-    return ConnectOptions(**kw)
+    """Options that reach the test sshd with its own key and known_hosts (never the user's ~/.ssh), with a 2 s
+    keepalive: these tests cut links and want the cut noticed."""
+    return sshd.options(run_root, **{"keepalive_s": 2.0, **extra})
 
 
 def stat_fields(pid: int) -> tuple[str, int] | None:

@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests" / "integration"))
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
-from test_launch_harness import AgentClient, AgentPool  # noqa: E402
+from support.agent import AgentClient, AgentPool  # noqa: E402
 
 SEED_S = 600.0
 DEATHS = ("missing script (exit 127)", "raises at import (exit 1)", "killed by SIGKILL")
@@ -49,8 +48,7 @@ def _marker_cmd(kind: str, marker: Path, work: Path) -> list[str]:
 def one_death(agent: AgentClient, kind: str, work: Path) -> float:
     marker = work / f"died-{time.monotonic_ns()}"
     launched = agent.ok("launch", command=_marker_cmd(kind, marker, work), cwd=str(work))
-    cmd_id = agent.send("wait", run_id=launched["run_id"], milestone="first-step", timeout_s=30)
-    reply = agent.next_event(lambda e: e.get("ev") == "reply" and e.get("id") == cmd_id, 60)
+    reply = agent.request("wait", run_id=launched["run_id"], milestone="first-step", timeout_s=30)
     t_reply = time.time()
     res = reply["result"]
     assert res["ok"] is False and res["cause"], res

@@ -30,10 +30,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.agent import AgentClient, AgentPool
 from support.waiting import wait_until
+
+from tui.session import ConnectOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PCT_CTID = 4242
@@ -113,6 +116,19 @@ class Sshd:
             "--connect-timeout",
             str(SSH_CONNECT_TIMEOUT_S),
         ]
+
+    def options(self, run_root: Path | None = None, **extra: Any) -> ConnectOptions:
+        """The same for an in-process session (``open_session``); ``extra`` sets or overrides any option."""
+        kw: dict[str, Any] = {
+            "identity": str(self.identity),
+            "port": self.port,
+            "known_hosts": str(self.known_hosts),
+            "python": sys.executable,
+            "run_root": str(run_root) if run_root is not None else None,
+            "connect_timeout_s": SSH_CONNECT_TIMEOUT_S,
+        }
+        kw.update(extra)
+        return ConnectOptions(**kw)
 
 
 def _sshd_binary() -> str | None:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -284,27 +283,11 @@ def test_a_launch_tmux_refuses_leaves_no_run_and_the_previous_one_current(
     assert cur is not None and cur.name == "before"
 
 
-@pytest.fixture
-def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs for a run root (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
-
-
-def test_a_job_that_fills_the_run_roots_disk_still_gets_its_exit_record(tiny_fs: Path) -> None:
+def test_a_job_that_fills_the_run_roots_disk_still_gets_its_exit_record(tiny_tmpfs: Path) -> None:
     # os.write raises ENOSPC (exit 1); the wrapper's own records (milestones, its stderr) fail too, and the exit
     # record goes into the space reserved before the job started.
     fill = "import os\ndata = b'x' * 3_000_000\nwhile data:\n    data = data[os.write(1, data):]\n"
-    launched = control.launch({"command": [sys.executable, "-c", fill], "run_id": "fills"}, tiny_fs / "root")
+    launched = control.launch({"command": [sys.executable, "-c", fill], "run_id": "fills"}, tiny_tmpfs / "root")
     rd = Path(launched["run_dir"])
     try:
         res = control.wait_for(rd, "first-step", timeout_s=30)

@@ -238,15 +238,22 @@ def test_what_is_left_of_a_crashed_attempts_group_is_ended_before_the_restart(ag
     assert ended_at < log.index("attempt 2 runs alone")
 
 
-THREAD_DIES_ONCE = textwrap.dedent(
+# The head of a job that reports a dead drafter thread as the engine does: a thread_error in its events file.
+REPORTS_A_DEAD_THREAD = textwrap.dedent(
     """
     import json, os, sys, time
-    attempt = int(os.environ["SPECDEC_ATTEMPT"])
-    if attempt == 1:
+    def thread_dies():
         err = {"t": time.time(), "kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError",
                "message": "boom", "traceback": "", "policy": "stop"}
         with open(os.environ["SPECDEC_EVENTS"], "a") as ev:
             ev.write(json.dumps(err) + "\\n")
+    """
+)
+THREAD_DIES_ONCE = REPORTS_A_DEAD_THREAD + textwrap.dedent(
+    """
+    attempt = int(os.environ["SPECDEC_ATTEMPT"])
+    if attempt == 1:
+        thread_dies()
         time.sleep(0.3)  # the engine takes a moment to stop its other threads
         sys.exit(1)
     print("step=1", flush=True)
@@ -263,9 +270,8 @@ def test_a_wait_goes_on_through_a_restart_after_a_dead_thread(agent: AgentClient
 
 
 # Attempt 1: a thread dies, then the process waits for "go" and exits 1; attempt 2 lives until "done".
-DEAD_THREAD_THEN_HEALTHY = textwrap.dedent(
+DEAD_THREAD_THEN_HEALTHY = REPORTS_A_DEAD_THREAD + textwrap.dedent(
     """
-    import json, os, sys, time
     here = os.path.dirname(os.path.abspath(__file__))
     def wait_for(name):
         deadline = time.monotonic() + 30
@@ -273,10 +279,7 @@ DEAD_THREAD_THEN_HEALTHY = textwrap.dedent(
             time.sleep(0.02)
     attempt = int(os.environ["SPECDEC_ATTEMPT"])
     if attempt == 1:
-        err = {"t": time.time(), "kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError",
-               "message": "boom", "traceback": "", "policy": "stop"}
-        with open(os.environ["SPECDEC_EVENTS"], "a") as ev:
-            ev.write(json.dumps(err) + "\\n")
+        thread_dies()
         wait_for("go")
         sys.exit(1)
     print("attempt 2 up", flush=True)

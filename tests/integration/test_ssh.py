@@ -62,14 +62,7 @@ def _installed_bundle(run_root: Path) -> Path:
 
 async def test_first_connect_ships_the_bundle_and_a_corrupt_one_is_replaced(sshd: Any, run_root: Path) -> None:
     # In-process, so the bundle cannot change between the two connects while someone edits engine/.
-    opts = ConnectOptions(
-        identity=str(sshd.identity),
-        port=sshd.port,
-        known_hosts=str(sshd.known_hosts),
-        python=sys.executable,
-        run_root=str(run_root),
-        connect_timeout_s=5.0,
-    )
+    opts = sshd.options(run_root)
     bundle = ship.agent_bundle()
 
     async def connect_once() -> dict[str, Any]:
@@ -222,14 +215,7 @@ NASTY_ARGS = ["it's", 'say "hi"', "a b  c", "x; touch /tmp/pwned-specdec", "$(id
 
 @pytest.mark.parametrize("pct", [False, True], ids=["ssh", "ssh+pct"])
 async def test_arguments_reach_the_host_literally(sshd: Any, pct: bool) -> None:
-    opts = ConnectOptions(
-        identity=str(sshd.identity),
-        port=sshd.port,
-        known_hosts=str(sshd.known_hosts),
-        python=sys.executable,
-        pct=sshd.pct_ctid if pct else None,
-        connect_timeout_s=5.0,
-    )
+    opts = sshd.options(pct=sshd.pct_ctid if pct else None)
     transport = SshTransport(Target.parse(sshd.target), opts)
     try:
         argv = transport._host_argv([sys.executable, "-c", "import json,sys; print(json.dumps(sys.argv[1:]))"])
@@ -312,14 +298,7 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
         "--", sys.executable, "-c", script,
     )  # fmt: skip
     assert r.returncode == 0, r.output
-    opts = ConnectOptions(
-        identity=str(sshd.identity),
-        port=sshd.port,
-        known_hosts=str(sshd.known_hosts),
-        python=sys.executable,
-        run_root=str(run_root),
-        connect_timeout_s=5.0,
-    )
+    opts = sshd.options(run_root)
     session = open_session(sshd.target, opts)
     session.backoff_base_s = 0.1
     received = bytearray()

@@ -25,6 +25,22 @@ def _timed_out(what: str, timeout_s: float, last: object) -> AssertionError:
     return AssertionError(f"timed out after {timeout_s} s waiting for {what}; last seen: {shown}")
 
 
+class _Bound:
+    """The deadline of one wait and what to say when it passes."""
+
+    def __init__(self, timeout_s: float, what: str, observe: Callable[[], object] | None) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s, self.what, self.observe = timeout_s, what, observe
+
+    def met(self, value: object) -> bool:
+        """True once ``value`` is truthy; raises once the deadline has passed without it."""
+        if value:
+            return True
+        if time.monotonic() > self.deadline:
+            raise _timed_out(self.what, self.timeout_s, self.observe() if self.observe is not None else value)
+        return False
+
+
 def wait_until(
     predicate: Callable[[], T],
     timeout_s: float,
@@ -35,14 +51,10 @@ def wait_until(
 ) -> T:
     """The first truthy value of ``predicate()``; AssertionError naming ``what`` after ``timeout_s``, with the
     predicate's last value, or ``observe()`` where a bare False would say nothing (the log that lacks a line)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise _timed_out(what, timeout_s, observe() if observe is not None else value)
+    bound = _Bound(timeout_s, what, observe)
+    while not bound.met(value := predicate()):
         time.sleep(interval_s)
+    return value
 
 
 async def wait_until_async(
@@ -56,11 +68,7 @@ async def wait_until_async(
 ) -> T:
     """``wait_until`` inside an event loop: ``pause`` (``asyncio.sleep``, or a Textual pilot's ``pause`` so the
     app runs meanwhile) lets the loop work between two looks."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise _timed_out(what, timeout_s, observe() if observe is not None else value)
+    bound = _Bound(timeout_s, what, observe)
+    while not bound.met(value := predicate()):
         await pause(interval_s)
+    return value

@@ -17,7 +17,6 @@ import torch
 from support.waiting import wait_until
 
 from engine.trainer.config import EngineConfig, from_dict
-from engine.trainer.data import shipped_corpus_path
 from engine.trainer.engine import Engine
 from engine.trainer.metrics import EventLog
 
@@ -25,11 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    lines = shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:96]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+def small_corpus(corpus_head: Callable[[int], Path]) -> Path:
+    return corpus_head(96)
 
 
 def make_config(out: Path, data: Path | str, **overrides: Any) -> EngineConfig:
