@@ -70,6 +70,9 @@ def launch(agent: AgentClient, code: str, deadlines_s: dict[str, float] | None =
         "launch",
         command=[sys.executable, str(script)],
         cwd=str(REPO_ROOT),
+        # A job's environment is the private tmux server's, from whichever test started it (over SSH: no
+        # PYTHONPATH); the jobs that import the engine name this checkout themselves.
+        env={"PYTHONPATH": str(REPO_ROOT)},
         restart={**FAST, **policy},
         deadlines_s=deadlines_s or {},
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until_async
 
 from tui import ship
 from tui.session import ConnectOptions, open_session
@@ -323,13 +324,13 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
     await session.connect()
     try:
         await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
-        await asyncio.wait_for(_until(lambda: len(received) > 200), 10)
+        await wait_until_async(lambda: len(received) > 200, 10, "200 log bytes", observe=lambda: len(received))
         first_pid = (session.hello or {})["pid"]
         transport = session.transport
         assert isinstance(transport, SshTransport)
         transport.drop_connection()  # the link dies under the session
         await asyncio.wait_for(done.wait(), 30)
-        await asyncio.wait_for(_until(lambda: len(steps) >= 400), 10)
+        await wait_until_async(lambda: len(steps) >= 400, 10, "400 step events", observe=lambda: len(steps))
         assert (session.hello or {})["pid"] != first_pid
     finally:
         await session.close()
@@ -337,13 +338,6 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
     expected = "".join(f"line {i:04d}\n" for i in range(400)).encode()
     assert bytes(received) == expected
     assert steps == list(range(400))  # engine events resumed from their offset: none lost, none twice
-
-
-async def _until(pred: Callable[[], bool]) -> None:
-    import asyncio
-
-    while not pred():
-        await asyncio.sleep(0.02)
 
 
 def test_attach_argv_quotes_the_remote_command(sshd: Any) -> None:

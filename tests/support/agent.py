@@ -72,6 +72,7 @@ class AgentClient:
         self.bytes_received = 0
         self._unread: list[Event] = []
         self._ended = False
+        self._fault = ""
         self._stderr = bytearray()
         self._changed = threading.Condition()
         self._next_id = 0
@@ -83,7 +84,11 @@ class AgentClient:
     def _read_events(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            ev = protocol.parse_event(line)
+            try:
+                ev = protocol.parse_event(line)
+            except protocol.ProtocolError as exc:  # the agent broke the protocol: every wait says so
+                self._fault = f"a line that is no event ({exc}): {line[:200]!r}"
+                break
             if self._on_event is not None:
                 self._on_event(ev)
             with self._changed:
@@ -130,7 +135,8 @@ class AgentClient:
                         return self._unread.pop(i)
                 if self._ended:
                     raise AssertionError(
-                        f"the agent exited (rc {self.proc.poll()}) before {what}; stderr: {self.stderr_tail[-2000:]}"
+                        f"the agent's output ended (rc {self.proc.poll()}) before {what}: {self._fault or 'EOF'}; "
+                        f"stderr: {self.stderr_tail[-2000:]}"
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
