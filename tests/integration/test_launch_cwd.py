@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.agent import checkout_env
 from support.waiting import wait_until
 
 from engine.supervisor import records
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "import os\nprint('ran in', os.getcwd(), flush=True)\n"
 
 
 def _launch(where: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(
         [sys.executable, "-m", "tui", "launch", *args, "--wait", "output", "--json", "--", sys.executable, "train.py"],
-        cwd=str(where), env=env, capture_output=True, text=True, timeout=60, check=False,
+        cwd=str(where), env=checkout_env(), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     return done, json.loads(done.stdout) if done.stdout.startswith("{") else {}
 

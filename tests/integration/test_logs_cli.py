@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.agent import checkout_env
 from support.waiting import wait_until
 
 from engine.supervisor import records
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 F_GETPIPE_SZ = 1032  # fcntl.F_GETPIPE_SZ, named only from Python 3.10 on some platforms
 
 # Writes "start", waits for the go file, then numbered lines at about RATE lines/s until the stop file exists.
@@ -50,12 +50,6 @@ out.write(b"done %d\n" % i); out.flush()
 LINE_BYTES = len(b"line 000000000 of the numbered run output")
 RATE_LINES_S = 20_000  # 0.8 MB/s, twice what the slow reader takes
 SLOW_READ_BYTES = 4096  # per poll (10 ms): 0.4 MB/s
-KILLS = 3
-QUIET_S = 5.0  # no byte for this long after the run ended: the follower has sent all it will
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _children_of(ppid: int) -> set[int]:
@@ -120,7 +114,7 @@ def test_follow_into_a_slow_pipe_loses_nothing_when_the_ssh_link_drops_while_the
         [sys.executable, "-m", "tui", "logs", sshd.target, *sshd.args(), "--run-root", str(run_root), "-n", "1", "-f"],
         stdout=write_end,
         stderr=subprocess.PIPE,
-        env=_env(),
+        env=checkout_env(),
     )
     os.close(write_end)
     pipe_bytes = fcntl.fcntl(fd, F_GETPIPE_SZ)
@@ -221,7 +215,7 @@ def test_logs_n_then_follow_continues_right_after_the_last_line_printed(run_root
     run_dir = _hand_made_run(run_root, "20261201-100000-bbbb", log)
     argv = [sys.executable, "-m", "tui", "logs", "local", "--run-root", str(run_root), "-f"]
     for n in ("100000000", "2"):
-        follow = subprocess.Popen([*argv, "-n", n], stdout=subprocess.PIPE, env=_env())
+        follow = subprocess.Popen([*argv, "-n", n], stdout=subprocess.PIPE, env=checkout_env())
         assert follow.stdout is not None
         try:
             want = log if n != "2" else b"a partial line, ended\na partial li"

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.waiting import wait_until_async
 
 from engine.supervisor import records
 from tui.app import DashboardApp
@@ -25,11 +24,6 @@ def tui_config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SPECDEC_TUI_CONFIG_DIR", str(directory))
     monkeypatch.delenv("TMUX", raising=False)
     return directory
-
-
-async def wait_until(pilot: Any, predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
-    """``support.waiting.wait_until_async`` with the pilot's pause: the app runs between two looks."""
-    return await wait_until_async(predicate, timeout_s, what or repr(predicate), pause=pilot.pause)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from support.pilot import wait_until
 from support.procfs import pid_alive
 from support.waiting import wait_until_async
 
