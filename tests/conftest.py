@@ -1,4 +1,5 @@
-"""Shared fixtures: a private tmux server per test session, and a temporary run root.
+"""Shared fixtures: a private tmux server per test session, and a temporary run root. Helpers every suite
+shares (the agent client, the one bounded wait) live in tests/support.
 
 Every tmux call in product code adds ``-L $SPECDEC_TMUX_SOCKET`` when that variable is set; it is
 set here, before any test runs, so no test ever touches the user's default tmux server. The
@@ -11,18 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TMUX_SOCKET = f"specdec-test-{os.getpid()}"
 os.environ["SPECDEC_TMUX_SOCKET"] = TMUX_SOCKET
-
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,19 +45,17 @@ def python_exe() -> str:
     return sys.executable
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> T:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate!r}")
-        time.sleep(interval_s)
-
-
-@pytest.fixture(scope="session")
-def wait_until() -> Callable[..., object]:
-    """``wait_until(predicate, timeout_s=10, what="...")``: poll with a bound instead of sleeping."""
-    return wait_for
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own, for a disk that fills up (root can mount one here; anyone else gets a skip)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 1 MiB tmpfs needs root (CI runs as root); a loop device would need root too")
+    mnt = tmp_path / "tiny-fs"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)

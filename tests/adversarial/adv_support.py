@@ -1,12 +1,8 @@
-"""Helpers shared by the adversarial tests (no tests here): bounded waits, the server side of an SSH
-session found through /proc, and a byte-exact collector of a session's log stream."""
+"""Helpers shared by the adversarial tests (no tests here): options for the test sshd, the server side of an
+SSH session found through /proc, and a byte-exact collector of a session's log stream."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,42 +11,9 @@ from tui.session import ConnectOptions
 
 
 def ssh_options(sshd: Any, run_root: Path | None = None, **extra: Any) -> ConnectOptions:
-    """Options that reach the test sshd with its own key and known_hosts (never the user's ~/.ssh)."""
-    kw: dict[str, Any] = {
-        "identity": str(sshd.identity),
-        "port": sshd.port,
-        "known_hosts": str(sshd.known_hosts),
-        "python": sys.executable,
-        "run_root": str(run_root) if run_root is not None else None,
-        "connect_timeout_s": 5.0,
-        "keepalive_s": 2.0,
-    }
-    kw.update(extra)
-    return ConnectOptions(**kw)
-
-
-async def until(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
-    """Wait (in the event loop) until ``pred()`` is truthy; AssertionError after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(interval_s)
-
-
-def poll(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
+    """Options that reach the test sshd with its own key and known_hosts (never the user's ~/.ssh), with a 2 s
+    keepalive: these tests cut links and want the cut noticed."""
+    return sshd.options(run_root, **{"keepalive_s": 2.0, **extra})
 
 
 def stat_fields(pid: int) -> tuple[str, int] | None:
@@ -81,16 +44,6 @@ def sshd_session_of(pid: int) -> int:
             break
         cur = ppid
     raise AssertionError(f"no sshd ancestor of pid {pid}: chain {seen}")
-
-
-def pid_alive(pid: int) -> bool:
-    st_path = f"/proc/{pid}/stat"
-    try:
-        with open(st_path, "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return False
-    return raw[raw.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
 
 
 class LogCollector:

@@ -3,7 +3,7 @@
 tests/integration/conftest.py belongs to CLIENT and is not moved: it is loaded here under its own module
 name and its ``sshd`` and ``cli`` fixtures are re-exported, so these tests run against the same real
 OpenSSH server on 127.0.0.1 (with the `pct` shim on its PATH). tests/conftest.py (the private tmux socket,
-``run_root``, ``wait_until``) applies here as everywhere.
+``run_root``) applies here as everywhere.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adv_support import LogCollector, pid_alive, ssh_options, sshd_session_of, until
+from adv_support import LogCollector, ssh_options, sshd_session_of
+from support.procfs import pid_alive
+from support.waiting import wait_until_async
 
 from engine.supervisor import records
 from tui.session import ConnectOptions, Session, open_session
@@ -64,9 +66,9 @@ async def _finish(session: Session, run_root: Path, run_id: str, stop: Path, got
     """Stop the writer, wait for its exit record and for every byte of its log; returns the file's bytes."""
     stop.write_text("")
     run_dir = records.run_dir_for(run_root, run_id)
-    await until(lambda: (run_dir / records.EXIT_JSON).exists(), 60, "the writer's exit record")
+    await wait_until_async(lambda: (run_dir / records.EXIT_JSON).exists(), 60, "the writer's exit record")
     log = run_dir / records.OUTPUT_LOG
-    await until(lambda: len(got.data) >= log.stat().st_size, 120, "the client to receive the whole log")
+    await wait_until_async(lambda: len(got.data) >= log.stat().st_size, 120, "the client to receive the whole log")
     await asyncio.sleep(0.3)  # anything after the end would be a duplicate: give it the chance to show
     return log.read_bytes()
 
@@ -100,7 +102,7 @@ async def test_twenty_ssh_drops_during_a_50k_lines_per_second_burst_lose_and_rep
         await session.start_streams(gpu_interval_s=2.0, procs_interval_s=2.0)
         launched = await _launch_writer(session, stop, RATE_LINES_S)
         run_id = str(launched["run_id"])
-        await until(lambda: len(got.data) > 100_000, 30, "the burst to reach the client")
+        await wait_until_async(lambda: len(got.data) > 100_000, 30, "the burst to reach the client")
         t_burst = time.monotonic()
         for i in range(DROPS):
             agent_pid = int((session.hello or {})["pid"])
@@ -109,15 +111,17 @@ async def test_twenty_ssh_drops_during_a_50k_lines_per_second_burst_lose_and_rep
             before = len(got.data)
             t0 = time.monotonic()
             os.kill(server, signal.SIGKILL)  # the server side of this session dies: the TCP connection is cut
-            await until(lambda: session.state != "connected", 10, f"drop {i + 1} to be noticed")
+            await wait_until_async(lambda: session.state != "connected", 10, f"drop {i + 1} to be noticed")
             t_noticed = time.monotonic()
-            await until(
+            await wait_until_async(
                 lambda old=agent_pid: session.state == "connected" and int((session.hello or {})["pid"]) != old,
                 30,
                 f"reconnect after drop {i + 1}",
             )
             t_back = time.monotonic()
-            await until(lambda b=before: len(got.data) > b + 50_000, 30, f"the stream to resume after drop {i + 1}")
+            await wait_until_async(
+                lambda b=before: len(got.data) > b + 50_000, 30, f"the stream to resume after drop {i + 1}"
+            )
             drops.append(
                 {"noticed_s": t_noticed - t0, "reconnected_s": t_back - t0, "resumed_s": time.monotonic() - t0}
             )
@@ -169,21 +173,21 @@ async def test_agent_killed_with_sigkill_is_noticed_within_two_seconds_and_nothi
     try:
         await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
         run_id = str((await _launch_writer(session, stop, 5_000))["run_id"])
-        await until(lambda: len(got.data) > 10_000, 30, "the log to reach the client")
+        await wait_until_async(lambda: len(got.data) > 10_000, 30, "the log to reach the client")
         for i in range(3):
             agent_pid = int((session.hello or {})["pid"])
             before = len(got.data)
             noticed_at.clear()
             t0 = time.monotonic()
             os.kill(agent_pid, signal.SIGKILL)
-            await until(lambda: noticed_at, 5, f"the client to notice the dead agent ({i + 1})")
+            await wait_until_async(lambda: noticed_at, 5, f"the client to notice the dead agent ({i + 1})")
             notice_s.append(noticed_at[0] - t0)
-            await until(
+            await wait_until_async(
                 lambda old=agent_pid: session.state == "connected" and int((session.hello or {})["pid"]) != old,
                 30,
                 "a new agent",
             )
-            await until(lambda b=before: len(got.data) > b + 5_000, 30, "the stream to resume")
+            await wait_until_async(lambda b=before: len(got.data) > b + 5_000, 30, "the stream to resume")
         data = await _finish(session, run_root, run_id, stop, got)
     finally:
         stop.touch()
@@ -211,18 +215,18 @@ async def test_a_frozen_server_side_is_abandoned_and_the_stream_resumes_lossless
     try:
         await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
         run_id = str((await _launch_writer(session, stop, 20_000))["run_id"])
-        await until(lambda: len(got.data) > 50_000, 30, "the burst to reach the client")
+        await wait_until_async(lambda: len(got.data) > 50_000, 30, "the burst to reach the client")
         agent_pid = int((session.hello or {})["pid"])
         frozen = sshd_session_of(agent_pid)
         t0 = time.monotonic()
         os.kill(frozen, signal.SIGSTOP)
-        await until(lambda: session.state != "connected", 30, "the silent link to be given up")
+        await wait_until_async(lambda: session.state != "connected", 30, "the silent link to be given up")
         noticed_s = time.monotonic() - t0
-        await until(
+        await wait_until_async(
             lambda: session.state == "connected" and int((session.hello or {})["pid"]) != agent_pid, 30, "reconnect"
         )
         before = len(got.data)
-        await until(lambda: len(got.data) > before + 50_000, 30, "the stream to resume")
+        await wait_until_async(lambda: len(got.data) > before + 50_000, 30, "the stream to resume")
         data = await _finish(session, run_root, run_id, stop, got)
     finally:
         stop.touch()

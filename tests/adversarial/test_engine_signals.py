@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adv_support import poll
+from support.waiting import wait_until
 
 from engine.supervisor import records
 
@@ -72,7 +72,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) 
                 timeout_s=300)  # fmt: skip
         assert r.returncode == 0, r.output
         first = records.run_dir_for(root, json.loads(r.stdout)["run_id"])
-        poll(lambda: len(_steps(first)) >= 4, 120, "a few steps of the first run")
+        wait_until(lambda: len(_steps(first)) >= 4, 120, "a few steps of the first run")
         stop = cli("stop", *common, "--grace", "120", timeout_s=200)
         assert stop.returncode == 0, stop.output
         sc["first"] = first
@@ -81,7 +81,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) 
         second = records.run_dir_for(root, json.loads(r.stdout)["run_id"])
         sc["second"] = second
         # Let it pass a checkpoint and a few steps more, then SIGKILL the job's whole group.
-        poll(
+        wait_until(
             lambda: _checkpoints(second) and max(_steps(second)) - max(_checkpoints(second)) >= 2,
             120,
             "a checkpoint and two steps past it",
@@ -90,14 +90,14 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) 
         assert records.process_alive(launch["job_pid"], launch.get("job_start_ticks"))
         steps_before_kill = _steps(second)
         os.killpg(int(launch["job_pgid"]), signal.SIGKILL)
-        poll(lambda: (second / records.EXIT_JSON).exists(), 30, "the wrapper's exit record")
+        wait_until(lambda: (second / records.EXIT_JSON).exists(), 30, "the wrapper's exit record")
         sc["last_step_before_kill"] = max(_steps(second) + steps_before_kill)
         sc["last_checkpoint_before_kill"] = max(_checkpoints(second))
         r = cli("restart", *common, "--wait", "first-step", "--json", timeout_s=300)
         assert r.returncode == 0, r.output
         third = records.run_dir_for(root, json.loads(r.stdout)["run_id"])
         sc["third"] = third
-        poll(lambda: len(_steps(third)) >= 2, 120, "steps after the second restart")
+        wait_until(lambda: len(_steps(third)) >= 2, 120, "steps after the second restart")
         yield sc
     finally:
         cli("stop", *common, "--grace", "60", timeout_s=120)

@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.agent import REPO_ROOT, agent_argv, checkout_env
 
 from engine import protocol
 from engine.agent import main as agent_main
@@ -177,15 +177,13 @@ def test_agent_dispatch_answers_every_junk_line_visibly_and_keeps_serving(
 
 
 def test_real_agent_subprocess_survives_a_stream_of_junk_and_counts_it(tmp_path: Path) -> None:
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.agent.main", "--run-root", str(tmp_path), "--simulate-gpus", "1"],
+        agent_argv(tmp_path, "--simulate-gpus", "1"),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=env,
-        cwd=repo,
+        env=checkout_env(),
+        cwd=REPO_ROOT,
     )
     junk = [
         b"not json",

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from support.waiting import wait_until_async
+
 from engine import protocol
 from tui.session import ConnectOptions, Session, open_session
 
@@ -100,12 +102,13 @@ async def test_session_survives_a_hostile_agent_and_reports_every_unreadable_lin
     session.add_listener(lambda ev: states.append(str(ev.get("state"))) if ev.get("ev") == "connection" else None)
     await session.connect()
     try:
-        deadline = asyncio.get_running_loop().time() + 60
-        while (
-            sum(w.startswith("unreadable line") for w in warnings) < unreadable
-            and asyncio.get_running_loop().time() < deadline
-        ):
-            await asyncio.sleep(0.05)
+        await wait_until_async(
+            lambda: sum(w.startswith("unreadable line") for w in warnings) >= unreadable,
+            60,
+            f"{unreadable} unreadable-line warnings",
+            observe=lambda: sum(w.startswith("unreadable line") for w in warnings),
+            interval_s=0.05,
+        )
         reply = await session.request("ping", timeout_s=30.0)
         assert reply == {"t": 1.0}
         assert session.state == "connected"

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adv_support import pid_alive, poll
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine.agent import procs
 from engine.supervisor import control, records
@@ -107,11 +108,11 @@ class Scene:
         argv = [sys.executable, "-c", TRAP, str(canary)] if trap else ["sleep", "600"]
         p = self._spawn(argv, hold, as_user)
         if hold:
-            poll(lambda: _holds(p.pid, self.dev / hold), 10, f"{role} to hold {hold}")
-        ident = poll(lambda: procs.proc_identity(p.pid), 5, "identity")
+            wait_until(lambda: _holds(p.pid, self.dev / hold), 10, f"{role} to hold {hold}")
+        ident = wait_until(lambda: procs.proc_identity(p.pid), 5, "identity")
         if trap:
             # the trap is live once python has run its first line: wait for the handler to be installed
-            poll(lambda: _catches_term(p.pid), 10, f"{role} to trap SIGTERM")
+            wait_until(lambda: _catches_term(p.pid), 10, f"{role} to trap SIGTERM")
         proc = Proc(role, p, ident, canary, decoy)
         self.procs.append(proc)
         return proc
@@ -119,7 +120,7 @@ class Scene:
     def reused_pid_holder(self, hold: str) -> tuple[Proc, tuple[int, float]]:
         """A holder that exits; then a new holder under the same PID if the kernel lets us, else under another."""
         gone = self._spawn(["sleep", "600"], hold)
-        poll(lambda: _holds(gone.pid, self.dev / hold), 10, "the first holder")
+        wait_until(lambda: _holds(gone.pid, self.dev / hold), 10, "the first holder")
         listed = procs.proc_identity(gone.pid)
         assert listed is not None
         time.sleep(0.06)  # outlive the identity tolerance, so the listing is unambiguous
@@ -189,7 +190,7 @@ def dev_and_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
                 return pid
         return None
 
-    holder = poll(run_holder, 20, "the run's job to hold nvidia1")
+    holder = wait_until(run_holder, 20, "the run's job to hold nvidia1")
     try:
         yield dev, root, holder
     finally:
@@ -315,13 +316,13 @@ def test_a_pid_reused_a_few_ticks_after_the_listed_holder_started_is_not_signall
     try:
         for _ in range(20):
             gone = scene._spawn(["sleep", "600"], "nvidia0")
-            listed = poll(lambda g=gone: procs.proc_identity(g.pid), 5, "identity")
+            listed = wait_until(lambda g=gone: procs.proc_identity(g.pid), 5, "identity")
             time.sleep(0.025)  # the listed holder lives 2-3 clock ticks
             gone.kill()
             gone.wait()
             Path("/proc/sys/kernel/ns_last_pid").write_text(str(listed[0] - 1))
             new = scene._spawn(["sleep", "600"], "nvidia0")
-            ident = poll(lambda n=new: procs.proc_identity(n.pid), 5, "identity")
+            ident = wait_until(lambda n=new: procs.proc_identity(n.pid), 5, "identity")
             if new.pid == listed[0] and ident[1] != listed[1]:
                 break
             new.kill()
@@ -329,7 +330,7 @@ def test_a_pid_reused_a_few_ticks_after_the_listed_holder_started_is_not_signall
         else:
             pytest.skip("could not get the PID reused (a busy host took it first every time)")
         assert 0.0 < ident[1] - listed[1] <= 0.05
-        poll(lambda: _holds(new.pid, dev / "nvidia0"), 5, "the new process to hold the device")
+        wait_until(lambda: _holds(new.pid, dev / "nvidia0"), 5, "the new process to hold the device")
         res = control.kill_stale(root, dry_run=False, targets=[[listed[0], listed[1]]], grace_s=0.5)
         try:
             assert new.pid not in {int(e["pid"]) for e in res["signalled"]}, res["signalled"]

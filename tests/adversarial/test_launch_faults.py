@@ -7,11 +7,9 @@ tmux server, a real 1 MiB tmpfs for the full disk, real files.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adv_support import pid_alive, poll, until
+from support.agent import AgentClient, end_runs
+from support.procfs import pid_alive
+from support.waiting import wait_until, wait_until_async
 
 from engine.supervisor import records, tmux
 from tui.session import ConnectOptions, open_session
@@ -52,32 +52,6 @@ def slow_tmux_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"{d}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def _agent(run_root: Path, path: str | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    if path is not None:
-        env["PATH"] = path
-    return subprocess.Popen(
-        [sys.executable, "-m", "engine.agent.main", "--run-root", str(run_root)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        cwd=REPO_ROOT,
-    )
-
-
-def _end_runs(run_root: Path) -> None:
-    """Teardown: every job of this run root by its recorded group (identity checked), every tmux session."""
-    for rd in records.list_runs(run_root):
-        launch = records.read_json(rd / records.LAUNCH_JSON) or {}
-        pgid = launch.get("job_pgid")
-        if isinstance(pgid, int) and records.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        name = tmux.session_name(rd.name)
-        subprocess.run([*tmux.base_argv(), "kill-session", "-t", f"={name}"], capture_output=True, check=False)
-
-
 def _settled(run_root: Path) -> bool:
     """Every run directory has either a launch record or no tmux session that could still write one."""
     for rd in records.list_runs(run_root):
@@ -100,26 +74,17 @@ def _live_runs(run_root: Path, boot_id: str) -> set[str]:
 
 def _status_run(run_root: Path) -> dict[str, Any] | None:
     """`status` from a fresh agent (stdin kept open until the reply: the agent drops work in flight at EOF)."""
-    agent = _agent(run_root)
-    assert agent.stdin is not None and agent.stdout is not None
+    agent = AgentClient(run_root)
     try:
-        agent.stdin.write(b'{"id": 1, "cmd": "status", "args": {}}\n')
-        agent.stdin.flush()
-        for line in agent.stdout:
-            ev = json.loads(line)
-            if ev.get("ev") == "reply" and ev.get("id") == 1:
-                assert ev["ok"], ev
-                run = ev["result"]["run"]
-                return run if isinstance(run, dict) else None
+        run = agent.ok("status")["run"]
     finally:
-        agent.stdin.close()
-        agent.wait(timeout=30)
-    raise AssertionError("the agent ended without answering status")
+        agent.close(timeout_s=30)
+    return run if isinstance(run, dict) else None
 
 
 def _check_never_half_started(run_root: Path, boot_id: str) -> str:
     """The invariant: what runs is what the next `status` shows. Returns 'started' or 'nothing'."""
-    poll(lambda: _settled(run_root), 10, "the wrapper of an accepted launch to write its record")
+    wait_until(lambda: _settled(run_root), 10, "the wrapper of an accepted launch to write its record")
     live = _live_runs(run_root, boot_id)
     run = _status_run(run_root)
     if not live:
@@ -133,7 +98,7 @@ def _check_never_half_started(run_root: Path, boot_id: str) -> str:
 @pytest.fixture
 def ended_runs(run_root: Path) -> Iterator[Path]:
     yield run_root
-    _end_runs(run_root)
+    end_runs(run_root)
 
 
 def _session_exists(run_root: Path) -> bool:
@@ -145,15 +110,10 @@ def test_agent_losing_its_client_while_tmux_accepts_the_launch_never_leaves_an_i
 ) -> None:
     root = ended_runs
     boot_id = records.read_boot_id()
-    agent = _agent(root, slow_tmux_path)
-    assert agent.stdin is not None and agent.stdout is not None
-    assert json.loads(agent.stdout.readline())["ev"] == "hello"
-    cmd = {"id": 7, "cmd": "launch", "args": {"command": ["sleep", "300"], "run_id": "mid-launch"}}
-    agent.stdin.write((json.dumps(cmd) + "\n").encode())
-    agent.stdin.flush()
-    poll(lambda: _session_exists(root), 10, "tmux to accept the session")
-    agent.stdin.close()  # the client is gone while the agent is inside the launch
-    agent.wait(timeout=30)
+    agent = AgentClient(root, env={"PATH": slow_tmux_path})
+    agent.send("launch", command=["sleep", "300"], run_id="mid-launch")
+    wait_until(lambda: _session_exists(root), 10, "tmux to accept the session")
+    agent.close(timeout_s=30)  # the client is gone while the agent is inside the launch
     assert _check_never_half_started(root, boot_id) in ("started", "nothing")
 
 
@@ -183,17 +143,19 @@ def test_cli_killed_at_each_point_of_a_launch_leaves_a_run_started_and_found_or_
                  "--json", "--", "sleep", "300"],
                 env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )  # fmt: skip
-            poll(lambda r=root, f=reached, p=proc: f(r) or p.poll() is not None, 30, f"the launch to reach '{point}'")
+            wait_until(
+                lambda r=root, f=reached, p=proc: f(r) or p.poll() is not None, 30, f"the launch to reach '{point}'"
+            )
             proc.kill()
             proc.communicate(timeout=30)
-            poll(lambda r=root: not _agents_alive_for(r), 10, "the orphaned agent to exit")
+            wait_until(lambda r=root: not _agents_alive_for(r), 10, "the orphaned agent to exit")
             try:
                 outcomes[point] = _check_never_half_started(root, boot_id)
             except AssertionError as exc:
                 outcomes[point] = "INVISIBLE"
                 failures.append(f"killed at '{point}': {exc}")
         finally:
-            _end_runs(root)
+            end_runs(root)
     print(f"\n[adversarial] CLI killed mid-launch: {outcomes}")
     assert not failures, failures
 
@@ -317,10 +279,12 @@ async def test_rotation_and_truncation_while_a_session_follows_lose_and_repeat_n
 
         async def quiesce() -> None:
             pause.touch()
-            await until(lambda: (tmp_path / "pause.ack").exists(), 10, "the writer to pause")
-            await until(lambda: len(got.files.get(log.stat().st_ino, b"")) == log.stat().st_size, 10, "catch-up")
+            await wait_until_async(lambda: (tmp_path / "pause.ack").exists(), 10, "the writer to pause")
+            await wait_until_async(
+                lambda: len(got.files.get(log.stat().st_ino, b"")) == log.stat().st_size, 10, "catch-up"
+            )
 
-        await until(lambda: got.received > 20_000, 20, "the log to flow")
+        await wait_until_async(lambda: got.received > 20_000, 20, "the log to flow")
         kept: dict[int, Path] = {}
         for cycle in range(3):
             # copytruncate: copy the file away, cut it to nothing while the writer is paused, resume.
@@ -331,18 +295,22 @@ async def test_rotation_and_truncation_while_a_session_follows_lose_and_repeat_n
             os.truncate(log, 0)
             # The writer resumes once the cut was seen: a file that regrows past the follower's offset before
             # its next poll is indistinguishable from one that grew (the limit of any offset-based follower).
-            await until(lambda n=n_resets: len(got.resets) > n, 10, "the truncation to reach the client")
+            await wait_until_async(lambda n=n_resets: len(got.resets) > n, 10, "the truncation to reach the client")
             assert got.resets[-1] == "truncated"
             pause.unlink()
-            await until(lambda i=ino: len(got.files.get(i, b"")) > 5_000, 10, "lines after the truncation")
+            await wait_until_async(lambda i=ino: len(got.files.get(i, b"")) > 5_000, 10, "lines after the truncation")
             # rename rotation: the old file moves away whole, the writer's next batch creates a new one.
             await quiesce()
             old = log.with_name(f"output.log.{cycle}")
             os.rename(log, old)
             kept[old.stat().st_ino] = old
             pause.unlink()
-            await until(lambda: log.exists() and log.stat().st_size > 5_000, 10, "the writer to start a new file")
-            await until(lambda: got.resets[-1] in ("rotated", "created"), 10, "the rotation to reach the client")
+            await wait_until_async(
+                lambda: log.exists() and log.stat().st_size > 5_000, 10, "the writer to start a new file"
+            )
+            await wait_until_async(
+                lambda: got.resets[-1] in ("rotated", "created"), 10, "the rotation to reach the client"
+            )
         await quiesce()
         stop.touch()
     finally:
@@ -362,22 +330,14 @@ FILLER = "import sys, time\nsys.stdout.write('x' * 3_000_000)\nsys.stdout.flush(
 
 
 @pytest.fixture
-def full_disk_root(tmp_path: Path) -> Iterator[Path]:
-    """A run root on its own 1 MiB tmpfs (root can mount one here; anyone else gets a skip saying so)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 1 MiB tmpfs needs root (CI runs as root); a loop device would need root too")
-    mnt = tmp_path / "small-fs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
-    root = mnt / "run-root"
+def full_disk_root(tiny_tmpfs: Path) -> Iterator[Path]:
+    """A run root on its own 1 MiB tmpfs; its runs are ended before the tmpfs goes."""
+    root = tiny_tmpfs / "run-root"
     root.mkdir()
     try:
         yield root
     finally:
-        _end_runs(root)
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+        end_runs(root)
 
 
 def _fill(cli: Callable[..., Any], root: Path) -> str:
@@ -386,7 +346,7 @@ def _fill(cli: Callable[..., Any], root: Path) -> str:
     )
     assert r.returncode == 0, r.output
     run_id = str(json.loads(r.stdout)["run_id"])
-    poll(lambda: shutil.disk_usage(root).free < 8192, 20, "the job to fill the run root's filesystem")
+    wait_until(lambda: shutil.disk_usage(root).free < 8192, 20, "the job to fill the run root's filesystem")
     return run_id
 
 
@@ -436,6 +396,6 @@ def test_a_job_killed_by_a_full_disk_is_reported_failed_with_its_exit_code(
         run = json.loads(cli("status", "local", "--run-root", str(root), "--json").stdout)["run"]
         return run if run["state"] != "running" else None
 
-    run = poll(ended, 30, "the job to end")
+    run = wait_until(ended, 30, "the job to end")
     assert run["run_id"] == run_id
     assert run["state"] == "failed" and run["exit_code"] not in (None, 0), run

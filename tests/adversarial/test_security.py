@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adv_support import ssh_options, sshd_session_of, until
+from adv_support import ssh_options, sshd_session_of
+from support.waiting import wait_until_async
 
 from tui.session import open_session
 
@@ -78,7 +79,7 @@ async def test_a_reconnect_that_meets_a_changed_host_key_fails_instead_of_resumi
         known.write_bytes(sshd.changed_known_hosts.read_bytes())  # from now on the server's key does not match
         server = sshd_session_of(agent_pid)
         os.kill(server, 9)
-        await until(lambda: session.state == "failed", 20, "the session to give up on the changed key")
+        await wait_until_async(lambda: session.state == "failed", 20, "the session to give up on the changed key")
         await asyncio.sleep(0.5)
         assert session.state == "failed"  # and it stays failed: no retry loop against a possible MITM
     finally:
@@ -230,7 +231,7 @@ async def test_the_dashboard_over_ssh_listens_on_nothing_beyond_loopback(
     session = open_session(sshd.target, ssh_options(sshd, run_root, simulate_gpus=2))
     app = DashboardApp(session, gpu_interval_s=0.2, procs_interval_s=0.2)
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(lambda: app.state.gpus is not None, 30, "the dashboard's first GPU sample")
+        await wait_until_async(lambda: app.state.gpus is not None, 30, "the dashboard's first GPU sample")
         await pilot.pause()
         listening = _listening_inodes()
         pids = [os.getpid(), int((session.hello or {})["pid"])]

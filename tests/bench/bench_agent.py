@@ -15,14 +15,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from engine import protocol  # noqa: E402
+from support.agent import AgentClient, Event  # noqa: E402
+
 from engine.agent import procs  # noqa: E402
 from engine.supervisor import records  # noqa: E402
 
@@ -35,58 +35,34 @@ def cpu_s(pid: int) -> float:
     return st.cpu_ticks / CLK_TCK
 
 
-class Agent:
-    def __init__(self, run_root: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.agent.main", "--simulate-gpus", "8", "--run-root", str(run_root)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        self.counts: dict[str, int] = {}
-        self.replies: dict[int, threading.Event] = {}
-        self.bytes = 0
-        threading.Thread(target=self._read, daemon=True).start()
-        self._id = 0
+class EventCounts:
+    """Events of each kind the agent sent, counted as they arrive."""
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.bytes += len(line)
-            ev = protocol.parse_event(line)
-            self.counts[ev["ev"]] = self.counts.get(ev["ev"], 0) + 1
-            if ev["ev"] == "reply" and ev["id"] in self.replies:
-                self.replies[ev["id"]].set()
+    def __init__(self) -> None:
+        self.by_kind: dict[str, int] = {}
 
-    def request(self, cmd: str, **args: object) -> float:
-        self._id += 1
-        done = self.replies.setdefault(self._id, threading.Event())
-        t0 = time.perf_counter()
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(protocol.encode(protocol.command(self._id, cmd, **args)))
-        self.proc.stdin.flush()
-        if not done.wait(30):
-            raise RuntimeError(f"no reply to {cmd}")
-        return time.perf_counter() - t0
+    def __call__(self, ev: Event) -> None:
+        self.by_kind[ev["ev"]] = self.by_kind.get(ev["ev"], 0) + 1
 
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(10)
+
+def round_trip_s(agent: AgentClient, cmd: str, **args: object) -> float:
+    t0 = time.perf_counter()
+    agent.request(cmd, reply_within_s=30, **args)
+    return time.perf_counter() - t0
 
 
 def measure_stream(run_root: Path, seconds: float, procs_interval_s: float) -> tuple[float, dict[str, int], int]:
-    a = Agent(run_root)
+    seen = EventCounts()
+    a = AgentClient(run_root, simulate_gpus=8, on_event=seen)
     try:
-        a.request("ping")
-        a.request("subscribe", gpu_interval_s=0.1, procs_interval_s=procs_interval_s)
+        a.ok("ping")
+        a.ok("subscribe", gpu_interval_s=0.1, procs_interval_s=procs_interval_s)
         time.sleep(1.0)  # let the first scans and imports settle before the window opens
-        c0, t0, n0, b0 = cpu_s(a.proc.pid), time.monotonic(), dict(a.counts), a.bytes
+        c0, t0, n0, b0 = cpu_s(a.proc.pid), time.monotonic(), dict(seen.by_kind), a.bytes_received
         time.sleep(seconds)
         c1, t1 = cpu_s(a.proc.pid), time.monotonic()
-        counts = {k: v - n0.get(k, 0) for k, v in a.counts.items()}
-        return (c1 - c0) / (t1 - t0), counts, a.bytes - b0
+        counts = {k: v - n0.get(k, 0) for k, v in seen.by_kind.items()}
+        return (c1 - c0) / (t1 - t0), counts, a.bytes_received - b0
     finally:
         a.close()
 
@@ -143,10 +119,10 @@ def main() -> int:
                 f"stream, live run (9 threads, 5 processes), 8 sim GPUs @10 Hz, procs every 1.0 s: "
                 f"{ratio * 1000:.1f} ms CPU per s ({ratio * 100:.2f}% of one core); events {counts}"
             )
-            a = Agent(root)
+            a = AgentClient(root, simulate_gpus=8)
             try:
-                a.request("ping")
-                times = [a.request("status") for _ in range(30)]
+                a.ok("ping")
+                times = [round_trip_s(a, "status") for _ in range(30)]
                 print(
                     f"status round trip (warm local agent, live run): median {statistics.median(times) * 1000:.1f} ms,"
                     f" max {max(times) * 1000:.1f} ms"

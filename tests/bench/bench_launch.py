@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests" / "integration"))
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
-from test_launch_harness import AgentClient, AgentPool  # noqa: E402
+from support.agent import AgentClient, AgentPool  # noqa: E402
+from support.waiting import wait_until  # noqa: E402
 
 SEED_S = 600.0
 DEATHS = ("missing script (exit 127)", "raises at import (exit 1)", "killed by SIGKILL")
@@ -49,8 +49,7 @@ def _marker_cmd(kind: str, marker: Path, work: Path) -> list[str]:
 def one_death(agent: AgentClient, kind: str, work: Path) -> float:
     marker = work / f"died-{time.monotonic_ns()}"
     launched = agent.ok("launch", command=_marker_cmd(kind, marker, work), cwd=str(work))
-    cmd_id = agent.send("wait", run_id=launched["run_id"], milestone="first-step", timeout_s=30)
-    reply = agent.next_event(lambda e: e.get("ev") == "reply" and e.get("id") == cmd_id, 60)
+    reply = agent.request("wait", run_id=launched["run_id"], milestone="first-step", timeout_s=30)
     t_reply = time.time()
     res = reply["result"]
     assert res["ok"] is False and res["cause"], res
@@ -94,17 +93,16 @@ class SshHost:
         if os.geteuid() == 0:
             os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         self.proc = subprocess.Popen([binary, "-D", "-e", "-f", str(config)], stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                    if sock.recv(64).startswith(b"SSH-"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("sshd did not start")
-            time.sleep(0.05)
+        wait_until(lambda: self.proc.poll() is not None or self._greets(), 15, "sshd's banner", interval_s=0.05)
+        if self.proc.poll() is not None:
+            raise RuntimeError("sshd did not start")
+
+    def _greets(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                return sock.recv(64).startswith(b"SSH-")
+        except OSError:
+            return False
 
     def close(self) -> None:
         self.proc.terminate()

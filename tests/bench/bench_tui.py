@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import psutil  # noqa: E402
+from support.waiting import wait_until_async  # noqa: E402
 
 from engine.protocol import RunInfo  # noqa: E402
 from tui.app import DashboardApp  # noqa: E402
@@ -109,11 +110,8 @@ async def first_frame_and_samples(
 
 
 async def wait(pilot: Any, predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        await pilot.pause(0.01)
+    """Let the app run until ``predicate()`` holds (looks every 10 ms: the latencies measured are that fine)."""
+    await wait_until_async(predicate, timeout_s, what, pause=pilot.pause, interval_s=0.01)
 
 
 def pin_host_side(session: Any, run: RunInfo | None, cpu: int) -> None:

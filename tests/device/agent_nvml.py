@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from support.agent import AgentClient, Event  # noqa: E402
 
 from engine.agent import procs  # noqa: E402
 from engine.agent.gpus import open_gpu_source  # noqa: E402
@@ -97,28 +99,14 @@ def main() -> int:
     time.sleep(2.0)  # let NVML's utilization window see the busy GPU
 
     with tempfile.TemporaryDirectory() as run_root:
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "engine.agent.main", "--run-root", run_root],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=REPO,
-        )
-        assert agent.stdin is not None and agent.stdout is not None
-        hello = json.loads(agent.stdout.readline())
-        print("hello capabilities:", json.dumps(hello["capabilities"]))
-        check(hello["capabilities"]["nvml"]["ok"], "agent hello says NVML ok")
-        agent.stdin.write(b'{"id":1,"cmd":"status","args":{}}\n')
-        agent.stdin.flush()
+        agent = AgentClient(run_root)
+        print("hello capabilities:", json.dumps(agent.hello["capabilities"]))
+        check(agent.hello["capabilities"]["nvml"]["ok"], "agent hello says NVML ok")
         t0 = time.perf_counter()
-        while True:
-            msg = json.loads(agent.stdout.readline())
-            if msg.get("ev") == "reply" and msg.get("id") == 1:
-                break
+        status = agent.ok("status")
         status_ms = (time.perf_counter() - t0) * 1e3
         smi = nvidia_smi()
-        agent.stdin.close()
-        agent.wait(timeout=10)
-    status = msg["result"]
+        agent.close()
     print(f"status round trip {status_ms:.1f} ms")
     gpus = status["gpus"]
     check(len(gpus) == len(smi), f"agent sees {len(gpus)} GPU(s), nvidia-smi {len(smi)}")
@@ -163,39 +151,14 @@ def main() -> int:
     return 1 if failures else 0
 
 
-class AgentClient:
-    def __init__(self, run_root: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.agent.main", "--run-root", run_root],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=REPO,
-        )
-        self.next_id = 0
-        assert self.proc.stdout is not None
-        self.hello = json.loads(self.proc.stdout.readline())
-
-    def request(self, cmd: str, **args: object) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.next_id += 1
-        self.proc.stdin.write((json.dumps({"id": self.next_id, "cmd": cmd, "args": args}) + "\n").encode())
-        self.proc.stdin.flush()
-        while True:
-            msg = json.loads(self.proc.stdout.readline())
-            if msg.get("ev") in ("milestone", "progress"):
-                print("  event:", json.dumps(msg), flush=True)
-            if msg.get("ev") == "reply" and msg.get("id") == self.next_id:
-                return msg
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=10)
+def print_progress(ev: Event) -> None:
+    if ev["ev"] in ("milestone", "progress"):
+        print("  event:", json.dumps(ev), flush=True)
 
 
 def engine_on_cuda() -> None:
     with tempfile.TemporaryDirectory() as run_root:
-        agent = AgentClient(run_root)
+        agent = AgentClient(run_root, on_event=print_progress)
         out_dir = Path(run_root) / "engine-out"
         command = [
             sys.executable,
@@ -221,7 +184,7 @@ def engine_on_cuda() -> None:
         t0 = time.time()
         rep = agent.request("launch", command=command, cwd=str(REPO), env={"PYTHONPATH": str(REPO)})
         check(rep["ok"], f"launch accepted: {rep.get('error') or rep['result'].get('run_id')}")
-        rep = agent.request("wait", milestone="first-step", timeout_s=240)
+        rep = agent.request("wait", reply_within_s=300, milestone="first-step", timeout_s=240)
         res = rep["result"] or {}
         print("wait:", json.dumps({k: res.get(k) for k in ("ok", "stage", "cause", "elapsed_s")}))
         check(bool(res.get("ok")), f"engine on CUDA reached first-step in {time.time() - t0:.1f} s")
@@ -238,7 +201,7 @@ def engine_on_cuda() -> None:
         check(bool(engine_holders) and all(h["in_run"] for h in engine_holders), "engine process holds the GPU, in_run")
         stale = [a for a in st["anomalies"] if a["kind"] == "stale_holder"]
         check(not stale, f"no stale-holder anomaly for the run's own process ({stale})")
-        rep = agent.request("stop", grace_s=60, release_timeout_s=30)
+        rep = agent.request("stop", reply_within_s=120, grace_s=60, release_timeout_s=30)
         print("stop:", json.dumps(rep.get("result") or rep.get("error")))
         st = agent.request("status")["result"]
         run = st["run"] or {}

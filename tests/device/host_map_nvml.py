@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from support.procfs import cgroup2_root, remove_cgroup_tree  # noqa: E402
+from support.waiting import wait_until  # noqa: E402
 
 from engine import protocol  # noqa: E402
 from engine.agent import host_map, procs  # noqa: E402
@@ -103,28 +106,6 @@ def compute_apps() -> dict[int, dict[str, str]]:
     return apps
 
 
-def cgroup2_root() -> Path | None:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == "cgroup2":
-            return Path(fields[1])
-    return None
-
-
-def rmdir_tree(top: Path) -> None:
-    for d in [*sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), top]:
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                d.rmdir()
-                break
-            except OSError:  # EBUSY until the kernel has released the last exited member
-                if time.monotonic() > deadline:
-                    print(f"note: could not remove {d}", flush=True)
-                    break
-                time.sleep(0.05)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctid", default="4242")
@@ -176,9 +157,10 @@ def main() -> int:
             from engine.agent.gpus import NvmlGpus
 
             source = NvmlGpus(RecordedNvml([[(host_pid, int(ns.gib * (1 << 30)))], []]))
-        deadline = time.monotonic() + 60.0
-        while host_pid not in source.sample().pid_gpus and time.monotonic() < deadline:
-            time.sleep(0.2)
+        try:
+            wait_until(lambda: host_pid in source.sample().pid_gpus, 60, "NVML to list it", interval_s=0.2)
+        except AssertionError as exc:
+            print(f"note: {exc}", flush=True)  # the checks below say what is missing
         hm = host_map.build_host_map(source, ns.ctid)
         costs_ms = []
         for _ in range(50):
@@ -239,7 +221,10 @@ def main() -> int:
             outer.kill()
             outer.wait()
         if cg_top is not None:
-            rmdir_tree(cg_top)
+            try:
+                remove_cgroup_tree(cg_top)
+            except AssertionError as exc:
+                print(f"note: {exc}", flush=True)
     print("FAILURES: " + "; ".join(failures) if failures else "ALL PASS", flush=True)
     return 1 if failures else 0
 

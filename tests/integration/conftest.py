@@ -12,6 +12,9 @@ and ``SPECDEC_DEV_DIR`` (a temp dir where tests can put stand-in ``nvidia*`` dev
 
 The `pct` shim stands in for Proxmox's ``pct exec CTID -- cmd ...``: it checks CTID against the one
 configured here and execs the rest, failing like the real one for an unknown container.
+
+``pool`` and ``agent`` are the supervisor tests' agents: real agent subprocesses on a temporary run root, whose
+runs are ended at teardown by their recorded process groups (tests/support/agent.py).
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from support.agent import AgentClient, AgentPool
+from support.waiting import wait_until
+
+from tui.session import ConnectOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PCT_CTID = 4242
@@ -108,6 +116,19 @@ class Sshd:
             "--connect-timeout",
             str(SSH_CONNECT_TIMEOUT_S),
         ]
+
+    def options(self, run_root: Path | None = None, **extra: Any) -> ConnectOptions:
+        """The same for an in-process session (``open_session``); ``extra`` sets or overrides any option."""
+        kw: dict[str, Any] = {
+            "identity": str(self.identity),
+            "port": self.port,
+            "known_hosts": str(self.known_hosts),
+            "python": sys.executable,
+            "run_root": str(run_root) if run_root is not None else None,
+            "connect_timeout_s": SSH_CONNECT_TIMEOUT_S,
+        }
+        kw.update(extra)
+        return ConnectOptions(**kw)
 
 
 def _sshd_binary() -> str | None:
@@ -193,11 +214,9 @@ def running_sshd(d: Path, tmux_socket: str) -> Iterator[Sshd]:
     with open(d / "sshd.log", "wb") as log:
         proc = subprocess.Popen([binary, "-D", "-e", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 15.0
-            while not _banner_ready(port):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"sshd did not start: {(d / 'sshd.log').read_text(errors='replace')[-2000:]}")
-                time.sleep(0.02)
+            wait_until(lambda: proc.poll() is not None or _banner_ready(port), 15.0, f"sshd to greet on port {port}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"sshd did not start: {(d / 'sshd.log').read_text(errors='replace')[-2000:]}")
             yield Sshd(
                 port=port,
                 user=user,
@@ -229,6 +248,22 @@ def sshd(tmp_path_factory: pytest.TempPathFactory, tmux_socket: str) -> Iterator
             yield server
     except SshdUnavailable as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    """Agents on a fresh run root; every run they launched is ended at teardown."""
+    root = tmp_path / "run-root"
+    root.mkdir()
+    p = AgentPool(root)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def agent(pool: AgentPool) -> AgentClient:
+    """One agent of ``pool``."""
+    return pool.make()
 
 
 @dataclass

@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
+from support.agent import AgentClient, AgentPool, launch_and_wait
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine.agent import procs
 from engine.supervisor import records
@@ -47,15 +49,6 @@ class Scene:
         ident = procs.proc_identity(self.pids[name])
         assert ident is not None
         return [ident[0], ident[1]]
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    root = tmp_path / "run-root"
-    root.mkdir()
-    p = AgentPool(root)
-    yield p
-    p.close()
 
 
 @pytest.fixture
@@ -92,9 +85,9 @@ def scene(tmp_path: Path, pool: AgentPool) -> Iterator[Scene]:
                 return pid
         return None
 
-    holder_in_run = poll_until(run_holder, 10, "the run's child to open nvidia1")
-    poll_until(lambda: holds(pids["stale"], dev / "nvidia0"), 10, "the stale holder to open nvidia0")
-    poll_until(lambda: holds(pids["stale_stubborn"], dev / "nvidiactl"), 10, "the stubborn holder to open nvidiactl")
+    holder_in_run = wait_until(run_holder, 10, "the run's child to open nvidia1")
+    wait_until(lambda: holds(pids["stale"], dev / "nvidia0"), 10, "the stale holder to open nvidia0")
+    wait_until(lambda: holds(pids["stale_stubborn"], dev / "nvidiactl"), 10, "the stubborn holder to open nvidiactl")
     yield Scene(dev, agent, run_dir, holder_in_run, pids)
     for p in started:
         if p.poll() is None:
@@ -219,7 +212,7 @@ def test_another_users_holder_is_left_alone_even_by_a_root_agent(pool: AgentPool
             ]
         )
         try:
-            poll_until(lambda: holds(holder.pid, dev / "nvidia0"), 10, "the other user's holder to open nvidia0")
+            wait_until(lambda: holds(holder.pid, dev / "nvidia0"), 10, "the other user's holder to open nvidia0")
             a = pool.make(env={"SPECDEC_DEV_DIR": str(dev)})
             listed = a.ok("kill_stale", dry_run=True)
             assert listed["candidates"] == []

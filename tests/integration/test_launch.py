@@ -12,29 +12,16 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launch_harness import REPO_ROOT, AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
+from support.agent import REPO_ROOT, AgentClient, AgentPool, launch_and_wait
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine.supervisor import records, tmux
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    root = tmp_path / "run-root"
-    root.mkdir()
-    p = AgentPool(root)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def agent(pool: AgentPool) -> AgentClient:
-    return pool.make()
 
 
 def test_launch_of_missing_script_fails_with_127_and_the_shells_words_within_two_seconds(agent: AgentClient) -> None:
@@ -279,7 +266,7 @@ def test_the_tmux_pane_shows_the_runs_output_and_its_end(agent: AgentClient) -> 
         )
         return done.stdout if "exited with code 3" in done.stdout else ""
 
-    text = poll_until(pane, 10, "the pane to show the run's end")
+    text = wait_until(pane, 10, "the pane to show the run's end")
     assert "first line\nsecond line\n" in text
     assert f"[specdec] run {launched['run_id']} exited with code 3" in text
 

@@ -3,36 +3,31 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.agent import checkout_env
+from support.waiting import wait_until
 
 from engine.supervisor import records
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "import os\nprint('ran in', os.getcwd(), flush=True)\n"
 
 
 def _launch(where: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(
         [sys.executable, "-m", "tui", "launch", *args, "--wait", "output", "--json", "--", sys.executable, "train.py"],
-        cwd=str(where), env=env, capture_output=True, text=True, timeout=60, check=False,
+        cwd=str(where), env=checkout_env(), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     return done, json.loads(done.stdout) if done.stdout.startswith("{") else {}
 
 
 def _output(run_root: Path, run_id: str) -> str:
     log = records.run_dir_for(run_root, run_id) / records.OUTPUT_LOG
-    deadline = time.monotonic() + 10
-    while "ran in" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.02)
+    wait_until(lambda: "ran in" in log.read_text(), 10, "the job's line 'ran in'", observe=log.read_text)
     return log.read_text()
 
 

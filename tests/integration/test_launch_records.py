@@ -10,31 +10,18 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
+from support.agent import AgentClient, launch_and_wait
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine.supervisor import control, records, tmux
 
 pytestmark = pytest.mark.tmux
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    root = tmp_path / "run-root"
-    root.mkdir()
-    p = AgentPool(root)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def agent(pool: AgentPool) -> AgentClient:
-    return pool.make()
 
 
 def test_generated_run_ids_are_valid_and_distinct() -> None:
@@ -114,7 +101,7 @@ def test_killing_the_tmux_session_ends_the_job_and_still_leaves_an_exit_record(a
     job_pid = records.read_run(rd, records.read_boot_id()).pid
     assert job_pid is not None
     assert tmux.kill_session(launched["tmux_session"])  # SIGHUP to the pane: the wrapper forwards it
-    exit_rec = poll_until(lambda: records.read_json(rd / records.EXIT_JSON), 10, "exit.json")
+    exit_rec = wait_until(lambda: records.read_json(rd / records.EXIT_JSON), 10, "exit.json")
     assert exit_rec["signal"] == signal.SIGHUP and exit_rec["signal_name"] == "SIGHUP"
     assert [f["name"] for f in exit_rec["forwarded_signals"]] == ["SIGHUP"]
     assert not pid_alive(job_pid)
@@ -296,27 +283,11 @@ def test_a_launch_tmux_refuses_leaves_no_run_and_the_previous_one_current(
     assert cur is not None and cur.name == "before"
 
 
-@pytest.fixture
-def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs for a run root (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
-
-
-def test_a_job_that_fills_the_run_roots_disk_still_gets_its_exit_record(tiny_fs: Path) -> None:
+def test_a_job_that_fills_the_run_roots_disk_still_gets_its_exit_record(tiny_tmpfs: Path) -> None:
     # os.write raises ENOSPC (exit 1); the wrapper's own records (milestones, its stderr) fail too, and the exit
     # record goes into the space reserved before the job started.
     fill = "import os\ndata = b'x' * 3_000_000\nwhile data:\n    data = data[os.write(1, data):]\n"
-    launched = control.launch({"command": [sys.executable, "-c", fill], "run_id": "fills"}, tiny_fs / "root")
+    launched = control.launch({"command": [sys.executable, "-c", fill], "run_id": "fills"}, tiny_tmpfs / "root")
     rd = Path(launched["run_dir"])
     try:
         res = control.wait_for(rd, "first-step", timeout_s=30)

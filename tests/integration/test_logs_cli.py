@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.agent import checkout_env
+from support.waiting import wait_until
 
 from engine.supervisor import records
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 F_GETPIPE_SZ = 1032  # fcntl.F_GETPIPE_SZ, named only from Python 3.10 on some platforms
 
 # Writes "start", waits for the go file, then numbered lines at about RATE lines/s until the stop file exists.
@@ -49,12 +50,6 @@ out.write(b"done %d\n" % i); out.flush()
 LINE_BYTES = len(b"line 000000000 of the numbered run output")
 RATE_LINES_S = 20_000  # 0.8 MB/s, twice what the slow reader takes
 SLOW_READ_BYTES = 4096  # per poll (10 ms): 0.4 MB/s
-KILLS = 3
-QUIET_S = 5.0  # no byte for this long after the run ended: the follower has sent all it will
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _children_of(ppid: int) -> set[int]:
@@ -92,18 +87,8 @@ def _read(fd: int, into: bytearray, most: int) -> None:
         into += os.read(fd, most)
 
 
-def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
-
-
 KILLS = 4
+READ_POLL_S = 0.01  # each look reads at most SLOW_READ_BYTES: this interval sets the slow reader's pace
 QUIET_S = 5.0  # no byte for this long after the run ended: the follower has sent all it will
 
 
@@ -129,30 +114,46 @@ def test_follow_into_a_slow_pipe_loses_nothing_when_the_ssh_link_drops_while_the
         [sys.executable, "-m", "tui", "logs", sshd.target, *sshd.args(), "--run-root", str(run_root), "-n", "1", "-f"],
         stdout=write_end,
         stderr=subprocess.PIPE,
-        env=_env(),
+        env=checkout_env(),
     )
     os.close(write_end)
     pipe_bytes = fcntl.fcntl(fd, F_GETPIPE_SZ)
     got = bytearray()
     try:
-        got += _wait(lambda: os.read(fd, 6), 30, "the tail's one line")  # unbuffered: every byte is counted
+        # unbuffered: every byte is counted
+        got += wait_until(lambda: os.read(fd, 6), 30, "the tail's one line", interval_s=READ_POLL_S)
         assert got == b"start\n"
         go.write_text("")
         served_by: set[int] = set()
         for _ in range(KILLS):
             # A new SSH session serves the follower (the first one, or the one after the last kill).
             old = before | served_by
-            new = _wait(lambda o=old: _read(fd, got, 1 << 20) or _children_of(main_sshd) - o, 60, "a session")
+            new = wait_until(
+                lambda o=old: _read(fd, got, 1 << 20) or _children_of(main_sshd) - o,
+                60,
+                "a session",
+                interval_s=READ_POLL_S,
+            )
             assert len(new) == 1, new
             served_by |= new
             # The reader falls behind: the pipe fills and the client waits on it while the link keeps carrying.
-            _wait(lambda: _read(fd, got, SLOW_READ_BYTES) or _pending_bytes(fd) > pipe_bytes // 2, 30, "a full pipe")
+            wait_until(
+                lambda: _read(fd, got, SLOW_READ_BYTES) or _pending_bytes(fd) > pipe_bytes // 2,
+                30,
+                "a full pipe",
+                interval_s=READ_POLL_S,
+            )
             for _ in range(30):
                 _read(fd, got, SLOW_READ_BYTES)
                 time.sleep(0.01)
             os.kill(_session_process(min(new)), signal.SIGKILL)  # the session's sshd dies: the connection is cut
         stop.write_text("")
-        _wait(lambda: _read(fd, got, 1 << 20) or (run_dir / records.EXIT_JSON).exists(), 30, "the writer's exit")
+        wait_until(
+            lambda: _read(fd, got, 1 << 20) or (run_dir / records.EXIT_JSON).exists(),
+            30,
+            "the writer's exit",
+            interval_s=READ_POLL_S,
+        )
         size = (run_dir / records.OUTPUT_LOG).stat().st_size
         while len(got) < size and select.select([fd], [], [], QUIET_S)[0]:
             chunk = os.read(fd, 1 << 20)
@@ -214,7 +215,7 @@ def test_logs_n_then_follow_continues_right_after_the_last_line_printed(run_root
     run_dir = _hand_made_run(run_root, "20261201-100000-bbbb", log)
     argv = [sys.executable, "-m", "tui", "logs", "local", "--run-root", str(run_root), "-f"]
     for n in ("100000000", "2"):
-        follow = subprocess.Popen([*argv, "-n", n], stdout=subprocess.PIPE, env=_env())
+        follow = subprocess.Popen([*argv, "-n", n], stdout=subprocess.PIPE, env=checkout_env())
         assert follow.stdout is not None
         try:
             want = log if n != "2" else b"a partial line, ended\na partial li"

@@ -12,12 +12,13 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_launch_harness import REPO_ROOT, AgentClient, AgentPool, pid_alive, poll_until
+from support.agent import REPO_ROOT, AgentClient
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine import protocol
 from engine.supervisor import records
@@ -61,17 +62,6 @@ OOM_ONCE = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[AgentClient]:
-    root = tmp_path / "run-root"
-    root.mkdir()
-    pool = AgentPool(root)
-    try:
-        yield pool.make()
-    finally:
-        pool.close()
-
-
 def launch(agent: AgentClient, code: str, deadlines_s: dict[str, float] | None = None, **policy: Any) -> Path:
     """Launch ``code`` as a script file (so a stack dump shows its source lines) under the restart policy."""
     script = Path(agent.hello["run_root"]) / f"job-{time.monotonic_ns()}.py"
@@ -80,6 +70,9 @@ def launch(agent: AgentClient, code: str, deadlines_s: dict[str, float] | None =
         "launch",
         command=[sys.executable, str(script)],
         cwd=str(REPO_ROOT),
+        # A job's environment is the private tmux server's, from whichever test started it (over SSH: no
+        # PYTHONPATH); the jobs that import the engine name this checkout themselves.
+        env={"PYTHONPATH": str(REPO_ROOT)},
         restart={**FAST, **policy},
         deadlines_s=deadlines_s or {},
     )
@@ -91,7 +84,7 @@ def ended(run_dir: Path, timeout_s: float = END_WITHIN_S) -> protocol.RunInfo:
         info = records.read_run(run_dir, records.read_boot_id())
         return info if info.state in ("exited", "failed") else None
 
-    info: protocol.RunInfo = poll_until(done, timeout_s, f"run {run_dir.name} to end")
+    info: protocol.RunInfo = wait_until(done, timeout_s, f"run {run_dir.name} to end")
     return info
 
 
@@ -194,7 +187,7 @@ def test_stop_during_the_backoff_ends_the_run_promptly_and_restarts_nothing(agen
     def in_backoff() -> bool:
         return records.read_run(run_dir, records.read_boot_id()).restart_state == "backoff"
 
-    poll_until(in_backoff, 20, "the first restart's backoff")
+    wait_until(in_backoff, 20, "the first restart's backoff")
     t0 = time.monotonic()
     result = agent.ok("stop", grace_s=5, release_timeout_s=1)
     stop_s = time.monotonic() - t0
@@ -212,7 +205,7 @@ def test_stop_during_the_backoff_ends_the_run_promptly_and_restarts_nothing(agen
 
 def test_stop_of_a_running_attempt_cancels_the_policy(agent: AgentClient) -> None:
     run_dir = launch(agent, "import time; print('up', flush=True); time.sleep(600)", on=["crash"], max=3)
-    poll_until(lambda: "up" in output(run_dir), 20, "the job's first output")
+    wait_until(lambda: "up" in output(run_dir), 20, "the job's first output")
     result = agent.ok("stop", grace_s=5, release_timeout_s=1)
     assert result["stopped"] is True
     assert "restart policy cancelled: nothing is restarted after this stop" in result["steps"]
@@ -221,7 +214,7 @@ def test_stop_of_a_running_attempt_cancels_the_policy(agent: AgentClient) -> Non
     assert info.state == "failed" and info.restarts == [] and info.restart_state == "cancelled"
     launch_rec = records.read_json(run_dir / records.LAUNCH_JSON) or {}
     assert launch_rec["attempt"] == 1
-    poll_until(lambda: not pid_alive(launch_rec["wrapper_pid"]), 5, "the wrapper to exit")
+    wait_until(lambda: not pid_alive(launch_rec["wrapper_pid"]), 5, "the wrapper to exit")
 
 
 LEAVES_A_WORKER = textwrap.dedent(
@@ -248,15 +241,22 @@ def test_what_is_left_of_a_crashed_attempts_group_is_ended_before_the_restart(ag
     assert ended_at < log.index("attempt 2 runs alone")
 
 
-THREAD_DIES_ONCE = textwrap.dedent(
+# The head of a job that reports a dead drafter thread as the engine does: a thread_error in its events file.
+REPORTS_A_DEAD_THREAD = textwrap.dedent(
     """
     import json, os, sys, time
-    attempt = int(os.environ["SPECDEC_ATTEMPT"])
-    if attempt == 1:
+    def thread_dies():
         err = {"t": time.time(), "kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError",
                "message": "boom", "traceback": "", "policy": "stop"}
         with open(os.environ["SPECDEC_EVENTS"], "a") as ev:
             ev.write(json.dumps(err) + "\\n")
+    """
+)
+THREAD_DIES_ONCE = REPORTS_A_DEAD_THREAD + textwrap.dedent(
+    """
+    attempt = int(os.environ["SPECDEC_ATTEMPT"])
+    if attempt == 1:
+        thread_dies()
         time.sleep(0.3)  # the engine takes a moment to stop its other threads
         sys.exit(1)
     print("step=1", flush=True)
@@ -273,9 +273,8 @@ def test_a_wait_goes_on_through_a_restart_after_a_dead_thread(agent: AgentClient
 
 
 # Attempt 1: a thread dies, then the process waits for "go" and exits 1; attempt 2 lives until "done".
-DEAD_THREAD_THEN_HEALTHY = textwrap.dedent(
+DEAD_THREAD_THEN_HEALTHY = REPORTS_A_DEAD_THREAD + textwrap.dedent(
     """
-    import json, os, sys, time
     here = os.path.dirname(os.path.abspath(__file__))
     def wait_for(name):
         deadline = time.monotonic() + 30
@@ -283,10 +282,7 @@ DEAD_THREAD_THEN_HEALTHY = textwrap.dedent(
             time.sleep(0.02)
     attempt = int(os.environ["SPECDEC_ATTEMPT"])
     if attempt == 1:
-        err = {"t": time.time(), "kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError",
-               "message": "boom", "traceback": "", "policy": "stop"}
-        with open(os.environ["SPECDEC_EVENTS"], "a") as ev:
-            ev.write(json.dumps(err) + "\\n")
+        thread_dies()
         wait_for("go")
         sys.exit(1)
     print("attempt 2 up", flush=True)
@@ -302,9 +298,9 @@ def test_the_first_attempts_dead_thread_is_not_reported_after_the_restart(agent:
     def dead_threads() -> list[dict[str, Any]]:
         return [a for a in agent.ok("status")["anomalies"] if a["kind"] == "dead_thread"]
 
-    assert poll_until(dead_threads, 20, "the dead-thread anomaly of attempt 1")
+    assert wait_until(dead_threads, 20, "the dead-thread anomaly of attempt 1")
     (here / "go").touch()
-    poll_until(lambda: "attempt 2 up" in output(run_dir), 20, "attempt 2")
+    wait_until(lambda: "attempt 2 up" in output(run_dir), 20, "attempt 2")
     status = agent.ok("status")
     assert [r["cause"] for r in status["run"]["restarts"]] == ["crash"] and status["run"]["state"] == "running"
     assert not [a for a in status["anomalies"] if a["kind"] == "dead_thread"], status["anomalies"]

@@ -10,12 +10,12 @@ import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from engine.supervisor import records
 
@@ -69,10 +69,7 @@ ROOT_CAUSE = "torchrun: rank 1 (local_rank 1) exited with code 1: RuntimeError: 
 
 def _wait_exit(run_root: Path, run_id: str, timeout_s: float = 20.0) -> None:
     exit_json = records.run_dir_for(run_root, run_id) / records.EXIT_JSON
-    deadline = time.monotonic() + timeout_s
-    while not exit_json.exists():
-        assert time.monotonic() < deadline, f"run {run_id} did not end within {timeout_s} s"
-        time.sleep(0.02)
+    wait_until(exit_json.exists, timeout_s, f"run {run_id} to end ({exit_json.name})")
 
 
 def _launch(cli: Cli, run_root: Path, *command: str, wait: str = "started") -> dict[str, Any]:

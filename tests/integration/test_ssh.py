@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until_async
 
 from tui import ship
 from tui.session import ConnectOptions, open_session
@@ -62,14 +63,7 @@ def _installed_bundle(run_root: Path) -> Path:
 
 async def test_first_connect_ships_the_bundle_and_a_corrupt_one_is_replaced(sshd: Any, run_root: Path) -> None:
     # In-process, so the bundle cannot change between the two connects while someone edits engine/.
-    opts = ConnectOptions(
-        identity=str(sshd.identity),
-        port=sshd.port,
-        known_hosts=str(sshd.known_hosts),
-        python=sys.executable,
-        run_root=str(run_root),
-        connect_timeout_s=5.0,
-    )
+    opts = sshd.options(run_root)
     bundle = ship.agent_bundle()
 
     async def connect_once() -> dict[str, Any]:
@@ -222,14 +216,7 @@ NASTY_ARGS = ["it's", 'say "hi"', "a b  c", "x; touch /tmp/pwned-specdec", "$(id
 
 @pytest.mark.parametrize("pct", [False, True], ids=["ssh", "ssh+pct"])
 async def test_arguments_reach_the_host_literally(sshd: Any, pct: bool) -> None:
-    opts = ConnectOptions(
-        identity=str(sshd.identity),
-        port=sshd.port,
-        known_hosts=str(sshd.known_hosts),
-        python=sys.executable,
-        pct=sshd.pct_ctid if pct else None,
-        connect_timeout_s=5.0,
-    )
+    opts = sshd.options(pct=sshd.pct_ctid if pct else None)
     transport = SshTransport(Target.parse(sshd.target), opts)
     try:
         argv = transport._host_argv([sys.executable, "-c", "import json,sys; print(json.dumps(sys.argv[1:]))"])
@@ -312,14 +299,7 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
         "--", sys.executable, "-c", script,
     )  # fmt: skip
     assert r.returncode == 0, r.output
-    opts = ConnectOptions(
-        identity=str(sshd.identity),
-        port=sshd.port,
-        known_hosts=str(sshd.known_hosts),
-        python=sys.executable,
-        run_root=str(run_root),
-        connect_timeout_s=5.0,
-    )
+    opts = sshd.options(run_root)
     session = open_session(sshd.target, opts)
     session.backoff_base_s = 0.1
     received = bytearray()
@@ -344,13 +324,13 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
     await session.connect()
     try:
         await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
-        await asyncio.wait_for(_until(lambda: len(received) > 200), 10)
+        await wait_until_async(lambda: len(received) > 200, 10, "200 log bytes", observe=lambda: len(received))
         first_pid = (session.hello or {})["pid"]
         transport = session.transport
         assert isinstance(transport, SshTransport)
         transport.drop_connection()  # the link dies under the session
         await asyncio.wait_for(done.wait(), 30)
-        await asyncio.wait_for(_until(lambda: len(steps) >= 400), 10)
+        await wait_until_async(lambda: len(steps) >= 400, 10, "400 step events", observe=lambda: len(steps))
         assert (session.hello or {})["pid"] != first_pid
     finally:
         await session.close()
@@ -358,13 +338,6 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
     expected = "".join(f"line {i:04d}\n" for i in range(400)).encode()
     assert bytes(received) == expected
     assert steps == list(range(400))  # engine events resumed from their offset: none lost, none twice
-
-
-async def _until(pred: Callable[[], bool]) -> None:
-    import asyncio
-
-    while not pred():
-        await asyncio.sleep(0.02)
 
 
 def test_attach_argv_quotes_the_remote_command(sshd: Any) -> None:
@@ -400,7 +373,7 @@ def test_engine_launched_over_ssh_runs_from_the_shipped_bundle(
 
 
 def test_kill_stale_yes_over_ssh_lists_then_signals_only_the_stand_in_holder(
-    sshd: Any, cli: Callable[..., Any], run_root: Path, wait_until: Callable[..., Any]
+    sshd: Any, cli: Callable[..., Any], run_root: Path
 ) -> None:
     # The sshd sessions see SPECDEC_DEV_DIR = sshd.dev_dir: a process holding a file named nvidia0 there is a holder.
     device = sshd.dev_dir / "nvidia0"

@@ -10,11 +10,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launch_harness import REPO_ROOT, AgentClient, AgentPool, launch_and_wait
+from support.agent import REPO_ROOT, AgentClient, launch_and_wait
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
@@ -40,17 +39,6 @@ BUSY_RUN = textwrap.dedent(
     """
 )
 LOG_LINE = re.compile(r"^(step=\d+|target0 produced|main: health tick)", re.M)
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[AgentClient]:
-    root = tmp_path / "run-root"
-    root.mkdir()
-    pool = AgentPool(root)
-    try:
-        yield pool.make()
-    finally:
-        pool.close()
 
 
 def _stop(agent: AgentClient, run_id: str) -> None:

@@ -7,30 +7,17 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
+from support.agent import AgentClient, AgentPool, launch_and_wait
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine.agent import procs
 from engine.supervisor import records
 
 pytestmark = pytest.mark.tmux
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    root = tmp_path / "run-root"
-    root.mkdir()
-    p = AgentPool(root)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def agent(pool: AgentPool) -> AgentClient:
-    return pool.make()
 
 
 IGNORES_TERM = textwrap.dedent(
@@ -123,7 +110,7 @@ def test_stop_waits_for_the_runs_gpu_devices_and_names_a_holder_that_escaped(poo
     )
     launched, _, _ = launch_and_wait(a, ["bash", "-c", script, HOLD], "started", 20)
     log = Path(launched["run_dir"]) / "output.log"
-    poll_until(lambda: log.read_text().count("holding") == 2, 10, "both holders to open their device")
+    wait_until(lambda: log.read_text().count("holding") == 2, 10, "both holders to open their device")
     escaped = next(
         pid
         for pid in procs.tree_pids(records.read_run(Path(launched["run_dir"]), records.read_boot_id()).pid or 0)

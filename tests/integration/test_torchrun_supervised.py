@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.agent import checkout_env
+from support.waiting import wait_until
 from torchrun_support import TINY_ENGINE_TOML
 
 from engine.supervisor import records
@@ -56,12 +58,6 @@ def launch_cli(root: Path, command: list[str], *opts: str) -> list[str]:
             "--", *command]  # fmt: skip
 
 
-def cli_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def events(path: Path) -> list[dict[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -73,24 +69,19 @@ def events(path: Path) -> list[dict[str, Any]]:
 def rank_pid(run_dir: Path, rank: int, timeout_s: float) -> int:
     """The pid global rank ``rank`` reported in its ``distributed`` stage event, in whichever events file of the
     run directory it writes (a node's first rank writes events.jsonl), by a bounded wait."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def reported() -> int | None:
         for path in sorted(run_dir.glob("events*.jsonl")):
             for e in events(path):
                 if e.get("stage") == "distributed" and e.get("rank") == rank:
                     return int(e["pid"])
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} reported no distributed stage in {run_dir} within {timeout_s} s")
+        return None
+
+    return wait_until(reported, timeout_s, f"rank {rank}'s distributed stage in {run_dir}", interval_s=0.1)
 
 
 def current_run_dir(root: Path, timeout_s: float = 30.0) -> Path:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        rd = records.current_run_dir(root)
-        if rd is not None:
-            return rd
-        time.sleep(0.05)
-    raise AssertionError(f"no current run under {root}")
+    return wait_until(lambda: records.current_run_dir(root), timeout_s, f"a current run under {root}")
 
 
 def alive(pid: int) -> bool:
@@ -143,7 +134,7 @@ def test_a_rank_killed_before_first_step_is_named_by_launch_wait_and_status(
     cmd = job_command("--standalone", "--nproc-per-node", "2", *engine_args(write_config(tmp_path), tmp_path / "out"))
     waiting = subprocess.Popen(
         launch_cli(root, cmd, "--wait", "first-step", "--json"),
-        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         rd = current_run_dir(root)
@@ -179,23 +170,16 @@ def free_port() -> int:
 def wait_listening(port: int, timeout_s: float) -> None:
     import socket
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(listening, timeout_s, f"a listener on 127.0.0.1:{port}", interval_s=0.1)
 
 
 def wait_exit_record(run_dir: Path, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        rec = records.read_json(run_dir / records.EXIT_JSON)
-        if rec is not None:
-            return rec
-        time.sleep(0.05)
-    raise AssertionError(f"{run_dir.name} wrote no exit record within {timeout_s} s")
+    exit_json = run_dir / records.EXIT_JSON
+    return wait_until(lambda: records.read_json(exit_json), timeout_s, f"{run_dir.name}'s exit record")
 
 
 def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_the_other_naming_it(
@@ -215,7 +199,7 @@ def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_t
             waits.append(
                 subprocess.Popen(
                     launch_cli(roots[n], cmd, "--wait", "first-step", "--json"),
-                    cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 )
             )
             if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does: the one kept
@@ -233,10 +217,7 @@ def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_t
         os.killpg(agent1, signal.SIGKILL)  # node 1's torchrun agent, as a machine's agent dies
         ended = wait_exit_record(dirs[0], 60)
         stop_s = float(ended["ended_at"]) - t_kill
-        deadline = time.monotonic() + 20
-        while alive(node1_rank) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(node1_rank), "node 1's rank outlived its killed agent"
+        wait_until(lambda: not alive(node1_rank), 20, "node 1's rank to end with its killed agent")
         status0 = json.loads(cli("status", "local", "--run-root", str(roots[0]), "--json").stdout)["run"]
         status1 = json.loads(cli("status", "local", "--run-root", str(roots[1]), "--json").stdout)["run"]
     finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 from torchrun_support import TINY_ENGINE_TOML
 
 from engine.trainer.data import shipped_corpus_path
@@ -180,15 +181,17 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resume_contin
 
 def wait_for_step_then_pid(path: Path, step: int, timeout_s: float) -> int:
     """The pid of the rank writing ``path`` once it has reported ``step`` (bounded wait on the file)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            evs = events(path)
-            pid = next((e["pid"] for e in evs if e.get("stage") == "distributed"), None)
-            if pid is not None and any(e["kind"] == "step" and e["step"] >= step for e in evs):
-                return int(pid)
-        time.sleep(0.2)
-    raise AssertionError(f"no step {step} in {path} within {timeout_s} s")
+
+    def stepped() -> int | None:
+        if not path.exists():
+            return None
+        evs = events(path)
+        pid = next((e["pid"] for e in evs if e.get("stage") == "distributed"), None)
+        if pid is not None and any(e["kind"] == "step" and e["step"] >= step for e in evs):
+            return int(pid)
+        return None
+
+    return wait_until(stepped, timeout_s, f"step {step} in {path}", interval_s=0.2)
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -25,19 +24,6 @@ def tui_config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SPECDEC_TUI_CONFIG_DIR", str(directory))
     monkeypatch.delenv("TMUX", raising=False)
     return directory
-
-
-async def wait_until(pilot: Any, predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
-    """Let the app run until ``predicate()`` is truthy; fail after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate!r}")
-        await pilot.pause(0.02)
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.waiting import wait_until
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 REPO = Path(__file__).resolve().parents[2]
@@ -27,14 +27,6 @@ DASH = "specdec-attach-dash"
 
 def tmux(server: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["tmux", "-L", server, *args], capture_output=True, text=True, timeout=10)
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -106,9 +98,9 @@ def screen(server: str) -> str:
 
 def press_attach_here(server: str) -> str:
     """Press `a`, then `h` on the dialog; returns the dialog as it was shown."""
-    wait_for(lambda: "running" in screen(server) and "SIMULATED" in screen(server), 30, "the dashboard with the run")
+    wait_until(lambda: "running" in screen(server) and "SIMULATED" in screen(server), 30, "the dashboard with the run")
     tmux(server, "send-keys", "-t", DASH, "a")
-    wait_for(lambda: "Use this terminal" in screen(server), 10, "the attach dialog")
+    wait_until(lambda: "Use this terminal" in screen(server), 10, "the attach dialog")
     dialog = screen(server)
     tmux(server, "send-keys", "-t", DASH, "h")
     return dialog
@@ -121,10 +113,10 @@ def test_use_this_terminal_on_the_runs_own_server_switches_the_client(
     start_dashboard(server, run_root, tui_config_dir)
     try:
         with attached_client(server, DASH):
-            wait_for(lambda: client_sessions(server) == [DASH], 10, "the client on the dashboard's session")
+            wait_until(lambda: client_sessions(server) == [DASH], 10, "the client on the dashboard's session")
             dialog = press_attach_here(server)
             assert "New tmux window" not in dialog, "a window on the same server would nest it"
-            wait_for(lambda: client_sessions(server) == [run_session], 10, "the client switched to the run")
+            wait_until(lambda: client_sessions(server) == [run_session], 10, "the client switched to the run")
             assert "nested" not in screen(server) and "exited with status" not in screen(server), screen(server)
     finally:
         tmux(server, "kill-session", "-t", DASH)
@@ -139,10 +131,10 @@ def test_use_this_terminal_from_another_tmux_server_attaches_and_detach_returns(
     try:
         with attached_client(outer, DASH):
             press_attach_here(outer)
-            wait_for(lambda: client_sessions(run_server) == [run_session], 10, "a client on the run's session")
+            wait_until(lambda: client_sessions(run_server) == [run_session], 10, "a client on the run's session")
             assert "nested" not in screen(outer), screen(outer)
             tmux(run_server, "detach-client", "-s", run_session)
-            wait_for(lambda: "SIMULATED" in screen(outer), 15, "the dashboard back after detaching")
+            wait_until(lambda: "SIMULATED" in screen(outer), 15, "the dashboard back after detaching")
             assert "exited with status" not in screen(outer), screen(outer)
     finally:
         tmux(outer, "kill-server")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conftest import wait_until
+from support.pilot import wait_until
 from textual.color import Color
 from textual.drivers.headless_driver import HeadlessDriver
 from textual.widgets import Button, Input

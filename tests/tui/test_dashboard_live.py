@@ -5,7 +5,6 @@ Launch, kill-stale and quit go through the real session, the real agent and real
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -16,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from support.pilot import wait_until
+from support.procfs import pid_alive
+from support.waiting import wait_until_async
 
 from engine.protocol import to_jsonable
 from tui.app import DashboardApp
@@ -32,20 +33,6 @@ STEP_SCRIPT = (
     "    time.sleep(0.05)\n"
 )
 HOLD = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(600)\n"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def tmux_has(session_name: str) -> bool:
@@ -110,13 +97,7 @@ async def test_quit_leaves_the_run_alive(
     assert tmux_has(run["tmux_session"])
     log = Path(run["run_dir"]) / "output.log"
     size = log.stat().st_size
-    grew = False
-    for _ in range(250):  # the job keeps writing after we left (bounded poll)
-        if log.stat().st_size > size:
-            grew = True
-            break
-        await asyncio.sleep(0.02)
-    assert grew
+    await wait_until_async(lambda: log.stat().st_size > size, 5, "the job to keep writing after we left")
 
 
 async def test_kill_stale_lists_exactly_the_stale_holders_and_signals_only_after_confirm(

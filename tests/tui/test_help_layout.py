@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conftest import wait_until
+from support.pilot import wait_until
 from textual.geometry import Region
 from tui_recorded import RecordingSession
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from conftest import wait_until
+from support.pilot import wait_until
 from test_dashboard_live import SIZE, STEP_SCRIPT
 
 from engine.protocol import to_jsonable

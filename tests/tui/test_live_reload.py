@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import wait_until
+from support.pilot import wait_until
 from textual.color import Color
 from textual.message import Message
 from tui_recorded import RecordingSession

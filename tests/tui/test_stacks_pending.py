@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from conftest import wait_until
+from support.pilot import wait_until
 from tui_recorded import RecordingSession
 
 from tui.app import DashboardApp

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.procfs import pid_alive
+from support.waiting import wait_until
 
 from engine.supervisor import records
 
@@ -37,23 +39,14 @@ def screen(history: bool = False) -> str:
 
 
 def wait_screen(predicate: Callable[[str], bool], timeout_s: float, what: str, *, history: bool = False) -> float:
-    """Seconds until the captured screen satisfies ``predicate``; fails after ``timeout_s``."""
+    """Seconds until the captured screen satisfies ``predicate``; fails after ``timeout_s``, showing the screen."""
     start = time.monotonic()
-    while True:
-        text = screen(history)
-        if predicate(text):
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; screen:\n{text}")
-        time.sleep(0.05)
 
+    def look() -> str:
+        return screen(history)
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    wait_until(lambda: predicate(look()), timeout_s, what, observe=look, interval_s=0.05)
+    return time.monotonic() - start
 
 
 @pytest.fixture
@@ -109,14 +102,13 @@ def test_connect_local_shows_every_pane_and_quit_leaves_the_run(dashboard_in_tmu
     tmux("send-keys", "-t", SESSION, "q")
     wait_screen(lambda s: "keeps running" in s, 15, "the exit message", history=True)
     quit_at = time.monotonic()
-    deadline = quit_at + 30
-    status = ""
-    while not status:  # tmux marks the pane dead, then records the status
+
+    def exit_status() -> str:  # tmux marks the pane dead, then records the status
         # tmux 3.3a can miss a child's SIGCHLD (the pane never turns dead); run-shell makes the server reap.
         tmux("run-shell", "true")
-        status = tmux("display-message", "-p", "-t", SESSION, "#{?pane_dead,#{pane_dead_status},}").stdout.strip()
-        assert time.monotonic() < deadline, "the dashboard did not exit after q"
-        time.sleep(0.05)
+        return tmux("display-message", "-p", "-t", SESSION, "#{?pane_dead,#{pane_dead_status},}").stdout.strip()
+
+    status = wait_until(exit_status, 30, "the dashboard to exit after q", interval_s=0.05)
     assert status == "0", screen()
     print(f"exited {time.monotonic() - quit_at:.2f} s after the exit message")
     assert pid_alive(pid)

@@ -7,24 +7,16 @@ import os
 import pwd
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from support.waiting import wait_until
 
 from engine.agent import procs
 
 NO_SUCH_PID = 2**22 + 1  # above the kernel's largest pid_max: never a live process
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -69,7 +61,7 @@ def test_fd_holders_are_found_with_their_gpu_indices(
     b = spawn(dev_dir / "nvidia1", dev_dir / "nvidia7")
     ctl_only = spawn(dev_dir / "nvidiactl")
     bystander = spawn()
-    wait_until(lambda: {a.pid, b.pid, ctl_only.pid} <= set(holders_by_pid()), what="holders visible")
+    wait_until(lambda: {a.pid, b.pid, ctl_only.pid} <= set(holders_by_pid()), 10, "holders visible")
     found = holders_by_pid()
     assert bystander.pid not in found
     assert found[a.pid].gpus == [0]
@@ -89,7 +81,7 @@ def test_default_dev_dir_comes_from_the_environment(
 ) -> None:
     p = spawn(dev_dir / "nvidia1")
     assert procs.default_dev_dir() == str(dev_dir)
-    wait_until(lambda: p.pid in holders_by_pid(), what="holder")
+    wait_until(lambda: p.pid in holders_by_pid(), 10, "holder")
     assert p.pid not in holders_by_pid(dev_dir=str(dev_dir / "elsewhere"))
 
 
@@ -112,7 +104,7 @@ def test_nvml_pid_naming_an_unrelated_local_process_is_unresolved(
 
 def test_nvml_and_fd_views_merge(dev_dir: Path, spawn: Callable[..., subprocess.Popen[bytes]]) -> None:
     p = spawn(dev_dir / "nvidia0")
-    wait_until(lambda: p.pid in holders_by_pid(), what="holder")
+    wait_until(lambda: p.pid in holders_by_pid(), 10, "holder")
     h = holders_by_pid(nvml_pids={p.pid: 2048.0}, nvml_pid_gpus={p.pid: [0, 1]}, run_pids={p.pid})[p.pid]
     assert h.resolved and h.source == "fd+nvml"
     assert h.used_mib == 2048.0 and h.gpus == [0, 1] and h.in_run
@@ -146,7 +138,7 @@ def test_identity_changes_with_the_process_and_vanishes_with_it(spawn: Callable[
 def test_zombie_state_is_reported() -> None:
     child = subprocess.Popen(["true"])
     try:
-        wait_until(lambda: (st := procs.read_stat(child.pid)) is not None and st.state == "Z", what="zombie")
+        wait_until(lambda: (st := procs.read_stat(child.pid)) is not None and st.state == "Z", 10, "zombie")
         st = procs.read_stat(child.pid)
         assert st is not None and procs.state_name(st.state) == "zombie"
     finally:
@@ -163,7 +155,7 @@ def test_process_tree_with_threads_cpu_and_rss(spawn: Callable[..., subprocess.P
         "while time.time() < end: pass\n"
     )
     root = spawn(argv=[sys.executable, "-c", code])
-    wait_until(lambda: len(procs.process_tree(root.pid)) == 2, what="child in tree")
+    wait_until(lambda: len(procs.process_tree(root.pid)) == 2, 10, "child in tree")
     tracker = procs.CpuTracker()
     tree = procs.process_tree(root.pid, tracker)
     assert tree[0].pid == root.pid
@@ -175,7 +167,7 @@ def test_process_tree_with_threads_cpu_and_rss(spawn: Callable[..., subprocess.P
     assert top.rss_mib is not None and top.rss_mib > 1
     assert top.create_time == pytest.approx(psutil.Process(root.pid).create_time(), abs=0.02)
 
-    wait_until(lambda: (procs.process_tree(root.pid, tracker)[0].cpu_pct or 0.0) > 5.0, what="cpu% of a busy loop")
+    wait_until(lambda: (procs.process_tree(root.pid, tracker)[0].cpu_pct or 0.0) > 5.0, 10, "cpu% of a busy loop")
     assert procs.process_tree(NO_SUCH_PID) == []
 
 
@@ -193,7 +185,7 @@ def test_tree_includes_reparented_members_of_the_process_group(spawn: Callable[.
             parent = procs.read_stat(st.ppid) if st is not None else None
             return parent is None or parent.pgrp != leader.pid
 
-        wait_until(reparented, what="the intermediate shell to exit")
+        wait_until(reparented, 10, "the intermediate shell to exit")
         st = procs.read_stat(orphan)
         assert st is not None and st.pgrp == leader.pid
         assert orphan in procs.tree_pids(leader.pid)

@@ -5,28 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from test_agent_status import AgentProc, make_run
+from support.agent import AgentClient
+from test_agent_status import make_run
 
 from engine.supervisor import records
-
-
-@pytest.fixture
-def run_root(tmp_path: Path) -> Path:
-    root = tmp_path / "runroot"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def agent(run_root: Path) -> Iterator[AgentProc]:
-    a = AgentProc(run_root)
-    yield a
-    a.close()
 
 
 def beat(rank: int, step: int) -> bytes:
@@ -36,13 +21,13 @@ def beat(rank: int, step: int) -> bytes:
 
 
 def test_rank_files_are_forwarded_without_offsets_and_a_resumed_stream_starts_at_their_end(
-    agent: AgentProc, run_root: Path
+    agent: AgentClient, run_root: Path
 ) -> None:
     rd = make_run(run_root, "run-t")
     (rd / records.EVENTS_JSONL).write_bytes(beat(0, 1))
     rank1 = rd / "events.rank1.jsonl"
     rank1.write_bytes(beat(1, 1))
-    agent.result("subscribe")
+    agent.ok("subscribe")
     main = agent.next_event(lambda e: e["ev"] == "engine" and "source" not in e, what="rank 0 event")
     other = agent.next_event(lambda e: e["ev"] == "engine" and e.get("source") == rank1.name, what="rank 1 event")
     assert main["event"]["rank"] == 0 and isinstance(main["offset"], int)
@@ -52,7 +37,7 @@ def test_rank_files_are_forwarded_without_offsets_and_a_resumed_stream_starts_at
     live = agent.next_event(lambda e: e.get("source") == rank1.name, what="rank 1's next heartbeat")
     assert live["event"]["step"] == 2
 
-    agent.result("subscribe", engine_offset=main["offset"], engine_inode=main["inode"], run_id="run-t")
+    agent.ok("subscribe", engine_offset=main["offset"], engine_inode=main["inode"], run_id="run-t")
     agent.drain()
     step = 3
     resumed: dict[str, Any] | None = None

@@ -1,120 +1,21 @@
-"""The agent as a real subprocess (simulated GPUs): status, subscribe streams, run following, tail, sim, doctor."""
+"""The agent as a real subprocess (simulated GPUs): status, subscribe streams, run following, tail, sim, doctor.
+
+``agent`` (tests/unit/conftest.py) is an agent with 8 simulated GPUs on this test's run root."""
 
 from __future__ import annotations
 
 import json
-import os
-import queue
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.agent import REPO_ROOT, AgentClient, Event, agent_argv, checkout_env
 
 from engine import protocol
 from engine.agent import procs
 from engine.supervisor import records
-
-REPO = Path(__file__).resolve().parents[2]
-Event = dict[str, Any]
-
-
-class AgentProc:
-    """A running agent: commands in, events out (collected by a reader thread)."""
-
-    def __init__(self, run_root: Path, gpus: int = 8, env: dict[str, str] | None = None) -> None:
-        full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.agent.main", "--simulate-gpus", str(gpus), "--run-root", str(run_root)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=REPO,
-            env=full_env,
-        )
-        self.events: queue.Queue[Event] = queue.Queue()
-        self.seen: list[Event] = []
-        self._next_id = 0
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.events.put(protocol.parse_event(line))
-
-    def send_raw(self, line: bytes) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line)
-        self.proc.stdin.flush()
-
-    def send(self, cmd: str, **args: Any) -> int:
-        self._next_id += 1
-        self.send_raw(protocol.encode(protocol.command(self._next_id, cmd, **args)))
-        return self._next_id
-
-    def next_event(self, pred: Callable[[Event], bool], timeout_s: float = 10.0, what: str = "event") -> Event:
-        """The first event (already seen and unconsumed, or arriving) that matches."""
-        for i, ev in enumerate(self.seen):
-            if pred(ev):
-                return self.seen.pop(i)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {what} within {timeout_s} s; last events: {self.seen[-5:]}")
-            try:
-                ev = self.events.get(timeout=left)
-            except queue.Empty:
-                continue
-            if pred(ev):
-                return ev
-            self.seen.append(ev)
-
-    def request(self, cmd: str, timeout_s: float = 10.0, **args: Any) -> Event:
-        cmd_id = self.send(cmd, **args)
-        return self.next_event(lambda e: e["ev"] == "reply" and e.get("id") == cmd_id, timeout_s, f"reply to {cmd}")
-
-    def result(self, cmd: str, timeout_s: float = 10.0, **args: Any) -> Any:
-        reply = self.request(cmd, timeout_s, **args)
-        assert reply["ok"], reply
-        return reply["result"]
-
-    def drain(self) -> list[Event]:
-        """Everything received so far (consumes it)."""
-        out, self.seen = self.seen, []
-        while True:
-            try:
-                out.append(self.events.get_nowait())
-            except queue.Empty:
-                return out
-
-    def close(self) -> int:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            return self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-
-
-@pytest.fixture
-def run_root(tmp_path: Path) -> Path:
-    root = tmp_path / "runroot"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def agent(run_root: Path) -> Iterator[AgentProc]:
-    a = AgentProc(run_root)
-    yield a
-    a.close()
 
 
 @pytest.fixture
@@ -153,11 +54,11 @@ def is_reply(cmd_id: int) -> Callable[[Event], bool]:
     return lambda e: e["ev"] == "reply" and e.get("id") == cmd_id
 
 
-def test_hello_then_status_snapshot(agent: AgentProc) -> None:
-    hello = agent.next_event(lambda e: True, what="first line")
+def test_hello_then_status_snapshot(agent: AgentClient) -> None:
+    hello = agent.events[0]  # the first line the agent wrote
     assert hello["ev"] == "hello" and hello["simulated"] is True
     assert set(hello["capabilities"]) >= {"nvml", "psutil", "watchfiles", "tmux", "py_spy"}
-    st = agent.result("status")
+    st = agent.ok("status")
     for key in protocol.STATUS_KEYS:
         assert key in st
     assert st["gpu_source"] == "simulated" and st["simulated"] is True
@@ -169,7 +70,7 @@ def test_hello_then_status_snapshot(agent: AgentProc) -> None:
     assert st["capabilities"]["nvml"]["detail"]
 
 
-def test_bad_input_is_answered_and_the_agent_lives_on(agent: AgentProc) -> None:
+def test_bad_input_is_answered_and_the_agent_lives_on(agent: AgentClient) -> None:
     for line in [b"garbage\n", b"[1, 2]\n", b'{"cmd": 5}\n', b'{"id": "x", "cmd": "status"}\n', b"\xff\xfe\n"]:
         agent.send_raw(line)
         err = agent.next_event(lambda e: e["ev"] == "error", what=f"error for {line!r}")
@@ -180,12 +81,12 @@ def test_bad_input_is_answered_and_the_agent_lives_on(agent: AgentProc) -> None:
     assert bad_args["ok"] is False and "gpu_interval_s" in bad_args["error"]
     assert agent.request("tail", n=-1)["ok"] is False
     assert agent.request("sim", gpu=99, util_pct=1)["ok"] is False
-    assert "t" in agent.result("ping")
+    assert "t" in agent.ok("ping")
     assert agent.close() == 0
 
 
-def test_subscribe_streams_gpus_procs_run_and_anomalies(agent: AgentProc, sleeper: subprocess.Popen[bytes]) -> None:
-    res = agent.result("subscribe", gpu_interval_s=0.01, procs_interval_s=0.2)
+def test_subscribe_streams_gpus_procs_run_and_anomalies(agent: AgentClient, sleeper: subprocess.Popen[bytes]) -> None:
+    res = agent.ok("subscribe", gpu_interval_s=0.01, procs_interval_s=0.2)
     assert res["gpu_interval_s"] == 0.1  # clamped to the minimum
     t0 = time.monotonic()
     gpus = [agent.next_event(lambda e: e["ev"] == "gpus", what="gpus") for _ in range(5)]
@@ -195,12 +96,12 @@ def test_subscribe_streams_gpus_procs_run_and_anomalies(agent: AgentProc, sleepe
     assert agent.next_event(lambda e: e["ev"] == "run")["run"] is None
     assert agent.next_event(lambda e: e["ev"] == "anomalies")["items"] == []
 
-    agent.result("sim", gpu=3, util_pct=100, mem_used_mib=0, holder_pid=None)
+    agent.ok("sim", gpu=3, util_pct=100, mem_used_mib=0, holder_pid=None)
     ev = agent.next_event(lambda e: e["ev"] == "anomalies" and e["items"], what="phantom anomaly")
     assert [(a["kind"], a["gpu"]) for a in ev["items"]] == [("phantom_utilization", 3)]
 
-    agent.result("sim", gpu=5, mem_used_mib=30000, holder_pid=None)
-    agent.result("sim", gpu=1, mem_used_mib=20000, holder_pid=sleeper.pid)
+    agent.ok("sim", gpu=5, mem_used_mib=30000, holder_pid=None)
+    agent.ok("sim", gpu=1, mem_used_mib=20000, holder_pid=sleeper.pid)
 
     def has_all(e: Event) -> bool:
         return e["ev"] == "anomalies" and {a["kind"] for a in e["items"]} == {
@@ -216,24 +117,24 @@ def test_subscribe_streams_gpus_procs_run_and_anomalies(agent: AgentProc, sleepe
     h = next(h for h in procs_ev["holders"] if h["pid"] == sleeper.pid)
     assert h["resolved"] and h["source"] == "simulated" and h["cmd"] == "sleep 120" and not h["in_run"]
 
-    agent.result("sim", reset=True)
+    agent.ok("sim", reset=True)
     agent.next_event(lambda e: e["ev"] == "anomalies" and e["items"] == [], what="anomalies cleared")
 
 
-def test_anomalies_are_sent_only_when_they_change(agent: AgentProc) -> None:
-    agent.result("sim", gpu=0, util_pct=100, mem_used_mib=0)
-    agent.result("subscribe", gpu_interval_s=0.1, procs_interval_s=0.1)
+def test_anomalies_are_sent_only_when_they_change(agent: AgentClient) -> None:
+    agent.ok("sim", gpu=0, util_pct=100, mem_used_mib=0)
+    agent.ok("subscribe", gpu_interval_s=0.1, procs_interval_s=0.1)
     agent.next_event(lambda e: e["ev"] == "anomalies" and e["items"], what="first anomalies")
     for _ in range(8):
         agent.next_event(lambda e: e["ev"] == "gpus")
     assert [e for e in agent.drain() if e["ev"] == "anomalies"] == []
 
 
-def test_second_subscribe_replaces_the_first(agent: AgentProc) -> None:
-    agent.result("subscribe", gpu_interval_s=0.1)
+def test_second_subscribe_replaces_the_first(agent: AgentClient) -> None:
+    agent.ok("subscribe", gpu_interval_s=0.1)
     for _ in range(3):
         agent.next_event(lambda e: e["ev"] == "gpus")
-    agent.result("subscribe", gpu_interval_s=3.0, procs_interval_s=3.0)
+    agent.ok("subscribe", gpu_interval_s=3.0, procs_interval_s=3.0)
     agent.drain()
     time.sleep(1.0)  # measuring a rate: count what one second of streaming brings
     gpus = [e for e in agent.drain() if e["ev"] == "gpus"]
@@ -241,9 +142,9 @@ def test_second_subscribe_replaces_the_first(agent: AgentProc) -> None:
 
 
 def test_run_log_and_engine_events_follow_the_current_run(
-    agent: AgentProc, run_root: Path, sleeper: subprocess.Popen[bytes]
+    agent: AgentClient, run_root: Path, sleeper: subprocess.Popen[bytes]
 ) -> None:
-    agent.result("subscribe", gpu_interval_s=0.1, procs_interval_s=0.1)
+    agent.ok("subscribe", gpu_interval_s=0.1, procs_interval_s=0.1)
     rd = make_run(run_root, "run-a", pid=sleeper.pid)
     payload = b"starting\nbad utf8 \xff\xfe\nstep=1 loss=2.0\n"
     with open(rd / records.OUTPUT_LOG, "ab") as fh:
@@ -279,11 +180,11 @@ def test_run_log_and_engine_events_follow_the_current_run(
     # The simulated GPUs work for the run: its pid holds them, inside the run tree, so nothing is stale.
     gpus_ev = agent.next_event(lambda e: e["ev"] == "gpus" and e["gpus"][0]["holder_pids"], what="busy gpus")
     assert gpus_ev["gpus"][0]["holder_pids"] == [sleeper.pid]
-    st = agent.result("status")
+    st = agent.ok("status")
     assert st["run"]["run_id"] == "run-a" and st["anomalies"] == []
     assert all(h["in_run"] for h in st["processes"]["holders"] if h["pid"] == sleeper.pid)
 
-    tail = agent.result("tail", n=2)
+    tail = agent.ok("tail", n=2)
     assert tail["run_id"] == "run-a" and tail["offset"] == len(payload)
     assert [protocol.decode_log_data(x) for x in tail["lines"]] == [b"bad utf8 \xff\xfe", b"step=1 loss=2.0"]
 
@@ -295,13 +196,13 @@ def test_run_log_and_engine_events_follow_the_current_run(
     assert protocol.decode_log_data(ev["data"]) == b"second run\n"
 
 
-def test_resubscribe_resumes_without_gap_or_repeat(agent: AgentProc, run_root: Path) -> None:
+def test_resubscribe_resumes_without_gap_or_repeat(agent: AgentClient, run_root: Path) -> None:
     rd = make_run(run_root, "run-r")
     log = rd / records.OUTPUT_LOG
     log.write_bytes(b"one\ntwo\n")
     events = rd / records.EVENTS_JSONL
     events.write_bytes(b'{"t": 1.0, "kind": "stage", "stage": "imports"}\n')
-    agent.result("subscribe")
+    agent.ok("subscribe")
     first = agent.next_event(lambda e: e["ev"] == "log", what="log")
     assert protocol.decode_log_data(first["data"]) == b"one\ntwo\n"
     eng = agent.next_event(lambda e: e["ev"] == "engine", what="engine")
@@ -310,7 +211,7 @@ def test_resubscribe_resumes_without_gap_or_repeat(agent: AgentProc, run_root: P
         fh.write(b"three\n")
     with open(events, "ab") as fh:
         fh.write(b'{"t": 2.0, "kind": "stage", "stage": "training"}\n')
-    agent.result(
+    agent.ok(
         "subscribe",
         log={"offset": first["offset"] + 8, "inode": first["inode"]},
         engine_offset=eng["offset"],
@@ -329,9 +230,9 @@ def test_resubscribe_resumes_without_gap_or_repeat(agent: AgentProc, run_root: P
 def test_sim_script_from_the_environment(run_root: Path, tmp_path: Path) -> None:
     script = tmp_path / "sim.json"
     script.write_text(json.dumps([{"gpu": 6, "util_pct": 100, "mem_used_mib": 0}, {"gpu": 7, "mem_used_mib": 9000}]))
-    a = AgentProc(run_root, gpus=8, env={"SPECDEC_SIM_SCRIPT": str(script)})
+    a = AgentClient(run_root, simulate_gpus=8, env={"SPECDEC_SIM_SCRIPT": str(script)})
     try:
-        st = a.result("status")
+        st = a.ok("status")
         assert sorted((x["kind"], x["gpu"]) for x in st["anomalies"]) == [
             ("orphan_memory", 7),
             ("phantom_utilization", 6),
@@ -340,13 +241,13 @@ def test_sim_script_from_the_environment(run_root: Path, tmp_path: Path) -> None
         a.close()
 
 
-def test_tail_without_a_run_is_a_clear_error(agent: AgentProc) -> None:
+def test_tail_without_a_run_is_a_clear_error(agent: AgentClient) -> None:
     reply = agent.request("tail", n=5)
     assert reply["ok"] is False and "no run" in reply["error"]
 
 
-def test_doctor_reports_every_check_with_a_fix(agent: AgentProc) -> None:
-    res = agent.result("doctor", timeout_s=120)
+def test_doctor_reports_every_check_with_a_fix(agent: AgentClient) -> None:
+    res = agent.ok("doctor", reply_within_s=120)
     names = [c["name"] for c in res["checks"]]
     assert names == ["python", "torch", "cuda", "nvml", "tmux", "disk", "run_root", "stale_gpu_holders"]
     for c in res["checks"]:
@@ -356,7 +257,7 @@ def test_doctor_reports_every_check_with_a_fix(agent: AgentProc) -> None:
     assert by["python"]["ok"] and by["run_root"]["ok"] and by["stale_gpu_holders"]["ok"]
 
 
-def test_resume_offsets_of_an_older_run_do_not_skip_the_new_runs_events(agent: AgentProc, run_root: Path) -> None:
+def test_resume_offsets_of_an_older_run_do_not_skip_the_new_runs_events(agent: AgentClient, run_root: Path) -> None:
     old = make_run(run_root, "run-old")
     (old / records.OUTPUT_LOG).write_bytes(b"old output\n")
     old_inode = (old / records.OUTPUT_LOG).stat().st_ino
@@ -365,7 +266,7 @@ def test_resume_offsets_of_an_older_run_do_not_skip_the_new_runs_events(agent: A
     (new / records.EVENTS_JSONL).write_bytes(
         b"".join(b'{"t": %d.0, "kind": "stage", "stage": "s%d"}\n' % (i, i) for i in range(40))
     )
-    agent.result("subscribe", log={"offset": 11, "inode": old_inode}, engine_offset=200)
+    agent.ok("subscribe", log={"offset": 11, "inode": old_inode}, engine_offset=200)
     reset = agent.next_event(lambda e: e["ev"] == "log_reset", what="reset to the new run's log")
     assert reset["reason"] == "rotated" and reset["offset"] == 0
     data = agent.next_event(lambda e: e["ev"] == "log", what="new run's log")
@@ -382,11 +283,11 @@ def test_commands_written_just_before_eof_are_all_answered(tmp_path: Path) -> No
         for i, cmd in enumerate(["ping", "status", "ping", "status"], start=1)
     )
     done = subprocess.run(
-        [sys.executable, "-m", "engine.agent.main", "--simulate-gpus", "2", "--run-root", str(tmp_path)],
+        agent_argv(tmp_path, "--simulate-gpus", "2"),
         input=commands,
         capture_output=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO_ROOT,
+        env=checkout_env(),
         timeout=60,
         check=False,
     )

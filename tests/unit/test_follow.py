@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from support.waiting import wait_until
+
 from engine import protocol
 from engine.agent.follow import CHUNK_BYTES, JsonlReader, LogFollower, read_range, tail_lines, tail_start
 
@@ -253,9 +255,7 @@ def test_follow_loop_emits_until_stopped(tmp_path: Path) -> None:
     th.start()
     try:
         append(log, b"hello\n")
-        deadline = time.monotonic() + 5
-        while not any(e["ev"] == "log" for e in got) and time.monotonic() < deadline:
-            stop.wait(0.01)
+        wait_until(lambda: any(e["ev"] == "log" for e in got), 5, "a log event from the follow loop")
     finally:
         stop.set()
         th.join(5)

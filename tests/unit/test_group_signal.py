@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
+
+import pytest
+from support.waiting import wait_until
 
 from engine.agent import procs
 from engine.supervisor.control import group_is_ours, signal_group_checked
@@ -18,15 +20,6 @@ def _session_sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
 
 
-def _wait_dead(proc: subprocess.Popen[bytes], bound_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_a_group_whose_pinned_members_are_gone_is_not_signalled_as_a_group() -> None:
     stranger = _session_sleeper()  # stands in for a process that reused the run's old group id
     try:
@@ -35,7 +28,8 @@ def test_a_group_whose_pinned_members_are_gone_is_not_signalled_as_a_group() -> 
         stale_pin = {stranger.pid: st.start_ticks - 1}  # what we pinned was another process of that number
         assert not group_is_ours(stranger.pid, stale_pin)
         assert signal_group_checked(stranger.pid, stale_pin, signal.SIGTERM) is False
-        assert stranger.poll() is None and not _wait_dead(stranger, 0.3)
+        with pytest.raises(subprocess.TimeoutExpired):  # and it lives on: nothing reached it
+            stranger.wait(timeout=0.3)
     finally:
         stranger.kill()
         stranger.wait()
@@ -47,7 +41,7 @@ def test_a_group_with_a_pinned_live_member_is_signalled_as_a_group() -> None:
         st = procs.read_stat(member.pid)
         assert st is not None
         assert signal_group_checked(member.pid, {member.pid: st.start_ticks}, signal.SIGTERM) is True
-        assert _wait_dead(member)
+        wait_until(lambda: member.poll() is not None, 5, "the group's member to die of the SIGTERM")
     finally:
         if member.poll() is None:
             member.kill()

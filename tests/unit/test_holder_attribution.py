@@ -10,13 +10,13 @@ from __future__ import annotations
 import io
 import os
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from engine import protocol
 from engine.agent import anomalies, procs
@@ -103,10 +103,7 @@ def cuda_like(dev_dir: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
             for fd in fds:
                 os.close(fd)
         started.append(p)
-        deadline = time.monotonic() + 10.0
-        while p.pid not in procs.scan_device_holders(str(dev_dir)):
-            assert time.monotonic() < deadline, "the sleeper's descriptors never showed up"
-            time.sleep(0.01)
+        wait_until(lambda: p.pid in procs.scan_device_holders(str(dev_dir)), 10, "the sleeper's descriptors")
         return p
 
     yield start

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.procfs import cgroup2_root, remove_cgroup_tree
 
 from engine import protocol
 from engine.agent import anomalies, host_map, procs
@@ -128,26 +129,13 @@ sys.stdin.readline()
 """
 
 
-def _cgroup2_root() -> Path | None:
-    """Where a cgroup v2 hierarchy is mounted (the unified one of a hybrid setup counts), or None."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    for line in mounts:
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == "cgroup2":
-            return Path(fields[1])
-    return None
-
-
 class Cgroups:
     """Child cgroups named as LXC names a container's, for processes this test started; removed afterwards."""
 
     def __init__(self) -> None:
         self.root: Path | None = None
         self.skip_reason: str | None = None
-        base = _cgroup2_root()
+        base = cgroup2_root()
         if base is None:
             self.skip_reason = "no cgroup v2 hierarchy mounted"
             return
@@ -167,18 +155,8 @@ class Cgroups:
         return str(leaf)
 
     def remove(self) -> None:
-        if self.root is None:
-            return
-        for d in [*sorted((p for p in self.root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), self.root]:
-            deadline = time.monotonic() + 5.0
-            while True:
-                try:
-                    d.rmdir()
-                    break
-                except OSError:  # EBUSY until the kernel has released the last exited member
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
+        if self.root is not None:
+            remove_cgroup_tree(self.root)
 
 
 @pytest.fixture

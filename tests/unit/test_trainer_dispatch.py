@@ -13,20 +13,11 @@ import pytest
 from test_trainer_engine import Recorder, build, make_config, raise_on_call  # same folder: on sys.path
 
 from engine.trainer.checkpoint import latest_checkpoint, read_meta
-from engine.trainer.data import shipped_corpus_path
 from engine.trainer.dispatch import Dispatcher, IndexLedger
 from engine.trainer.engine import Engine
 
 QUEUE_SIZE = 2
 RUN_BOUND_S = 120.0  # a run that hangs fails the test instead of the test hanging
-
-
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    lines = shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:64]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def test_ledger_keeps_a_watermark_and_the_indices_done_above_it() -> None:

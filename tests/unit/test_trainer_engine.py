@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.waiting import wait_until
 
 from engine.trainer.config import EngineConfig, from_dict
-from engine.trainer.data import shipped_corpus_path
 from engine.trainer.engine import Engine
 from engine.trainer.metrics import EventLog
 
@@ -24,11 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    lines = shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:96]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+def small_corpus(corpus_head: Callable[[int], Path]) -> Path:
+    return corpus_head(96)
 
 
 def make_config(out: Path, data: Path | str, **overrides: Any) -> EngineConfig:
@@ -235,18 +232,6 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[str] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        if proc is not None and proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise AssertionError(f"process exited with {proc.returncode} first:\n{out}")
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s} s")
-
-
 def test_sigterm_saves_a_checkpoint_exits_zero_and_restart_resumes(tmp_path: Path, small_corpus: Path) -> None:
     out = tmp_path / "run"
     events = out / "events.jsonl"
@@ -272,7 +257,14 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_restart_resumes(tmp_path: Pat
     env = {**os.environ, "SPECDEC_EVENTS": str(events), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(events)), 90, proc)
+
+        def stepped() -> bool:
+            if any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(events)):
+                return True
+            assert proc.poll() is None, f"the engine exited with {proc.returncode} first:\n{proc.communicate()[0]}"
+            return False
+
+        wait_until(stepped, 90, "step 3 in the engine's events", interval_s=0.05)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
     finally:

@@ -6,19 +6,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
 from test_trainer_engine import build, make_config  # same folder: pytest puts it on sys.path
 
 from engine.trainer.checkpoint import ProgressRecord
-from engine.trainer.data import shipped_corpus_path
-
-
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    lines = shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:64]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def test_progress_record_keeps_the_highest_step_atomically(tmp_path: Path) -> None:

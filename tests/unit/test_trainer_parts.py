@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.waiting import wait_until
 
 from engine.trainer import compile as guard
 from engine.trainer.config import ConfigError, from_dict, load_toml, preset
@@ -194,11 +195,13 @@ def test_heartbeats_flag_a_stalled_thread_and_a_starving_queue() -> None:
     board.beat("drafter0", state="waiting", queue_depth=0)
     board.beat("target0", state="training", step=3)
     assert board.publish() == []
-    deadline = time.monotonic() + 5
     raised: list[tuple[str, str]] = []
-    while time.monotonic() < deadline and len(raised) < 3:
-        raised += board.publish()
-        time.sleep(0.02)
+
+    def three_raised() -> bool:
+        raised.extend(board.publish())
+        return len(raised) >= 3
+
+    wait_until(three_raised, 5, "stall and starve flags", observe=lambda: raised)
     assert set(raised) == {("drafter0", "stalled"), ("drafter0", "starving"), ("target0", "stalled")}
     last = {e["thread"]: e for e in seen if e["kind"] == "heartbeat"}
     assert last["target0"]["state"] == "training" and "stalled" in last["target0"]["flags"]
