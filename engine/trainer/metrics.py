@@ -47,7 +47,7 @@ class EventLog:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        self.listeners: list[Any] = []  # callables(event) for tests
+        self.listeners: list[Any] = []  # callables(event): progress record, evaluation, benches and tests
         self._stdout_broken = False
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
