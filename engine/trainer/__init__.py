@@ -17,6 +17,6 @@ How a step flows, room by room:
 * ``checkpoint``, ``evaluate`` (acceptance length τ), ``export`` (the draft model vLLM and SGLang load),
   ``builtin_target`` (the ``tiny-trained`` target) and ``__main__`` (``specdec-train``).
 
-Nothing outside ``engine.protocol`` and this package is imported here: the agent and the supervisor
-never import torch, and the trainer never imports them.
+Of the rest of ``engine`` only ``protocol`` (event kinds) and ``stackdump`` (SIGUSR1 named stacks) are
+imported here: the agent and the supervisor never import torch, and the trainer never imports them.
 """
