@@ -18,13 +18,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import protocol
-from engine.agent import anomalies, host_map, procs
+from engine.agent import anomalies
 from engine.agent.capabilities import probe_capabilities
 from engine.agent.commands import CommandError, handler
 from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
 from engine.agent.gpus import GpuSample, GpuSource, open_gpu_source
 from engine.agent.simulate import SimError, SimulatedGpus
+from engine.host import host_map, procs, runs
+from engine.host.holders import find_holders
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
 
@@ -120,19 +122,10 @@ class Monitor:
         return records.read_run(run_dir, self.agent.boot_id)
 
     def run_pids(self, run: RunInfo | None) -> set[int]:
-        """Pids of the run's process tree: the wrapper's and the job's trees, and the job's group."""
+        """Pids of the running run's processes, each still the one its launch record pinned (host.runs.run_pids)."""
         if run is None or run.state != "running":
             return set()
-        launch = records.read_json(Path(run.run_dir) / records.LAUNCH_JSON) or {}
-        roots = [p for p in (launch.get("wrapper_pid"), run.pid) if isinstance(p, int) and p > 0]
-        stats = procs.all_stats()
-        pids: set[int] = set()
-        for root in roots:
-            pids.update(procs.tree_pids(root, stats))
-        # The job's group, when it is led by a recorded root (even one that has exited): never a foreign group.
-        if isinstance(run.pgid, int) and run.pgid in roots:
-            pids.update(p for p, st in stats.items() if st.pgrp == run.pgid)
-        return pids
+        return runs.run_pids(records.read_json(Path(run.run_dir) / records.LAUNCH_JSON))
 
     def _run_tree(self, run_pids: set[int], with_threads: bool = True) -> list[ProcInfo]:
         out: list[ProcInfo] = []
@@ -222,7 +215,7 @@ class Monitor:
         return {"source": "nvml", "detail": "NVML's per-GPU process lists (PIDs of this namespace)"}
 
     def holders(self, sample: GpuSample, run_pids: set[int]) -> list[HolderInfo]:
-        found = procs.find_holders(
+        found = find_holders(
             procs.default_dev_dir(),
             nvml_pids=sample.pid_used_mib,
             run_pids=run_pids,

@@ -28,7 +28,8 @@ from typing import Any
 
 import engine
 from engine import protocol, stackdump
-from engine.agent import procs
+from engine.host import procs, runs
+from engine.host.holders import find_holders
 from engine.supervisor import records, restart, tmux
 
 POLL_S = 0.05
@@ -201,7 +202,7 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         "attachable": session is not None,
         "tmux_socket": os.environ.get(tmux.SOCKET_ENV),
         "launcher_pid": os.getpid(),
-        "launcher_start_ticks": records.start_ticks_of(os.getpid()),
+        "launcher_start_ticks": procs.start_ticks_of(os.getpid()),
         "launcher_wrapper_pid": None,
         "launcher_wrapper_start_ticks": None,
         "spec": asdict(spec),
@@ -234,7 +235,7 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
                 start_new_session=True,  # no controlling terminal: a closing SSH or pct channel cannot reach it
             )
             wrapper_pid = proc.pid
-            wrapper_ticks = records.start_ticks_of(proc.pid)
+            wrapper_ticks = procs.start_ticks_of(proc.pid)
             _reap_in_background(proc)
     except (tmux.TmuxError, OSError, subprocess.SubprocessError) as exc:
         # Nothing started: leave no husk of a run that never was, and the previous run current again.
@@ -291,38 +292,6 @@ def _tree(pid: int | None) -> list[int]:
     return procs.tree_pids(pid) if pid else []
 
 
-def run_pids(launch_rec: dict[str, Any] | None) -> set[int]:
-    """The wrapper, the job, their descendants and the job's process group, as far as each is still ours."""
-    if launch_rec is None:
-        return set()
-    table = procs.all_stats()
-    out: set[int] = set()
-    for key_pid, key_ticks in (("wrapper_pid", "wrapper_start_ticks"), ("job_pid", "job_start_ticks")):
-        pid = launch_rec.get(key_pid)
-        st = table.get(pid) if isinstance(pid, int) else None
-        if st is None or (launch_rec.get(key_ticks) is not None and st.start_ticks != launch_rec.get(key_ticks)):
-            continue
-        out.update(procs.tree_pids(st.pid, table))
-    pgid = launch_rec.get("job_pgid")
-    if isinstance(pgid, int):
-        out.update(_group_members(pgid, table, launch_rec.get("job_start_ticks")))
-    return out
-
-
-def _group_members(
-    pgid: int, table: dict[int, procs.ProcStat] | None = None, min_start_ticks: int | None = None
-) -> list[int]:
-    """Live (non-zombie) members of a process group that started no earlier than the job did."""
-    stats = table if table is not None else procs.all_stats()
-    return [
-        st.pid
-        for st in stats.values()
-        if st.pgrp == pgid
-        and st.state not in ("Z", "X", "x")
-        and (min_start_ticks is None or st.start_ticks >= min_start_ticks)
-    ]
-
-
 def describe_activity(pids: Iterable[int], sample_s: float = 0.2) -> str:
     """What a live run is doing, in a phrase: processes, thread names, CPU, kernel wait, GPU devices."""
     pid_list = sorted(set(pids))
@@ -359,7 +328,7 @@ def describe_activity(pids: Iterable[int], sample_s: float = 0.2) -> str:
     if waits:
         parts.append("waiting in " + ", ".join(sorted(waits)[:4]))
     try:
-        holders = [h for h in procs.find_holders(run_pids=set(pid_list)) if h.pid in set(pid_list)]
+        holders = [h for h in find_holders(run_pids=set(pid_list)) if h.pid in set(pid_list)]
     except OSError:
         holders = []
     gpus = sorted({g for h in holders for g in h.gpus})
@@ -545,7 +514,7 @@ def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result
         # The wrapper's session is still there but it has not written its record: stuck before the job.
         return result(False, info, f"hung: {overdue}; the wrapper has not written launch.json yet", True, None, True)
     launch_rec = records.read_json(rd / records.LAUNCH_JSON)
-    pids = run_pids(launch_rec)
+    pids = runs.run_pids(launch_rec)
     job_pid = (launch_rec or {}).get("job_pid")
     job_pids = set(_tree(job_pid)) if isinstance(job_pid, int) else set()
     activity = describe_activity(job_pids or pids)
@@ -595,7 +564,7 @@ def stop(
         if launch_rec is None:
             raise SupervisorError(f"run {rd.name} has no launch record (it never started): nothing to stop")
     info = records.read_run(rd, boot)
-    ours = run_pids(launch_rec)
+    ours = runs.run_pids(launch_rec)
     held_before = _holders_among(ours)
     job_pid = launch_rec.get("job_pid")
     job_ticks = launch_rec.get("job_start_ticks")
@@ -615,13 +584,13 @@ def stop(
     def alive_members() -> list[int]:
         # Processes started in the group since we listed it count only while the group is provably still ours.
         ours_now = isinstance(pgid, int) and group_is_ours(pgid, members)
-        late = _group_members(pgid, None, job_ticks) if isinstance(pgid, int) and ours_now else []
-        return sorted({pid for pid, ticks in members.items() if records.process_alive(pid, ticks)} | set(late))
+        late = procs.group_members(pgid, None, job_ticks) if isinstance(pgid, int) and ours_now else []
+        return sorted({pid for pid, ticks in members.items() if procs.process_alive(pid, ticks)} | set(late))
 
     def target_gone() -> bool:
         if members:
             return not alive_members()
-        return not records.process_alive(wrapper_pid, wrapper_ticks)
+        return not procs.process_alive(wrapper_pid, wrapper_ticks)
 
     if members:
         in_group = [p for p in members if isinstance(pgid, int) and _pgrp(p) == pgid]
@@ -640,7 +609,7 @@ def stop(
         for pid in outside:
             _kill_checked(pid, members[pid], signal.SIGTERM)
     else:
-        if not records.process_alive(wrapper_pid, wrapper_ticks):
+        if not procs.process_alive(wrapper_pid, wrapper_ticks):
             raise SupervisorError(f"run {rd.name}: neither its job nor its wrapper is alive: nothing to stop")
         if info.restart_state == "backoff":
             step(f"waiting to restart (backoff): SIGTERM to the wrapper (pid {wrapper_pid}) ends the run")
@@ -700,7 +669,7 @@ def _cancel_restarts(launch_rec: dict[str, Any], wrapper_pid: int, wrapper_ticks
         sig = signal.Signals[name]
     except KeyError:
         return False
-    if not records.process_alive(wrapper_pid, wrapper_ticks):
+    if not procs.process_alive(wrapper_pid, wrapper_ticks):
         return False
     try:
         os.kill(wrapper_pid, sig)
@@ -734,7 +703,7 @@ def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
     pids: set[int] = set()
     pgid = launch_rec.get("job_pgid")
     if isinstance(pgid, int):
-        pids.update(_group_members(pgid, table, job_ticks))
+        pids.update(procs.group_members(pgid, table, job_ticks))
     job_pid = launch_rec.get("job_pid")
     job = table.get(job_pid) if isinstance(job_pid, int) else None
     if job is not None and (job_ticks is None or job.start_ticks == job_ticks) and _is_torchrun(launch_rec):
@@ -777,7 +746,7 @@ def _pids_text(pids: list[int]) -> str:
 
 def _kill_checked(pid: int, start_ticks: int, sig: int) -> None:
     # Only the very process we listed (pid and start time): a pid reused since is left alone.
-    if records.process_alive(pid, start_ticks):
+    if procs.process_alive(pid, start_ticks):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
@@ -791,7 +760,7 @@ def _killpg(pgid: int, sig: int) -> None:
 def group_is_ours(pgid: int, pinned: dict[int, int]) -> bool:
     """A process we pinned (pid and start ticks) is still alive in the group: while it lives the group id cannot
     have been reused, so signalling the group reaches only the run's processes."""
-    return any(records.process_alive(pid, ticks) and _pgrp(pid) == pgid for pid, ticks in pinned.items())
+    return any(procs.process_alive(pid, ticks) and _pgrp(pid) == pgid for pid, ticks in pinned.items())
 
 
 def signal_group_checked(pgid: int, pinned: dict[int, int], sig: int) -> bool:
@@ -822,7 +791,7 @@ def _wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
 def _holders_among(pids: set[int]) -> list[int]:
     if not pids:
         return []
-    return [h.pid for h in procs.find_holders(run_pids=pids) if h.pid in pids and _state(h.pid) != "zombie"]
+    return [h.pid for h in find_holders(run_pids=pids) if h.pid in pids and _state(h.pid) != "zombie"]
 
 
 # -- kill stale GPU holders ----------------------------------------------------------------------
@@ -832,7 +801,7 @@ def current_run_pids(run_root: Path | str) -> set[int]:
     rd = records.current_run_dir(run_root)
     if rd is None:
         return set()
-    return run_pids(records.read_json(rd / records.LAUNCH_JSON))
+    return runs.run_pids(records.read_json(rd / records.LAUNCH_JSON))
 
 
 def _protected_pids() -> set[int]:
@@ -861,26 +830,13 @@ class NvmlView:
     gpus: list[protocol.GpuInfo] = field(default_factory=list)  # this side's GPUs (the host map matches UUIDs)
 
 
-def _uids_of(pid: int) -> tuple[int, int] | None:
-    """(real, effective) uid of a process from /proc/<pid>/status; None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"Uid:"):
-                    fields = line.split()
-                    return int(fields[1]), int(fields[2])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def _foreign_owner(pid: int) -> str | None:
     """The owner's name when the process is not (wholly) ours, i.e. its real or effective uid is not our euid.
 
     kill-stale signals only the agent's own user's processes (as nvitop does): on a shared box, an agent
     running as root must not end a colleague's job that happens to hold a GPU.
     """
-    uids = _uids_of(pid)
+    uids = procs.uids_of(pid)
     me = os.geteuid()
     if uids is not None and uids[0] == me and uids[1] == me:
         return None
@@ -907,7 +863,7 @@ def _classify(
     view = nvml or NvmlView()
     candidates: list[protocol.HolderInfo] = []
     others: list[tuple[protocol.HolderInfo, str]] = []
-    found = procs.find_holders(
+    found = find_holders(
         procs.default_dev_dir(),
         nvml_pids=view.pid_used_mib,
         run_pids=ours,

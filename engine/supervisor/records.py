@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import tmux
 from engine.supervisor.failure import Failure, FailureScan, last_step_in
 
@@ -249,21 +249,6 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def process_alive(pid: int | None, start_ticks: int | None) -> bool:
-    """True when pid is alive (not a zombie) and, when start_ticks is known, is still the same process."""
-    if not pid or pid <= 0:
-        return False
-    st = procs.read_stat(pid)
-    if st is None or st.state in ("Z", "X", "x"):
-        return False
-    return start_ticks is None or st.start_ticks == start_ticks
-
-
-def start_ticks_of(pid: int) -> int | None:
-    st = procs.read_stat(pid)
-    return st.start_ticks if st is not None else None
 
 
 def last_lines(path: Path | str, n: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
@@ -576,9 +561,9 @@ def scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
 
 def _alive_from_launch(launch: dict[str, Any]) -> bool:
     """The wrapper or the job it started is still the process launch.json recorded."""
-    if process_alive(launch.get("wrapper_pid"), launch.get("wrapper_start_ticks")):
+    if procs.process_alive(launch.get("wrapper_pid"), launch.get("wrapper_start_ticks")):
         return True
-    return process_alive(launch.get("job_pid"), launch.get("job_start_ticks"))
+    return procs.process_alive(launch.get("job_pid"), launch.get("job_start_ticks"))
 
 
 def read_milestones(run_dir: Path, launch: dict[str, Any] | None, scan: ScanState | None) -> dict[str, float | None]:
@@ -624,7 +609,7 @@ def pane_note(launch_sub: dict[str, Any]) -> str | None:
     session = launch_sub.get("tmux_session")
     if not session:
         pid = launch_sub.get("launcher_wrapper_pid")
-        if isinstance(pid, int) and not process_alive(pid, launch_sub.get("launcher_wrapper_start_ticks")):
+        if isinstance(pid, int) and not procs.process_alive(pid, launch_sub.get("launcher_wrapper_start_ticks")):
             return f"the wrapper (pid {pid}, started with setsid) exited"
         return None
     state = tmux.pane_state(session)
@@ -657,7 +642,7 @@ def never_started_cause(sub: dict[str, Any], now: float | None = None) -> str | 
     session = sub.get("tmux_session")
     if sub.get("phase", "accepted") == "submitting":
         lpid = sub.get("launcher_pid")
-        if process_alive(lpid, sub.get("launcher_start_ticks")):
+        if procs.process_alive(lpid, sub.get("launcher_start_ticks")):
             return None  # the agent is still inside the launch
         if session and tmux.has_session(session):
             return pane_note(sub)  # tmux took it before the agent went

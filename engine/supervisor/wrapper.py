@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from engine import protocol, stackdump
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import control, records, restart
 
 POLL_S = 0.05  # milestone timing and exit detection resolution
@@ -196,7 +196,7 @@ class Wrapper:
             "pid": os.getpid(),
             "pgid": os.getpgid(0),
             "wrapper_pid": os.getpid(),
-            "wrapper_start_ticks": records.start_ticks_of(os.getpid()),
+            "wrapper_start_ticks": procs.start_ticks_of(os.getpid()),
             "boot_id": records.read_boot_id(),
             "hostname": socket.gethostname(),
             "started_at": now,
@@ -261,7 +261,7 @@ class Wrapper:
         if self.attempt == 1:
             attempt_fields["job_started_at"] = now  # the `started` milestone: the run's job first existed
         self.write_launch(
-            job_pid=job.pid, job_pgid=job.pid, job_start_ticks=records.start_ticks_of(job.pid), **attempt_fields
+            job_pid=job.pid, job_pgid=job.pid, job_start_ticks=procs.start_ticks_of(job.pid), **attempt_fields
         )
         return job
 
@@ -372,23 +372,23 @@ class Wrapper:
         """End what is left of the ended attempt's process group (workers of a dead launcher) before the next one:
         they would hold its GPU memory. SIGTERM, the policy's grace, SIGKILL."""
         assert self.policy is not None
-        left = _group_members(pgid, start_ticks)
+        left = procs.group_members(pgid, None, start_ticks)
         if not left:
             return
         # Pinned now (pid and start ticks): the group is signalled only while one of these still lives in it.
-        pinned = {pid: ticks for pid in left if (ticks := _start_ticks(pid)) is not None}
+        pinned = {pid: ticks for pid in left if (ticks := procs.start_ticks_of(pid)) is not None}
         say(f"[specdec] {len(left)} process(es) of the ended attempt's group remain: SIGTERM to group {pgid}")
         control.signal_group_checked(pgid, pinned, signal.SIGTERM)
         deadline = time.monotonic() + self.policy.grace_s
-        while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
+        while procs.group_members(pgid, None, start_ticks) and time.monotonic() < deadline:
             time.sleep(POLL_S)
-        if _group_members(pgid, start_ticks):
+        if procs.group_members(pgid, None, start_ticks):
             say(f"[specdec] still there after the {self.policy.grace_s:g} s grace: SIGKILL to group {pgid}")
             control.signal_group_checked(pgid, pinned, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT_S
-            while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
+            while procs.group_members(pgid, None, start_ticks) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
-            stuck = _group_members(pgid, start_ticks)
+            stuck = procs.group_members(pgid, None, start_ticks)
             if stuck:  # uninterruptible sleep in the driver: the next attempt may find its GPU memory still held
                 say(f"[specdec] pid(s) {', '.join(map(str, stuck))} still there {KILL_WAIT_S:g} s after SIGKILL")
 
@@ -578,22 +578,6 @@ def _size_of(path: Path) -> int:
 def _deadline(spec: dict[str, Any], milestone: str) -> float | None:
     value = (spec.get("deadlines_s") or {}).get(milestone)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
-
-
-def _start_ticks(pid: int) -> int | None:
-    st = procs.read_stat(pid)
-    return st.start_ticks if st is not None else None
-
-
-def _group_members(pgid: int, min_start_ticks: int | None) -> list[int]:
-    """Live members of a process group that started no earlier than the job did (a reused pgid is not ours)."""
-    return [
-        st.pid
-        for st in procs.all_stats().values()
-        if st.pgrp == pgid
-        and st.state not in ("Z", "X", "x")
-        and (min_start_ticks is None or st.start_ticks >= min_start_ticks)
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:

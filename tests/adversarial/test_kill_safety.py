@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from adv_support import pid_alive, poll
 
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import control, records
 
 pytestmark = pytest.mark.tmux

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from adv_support import pid_alive, poll, until
 
+from engine.host import procs
 from engine.supervisor import records, tmux
 from tui.session import ConnectOptions, open_session
 
@@ -71,7 +72,7 @@ def _end_runs(run_root: Path) -> None:
     for rd in records.list_runs(run_root):
         launch = records.read_json(rd / records.LAUNCH_JSON) or {}
         pgid = launch.get("job_pgid")
-        if isinstance(pgid, int) and records.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
+        if isinstance(pgid, int) and procs.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
         name = tmux.session_name(rd.name)
@@ -230,7 +231,7 @@ def test_run_from_before_a_reboot_reads_rebooted_even_if_its_pid_is_alive_now(
                 "wrapper_pid": live.pid,
                 "boot_id": "00000000-dead-beef-0000-000000000000",
                 "started_at": time.time() - 3600,
-                "job_start_ticks": records.start_ticks_of(live.pid),
+                "job_start_ticks": procs.start_ticks_of(live.pid),
             },
         )
         (rd / records.OUTPUT_LOG).write_text("step=1\n")

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from engine import protocol  # noqa: E402
-from engine.agent import procs  # noqa: E402
+from engine.host import holders, procs  # noqa: E402
 from engine.supervisor import records  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -168,7 +168,7 @@ def main() -> int:
     scan_ms = (time.perf_counter() - t0) / n * 1000
     t0 = time.perf_counter()
     for _ in range(n):
-        procs.find_holders("/dev", nvml_pids={2**22 + 1: 100.0})
+        holders.find_holders("/dev", nvml_pids={2**22 + 1: 100.0})
     holders_ms = (time.perf_counter() - t0) / n * 1000
     t0 = time.perf_counter()
     for _ in range(n):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.host import procs
 from engine.supervisor import records
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -148,7 +149,7 @@ class AgentPool:
         for rd in records.list_runs(self.root):
             launch = records.read_json(rd / records.LAUNCH_JSON) or {}
             pgid = launch.get("job_pgid")
-            if isinstance(pgid, int) and records.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
+            if isinstance(pgid, int) and procs.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
                 os.killpg(pgid, signal.SIGKILL)
             sub = records.read_json(rd / records.SUBMITTED_JSON) or {}
             if sub.get("tmux_session"):

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
 
+from engine.host import procs
 from engine.supervisor import control, records, tmux
 
 pytestmark = pytest.mark.tmux
@@ -203,7 +204,7 @@ def test_a_setsid_wrapper_that_died_before_its_launch_record_ends_the_wait(tmp_p
     rd = records.run_dir_for(tmp_path, "never-setsid")
     rd.mkdir(parents=True)
     gone = subprocess.Popen(["sleep", "60"])
-    ticks = records.start_ticks_of(gone.pid)
+    ticks = procs.start_ticks_of(gone.pid)
     gone.kill()
     gone.wait()
     records.write_json_atomic(
@@ -225,7 +226,7 @@ def test_a_run_whose_agent_died_before_tmux_took_it_reads_starting_then_failed_w
     rd = records.run_dir_for(tmp_path, "orphaned")
     rd.mkdir(parents=True)
     gone = subprocess.Popen(["sleep", "60"])  # the agent that was inside the launch
-    ticks = records.start_ticks_of(gone.pid)
+    ticks = procs.start_ticks_of(gone.pid)
     gone.kill()
     gone.wait()
     sub = {

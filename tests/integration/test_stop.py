@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_launch_harness import AgentClient, AgentPool, launch_and_wait, pid_alive, poll_until
 
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import records
 
 pytestmark = pytest.mark.tmux

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.agent import procs
+from engine.host import holders, procs
 
 NO_SUCH_PID = 2**22 + 1  # above the kernel's largest pid_max: never a live process
 
@@ -59,7 +59,7 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
 
 
 def holders_by_pid(**kw: object) -> dict[int, procs.HolderInfo]:
-    return {h.pid: h for h in procs.find_holders(**kw)}  # type: ignore[arg-type]
+    return {h.pid: h for h in holders.find_holders(**kw)}  # type: ignore[arg-type]
 
 
 def test_fd_holders_are_found_with_their_gpu_indices(

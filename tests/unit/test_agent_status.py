@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from engine import protocol
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import records
 
 REPO = Path(__file__).resolve().parents[2]

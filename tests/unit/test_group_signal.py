@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor.control import group_is_ours, signal_group_checked
 from tui.cli_run import launch_cwd
 

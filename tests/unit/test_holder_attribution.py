@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 
 from engine import protocol
-from engine.agent import anomalies, procs
+from engine.agent import anomalies
 from engine.agent.gpus import NvmlGpus
 from engine.agent.main import Agent
 from engine.agent.monitor_cmds import monitor_of
+from engine.host import holders, procs
 from engine.protocol import HolderGpu, HolderInfo
 from engine.supervisor import control
 
@@ -117,7 +118,7 @@ def cuda_like(dev_dir: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
 
 def holders_from(nv: RecordedNvml, dev_dir: Path, run_pids: set[int] | None = None) -> dict[int, HolderInfo]:
     sample = NvmlGpus(nv).sample()
-    found = procs.find_holders(
+    found = holders.find_holders(
         str(dev_dir),
         nvml_pids=sample.pid_used_mib,
         run_pids=run_pids or set(),

@@ -1,0 +1,95 @@
+"""Which processes hold an NVIDIA device: /proc/*/fd links to /dev/nvidia* joined with NVML's per-GPU process lists.
+
+NVML reports host PIDs; inside a container's PID namespace those PIDs do not exist (or belong to
+someone else). Such a PID is reported with ``resolved=False``: a state to show, never an error.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.host import procs
+from engine.host.host_map import merge_host_map
+from engine.protocol import GpuInfo, HolderGpu, HolderInfo, HostMap
+
+
+def find_holders(
+    dev_dir: str | None = None,
+    nvml_pids: dict[int, float] | None = None,
+    run_pids: set[int] | frozenset[int] = frozenset(),
+    nvml_pid_gpus: dict[int, list[int]] | None = None,
+    nvml_source: str = "nvml",
+    nvml_pid_gpu_mib: dict[int, dict[int, float | None]] | None = None,
+    nvml_listed: bool = False,
+    host_map: HostMap | None = None,
+    local_gpus: list[GpuInfo] | None = None,
+) -> list[HolderInfo]:
+    """Every process holding an NVIDIA device, from /proc/*/fd links and NVML's per-GPU process lists.
+
+    ``nvml_pids``: pid -> used MiB as NVML reports it; ``nvml_pid_gpus``: pid -> GPU indices NVML saw it on;
+    ``nvml_pid_gpu_mib``: pid -> {GPU: MiB}. A NVML pid resolves here when a process with that pid holds a
+    /dev/nvidia* node (or exists with fds we may not read): its GPUs are then NVML's (``gpus_source="nvml"``),
+    not the fd scan's, because a CUDA process opens every /dev/nvidiaN whichever GPU it uses. A NVML pid that
+    does not exist here (container) or that exists but holds no /dev/nvidia* node (another namespace's PID
+    reused here) is ``resolved=False``; fd holders not on NVML's lists keep ``gpus_source="fd-scan"``.
+    ``nvml_listed``: every GPU's list was read, so an empty list in the host's PID namespace means "no process".
+    ``nvml_source="simulated"``: the pids come from the simulated GPU source; existing is enough.
+    ``host_map``: NVML on the Proxmox host mapped into this container (engine/host/host_map.py): exact
+    holders here, and processes of other containers or of the host shown as such; ``local_gpus`` matches
+    the host's GPUs to ours by UUID.
+    """
+    dev = dev_dir if dev_dir is not None else procs.default_dev_dir()
+    now = time.time()
+    fd_holders = procs.scan_device_holders(dev)
+    nvml = nvml_pids or {}
+    nvml_gpus = nvml_pid_gpus or {}
+    nvml_mib = nvml_pid_gpu_mib or {}
+    out: dict[int, HolderInfo] = {}
+    for pid, nodes in fd_holders.items():
+        st = procs.read_stat(pid)
+        if st is None:
+            continue  # exited since the scan
+        h = procs.holder_of(pid, st, now)
+        h.gpus = procs.gpu_indices(nodes)
+        h.gpus_source = "fd-scan" if h.gpus else None
+        h.source = "fd"
+        out[pid] = h
+    if host_map is not None:
+        return merge_host_map(out, host_map, run_pids, local_gpus or [], now)
+    for pid, used in nvml.items():
+        gpus = sorted(set(nvml_gpus.get(pid, [])))
+        shares = [HolderGpu(gpu=g, used_mib=mib) for g, mib in sorted(nvml_mib.get(pid, {}).items())]
+        known = out.get(pid)
+        if known is not None:
+            known.source = f"fd+{nvml_source}"
+            known.used_mib = used
+            if gpus:  # NVML's per-GPU lists are exact; the fd scan names every GPU node a CUDA process opened
+                known.gpus, known.gpus_source, known.per_gpu = gpus, nvml_source, shares
+            continue
+        st = procs.read_stat(pid)
+        fds = procs.nvidia_fds(pid, dev) if st is not None and nvml_source == "nvml" else None
+        src = nvml_source if gpus else None
+        if st is None or (fds is not None and not fds[1]):
+            out[pid] = HolderInfo(
+                pid=pid, resolved=False, gpus=gpus, used_mib=used, source=nvml_source, gpus_source=src, per_gpu=shares
+            )
+            continue
+        # Exists, fds unreadable (another user's process without privileges): trust NVML.
+        h = procs.holder_of(pid, st, now)
+        h.gpus, h.used_mib, h.source, h.gpus_source, h.per_gpu = gpus, used, nvml_source, src, shares
+        out[pid] = h
+    # NVML's process list is in our PID namespace when every pid it names is a local /dev/nvidia* holder (or, when it
+    # names none, when it was read in full from the host's namespace); then a holder missing from it has no GPU
+    # context (a monitor), on any GPU.
+    every_pid_resolves = all(out[p].resolved for p in nvml if p in out)
+    same_namespace = nvml_source == "nvml" and every_pid_resolves and (
+        bool(nvml) or (nvml_listed and procs.in_initial_pid_namespace())
+    )
+    for h in out.values():
+        h.in_run = h.pid in run_pids
+        if h.pid in nvml:
+            h.context = True
+        elif same_namespace and h.resolved:
+            h.context = False
+            h.gpus, h.gpus_source = [], None
+    return sorted(out.values(), key=lambda h: (not h.resolved, h.pid))
