@@ -78,7 +78,7 @@ class Agent:
         self.emit(protocol.event("progress", id=cmd_id, message=message))
 
     def hello(self) -> dict[str, Any]:
-        from engine.agent.capabilities import probe_capabilities
+        from engine.host.capabilities import probe_capabilities
 
         return protocol.event(
             "hello",

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from engine import protocol
 from engine.agent import anomalies
-from engine.agent.capabilities import probe_capabilities
 from engine.agent.commands import CommandError, handler
 from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
-from engine.agent.gpus import GpuSample, GpuSource, open_gpu_source
-from engine.agent.simulate import SimError, SimulatedGpus
 from engine.host import host_map, procs, runs
+from engine.host.capabilities import probe_capabilities
+from engine.host.gpu_source import open_gpu_source
+from engine.host.gpus import GpuSample, GpuSource
 from engine.host.holders import find_holders
+from engine.host.simulate import SimError, SimulatedGpus
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
 

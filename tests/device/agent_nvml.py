@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from engine.agent.gpus import open_gpu_source  # noqa: E402
 from engine.host import procs  # noqa: E402
+from engine.host.gpu_source import open_gpu_source  # noqa: E402
 
 failures: list[str] = []
 # AGENT_NVML_DEVICE=cpu runs only the engine part on the CPU (a dry run of this script off the GPU host).

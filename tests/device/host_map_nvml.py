@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from engine import protocol  # noqa: E402
-from engine.agent.gpus import open_gpu_source  # noqa: E402
 from engine.host import host_map, procs  # noqa: E402
+from engine.host.gpu_source import open_gpu_source  # noqa: E402
 
 failures: list[str] = []
 
@@ -61,7 +61,7 @@ if not line:
     sys.exit(0)
 from engine import protocol
 from engine.host import holders, host_map, procs
-from engine.agent.gpus import open_gpu_source
+from engine.host.gpu_source import open_gpu_source
 hm = host_map.host_map_from_json(json.loads(line))
 src = open_gpu_source(0)
 sample = src.sample()
@@ -173,7 +173,7 @@ def main() -> int:
             sys.path.insert(0, str(REPO / "tests" / "unit"))
             from test_holder_attribution import RecordedNvml
 
-            from engine.agent.gpus import NvmlGpus
+            from engine.host.gpus import NvmlGpus
 
             source = NvmlGpus(RecordedNvml([[(host_pid, int(ns.gib * (1 << 30)))], []]))
         deadline = time.monotonic() + 60.0

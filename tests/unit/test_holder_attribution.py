@@ -20,10 +20,10 @@ import pytest
 
 from engine import protocol
 from engine.agent import anomalies
-from engine.agent.gpus import NvmlGpus
 from engine.agent.main import Agent
 from engine.agent.monitor_cmds import monitor_of
 from engine.host import holders, procs
+from engine.host.gpus import NvmlGpus
 from engine.protocol import HolderGpu, HolderInfo
 from engine.supervisor import control
 

@@ -22,8 +22,8 @@ import pytest
 
 from engine import protocol
 from engine.agent import anomalies
-from engine.agent.gpus import NvmlGpus
 from engine.host import holders, host_map, procs
+from engine.host.gpus import NvmlGpus
 from engine.protocol import GpuInfo, HostMap, HostProcess
 from engine.supervisor import control
 from tests.unit.test_holder_attribution import GIB, RecordedNvml
