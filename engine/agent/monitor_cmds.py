@@ -15,13 +15,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine import protocol
 from engine.agent import anomalies
-from engine.agent.commands import CommandError, handler
+from engine.agent.commands import handler
 from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
+from engine.agent.server import Agent, CommandError
 from engine.host import host_map, procs, runs
 from engine.host.capabilities import probe_capabilities
 from engine.host.gpu_source import open_gpu_source
@@ -30,9 +31,6 @@ from engine.host.holders import find_holders
 from engine.host.simulate import SimError, SimulatedGpus
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
-
-if TYPE_CHECKING:
-    from engine.agent.main import Agent
 
 GPU_INTERVAL_DEFAULT_S = 0.5
 PROCS_INTERVAL_DEFAULT_S = 1.0

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine import protocol
-from engine.agent.commands import CommandError, handler
+from engine.agent.commands import handler
+from engine.agent.monitor_cmds import monitor_of
+from engine.agent.server import Agent, CommandError
 from engine.supervisor import control, records
-
-if TYPE_CHECKING:
-    from engine.agent.main import Agent
 
 
 def _num(args: dict[str, Any], key: str, default: float | None, minimum: float = 0.0) -> float | None:
@@ -128,8 +127,6 @@ def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str
 
 def _gpu_view(agent: Agent) -> control.NvmlView:
     """The processes the agent's GPU source sees (NVML, or simulated), for GPU memory and NVML-only holders."""
-    from engine.agent.monitor_cmds import monitor_of
-
     mon = monitor_of(agent)
     sample = mon.gpu_sample(mon.current_run())
     source = "simulated" if getattr(mon.gpu_source, "source", "nvml") == "simulated" else "nvml"

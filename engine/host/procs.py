@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.protocol import HolderInfo, ProcInfo, ThreadInfo
 
@@ -67,6 +68,14 @@ class ProcStat:
 
 
 _boot_time: float | None = None
+
+
+def read_boot_id() -> str:
+    """This boot's id: a run recorded under another one did not survive a reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
 
 
 def boot_time() -> float:

@@ -367,7 +367,7 @@ def wait_for(
     if milestone not in protocol.MILESTONES:
         raise SupervisorError(f"unknown milestone {milestone!r}; milestones: {list(protocol.MILESTONES)}")
     rd = Path(run_dir)
-    boot = boot_id or records.read_boot_id()
+    boot = boot_id or procs.read_boot_id()
     t0 = time.monotonic()
     wall0 = time.time()
     target_idx = protocol.MILESTONES.index(milestone)
@@ -548,7 +548,7 @@ def stop(
 ) -> dict[str, Any]:
     """SIGTERM to the run's process group, wait the grace, SIGKILL, then wait (bounded) for its GPU devices to free."""
     rd = Path(run_dir)
-    boot = boot_id or records.read_boot_id()
+    boot = boot_id or procs.read_boot_id()
     steps: list[str] = []
 
     def step(msg: str) -> None:
@@ -1114,7 +1114,7 @@ def stacks(run_dir: Path | str, timeout_s: float = 5.0, boot_id: str | None = No
     in, and it waits for the log to go quiet); else why not.
     """
     rd = Path(run_dir)
-    info = records.read_run(rd, boot_id or records.read_boot_id())
+    info = records.read_run(rd, boot_id or procs.read_boot_id())
     if info.state != "running":
         raise SupervisorError(f"run {rd.name} is not running ({info.state}): no stacks to dump")
     launch_rec = records.read_json(rd / records.LAUNCH_JSON) or {}

@@ -237,13 +237,6 @@ def read_json(path: Path | str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def read_boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name

@@ -197,7 +197,7 @@ class Wrapper:
             "pgid": os.getpgid(0),
             "wrapper_pid": os.getpid(),
             "wrapper_start_ticks": procs.start_ticks_of(os.getpid()),
-            "boot_id": records.read_boot_id(),
+            "boot_id": procs.read_boot_id(),
             "hostname": socket.gethostname(),
             "started_at": now,
             "tmux_session": self.doc.get("tmux_session"),

@@ -145,7 +145,7 @@ def test_agent_losing_its_client_while_tmux_accepts_the_launch_never_leaves_an_i
     ended_runs: Path, slow_tmux_path: str
 ) -> None:
     root = ended_runs
-    boot_id = records.read_boot_id()
+    boot_id = procs.read_boot_id()
     agent = _agent(root, slow_tmux_path)
     assert agent.stdin is not None and agent.stdout is not None
     assert json.loads(agent.stdout.readline())["ev"] == "hello"
@@ -164,7 +164,7 @@ def test_cli_killed_at_each_point_of_a_launch_leaves_a_run_started_and_found_or_
 ) -> None:
     """`specdec-tui launch` SIGKILLed at each observable point: before the run directory exists, once it exists,
     once tmux holds the session (inside the agent's launch), once the job's record is written, once current is set."""
-    boot_id = records.read_boot_id()
+    boot_id = procs.read_boot_id()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PATH": slow_tmux_path}
     points: dict[str, Callable[[Path], bool]] = {
         "at once": lambda r: True,
@@ -410,7 +410,7 @@ def test_disk_full_on_the_run_root_is_a_clear_error_and_the_run_is_still_reporte
     assert "No space left on device" in cause, cause
     after = json.loads(cli("status", "local", "--run-root", str(root), "--json").stdout)
     assert after["run"]["run_id"] == run_id
-    assert _live_runs(root, records.read_boot_id()) <= {run_id}
+    assert _live_runs(root, procs.read_boot_id()) <= {run_id}
 
 
 def test_a_job_killed_by_a_full_disk_is_reported_failed_with_its_exit_code(

@@ -132,7 +132,7 @@ def main() -> int:
                     "job_pid": job.pid,
                     "job_start_ticks": st.start_ticks,
                     "job_pgid": job.pid,
-                    "boot_id": records.read_boot_id(),
+                    "boot_id": procs.read_boot_id(),
                     "started_at": time.time(),
                 },
             )

@@ -90,7 +90,7 @@ def test_current_link_follows_the_newest_run(tmp_path: Path) -> None:
 def test_read_run_says_rebooted_when_the_boot_id_differs(agent: AgentClient) -> None:
     launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
     rd = Path(launched["run_dir"])
-    assert records.read_run(rd, records.read_boot_id()).state == "running"
+    assert records.read_run(rd, procs.read_boot_id()).state == "running"
     assert records.read_run(rd, "another-boot").state == "rebooted"
 
 
@@ -100,19 +100,19 @@ def test_wrapper_and_job_killed_without_a_trace_read_as_vanished_and_end_a_wait(
     launch = records.read_json(rd / records.LAUNCH_JSON) or {}
     cmd_id = agent.send("wait", milestone="output", timeout_s=30)
     os.kill(launch["wrapper_pid"], signal.SIGKILL)  # no exit record can be written now
-    assert records.read_run(rd, records.read_boot_id()).state == "running"  # the job itself still runs
+    assert records.read_run(rd, procs.read_boot_id()).state == "running"  # the job itself still runs
     os.killpg(launch["job_pgid"], signal.SIGKILL)
     reply = agent.next_event(lambda e: e.get("ev") == "reply" and e.get("id") == cmd_id, 10)
     res = reply["result"]
     assert res["ok"] is False and res["alive"] is False
     assert "left no exit record" in res["cause"]
-    assert records.read_run(rd, records.read_boot_id()).state == "vanished"
+    assert records.read_run(rd, procs.read_boot_id()).state == "vanished"
 
 
 def test_killing_the_tmux_session_ends_the_job_and_still_leaves_an_exit_record(agent: AgentClient) -> None:
     launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
     rd = Path(launched["run_dir"])
-    job_pid = records.read_run(rd, records.read_boot_id()).pid
+    job_pid = records.read_run(rd, procs.read_boot_id()).pid
     assert job_pid is not None
     assert tmux.kill_session(launched["tmux_session"])  # SIGHUP to the pane: the wrapper forwards it
     exit_rec = poll_until(lambda: records.read_json(rd / records.EXIT_JSON), 10, "exit.json")
@@ -195,7 +195,7 @@ def test_wrapper_output_milestone_ignores_what_was_in_the_log_before(tmp_path: P
         timeout=30,
     )
     assert done.returncode == 0
-    info = records.read_run(rd, records.read_boot_id())
+    info = records.read_run(rd, procs.read_boot_id())
     assert info.state == "exited" and info.exit_code == 0
     assert info.milestones["started"] is not None and info.milestones["output"] is None
 
@@ -236,7 +236,7 @@ def test_a_run_whose_agent_died_before_tmux_took_it_reads_starting_then_failed_w
         "launcher_start_ticks": ticks,
         "spec": {"command": ["sleep", "300"]},
     }
-    boot = records.read_boot_id()
+    boot = procs.read_boot_id()
     records.write_json_atomic(rd / records.SUBMITTED_JSON, {**sub, "t": time.time()})
     fresh = records.read_run(rd, boot)
     assert fresh.state == "starting" and fresh.cause is None  # tmux may still be creating the session
@@ -322,7 +322,7 @@ def test_a_job_that_fills_the_run_roots_disk_still_gets_its_exit_record(tiny_fs:
     try:
         res = control.wait_for(rd, "first-step", timeout_s=30)
         assert res.ok is False and res.exit_code == 1, res
-        info = records.read_run(rd, records.read_boot_id())
+        info = records.read_run(rd, procs.read_boot_id())
         assert info.state == "failed" and info.exit_code == 1 and info.signal is None
         rec = records.read_json(rd / records.EXIT_JSON) or {}
         assert rec.get("cause") == "exited with code 1"

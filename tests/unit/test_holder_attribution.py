@@ -20,8 +20,8 @@ import pytest
 
 from engine import protocol
 from engine.agent import anomalies
-from engine.agent.main import Agent
 from engine.agent.monitor_cmds import monitor_of
+from engine.agent.server import Agent
 from engine.host import holders, procs
 from engine.host.gpus import NvmlGpus
 from engine.protocol import HolderGpu, HolderInfo
