@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.host import procs
+from engine.host import appended, procs
+from engine.host.appended import AppendedFile
 from engine.supervisor import tmux
 from engine.supervisor.failure import Failure, FailureScan, last_step_in
 
@@ -57,6 +58,7 @@ CHECKPOINTS_DIR = "checkpoints"
 
 # Bytes of output.log / events.jsonl one read_run call scans at most (status must never stall on a huge log).
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
+LOG_LINE_MAX_BYTES = 64 * 1024  # a log "line" longer than this without an end is scanned as it is
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
 _SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"export"})
 # Events only a running engine writes about its own progress: a job that writes them takes first-step from them
@@ -245,22 +247,17 @@ def signal_name(signum: int) -> str:
 
 
 def last_lines(path: Path | str, n: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
-    """The last n lines of a file (decoded as UTF-8 with replacement); [] when missing."""
+    """The last n lines of a file (decoded as UTF-8 with replacement, CRLF read as a line end); [] when missing."""
     try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            data = fh.read()
+        tail = appended.last_lines(path, n, block_bytes=max_bytes, max_bytes=max_bytes)
     except OSError:
         return []
-    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    if size > max_bytes and lines:
-        lines.pop(0)  # the first line was cut by the window
-    return lines[-n:]
+    lines = tail.lines[1:] if tail.starts_mid_line else tail.lines  # the first line was cut by the window
+    ended = len(lines) - (1 if tail.partial else 0)  # lines followed by a newline: a CR before it is part of the end
+    return [
+        (line[:-1] if i < ended and line.endswith(b"\r") else line).decode("utf-8", "replace")
+        for i, line in enumerate(lines)
+    ]
 
 
 RANK_EVENTS_RE = re.compile(r"events\.rank(\d+)\.jsonl")
@@ -333,10 +330,8 @@ class RunScanner:
         self._step_re = re.compile(step_pattern.encode()) if step_pattern else None
         self._failure = FailureScan()
         self._output_base = output_base
-        self._log_offset = output_base
-        self._log_inode: int | None = None
-        self._log_carry = b""
-        self._ev: dict[str, _Tail] = {}  # events file name -> how far it was read
+        self._log = AppendedFile(self.run_dir / OUTPUT_LOG, output_base)
+        self._ev: dict[str, AppendedFile] = {}  # events file name -> how far it was read
         self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
         self.state = ScanState(nproc_hint=nproc_hint)
         self.state.failure = self._failure.failure
@@ -355,49 +350,37 @@ class RunScanner:
         t = now if now is not None else time.time()
         with self._lock:
             try:
-                size = os.stat(self.run_dir / OUTPUT_LOG).st_size
+                size = os.stat(self._log.path).st_size
             except OSError:
                 size = 0
-            if size - self._log_offset > self.CATCH_UP_MAX_BYTES:
-                self._log_offset, self._log_carry = size - self.CATCH_UP_MAX_BYTES, b""
+            if size - self._log.position > self.CATCH_UP_MAX_BYTES:
+                self._log.restart(size - self.CATCH_UP_MAX_BYTES)
             for _ in range(self.CATCH_UP_MAX_BYTES // _SCAN_BUDGET_BYTES + 1):
-                before = (self._log_offset, sum(tail.offset for tail in self._ev.values()))
+                before = (self._log.position, sum(tail.position for tail in self._ev.values()))
                 self._poll_events(_SCAN_BUDGET_BYTES)
                 self._poll_log(t, _SCAN_BUDGET_BYTES)
-                if (self._log_offset, sum(tail.offset for tail in self._ev.values())) == before:
+                if (self._log.position, sum(tail.position for tail in self._ev.values())) == before:
                     break
-            if self._log_carry and self._step_re is not None:  # the last line may have no newline
-                step = last_step_in(self._log_carry, self._step_re)
+            if self._log.carry and self._step_re is not None:  # the last line may have no newline
+                step = last_step_in(self._log.carry, self._step_re)
                 self.state.log_last_step = step if step is not None else self.state.log_last_step
         return self.state
 
     def _poll_log(self, now: float, budget: int) -> None:
-        path = self.run_dir / OUTPUT_LOG
-        try:
-            st = os.stat(path)
-        except OSError:
+        st, reset = self._log.check()
+        if st is None:
             return
-        if self._log_inode is not None and (st.st_ino != self._log_inode or st.st_size < self._log_offset):
-            self._log_offset, self._log_carry = 0, b""  # rotated or truncated: scan the new file from its start
+        if reset is not None:  # rotated or truncated: scan the new file from its start
             self._failure = FailureScan()
             self.state.failure, self.state.log_last_step = self._failure.failure, None
-        self._log_inode = st.st_ino
-        if st.st_size <= self._log_offset:
+        if st.st_size <= self._log.position:
             return
         if self.state.output_seen_at is None and st.st_size > self._output_base:
             self.state.output_seen_at = now
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(self._log_offset)
-                data = fh.read(min(budget, st.st_size - self._log_offset))
-        except OSError:
+        data = self._log.read_path(min(budget, st.st_size - self._log.position))
+        if not data:
             return
-        self._log_offset += len(data)
-        chunk = self._log_carry + data
-        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-        complete, self._log_carry = (chunk[: cut + 1], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
-        if len(self._log_carry) > 64 * 1024:
-            complete, self._log_carry = chunk, b""  # a line without end: scan what we have
+        _, complete = self._log.take_complete(data, (b"\n", b"\r"), LOG_LINE_MAX_BYTES)
         if not complete:
             return
         self._failure.feed(complete)
@@ -415,33 +398,15 @@ class RunScanner:
         except OSError:
             return
         for name in names:
-            self._poll_events_file(name, self._ev.setdefault(name, _Tail()), budget)
+            self._poll_events_file(name, self._ev.setdefault(name, AppendedFile(self.run_dir / name)), budget)
 
-    def _poll_events_file(self, name: str, tail: _Tail, budget: int) -> None:
-        path = self.run_dir / name
-        try:
-            st = os.stat(path)
-        except OSError:
+    def _poll_events_file(self, name: str, tail: AppendedFile, budget: int) -> None:
+        st, _ = tail.check()
+        if st is None or st.st_size <= tail.position:
             return
-        if tail.inode is not None and (st.st_ino != tail.inode or st.st_size < tail.offset):
-            tail.offset, tail.carry = 0, b""
-        tail.inode = st.st_ino
-        if st.st_size <= tail.offset:
-            return
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(tail.offset)
-                data = fh.read(min(budget, st.st_size - tail.offset))
-        except OSError:
-            return
-        tail.offset += len(data)
-        chunk = tail.carry + data
-        cut = chunk.rfind(b"\n")
-        if cut < 0:
-            tail.carry = chunk
-            return
-        tail.carry = chunk[cut + 1 :]
-        for line in chunk[:cut].split(b"\n"):
+        data = tail.read_path(min(budget, st.st_size - tail.position))
+        _, complete = tail.take_complete(data)
+        for line in complete.split(b"\n")[:-1]:
             self._event_line(line, name == EVENTS_JSONL)
 
     def _event_line(self, line: bytes, main: bool = True) -> None:
@@ -506,13 +471,6 @@ class RunScanner:
         firsts = [r.first_step_t for r in self.state.ranks.values() if r.first_step_t is not None]
         if self.state.first_step_t is None and len(firsts) >= self.state.ranks_expected():
             self.state.first_step_t = max(firsts)
-
-
-@dataclass
-class _Tail:
-    offset: int = 0
-    inode: int | None = None
-    carry: bytes = b""
 
 
 def nproc_per_node(command: list[str]) -> int | None:
