@@ -118,13 +118,13 @@ class Monitor:
         run_dir = records.current_run_dir(self.run_root)
         if run_dir is None:
             return None
-        return records.read_run(run_dir, self.agent.boot_id)
+        return records.read_run(run_dir, self.agent.boot_id, self.agent.scanners)
 
     def run_pids(self, run: RunInfo | None) -> set[int]:
         """Pids of the running run's processes, each still the one its launch record pinned (host.runs.run_pids)."""
         if run is None or run.state != "running":
             return set()
-        return runs.run_pids(records.read_json(Path(run.run_dir) / records.LAUNCH_JSON))
+        return runs.run_pids(records.read_launch(run.run_dir))
 
     def _run_tree(self, run_pids: set[int], with_threads: bool = True) -> list[ProcInfo]:
         out: list[ProcInfo] = []

@@ -76,6 +76,7 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
             _num(args, "timeout_s", None),
             deadlines,
             boot_id=agent.boot_id,
+            scanners=agent.scanners,
             on_milestone=on_milestone,
             cancel=agent.stopping,
         )
@@ -97,6 +98,7 @@ def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
             release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
             progress=lambda msg: agent.progress(cmd_id, msg),
             boot_id=agent.boot_id,
+            scanners=agent.scanners,
         )
     except control.SupervisorError as exc:
         raise CommandError(str(exc)) from exc
@@ -109,13 +111,14 @@ def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str
     try:
         spec = control.spec_of(rd)
         stopped: dict[str, Any] | None = None
-        if records.read_run(rd, agent.boot_id).state in ("running", "starting"):
+        if records.read_run(rd, agent.boot_id, agent.scanners).state in ("running", "starting"):
             stopped = control.stop(
                 rd,
                 grace_s=_num(args, "grace_s", 30.0) or 0.0,
                 release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
                 progress=lambda msg: agent.progress(cmd_id, msg),
                 boot_id=agent.boot_id,
+            scanners=agent.scanners,
             )
         spec["run_id"] = args.get("new_run_id")
         agent.progress(cmd_id, f"launching {spec.get('command')} again")
@@ -168,7 +171,8 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
 def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     rd = _run_dir(agent, args)
     try:
-        return control.stacks(rd, timeout_s=_num(args, "timeout_s", 5.0) or 5.0, boot_id=agent.boot_id)
+        timeout_s = _num(args, "timeout_s", 5.0) or 5.0
+        return control.stacks(rd, timeout_s=timeout_s, boot_id=agent.boot_id, scanners=agent.scanners)
     except control.SupervisorError as exc:
         raise CommandError(str(exc)) from exc
 
@@ -187,7 +191,7 @@ def _runs(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
     dirs = records.list_runs(agent.run_root)
     runs = []
     for rd in reversed(dirs[-limit:]):
-        info = records.read_run(rd, agent.boot_id)
+        info = records.read_run(rd, agent.boot_id, agent.scanners)
         row = protocol.to_jsonable(info)
         end = info.ended_at if info.ended_at is not None else (time.time() if info.state == "running" else None)
         row["duration_s"] = end - info.started_at if end is not None and info.started_at is not None else None
@@ -200,4 +204,4 @@ def _runs(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 def _run_info(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """One run (``run_id``, default the current one) as its records and the process table say it is now."""
     rd = _run_dir(agent, args)
-    return {"run": records.read_run(rd, agent.boot_id)}
+    return {"run": records.read_run(rd, agent.boot_id, agent.scanners)}

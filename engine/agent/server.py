@@ -20,6 +20,7 @@ from typing import IO, Any
 
 from engine import protocol
 from engine.host import procs
+from engine.supervisor.records import ScannerCache
 
 Handler = Callable[["Agent", "int | None", dict[str, Any]], dict[str, Any]]
 
@@ -64,6 +65,8 @@ class Agent:
         self.stopping = threading.Event()
         # Per-feature state that the handler modules keep on the agent (samplers, followers, ...).
         self.extras: dict[str, Any] = {}
+        # The runs' incremental scanners: status, waits and stops each scan only what was appended since.
+        self.scanners = ScannerCache()
         self.bad_lines = 0
         self._in_flight: set[threading.Thread] = set()  # state-changing commands still running
         self._running: set[threading.Thread] = set()  # every command still running

@@ -30,6 +30,7 @@ import engine
 from engine import protocol, stackdump
 from engine.host import procs, runs
 from engine.host.holders import find_holders
+from engine.host.runs import ExitRecord, LaunchRecord, SubmittedRecord
 from engine.supervisor import records, restart, tmux
 
 POLL_S = 0.05
@@ -194,25 +195,23 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         str(spec_path),
     ]
     note = None if session is not None else "tmux is not available on the host: started with setsid; not attachable"
-    sub_doc: dict[str, Any] = {
-        "t": time.time(),
-        "phase": "submitting",  # "accepted" once tmux (or setsid) took the wrapper
-        "run_id": run_id,
-        "tmux_session": session,
-        "attachable": session is not None,
-        "tmux_socket": os.environ.get(tmux.SOCKET_ENV),
-        "launcher_pid": os.getpid(),
-        "launcher_start_ticks": procs.start_ticks_of(os.getpid()),
-        "launcher_wrapper_pid": None,
-        "launcher_wrapper_start_ticks": None,
-        "spec": asdict(spec),
-        "note": note,
-    }
+    sub_doc = SubmittedRecord(
+        t=time.time(),
+        phase="submitting",  # "accepted" once tmux (or setsid) took the wrapper
+        run_id=run_id,
+        tmux_session=session,
+        attachable=session is not None,
+        tmux_socket=os.environ.get(tmux.SOCKET_ENV),
+        launcher_pid=os.getpid(),
+        launcher_start_ticks=procs.start_ticks_of(os.getpid()),
+        spec=asdict(spec),
+        note=note,
+    )
     # The run is visible (submitted.json, current) before its job can exist: whatever ends this process from here
     # on, `status` shows the run, starting, then running or why it never started.
     previous = _current_link(root)
     try:
-        records.write_json_atomic(run_dir / records.SUBMITTED_JSON, sub_doc, mode=0o600)
+        records.write_json_atomic(run_dir / records.SUBMITTED_JSON, sub_doc.to_json(), mode=0o600)
         records.set_current(root, run_dir)
     except OSError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -243,11 +242,10 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         shutil.rmtree(run_dir, ignore_errors=True)
         raise SupervisorError(f"could not start run {run_id}: {exc}") from exc
     submitted_at = time.time()
-    sub_doc.update(
-        t=submitted_at, phase="accepted", launcher_wrapper_pid=wrapper_pid, launcher_wrapper_start_ticks=wrapper_ticks
-    )
+    sub_doc.t, sub_doc.phase = submitted_at, "accepted"
+    sub_doc.launcher_wrapper_pid, sub_doc.launcher_wrapper_start_ticks = wrapper_pid, wrapper_ticks
     with contextlib.suppress(OSError):  # the run is recorded already; a full disk here only loses the wrapper pid
-        records.write_json_atomic(run_dir / records.SUBMITTED_JSON, sub_doc, mode=0o600)
+        records.write_json_atomic(run_dir / records.SUBMITTED_JSON, sub_doc.to_json(), mode=0o600)
     return {
         "run_id": run_id,
         "run_dir": str(run_dir),
@@ -344,11 +342,6 @@ def _deadline_for(milestone: str, deadlines: dict[str, float]) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
-def _pane_note(launch_sub: dict[str, Any]) -> str | None:
-    """Why a wrapper never wrote launch.json, as tmux (or, without tmux, the process table) saw it."""
-    return records.pane_note(launch_sub)
-
-
 def wait_for(
     run_dir: Path | str,
     milestone: str,
@@ -357,6 +350,7 @@ def wait_for(
     boot_id: str | None = None,
     on_milestone: Callable[[str, float], None] | None = None,
     cancel: threading.Event | None = None,
+    scanners: records.ScannerCache | None = None,
 ) -> protocol.WaitResult:
     """Watch the run directory and the process table until `milestone`, an exit, or a deadline.
 
@@ -368,15 +362,16 @@ def wait_for(
         raise SupervisorError(f"unknown milestone {milestone!r}; milestones: {list(protocol.MILESTONES)}")
     rd = Path(run_dir)
     boot = boot_id or procs.read_boot_id()
+    cache = scanners if scanners is not None else records.ScannerCache()  # each poll scans only what was appended
     t0 = time.monotonic()
     wall0 = time.time()
     target_idx = protocol.MILESTONES.index(milestone)
     reported: set[str] = set()
-    sub = records.read_json(rd / records.SUBMITTED_JSON) or {}
+    sub = records.read_submitted(rd)
     dl = dict(deadlines or {})
     if not dl:
-        spec = sub.get("spec") if isinstance(sub.get("spec"), dict) else {}
-        dl = dict((spec or {}).get("deadlines_s") or {})
+        spec = (sub.spec if sub is not None else None) or {}
+        dl = dict(spec.get("deadlines_s") or {})
     next_pane_check = t0 + STARTING_CHECK_S
     pane_note: str | None = None
 
@@ -408,7 +403,7 @@ def wait_for(
         )
 
     while True:
-        info = records.read_run(rd, boot)
+        info = records.read_run(rd, boot, cache)
         for m in protocol.MILESTONES:
             t_m = info.milestones.get(m)
             if t_m is not None and m not in reported:
@@ -420,8 +415,8 @@ def wait_for(
         if info.state in ("exited", "failed", "vanished", "rebooted"):
             return result(False, info, _end_cause(rd, info, milestone), False)
         if info.state == "running":
-            launch_rec = records.read_json(rd / records.LAUNCH_JSON)
-            scan = records.scanner_for(rd, launch_rec).state if launch_rec is not None else None
+            launch_rec = records.read_launch(rd)
+            scan = cache.scanner_for(rd, launch_rec).state if launch_rec is not None else None
             errors = _this_attempts(scan.thread_errors, launch_rec) if scan is not None else []
             # A peer's failure that a rank only saw is no cause: torchrun ends the run within seconds, naming the rank.
             own = [e for e in errors if e.get("exc_type") != records.PEER_FAILURE]
@@ -440,8 +435,8 @@ def wait_for(
         now_m = time.monotonic()
         if info.state == "starting" and now_m >= next_pane_check:
             next_pane_check = now_m + STARTING_CHECK_S
-            pane_note = _pane_note(sub or records.read_json(rd / records.SUBMITTED_JSON) or {})
-            if pane_note is not None and records.read_json(rd / records.LAUNCH_JSON) is None:
+            pane_note = records.pane_note(sub or records.read_submitted(rd) or SubmittedRecord())
+            if pane_note is not None and records.read_launch(rd) is None:
                 info.state = "vanished"
                 return result(False, info, f"the wrapper never started: {pane_note}", False)
         submitted_at = info.milestones.get("submitted") or wall0
@@ -470,10 +465,10 @@ def _may_restart(info: protocol.RunInfo) -> bool:
     )
 
 
-def _this_attempts(events: list[dict[str, Any]], launch_rec: dict[str, Any] | None) -> list[dict[str, Any]]:
+def _this_attempts(events: list[dict[str, Any]], launch_rec: LaunchRecord | None) -> list[dict[str, Any]]:
     """The events of the current attempt (a restarted run's earlier attempts wrote theirs to the same file)."""
-    since = (launch_rec or {}).get("attempt_started_at")
-    if not isinstance(since, (int, float)) or (launch_rec or {}).get("attempt", 1) == 1:
+    since = launch_rec.attempt_started_at if launch_rec is not None else None
+    if since is None or launch_rec is None or launch_rec.attempt in (None, 1):
         return events
     return [e for e in events if not isinstance(e.get("t"), (int, float)) or e["t"] >= since]
 
@@ -490,7 +485,7 @@ def _failed_lines(rd: Path, info: protocol.RunInfo) -> list[str]:
 
 
 def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
-    exit_rec = records.read_json(rd / records.EXIT_JSON) or {}
+    exit_rec = records.read_exit(rd) or ExitRecord()
     before = f"before {milestone}"
     if info.cause:
         return info.cause
@@ -498,7 +493,7 @@ def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
         return f"the host rebooted since the run started ({before})"
     if info.state == "vanished":
         return f"the run's processes are gone and left no exit record ({before}): killed with the wrapper?"
-    recorded = exit_rec.get("cause")
+    recorded = exit_rec.cause
     if info.signal is not None:
         return f"killed by signal {info.signal} ({records.signal_name(info.signal)}) {before}"
     if recorded and not str(recorded).startswith("exited with code"):
@@ -508,15 +503,15 @@ def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
 
 def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result: Any) -> protocol.WaitResult:
     if info.state == "starting":
-        note = _pane_note(records.read_json(rd / records.SUBMITTED_JSON) or {})
+        note = records.pane_note(records.read_submitted(rd) or SubmittedRecord())
         if note is not None:
             return result(False, info, f"not started: {overdue}; no launch.json; {note}", False)
         # The wrapper's session is still there but it has not written its record: stuck before the job.
         return result(False, info, f"hung: {overdue}; the wrapper has not written launch.json yet", True, None, True)
-    launch_rec = records.read_json(rd / records.LAUNCH_JSON)
+    launch_rec = records.read_launch(rd)
     pids = runs.run_pids(launch_rec)
-    job_pid = (launch_rec or {}).get("job_pid")
-    job_pids = set(_tree(job_pid)) if isinstance(job_pid, int) else set()
+    job_pid = launch_rec.job_pid if launch_rec is not None else None
+    job_pids = set(_tree(job_pid))
     activity = describe_activity(job_pids or pids)
     output_t = info.milestones.get("output")
     if output_t is None:
@@ -545,6 +540,7 @@ def stop(
     release_timeout_s: float = 30.0,
     progress: Progress = _noop,
     boot_id: str | None = None,
+    scanners: records.ScannerCache | None = None,
 ) -> dict[str, Any]:
     """SIGTERM to the run's process group, wait the grace, SIGKILL, then wait (bounded) for its GPU devices to free."""
     rd = Path(run_dir)
@@ -555,29 +551,30 @@ def stop(
         steps.append(msg)
         progress(msg)
 
-    launch_rec = records.read_json(rd / records.LAUNCH_JSON)
+    launch_rec = records.read_launch(rd)
     if launch_rec is None:
         deadline = time.monotonic() + 2.0  # a run submitted a moment ago: give the wrapper its first breath
         while launch_rec is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
-            launch_rec = records.read_json(rd / records.LAUNCH_JSON)
+            launch_rec = records.read_launch(rd)
         if launch_rec is None:
             raise SupervisorError(f"run {rd.name} has no launch record (it never started): nothing to stop")
-    info = records.read_run(rd, boot)
+    cache = scanners if scanners is not None else records.ScannerCache()
+    info = records.read_run(rd, boot, cache)
     ours = runs.run_pids(launch_rec)
     held_before = _holders_among(ours)
-    job_pid = launch_rec.get("job_pid")
-    job_ticks = launch_rec.get("job_start_ticks")
-    pgid = launch_rec.get("job_pgid")
+    job_pid = launch_rec.job_pid
+    job_ticks = launch_rec.job_start_ticks
+    pgid = launch_rec.job_pgid
     # torchrun starts each rank in a session of its own: the group alone misses them, so the run's processes are
     # its group, the job's tree and the ranks its events name, each pinned by pid and start time from now on.
-    members = run_members(rd, launch_rec)
+    members = run_members(rd, launch_rec, cache)
     if info.state != "running":
         if not members:
             raise SupervisorError(f"run {rd.name} is not running ({info.state}): nothing to stop")
         step(f"the job ended ({info.state}) but {len(members)} of its process(es) remain")
-    wrapper_pid = int(launch_rec.get("wrapper_pid") or 0)
-    wrapper_ticks = launch_rec.get("wrapper_start_ticks")
+    wrapper_pid = launch_rec.wrapper_pid or 0
+    wrapper_ticks = launch_rec.wrapper_start_ticks
     if _cancel_restarts(launch_rec, wrapper_pid, wrapper_ticks):
         step("restart policy cancelled: nothing is restarted after this stop")
 
@@ -645,25 +642,25 @@ def stop(
     else:
         step(f"GPU devices still held after {release_timeout_s:g} s by pid(s) {', '.join(map(str, holders_left))}")
     _wait_until(lambda: (rd / records.EXIT_JSON).exists(), 3.0)
-    exit_rec = records.read_json(rd / records.EXIT_JSON)
+    exit_rec = records.read_exit(rd)
     if exit_rec is not None:
-        step(f"exit record: {exit_rec.get('cause')}")
+        step(f"exit record: {exit_rec.cause}")
     return {
         "stopped": not alive_members(),
         "escalated": escalated,
         "steps": steps,
         "run_id": rd.name,
         "job_pid": job_pid,
-        "exit": exit_rec,
+        "exit": exit_rec.to_json() if exit_rec is not None else None,
         "gpu_released": released,
     }
 
 
-def _cancel_restarts(launch_rec: dict[str, Any], wrapper_pid: int, wrapper_ticks: int | None) -> bool:
+def _cancel_restarts(launch_rec: LaunchRecord, wrapper_pid: int, wrapper_ticks: int | None) -> bool:
     """Tell a wrapper that runs a restart policy to restart nothing more (before its job is signalled)."""
-    spec = launch_rec.get("spec")
-    name = launch_rec.get("cancel_signal")
-    if not isinstance(spec, dict) or spec.get("restart") is None or not isinstance(name, str):
+    spec = launch_rec.spec
+    name = launch_rec.cancel_signal
+    if spec is None or spec.get("restart") is None or name is None:
         return False  # no policy, or a wrapper from before restart policies: it would not know the signal
     try:
         sig = signal.Signals[name]
@@ -678,9 +675,10 @@ def _cancel_restarts(launch_rec: dict[str, Any], wrapper_pid: int, wrapper_ticks
     return True
 
 
-def rank_pids(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
+def rank_pids(rd: Path, launch_rec: LaunchRecord, scanners: records.ScannerCache | None = None) -> dict[int, int]:
     """global rank -> pid of this node's torchrun ranks, from their ``distributed`` stage events."""
-    ranks = records.scanner_for(rd, launch_rec).poll().ranks
+    scanner = scanners.scanner_for(rd, launch_rec) if scanners is not None else records.new_scanner(rd, launch_rec)
+    ranks = scanner.poll().ranks
     return {r.rank: r.pid for r in ranks.values() if r.rank is not None and r.pid is not None}
 
 
@@ -694,25 +692,25 @@ def _runs_in(pid: int, rd: Path) -> bool:
     return any(entry in names for entry in env)
 
 
-def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
+def run_members(rd: Path, launch_rec: LaunchRecord, scanners: records.ScannerCache | None = None) -> dict[int, int]:
     """pid -> start ticks of every live process of the run: the job's group, torchrun's workers (it starts each in a
     session of its own) and this node's ranks as their events name them (a rank outlives a killed agent until it
     notices)."""
     table = procs.all_stats()
-    job_ticks = launch_rec.get("job_start_ticks")
+    job_ticks = launch_rec.job_start_ticks
     pids: set[int] = set()
-    pgid = launch_rec.get("job_pgid")
-    if isinstance(pgid, int):
+    pgid = launch_rec.job_pgid
+    if pgid is not None:
         pids.update(procs.group_members(pgid, table, job_ticks))
-    job_pid = launch_rec.get("job_pid")
-    job = table.get(job_pid) if isinstance(job_pid, int) else None
+    job_pid = launch_rec.job_pid
+    job = table.get(job_pid) if job_pid is not None else None
     if job is not None and (job_ticks is None or job.start_ticks == job_ticks) and _is_torchrun(launch_rec):
         # Its workers, each in a session of its own (any other process that left the group is only reported).
         agents = {job.pid} | {p for p in procs.tree_pids(job.pid, table) if table[p].pgrp == pgid}
         workers = [st.pid for st in table.values() if st.ppid in agents and st.pgrp != pgid]
         for pid in workers:
             pids.update(procs.tree_pids(pid, table))
-    for pid in rank_pids(rd, launch_rec).values():
+    for pid in rank_pids(rd, launch_rec, scanners).values():
         st = table.get(pid)
         if st is not None and (job_ticks is None or st.start_ticks >= job_ticks) and _runs_in(pid, rd):
             pids.update(procs.tree_pids(pid, table))
@@ -724,9 +722,9 @@ def run_members(rd: Path, launch_rec: dict[str, Any]) -> dict[int, int]:
 TORCHRUN_PROGRAMS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
-def _is_torchrun(launch_rec: dict[str, Any]) -> bool:
+def _is_torchrun(launch_rec: LaunchRecord) -> bool:
     """The job is torchrun (directly, or through env/python -m): its workers are the run's, in sessions of their own."""
-    command = [str(a) for a in launch_rec.get("command") or []]
+    command = launch_rec.command
     return any(os.path.basename(a) in TORCHRUN_PROGRAMS for a in command[:8])
 
 
@@ -801,7 +799,7 @@ def current_run_pids(run_root: Path | str) -> set[int]:
     rd = records.current_run_dir(run_root)
     if rd is None:
         return set()
-    return runs.run_pids(records.read_json(rd / records.LAUNCH_JSON))
+    return runs.run_pids(records.read_launch(rd))
 
 
 def _protected_pids() -> set[int]:
@@ -1105,7 +1103,12 @@ def _dump_engine(rd: Path, pid: int) -> tuple[str, str]:
     return f"faulthandler, threads unnamed ({why})", raw
 
 
-def stacks(run_dir: Path | str, timeout_s: float = 5.0, boot_id: str | None = None) -> dict[str, Any]:
+def stacks(
+    run_dir: Path | str,
+    timeout_s: float = 5.0,
+    boot_id: str | None = None,
+    scanners: records.ScannerCache | None = None,
+) -> dict[str, Any]:
     """Every thread's stack of the live run.
 
     Our engine (it registered engine.stackdump): SIGUSR1, named threads from its own dump file in well under
@@ -1114,17 +1117,18 @@ def stacks(run_dir: Path | str, timeout_s: float = 5.0, boot_id: str | None = No
     in, and it waits for the log to go quiet); else why not.
     """
     rd = Path(run_dir)
-    info = records.read_run(rd, boot_id or procs.read_boot_id())
+    cache = scanners if scanners is not None else records.ScannerCache()
+    info = records.read_run(rd, boot_id or procs.read_boot_id(), cache)
     if info.state != "running":
         raise SupervisorError(f"run {rd.name} is not running ({info.state}): no stacks to dump")
-    launch_rec = records.read_json(rd / records.LAUNCH_JSON) or {}
-    job_pid = launch_rec.get("job_pid")
+    launch_rec = records.read_launch(rd) or LaunchRecord()
+    job_pid = launch_rec.job_pid
     pids = _tree(job_pid) if isinstance(job_pid, int) else []
     if not pids:
         raise SupervisorError(f"run {rd.name}: the job process is gone")
     # torchrun's ranks: in the job's tree while their agent lives, and named with their pid by their events.
-    pids = sorted(set(pids) | set(run_members(rd, launch_rec)))
-    rank_of = {pid: rank for rank, pid in rank_pids(rd, launch_rec).items()}
+    pids = sorted(set(pids) | set(run_members(rd, launch_rec, cache)))
+    rank_of = {pid: rank for rank, pid in rank_pids(rd, launch_rec, cache).items()}
     py_pids = [p for p in pids if _is_python(p)]
     engines = [p for p in py_pids if stackdump.dump_files(rd, p).raw.exists() and _catches(p, stackdump.SIGNAL)]
     engines.sort(key=lambda p: (rank_of.get(p, -1), p))

@@ -37,6 +37,7 @@ from typing import Any
 from engine import protocol
 from engine.host import appended, procs
 from engine.host.appended import AppendedFile
+from engine.host.runs import ExitRecord, LaunchRecord, SubmittedRecord
 from engine.supervisor import tmux
 from engine.supervisor.failure import Failure, FailureScan, last_step_in
 
@@ -174,9 +175,10 @@ def reserve_exit_record(run_dir: Path | str) -> bool:
     return True
 
 
-def write_exit_record(run_dir: Path | str, rec: dict[str, Any]) -> None:
+def write_exit_record(run_dir: Path | str, exit_rec: ExitRecord) -> None:
     """Write exit.json atomically; when the disk is full, into the space reserve_exit_record took, renamed."""
     rd = Path(run_dir)
+    rec = exit_rec.to_json()
     try:
         write_json_atomic(rd / EXIT_JSON, rec)
     except OSError:
@@ -484,49 +486,56 @@ def nproc_per_node(command: list[str]) -> int | None:
     return None
 
 
-_scanners: dict[str, tuple[float | None, RunScanner]] = {}
+class ScannerCache:
+    """One incremental scanner per run directory and wrapper start, owned by whoever reads runs repeatedly (the
+    agent, one wait): each read then scans only what was appended since the last. Thread-safe."""
+
+    MAX_RUNS = 64  # beyond, start over (a scanner costs its ranks' state; an agent rarely sees this many runs)
+
+    def __init__(self) -> None:
+        self._scanners: dict[str, tuple[float | None, RunScanner]] = {}
+        self._lock = threading.Lock()
+
+    def scanner_for(self, run_dir: Path, launch: LaunchRecord) -> RunScanner:
+        key = str(run_dir)
+        with self._lock:
+            cached = self._scanners.get(key)
+            if cached is not None and cached[0] == launch.started_at:
+                return cached[1]
+            sc = new_scanner(run_dir, launch)
+            if len(self._scanners) > self.MAX_RUNS:
+                self._scanners.clear()
+            self._scanners[key] = (launch.started_at, sc)
+            return sc
 
 
-_scanners_lock = threading.Lock()
+def new_scanner(run_dir: Path, launch: LaunchRecord) -> RunScanner:
+    """A scanner of one run from the start of its job's output."""
+    return RunScanner(run_dir, launch.step_pattern, launch.output_offset_at_start, nproc_per_node(launch.command))
 
 
-def scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
-    """The agent-wide incremental scanner of one run (one per run directory and wrapper start)."""
-    key = str(run_dir)
-    started = launch.get("started_at")
-    with _scanners_lock:
-        cached = _scanners.get(key)
-        if cached is not None and cached[0] == started:
-            return cached[1]
-        sc = RunScanner(
-            run_dir,
-            launch.get("step_pattern"),
-            int(launch.get("output_offset_at_start") or 0),
-            nproc_per_node([str(a) for a in launch.get("command") or []]),
-        )
-        if len(_scanners) > 64:
-            _scanners.clear()
-        _scanners[key] = (started, sc)
-        return sc
+def read_launch(run_dir: Path | str) -> LaunchRecord | None:
+    return LaunchRecord.read(Path(run_dir) / LAUNCH_JSON)
 
 
-def _alive_from_launch(launch: dict[str, Any]) -> bool:
-    """The wrapper or the job it started is still the process launch.json recorded."""
-    if procs.process_alive(launch.get("wrapper_pid"), launch.get("wrapper_start_ticks")):
-        return True
-    return procs.process_alive(launch.get("job_pid"), launch.get("job_start_ticks"))
+def read_exit(run_dir: Path | str) -> ExitRecord | None:
+    return ExitRecord.read(Path(run_dir) / EXIT_JSON)
 
 
-def read_milestones(run_dir: Path, launch: dict[str, Any] | None, scan: ScanState | None) -> dict[str, float | None]:
+def read_submitted(run_dir: Path | str) -> SubmittedRecord | None:
+    return SubmittedRecord.read(Path(run_dir) / SUBMITTED_JSON)
+
+
+def read_milestones(run_dir: Path, launch: LaunchRecord | None, scan: ScanState | None) -> dict[str, float | None]:
     """milestone -> unix time reached (None: not reached), from the records and what a scan saw."""
-    sub = read_json(run_dir / SUBMITTED_JSON) or {}
+    sub = read_submitted(run_dir) or SubmittedRecord()
     ms = read_json(run_dir / MILESTONES_JSON) or {}
     out: dict[str, float | None] = dict.fromkeys(protocol.MILESTONES)
-    out["submitted"] = sub.get("t")
+    out["submitted"] = sub.t
     if launch is not None:
-        out["started"] = launch.get("job_started_at")  # the job itself exists, not only its wrapper
+        out["started"] = launch.job_started_at  # the job itself exists, not only its wrapper
         if out["submitted"] is None:
-            out["submitted"] = launch.get("started_at")
+            out["submitted"] = launch.started_at
     out["output"] = ms.get("output")
     out["first-step"] = ms.get("first-step")
     if scan is not None:
@@ -555,12 +564,12 @@ def _output_time(run_dir: Path, seen_at: float) -> float:
         return seen_at
 
 
-def pane_note(launch_sub: dict[str, Any]) -> str | None:
+def pane_note(launch_sub: SubmittedRecord) -> str | None:
     """Why a wrapper never wrote launch.json, as tmux (or, without tmux, the process table) saw it."""
-    session = launch_sub.get("tmux_session")
+    session = launch_sub.tmux_session
     if not session:
-        pid = launch_sub.get("launcher_wrapper_pid")
-        if isinstance(pid, int) and not procs.process_alive(pid, launch_sub.get("launcher_wrapper_start_ticks")):
+        pid = launch_sub.launcher_wrapper_pid
+        if pid is not None and not procs.process_alive(pid, launch_sub.launcher_wrapper_start_ticks):
             return f"the wrapper (pid {pid}, started with setsid) exited"
         return None
     state = tmux.pane_state(session)
@@ -588,57 +597,61 @@ def pane_note(launch_sub: dict[str, Any]) -> str | None:
 STARTING_GRACE_S = 15.0
 
 
-def never_started_cause(sub: dict[str, Any], now: float | None = None) -> str | None:
+def never_started_cause(sub: SubmittedRecord, now: float | None = None) -> str | None:
     """Why a submitted run that has no launch.json will never start; None while its wrapper may still write one."""
-    session = sub.get("tmux_session")
-    if sub.get("phase", "accepted") == "submitting":
-        lpid = sub.get("launcher_pid")
-        if procs.process_alive(lpid, sub.get("launcher_start_ticks")):
+    session = sub.tmux_session
+    if sub.phase == "submitting":
+        lpid = sub.launcher_pid
+        if procs.process_alive(lpid, sub.launcher_start_ticks):
             return None  # the agent is still inside the launch
         if session and tmux.has_session(session):
             return pane_note(sub)  # tmux took it before the agent went
-        t = sub.get("t")
-        if isinstance(t, (int, float)) and (now if now is not None else time.time()) - t < STARTING_GRACE_S:
+        t = sub.t
+        if t is not None and (now if now is not None else time.time()) - t < STARTING_GRACE_S:
             return None
         how = f"tmux accepted session {session}" if session else "it started the wrapper with setsid"
         return f"the agent (pid {lpid}) that launched it exited before {how}"
     return pane_note(sub)
 
 
-def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
-    """The run as its records and the process table say it is now."""
+def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = None) -> protocol.RunInfo:
+    """The run as its records and the process table say it is now.
+
+    ``scanners``: the caller's cache, so that repeated reads scan only what was appended; without one the run's
+    output is scanned afresh (bounded), and nothing outlives the call.
+    """
     rd = Path(run_dir)
-    launch = read_json(rd / LAUNCH_JSON)
-    exit_rec = read_json(rd / EXIT_JSON)
+    launch = read_launch(rd)
+    exit_rec = read_exit(rd)
     info = protocol.RunInfo(run_id=rd.name, run_dir=str(rd), state="starting")
-    sub = read_json(rd / SUBMITTED_JSON) or {}
+    sub = read_submitted(rd)
     never: str | None = None
-    if launch is None and exit_rec is None and sub:
+    if launch is None and exit_rec is None and sub is not None:
         never = never_started_cause(sub)
         if never is not None:  # the wrapper may have written its records while we asked: read them again
-            launch = read_json(rd / LAUNCH_JSON)
-            exit_rec = read_json(rd / EXIT_JSON)
+            launch = read_launch(rd)
+            exit_rec = read_exit(rd)
             if launch is not None or exit_rec is not None:
                 never = None
-    raw_spec = sub.get("spec")
-    spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
+    sub = sub or SubmittedRecord()
+    spec: dict[str, Any] = sub.spec or {}
     info.command = list(spec.get("command") or [])
     info.cwd = spec.get("cwd")
-    info.tmux_session = sub.get("tmux_session")
-    info.attachable = bool(sub.get("attachable"))
+    info.tmux_session = sub.tmux_session
+    info.attachable = sub.attachable
     info.profile = spec.get("profile")
     scan: ScanState | None = None
     if launch is not None:
-        info.command = list(launch.get("command") or info.command)
-        info.cwd = launch.get("cwd", info.cwd)
-        info.pid = launch.get("job_pid") or launch.get("wrapper_pid")
-        info.pgid = launch.get("job_pgid") or launch.get("pgid")
-        info.boot_id = launch.get("boot_id")
-        info.started_at = launch.get("started_at")
-        info.tmux_session = launch.get("tmux_session", info.tmux_session)
-        info.attachable = bool(launch.get("attachable", info.attachable))
-        info.profile = launch.get("profile", info.profile)
-        scanner = scanner_for(rd, launch)
+        info.command = list(launch.command or info.command)
+        info.cwd = launch.cwd
+        info.pid = launch.job_pid or launch.wrapper_pid
+        info.pgid = launch.job_pgid or launch.pgid
+        info.boot_id = launch.boot_id
+        info.started_at = launch.started_at
+        info.tmux_session = launch.tmux_session
+        info.attachable = launch.attachable
+        info.profile = launch.profile
+        scanner = scanners.scanner_for(rd, launch) if scanners is not None else new_scanner(rd, launch)
         scan = scanner.catch_up() if exit_rec is not None else scanner.poll()
         info.stage = scan.stage
         info.last_step = scan.last_step if scan.last_step is not None else scan.log_last_step
@@ -648,21 +661,21 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         if blamed is not None:
             info.failed_rank, info.failed_node = blamed.rank, blamed.node
     if exit_rec is None and launch is not None:
-        if launch.get("boot_id") not in (None, boot_id):
+        if launch.boot_id not in (None, boot_id):
             info.state = "rebooted"
-        elif _alive_from_launch(launch):
+        elif launch.wrapper_alive() or launch.job_alive():
             info.state = "running"
         else:
-            exit_rec = read_json(rd / EXIT_JSON)  # the wrapper may have written it between our reads
+            exit_rec = read_exit(rd)  # the wrapper may have written it between our reads
             if exit_rec is None:
                 info.state = "vanished"
     if never is not None:
         info.state = "failed"
         info.cause = f"the wrapper never started: {never}"
     if exit_rec is not None:
-        info.exit_code = exit_rec.get("exit_code")
-        info.signal = exit_rec.get("signal")
-        info.ended_at = exit_rec.get("ended_at")
+        info.exit_code = exit_rec.exit_code
+        info.signal = exit_rec.signal
+        info.ended_at = exit_rec.ended_at
         info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
         if info.state == "failed" and info.cause is None:
             info.cause = failure_cause(scan, exit_rec, info.last_step)
@@ -685,13 +698,13 @@ def _read_restarts(rd: Path, info: protocol.RunInfo) -> None:
     info.restart_state = state if isinstance(state, str) else None
 
 
-def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: int | None) -> str:
+def failure_cause(scan: ScanState | None, exit_rec: ExitRecord, last_step: int | None) -> str:
     """A failed run's cause: the root exception (torchrun: the failing rank and its exception), else what the wrapper
     recorded; then how the job ended and its last step."""
     parts: list[str] = []
     named = scan.failure.describe() if scan is not None else None
     errors = scan.thread_errors if scan is not None else []
-    recorded = exit_rec.get("cause")
+    recorded = exit_rec.cause
     blamed = rank_failure(scan) if scan is not None else None
     if blamed is not None:
         parts.append(blamed.text)
@@ -702,8 +715,8 @@ def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: i
         parts.append(f"engine thread {first.get('thread')}: {first.get('exc_type')}: {first.get('message')}")
     elif isinstance(recorded, str) and recorded and not recorded.startswith("exited with code"):
         parts.append(recorded)
-    signum, exit_code = exit_rec.get("signal"), exit_rec.get("exit_code")
-    if isinstance(signum, int):
+    signum, exit_code = exit_rec.signal, exit_rec.exit_code
+    if signum is not None:
         parts.append(f"killed by signal {signum} ({signal_name(signum)})")
     elif exit_code is not None:
         parts.append(f"exit code {exit_code}")

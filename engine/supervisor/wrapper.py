@@ -38,6 +38,7 @@ from typing import Any
 
 from engine import protocol, stackdump
 from engine.host import procs
+from engine.host.runs import ExitRecord, LaunchRecord
 from engine.supervisor import control, records, restart
 
 POLL_S = 0.05  # milestone timing and exit detection resolution
@@ -64,13 +65,14 @@ class Wrapper:
         self.run_id = str(doc.get("run_id") or run_dir.name)
         self.command = [str(a) for a in spec.get("command") or []]
         self.cwd = spec.get("cwd") or os.path.expanduser("~")
+        self.step_pattern: str = spec.get("step_pattern") or r"step=\d+"
         self.pane_fd = pane_fd
         self.job: subprocess.Popen[bytes] | None = None  # the live attempt's job; None between attempts
         self.pending: list[int] = []  # signals that arrived while no job existed
         self.forwarded: list[dict[str, Any]] = []
         self.signals_seen: list[int] = []  # every forwarded-kind signal the wrapper got: each cancels the policy
         self.cancel_reason: str | None = None  # set by `stop` (CANCEL_SIGNAL): restart nothing after this
-        self.launch: dict[str, Any] = {}
+        self.launch = LaunchRecord()
         self.policy: restart.Policy | None = None
         self.attempt = 0
         self.restarts: list[dict[str, Any]] = []
@@ -124,22 +126,21 @@ class Wrapper:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     # -- records ---------------------------------------------------------------------------------
-    def write_launch(self, **extra: Any) -> None:
-        self.launch.update(extra)
-        records.write_json_atomic(self.run_dir / records.LAUNCH_JSON, self.launch, mode=0o600)
+    def write_launch(self) -> None:
+        records.write_json_atomic(self.run_dir / records.LAUNCH_JSON, self.launch.to_json(), mode=0o600)
 
     def write_exit(self, exit_code: int | None, sig: int | None, cause: str) -> None:
-        rec: dict[str, Any] = {
-            "run_id": self.run_id,
-            "exit_code": exit_code,
-            "signal": sig,
-            "signal_name": records.signal_name(sig) if sig is not None else None,
-            "ended_at": time.time(),
-            "cause": cause,
-            "forwarded_signals": self.forwarded,
-        }
+        rec = ExitRecord(
+            run_id=self.run_id,
+            exit_code=exit_code,
+            signal=sig,
+            signal_name=records.signal_name(sig) if sig is not None else None,
+            ended_at=time.time(),
+            cause=cause,
+            forwarded_signals=self.forwarded,
+        )
         if self.policy is not None:
-            rec.update(attempts=self.attempt, restarts=self.restarts, restart_state=self.restart_state)
+            rec.attempts, rec.restarts, rec.restart_state = self.attempt, self.restarts, self.restart_state
         records.write_exit_record(self.run_dir, rec)
 
     def write_milestones(self, milestones: dict[str, float]) -> None:
@@ -189,27 +190,27 @@ class Wrapper:
             out_size = 0
         self.echo_offset = out_size
         now = time.time()
-        self.launch = {
-            "run_id": self.run_id,
-            "command": self.command,
-            "cwd": self.cwd,
-            "pid": os.getpid(),
-            "pgid": os.getpgid(0),
-            "wrapper_pid": os.getpid(),
-            "wrapper_start_ticks": procs.start_ticks_of(os.getpid()),
-            "boot_id": procs.read_boot_id(),
-            "hostname": socket.gethostname(),
-            "started_at": now,
-            "tmux_session": self.doc.get("tmux_session"),
-            "attachable": bool(self.doc.get("attachable")),
-            "step_pattern": self.spec.get("step_pattern") or r"step=\d+",
-            "deadlines_s": self.spec.get("deadlines_s") or {},
-            "profile": self.spec.get("profile"),
-            "spec": self.spec,
-            "output_offset_at_start": out_size,
-            "python": sys.executable,
-            "cancel_signal": records.signal_name(CANCEL_SIGNAL),  # `stop` sends it to cancel the restart policy
-        }
+        self.launch = LaunchRecord(
+            run_id=self.run_id,
+            command=self.command,
+            cwd=self.cwd,
+            pid=os.getpid(),
+            pgid=os.getpgid(0),
+            wrapper_pid=os.getpid(),
+            wrapper_start_ticks=procs.start_ticks_of(os.getpid()),
+            boot_id=procs.read_boot_id(),
+            hostname=socket.gethostname(),
+            started_at=now,
+            tmux_session=self.doc.get("tmux_session"),
+            attachable=bool(self.doc.get("attachable")),
+            step_pattern=self.step_pattern,
+            deadlines_s=self.spec.get("deadlines_s") or {},
+            profile=self.spec.get("profile"),
+            spec=self.spec,
+            output_offset_at_start=out_size,
+            python=sys.executable,
+            cancel_signal=records.signal_name(CANCEL_SIGNAL),  # `stop` sends it to cancel the restart policy
+        )
         self.write_launch()
         if not records.reserve_exit_record(self.run_dir):
             say("specdec: no room to reserve the exit record; it is written only if room is left")
@@ -257,12 +258,12 @@ class Wrapper:
             return 127 if exc.errno == errno.ENOENT else 126, f"cannot run {self.command[0]!r}: {exc.strerror or exc}"
         self.job = job
         now = time.time()
-        attempt_fields: dict[str, Any] = {"attempt": self.attempt, "attempt_started_at": now}
+        self.launch.attempt, self.launch.attempt_started_at = self.attempt, now
         if self.attempt == 1:
-            attempt_fields["job_started_at"] = now  # the `started` milestone: the run's job first existed
-        self.write_launch(
-            job_pid=job.pid, job_pgid=job.pid, job_start_ticks=procs.start_ticks_of(job.pid), **attempt_fields
-        )
+            self.launch.job_started_at = now  # the `started` milestone: the run's job first existed
+        self.launch.job_pid, self.launch.job_pgid = job.pid, job.pid
+        self.launch.job_start_ticks = procs.start_ticks_of(job.pid)
+        self.write_launch()
         return job
 
     def attempts(self, out_base: int) -> int:
@@ -290,7 +291,8 @@ class Wrapper:
                 self.restart_state = "cancelled" if why_not is not None and cause is not None else "done"
                 self.write_restarts()
                 return self.finish(ending.exit_code, ending.signal, self._ending_text(ending))
-            self.clear_leftovers(int(self.launch["job_pgid"]), self.launch.get("job_start_ticks"))
+            assert self.launch.job_pgid is not None  # the job started: its group was recorded
+            self.clear_leftovers(self.launch.job_pgid, self.launch.job_start_ticks)
             if len(self.restarts) >= self.policy.max:
                 self.restart_state = "gave_up"
                 self.write_restarts()
@@ -402,10 +404,10 @@ class Wrapper:
     def supervise(self, job: subprocess.Popen[bytes], out_base: int) -> restart.Ending:
         """Watch one attempt until its job ends (or, under a hang policy, until it is stopped as hung)."""
         milestones = self.milestones
-        scanner = records.RunScanner(self.run_dir, self.launch["step_pattern"], out_base)
+        scanner = records.RunScanner(self.run_dir, self.step_pattern, out_base)
         entry, self.next_restart = self.next_restart, None
         if entry is not None:
-            entry["restarted_at"] = self.launch["attempt_started_at"]
+            entry["restarted_at"] = self.launch.attempt_started_at
             entry["pid"] = job.pid
             self.write_restarts()
         watch: restart.ProgressWatch | None = None
@@ -413,8 +415,8 @@ class Wrapper:
             watch = restart.ProgressWatch(
                 self.run_dir / records.OUTPUT_LOG,
                 self.run_dir / records.EVENTS_JSONL,
-                self.launch["step_pattern"],
-                float(self.launch["attempt_started_at"]),
+                self.step_pattern,
+                float(self.launch.attempt_started_at or 0.0),
                 self.policy.stall_s,
                 _deadline(self.spec, "first-step"),
             )
@@ -495,7 +497,7 @@ class Wrapper:
         """Every thread's stack of the hung attempt, into stacks/hang-attempt-N.txt: the path, or why there is none."""
         rel = f"{stackdump.STACKS_DIR}/hang-attempt-{self.attempt}.txt"
         try:
-            res = control.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.get("boot_id"))
+            res = control.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.boot_id)
         except (control.SupervisorError, OSError, subprocess.SubprocessError) as exc:
             # A rank exiting mid-dump or py-spy timing out: the hang is still handled (stop, restart) without stacks.
             say(f"[specdec] no stack dump: {type(exc).__name__}: {exc}")
@@ -606,9 +608,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"specdec: cannot read the launch spec {ns.spec_json}: {exc}\n")
-        records.write_json_atomic(
-            run_dir / records.EXIT_JSON,
-            {"exit_code": 2, "signal": None, "ended_at": time.time(), "cause": f"unreadable launch spec: {exc}"},
+        records.write_exit_record(
+            run_dir, ExitRecord(exit_code=2, ended_at=time.time(), cause=f"unreadable launch spec: {exc}")
         )
         return 2
     return Wrapper(run_dir, doc, pane_fd).run()
