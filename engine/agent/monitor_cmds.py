@@ -45,19 +45,6 @@ def _now() -> float:
     return time.time()
 
 
-def _meminfo() -> dict[str, float]:
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/meminfo", "rb") as fh:
-            for line in fh:
-                key, _, rest = line.partition(b":")
-                if key in (b"MemTotal", b"MemAvailable"):
-                    out[key.decode()] = int(rest.split()[0]) / 1024.0  # kB -> MiB
-    except (OSError, ValueError, IndexError):
-        return {}
-    return out
-
-
 def _disk_free_gib(path: Path) -> float | None:
     probe = path
     while not probe.exists() and probe != probe.parent:
@@ -255,7 +242,7 @@ class Monitor:
             return Snapshot(_now(), sample, holders, run, run_pids, tree, items)
 
     def host_info(self) -> dict[str, Any]:
-        mem = _meminfo()
+        mem = procs.memory_mib()
         try:
             load = list(os.getloadavg())
         except OSError:

@@ -14,7 +14,8 @@ from engine import protocol
 from engine.agent.commands import handler
 from engine.agent.monitor_cmds import monitor_of
 from engine.agent.server import Agent, CommandError
-from engine.supervisor import control, records
+from engine.supervisor import kill_stale, launch, records, stacks, stop, wait
+from engine.supervisor.common import SupervisorError
 
 
 def _num(args: dict[str, Any], key: str, default: float | None, minimum: float = 0.0) -> float | None:
@@ -45,8 +46,8 @@ def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
 @handler("launch")
 def _launch(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     try:
-        res = control.launch(args, agent.run_root)
-    except control.SupervisorError as exc:
+        res = launch.launch(args, agent.run_root)
+    except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
     agent.emit(
         protocol.event(
@@ -70,7 +71,7 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
         agent.emit(protocol.event("milestone", run_id=rd.name, milestone=name, t=t, ok=True, cause=None))
 
     try:
-        res = control.wait_for(
+        res = wait.wait_for(
             rd,
             milestone,
             _num(args, "timeout_s", None),
@@ -80,7 +81,7 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
             on_milestone=on_milestone,
             cancel=agent.stopping,
         )
-    except control.SupervisorError as exc:
+    except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
     if not res.ok:
         agent.emit(protocol.event("milestone", run_id=rd.name, milestone=milestone, t=None, ok=False, cause=res.cause))
@@ -92,7 +93,7 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     rd = _run_dir(agent, args)
     try:
-        return control.stop(
+        return stop.stop(
             rd,
             grace_s=_num(args, "grace_s", 30.0) or 0.0,
             release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
@@ -100,7 +101,7 @@ def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
             boot_id=agent.boot_id,
             scanners=agent.scanners,
         )
-    except control.SupervisorError as exc:
+    except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
 
 
@@ -109,10 +110,10 @@ def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str
     """Stop the run if it is running, then launch its recorded spec again under a new run id."""
     rd = _run_dir(agent, args)
     try:
-        spec = control.spec_of(rd)
+        spec = launch.spec_of(rd)
         stopped: dict[str, Any] | None = None
         if records.read_run(rd, agent.boot_id, agent.scanners).state in ("running", "starting"):
-            stopped = control.stop(
+            stopped = stop.stop(
                 rd,
                 grace_s=_num(args, "grace_s", 30.0) or 0.0,
                 release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
@@ -122,18 +123,18 @@ def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str
             )
         spec["run_id"] = args.get("new_run_id")
         agent.progress(cmd_id, f"launching {spec.get('command')} again")
-        launched = control.launch(spec, agent.run_root)
-    except control.SupervisorError as exc:
+        launched = launch.launch(spec, agent.run_root)
+    except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
     return {"stop": stopped, "launch": launched, "previous_run_id": rd.name}
 
 
-def _gpu_view(agent: Agent) -> control.NvmlView:
+def _gpu_view(agent: Agent) -> kill_stale.NvmlView:
     """The processes the agent's GPU source sees (NVML, or simulated), for GPU memory and NVML-only holders."""
     mon = monitor_of(agent)
     sample = mon.gpu_sample(mon.current_run())
     source = "simulated" if getattr(mon.gpu_source, "source", "nvml") == "simulated" else "nvml"
-    return control.NvmlView(
+    return kill_stale.NvmlView(
         dict(sample.pid_used_mib),
         dict(sample.pid_gpus),
         source,
@@ -153,7 +154,7 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
     if targets is not None and not isinstance(targets, list):
         raise CommandError("targets must be a list of [pid, create_time] pairs, or null for every listed holder")
     try:
-        res = control.kill_stale(
+        res = kill_stale.kill_stale(
             agent.run_root,
             dry_run=dry_run,
             targets=targets,
@@ -161,7 +162,7 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
             progress=lambda msg: agent.progress(cmd_id, msg),
             nvml=_gpu_view(agent),
         )
-    except control.SupervisorError as exc:
+    except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
     out: dict[str, Any] = protocol.to_jsonable(res)
     return out
@@ -172,8 +173,8 @@ def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
     rd = _run_dir(agent, args)
     try:
         timeout_s = _num(args, "timeout_s", 5.0) or 5.0
-        return control.stacks(rd, timeout_s=timeout_s, boot_id=agent.boot_id, scanners=agent.scanners)
-    except control.SupervisorError as exc:
+        return stacks.stacks(rd, timeout_s=timeout_s, boot_id=agent.boot_id, scanners=agent.scanners)
+    except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
 
 

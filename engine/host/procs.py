@@ -205,6 +205,57 @@ def user_of(pid: int) -> str | None:
     return name
 
 
+def catches_signal(pid: int, sig: int) -> bool:
+    """The process has a handler for ``sig`` (SigCgt in /proc/<pid>/status); False when unreadable."""
+    try:
+        with open(f"{PROC}/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def exe_name(pid: int) -> str:
+    """The file name of the process's executable; "" when unreadable (another user's process, gone)."""
+    try:
+        return os.path.basename(os.readlink(f"{PROC}/{pid}/exe"))
+    except OSError:
+        return ""
+
+
+def wait_channel(pid: int) -> str:
+    """The kernel function the process sleeps in (/proc/<pid>/wchan); "" when running or unreadable."""
+    try:
+        wchan = Path(f"{PROC}/{pid}/wchan").read_text().strip()
+    except OSError:
+        return ""
+    return "" if wchan == "0" else wchan
+
+
+def environ_of(pid: int) -> list[bytes] | None:
+    """The process's environment entries (NAME=value); None when unreadable."""
+    try:
+        return Path(f"{PROC}/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+
+
+def memory_mib() -> dict[str, float]:
+    """MemTotal and MemAvailable of the host in MiB (/proc/meminfo); {} when unreadable."""
+    out: dict[str, float] = {}
+    try:
+        with open(f"{PROC}/meminfo", "rb") as fh:
+            for line in fh:
+                key, _, rest = line.partition(b":")
+                if key in (b"MemTotal", b"MemAvailable"):
+                    out[key.decode()] = int(rest.split()[0]) / 1024.0  # kB -> MiB
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
 def cmdline_of(pid: int, comm: str | None = None) -> str:
     """The command line joined with spaces; ``[comm]`` for kernel threads and zombies."""
     try:

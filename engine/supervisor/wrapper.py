@@ -39,7 +39,9 @@ from typing import Any
 from engine import protocol, stackdump
 from engine.host import procs
 from engine.host.runs import ExitRecord, LaunchRecord
-from engine.supervisor import control, records, restart
+from engine.supervisor import records, restart, stacks
+from engine.supervisor.common import SupervisorError
+from engine.supervisor.members import signal_group_checked
 
 POLL_S = 0.05  # milestone timing and exit detection resolution
 ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left
@@ -380,13 +382,13 @@ class Wrapper:
         # Pinned now (pid and start ticks): the group is signalled only while one of these still lives in it.
         pinned = {pid: ticks for pid in left if (ticks := procs.start_ticks_of(pid)) is not None}
         say(f"[specdec] {len(left)} process(es) of the ended attempt's group remain: SIGTERM to group {pgid}")
-        control.signal_group_checked(pgid, pinned, signal.SIGTERM)
+        signal_group_checked(pgid, pinned, signal.SIGTERM)
         deadline = time.monotonic() + self.policy.grace_s
         while procs.group_members(pgid, None, start_ticks) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         if procs.group_members(pgid, None, start_ticks):
             say(f"[specdec] still there after the {self.policy.grace_s:g} s grace: SIGKILL to group {pgid}")
-            control.signal_group_checked(pgid, pinned, signal.SIGKILL)
+            signal_group_checked(pgid, pinned, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT_S
             while procs.group_members(pgid, None, start_ticks) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
@@ -497,8 +499,8 @@ class Wrapper:
         """Every thread's stack of the hung attempt, into stacks/hang-attempt-N.txt: the path, or why there is none."""
         rel = f"{stackdump.STACKS_DIR}/hang-attempt-{self.attempt}.txt"
         try:
-            res = control.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.boot_id)
-        except (control.SupervisorError, OSError, subprocess.SubprocessError) as exc:
+            res = stacks.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.boot_id)
+        except (SupervisorError, OSError, subprocess.SubprocessError) as exc:
             # A rank exiting mid-dump or py-spy timing out: the hang is still handled (stop, restart) without stacks.
             say(f"[specdec] no stack dump: {type(exc).__name__}: {exc}")
             return f"no stack dump: {exc}"

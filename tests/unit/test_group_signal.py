@@ -10,7 +10,7 @@ import sys
 import time
 
 from engine.host import procs
-from engine.supervisor.control import group_is_ours, signal_group_checked
+from engine.supervisor.members import group_is_ours, signal_group_checked
 from tui.cli_run import launch_cwd
 
 

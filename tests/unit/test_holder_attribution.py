@@ -25,7 +25,7 @@ from engine.agent.server import Agent
 from engine.host import holders, procs
 from engine.host.gpus import NvmlGpus
 from engine.protocol import HolderGpu, HolderInfo
-from engine.supervisor import control
+from engine.supervisor import kill_stale
 
 GIB = 1024**3
 NO_SUCH_PID = 2**22 + 1  # above the kernel's largest pid_max: a host PID this namespace cannot see
@@ -210,10 +210,10 @@ def test_status_json_says_where_holder_gpus_come_from(dev_dir: Path, cuda_like, 
 def test_kill_stale_candidates_carry_nvml_gpus(dev_dir: Path, cuda_like, tmp_path: Path) -> None:
     p = cuda_like()
     sample = NvmlGpus(RecordedNvml([[], [(p.pid, 20 * GIB)]])).sample()
-    view = control.NvmlView(
+    view = kill_stale.NvmlView(
         sample.pid_used_mib, sample.pid_gpus, "nvml", pid_gpu_mib=sample.pid_gpu_mib, listed=True, gpus=sample.gpus
     )
-    res = control.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
+    res = kill_stale.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
     (cand,) = [h for h in res["candidates"] if h.pid == p.pid]
     assert cand.gpus == [1] and cand.gpus_source == "nvml"
     assert p.poll() is None  # a dry run signals nothing

@@ -25,7 +25,7 @@ from engine.agent import anomalies
 from engine.host import holders, host_map, procs
 from engine.host.gpus import NvmlGpus
 from engine.protocol import GpuInfo, HostMap, HostProcess
-from engine.supervisor import control
+from engine.supervisor import kill_stale
 from tests.unit.test_holder_attribution import GIB, RecordedNvml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,8 +81,8 @@ def test_other_containers_and_the_host_are_shown_as_such_never_stale_never_killa
     assert [(a.kind, a.gpu) for a in items] == [("foreign_holder", 0)]
     assert f"container {OTHER_CTID} (host pid 9001" in items[0].message
     assert "the Proxmox host (host pid 9002" in items[0].message
-    view = control.NvmlView(host_map=_map([other, on_host]), gpus=_gpus())
-    res = control.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
+    view = kill_stale.NvmlView(host_map=_map([other, on_host]), gpus=_gpus())
+    res = kill_stale.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
     assert res["candidates"] == []
     reasons = {e["holder"].host_pid: e["reason"] for e in res["left_alone"]}
     assert "never signalled from this container" in reasons[9001] and "Proxmox host" in reasons[9002]
