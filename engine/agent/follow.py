@@ -27,7 +27,24 @@ POLL_BYTES = 4 * 1024 * 1024  # per poll, so a burst is streamed in slices, not 
 POLL_INTERVAL_S = 0.05
 
 
-class LogFollower:
+class _AppendedFileUser:
+    """What the log follower and the events reader share: the file they follow, its position and identity."""
+
+    file: AppendedFile
+
+    @property
+    def offset(self) -> int:
+        return self.file.offset
+
+    @property
+    def inode(self) -> int | None:
+        return self.file.inode
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class LogFollower(_AppendedFileUser):
     """Follows one path as protocol events. ``offset``/``inode``: resume position a client gave (None: from the start).
 
     A thin user of ``AppendedFile`` (by descriptor, nothing carried: a character cut at a chunk's end is read
@@ -53,17 +70,6 @@ class LogFollower:
         self._seen_missing = announce_open
         self._opened_once = False
         self.more = False  # the last poll stopped at its byte budget: poll again at once
-
-    @property
-    def offset(self) -> int:
-        return self.file.offset
-
-    @property
-    def inode(self) -> int | None:
-        return self.file.inode
-
-    def close(self) -> None:
-        self.file.close()
 
     def __enter__(self) -> LogFollower:
         return self
@@ -157,10 +163,11 @@ class LogFollower:
                 stop.wait(interval_s)
 
 
-class JsonlReader:
+class JsonlReader(_AppendedFileUser):
     """Reads whole lines of a growing JSON-lines file; a partial last line is held back until complete.
 
-    ``poll()`` returns (end_offset, line_bytes) pairs, ``end_offset`` being the byte after the newline,
+    ``poll()`` returns (end_offset, line_bytes) pairs, ``end_offset`` being the byte after the newline (``offset``:
+    the byte after the last complete line returned),
     so a client resuming from it gets the next line. Truncation or rotation restarts at 0 and sets
     ``reset`` (the caller can tell clients). A thin user of ``AppendedFile`` (by descriptor, the partial
     line carried).
@@ -171,18 +178,6 @@ class JsonlReader:
         self.file = AppendedFile(self.path, offset)
         self.max_line_bytes = max_line_bytes
         self.reset: str | None = None  # reason of the last restart at 0, cleared by the caller
-
-    @property
-    def offset(self) -> int:
-        """The byte after the last complete line returned."""
-        return self.file.offset
-
-    @property
-    def inode(self) -> int | None:
-        return self.file.inode
-
-    def close(self) -> None:
-        self.file.close()
 
     def _restart(self, reason: str) -> None:
         self.file.restart(0)

@@ -27,7 +27,7 @@ from engine.host import host_map, procs, runs
 from engine.host.capabilities import probe_capabilities
 from engine.host.gpu_source import open_gpu_source
 from engine.host.gpus import GpuSample, GpuSource
-from engine.host.holders import find_holders
+from engine.host.holders import NvmlView, holders_in, mark_holders
 from engine.host.simulate import SimError, SimulatedGpus
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
@@ -200,24 +200,13 @@ class Monitor:
             }
         return {"source": "nvml", "detail": "NVML's per-GPU process lists (PIDs of this namespace)"}
 
+    def gpu_view(self, sample: GpuSample) -> NvmlView:
+        """What the GPU source says about processes, with the Proxmox host's map while it is fresh."""
+        return NvmlView.of_sample(sample, self.gpu_source.source, self.fresh_host_map())
+
     def holders(self, sample: GpuSample, run_pids: set[int]) -> list[HolderInfo]:
-        found = find_holders(
-            procs.default_dev_dir(),
-            nvml_pids=sample.pid_used_mib,
-            run_pids=run_pids,
-            nvml_pid_gpus=sample.pid_gpus,
-            nvml_source="simulated" if self.gpu_source.source == "simulated" else "nvml",
-            nvml_pid_gpu_mib=sample.pid_gpu_mib,
-            nvml_listed=sample.processes_listed,
-            host_map=self.fresh_host_map(),
-            local_gpus=sample.gpus,
-        )
-        by_gpu: dict[int, set[int]] = {}
-        for h in found:
-            for g in h.gpus:
-                by_gpu.setdefault(g, set()).add(h.pid)
-        for gpu in sample.gpus:
-            gpu.holder_pids = sorted(set(gpu.holder_pids) | by_gpu.get(gpu.index, set()))
+        found = holders_in(self.gpu_view(sample), run_pids)
+        mark_holders(sample.gpus, found)
         return found
 
     def anomalies_for(
@@ -407,12 +396,7 @@ class Subscription:
                     mon._poll_engine(run)
                     tree = mon._run_tree(run_pids)
                 else:
-                    by_gpu: dict[int, set[int]] = {}
-                    for h in holders:
-                        for g in h.gpus:
-                            by_gpu.setdefault(g, set()).add(h.pid)
-                    for gpu in sample.gpus:
-                        gpu.holder_pids = sorted(set(gpu.holder_pids) | by_gpu.get(gpu.index, set()))
+                    mark_holders(sample.gpus, holders)
                 items = mon.anomalies_for(sample, holders, run, run_pids)
             self._emit(
                 protocol.event(

@@ -6,7 +6,9 @@ Every command that names no run acts on the current one (<run_root>/current).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from engine import protocol
 from engine.agent.commands import handler
 from engine.agent.monitor_cmds import monitor_of
 from engine.agent.server import Agent, CommandError
+from engine.host.holders import NvmlView
 from engine.supervisor import kill_stale, launch, records, stacks, stop, wait
 from engine.supervisor.common import SupervisorError
 
@@ -43,12 +46,19 @@ def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
     return rd_cur
 
 
-@handler("launch")
-def _launch(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A supervisor's refusal (a sentence for the user) becomes the command's error reply."""
     try:
-        res = launch.launch(args, agent.run_root)
+        yield
     except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
+
+
+@handler("launch")
+def _launch(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    with _user_errors():
+        res = launch.launch(args, agent.run_root)
     agent.emit(
         protocol.event(
             "milestone", run_id=res["run_id"], milestone="submitted", t=res["submitted_at"], ok=True, cause=None
@@ -70,7 +80,7 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
     def on_milestone(name: str, t: float) -> None:
         agent.emit(protocol.event("milestone", run_id=rd.name, milestone=name, t=t, ok=True, cause=None))
 
-    try:
+    with _user_errors():
         res = wait.wait_for(
             rd,
             milestone,
@@ -81,68 +91,49 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
             on_milestone=on_milestone,
             cancel=agent.stopping,
         )
-    except SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
     if not res.ok:
         agent.emit(protocol.event("milestone", run_id=rd.name, milestone=milestone, t=None, ok=False, cause=res.cause))
     out: dict[str, Any] = protocol.to_jsonable(res)
     return out
 
 
+def _stop_run(agent: Agent, cmd_id: int | None, args: dict[str, Any], rd: Path) -> dict[str, Any]:
+    return stop.stop(
+        rd,
+        grace_s=_num(args, "grace_s", 30.0) or 0.0,
+        release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
+        progress=lambda msg: agent.progress(cmd_id, msg),
+        boot_id=agent.boot_id,
+        scanners=agent.scanners,
+    )
+
+
 @handler("stop")
 def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     rd = _run_dir(agent, args)
-    try:
-        return stop.stop(
-            rd,
-            grace_s=_num(args, "grace_s", 30.0) or 0.0,
-            release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
-            progress=lambda msg: agent.progress(cmd_id, msg),
-            boot_id=agent.boot_id,
-            scanners=agent.scanners,
-        )
-    except SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
+    with _user_errors():
+        return _stop_run(agent, cmd_id, args, rd)
 
 
 @handler("restart")
 def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """Stop the run if it is running, then launch its recorded spec again under a new run id."""
     rd = _run_dir(agent, args)
-    try:
+    with _user_errors():
         spec = launch.spec_of(rd)
         stopped: dict[str, Any] | None = None
         if records.read_run(rd, agent.boot_id, agent.scanners).state in ("running", "starting"):
-            stopped = stop.stop(
-                rd,
-                grace_s=_num(args, "grace_s", 30.0) or 0.0,
-                release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
-                progress=lambda msg: agent.progress(cmd_id, msg),
-                boot_id=agent.boot_id,
-            scanners=agent.scanners,
-            )
+            stopped = _stop_run(agent, cmd_id, args, rd)
         spec["run_id"] = args.get("new_run_id")
         agent.progress(cmd_id, f"launching {spec.get('command')} again")
         launched = launch.launch(spec, agent.run_root)
-    except SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
     return {"stop": stopped, "launch": launched, "previous_run_id": rd.name}
 
 
-def _gpu_view(agent: Agent) -> kill_stale.NvmlView:
+def _gpu_view(agent: Agent) -> NvmlView:
     """The processes the agent's GPU source sees (NVML, or simulated), for GPU memory and NVML-only holders."""
     mon = monitor_of(agent)
-    sample = mon.gpu_sample(mon.current_run())
-    source = "simulated" if getattr(mon.gpu_source, "source", "nvml") == "simulated" else "nvml"
-    return kill_stale.NvmlView(
-        dict(sample.pid_used_mib),
-        dict(sample.pid_gpus),
-        source,
-        pid_gpu_mib=dict(sample.pid_gpu_mib),
-        listed=sample.processes_listed,
-        host_map=mon.fresh_host_map(),
-        gpus=sample.gpus,
-    )
+    return mon.gpu_view(mon.gpu_sample(mon.current_run()))
 
 
 @handler("kill_stale")
@@ -153,7 +144,7 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
     targets = args.get("targets")
     if targets is not None and not isinstance(targets, list):
         raise CommandError("targets must be a list of [pid, create_time] pairs, or null for every listed holder")
-    try:
+    with _user_errors():
         res = kill_stale.kill_stale(
             agent.run_root,
             dry_run=dry_run,
@@ -162,8 +153,6 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
             progress=lambda msg: agent.progress(cmd_id, msg),
             nvml=_gpu_view(agent),
         )
-    except SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
     out: dict[str, Any] = protocol.to_jsonable(res)
     return out
 
@@ -171,11 +160,9 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
 @handler("stacks")
 def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     rd = _run_dir(agent, args)
-    try:
+    with _user_errors():
         timeout_s = _num(args, "timeout_s", 5.0) or 5.0
         return stacks.stacks(rd, timeout_s=timeout_s, boot_id=agent.boot_id, scanners=agent.scanners)
-    except SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
 
 
 RUNS_DEFAULT_LIMIT = 20

@@ -7,8 +7,10 @@ someone else). Such a PID is reported with ``resolved=False``: a state to show, 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from engine.host import procs
+from engine.host.gpus import GpuSample
 from engine.host.host_map import merge_host_map
 from engine.protocol import GpuInfo, HolderGpu, HolderInfo, HostMap
 
@@ -93,3 +95,54 @@ def find_holders(
             h.context = False
             h.gpus, h.gpus_source = [], None
     return sorted(out.values(), key=lambda h: (not h.resolved, h.pid))
+
+
+@dataclass
+class NvmlView:
+    """What the GPU source says about processes: pid -> MiB used and pid -> GPU indices (host PIDs)."""
+
+    pid_used_mib: dict[int, float] = field(default_factory=dict)
+    pid_gpus: dict[int, list[int]] = field(default_factory=dict)
+    source: str = "nvml"  # "nvml" | "simulated"
+    pid_gpu_mib: dict[int, dict[int, float | None]] = field(default_factory=dict)
+    listed: bool = False  # every GPU's process list was read
+    host_map: HostMap | None = None  # under --pct: the Proxmox host's NVML, mapped into this container
+    gpus: list[GpuInfo] = field(default_factory=list)  # this side's GPUs (the host map matches UUIDs)
+
+    @classmethod
+    def of_sample(cls, sample: GpuSample, source: str, host_map: HostMap | None) -> NvmlView:
+        """The view of one GPU sample; ``source``: the GPU source's name (anything but "simulated" is NVML)."""
+        return cls(
+            sample.pid_used_mib,
+            sample.pid_gpus,
+            "simulated" if source == "simulated" else "nvml",
+            pid_gpu_mib=dict(sample.pid_gpu_mib),
+            listed=sample.processes_listed,
+            host_map=host_map,
+            gpus=sample.gpus,
+        )
+
+
+def holders_in(view: NvmlView, run_pids: set[int] | frozenset[int] = frozenset()) -> list[HolderInfo]:
+    """``find_holders`` with everything the GPU source said, on this host's device directory."""
+    return find_holders(
+        procs.default_dev_dir(),
+        nvml_pids=view.pid_used_mib,
+        run_pids=run_pids,
+        nvml_pid_gpus=view.pid_gpus,
+        nvml_source=view.source,
+        nvml_pid_gpu_mib=view.pid_gpu_mib,
+        nvml_listed=view.listed,
+        host_map=view.host_map,
+        local_gpus=view.gpus,
+    )
+
+
+def mark_holders(gpus: list[GpuInfo], holders: list[HolderInfo]) -> None:
+    """Add each holder's pid to the ``holder_pids`` of the GPUs it holds."""
+    by_gpu: dict[int, set[int]] = {}
+    for h in holders:
+        for g in h.gpus:
+            by_gpu.setdefault(g, set()).add(h.pid)
+    for gpu in gpus:
+        gpu.holder_pids = sorted(set(gpu.holder_pids) | by_gpu.get(gpu.index, set()))

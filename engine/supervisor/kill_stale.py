@@ -9,13 +9,12 @@ import errno
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine import protocol
 from engine.host import procs, runs
-from engine.host.holders import find_holders
+from engine.host.holders import NvmlView, holders_in
 from engine.supervisor import records
 from engine.supervisor.common import KILL_WAIT_S, Progress, SupervisorError, noop, state_of, wait_until
 
@@ -38,19 +37,6 @@ def _protected_pids() -> set[int]:
             break
         pid = st.ppid
     return out
-
-
-@dataclass
-class NvmlView:
-    """What the GPU source says about processes: pid -> MiB used and pid -> GPU indices (host PIDs)."""
-
-    pid_used_mib: dict[int, float] = field(default_factory=dict)
-    pid_gpus: dict[int, list[int]] = field(default_factory=dict)
-    source: str = "nvml"  # "nvml" | "simulated"
-    pid_gpu_mib: dict[int, dict[int, float | None]] = field(default_factory=dict)
-    listed: bool = False  # every GPU's process list was read
-    host_map: protocol.HostMap | None = None  # under --pct: the Proxmox host's NVML, mapped into this container
-    gpus: list[protocol.GpuInfo] = field(default_factory=list)  # this side's GPUs (the host map matches UUIDs)
 
 
 def _foreign_owner(pid: int) -> str | None:
@@ -86,17 +72,7 @@ def _classify(
     view = nvml or NvmlView()
     candidates: list[protocol.HolderInfo] = []
     others: list[tuple[protocol.HolderInfo, str]] = []
-    found = find_holders(
-        procs.default_dev_dir(),
-        nvml_pids=view.pid_used_mib,
-        run_pids=ours,
-        nvml_pid_gpus=view.pid_gpus,
-        nvml_source=view.source,
-        nvml_pid_gpu_mib=view.pid_gpu_mib,
-        nvml_listed=view.listed,
-        host_map=view.host_map,
-        local_gpus=view.gpus,
-    )
+    found = holders_in(view, ours)
     for h in found:
         reason = _left_alone_reason(h, ours, protected)
         if reason is None:

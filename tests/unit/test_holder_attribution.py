@@ -210,7 +210,7 @@ def test_status_json_says_where_holder_gpus_come_from(dev_dir: Path, cuda_like, 
 def test_kill_stale_candidates_carry_nvml_gpus(dev_dir: Path, cuda_like, tmp_path: Path) -> None:
     p = cuda_like()
     sample = NvmlGpus(RecordedNvml([[], [(p.pid, 20 * GIB)]])).sample()
-    view = kill_stale.NvmlView(
+    view = holders.NvmlView(
         sample.pid_used_mib, sample.pid_gpus, "nvml", pid_gpu_mib=sample.pid_gpu_mib, listed=True, gpus=sample.gpus
     )
     res = kill_stale.kill_stale(tmp_path / "root", dry_run=True, nvml=view)

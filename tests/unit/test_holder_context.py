@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.agent import anomalies
-from engine.host.holders import find_holders
+from engine.host.holders import NvmlView, find_holders
 from engine.protocol import GpuInfo
 from engine.supervisor import kill_stale
 
@@ -74,7 +74,7 @@ def test_an_unresolvable_nvml_pid_means_another_namespace_so_nothing_is_called_a
 
 def test_kill_stale_leaves_a_monitor_alone_and_says_why(holders, dev_dir: Path, tmp_path: Path) -> None:
     compute, monitor = holders
-    view = kill_stale.NvmlView(pid_used_mib={compute.pid: 8192.0}, pid_gpus={compute.pid: [0]}, source="nvml")
+    view = NvmlView(pid_used_mib={compute.pid: 8192.0}, pid_gpus={compute.pid: [0]}, source="nvml")
     res = kill_stale.kill_stale(tmp_path / "runs-root", dry_run=True, nvml=view)
     assert [h.pid for h in res["candidates"]] == [compute.pid]
     left = {entry["holder"].pid: entry for entry in res["left_alone"]}

@@ -81,7 +81,7 @@ def test_other_containers_and_the_host_are_shown_as_such_never_stale_never_killa
     assert [(a.kind, a.gpu) for a in items] == [("foreign_holder", 0)]
     assert f"container {OTHER_CTID} (host pid 9001" in items[0].message
     assert "the Proxmox host (host pid 9002" in items[0].message
-    view = kill_stale.NvmlView(host_map=_map([other, on_host]), gpus=_gpus())
+    view = holders.NvmlView(host_map=_map([other, on_host]), gpus=_gpus())
     res = kill_stale.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
     assert res["candidates"] == []
     reasons = {e["holder"].host_pid: e["reason"] for e in res["left_alone"]}
