@@ -27,7 +27,7 @@ from engine.host import host_map, procs, runs
 from engine.host.capabilities import probe_capabilities
 from engine.host.gpu_source import open_gpu_source
 from engine.host.gpus import GpuSample, GpuSource
-from engine.host.holders import NvmlView, holders_in, mark_holders
+from engine.host.holders import NvmlView, find_holders, mark_holders
 from engine.host.simulate import SimError, SimulatedGpus
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
@@ -205,7 +205,7 @@ class Monitor:
         return NvmlView.of_sample(sample, self.gpu_source.source, self.fresh_host_map())
 
     def holders(self, sample: GpuSample, run_pids: set[int]) -> list[HolderInfo]:
-        found = holders_in(self.gpu_view(sample), run_pids)
+        found = find_holders(None, self.gpu_view(sample), run_pids)
         mark_holders(sample.gpus, found)
         return found
 

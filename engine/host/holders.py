@@ -15,37 +15,54 @@ from engine.host.host_map import merge_host_map
 from engine.protocol import GpuInfo, HolderGpu, HolderInfo, HostMap
 
 
+@dataclass
+class NvmlView:
+    """What the GPU source says about processes: pid -> MiB used and pid -> GPU indices (host PIDs)."""
+
+    pid_used_mib: dict[int, float] = field(default_factory=dict)
+    pid_gpus: dict[int, list[int]] = field(default_factory=dict)
+    source: str = "nvml"  # "nvml" | "simulated"
+    pid_gpu_mib: dict[int, dict[int, float | None]] = field(default_factory=dict)
+    listed: bool = False  # every GPU's process list was read
+    host_map: HostMap | None = None  # under --pct: the Proxmox host's NVML, mapped into this container
+    gpus: list[GpuInfo] = field(default_factory=list)  # this side's GPUs (the host map matches UUIDs)
+
+    @classmethod
+    def of_sample(cls, sample: GpuSample, source: str, host_map: HostMap | None) -> NvmlView:
+        """The view of one GPU sample; ``source``: the GPU source's name (anything but "simulated" is NVML)."""
+        return cls(
+            sample.pid_used_mib,
+            sample.pid_gpus,
+            "simulated" if source == "simulated" else "nvml",
+            pid_gpu_mib=dict(sample.pid_gpu_mib),
+            listed=sample.processes_listed,
+            host_map=host_map,
+            gpus=sample.gpus,
+        )
+
+
 def find_holders(
     dev_dir: str | None = None,
-    nvml_pids: dict[int, float] | None = None,
+    view: NvmlView | None = None,
     run_pids: set[int] | frozenset[int] = frozenset(),
-    nvml_pid_gpus: dict[int, list[int]] | None = None,
-    nvml_source: str = "nvml",
-    nvml_pid_gpu_mib: dict[int, dict[int, float | None]] | None = None,
-    nvml_listed: bool = False,
-    host_map: HostMap | None = None,
-    local_gpus: list[GpuInfo] | None = None,
 ) -> list[HolderInfo]:
-    """Every process holding an NVIDIA device, from /proc/*/fd links and NVML's per-GPU process lists.
+    """Every process holding an NVIDIA device, from /proc/*/fd links and what the GPU source lists (``view``).
 
-    ``nvml_pids``: pid -> used MiB as NVML reports it; ``nvml_pid_gpus``: pid -> GPU indices NVML saw it on;
-    ``nvml_pid_gpu_mib``: pid -> {GPU: MiB}. A NVML pid resolves here when a process with that pid holds a
-    /dev/nvidia* node (or exists with fds we may not read): its GPUs are then NVML's (``gpus_source="nvml"``),
-    not the fd scan's, because a CUDA process opens every /dev/nvidiaN whichever GPU it uses. A NVML pid that
-    does not exist here (container) or that exists but holds no /dev/nvidia* node (another namespace's PID
-    reused here) is ``resolved=False``; fd holders not on NVML's lists keep ``gpus_source="fd-scan"``.
-    ``nvml_listed``: every GPU's list was read, so an empty list in the host's PID namespace means "no process".
-    ``nvml_source="simulated"``: the pids come from the simulated GPU source; existing is enough.
-    ``host_map``: NVML on the Proxmox host mapped into this container (engine/host/host_map.py): exact
-    holders here, and processes of other containers or of the host shown as such; ``local_gpus`` matches
-    the host's GPUs to ours by UUID.
+    A listed pid resolves here when a process with that pid holds a /dev/nvidia* node (or exists with fds we
+    may not read): its GPUs are then NVML's (``gpus_source="nvml"``), not the fd scan's, because a CUDA process
+    opens every /dev/nvidiaN whichever GPU it uses. A listed pid that does not exist here (container) or that
+    exists but holds no /dev/nvidia* node (another namespace's PID reused here) is ``resolved=False``; fd
+    holders not on NVML's lists keep ``gpus_source="fd-scan"``. ``view.listed``: every GPU's list was read, so
+    an empty list in the host's PID namespace means "no process". ``view.source="simulated"``: the pids come
+    from the simulated GPU source; existing is enough. ``view.host_map``: NVML on the Proxmox host mapped into
+    this container (engine/host/host_map.py): exact holders here, and processes of other containers or of
+    the host shown as such; ``view.gpus`` matches the host's GPUs to ours by UUID.
     """
     dev = dev_dir if dev_dir is not None else procs.default_dev_dir()
+    v = view if view is not None else NvmlView()
     now = time.time()
     fd_holders = procs.scan_device_holders(dev)
-    nvml = nvml_pids or {}
-    nvml_gpus = nvml_pid_gpus or {}
-    nvml_mib = nvml_pid_gpu_mib or {}
+    nvml, nvml_gpus, nvml_mib, nvml_source = v.pid_used_mib, v.pid_gpus, v.pid_gpu_mib, v.source
     out: dict[int, HolderInfo] = {}
     for pid, nodes in fd_holders.items():
         st = procs.read_stat(pid)
@@ -56,8 +73,8 @@ def find_holders(
         h.gpus_source = "fd-scan" if h.gpus else None
         h.source = "fd"
         out[pid] = h
-    if host_map is not None:
-        return merge_host_map(out, host_map, run_pids, local_gpus or [], now)
+    if v.host_map is not None:
+        return merge_host_map(out, v.host_map, run_pids, v.gpus, now)
     for pid, used in nvml.items():
         gpus = sorted(set(nvml_gpus.get(pid, [])))
         shares = [HolderGpu(gpu=g, used_mib=mib) for g, mib in sorted(nvml_mib.get(pid, {}).items())]
@@ -85,7 +102,7 @@ def find_holders(
     # context (a monitor), on any GPU.
     every_pid_resolves = all(out[p].resolved for p in nvml if p in out)
     same_namespace = nvml_source == "nvml" and every_pid_resolves and (
-        bool(nvml) or (nvml_listed and procs.in_initial_pid_namespace())
+        bool(nvml) or (v.listed and procs.in_initial_pid_namespace())
     )
     for h in out.values():
         h.in_run = h.pid in run_pids
@@ -95,47 +112,6 @@ def find_holders(
             h.context = False
             h.gpus, h.gpus_source = [], None
     return sorted(out.values(), key=lambda h: (not h.resolved, h.pid))
-
-
-@dataclass
-class NvmlView:
-    """What the GPU source says about processes: pid -> MiB used and pid -> GPU indices (host PIDs)."""
-
-    pid_used_mib: dict[int, float] = field(default_factory=dict)
-    pid_gpus: dict[int, list[int]] = field(default_factory=dict)
-    source: str = "nvml"  # "nvml" | "simulated"
-    pid_gpu_mib: dict[int, dict[int, float | None]] = field(default_factory=dict)
-    listed: bool = False  # every GPU's process list was read
-    host_map: HostMap | None = None  # under --pct: the Proxmox host's NVML, mapped into this container
-    gpus: list[GpuInfo] = field(default_factory=list)  # this side's GPUs (the host map matches UUIDs)
-
-    @classmethod
-    def of_sample(cls, sample: GpuSample, source: str, host_map: HostMap | None) -> NvmlView:
-        """The view of one GPU sample; ``source``: the GPU source's name (anything but "simulated" is NVML)."""
-        return cls(
-            sample.pid_used_mib,
-            sample.pid_gpus,
-            "simulated" if source == "simulated" else "nvml",
-            pid_gpu_mib=dict(sample.pid_gpu_mib),
-            listed=sample.processes_listed,
-            host_map=host_map,
-            gpus=sample.gpus,
-        )
-
-
-def holders_in(view: NvmlView, run_pids: set[int] | frozenset[int] = frozenset()) -> list[HolderInfo]:
-    """``find_holders`` with everything the GPU source said, on this host's device directory."""
-    return find_holders(
-        procs.default_dev_dir(),
-        nvml_pids=view.pid_used_mib,
-        run_pids=run_pids,
-        nvml_pid_gpus=view.pid_gpus,
-        nvml_source=view.source,
-        nvml_pid_gpu_mib=view.pid_gpu_mib,
-        nvml_listed=view.listed,
-        host_map=view.host_map,
-        local_gpus=view.gpus,
-    )
 
 
 def mark_holders(gpus: list[GpuInfo], holders: list[HolderInfo]) -> None:

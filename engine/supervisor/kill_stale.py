@@ -14,7 +14,7 @@ from typing import Any
 
 from engine import protocol
 from engine.host import procs, runs
-from engine.host.holders import NvmlView, holders_in
+from engine.host.holders import NvmlView, find_holders
 from engine.supervisor import records
 from engine.supervisor.common import KILL_WAIT_S, Progress, SupervisorError, noop, state_of, wait_until
 
@@ -72,7 +72,7 @@ def _classify(
     view = nvml or NvmlView()
     candidates: list[protocol.HolderInfo] = []
     others: list[tuple[protocol.HolderInfo, str]] = []
-    found = holders_in(view, ours)
+    found = find_holders(None, view, ours)
     for h in found:
         reason = _left_alone_reason(h, ours, protected)
         if reason is None:

@@ -168,7 +168,7 @@ def main() -> int:
     scan_ms = (time.perf_counter() - t0) / n * 1000
     t0 = time.perf_counter()
     for _ in range(n):
-        holders.find_holders("/dev", nvml_pids={2**22 + 1: 100.0})
+        holders.find_holders("/dev", holders.NvmlView(pid_used_mib={2**22 + 1: 100.0}))
     holders_ms = (time.perf_counter() - t0) / n * 1000
     t0 = time.perf_counter()
     for _ in range(n):

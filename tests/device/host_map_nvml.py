@@ -70,9 +70,8 @@ if dev == "cpu":  # dry run: no GPU here; the host's (recorded) GPUs stand in fo
     sample.gpus = [GpuInfo(index=g.index, name="dry", uuid=g.uuid, util_pct=g.util_pct, mem_used_mib=g.mem_used_mib,
                            mem_total_mib=None) for g in hm.gpus]
 inside_nvml = {str(pid): gpus for pid, gpus in sample.pid_gpus.items()}
-plain = holders.find_holders(nvml_pids=sample.pid_used_mib, nvml_pid_gpus=sample.pid_gpus,
-                           nvml_pid_gpu_mib=sample.pid_gpu_mib, nvml_listed=sample.processes_listed)
-exact = holders.find_holders(host_map=hm, local_gpus=sample.gpus)
+plain = holders.find_holders(None, holders.NvmlView.of_sample(sample, "nvml", None))
+exact = holders.find_holders(None, holders.NvmlView(host_map=hm, gpus=sample.gpus))
 print(json.dumps({"inside_nvml_pids": inside_nvml, "without_host_map": protocol.to_jsonable(plain),
                   "with_host_map": protocol.to_jsonable(exact)}), flush=True)
 sys.stdin.readline()

@@ -118,14 +118,7 @@ def cuda_like(dev_dir: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
 
 def holders_from(nv: RecordedNvml, dev_dir: Path, run_pids: set[int] | None = None) -> dict[int, HolderInfo]:
     sample = NvmlGpus(nv).sample()
-    found = holders.find_holders(
-        str(dev_dir),
-        nvml_pids=sample.pid_used_mib,
-        run_pids=run_pids or set(),
-        nvml_pid_gpus=sample.pid_gpus,
-        nvml_pid_gpu_mib=sample.pid_gpu_mib,
-        nvml_listed=sample.processes_listed,
-    )
+    found = holders.find_holders(str(dev_dir), holders.NvmlView.of_sample(sample, "nvml", None), run_pids or set())
     return {h.pid: h for h in found}
 
 
