@@ -10,7 +10,7 @@ too; the client uses the extracted tree as ``PYTHONPATH`` for ``python3 -m engin
 
 Besides ``engine`` the bundle carries ``_vendor/pynvml.py``, NVIDIA's single-file NVML binding taken from
 the client's nvidia-ml-py, with its BSD licence (``pynvml.LICENSE``) and a manifest (version, sha256):
-a host then needs only python3 and the driver for GPU data (engine/agent/nvml_binding.py picks it up).
+a host then needs only python3 and the driver for GPU data (engine/host/nvml_binding.py picks it up).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from engine import protocol
-from engine.agent import nvml_binding
+from engine.host import nvml_binding
 
 # What goes into the bundle: every file of these packages, no tests, no caches, no hidden files.
 BUNDLED_PACKAGES: tuple[str, ...] = ("engine",)

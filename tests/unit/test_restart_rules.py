@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.supervisor import control, restart
+from engine.supervisor import launch, restart
+from engine.supervisor.common import SupervisorError
 from tui.profiles import ProfileError, load_profiles
 
 
@@ -55,9 +56,9 @@ def test_bad_restart_input_is_a_config_error_naming_the_key(tmp_path: Path, tabl
 
 
 def test_the_agent_refuses_a_bad_policy_on_the_wire_naming_the_key() -> None:
-    with pytest.raises(control.SupervisorError, match=r"^launch field restart\.max: must not be negative, got -2$"):
-        control.coerce_spec({"command": ["true"], "restart": {"max": -2}})
-    spec = control.coerce_spec({"command": ["true"], "restart": {"on": ["hang"], "stall_s": 5}})
+    with pytest.raises(SupervisorError, match=r"^launch field restart\.max: must not be negative, got -2$"):
+        launch.coerce_spec({"command": ["true"], "restart": {"max": -2}})
+    spec = launch.coerce_spec({"command": ["true"], "restart": {"on": ["hang"], "stall_s": 5}})
     assert spec.restart is not None and spec.restart["on"] == ["hang"] and spec.restart["stall_s"] == 5.0
 
 
@@ -132,4 +133,4 @@ def test_the_dashboards_launch_carries_the_profiles_restart_policy(tmp_path: Pat
     spec = launch_spec_for(profiles["demo"].as_dict(), session)  # type: ignore[arg-type]
     assert spec["command"][1:3] == ["-m", "engine.trainer"]
     assert spec["restart"] == {"on": ["oom"], "max": 1, "backoff_s": 30.0, "stall_s": 1800.0, "grace_s": 30.0}
-    assert control.coerce_spec(spec).restart == spec["restart"]
+    assert launch.coerce_spec(spec).restart == spec["restart"]
