@@ -611,7 +611,7 @@ def _run_dir_arg(agent: Agent, args: dict[str, Any]) -> Path:
     if run_id is not None:
         try:
             run_dir = records.run_dir_for(root, run_id)
-        except records.RunIdError as exc:
+        except protocol.RunIdError as exc:
             raise CommandError(str(exc)) from exc
         if not run_dir.is_dir():
             raise CommandError(f"no run {run_id!r} under {root}")

@@ -35,7 +35,7 @@ def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
     if run_id is not None:
         try:
             rd = records.run_dir_for(agent.run_root, str(run_id))
-        except records.RunIdError as exc:
+        except protocol.RunIdError as exc:
             raise CommandError(str(exc)) from exc
         if not rd.is_dir():
             raise CommandError(f"no run {run_id!r} under {agent.run_root}")

@@ -23,7 +23,7 @@ import engine
 from engine import protocol
 from engine.host import procs
 from engine.host.runs import SubmittedRecord
-from engine.supervisor import records, restart, tmux
+from engine.supervisor import records, tmux
 from engine.supervisor.common import SupervisorError
 
 
@@ -65,8 +65,8 @@ def coerce_spec(raw: protocol.LaunchSpec | dict[str, Any]) -> protocol.LaunchSpe
     run_id = data.get("run_id")
     if run_id is not None:
         try:
-            records.validate_run_id(run_id)
-        except records.RunIdError as exc:
+            protocol.validate_run_id(run_id)
+        except protocol.RunIdError as exc:
             raise SupervisorError(str(exc)) from exc
     cwd = data.get("cwd")
     if cwd is not None and not isinstance(cwd, str):
@@ -75,8 +75,8 @@ def coerce_spec(raw: protocol.LaunchSpec | dict[str, Any]) -> protocol.LaunchSpe
     policy: dict[str, Any] | None = None
     if data.get("restart") is not None:
         try:
-            policy = restart.parse_policy(data["restart"]).as_dict()
-        except restart.PolicyError as exc:
+            policy = protocol.parse_policy(data["restart"]).as_dict()
+        except protocol.PolicyError as exc:
             raise SupervisorError(f"launch field {exc}") from exc
     return protocol.LaunchSpec(
         command=list(command),

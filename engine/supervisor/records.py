@@ -38,10 +38,9 @@ from engine import protocol
 from engine.host import appended, procs
 from engine.host.appended import AppendedFile
 from engine.host.runs import ExitRecord, LaunchRecord, SubmittedRecord
+from engine.protocol import validate_run_id
 from engine.supervisor import tmux
 from engine.supervisor.failure import Failure, FailureScan, last_step_in
-
-RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 RUNS_DIR = "runs"
 CURRENT_LINK = "current"
@@ -67,16 +66,6 @@ _SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"ex
 _PROGRESS_KINDS = frozenset({b"stage", b"heartbeat", b"step"})
 
 
-class RunIdError(ValueError):
-    """A run id that is not safe as a directory and tmux session name."""
-
-
-def validate_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or RUN_ID_RE.fullmatch(run_id) is None or run_id in (".", ".."):
-        raise RunIdError(
-            f"invalid run id {run_id!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
-        )
-    return run_id
 
 
 def new_run_id(now: float | None = None) -> str:

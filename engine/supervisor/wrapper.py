@@ -75,7 +75,7 @@ class Wrapper:
         self.signals_seen: list[int] = []  # every forwarded-kind signal the wrapper got: each cancels the policy
         self.cancel_reason: str | None = None  # set by `stop` (CANCEL_SIGNAL): restart nothing after this
         self.launch = LaunchRecord()
-        self.policy: restart.Policy | None = None
+        self.policy: protocol.Policy | None = None
         self.attempt = 0
         self.restarts: list[dict[str, Any]] = []
         self.restart_state = "watching"
@@ -220,8 +220,8 @@ class Wrapper:
             return self.fail_before_start(2, "the launch spec has an empty command")
         if self.spec.get("restart") is not None:
             try:
-                self.policy = restart.parse_policy(self.spec["restart"])
-            except restart.PolicyError as exc:
+                self.policy = protocol.parse_policy(self.spec["restart"])
+            except protocol.PolicyError as exc:
                 return self.fail_before_start(2, f"the launch spec's restart policy is not usable: {exc}")
         if self.pending:
             first = self.pending[0]

@@ -19,6 +19,7 @@ from support.agent import AgentClient, launch_and_wait
 from support.procfs import pid_alive
 from support.waiting import wait_until
 
+from engine import protocol
 from engine.host import procs
 from engine.supervisor import launch, records, tmux, wait
 from engine.supervisor.common import SupervisorError
@@ -30,15 +31,15 @@ def test_generated_run_ids_are_valid_and_distinct() -> None:
     ids = {records.new_run_id() for _ in range(200)}
     assert len(ids) > 190
     for run_id in ids:
-        assert records.validate_run_id(run_id) == run_id
+        assert protocol.validate_run_id(run_id) == run_id
         assert len(run_id) == len("20261129-113500-ab12")
 
 
 @given(st.text(max_size=80))
 def test_run_ids_that_could_escape_the_runs_directory_are_refused(text: str) -> None:
     try:
-        records.validate_run_id(text)
-    except records.RunIdError:
+        protocol.validate_run_id(text)
+    except protocol.RunIdError:
         return
     assert "/" not in text and "\0" not in text and text not in (".", "..") and not text.startswith(".")
     assert 1 <= len(text) <= 64 and text.isascii()
@@ -46,8 +47,8 @@ def test_run_ids_that_could_escape_the_runs_directory_are_refused(text: str) -> 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", ".hidden", "-flag", "x" * 65, "sp ace", "tab\t"])
 def test_known_bad_run_ids(bad: str) -> None:
-    with pytest.raises(records.RunIdError):
-        records.validate_run_id(bad)
+    with pytest.raises(protocol.RunIdError):
+        protocol.validate_run_id(bad)
 
 
 def test_atomic_json_write_replaces_whole_files_and_leaves_no_temporaries(tmp_path: Path) -> None:

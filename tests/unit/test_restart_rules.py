@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import protocol
 from engine.supervisor import launch, restart
 from engine.supervisor.common import SupervisorError
 from tui.profiles import ProfileError, load_profiles
@@ -63,8 +64,8 @@ def test_the_agent_refuses_a_bad_policy_on_the_wire_naming_the_key() -> None:
 
 
 def test_which_endings_the_policy_restarts() -> None:
-    every = restart.parse_policy({"on": ["crash", "hang", "oom"]})
-    crash_only = restart.parse_policy({"on": ["crash"]})
+    every = protocol.parse_policy({"on": ["crash", "hang", "oom"]})
+    crash_only = protocol.parse_policy({"on": ["crash"]})
     failed = restart.Ending(1, None, "exited with code 1")
     killed = restart.Ending(None, 9, "killed by signal 9 (SIGKILL)")
     oom = restart.Ending(1, None, "exited with code 1", oom="torch.OutOfMemoryError: CUDA out of memory.")
@@ -76,7 +77,7 @@ def test_which_endings_the_policy_restarts() -> None:
     assert restart.restart_cause(oom, crash_only) == "crash"  # an OOM is a crash when only crashes are restarted
     assert restart.restart_cause(hung_then_clean, every) == "hang"  # our engine exits 0 on SIGTERM: still a hang
     assert restart.restart_cause(hung_then_clean, crash_only) is None
-    assert restart.restart_cause(oom, restart.parse_policy({"on": []})) is None
+    assert restart.restart_cause(oom, protocol.parse_policy({"on": []})) is None
 
 
 def test_only_this_attempts_output_can_mark_an_oom(tmp_path: Path) -> None:
