@@ -210,7 +210,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             print_json(snap)
         else:
-            print(format_status(snap, session.hello or {}, session.target_display), flush=True)
+            hello = protocol.to_jsonable(session.agent) if session.agent else {}
+            print(format_status(snap, hello, session.target_display), flush=True)
         return EXIT_OK
 
     return await with_session(args, body)

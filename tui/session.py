@@ -7,8 +7,7 @@ log offset/inode and events.jsonl offset, so nothing is skipped or repeated.
 
 Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/events.py): event
 listeners (``add_event_listener``) get those, the session's own ``ConnectionEvent`` on every state change,
-and an ``Undecodable`` for a line that is JSON but not the protocol. Wire listeners (``add_listener``) get
-the same events as JSON objects of the wire's shape, for tools that record or forward the stream.
+and an ``Undecodable`` for a line that is JSON but not the protocol.
 """
 
 from __future__ import annotations
@@ -21,13 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from engine import protocol
-from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode, to_wire
+from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode
 from tui.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
 
 __all__ = ["CommandFailed", "ConnectError", "ConnectOptions", "Session", "open_session"]
 
 Listener = Callable[[ClientEvent], None]
-WireListener = Callable[[dict[str, Any]], None]
 
 HELLO_TIMEOUT_S = 30.0
 HOST_MAP_INTERVAL_S = 2.0  # how often the Proxmox host's map is refreshed under --pct
@@ -60,8 +58,7 @@ class Session:
         self.opts = opts
         self.target_display: str = transport.display
         self.state: str = "disconnected"
-        self.hello: dict[str, Any] | None = None  # the agent's hello line as received (scripts read it)
-        self.agent: protocol.HelloEvent | None = None  # the same, decoded: what the client reads
+        self.agent: protocol.HelloEvent | None = None  # the agent's hello, decoded
         self.rtt_ms: float | None = None
         self.auto_reconnect: bool = True
         self.max_reconnect_attempts: int | None = None  # None: keep trying until close()
@@ -71,7 +68,6 @@ class Session:
         self._pending: dict[int, asyncio.Future[protocol.ReplyEvent]] = {}
         self._next_id = 1
         self._listeners: list[Listener] = []
-        self._wire_listeners: list[WireListener] = []
         self._reader: asyncio.Task[None] | None = None
         self._reconnector: asyncio.Task[None] | None = None
         self._pinger: asyncio.Task[None] | None = None
@@ -96,24 +92,10 @@ class Session:
 
         return unsubscribe
 
-    def add_listener(self, fn: WireListener) -> Callable[[], None]:
-        """Call ``fn`` with every event as a JSON object of the wire's shape; returns the function that removes it."""
-        self._wire_listeners.append(fn)
-
-        def unsubscribe() -> None:
-            with contextlib.suppress(ValueError):
-                self._wire_listeners.remove(fn)
-
-        return unsubscribe
-
-    def _dispatch(self, ev: ClientEvent, wire: dict[str, Any] | None = None) -> None:
-        """Hand one event to the listeners; ``wire``: its object as received (built from ``ev`` when None)."""
+    def _dispatch(self, ev: ClientEvent) -> None:
+        """Hand one event to the listeners."""
         for fn in list(self._listeners):
             _call(fn, ev, ev.EV)
-        if self._wire_listeners:
-            obj = wire if wire is not None else to_wire(ev)
-            for wire_fn in list(self._wire_listeners):
-                _call(wire_fn, obj, ev.EV)
 
     def _warn(self, message: str) -> None:
         self._dispatch(protocol.WarningEvent(message))
@@ -179,10 +161,10 @@ class Session:
         except protocol.ProtocolError as exc:
             await stream.close()
             raise ConnectError(f"{self.target_display}: the agent's hello is not understood: {exc}") from None
-        self.hello, self.agent = hello, agent
+        self.agent = agent
         self._stream = stream
         self._reader = asyncio.ensure_future(self._read_loop(stream))
-        self._dispatch(agent, hello)
+        self._dispatch(agent)
 
     async def _read_loop(self, stream: AgentStream) -> None:
         reason = "the agent closed the connection"
@@ -233,11 +215,11 @@ class Session:
                 fitted = self._fit_log_event(ev, int(pos.get("offset") or 0))
                 if fitted is None:
                     return
-                ev, obj = fitted, {**obj, "offset": fitted.offset, "data": fitted.data}
+                ev = fitted
             self._log_pos = {"offset": ev.offset + len(ev.raw), "inode": ev.inode}
         elif isinstance(ev, protocol.LogResetEvent):
             self._log_pos = {"offset": ev.offset, "inode": ev.inode}
-        self._dispatch(ev, obj)
+        self._dispatch(ev)
 
     def _fit_log_event(self, ev: protocol.LogEvent, expected: int) -> protocol.LogEvent | None:
         """A log event that does not start where the received bytes end: trim what was already received, or
