@@ -17,15 +17,24 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from engine import protocol
 from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode
 from tui.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
 
-__all__ = ["CommandFailed", "ConnectError", "ConnectOptions", "Session", "open_session"]
+__all__ = [
+    "CommandFailed",
+    "ConnectError",
+    "ConnectOptions",
+    "ReplyNotUnderstood",
+    "Session",
+    "open_session",
+    "typed_reply",
+]
 
 Listener = Callable[[ClientEvent], None]
+R = TypeVar("R")
 
 HELLO_TIMEOUT_S = 30.0
 HOST_MAP_INTERVAL_S = 2.0  # how often the Proxmox host's map is refreshed under --pct
@@ -50,6 +59,18 @@ class CommandFailed(Exception):
         self.message = message
         self.cmd = cmd
         self.lost = lost  # True when the connection broke before the reply
+
+
+class ReplyNotUnderstood(CommandFailed):
+    """A command's reply came but does not fit its dataclass (engine/protocol.py): the field and why."""
+
+
+def typed_reply(reply: type[R], cmd: str, result: dict[str, Any]) -> R:
+    """A command's result decoded into ``reply``; ReplyNotUnderstood names the field that does not fit."""
+    try:
+        return protocol.from_json(reply, result, cmd)
+    except protocol.ProtocolError as exc:
+        raise ReplyNotUnderstood(f"{cmd}: the agent's reply is not understood: {exc}", cmd=cmd) from None
 
 
 class Session:
@@ -342,6 +363,18 @@ class Session:
         result = reply.result
         return result if isinstance(result, dict) else {"value": result}
 
+    async def ask(
+        self,
+        reply: type[R],
+        cmd: str,
+        *,
+        timeout_s: float | None = None,
+        params: dict[str, Any] | None = None,
+        **args: Any,
+    ) -> R:
+        """``request``, its result decoded into ``reply``; raises CommandFailed (ReplyNotUnderstood: it did not fit)."""
+        return typed_reply(reply, cmd, await self.request(cmd, timeout_s=timeout_s, params=params, **args))
+
     async def ping(self, timeout_s: float = 10.0) -> float:
         t0 = time.perf_counter()
         await self.request("ping", timeout_s=timeout_s)
@@ -461,11 +494,12 @@ class HostLink:
                 assert self._host is not None
                 try:
                     hm = await self._host.request("host_map", timeout_s=20.0, ctid=ctid)
+                    said = typed_reply(protocol.HostMap, "host_map", hm)
                 except CommandFailed as exc:
                     error = f"the Proxmox host's agent failed: {exc.message}"
                     break
-                if isinstance(hm.get("error"), str):
-                    error = f"the Proxmox host cannot list GPU processes: {hm['error']}"
+                if said.error is not None:
+                    error = f"the Proxmox host cannot list GPU processes: {said.error}"
                     break
                 if await self._hand_over(map=hm):
                     self._said = None  # working again: a later failure is news

@@ -133,7 +133,7 @@ async def test_kill_stale_lists_exactly_the_stale_holders_and_signals_only_after
             await wait_until(pilot, lambda: isinstance(app.screen, KillStaleScreen), 15, "kill-stale modal")
             screen = app.screen
             assert isinstance(screen, KillStaleScreen)
-            assert {c["pid"] for c in screen.candidates} == stale
+            assert {c.pid for c in screen.candidates} == stale
             assert {t[0] for t in screen.targets} == stale
             table = screen.query_one("#kill-table")
             assert {int(table.get_row_at(i)[0]) for i in range(table.row_count)} == stale  # type: ignore[attr-defined]
