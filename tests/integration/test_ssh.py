@@ -316,7 +316,8 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
             received.extend(ev.raw)
             if received.count(b"\n") >= 400:
                 done.set()
-        elif isinstance(ev, protocol.EngineLineEvent) and isinstance(ev.event, protocol.StepEvent):
+        elif isinstance(ev, protocol.EngineLineEvent) and isinstance(ev.event, protocol.HeartbeatEvent):
+            assert ev.event.step is not None
             steps.append(ev.event.step)
         elif isinstance(ev, ConnectionEvent):
             states.append(ev.state)
