@@ -40,32 +40,28 @@ def _engine_python(session: Session) -> str:
     return engine_python(session.opts.python, session.agent.python_path if session.agent else None)
 
 
-def _wait_exit_code(result: dict[str, Any]) -> int:
-    if result.get("ok"):
+def _wait_exit_code(result: protocol.WaitResult) -> int:
+    if result.ok:
         return EXIT_OK
     # Hung means a deadline passed with the process alive; a live process with a dead engine thread failed.
-    hung = result.get("hung")
-    if hung is None:  # an older agent without the field
-        hung = bool(result.get("alive"))
-    return EXIT_HUNG if hung else EXIT_FAILED
+    return EXIT_HUNG if result.hung else EXIT_FAILED
 
 
-def _wait_object(result: dict[str, Any], milestone: str, run_id: str | None) -> dict[str, Any]:
-    obj = {
-        "ok": bool(result.get("ok")),
-        "milestone": result.get("milestone", milestone),
-        "stage": result.get("stage"),
-        "cause": result.get("cause"),
-        "exit_code": result.get("exit_code"),
-        "signal": result.get("signal"),
-        "elapsed_s": result.get("elapsed_s"),
-        "last_lines": list(result.get("last_lines") or []),
+def _wait_object(result: protocol.WaitResult, run_id: str | None) -> dict[str, Any]:
+    """The ``launch --wait --json`` object: the agent's WaitResult without ``hung`` (the exit code says that)."""
+    return {
+        "ok": result.ok,
+        "milestone": result.milestone,
+        "stage": result.stage,
+        "cause": result.cause,
+        "exit_code": result.exit_code,
+        "signal": result.signal,
+        "elapsed_s": result.elapsed_s,
+        "last_lines": result.last_lines,
+        "alive": result.alive,
+        "detail": result.detail,
+        "run_id": result.run_id or run_id,
     }
-    for k in ("alive", "detail"):
-        if k in result:
-            obj[k] = result[k]
-    obj["run_id"] = result.get("run_id") or run_id
-    return obj
 
 
 def _print_wait_human(obj: dict[str, Any], milestone: str) -> None:
@@ -170,12 +166,13 @@ async def wait_and_report(
             print(f"  attach: {attach}", flush=True)
         return EXIT_OK
     bound = timeout_s if timeout_s is not None else max((deadlines_s or {}).values(), default=3600.0)
-    result = await session.request(
+    result = await session.ask(
+        protocol.WaitResult,
         "wait",
         timeout_s=bound + _REPLY_MARGIN_S,
         params={"run_id": run_id, "milestone": wait, "timeout_s": timeout_s, "deadlines_s": deadlines_s},
     )
-    obj = _wait_object(result, wait, str(run_id) if run_id else None)
+    obj = _wait_object(result, run_id or None)
     if as_json:
         print_json(obj)
     else:
