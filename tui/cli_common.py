@@ -46,11 +46,9 @@ def count_arg(text: str) -> int:
 
 def run_id_arg(text: str) -> str:
     """A run id as the host names run directories (so it can never step out of <run-root>/runs)."""
-    from engine.supervisor.records import RunIdError, validate_run_id
-
     try:
-        return validate_run_id(text)
-    except RunIdError as exc:
+        return protocol.validate_run_id(text)
+    except protocol.RunIdError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.supervisor import restart as restart_policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -80,7 +79,7 @@ class Profile:
     step_pattern: str = DEFAULT_STEP_PATTERN
     deadlines_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DEADLINES_S))
     engine: EngineConfig = field(default_factory=EngineConfig)
-    restart: dict[str, Any] | None = None  # the restart policy (engine/supervisor/restart.py); None: never restarted
+    restart: dict[str, Any] | None = None  # protocol.parse_policy's table, as a dict; None: never restarted
     source: str = "built-in"
 
     def as_dict(self) -> dict[str, Any]:
@@ -186,8 +185,8 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
             prof.deadlines_s[k] = float(v)
     if "restart" in raw:
         try:
-            prof.restart = restart_policy.parse_policy(raw["restart"]).as_dict()
-        except restart_policy.PolicyError as exc:
+            prof.restart = protocol.parse_policy(raw["restart"]).as_dict()
+        except protocol.PolicyError as exc:
             key = f"{where}.restart" + (f".{exc.key}" if exc.key else "")
             raise _err(path, key, exc.problem) from None
     if "engine" in raw:

@@ -10,7 +10,7 @@ too; the client uses the extracted tree as ``PYTHONPATH`` for ``python3 -m engin
 
 Besides ``engine`` the bundle carries ``_vendor/pynvml.py``, NVIDIA's single-file NVML binding taken from
 the client's nvidia-ml-py, with its BSD licence (``pynvml.LICENSE``) and a manifest (version, sha256):
-a host then needs only python3 and the driver for GPU data (engine/agent/nvml_binding.py picks it up).
+a host then needs only python3 and the driver for GPU data (engine/host/nvml_binding.py picks it up).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from engine import protocol
-from engine.agent import nvml_binding
 
 # What goes into the bundle: every file of these packages, no tests, no caches, no hidden files.
 BUNDLED_PACKAGES: tuple[str, ...] = ("engine",)
@@ -150,7 +149,7 @@ def _client_pynvml() -> Path | None:
     from importlib import metadata  # ~30 ms to import: only when the bundle is built
 
     try:
-        metadata.version(nvml_binding.DISTRIBUTION)
+        metadata.version(protocol.DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return None  # the deprecated PyPI `pynvml` fork, not NVIDIA's binding: do not ship it
     return origin
@@ -178,22 +177,22 @@ def vendored_files() -> dict[str, bytes]:
     from importlib import metadata
 
     source = source_path.read_bytes()
-    version = metadata.version(nvml_binding.DISTRIBUTION)
+    version = metadata.version(protocol.DISTRIBUTION)
     licence = (
-        f"pynvml.py is NVIDIA's Python binding for NVML, from {nvml_binding.DISTRIBUTION} {version}, shipped\n"
+        f"pynvml.py is NVIDIA's Python binding for NVML, from {protocol.DISTRIBUTION} {version}, shipped\n"
         "unchanged inside the specdec-tui agent bundle under these terms:\n\n" + licence_of(source.decode("utf-8"))
     )
     manifest = {
-        "distribution": nvml_binding.DISTRIBUTION,
+        "distribution": protocol.DISTRIBUTION,
         "version": version,
         "sha256": hashlib.sha256(source).hexdigest(),
-        "license_file": nvml_binding.VENDORED_LICENSE,
+        "license_file": protocol.VENDORED_LICENSE,
     }
-    base = nvml_binding.VENDOR_DIR
+    base = protocol.VENDOR_DIR
     return {
-        f"{base}/{nvml_binding.VENDORED_MODULE}": source,
-        f"{base}/{nvml_binding.VENDORED_LICENSE}": licence.encode("utf-8"),
-        f"{base}/{nvml_binding.VENDORED_MANIFEST}": (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(),
+        f"{base}/{protocol.VENDORED_MODULE}": source,
+        f"{base}/{protocol.VENDORED_LICENSE}": licence.encode("utf-8"),
+        f"{base}/{protocol.VENDORED_MANIFEST}": (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(),
     }
 
 

@@ -299,7 +299,7 @@ class Transport(ABC):
 
     def host_side(self) -> Transport | None:
         """Under --pct: a transport to the Proxmox host itself (no `pct exec` hop), for the agent that reads the
-        host's NVML and maps host PIDs into the container (engine/agent/host_map.py). None without --pct."""
+        host's NVML and maps host PIDs into the container (engine/host/host_map.py). None without --pct."""
         return None
 
     def _host_side_opts(self, run_root: str | None) -> ConnectOptions:

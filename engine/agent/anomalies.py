@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.agent.procs import is_system_holder
+from engine.host.procs import is_system_holder
 from engine.protocol import Anomaly, GpuInfo, HolderInfo
 
 PHANTOM_UTIL_PCT = 90.0

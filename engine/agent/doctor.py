@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.agent.anomalies import gpu_anomalies
-from engine.agent.capabilities import probe_nvml
+from engine.host.capabilities import probe_nvml
 from engine.protocol import Anomaly
 
 MIN_FREE_GIB = 5.0

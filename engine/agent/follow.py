@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from engine.host.appended import TAIL_MAX_BYTES, AppendedFile, last_lines, split_lines, utf8_cut
 from engine.protocol import encode_log_data, event
 
 CHUNK_BYTES = 256 * 1024
@@ -26,22 +27,29 @@ POLL_BYTES = 4 * 1024 * 1024  # per poll, so a burst is streamed in slices, not 
 POLL_INTERVAL_S = 0.05
 
 
-def _utf8_cut(data: bytes) -> int:
-    """Length of ``data`` without a trailing incomplete UTF-8 sequence (so chunks split between characters)."""
-    n = len(data)
-    for back in range(1, min(4, n) + 1):
-        b = data[n - back]
-        if b & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
-            continue
-        if b & 0x80 == 0:
-            return n  # ASCII: complete
-        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
-        return n if back >= need else n - back
-    return n  # only continuation bytes: invalid anyway, send as is
+class _AppendedFileUser:
+    """What the log follower and the events reader share: the file they follow, its position and identity."""
+
+    file: AppendedFile
+
+    @property
+    def offset(self) -> int:
+        return self.file.offset
+
+    @property
+    def inode(self) -> int | None:
+        return self.file.inode
+
+    def close(self) -> None:
+        self.file.close()
 
 
-class LogFollower:
-    """Follows one path. ``offset``/``inode``: resume position a client gave (None: from the start)."""
+class LogFollower(_AppendedFileUser):
+    """Follows one path as protocol events. ``offset``/``inode``: resume position a client gave (None: from the start).
+
+    A thin user of ``AppendedFile`` (by descriptor, nothing carried: a character cut at a chunk's end is read
+    again with the next chunk).
+    """
 
     def __init__(
         self,
@@ -58,18 +66,10 @@ class LogFollower:
         self.poll_bytes = max(self.chunk_bytes, poll_bytes)
         self._want_offset = max(0, offset or 0)
         self._want_inode = inode
-        self._fd: int | None = None
-        self.inode: int | None = None
-        self.dev: int | None = None
-        self.offset = 0
+        self.file = AppendedFile(self.path)
         self._seen_missing = announce_open
         self._opened_once = False
         self.more = False  # the last poll stopped at its byte budget: poll again at once
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def __enter__(self) -> LogFollower:
         return self
@@ -81,27 +81,24 @@ class LogFollower:
         return {"offset": self.offset, "inode": self.inode}
 
     def _open(self, out: list[dict[str, Any]]) -> bool:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
+        st = self.file.open()
+        if st is None:
             self._seen_missing = True
             return False
-        st = os.fstat(fd)
-        self._fd, self.inode, self.dev = fd, st.st_ino, st.st_dev
         if not self._opened_once:
             self._opened_once = True
             if self._want_inode is not None and self._want_inode != st.st_ino:
-                self.offset = 0
+                self.file.restart(0)
                 out.append(event("log_reset", inode=st.st_ino, offset=0, reason="rotated"))
             elif self._want_offset > st.st_size:
-                self.offset = 0
+                self.file.restart(0)
                 out.append(event("log_reset", inode=st.st_ino, offset=0, reason="truncated"))
             else:
-                self.offset = self._want_offset
+                self.file.restart(self._want_offset)
                 if self._seen_missing:
                     out.append(event("log_reset", inode=st.st_ino, offset=self.offset, reason="created"))
         else:
-            self.offset = 0
+            self.file.restart(0)
             reason = "rotated" if not self._seen_missing else "created"
             out.append(event("log_reset", inode=st.st_ino, offset=0, reason=reason))
         self._seen_missing = False
@@ -109,22 +106,21 @@ class LogFollower:
 
     def _read(self, out: list[dict[str, Any]], budget: int) -> int:
         """Read from the offset towards EOF, up to ``budget`` bytes; sets ``more`` when the budget ran out."""
-        assert self._fd is not None
         total = 0
         while total < budget:
             want = min(self.chunk_bytes, budget - total)
-            data = os.pread(self._fd, want, self.offset)
+            data = self.file.read(want)
             if not data:
                 break
             if len(data) == want:
-                cut = _utf8_cut(data)
+                cut = utf8_cut(data)
                 if cut == 0 and want < self.chunk_bytes:
                     self.more = True  # the budget's tail holds only part of a character: next poll sends it whole
                     return total
                 if cut > 0:
                     data = data[:cut]
             out.append(event("log", offset=self.offset, inode=self.inode, data=encode_log_data(data)))
-            self.offset += len(data)
+            self.file.offset += len(data)
             total += len(data)
         if total >= budget:
             self.more = True
@@ -134,21 +130,16 @@ class LogFollower:
         """Everything new since the last poll (up to ``poll_bytes``), as log/log_reset events."""
         out: list[dict[str, Any]] = []
         self.more = False
-        if self._fd is None and not self._open(out):
+        if not self.file.is_open and not self._open(out):
             return out
-        assert self._fd is not None
         budget = self.poll_bytes
-        if os.fstat(self._fd).st_size < self.offset:
-            self.offset = 0
+        if self.file.size() < self.offset:
+            self.file.restart(0)
             out.append(event("log_reset", inode=self.inode, offset=0, reason="truncated"))
         budget -= self._read(out, budget)
         if self.more:
             return out
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return out  # removed or renamed away: keep the old file until a new one appears
-        if (st.st_ino, st.st_dev) != (self.inode, self.dev):
+        if self.file.replaced():
             budget -= self._read(out, budget)  # finish the old file first
             if self.more:
                 return out
@@ -172,83 +163,53 @@ class LogFollower:
                 stop.wait(interval_s)
 
 
-class JsonlReader:
+class JsonlReader(_AppendedFileUser):
     """Reads whole lines of a growing JSON-lines file; a partial last line is held back until complete.
 
-    ``poll()`` returns (end_offset, line_bytes) pairs, ``end_offset`` being the byte after the newline,
+    ``poll()`` returns (end_offset, line_bytes) pairs, ``end_offset`` being the byte after the newline (``offset``:
+    the byte after the last complete line returned),
     so a client resuming from it gets the next line. Truncation or rotation restarts at 0 and sets
-    ``reset`` (the caller can tell clients).
+    ``reset`` (the caller can tell clients). A thin user of ``AppendedFile`` (by descriptor, the partial
+    line carried).
     """
 
     def __init__(self, path: str | os.PathLike[str], offset: int = 0, max_line_bytes: int = 8 * 1024 * 1024) -> None:
         self.path = os.fspath(path)
-        self.offset = max(0, offset)  # byte after the last complete line returned
+        self.file = AppendedFile(self.path, offset)
         self.max_line_bytes = max_line_bytes
-        self._fd: int | None = None
-        self.inode: int | None = None
-        self._dev: int | None = None
-        self._pending = b""
         self.reset: str | None = None  # reason of the last restart at 0, cleared by the caller
 
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
     def _restart(self, reason: str) -> None:
-        self.offset, self._pending, self.reset = 0, b"", reason
+        self.file.restart(0)
+        self.reset = reason
 
     def _drain(self, out: list[tuple[int, bytes]]) -> None:
-        assert self._fd is not None
         while True:
-            data = os.pread(self._fd, CHUNK_BYTES, self.offset + len(self._pending))
+            data = self.file.read(CHUNK_BYTES)
             if not data:
                 return
-            buf = self._pending + data
-            start = 0
-            while True:
-                nl = buf.find(b"\n", start)
-                if nl < 0:
-                    break
-                out.append((self.offset + nl + 1, buf[start:nl]))
-                start = nl + 1
-            self.offset += start
-            self._pending = buf[start:]
-            if len(self._pending) > self.max_line_bytes:  # never hold an unbounded line: pass it on
-                self.offset += len(self._pending)
-                out.append((self.offset, self._pending))
-                self._pending = b""
+            out.extend(split_lines(*self.file.take_complete(data, max_carry_bytes=self.max_line_bytes)))
 
     def poll(self) -> list[tuple[int, bytes]]:
         out: list[tuple[int, bytes]] = []
-        if self._fd is None:
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
+        if not self.file.is_open:
+            st = self.file.open()
+            if st is None:
                 return out
-            st = os.fstat(self._fd)
-            self.inode, self._dev = st.st_ino, st.st_dev
             if st.st_size < self.offset:
                 self._restart("truncated")
-        if os.fstat(self._fd).st_size < self.offset + len(self._pending):
+        if self.file.size() < self.file.position:
             self._restart("truncated")
         self._drain(out)
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return out
-        if (st.st_ino, st.st_dev) != (self.inode, self._dev):
+        if self.file.replaced():
             self._drain(out)
             self.close()
             self._restart("rotated")
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            st = os.fstat(self._fd)
-            self.inode, self._dev = st.st_ino, st.st_dev
-            self._drain(out)
+            if self.file.open() is not None:
+                self._drain(out)
         return out
 
 
-TAIL_MAX_BYTES = 8 * 1024 * 1024  # tail looks back at most this far: a gigabyte line must not stall the agent
 TAIL_CUT_MARK = b"[...cut] "
 
 
@@ -261,43 +222,19 @@ def tail_lines(
     ``max_bytes`` are read back; a line that starts before that window comes back as its end, behind
     ``TAIL_CUT_MARK``, and ``window_cut`` says that fewer than ``n`` lines came back for that reason.
     """
-    p = os.fspath(path)
-    with open(p, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        size = st.st_size
-        if n <= 0 or size == 0:
-            return {"lines": [], "offset": size, "inode": st.st_ino}
-        pos = size
-        chunks: list[bytes] = []
-        newlines = 0
-        # A trailing newline ends the last line; it does not start an empty one.
-        while pos > 0 and newlines <= n and size - pos < max_bytes:
-            step = min(block_bytes, pos, max_bytes - (size - pos))
-            pos -= step
-            fh.seek(pos)
-            data = fh.read(step)
-            chunks.append(data)
-            newlines += data.count(b"\n")
-        buf = b"".join(reversed(chunks))  # one join: growing a bytes object block by block is quadratic
-        starts_mid_line = False
-        if pos > 0:
-            fh.seek(pos - 1)
-            starts_mid_line = fh.read(1) != b"\n"
-        body = buf[:-1] if buf.endswith(b"\n") else buf
-        lines = body.split(b"\n")
-        # The look-back window ended before n whole lines were found: earlier lines exist that are not here.
-        window_cut = pos > 0 and len(lines) <= n
-        if len(lines) > n:
-            lines = lines[-n:]
-        elif starts_mid_line:
-            lines[0] = TAIL_CUT_MARK + lines[0]
+    tail = last_lines(path, n, block_bytes, max_bytes)
+    if not tail.lines and (n <= 0 or tail.offset == 0):
+        return {"lines": [], "offset": tail.offset, "inode": tail.inode}
+    lines = list(tail.lines)
+    if tail.starts_mid_line:
+        lines[0] = TAIL_CUT_MARK + lines[0]
     # "partial": the last line has no newline yet (a follower continues it from ``offset``).
     return {
         "lines": [encode_log_data(line) for line in lines],
-        "offset": size,
-        "inode": st.st_ino,
-        "partial": not buf.endswith(b"\n"),
-        "window_cut": window_cut,
+        "offset": tail.offset,
+        "inode": tail.inode,
+        "partial": tail.partial,
+        "window_cut": tail.window_cut,
     }
 
 
@@ -342,6 +279,6 @@ def read_range(path: str | os.PathLike[str], offset: int, max_bytes: int) -> dic
         st = os.fstat(fh.fileno())
         data = os.pread(fh.fileno(), max(0, max_bytes), offset) if offset < st.st_size else b""
     if len(data) == max_bytes:
-        cut = _utf8_cut(data)
+        cut = utf8_cut(data)
         data = data[:cut] if cut > 0 else data
     return {"data": encode_log_data(data), "offset": offset, "inode": st.st_ino, "size": st.st_size}

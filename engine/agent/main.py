@@ -1,201 +1,38 @@
-"""The host agent: one long-lived process per client connection.
+"""The host agent's entry point: ``python3 -m engine.agent.main`` (or ``specdec-agent``).
 
-Reads commands from stdin, writes events to stdout, one JSON object per line (engine/protocol.py).
-Stdlib only at import time; psutil, pynvml and watchfiles are used when the host has them.
+Importing the command modules fills the command table (engine/agent/commands.py); the server
+(engine/agent/server.py) then answers with it. Stdlib only at import time; psutil, pynvml and
+watchfiles are used when the host has them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from engine import protocol
-from engine.agent.commands import HANDLERS, CommandError, handler
+from engine.agent import monitor_cmds, run_cmds
+from engine.agent.commands import HANDLERS, handler
+from engine.agent.server import Agent
 
-# Commands that change the host (start or signal processes, write run records): the agent finishes them even when
-# its client goes away mid-command, so a launch is never left half done (job running, run not recorded).
-STATE_CHANGING_COMMANDS = frozenset({"launch", "stop", "kill_stale", "restart"})
-# How long, at stdin EOF, the agent waits for those to finish before exiting anyway.
-FINISH_ON_EOF_S = 30.0
-# Every other command answered before exit too (a client may write commands and close stdin at once, as
-# `printf ... | agent` does); streams and waits end as soon as stopping is set, so this bound is rarely reached.
-REPLY_ON_EOF_S = 5.0
+COMMAND_MODULES = (monitor_cmds, run_cmds)  # imported for their @handler registrations
 
 
 def default_run_root() -> Path:
     return Path(os.environ.get("SPECDEC_RUN_ROOT", "~/.specdec")).expanduser()
 
 
-def read_boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
-class Agent:
-    """Shared state of one agent process. Handlers get it as their first argument."""
-
-    def __init__(
-        self,
-        run_root: Path,
-        simulate_gpus: int = 0,
-        out: IO[bytes] | None = None,
-    ) -> None:
-        self.run_root = run_root
-        self.simulate_gpus = simulate_gpus
-        self.boot_id = read_boot_id()
-        self.hostname = socket.gethostname()
-        self.started_at = time.time()
-        self._out = out if out is not None else sys.stdout.buffer
-        self._out_lock = threading.Lock()
-        self.stopping = threading.Event()
-        # Per-feature state that the handler modules keep on the agent (samplers, followers, ...).
-        self.extras: dict[str, Any] = {}
-        self.bad_lines = 0
-        self._in_flight: set[threading.Thread] = set()  # state-changing commands still running
-        self._running: set[threading.Thread] = set()  # every command still running
-        self._in_flight_lock = threading.Lock()
-
-    def emit(self, msg: dict[str, Any]) -> None:
-        """Write one event line. Thread-safe; a closed stdout stops the agent."""
-        data = protocol.encode(msg)
-        with self._out_lock:
-            try:
-                self._out.write(data)
-                self._out.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                self.stopping.set()
-
-    def progress(self, cmd_id: int | None, message: str) -> None:
-        self.emit(protocol.event("progress", id=cmd_id, message=message))
-
-    def hello(self) -> dict[str, Any]:
-        from engine.agent.capabilities import probe_capabilities
-
-        return protocol.event(
-            "hello",
-            protocol=protocol.PROTOCOL_VERSION,
-            agent_version=protocol.AGENT_VERSION,
-            hostname=self.hostname,
-            boot_id=self.boot_id,
-            python=sys.version.split()[0],
-            python_path=sys.executable,
-            pid=os.getpid(),
-            run_root=str(self.run_root),
-            simulated=self.simulate_gpus > 0,
-            capabilities=probe_capabilities(),
-        )
-
-    def dispatch(self, line: bytes) -> None:
-        """Parse one command line and run its handler in a thread; bad input is answered, never fatal."""
-        if not line.strip():
-            return
-        try:
-            cmd_id, cmd, args = protocol.parse_command(line)
-        except protocol.ProtocolError as exc:
-            self.bad_lines += 1
-            self.emit(protocol.event("error", message=f"bad command line #{self.bad_lines}: {exc}"))
-            return
-        fn = HANDLERS.get(cmd)
-        if fn is None:
-            self.emit(
-                protocol.event(
-                    "reply",
-                    id=cmd_id,
-                    ok=False,
-                    result=None,
-                    error=f"unknown command {cmd!r}; known: {sorted(HANDLERS)}",
-                )
-            )
-            return
-        th = threading.Thread(target=self._run, args=(fn, cmd_id, cmd, args), name=f"cmd-{cmd}", daemon=True)
-        with self._in_flight_lock:
-            self._running.add(th)
-            if cmd in STATE_CHANGING_COMMANDS:
-                self._in_flight.add(th)
-        th.start()
-
-    def finish_in_flight(self, timeout_s: float = FINISH_ON_EOF_S, *, every: bool = False) -> list[str]:
-        """Wait (bounded) for the state-changing commands still running (``every``: all commands); the names of those
-        that did not finish."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._in_flight_lock:
-                pending = [t for t in (self._running if every else self._in_flight) if t.is_alive()]
-            if not pending:
-                return []
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return [t.name for t in pending]
-            pending[0].join(min(left, 0.5))
-
-    def _run(self, fn: Any, cmd_id: int | None, cmd: str, args: dict[str, Any]) -> None:
-        try:
-            self._call(fn, cmd_id, cmd, args)
-        finally:
-            with self._in_flight_lock:
-                self._in_flight.discard(threading.current_thread())
-                self._running.discard(threading.current_thread())
-
-    def _call(self, fn: Any, cmd_id: int | None, cmd: str, args: dict[str, Any]) -> None:
-        try:
-            result = fn(self, cmd_id, args)
-        except CommandError as exc:
-            self.emit(protocol.event("reply", id=cmd_id, ok=False, result=None, error=str(exc)))
-        except Exception as exc:  # a handler bug becomes a visible error reply, and the agent lives on
-            tb = traceback.format_exc(limit=8)
-            self.emit(
-                protocol.event(
-                    "reply", id=cmd_id, ok=False, result=None, error=f"{cmd}: {type(exc).__name__}: {exc}", traceback=tb
-                )
-            )
-        else:
-            self.emit(protocol.event("reply", id=cmd_id, ok=True, result=result, error=None))
-
-    def serve(self, stdin: IO[bytes] | None = None) -> int:
-        self.emit(self.hello())
-        src = stdin if stdin is not None else sys.stdin.buffer
-        max_line_bytes = 16 * 1024 * 1024
-        while not self.stopping.is_set():
-            line = src.readline(max_line_bytes)
-            if not line:
-                break  # client gone: stop sampling; the run itself is not ours to stop
-            if len(line) >= max_line_bytes and not line.endswith(b"\n"):
-                self.bad_lines += 1
-                self.emit(protocol.event("error", message=f"command line over {max_line_bytes} bytes dropped"))
-                while True:  # skip the rest of the over-long line
-                    rest = src.readline(max_line_bytes)
-                    if not rest or rest.endswith(b"\n"):
-                        break
-                continue
-            self.dispatch(line)
-        # A launch (or stop, ...) in flight is finished before the process exits, whether or not its reply can
-        # still be delivered; waits and streams end now (stopping cancels them).
-        self.stopping.set()
-        unfinished = self.finish_in_flight()
-        if unfinished:
-            names = ", ".join(unfinished)
-            sys.stderr.write(f"specdec-agent: exiting with {names} unfinished after {FINISH_ON_EOF_S:g} s\n")
-        self.finish_in_flight(REPLY_ON_EOF_S, every=True)  # the replies of commands sent just before EOF
-        return 0
+def build_agent(run_root: Path, simulate_gpus: int = 0, out: IO[bytes] | None = None) -> Agent:
+    """An agent that answers every registered command."""
+    return Agent(run_root=run_root, simulate_gpus=simulate_gpus, out=out, handlers=HANDLERS)
 
 
 @handler("ping")
 def _ping(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     return {"t": time.time(), "agent_pid": os.getpid(), "uptime_s": time.time() - agent.started_at}
-
-
-def _load_handler_modules() -> None:
-    # Importing registers the handlers.
-    from engine.agent import monitor_cmds, run_cmds  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ns = parser.parse_args(argv)
     run_root = (ns.run_root or default_run_root()).expanduser()
-    _load_handler_modules()
-    agent = Agent(run_root=run_root, simulate_gpus=ns.simulate_gpus)
+    agent = build_agent(run_root, ns.simulate_gpus)
     return agent.serve()
 
 

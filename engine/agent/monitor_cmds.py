@@ -15,21 +15,22 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine import protocol
-from engine.agent import anomalies, host_map, procs
-from engine.agent.capabilities import probe_capabilities
-from engine.agent.commands import CommandError, handler
+from engine.agent import anomalies
+from engine.agent.commands import handler
 from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
-from engine.agent.gpus import GpuSample, GpuSource, open_gpu_source
-from engine.agent.simulate import SimError, SimulatedGpus
+from engine.agent.server import Agent, CommandError
+from engine.host import host_map, procs, runs
+from engine.host.capabilities import probe_capabilities
+from engine.host.gpu_source import open_gpu_source
+from engine.host.gpus import GpuSample, GpuSource
+from engine.host.holders import NvmlView, find_holders, mark_holders
+from engine.host.simulate import SimError, SimulatedGpus
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
-
-if TYPE_CHECKING:
-    from engine.agent.main import Agent
 
 GPU_INTERVAL_DEFAULT_S = 0.5
 PROCS_INTERVAL_DEFAULT_S = 1.0
@@ -42,19 +43,6 @@ _TICK_SLACK_S = 0.005  # a procs scan due within this of a GPU tick runs on that
 
 def _now() -> float:
     return time.time()
-
-
-def _meminfo() -> dict[str, float]:
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/meminfo", "rb") as fh:
-            for line in fh:
-                key, _, rest = line.partition(b":")
-                if key in (b"MemTotal", b"MemAvailable"):
-                    out[key.decode()] = int(rest.split()[0]) / 1024.0  # kB -> MiB
-    except (OSError, ValueError, IndexError):
-        return {}
-    return out
 
 
 def _disk_free_gib(path: Path) -> float | None:
@@ -117,22 +105,13 @@ class Monitor:
         run_dir = records.current_run_dir(self.run_root)
         if run_dir is None:
             return None
-        return records.read_run(run_dir, self.agent.boot_id)
+        return records.read_run(run_dir, self.agent.boot_id, self.agent.scanners)
 
     def run_pids(self, run: RunInfo | None) -> set[int]:
-        """Pids of the run's process tree: the wrapper's and the job's trees, and the job's group."""
+        """Pids of the running run's processes, each still the one its launch record pinned (host.runs.run_pids)."""
         if run is None or run.state != "running":
             return set()
-        launch = records.read_json(Path(run.run_dir) / records.LAUNCH_JSON) or {}
-        roots = [p for p in (launch.get("wrapper_pid"), run.pid) if isinstance(p, int) and p > 0]
-        stats = procs.all_stats()
-        pids: set[int] = set()
-        for root in roots:
-            pids.update(procs.tree_pids(root, stats))
-        # The job's group, when it is led by a recorded root (even one that has exited): never a foreign group.
-        if isinstance(run.pgid, int) and run.pgid in roots:
-            pids.update(p for p, st in stats.items() if st.pgrp == run.pgid)
-        return pids
+        return runs.run_pids(records.read_launch(run.run_dir))
 
     def _run_tree(self, run_pids: set[int], with_threads: bool = True) -> list[ProcInfo]:
         out: list[ProcInfo] = []
@@ -221,24 +200,13 @@ class Monitor:
             }
         return {"source": "nvml", "detail": "NVML's per-GPU process lists (PIDs of this namespace)"}
 
+    def gpu_view(self, sample: GpuSample) -> NvmlView:
+        """What the GPU source says about processes, with the Proxmox host's map while it is fresh."""
+        return NvmlView.of_sample(sample, self.gpu_source.source, self.fresh_host_map())
+
     def holders(self, sample: GpuSample, run_pids: set[int]) -> list[HolderInfo]:
-        found = procs.find_holders(
-            procs.default_dev_dir(),
-            nvml_pids=sample.pid_used_mib,
-            run_pids=run_pids,
-            nvml_pid_gpus=sample.pid_gpus,
-            nvml_source="simulated" if self.gpu_source.source == "simulated" else "nvml",
-            nvml_pid_gpu_mib=sample.pid_gpu_mib,
-            nvml_listed=sample.processes_listed,
-            host_map=self.fresh_host_map(),
-            local_gpus=sample.gpus,
-        )
-        by_gpu: dict[int, set[int]] = {}
-        for h in found:
-            for g in h.gpus:
-                by_gpu.setdefault(g, set()).add(h.pid)
-        for gpu in sample.gpus:
-            gpu.holder_pids = sorted(set(gpu.holder_pids) | by_gpu.get(gpu.index, set()))
+        found = find_holders(None, self.gpu_view(sample), run_pids)
+        mark_holders(sample.gpus, found)
         return found
 
     def anomalies_for(
@@ -263,7 +231,7 @@ class Monitor:
             return Snapshot(_now(), sample, holders, run, run_pids, tree, items)
 
     def host_info(self) -> dict[str, Any]:
-        mem = _meminfo()
+        mem = procs.memory_mib()
         try:
             load = list(os.getloadavg())
         except OSError:
@@ -428,12 +396,7 @@ class Subscription:
                     mon._poll_engine(run)
                     tree = mon._run_tree(run_pids)
                 else:
-                    by_gpu: dict[int, set[int]] = {}
-                    for h in holders:
-                        for g in h.gpus:
-                            by_gpu.setdefault(g, set()).add(h.pid)
-                    for gpu in sample.gpus:
-                        gpu.holder_pids = sorted(set(gpu.holder_pids) | by_gpu.get(gpu.index, set()))
+                    mark_holders(sample.gpus, holders)
                 items = mon.anomalies_for(sample, holders, run, run_pids)
             self._emit(
                 protocol.event(
@@ -648,7 +611,7 @@ def _run_dir_arg(agent: Agent, args: dict[str, Any]) -> Path:
     if run_id is not None:
         try:
             run_dir = records.run_dir_for(root, run_id)
-        except records.RunIdError as exc:
+        except protocol.RunIdError as exc:
             raise CommandError(str(exc)) from exc
         if not run_dir.is_dir():
             raise CommandError(f"no run {run_id!r} under {root}")

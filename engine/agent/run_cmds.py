@@ -6,16 +6,19 @@ Every command that names no run acts on the current one (<run_root>/current).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine import protocol
-from engine.agent.commands import CommandError, handler
-from engine.supervisor import control, records
-
-if TYPE_CHECKING:
-    from engine.agent.main import Agent
+from engine.agent.commands import handler
+from engine.agent.monitor_cmds import monitor_of
+from engine.agent.server import Agent, CommandError
+from engine.host.holders import NvmlView
+from engine.supervisor import kill_stale, launch, records, stacks, stop, wait
+from engine.supervisor.common import SupervisorError
 
 
 def _num(args: dict[str, Any], key: str, default: float | None, minimum: float = 0.0) -> float | None:
@@ -32,7 +35,7 @@ def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
     if run_id is not None:
         try:
             rd = records.run_dir_for(agent.run_root, str(run_id))
-        except records.RunIdError as exc:
+        except protocol.RunIdError as exc:
             raise CommandError(str(exc)) from exc
         if not rd.is_dir():
             raise CommandError(f"no run {run_id!r} under {agent.run_root}")
@@ -43,12 +46,19 @@ def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
     return rd_cur
 
 
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A supervisor's refusal (a sentence for the user) becomes the command's error reply."""
+    try:
+        yield
+    except SupervisorError as exc:
+        raise CommandError(str(exc)) from exc
+
+
 @handler("launch")
 def _launch(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
-    try:
-        res = control.launch(args, agent.run_root)
-    except control.SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
+    with _user_errors():
+        res = launch.launch(args, agent.run_root)
     agent.emit(
         protocol.event(
             "milestone", run_id=res["run_id"], milestone="submitted", t=res["submitted_at"], ok=True, cause=None
@@ -70,78 +80,60 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
     def on_milestone(name: str, t: float) -> None:
         agent.emit(protocol.event("milestone", run_id=rd.name, milestone=name, t=t, ok=True, cause=None))
 
-    try:
-        res = control.wait_for(
+    with _user_errors():
+        res = wait.wait_for(
             rd,
             milestone,
             _num(args, "timeout_s", None),
             deadlines,
             boot_id=agent.boot_id,
+            scanners=agent.scanners,
             on_milestone=on_milestone,
             cancel=agent.stopping,
         )
-    except control.SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
     if not res.ok:
         agent.emit(protocol.event("milestone", run_id=rd.name, milestone=milestone, t=None, ok=False, cause=res.cause))
     out: dict[str, Any] = protocol.to_jsonable(res)
     return out
 
 
+def _stop_run(agent: Agent, cmd_id: int | None, args: dict[str, Any], rd: Path) -> dict[str, Any]:
+    return stop.stop(
+        rd,
+        grace_s=_num(args, "grace_s", 30.0) or 0.0,
+        release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
+        progress=lambda msg: agent.progress(cmd_id, msg),
+        boot_id=agent.boot_id,
+        scanners=agent.scanners,
+    )
+
+
 @handler("stop")
 def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     rd = _run_dir(agent, args)
-    try:
-        return control.stop(
-            rd,
-            grace_s=_num(args, "grace_s", 30.0) or 0.0,
-            release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
-            progress=lambda msg: agent.progress(cmd_id, msg),
-            boot_id=agent.boot_id,
-        )
-    except control.SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
+    with _user_errors():
+        return _stop_run(agent, cmd_id, args, rd)
 
 
 @handler("restart")
 def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """Stop the run if it is running, then launch its recorded spec again under a new run id."""
     rd = _run_dir(agent, args)
-    try:
-        spec = control.spec_of(rd)
+    with _user_errors():
+        spec = launch.spec_of(rd)
         stopped: dict[str, Any] | None = None
-        if records.read_run(rd, agent.boot_id).state in ("running", "starting"):
-            stopped = control.stop(
-                rd,
-                grace_s=_num(args, "grace_s", 30.0) or 0.0,
-                release_timeout_s=_num(args, "release_timeout_s", 30.0) or 0.0,
-                progress=lambda msg: agent.progress(cmd_id, msg),
-                boot_id=agent.boot_id,
-            )
+        if records.read_run(rd, agent.boot_id, agent.scanners).state in ("running", "starting"):
+            stopped = _stop_run(agent, cmd_id, args, rd)
         spec["run_id"] = args.get("new_run_id")
         agent.progress(cmd_id, f"launching {spec.get('command')} again")
-        launched = control.launch(spec, agent.run_root)
-    except control.SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
+        launched = launch.launch(spec, agent.run_root)
     return {"stop": stopped, "launch": launched, "previous_run_id": rd.name}
 
 
-def _gpu_view(agent: Agent) -> control.NvmlView:
+def _gpu_view(agent: Agent) -> NvmlView:
     """The processes the agent's GPU source sees (NVML, or simulated), for GPU memory and NVML-only holders."""
-    from engine.agent.monitor_cmds import monitor_of
-
     mon = monitor_of(agent)
-    sample = mon.gpu_sample(mon.current_run())
-    source = "simulated" if getattr(mon.gpu_source, "source", "nvml") == "simulated" else "nvml"
-    return control.NvmlView(
-        dict(sample.pid_used_mib),
-        dict(sample.pid_gpus),
-        source,
-        pid_gpu_mib=dict(sample.pid_gpu_mib),
-        listed=sample.processes_listed,
-        host_map=mon.fresh_host_map(),
-        gpus=sample.gpus,
-    )
+    return mon.gpu_view(mon.gpu_sample(mon.current_run()))
 
 
 @handler("kill_stale")
@@ -152,8 +144,8 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
     targets = args.get("targets")
     if targets is not None and not isinstance(targets, list):
         raise CommandError("targets must be a list of [pid, create_time] pairs, or null for every listed holder")
-    try:
-        res = control.kill_stale(
+    with _user_errors():
+        res = kill_stale.kill_stale(
             agent.run_root,
             dry_run=dry_run,
             targets=targets,
@@ -161,8 +153,6 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
             progress=lambda msg: agent.progress(cmd_id, msg),
             nvml=_gpu_view(agent),
         )
-    except control.SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
     out: dict[str, Any] = protocol.to_jsonable(res)
     return out
 
@@ -170,10 +160,9 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
 @handler("stacks")
 def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     rd = _run_dir(agent, args)
-    try:
-        return control.stacks(rd, timeout_s=_num(args, "timeout_s", 5.0) or 5.0, boot_id=agent.boot_id)
-    except control.SupervisorError as exc:
-        raise CommandError(str(exc)) from exc
+    with _user_errors():
+        timeout_s = _num(args, "timeout_s", 5.0) or 5.0
+        return stacks.stacks(rd, timeout_s=timeout_s, boot_id=agent.boot_id, scanners=agent.scanners)
 
 
 RUNS_DEFAULT_LIMIT = 20
@@ -190,7 +179,7 @@ def _runs(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
     dirs = records.list_runs(agent.run_root)
     runs = []
     for rd in reversed(dirs[-limit:]):
-        info = records.read_run(rd, agent.boot_id)
+        info = records.read_run(rd, agent.boot_id, agent.scanners)
         row = protocol.to_jsonable(info)
         end = info.ended_at if info.ended_at is not None else (time.time() if info.state == "running" else None)
         row["duration_s"] = end - info.started_at if end is not None and info.started_at is not None else None
@@ -203,4 +192,4 @@ def _runs(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 def _run_info(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """One run (``run_id``, default the current one) as its records and the process table say it is now."""
     rd = _run_dir(agent, args)
-    return {"run": records.read_run(rd, agent.boot_id)}
+    return {"run": records.read_run(rd, agent.boot_id, agent.scanners)}

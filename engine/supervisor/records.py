@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.agent import procs
+from engine.host import appended, procs
+from engine.host.appended import AppendedFile
+from engine.host.runs import ExitRecord, LaunchRecord, SubmittedRecord
+from engine.protocol import validate_run_id
 from engine.supervisor import tmux
 from engine.supervisor.failure import Failure, FailureScan, last_step_in
-
-RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 RUNS_DIR = "runs"
 CURRENT_LINK = "current"
@@ -57,6 +58,7 @@ CHECKPOINTS_DIR = "checkpoints"
 
 # Bytes of output.log / events.jsonl one read_run call scans at most (status must never stall on a huge log).
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
+LOG_LINE_MAX_BYTES = 64 * 1024  # a log "line" longer than this without an end is scanned as it is
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
 _SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"export"})
 # Events only a running engine writes about its own progress: a job that writes them takes first-step from them
@@ -64,16 +66,6 @@ _SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"ex
 _PROGRESS_KINDS = frozenset({b"stage", b"heartbeat", b"step"})
 
 
-class RunIdError(ValueError):
-    """A run id that is not safe as a directory and tmux session name."""
-
-
-def validate_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or RUN_ID_RE.fullmatch(run_id) is None or run_id in (".", ".."):
-        raise RunIdError(
-            f"invalid run id {run_id!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
-        )
-    return run_id
 
 
 def new_run_id(now: float | None = None) -> str:
@@ -172,9 +164,10 @@ def reserve_exit_record(run_dir: Path | str) -> bool:
     return True
 
 
-def write_exit_record(run_dir: Path | str, rec: dict[str, Any]) -> None:
+def write_exit_record(run_dir: Path | str, exit_rec: ExitRecord) -> None:
     """Write exit.json atomically; when the disk is full, into the space reserve_exit_record took, renamed."""
     rd = Path(run_dir)
+    rec = exit_rec.to_json()
     try:
         write_json_atomic(rd / EXIT_JSON, rec)
     except OSError:
@@ -237,13 +230,6 @@ def read_json(path: Path | str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def read_boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -251,38 +237,18 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def process_alive(pid: int | None, start_ticks: int | None) -> bool:
-    """True when pid is alive (not a zombie) and, when start_ticks is known, is still the same process."""
-    if not pid or pid <= 0:
-        return False
-    st = procs.read_stat(pid)
-    if st is None or st.state in ("Z", "X", "x"):
-        return False
-    return start_ticks is None or st.start_ticks == start_ticks
-
-
-def start_ticks_of(pid: int) -> int | None:
-    st = procs.read_stat(pid)
-    return st.start_ticks if st is not None else None
-
-
 def last_lines(path: Path | str, n: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
-    """The last n lines of a file (decoded as UTF-8 with replacement); [] when missing."""
+    """The last n lines of a file (decoded as UTF-8 with replacement, CRLF read as a line end); [] when missing."""
     try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            data = fh.read()
+        tail = appended.last_lines(path, n, block_bytes=max_bytes, max_bytes=max_bytes)
     except OSError:
         return []
-    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    if size > max_bytes and lines:
-        lines.pop(0)  # the first line was cut by the window
-    return lines[-n:]
+    lines = tail.lines[1:] if tail.starts_mid_line else tail.lines  # the first line was cut by the window
+    ended = len(lines) - (1 if tail.partial else 0)  # lines followed by a newline: a CR before it is part of the end
+    return [
+        (line[:-1] if i < ended and line.endswith(b"\r") else line).decode("utf-8", "replace")
+        for i, line in enumerate(lines)
+    ]
 
 
 RANK_EVENTS_RE = re.compile(r"events\.rank(\d+)\.jsonl")
@@ -355,10 +321,8 @@ class RunScanner:
         self._step_re = re.compile(step_pattern.encode()) if step_pattern else None
         self._failure = FailureScan()
         self._output_base = output_base
-        self._log_offset = output_base
-        self._log_inode: int | None = None
-        self._log_carry = b""
-        self._ev: dict[str, _Tail] = {}  # events file name -> how far it was read
+        self._log = AppendedFile(self.run_dir / OUTPUT_LOG, output_base)
+        self._ev: dict[str, AppendedFile] = {}  # events file name -> how far it was read
         self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
         self.state = ScanState(nproc_hint=nproc_hint)
         self.state.failure = self._failure.failure
@@ -377,49 +341,37 @@ class RunScanner:
         t = now if now is not None else time.time()
         with self._lock:
             try:
-                size = os.stat(self.run_dir / OUTPUT_LOG).st_size
+                size = os.stat(self._log.path).st_size
             except OSError:
                 size = 0
-            if size - self._log_offset > self.CATCH_UP_MAX_BYTES:
-                self._log_offset, self._log_carry = size - self.CATCH_UP_MAX_BYTES, b""
+            if size - self._log.position > self.CATCH_UP_MAX_BYTES:
+                self._log.restart(size - self.CATCH_UP_MAX_BYTES)
             for _ in range(self.CATCH_UP_MAX_BYTES // _SCAN_BUDGET_BYTES + 1):
-                before = (self._log_offset, sum(tail.offset for tail in self._ev.values()))
+                before = (self._log.position, sum(tail.position for tail in self._ev.values()))
                 self._poll_events(_SCAN_BUDGET_BYTES)
                 self._poll_log(t, _SCAN_BUDGET_BYTES)
-                if (self._log_offset, sum(tail.offset for tail in self._ev.values())) == before:
+                if (self._log.position, sum(tail.position for tail in self._ev.values())) == before:
                     break
-            if self._log_carry and self._step_re is not None:  # the last line may have no newline
-                step = last_step_in(self._log_carry, self._step_re)
+            if self._log.carry and self._step_re is not None:  # the last line may have no newline
+                step = last_step_in(self._log.carry, self._step_re)
                 self.state.log_last_step = step if step is not None else self.state.log_last_step
         return self.state
 
     def _poll_log(self, now: float, budget: int) -> None:
-        path = self.run_dir / OUTPUT_LOG
-        try:
-            st = os.stat(path)
-        except OSError:
+        st, reset = self._log.check()
+        if st is None:
             return
-        if self._log_inode is not None and (st.st_ino != self._log_inode or st.st_size < self._log_offset):
-            self._log_offset, self._log_carry = 0, b""  # rotated or truncated: scan the new file from its start
+        if reset is not None:  # rotated or truncated: scan the new file from its start
             self._failure = FailureScan()
             self.state.failure, self.state.log_last_step = self._failure.failure, None
-        self._log_inode = st.st_ino
-        if st.st_size <= self._log_offset:
+        if st.st_size <= self._log.position:
             return
         if self.state.output_seen_at is None and st.st_size > self._output_base:
             self.state.output_seen_at = now
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(self._log_offset)
-                data = fh.read(min(budget, st.st_size - self._log_offset))
-        except OSError:
+        data = self._log.read_path(min(budget, st.st_size - self._log.position))
+        if not data:
             return
-        self._log_offset += len(data)
-        chunk = self._log_carry + data
-        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-        complete, self._log_carry = (chunk[: cut + 1], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
-        if len(self._log_carry) > 64 * 1024:
-            complete, self._log_carry = chunk, b""  # a line without end: scan what we have
+        _, complete = self._log.take_complete(data, (b"\n", b"\r"), LOG_LINE_MAX_BYTES)
         if not complete:
             return
         self._failure.feed(complete)
@@ -437,33 +389,15 @@ class RunScanner:
         except OSError:
             return
         for name in names:
-            self._poll_events_file(name, self._ev.setdefault(name, _Tail()), budget)
+            self._poll_events_file(name, self._ev.setdefault(name, AppendedFile(self.run_dir / name)), budget)
 
-    def _poll_events_file(self, name: str, tail: _Tail, budget: int) -> None:
-        path = self.run_dir / name
-        try:
-            st = os.stat(path)
-        except OSError:
+    def _poll_events_file(self, name: str, tail: AppendedFile, budget: int) -> None:
+        st, _ = tail.check()
+        if st is None or st.st_size <= tail.position:
             return
-        if tail.inode is not None and (st.st_ino != tail.inode or st.st_size < tail.offset):
-            tail.offset, tail.carry = 0, b""
-        tail.inode = st.st_ino
-        if st.st_size <= tail.offset:
-            return
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(tail.offset)
-                data = fh.read(min(budget, st.st_size - tail.offset))
-        except OSError:
-            return
-        tail.offset += len(data)
-        chunk = tail.carry + data
-        cut = chunk.rfind(b"\n")
-        if cut < 0:
-            tail.carry = chunk
-            return
-        tail.carry = chunk[cut + 1 :]
-        for line in chunk[:cut].split(b"\n"):
+        data = tail.read_path(min(budget, st.st_size - tail.position))
+        _, complete = tail.take_complete(data)
+        for line in complete.split(b"\n")[:-1]:
             self._event_line(line, name == EVENTS_JSONL)
 
     def _event_line(self, line: bytes, main: bool = True) -> None:
@@ -530,13 +464,6 @@ class RunScanner:
             self.state.first_step_t = max(firsts)
 
 
-@dataclass
-class _Tail:
-    offset: int = 0
-    inode: int | None = None
-    carry: bytes = b""
-
-
 def nproc_per_node(command: list[str]) -> int | None:
     """--nproc-per-node N of a torchrun command line (its number only: ``auto``/``gpu`` say nothing here)."""
     for i, arg in enumerate(command):
@@ -548,49 +475,56 @@ def nproc_per_node(command: list[str]) -> int | None:
     return None
 
 
-_scanners: dict[str, tuple[float | None, RunScanner]] = {}
+class ScannerCache:
+    """One incremental scanner per run directory and wrapper start, owned by whoever reads runs repeatedly (the
+    agent, one wait): each read then scans only what was appended since the last. Thread-safe."""
+
+    MAX_RUNS = 64  # beyond, start over (a scanner costs its ranks' state; an agent rarely sees this many runs)
+
+    def __init__(self) -> None:
+        self._scanners: dict[str, tuple[float | None, RunScanner]] = {}
+        self._lock = threading.Lock()
+
+    def scanner_for(self, run_dir: Path, launch: LaunchRecord) -> RunScanner:
+        key = str(run_dir)
+        with self._lock:
+            cached = self._scanners.get(key)
+            if cached is not None and cached[0] == launch.started_at:
+                return cached[1]
+            sc = new_scanner(run_dir, launch)
+            if len(self._scanners) > self.MAX_RUNS:
+                self._scanners.clear()
+            self._scanners[key] = (launch.started_at, sc)
+            return sc
 
 
-_scanners_lock = threading.Lock()
+def new_scanner(run_dir: Path, launch: LaunchRecord) -> RunScanner:
+    """A scanner of one run from the start of its job's output."""
+    return RunScanner(run_dir, launch.step_pattern, launch.output_offset_at_start, nproc_per_node(launch.command))
 
 
-def scanner_for(run_dir: Path, launch: dict[str, Any]) -> RunScanner:
-    """The agent-wide incremental scanner of one run (one per run directory and wrapper start)."""
-    key = str(run_dir)
-    started = launch.get("started_at")
-    with _scanners_lock:
-        cached = _scanners.get(key)
-        if cached is not None and cached[0] == started:
-            return cached[1]
-        sc = RunScanner(
-            run_dir,
-            launch.get("step_pattern"),
-            int(launch.get("output_offset_at_start") or 0),
-            nproc_per_node([str(a) for a in launch.get("command") or []]),
-        )
-        if len(_scanners) > 64:
-            _scanners.clear()
-        _scanners[key] = (started, sc)
-        return sc
+def read_launch(run_dir: Path | str) -> LaunchRecord | None:
+    return LaunchRecord.read(Path(run_dir) / LAUNCH_JSON)
 
 
-def _alive_from_launch(launch: dict[str, Any]) -> bool:
-    """The wrapper or the job it started is still the process launch.json recorded."""
-    if process_alive(launch.get("wrapper_pid"), launch.get("wrapper_start_ticks")):
-        return True
-    return process_alive(launch.get("job_pid"), launch.get("job_start_ticks"))
+def read_exit(run_dir: Path | str) -> ExitRecord | None:
+    return ExitRecord.read(Path(run_dir) / EXIT_JSON)
 
 
-def read_milestones(run_dir: Path, launch: dict[str, Any] | None, scan: ScanState | None) -> dict[str, float | None]:
+def read_submitted(run_dir: Path | str) -> SubmittedRecord | None:
+    return SubmittedRecord.read(Path(run_dir) / SUBMITTED_JSON)
+
+
+def read_milestones(run_dir: Path, launch: LaunchRecord | None, scan: ScanState | None) -> dict[str, float | None]:
     """milestone -> unix time reached (None: not reached), from the records and what a scan saw."""
-    sub = read_json(run_dir / SUBMITTED_JSON) or {}
+    sub = read_submitted(run_dir) or SubmittedRecord()
     ms = read_json(run_dir / MILESTONES_JSON) or {}
     out: dict[str, float | None] = dict.fromkeys(protocol.MILESTONES)
-    out["submitted"] = sub.get("t")
+    out["submitted"] = sub.t
     if launch is not None:
-        out["started"] = launch.get("job_started_at")  # the job itself exists, not only its wrapper
+        out["started"] = launch.job_started_at  # the job itself exists, not only its wrapper
         if out["submitted"] is None:
-            out["submitted"] = launch.get("started_at")
+            out["submitted"] = launch.started_at
     out["output"] = ms.get("output")
     out["first-step"] = ms.get("first-step")
     if scan is not None:
@@ -619,12 +553,12 @@ def _output_time(run_dir: Path, seen_at: float) -> float:
         return seen_at
 
 
-def pane_note(launch_sub: dict[str, Any]) -> str | None:
+def pane_note(launch_sub: SubmittedRecord) -> str | None:
     """Why a wrapper never wrote launch.json, as tmux (or, without tmux, the process table) saw it."""
-    session = launch_sub.get("tmux_session")
+    session = launch_sub.tmux_session
     if not session:
-        pid = launch_sub.get("launcher_wrapper_pid")
-        if isinstance(pid, int) and not process_alive(pid, launch_sub.get("launcher_wrapper_start_ticks")):
+        pid = launch_sub.launcher_wrapper_pid
+        if pid is not None and not procs.process_alive(pid, launch_sub.launcher_wrapper_start_ticks):
             return f"the wrapper (pid {pid}, started with setsid) exited"
         return None
     state = tmux.pane_state(session)
@@ -652,57 +586,61 @@ def pane_note(launch_sub: dict[str, Any]) -> str | None:
 STARTING_GRACE_S = 15.0
 
 
-def never_started_cause(sub: dict[str, Any], now: float | None = None) -> str | None:
+def never_started_cause(sub: SubmittedRecord, now: float | None = None) -> str | None:
     """Why a submitted run that has no launch.json will never start; None while its wrapper may still write one."""
-    session = sub.get("tmux_session")
-    if sub.get("phase", "accepted") == "submitting":
-        lpid = sub.get("launcher_pid")
-        if process_alive(lpid, sub.get("launcher_start_ticks")):
+    session = sub.tmux_session
+    if sub.phase == "submitting":
+        lpid = sub.launcher_pid
+        if procs.process_alive(lpid, sub.launcher_start_ticks):
             return None  # the agent is still inside the launch
         if session and tmux.has_session(session):
             return pane_note(sub)  # tmux took it before the agent went
-        t = sub.get("t")
-        if isinstance(t, (int, float)) and (now if now is not None else time.time()) - t < STARTING_GRACE_S:
+        t = sub.t
+        if t is not None and (now if now is not None else time.time()) - t < STARTING_GRACE_S:
             return None
         how = f"tmux accepted session {session}" if session else "it started the wrapper with setsid"
         return f"the agent (pid {lpid}) that launched it exited before {how}"
     return pane_note(sub)
 
 
-def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
-    """The run as its records and the process table say it is now."""
+def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = None) -> protocol.RunInfo:
+    """The run as its records and the process table say it is now.
+
+    ``scanners``: the caller's cache, so that repeated reads scan only what was appended; without one the run's
+    output is scanned afresh (bounded), and nothing outlives the call.
+    """
     rd = Path(run_dir)
-    launch = read_json(rd / LAUNCH_JSON)
-    exit_rec = read_json(rd / EXIT_JSON)
+    launch = read_launch(rd)
+    exit_rec = read_exit(rd)
     info = protocol.RunInfo(run_id=rd.name, run_dir=str(rd), state="starting")
-    sub = read_json(rd / SUBMITTED_JSON) or {}
+    sub = read_submitted(rd)
     never: str | None = None
-    if launch is None and exit_rec is None and sub:
+    if launch is None and exit_rec is None and sub is not None:
         never = never_started_cause(sub)
         if never is not None:  # the wrapper may have written its records while we asked: read them again
-            launch = read_json(rd / LAUNCH_JSON)
-            exit_rec = read_json(rd / EXIT_JSON)
+            launch = read_launch(rd)
+            exit_rec = read_exit(rd)
             if launch is not None or exit_rec is not None:
                 never = None
-    raw_spec = sub.get("spec")
-    spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
+    sub = sub or SubmittedRecord()
+    spec: dict[str, Any] = sub.spec or {}
     info.command = list(spec.get("command") or [])
     info.cwd = spec.get("cwd")
-    info.tmux_session = sub.get("tmux_session")
-    info.attachable = bool(sub.get("attachable"))
+    info.tmux_session = sub.tmux_session
+    info.attachable = sub.attachable
     info.profile = spec.get("profile")
     scan: ScanState | None = None
     if launch is not None:
-        info.command = list(launch.get("command") or info.command)
-        info.cwd = launch.get("cwd", info.cwd)
-        info.pid = launch.get("job_pid") or launch.get("wrapper_pid")
-        info.pgid = launch.get("job_pgid") or launch.get("pgid")
-        info.boot_id = launch.get("boot_id")
-        info.started_at = launch.get("started_at")
-        info.tmux_session = launch.get("tmux_session", info.tmux_session)
-        info.attachable = bool(launch.get("attachable", info.attachable))
-        info.profile = launch.get("profile", info.profile)
-        scanner = scanner_for(rd, launch)
+        info.command = list(launch.command or info.command)
+        info.cwd = launch.cwd
+        info.pid = launch.job_pid or launch.wrapper_pid
+        info.pgid = launch.job_pgid or launch.pgid
+        info.boot_id = launch.boot_id
+        info.started_at = launch.started_at
+        info.tmux_session = launch.tmux_session
+        info.attachable = launch.attachable
+        info.profile = launch.profile
+        scanner = scanners.scanner_for(rd, launch) if scanners is not None else new_scanner(rd, launch)
         scan = scanner.catch_up() if exit_rec is not None else scanner.poll()
         info.stage = scan.stage
         info.last_step = scan.last_step if scan.last_step is not None else scan.log_last_step
@@ -712,21 +650,21 @@ def read_run(run_dir: Path | str, boot_id: str) -> protocol.RunInfo:
         if blamed is not None:
             info.failed_rank, info.failed_node = blamed.rank, blamed.node
     if exit_rec is None and launch is not None:
-        if launch.get("boot_id") not in (None, boot_id):
+        if launch.boot_id not in (None, boot_id):
             info.state = "rebooted"
-        elif _alive_from_launch(launch):
+        elif launch.wrapper_alive() or launch.job_alive():
             info.state = "running"
         else:
-            exit_rec = read_json(rd / EXIT_JSON)  # the wrapper may have written it between our reads
+            exit_rec = read_exit(rd)  # the wrapper may have written it between our reads
             if exit_rec is None:
                 info.state = "vanished"
     if never is not None:
         info.state = "failed"
         info.cause = f"the wrapper never started: {never}"
     if exit_rec is not None:
-        info.exit_code = exit_rec.get("exit_code")
-        info.signal = exit_rec.get("signal")
-        info.ended_at = exit_rec.get("ended_at")
+        info.exit_code = exit_rec.exit_code
+        info.signal = exit_rec.signal
+        info.ended_at = exit_rec.ended_at
         info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
         if info.state == "failed" and info.cause is None:
             info.cause = failure_cause(scan, exit_rec, info.last_step)
@@ -749,13 +687,13 @@ def _read_restarts(rd: Path, info: protocol.RunInfo) -> None:
     info.restart_state = state if isinstance(state, str) else None
 
 
-def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: int | None) -> str:
+def failure_cause(scan: ScanState | None, exit_rec: ExitRecord, last_step: int | None) -> str:
     """A failed run's cause: the root exception (torchrun: the failing rank and its exception), else what the wrapper
     recorded; then how the job ended and its last step."""
     parts: list[str] = []
     named = scan.failure.describe() if scan is not None else None
     errors = scan.thread_errors if scan is not None else []
-    recorded = exit_rec.get("cause")
+    recorded = exit_rec.cause
     blamed = rank_failure(scan) if scan is not None else None
     if blamed is not None:
         parts.append(blamed.text)
@@ -766,8 +704,8 @@ def failure_cause(scan: ScanState | None, exit_rec: dict[str, Any], last_step: i
         parts.append(f"engine thread {first.get('thread')}: {first.get('exc_type')}: {first.get('message')}")
     elif isinstance(recorded, str) and recorded and not recorded.startswith("exited with code"):
         parts.append(recorded)
-    signum, exit_code = exit_rec.get("signal"), exit_rec.get("exit_code")
-    if isinstance(signum, int):
+    signum, exit_code = exit_rec.signal, exit_rec.exit_code
+    if signum is not None:
         parts.append(f"killed by signal {signum} ({signal_name(signum)})")
     elif exit_code is not None:
         parts.append(f"exit code {exit_code}")

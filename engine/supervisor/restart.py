@@ -19,24 +19,21 @@ checkpoint on its own (``resume = true``); any other command is simply run again
 most, then the run ends with the causes listed. ``stop`` cancels the policy: the wrapper restarts
 nothing after a stop, and a stop during the backoff ends the run at once.
 
-Stdlib only.
+The table itself (keys, defaults, ``parse_policy``) is defined with the wire protocol (engine/protocol.py),
+since the client checks a profile's table before it sends it. Stdlib only.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CAUSES: tuple[str, ...] = ("crash", "hang", "oom")
-POLICY_KEYS: tuple[str, ...] = ("on", "max", "backoff_s", "stall_s", "grace_s")
-DEFAULT_ON: tuple[str, ...] = ("crash",)
-DEFAULT_MAX = 3
-DEFAULT_BACKOFF_S = 30.0
-DEFAULT_STALL_S = 1800.0  # the stalled-run anomaly's cap: a step slower than this is not training
-DEFAULT_GRACE_S = 30.0  # our engine saves a checkpoint on SIGTERM at the next step boundary
+from engine.protocol import (  # the policy is part of the LaunchSpec: defined with the wire protocol
+    Policy,
+)
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -54,75 +51,6 @@ STATES: tuple[str, ...] = (
     "cancelled",  # stopped (stop, or a signal to the wrapper): nothing restarted after it
     "done",  # the run ended in a way the policy does not restart (success, or a cause not in `on`)
 )
-
-
-class PolicyError(ValueError):
-    """A restart table that cannot be used; ``key`` names the offending key inside it (None: the table)."""
-
-    def __init__(self, key: str | None, problem: str) -> None:
-        self.key = key
-        self.problem = problem
-        super().__init__(f"restart{'.' + key if key else ''}: {problem}")
-
-
-@dataclass(frozen=True)
-class Policy:
-    on: tuple[str, ...] = DEFAULT_ON
-    max: int = DEFAULT_MAX
-    backoff_s: float = DEFAULT_BACKOFF_S
-    stall_s: float = DEFAULT_STALL_S
-    grace_s: float = DEFAULT_GRACE_S
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["on"] = list(self.on)
-        return out
-
-    @property
-    def watches_hangs(self) -> bool:
-        return "hang" in self.on and self.max > 0
-
-
-def _seconds(raw: dict[str, Any], key: str, default: float, positive: bool) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise PolicyError(key, f"must be a number of seconds, got {value!r}")
-    if positive and value <= 0:
-        raise PolicyError(key, f"must be a positive number of seconds, got {value!r}")
-    if value < 0:
-        raise PolicyError(key, f"must not be negative, got {value!r}")
-    return float(value)
-
-
-def parse_policy(raw: Any) -> Policy:
-    """A Policy from a profile's ``restart`` table (or the LaunchSpec's ``restart`` dict); PolicyError names the key."""
-    if isinstance(raw, Policy):
-        return raw
-    if not isinstance(raw, dict):
-        raise PolicyError(
-            None, f"must be a table such as {{ on = [\"crash\", \"hang\", \"oom\"], max = 3 }}, got {raw!r}"
-        )
-    unknown = sorted(str(k) for k in raw if k not in POLICY_KEYS)
-    if unknown:
-        raise PolicyError(unknown[0], f"unknown key; allowed: {', '.join(POLICY_KEYS)}")
-    on_raw = raw.get("on", list(DEFAULT_ON))
-    if not isinstance(on_raw, list) or not all(isinstance(c, str) for c in on_raw):
-        raise PolicyError("on", f"must be a list of causes among {', '.join(CAUSES)}, got {on_raw!r}")
-    for cause in on_raw:
-        if cause not in CAUSES:
-            raise PolicyError("on", f"unknown cause {cause!r}; allowed: {', '.join(CAUSES)}")
-    max_raw = raw.get("max", DEFAULT_MAX)
-    if isinstance(max_raw, bool) or not isinstance(max_raw, int):
-        raise PolicyError("max", f"must be a whole number of restarts, got {max_raw!r}")
-    if max_raw < 0:
-        raise PolicyError("max", f"must not be negative, got {max_raw}")
-    return Policy(
-        on=tuple(c for c in CAUSES if c in on_raw),
-        max=max_raw,
-        backoff_s=_seconds(raw, "backoff_s", DEFAULT_BACKOFF_S, positive=False),
-        stall_s=_seconds(raw, "stall_s", DEFAULT_STALL_S, positive=True),
-        grace_s=_seconds(raw, "grace_s", DEFAULT_GRACE_S, positive=False),
-    )
 
 
 @dataclass

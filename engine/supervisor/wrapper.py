@@ -37,8 +37,11 @@ from types import FrameType
 from typing import Any
 
 from engine import protocol, stackdump
-from engine.agent import procs
-from engine.supervisor import control, records, restart
+from engine.host import procs
+from engine.host.runs import ExitRecord, LaunchRecord
+from engine.supervisor import records, restart, stacks
+from engine.supervisor.common import SupervisorError
+from engine.supervisor.members import signal_group_checked
 
 POLL_S = 0.05  # milestone timing and exit detection resolution
 ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left
@@ -64,14 +67,15 @@ class Wrapper:
         self.run_id = str(doc.get("run_id") or run_dir.name)
         self.command = [str(a) for a in spec.get("command") or []]
         self.cwd = spec.get("cwd") or os.path.expanduser("~")
+        self.step_pattern: str = spec.get("step_pattern") or r"step=\d+"
         self.pane_fd = pane_fd
         self.job: subprocess.Popen[bytes] | None = None  # the live attempt's job; None between attempts
         self.pending: list[int] = []  # signals that arrived while no job existed
         self.forwarded: list[dict[str, Any]] = []
         self.signals_seen: list[int] = []  # every forwarded-kind signal the wrapper got: each cancels the policy
         self.cancel_reason: str | None = None  # set by `stop` (CANCEL_SIGNAL): restart nothing after this
-        self.launch: dict[str, Any] = {}
-        self.policy: restart.Policy | None = None
+        self.launch = LaunchRecord()
+        self.policy: protocol.Policy | None = None
         self.attempt = 0
         self.restarts: list[dict[str, Any]] = []
         self.restart_state = "watching"
@@ -124,22 +128,21 @@ class Wrapper:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     # -- records ---------------------------------------------------------------------------------
-    def write_launch(self, **extra: Any) -> None:
-        self.launch.update(extra)
-        records.write_json_atomic(self.run_dir / records.LAUNCH_JSON, self.launch, mode=0o600)
+    def write_launch(self) -> None:
+        records.write_json_atomic(self.run_dir / records.LAUNCH_JSON, self.launch.to_json(), mode=0o600)
 
     def write_exit(self, exit_code: int | None, sig: int | None, cause: str) -> None:
-        rec: dict[str, Any] = {
-            "run_id": self.run_id,
-            "exit_code": exit_code,
-            "signal": sig,
-            "signal_name": records.signal_name(sig) if sig is not None else None,
-            "ended_at": time.time(),
-            "cause": cause,
-            "forwarded_signals": self.forwarded,
-        }
+        rec = ExitRecord(
+            run_id=self.run_id,
+            exit_code=exit_code,
+            signal=sig,
+            signal_name=records.signal_name(sig) if sig is not None else None,
+            ended_at=time.time(),
+            cause=cause,
+            forwarded_signals=self.forwarded,
+        )
         if self.policy is not None:
-            rec.update(attempts=self.attempt, restarts=self.restarts, restart_state=self.restart_state)
+            rec.attempts, rec.restarts, rec.restart_state = self.attempt, self.restarts, self.restart_state
         records.write_exit_record(self.run_dir, rec)
 
     def write_milestones(self, milestones: dict[str, float]) -> None:
@@ -189,27 +192,27 @@ class Wrapper:
             out_size = 0
         self.echo_offset = out_size
         now = time.time()
-        self.launch = {
-            "run_id": self.run_id,
-            "command": self.command,
-            "cwd": self.cwd,
-            "pid": os.getpid(),
-            "pgid": os.getpgid(0),
-            "wrapper_pid": os.getpid(),
-            "wrapper_start_ticks": records.start_ticks_of(os.getpid()),
-            "boot_id": records.read_boot_id(),
-            "hostname": socket.gethostname(),
-            "started_at": now,
-            "tmux_session": self.doc.get("tmux_session"),
-            "attachable": bool(self.doc.get("attachable")),
-            "step_pattern": self.spec.get("step_pattern") or r"step=\d+",
-            "deadlines_s": self.spec.get("deadlines_s") or {},
-            "profile": self.spec.get("profile"),
-            "spec": self.spec,
-            "output_offset_at_start": out_size,
-            "python": sys.executable,
-            "cancel_signal": records.signal_name(CANCEL_SIGNAL),  # `stop` sends it to cancel the restart policy
-        }
+        self.launch = LaunchRecord(
+            run_id=self.run_id,
+            command=self.command,
+            cwd=self.cwd,
+            pid=os.getpid(),
+            pgid=os.getpgid(0),
+            wrapper_pid=os.getpid(),
+            wrapper_start_ticks=procs.start_ticks_of(os.getpid()),
+            boot_id=procs.read_boot_id(),
+            hostname=socket.gethostname(),
+            started_at=now,
+            tmux_session=self.doc.get("tmux_session"),
+            attachable=bool(self.doc.get("attachable")),
+            step_pattern=self.step_pattern,
+            deadlines_s=self.spec.get("deadlines_s") or {},
+            profile=self.spec.get("profile"),
+            spec=self.spec,
+            output_offset_at_start=out_size,
+            python=sys.executable,
+            cancel_signal=records.signal_name(CANCEL_SIGNAL),  # `stop` sends it to cancel the restart policy
+        )
         self.write_launch()
         if not records.reserve_exit_record(self.run_dir):
             say("specdec: no room to reserve the exit record; it is written only if room is left")
@@ -217,8 +220,8 @@ class Wrapper:
             return self.fail_before_start(2, "the launch spec has an empty command")
         if self.spec.get("restart") is not None:
             try:
-                self.policy = restart.parse_policy(self.spec["restart"])
-            except restart.PolicyError as exc:
+                self.policy = protocol.parse_policy(self.spec["restart"])
+            except protocol.PolicyError as exc:
                 return self.fail_before_start(2, f"the launch spec's restart policy is not usable: {exc}")
         if self.pending:
             first = self.pending[0]
@@ -257,12 +260,12 @@ class Wrapper:
             return 127 if exc.errno == errno.ENOENT else 126, f"cannot run {self.command[0]!r}: {exc.strerror or exc}"
         self.job = job
         now = time.time()
-        attempt_fields: dict[str, Any] = {"attempt": self.attempt, "attempt_started_at": now}
+        self.launch.attempt, self.launch.attempt_started_at = self.attempt, now
         if self.attempt == 1:
-            attempt_fields["job_started_at"] = now  # the `started` milestone: the run's job first existed
-        self.write_launch(
-            job_pid=job.pid, job_pgid=job.pid, job_start_ticks=records.start_ticks_of(job.pid), **attempt_fields
-        )
+            self.launch.job_started_at = now  # the `started` milestone: the run's job first existed
+        self.launch.job_pid, self.launch.job_pgid = job.pid, job.pid
+        self.launch.job_start_ticks = procs.start_ticks_of(job.pid)
+        self.write_launch()
         return job
 
     def attempts(self, out_base: int) -> int:
@@ -290,7 +293,8 @@ class Wrapper:
                 self.restart_state = "cancelled" if why_not is not None and cause is not None else "done"
                 self.write_restarts()
                 return self.finish(ending.exit_code, ending.signal, self._ending_text(ending))
-            self.clear_leftovers(int(self.launch["job_pgid"]), self.launch.get("job_start_ticks"))
+            assert self.launch.job_pgid is not None  # the job started: its group was recorded
+            self.clear_leftovers(self.launch.job_pgid, self.launch.job_start_ticks)
             if len(self.restarts) >= self.policy.max:
                 self.restart_state = "gave_up"
                 self.write_restarts()
@@ -372,23 +376,23 @@ class Wrapper:
         """End what is left of the ended attempt's process group (workers of a dead launcher) before the next one:
         they would hold its GPU memory. SIGTERM, the policy's grace, SIGKILL."""
         assert self.policy is not None
-        left = _group_members(pgid, start_ticks)
+        left = procs.group_members(pgid, None, start_ticks)
         if not left:
             return
         # Pinned now (pid and start ticks): the group is signalled only while one of these still lives in it.
-        pinned = {pid: ticks for pid in left if (ticks := _start_ticks(pid)) is not None}
+        pinned = {pid: ticks for pid in left if (ticks := procs.start_ticks_of(pid)) is not None}
         say(f"[specdec] {len(left)} process(es) of the ended attempt's group remain: SIGTERM to group {pgid}")
-        control.signal_group_checked(pgid, pinned, signal.SIGTERM)
+        signal_group_checked(pgid, pinned, signal.SIGTERM)
         deadline = time.monotonic() + self.policy.grace_s
-        while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
+        while procs.group_members(pgid, None, start_ticks) and time.monotonic() < deadline:
             time.sleep(POLL_S)
-        if _group_members(pgid, start_ticks):
+        if procs.group_members(pgid, None, start_ticks):
             say(f"[specdec] still there after the {self.policy.grace_s:g} s grace: SIGKILL to group {pgid}")
-            control.signal_group_checked(pgid, pinned, signal.SIGKILL)
+            signal_group_checked(pgid, pinned, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT_S
-            while _group_members(pgid, start_ticks) and time.monotonic() < deadline:
+            while procs.group_members(pgid, None, start_ticks) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
-            stuck = _group_members(pgid, start_ticks)
+            stuck = procs.group_members(pgid, None, start_ticks)
             if stuck:  # uninterruptible sleep in the driver: the next attempt may find its GPU memory still held
                 say(f"[specdec] pid(s) {', '.join(map(str, stuck))} still there {KILL_WAIT_S:g} s after SIGKILL")
 
@@ -402,10 +406,10 @@ class Wrapper:
     def supervise(self, job: subprocess.Popen[bytes], out_base: int) -> restart.Ending:
         """Watch one attempt until its job ends (or, under a hang policy, until it is stopped as hung)."""
         milestones = self.milestones
-        scanner = records.RunScanner(self.run_dir, self.launch["step_pattern"], out_base)
+        scanner = records.RunScanner(self.run_dir, self.step_pattern, out_base)
         entry, self.next_restart = self.next_restart, None
         if entry is not None:
-            entry["restarted_at"] = self.launch["attempt_started_at"]
+            entry["restarted_at"] = self.launch.attempt_started_at
             entry["pid"] = job.pid
             self.write_restarts()
         watch: restart.ProgressWatch | None = None
@@ -413,8 +417,8 @@ class Wrapper:
             watch = restart.ProgressWatch(
                 self.run_dir / records.OUTPUT_LOG,
                 self.run_dir / records.EVENTS_JSONL,
-                self.launch["step_pattern"],
-                float(self.launch["attempt_started_at"]),
+                self.step_pattern,
+                float(self.launch.attempt_started_at or 0.0),
                 self.policy.stall_s,
                 _deadline(self.spec, "first-step"),
             )
@@ -495,8 +499,8 @@ class Wrapper:
         """Every thread's stack of the hung attempt, into stacks/hang-attempt-N.txt: the path, or why there is none."""
         rel = f"{stackdump.STACKS_DIR}/hang-attempt-{self.attempt}.txt"
         try:
-            res = control.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.get("boot_id"))
-        except (control.SupervisorError, OSError, subprocess.SubprocessError) as exc:
+            res = stacks.stacks(self.run_dir, timeout_s=HANG_DUMP_TIMEOUT_S, boot_id=self.launch.boot_id)
+        except (SupervisorError, OSError, subprocess.SubprocessError) as exc:
             # A rank exiting mid-dump or py-spy timing out: the hang is still handled (stop, restart) without stacks.
             say(f"[specdec] no stack dump: {type(exc).__name__}: {exc}")
             return f"no stack dump: {exc}"
@@ -580,22 +584,6 @@ def _deadline(spec: dict[str, Any], milestone: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
-def _start_ticks(pid: int) -> int | None:
-    st = procs.read_stat(pid)
-    return st.start_ticks if st is not None else None
-
-
-def _group_members(pgid: int, min_start_ticks: int | None) -> list[int]:
-    """Live members of a process group that started no earlier than the job did (a reused pgid is not ours)."""
-    return [
-        st.pid
-        for st in procs.all_stats().values()
-        if st.pgrp == pgid
-        and st.state not in ("Z", "X", "x")
-        and (min_start_ticks is None or st.start_ticks >= min_start_ticks)
-    ]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec-wrapper", description="run one job under supervision")
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -622,9 +610,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"specdec: cannot read the launch spec {ns.spec_json}: {exc}\n")
-        records.write_json_atomic(
-            run_dir / records.EXIT_JSON,
-            {"exit_code": 2, "signal": None, "ended_at": time.time(), "cause": f"unreadable launch spec: {exc}"},
+        records.write_exit_record(
+            run_dir, ExitRecord(exit_code=2, ended_at=time.time(), cause=f"unreadable launch spec: {exc}")
         )
         return 2
     return Wrapper(run_dir, doc, pane_fd).run()

@@ -153,7 +153,7 @@ def tokenized(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list
 def build_model(recipe: Recipe, vocab_size: int) -> Any:
     from transformers import LlamaForCausalLM
 
-    from engine.trainer.target import tiny_config
+    from engine.trainer.shapes import tiny_config
 
     cfg = tiny_config(vocab_size, recipe.hidden, recipe.layers)
     cfg.initializer_range = 0.02  # tiny_config's 0.1 suits a random target, not one that is trained

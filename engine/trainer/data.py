@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.trainer.datacache import TokenizedCorpus, load_or_build
 from engine.trainer.holdout import heldout_indices
 
 ROLE_ALIASES: dict[str, str] = {
@@ -252,25 +253,6 @@ def pick_bucket(length: int, buckets: list[int]) -> int:
     return buckets[-1]
 
 
-@dataclass
-class TokenizedCorpus:
-    """The training conversations tokenized and cut to the longest bucket, flattened: example ``i`` is
-    ``ids[offsets[i]:offsets[i + 1]]`` (and the same slice of ``mask``)."""
-
-    ids: torch.Tensor  # (N,) int32
-    mask: torch.Tensor  # (N,) bool: the tokens the model generates
-    offsets: torch.Tensor  # (E + 1,) int64
-    token_counts: torch.Tensor  # (V,) int64: how often each token id is trained on, over every example
-    conversations: int  # conversations in the file (with an assistant turn), held-out ones included
-    heldout: list[int]  # conversation indices (file order) kept out of training
-    skipped: dict[str, int]  # conversations not trained on, by reason
-    truncated: int  # conversations cut to the longest bucket (still trained on)
-
-    @property
-    def examples(self) -> int:
-        return int(self.offsets.numel()) - 1
-
-
 def build_corpus(
     tokenizer: Any,
     path: str | Path,
@@ -373,8 +355,6 @@ class ConversationSource:
         self.cache_hit = False
         self.cache_path: Path | None = None
         if cache_dir is not None:
-            from engine.trainer.datacache import load_or_build
-
             self.corpus, self.cache_path, self.cache_hit = load_or_build(
                 Path(cache_dir),
                 tokenizer,

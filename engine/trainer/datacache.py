@@ -1,4 +1,5 @@
-"""The tokenized training data kept on disk, so a restart does not tokenize (or count tokens) again.
+"""The tokenized training data (``TokenizedCorpus``, built by data.py) kept on disk, so a restart does not
+tokenize (or count tokens) again.
 
 One file per key under the cache directory, named by the key's hash. The key holds everything the tokenized
 corpus depends on: the tokenizer (a hash of its vocabulary, merges, normalizers and special tokens), the chat
@@ -14,15 +15,33 @@ import os
 import pickle
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.trainer.data import TokenizedCorpus
-
 CACHE_FORMAT = 1  # bump when TokenizedCorpus or the mask rule changes: older files are then rebuilt
 READ_CHUNK_BYTES = 1 << 20
+
+
+@dataclass
+class TokenizedCorpus:
+    """The training conversations tokenized and cut to the longest bucket, flattened: example ``i`` is
+    ``ids[offsets[i]:offsets[i + 1]]`` (and the same slice of ``mask``)."""
+
+    ids: torch.Tensor  # (N,) int32
+    mask: torch.Tensor  # (N,) bool: the tokens the model generates
+    offsets: torch.Tensor  # (E + 1,) int64
+    token_counts: torch.Tensor  # (V,) int64: how often each token id is trained on, over every example
+    conversations: int  # conversations in the file (with an assistant turn), held-out ones included
+    heldout: list[int]  # conversation indices (file order) kept out of training
+    skipped: dict[str, int]  # conversations not trained on, by reason
+    truncated: int  # conversations cut to the longest bucket (still trained on)
+
+    @property
+    def examples(self) -> int:
+        return int(self.offsets.numel()) - 1
 
 
 def file_sha256(path: Path) -> str:

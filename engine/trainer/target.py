@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.trainer.builtin_target import ensure_built
 from engine.trainer.compile import GuardedFunction
-from engine.trainer.config import BUILTIN_TARGET_LAYERS
+from engine.trainer.shapes import llama3_8b_config, tiny_config
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -53,54 +54,6 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
             f"the default here is {default_layer_ids(num_layers) if num_layers >= 3 else 'none'})"
         )
     return ids
-
-
-def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 8) -> Any:
-    from transformers import LlamaConfig
-
-    heads = hidden // 16
-    extra: dict[str, Any] = {"attn_implementation": "sdpa"}
-    return LlamaConfig(
-        **extra,
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,  # a random target whose argmax depends on the token: learnable
-        initializer_range=0.1,
-    )
-
-
-def llama3_8b_config() -> Any:
-    from transformers import LlamaConfig
-
-    extra: dict[str, Any] = {"attn_implementation": "sdpa"}
-    try:  # transformers 5 keeps rope settings in rope_parameters, 4.x in rope_theta
-        import inspect
-
-        if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
-            extra["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
-        else:
-            extra["rope_theta"] = 500000.0
-    except (TypeError, ValueError):
-        extra["rope_theta"] = 500000.0
-    return LlamaConfig(
-        **extra,
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=BUILTIN_TARGET_LAYERS["llama3-8b-shape"],
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
 
 
 @contextlib.contextmanager
@@ -238,8 +191,6 @@ def load_target(
     from transformers import LlamaForCausalLM
 
     if spec == "tiny-trained":  # trained by the project on first use, then a local directory like any other
-        from engine.trainer.builtin_target import ensure_built
-
         spec = str(ensure_built())
     if spec in ("tiny", "llama3-8b-shape"):
         if spec == "tiny":

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from support.waiting import wait_until
 
+from engine.host import procs
 from engine.supervisor import records
 
 pytestmark = [pytest.mark.tmux, pytest.mark.slow]
@@ -87,7 +88,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) 
             "a checkpoint and two steps past it",
         )
         launch = records.read_json(second / records.LAUNCH_JSON) or {}
-        assert records.process_alive(launch["job_pid"], launch.get("job_start_ticks"))
+        assert procs.process_alive(launch["job_pid"], launch.get("job_start_ticks"))
         steps_before_kill = _steps(second)
         os.killpg(int(launch["job_pgid"]), signal.SIGKILL)
         wait_until(lambda: (second / records.EXIT_JSON).exists(), 30, "the wrapper's exit record")

@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 from support.agent import REPO_ROOT, agent_argv, checkout_env
 
 from engine import protocol
-from engine.agent import main as agent_main
 from engine.agent.follow import LogFollower
+from engine.agent.main import build_agent
+from engine.agent.server import Agent
 
 FUZZ_CASES = 10_000
 FUZZ = settings(
@@ -122,16 +123,15 @@ class _Sink(io.RawIOBase):
 
 
 @pytest.fixture(scope="module")
-def fuzz_agent(tmp_path_factory: pytest.TempPathFactory) -> tuple[agent_main.Agent, _Sink]:
-    agent_main._load_handler_modules()
+def fuzz_agent(tmp_path_factory: pytest.TempPathFactory) -> tuple[Agent, _Sink]:
     sink = _Sink()
     root = tmp_path_factory.mktemp("fuzz-run-root")
-    agent = agent_main.Agent(run_root=root, simulate_gpus=2, out=sink)  # type: ignore[arg-type]
+    agent = build_agent(root, simulate_gpus=2, out=sink)  # type: ignore[arg-type]
     return agent, sink
 
 
 def test_agent_dispatch_answers_every_junk_line_visibly_and_keeps_serving(
-    fuzz_agent: tuple[agent_main.Agent, _Sink],
+    fuzz_agent: tuple[Agent, _Sink],
 ) -> None:
     agent, sink = fuzz_agent
     seen = {"cases": 0, "errors": 0, "replies": 0, "silent_blank": 0}

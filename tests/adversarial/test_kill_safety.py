@@ -33,8 +33,8 @@ import pytest
 from support.procfs import pid_alive
 from support.waiting import wait_until
 
-from engine.agent import procs
-from engine.supervisor import control, records
+from engine.host import procs
+from engine.supervisor import kill_stale, launch, records
 
 pytestmark = pytest.mark.tmux
 
@@ -180,12 +180,12 @@ def dev_and_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
     root = tmp_path / "run-root"
     root.mkdir()
     hold = f"import time; f = open({str(dev / 'nvidia1')!r}); time.sleep(600)"
-    launched = control.launch({"command": [sys.executable, "-c", hold], "run_id": "kill-safety-run"}, root)
+    launched = launch.launch({"command": [sys.executable, "-c", hold], "run_id": "kill-safety-run"}, root)
     rd = Path(launched["run_dir"])
 
     def run_holder() -> int | None:
-        launch = records.read_json(rd / records.LAUNCH_JSON) or {}
-        for pid in procs.tree_pids(launch.get("job_pid") or 0):
+        launch_rec = records.read_json(rd / records.LAUNCH_JSON) or {}
+        for pid in procs.tree_pids(launch_rec.get("job_pid") or 0):
             if _holds(pid, dev / "nvidia1"):
                 return pid
         return None
@@ -194,10 +194,10 @@ def dev_and_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
     try:
         yield dev, root, holder
     finally:
-        launch = records.read_json(rd / records.LAUNCH_JSON) or {}
-        if isinstance(launch.get("job_pgid"), int) and pid_alive(launch["job_pid"]):
+        launch_rec = records.read_json(rd / records.LAUNCH_JSON) or {}
+        if isinstance(launch_rec.get("job_pgid"), int) and pid_alive(launch_rec["job_pid"]):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(launch["job_pgid"], signal.SIGKILL)
+                os.killpg(launch_rec["job_pgid"], signal.SIGKILL)
         subprocess.run(
             ["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "kill-session", "-t", "=specdec-kill-safety-run"],
             capture_output=True,
@@ -248,7 +248,7 @@ def _run_trials(
                 for p in scene.procs:
                     if p.role.startswith("pid-reused") and p.popen.poll() is None:
                         p.decoy = False
-            res = control.kill_stale(root, dry_run=False, targets=targets, grace_s=0.5)
+            res = kill_stale.kill_stale(root, dry_run=False, targets=targets, grace_s=0.5)
             signalled = {int(e["pid"]) for e in res["signalled"]}
             for d in decoys:
                 stats["decoys"] += 1
@@ -296,9 +296,9 @@ def test_kill_stale_never_signals_another_users_process_even_one_holding_a_gpu(
     try:
         theirs = scene.add("other user's holder", hold="nvidia0", decoy=True, as_user=True)
         ours = scene.add("our stale holder", hold="nvidia2", decoy=False, trap=False)
-        listed = control.kill_stale(root, dry_run=True)
+        listed = kill_stale.kill_stale(root, dry_run=True)
         assert ours.pid in {h.pid for h in listed["candidates"]}
-        res = control.kill_stale(root, dry_run=False, targets=None, grace_s=0.5)
+        res = kill_stale.kill_stale(root, dry_run=False, targets=None, grace_s=0.5)
         signalled = {int(e["pid"]) for e in res["signalled"]}
         assert theirs.pid not in signalled, f"another user's GPU process was signalled: {res['signalled']}"
         assert theirs.popen.poll() is None and theirs.canary is not None and not theirs.canary.exists()
@@ -331,7 +331,7 @@ def test_a_pid_reused_a_few_ticks_after_the_listed_holder_started_is_not_signall
             pytest.skip("could not get the PID reused (a busy host took it first every time)")
         assert 0.0 < ident[1] - listed[1] <= 0.05
         wait_until(lambda: _holds(new.pid, dev / "nvidia0"), 5, "the new process to hold the device")
-        res = control.kill_stale(root, dry_run=False, targets=[[listed[0], listed[1]]], grace_s=0.5)
+        res = kill_stale.kill_stale(root, dry_run=False, targets=[[listed[0], listed[1]]], grace_s=0.5)
         try:
             assert new.pid not in {int(e["pid"]) for e in res["signalled"]}, res["signalled"]
             assert new.poll() is None

@@ -23,6 +23,7 @@ from support.procfs import pid_alive
 from support.waiting import wait_until, wait_until_async
 
 from engine import protocol
+from engine.host import procs
 from engine.supervisor import records, tmux
 from tui.events import ClientEvent
 from tui.session import ConnectOptions, open_session
@@ -111,7 +112,7 @@ def test_agent_losing_its_client_while_tmux_accepts_the_launch_never_leaves_an_i
     ended_runs: Path, slow_tmux_path: str
 ) -> None:
     root = ended_runs
-    boot_id = records.read_boot_id()
+    boot_id = procs.read_boot_id()
     agent = AgentClient(root, env={"PATH": slow_tmux_path})
     agent.send("launch", command=["sleep", "300"], run_id="mid-launch")
     wait_until(lambda: _session_exists(root), 10, "tmux to accept the session")
@@ -125,7 +126,7 @@ def test_cli_killed_at_each_point_of_a_launch_leaves_a_run_started_and_found_or_
 ) -> None:
     """`specdec-tui launch` SIGKILLed at each observable point: before the run directory exists, once it exists,
     once tmux holds the session (inside the agent's launch), once the job's record is written, once current is set."""
-    boot_id = records.read_boot_id()
+    boot_id = procs.read_boot_id()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PATH": slow_tmux_path}
     points: dict[str, Callable[[Path], bool]] = {
         "at once": lambda r: True,
@@ -194,7 +195,7 @@ def test_run_from_before_a_reboot_reads_rebooted_even_if_its_pid_is_alive_now(
                 "wrapper_pid": live.pid,
                 "boot_id": "00000000-dead-beef-0000-000000000000",
                 "started_at": time.time() - 3600,
-                "job_start_ticks": records.start_ticks_of(live.pid),
+                "job_start_ticks": procs.start_ticks_of(live.pid),
             },
         )
         (rd / records.OUTPUT_LOG).write_text("step=1\n")
@@ -369,7 +370,7 @@ def test_disk_full_on_the_run_root_is_a_clear_error_and_the_run_is_still_reporte
     assert "No space left on device" in cause, cause
     after = json.loads(cli("status", "local", "--run-root", str(root), "--json").stdout)
     assert after["run"]["run_id"] == run_id
-    assert _live_runs(root, records.read_boot_id()) <= {run_id}
+    assert _live_runs(root, procs.read_boot_id()) <= {run_id}
 
 
 def test_a_job_killed_by_a_full_disk_is_reported_failed_with_its_exit_code(

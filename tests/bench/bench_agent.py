@@ -23,7 +23,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from support.agent import AgentClient, Event  # noqa: E402
 
-from engine.agent import procs  # noqa: E402
+from engine.host import holders, procs  # noqa: E402
 from engine.supervisor import records  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -108,7 +108,7 @@ def main() -> int:
                     "job_pid": job.pid,
                     "job_start_ticks": st.start_ticks,
                     "job_pgid": job.pid,
-                    "boot_id": records.read_boot_id(),
+                    "boot_id": procs.read_boot_id(),
                     "started_at": time.time(),
                 },
             )
@@ -144,7 +144,7 @@ def main() -> int:
     scan_ms = (time.perf_counter() - t0) / n * 1000
     t0 = time.perf_counter()
     for _ in range(n):
-        procs.find_holders("/dev", nvml_pids={2**22 + 1: 100.0})
+        holders.find_holders("/dev", holders.NvmlView(pid_used_mib={2**22 + 1: 100.0}))
     holders_ms = (time.perf_counter() - t0) / n * 1000
     t0 = time.perf_counter()
     for _ in range(n):

@@ -64,7 +64,7 @@ def prepare(work: Path, steps: int, fmt: str) -> tuple[Path, Path, dict[str, Any
     from engine.trainer.config import from_dict
     from engine.trainer.engine import Engine
     from engine.trainer.metrics import EventLog
-    from engine.trainer.target import tiny_config
+    from engine.trainer.shapes import tiny_config
     from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
 
     target_dir, out_dir, served = work / "target", work / "engine-out", work / f"drafter-{fmt}"

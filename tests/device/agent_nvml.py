@@ -29,8 +29,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from support.agent import AgentClient, Event  # noqa: E402
 
-from engine.agent import procs  # noqa: E402
-from engine.agent.gpus import open_gpu_source  # noqa: E402
+from engine.host import procs  # noqa: E402
+from engine.host.gpu_source import open_gpu_source  # noqa: E402
 
 failures: list[str] = []
 # AGENT_NVML_DEVICE=cpu runs only the engine part on the CPU (a dry run of this script off the GPU host).

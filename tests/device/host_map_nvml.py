@@ -6,11 +6,11 @@ Prints a report; exits non-zero when a check fails. Steps:
 1. A process in a fresh PID namespace (`unshare --pid --fork --kill-child --mount-proc`) allocates GIB GiB on
    cuda:0 with torch and keeps the GPU busy; it prints its own view (NSpid, /proc) first. When a cgroup v2
    hierarchy is writable it is placed in a child cgroup named as Proxmox names a container's (.../lxc/CTID/ns).
-2. The host-side mapping (engine/agent/host_map.py build_host_map, the agent's `host_map` command) runs
+2. The host-side mapping (engine/host/host_map.py build_host_map, the agent's `host_map` command) runs
    against real NVML: host pid, container, pid in the namespace, GPU, MiB, each printed; compared with
    the namespace's own view and with `nvidia-smi --query-compute-apps`. Its cost is timed.
 3. What NVML says from inside the namespace (does the driver give host PIDs there?), and the container-side
-   merge (procs.find_holders with the host map) run inside the namespace: the holder must be pid 1 there,
+   merge (holders.find_holders with the host map) run inside the namespace: the holder must be pid 1 there,
    resolved, on GPU 0 only, gpus_source host-nvml, with the memory the host saw.
 """
 
@@ -34,8 +34,8 @@ from support.procfs import cgroup2_root, remove_cgroup_tree  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 from engine import protocol  # noqa: E402
-from engine.agent import host_map, procs  # noqa: E402
-from engine.agent.gpus import open_gpu_source  # noqa: E402
+from engine.host import host_map, procs  # noqa: E402
+from engine.host.gpu_source import open_gpu_source  # noqa: E402
 
 failures: list[str] = []
 
@@ -63,8 +63,8 @@ line = sys.stdin.readline()
 if not line:
     sys.exit(0)
 from engine import protocol
-from engine.agent import host_map, procs
-from engine.agent.gpus import open_gpu_source
+from engine.host import holders, host_map, procs
+from engine.host.gpu_source import open_gpu_source
 hm = host_map.host_map_from_json(json.loads(line))
 src = open_gpu_source(0)
 sample = src.sample()
@@ -73,9 +73,8 @@ if dev == "cpu":  # dry run: no GPU here; the host's (recorded) GPUs stand in fo
     sample.gpus = [GpuInfo(index=g.index, name="dry", uuid=g.uuid, util_pct=g.util_pct, mem_used_mib=g.mem_used_mib,
                            mem_total_mib=None) for g in hm.gpus]
 inside_nvml = {str(pid): gpus for pid, gpus in sample.pid_gpus.items()}
-plain = procs.find_holders(nvml_pids=sample.pid_used_mib, nvml_pid_gpus=sample.pid_gpus,
-                           nvml_pid_gpu_mib=sample.pid_gpu_mib, nvml_listed=sample.processes_listed)
-exact = procs.find_holders(host_map=hm, local_gpus=sample.gpus)
+plain = holders.find_holders(None, holders.NvmlView.of_sample(sample, "nvml", None))
+exact = holders.find_holders(None, holders.NvmlView(host_map=hm, gpus=sample.gpus))
 print(json.dumps({"inside_nvml_pids": inside_nvml, "without_host_map": protocol.to_jsonable(plain),
                   "with_host_map": protocol.to_jsonable(exact)}), flush=True)
 sys.stdin.readline()
@@ -154,7 +153,7 @@ def main() -> int:
             sys.path.insert(0, str(REPO / "tests" / "unit"))
             from test_holder_attribution import RecordedNvml
 
-            from engine.agent.gpus import NvmlGpus
+            from engine.host.gpus import NvmlGpus
 
             source = NvmlGpus(RecordedNvml([[(host_pid, int(ns.gib * (1 << 30)))], []]))
         try:

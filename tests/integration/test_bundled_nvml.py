@@ -54,8 +54,8 @@ def test_bundled_agent_without_site_packages_reaches_nvml_init(tmp_path: Path) -
     pyz = ship.write_bundle(tmp_path / "bundle")
     probe = (
         "import json, sys; sys.path.insert(0, sys.argv[1])\n"
-        "from engine.agent.capabilities import probe_nvml\n"
-        "from engine.agent.gpus import NvmlGpus\n"
+        "from engine.host.capabilities import probe_nvml\n"
+        "from engine.host.gpus import NvmlGpus\n"
         "gpus = NvmlGpus()\n"
         "print(json.dumps({'probe': probe_nvml(), 'sampler_error': gpus.error}))\n"
     )
@@ -93,7 +93,7 @@ def test_without_any_pynvml_the_fix_blames_the_bundle_not_the_driver(tmp_path: P
     # The engine sources without the bundle's _vendor folder, run with no site-packages: no pynvml anywhere.
     probe = (
         "import json, sys; sys.path.insert(0, sys.argv[1])\n"
-        "from engine.agent.capabilities import probe_nvml\n"
+        "from engine.host.capabilities import probe_nvml\n"
         "print(json.dumps(probe_nvml()))\n"
     )
     root = Path(__file__).resolve().parents[2]

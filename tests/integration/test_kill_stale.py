@@ -22,7 +22,7 @@ from support.agent import AgentClient, AgentPool, launch_and_wait
 from support.procfs import pid_alive
 from support.waiting import wait_until
 
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import records
 
 pytestmark = pytest.mark.tmux
@@ -124,7 +124,7 @@ def test_yes_signals_exactly_the_listed_holders_and_escalates_for_the_stubborn_o
     assert not pid_alive(scene.pids["stale"]) and not pid_alive(scene.pids["stale_stubborn"])
     assert pid_alive(scene.pids["decoy"]), "a process holding no device was touched"
     assert pid_alive(scene.run_holder), "a process of the current run was touched"
-    assert records.read_run(scene.run_dir, records.read_boot_id()).state == "running"
+    assert records.read_run(scene.run_dir, procs.read_boot_id()).state == "running"
 
 
 def test_targets_that_are_not_stale_holders_are_refused_with_the_reason(scene: Scene) -> None:

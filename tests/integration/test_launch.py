@@ -19,6 +19,7 @@ from support.agent import REPO_ROOT, AgentClient, AgentPool, launch_and_wait
 from support.procfs import pid_alive
 from support.waiting import wait_until
 
+from engine.host import procs
 from engine.supervisor import records, tmux
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
@@ -80,7 +81,7 @@ def test_first_step_from_a_log_line_matching_the_step_pattern(agent: AgentClient
     launched, res, _ = launch_and_wait(agent, cmd, "first-step", 20)
     assert res["ok"] is True, res
     assert res["alive"] is True
-    info = records.read_run(Path(launched["run_dir"]), records.read_boot_id())
+    info = records.read_run(Path(launched["run_dir"]), procs.read_boot_id())
     ms = info.milestones
     assert ms["submitted"] and ms["started"] and ms["output"] and ms["first-step"]
     assert ms["submitted"] <= ms["started"] + 0.5 and ms["started"] <= ms["output"] <= ms["first-step"] + 0.1
@@ -105,7 +106,7 @@ def test_first_step_from_an_engine_step_event_and_custom_pattern_not_matched(age
         agent, [sys.executable, "-c", script], "first-step", 20, step_pattern=r"never-matches-\d+"
     )
     assert res["ok"] is True, res
-    info = records.read_run(Path(launched["run_dir"]), records.read_boot_id())
+    info = records.read_run(Path(launched["run_dir"]), procs.read_boot_id())
     assert info.stage == "training" and info.last_step == 1
     assert info.state == "running" and info.tmux_session == launched["tmux_session"]
 
@@ -181,14 +182,14 @@ def test_wrapper_records_a_working_directory_that_vanished_after_the_check(tmp_p
     exit_rec = json.loads((run_dir / "exit.json").read_text())
     assert exit_rec["exit_code"] == 1 and "does not exist" in exit_rec["cause"]
     assert json.loads((run_dir / "launch.json").read_text())["cwd"] == str(tmp_path / "gone")
-    assert records.read_run(run_dir, records.read_boot_id()).state == "failed"
+    assert records.read_run(run_dir, procs.read_boot_id()).state == "failed"
 
 
 def test_job_survives_the_client_leaving_and_a_new_agent_finds_it(pool: AgentPool) -> None:
     first = pool.make()
     launched = first.ok("launch", command=["sleep", "600"])
     first.ok("wait", run_id=launched["run_id"], milestone="started", timeout_s=10)
-    job_pid = records.read_run(Path(launched["run_dir"]), records.read_boot_id()).pid
+    job_pid = records.read_run(Path(launched["run_dir"]), procs.read_boot_id()).pid
     assert job_pid is not None
     first.close()  # the client leaves: stdin closes and the agent exits
     assert first.proc.returncode == 0
@@ -208,7 +209,7 @@ def test_without_tmux_the_run_starts_with_setsid_and_says_it_cannot_be_attached(
     assert launched["attachable"] is False and launched["tmux_session"] is None
     assert "not attachable" in launched["note"]
     assert res["ok"] is True
-    info = records.read_run(Path(launched["run_dir"]), records.read_boot_id())
+    info = records.read_run(Path(launched["run_dir"]), procs.read_boot_id())
     assert info.attachable is False and info.state == "running"
     stopped = a.ok("stop", grace_s=5, release_timeout_s=1)
     assert stopped["escalated"] is False

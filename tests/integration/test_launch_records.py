@@ -19,7 +19,10 @@ from support.agent import AgentClient, launch_and_wait
 from support.procfs import pid_alive
 from support.waiting import wait_until
 
-from engine.supervisor import control, records, tmux
+from engine import protocol
+from engine.host import procs
+from engine.supervisor import launch, records, tmux, wait
+from engine.supervisor.common import SupervisorError
 
 pytestmark = pytest.mark.tmux
 
@@ -28,15 +31,15 @@ def test_generated_run_ids_are_valid_and_distinct() -> None:
     ids = {records.new_run_id() for _ in range(200)}
     assert len(ids) > 190
     for run_id in ids:
-        assert records.validate_run_id(run_id) == run_id
+        assert protocol.validate_run_id(run_id) == run_id
         assert len(run_id) == len("20261129-113500-ab12")
 
 
 @given(st.text(max_size=80))
 def test_run_ids_that_could_escape_the_runs_directory_are_refused(text: str) -> None:
     try:
-        records.validate_run_id(text)
-    except records.RunIdError:
+        protocol.validate_run_id(text)
+    except protocol.RunIdError:
         return
     assert "/" not in text and "\0" not in text and text not in (".", "..") and not text.startswith(".")
     assert 1 <= len(text) <= 64 and text.isascii()
@@ -44,8 +47,8 @@ def test_run_ids_that_could_escape_the_runs_directory_are_refused(text: str) -> 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", ".hidden", "-flag", "x" * 65, "sp ace", "tab\t"])
 def test_known_bad_run_ids(bad: str) -> None:
-    with pytest.raises(records.RunIdError):
-        records.validate_run_id(bad)
+    with pytest.raises(protocol.RunIdError):
+        protocol.validate_run_id(bad)
 
 
 def test_atomic_json_write_replaces_whole_files_and_leaves_no_temporaries(tmp_path: Path) -> None:
@@ -76,29 +79,29 @@ def test_current_link_follows_the_newest_run(tmp_path: Path) -> None:
 def test_read_run_says_rebooted_when_the_boot_id_differs(agent: AgentClient) -> None:
     launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
     rd = Path(launched["run_dir"])
-    assert records.read_run(rd, records.read_boot_id()).state == "running"
+    assert records.read_run(rd, procs.read_boot_id()).state == "running"
     assert records.read_run(rd, "another-boot").state == "rebooted"
 
 
 def test_wrapper_and_job_killed_without_a_trace_read_as_vanished_and_end_a_wait(agent: AgentClient) -> None:
     launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
     rd = Path(launched["run_dir"])
-    launch = records.read_json(rd / records.LAUNCH_JSON) or {}
+    launch_rec = records.read_json(rd / records.LAUNCH_JSON) or {}
     cmd_id = agent.send("wait", milestone="output", timeout_s=30)
-    os.kill(launch["wrapper_pid"], signal.SIGKILL)  # no exit record can be written now
-    assert records.read_run(rd, records.read_boot_id()).state == "running"  # the job itself still runs
-    os.killpg(launch["job_pgid"], signal.SIGKILL)
+    os.kill(launch_rec["wrapper_pid"], signal.SIGKILL)  # no exit record can be written now
+    assert records.read_run(rd, procs.read_boot_id()).state == "running"  # the job itself still runs
+    os.killpg(launch_rec["job_pgid"], signal.SIGKILL)
     reply = agent.next_event(lambda e: e.get("ev") == "reply" and e.get("id") == cmd_id, 10)
     res = reply["result"]
     assert res["ok"] is False and res["alive"] is False
     assert "left no exit record" in res["cause"]
-    assert records.read_run(rd, records.read_boot_id()).state == "vanished"
+    assert records.read_run(rd, procs.read_boot_id()).state == "vanished"
 
 
 def test_killing_the_tmux_session_ends_the_job_and_still_leaves_an_exit_record(agent: AgentClient) -> None:
     launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
     rd = Path(launched["run_dir"])
-    job_pid = records.read_run(rd, records.read_boot_id()).pid
+    job_pid = records.read_run(rd, procs.read_boot_id()).pid
     assert job_pid is not None
     assert tmux.kill_session(launched["tmux_session"])  # SIGHUP to the pane: the wrapper forwards it
     exit_rec = wait_until(lambda: records.read_json(rd / records.EXIT_JSON), 10, "exit.json")
@@ -161,7 +164,7 @@ def test_a_wrapper_that_never_started_is_reported_from_its_dead_tmux_pane(tmp_pa
     try:
         records.write_json_atomic(rd / records.SUBMITTED_JSON, {"t": time.time(), "tmux_session": session})
         t0 = time.monotonic()
-        res = control.wait_for(rd, "started", timeout_s=20)
+        res = wait.wait_for(rd, "started", timeout_s=20)
         assert time.monotonic() - t0 < 3.0
         assert res.ok is False and res.alive is False
         assert res.cause == f"the wrapper never started: the tmux pane of session {session} exited with status 127"
@@ -181,7 +184,7 @@ def test_wrapper_output_milestone_ignores_what_was_in_the_log_before(tmp_path: P
         timeout=30,
     )
     assert done.returncode == 0
-    info = records.read_run(rd, records.read_boot_id())
+    info = records.read_run(rd, procs.read_boot_id())
     assert info.state == "exited" and info.exit_code == 0
     assert info.milestones["started"] is not None and info.milestones["output"] is None
 
@@ -190,7 +193,7 @@ def test_a_setsid_wrapper_that_died_before_its_launch_record_ends_the_wait(tmp_p
     rd = records.run_dir_for(tmp_path, "never-setsid")
     rd.mkdir(parents=True)
     gone = subprocess.Popen(["sleep", "60"])
-    ticks = records.start_ticks_of(gone.pid)
+    ticks = procs.start_ticks_of(gone.pid)
     gone.kill()
     gone.wait()
     records.write_json_atomic(
@@ -202,7 +205,7 @@ def test_a_setsid_wrapper_that_died_before_its_launch_record_ends_the_wait(tmp_p
             "launcher_wrapper_start_ticks": ticks,
         },
     )
-    res = control.wait_for(rd, "output", timeout_s=20)
+    res = wait.wait_for(rd, "output", timeout_s=20)
     assert res.ok is False and res.alive is False
     assert res.cause == f"the wrapper never started: the wrapper (pid {gone.pid}, started with setsid) exited"
     assert res.elapsed_s < 2.0
@@ -212,7 +215,7 @@ def test_a_run_whose_agent_died_before_tmux_took_it_reads_starting_then_failed_w
     rd = records.run_dir_for(tmp_path, "orphaned")
     rd.mkdir(parents=True)
     gone = subprocess.Popen(["sleep", "60"])  # the agent that was inside the launch
-    ticks = records.start_ticks_of(gone.pid)
+    ticks = procs.start_ticks_of(gone.pid)
     gone.kill()
     gone.wait()
     sub = {
@@ -222,7 +225,7 @@ def test_a_run_whose_agent_died_before_tmux_took_it_reads_starting_then_failed_w
         "launcher_start_ticks": ticks,
         "spec": {"command": ["sleep", "300"]},
     }
-    boot = records.read_boot_id()
+    boot = procs.read_boot_id()
     records.write_json_atomic(rd / records.SUBMITTED_JSON, {**sub, "t": time.time()})
     fresh = records.read_run(rd, boot)
     assert fresh.state == "starting" and fresh.cause is None  # tmux may still be creating the session
@@ -233,7 +236,7 @@ def test_a_run_whose_agent_died_before_tmux_took_it_reads_starting_then_failed_w
         f"the wrapper never started: the agent (pid {gone.pid}) that launched it exited before tmux accepted "
         f"session {tmux.session_name('orphaned')}"
     )
-    res = control.wait_for(rd, "started", timeout_s=10)
+    res = wait.wait_for(rd, "started", timeout_s=10)
     assert res.ok is False and res.cause == info.cause and res.elapsed_s < 2.0
 
 
@@ -257,7 +260,7 @@ def test_a_launch_is_recorded_and_current_before_its_job_exists(
         real_new_session(name, shell_command, cwd)
 
     monkeypatch.setattr(tmux, "new_session", watching_new_session)
-    launched = control.launch({"command": ["true"], "run_id": "visible-first"}, root)
+    launched = launch.launch({"command": ["true"], "run_id": "visible-first"}, root)
     try:
         assert seen == [("visible-first", "submitting", True)]
         assert (records.read_json(Path(launched["run_dir"]) / records.SUBMITTED_JSON) or {})["phase"] == "accepted"
@@ -269,15 +272,15 @@ def test_a_launch_tmux_refuses_leaves_no_run_and_the_previous_one_current(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "root"
-    first = control.launch({"command": ["true"], "run_id": "before"}, root)
+    first = launch.launch({"command": ["true"], "run_id": "before"}, root)
     tmux.kill_session(first["tmux_session"])
 
     def refusing_new_session(name: str, shell_command: str, cwd: str) -> None:
         raise tmux.TmuxError(f"tmux new-session -s {name} failed: no server running on /nowhere")
 
     monkeypatch.setattr(tmux, "new_session", refusing_new_session)
-    with pytest.raises(control.SupervisorError, match="could not start run refused: tmux new-session"):
-        control.launch({"command": ["true"], "run_id": "refused"}, root)
+    with pytest.raises(SupervisorError, match="could not start run refused: tmux new-session"):
+        launch.launch({"command": ["true"], "run_id": "refused"}, root)
     assert not records.run_dir_for(root, "refused").exists()
     cur = records.current_run_dir(root)
     assert cur is not None and cur.name == "before"
@@ -287,12 +290,12 @@ def test_a_job_that_fills_the_run_roots_disk_still_gets_its_exit_record(tiny_tmp
     # os.write raises ENOSPC (exit 1); the wrapper's own records (milestones, its stderr) fail too, and the exit
     # record goes into the space reserved before the job started.
     fill = "import os\ndata = b'x' * 3_000_000\nwhile data:\n    data = data[os.write(1, data):]\n"
-    launched = control.launch({"command": [sys.executable, "-c", fill], "run_id": "fills"}, tiny_tmpfs / "root")
+    launched = launch.launch({"command": [sys.executable, "-c", fill], "run_id": "fills"}, tiny_tmpfs / "root")
     rd = Path(launched["run_dir"])
     try:
-        res = control.wait_for(rd, "first-step", timeout_s=30)
+        res = wait.wait_for(rd, "first-step", timeout_s=30)
         assert res.ok is False and res.exit_code == 1, res
-        info = records.read_run(rd, records.read_boot_id())
+        info = records.read_run(rd, procs.read_boot_id())
         assert info.state == "failed" and info.exit_code == 1 and info.signal is None
         rec = records.read_json(rd / records.EXIT_JSON) or {}
         assert rec.get("cause") == "exited with code 1"
@@ -302,10 +305,10 @@ def test_a_job_that_fills_the_run_roots_disk_still_gets_its_exit_record(tiny_tmp
 
 
 def test_the_reserved_exit_space_is_released_when_the_record_fits(tmp_path: Path) -> None:
-    launched = control.launch({"command": ["true"], "run_id": "fits"}, tmp_path / "root")
+    launched = launch.launch({"command": ["true"], "run_id": "fits"}, tmp_path / "root")
     rd = Path(launched["run_dir"])
     try:
-        res = control.wait_for(rd, "output", timeout_s=30)
+        res = wait.wait_for(rd, "output", timeout_s=30)
         assert res.exit_code == 0
         assert (records.read_json(rd / records.EXIT_JSON) or {}).get("exit_code") == 0
         assert not (rd / records.EXIT_RESERVED).exists()

@@ -21,6 +21,7 @@ from support.procfs import pid_alive
 from support.waiting import wait_until
 
 from engine import protocol
+from engine.host import procs
 from engine.supervisor import records
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
@@ -81,7 +82,7 @@ def launch(agent: AgentClient, code: str, deadlines_s: dict[str, float] | None =
 
 def ended(run_dir: Path, timeout_s: float = END_WITHIN_S) -> protocol.RunInfo:
     def done() -> protocol.RunInfo | None:
-        info = records.read_run(run_dir, records.read_boot_id())
+        info = records.read_run(run_dir, procs.read_boot_id())
         return info if info.state in ("exited", "failed") else None
 
     info: protocol.RunInfo = wait_until(done, timeout_s, f"run {run_dir.name} to end")
@@ -185,7 +186,7 @@ def test_stop_during_the_backoff_ends_the_run_promptly_and_restarts_nothing(agen
     run_dir = launch(agent, ALWAYS_FAILS, on=["crash"], max=3, backoff_s=30.0)
 
     def in_backoff() -> bool:
-        return records.read_run(run_dir, records.read_boot_id()).restart_state == "backoff"
+        return records.read_run(run_dir, procs.read_boot_id()).restart_state == "backoff"
 
     wait_until(in_backoff, 20, "the first restart's backoff")
     t0 = time.monotonic()
@@ -194,7 +195,7 @@ def test_stop_during_the_backoff_ends_the_run_promptly_and_restarts_nothing(agen
     assert stop_s < 3.0, f"stop took {stop_s:.2f} s"
     assert result["stopped"] is True
     assert any("waiting to restart (backoff)" in s for s in result["steps"]), result["steps"]
-    info = records.read_run(run_dir, records.read_boot_id())
+    info = records.read_run(run_dir, procs.read_boot_id())
     assert info.state == "failed" and info.restart_state == "cancelled"
     assert len(info.restarts) == 1
     assert "restart cancelled" in str(result["exit"]["cause"])
@@ -210,7 +211,7 @@ def test_stop_of_a_running_attempt_cancels_the_policy(agent: AgentClient) -> Non
     assert result["stopped"] is True
     assert "restart policy cancelled: nothing is restarted after this stop" in result["steps"]
     assert result["exit"]["signal"] == signal.SIGTERM
-    info = records.read_run(run_dir, records.read_boot_id())
+    info = records.read_run(run_dir, procs.read_boot_id())
     assert info.state == "failed" and info.restarts == [] and info.restart_state == "cancelled"
     launch_rec = records.read_json(run_dir / records.LAUNCH_JSON) or {}
     assert launch_rec["attempt"] == 1

@@ -14,7 +14,7 @@ from support.agent import AgentClient, AgentPool, launch_and_wait
 from support.procfs import pid_alive
 from support.waiting import wait_until
 
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import records
 
 pytestmark = pytest.mark.tmux
@@ -36,7 +36,7 @@ def test_stop_of_a_group_that_ignores_sigterm_escalates_to_sigkill_after_the_gra
     launched, res, _ = launch_and_wait(agent, [sys.executable, "-c", IGNORES_TERM], "output", 20)
     assert res["ok"], res
     run_dir = Path(launched["run_dir"])
-    info = records.read_run(run_dir, records.read_boot_id())
+    info = records.read_run(run_dir, procs.read_boot_id())
     assert info.pid is not None
     t0 = time.monotonic()
     cmd_id = agent.send("stop", grace_s=1.0, release_timeout_s=1.0)
@@ -54,7 +54,7 @@ def test_stop_of_a_group_that_ignores_sigterm_escalates_to_sigkill_after_the_gra
     assert progress == steps  # each step was reported as it happened
     assert 1.0 <= elapsed < 4.0, f"stop took {elapsed:.2f} s"
     assert not pid_alive(info.pid)
-    assert records.read_run(run_dir, records.read_boot_id()).state == "failed"
+    assert records.read_run(run_dir, procs.read_boot_id()).state == "failed"
 
 
 def test_stop_of_a_cooperative_job_needs_no_sigkill(agent: AgentClient) -> None:
@@ -66,7 +66,7 @@ def test_stop_of_a_cooperative_job_needs_no_sigkill(agent: AgentClient) -> None:
     assert not any("SIGKILL" in s for s in result["steps"])
     assert result["exit"]["signal"] == signal.SIGTERM
     assert result["gpu_released"] is True
-    info = records.read_run(Path(launched["run_dir"]), records.read_boot_id())
+    info = records.read_run(Path(launched["run_dir"]), procs.read_boot_id())
     assert info.state == "failed" and info.signal == signal.SIGTERM
 
 
@@ -91,7 +91,7 @@ def test_restart_stops_the_run_and_launches_the_same_spec_again(pool: AgentPool)
     launch = records.read_json(Path(second["run_dir"]) / records.LAUNCH_JSON) or {}
     assert launch["command"] == ["sleep", "600"]
     assert launch["spec"]["env"] == {"MARK": "one"} and launch["step_pattern"] == r"it=\d+"
-    assert records.read_run(Path(first["run_dir"]), records.read_boot_id()).state == "failed"
+    assert records.read_run(Path(first["run_dir"]), procs.read_boot_id()).state == "failed"
 
 
 HOLD = "import sys, time; f = open(sys.argv[1]); print('holding', sys.argv[1], flush=True); time.sleep(600)"
@@ -113,7 +113,7 @@ def test_stop_waits_for_the_runs_gpu_devices_and_names_a_holder_that_escaped(poo
     wait_until(lambda: log.read_text().count("holding") == 2, 10, "both holders to open their device")
     escaped = next(
         pid
-        for pid in procs.tree_pids(records.read_run(Path(launched["run_dir"]), records.read_boot_id()).pid or 0)
+        for pid in procs.tree_pids(records.read_run(Path(launched["run_dir"]), procs.read_boot_id()).pid or 0)
         if any(str(dev / "nvidia1") == os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
     )
     try:

@@ -23,6 +23,7 @@ from support.agent import checkout_env
 from support.waiting import wait_until
 from torchrun_support import TINY_ENGINE_TOML
 
+from engine.host import procs
 from engine.supervisor import records
 
 pytestmark = [pytest.mark.tmux, pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux")]
@@ -85,7 +86,7 @@ def current_run_dir(root: Path, timeout_s: float = 30.0) -> Path:
 
 
 def alive(pid: int) -> bool:
-    return records.process_alive(pid, None)
+    return procs.process_alive(pid, None)
 
 
 def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(

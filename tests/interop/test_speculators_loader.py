@@ -17,7 +17,8 @@ from speculators_venv import RegistryUnreachable, ensure_venv  # beside this fil
 from engine.trainer import checkpoint as ckpt
 from engine.trainer import export
 from engine.trainer.draft.model import DraftConfig, Drafter
-from engine.trainer.target import Target, tiny_config
+from engine.trainer.shapes import tiny_config
+from engine.trainer.target import Target
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

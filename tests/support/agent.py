@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
+from engine.host import procs
 from engine.supervisor import records, tmux
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -182,7 +183,7 @@ def end_runs(run_root: Path) -> None:
     for rd in records.list_runs(run_root):
         launch = records.read_json(rd / records.LAUNCH_JSON) or {}
         pgid = launch.get("job_pgid")
-        if isinstance(pgid, int) and records.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
+        if isinstance(pgid, int) and procs.process_alive(launch.get("job_pid"), launch.get("job_start_ticks")):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
         submitted = records.read_json(rd / records.SUBMITTED_JSON) or {}

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from engine.agent.gpus import NoGpus, NvmlGpus, open_gpu_source
-from engine.agent.simulate import SimError, SimulatedGpus
+from engine.host.gpu_source import open_gpu_source
+from engine.host.gpus import NoGpus, NvmlGpus
+from engine.host.simulate import SimError, SimulatedGpus
 
 NOT_SUPPORTED = 3
 GPU_IS_LOST = 15

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from support.waiting import wait_until
 
-from engine.agent import procs
+from engine.host import holders, procs
 
 NO_SUCH_PID = 2**22 + 1  # above the kernel's largest pid_max: never a live process
 
@@ -50,8 +50,12 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
         p.wait()
 
 
-def holders_by_pid(**kw: object) -> dict[int, procs.HolderInfo]:
-    return {h.pid: h for h in procs.find_holders(**kw)}  # type: ignore[arg-type]
+def holders_by_pid(
+    dev_dir: str | None = None, run_pids: frozenset[int] | set[int] = frozenset(), **view: object
+) -> dict[int, procs.HolderInfo]:
+    """find_holders with the GPU source's view given field by field (pid_used_mib=..., source=...)."""
+    found = holders.find_holders(dev_dir, holders.NvmlView(**view), run_pids)  # type: ignore[arg-type]
+    return {h.pid: h for h in found}
 
 
 def test_fd_holders_are_found_with_their_gpu_indices(
@@ -86,7 +90,7 @@ def test_default_dev_dir_comes_from_the_environment(
 
 
 def test_nvml_pid_that_does_not_exist_here_is_unresolved_not_an_error(dev_dir: Path) -> None:
-    found = holders_by_pid(nvml_pids={NO_SUCH_PID: 1234.0}, nvml_pid_gpus={NO_SUCH_PID: [3]})
+    found = holders_by_pid(pid_used_mib={NO_SUCH_PID: 1234.0}, pid_gpus={NO_SUCH_PID: [3]})
     h = found[NO_SUCH_PID]
     assert not h.resolved
     assert h.used_mib == 1234.0 and h.gpus == [3] and h.source == "nvml"
@@ -98,21 +102,21 @@ def test_nvml_pid_naming_an_unrelated_local_process_is_unresolved(
 ) -> None:
     # A host PID from NVML that happens to exist in this namespace as some other process holding no GPU.
     other = spawn()
-    found = holders_by_pid(nvml_pids={other.pid: 500.0})
+    found = holders_by_pid(pid_used_mib={other.pid: 500.0})
     assert not found[other.pid].resolved
 
 
 def test_nvml_and_fd_views_merge(dev_dir: Path, spawn: Callable[..., subprocess.Popen[bytes]]) -> None:
     p = spawn(dev_dir / "nvidia0")
     wait_until(lambda: p.pid in holders_by_pid(), 10, "holder")
-    h = holders_by_pid(nvml_pids={p.pid: 2048.0}, nvml_pid_gpus={p.pid: [0, 1]}, run_pids={p.pid})[p.pid]
+    h = holders_by_pid(pid_used_mib={p.pid: 2048.0}, pid_gpus={p.pid: [0, 1]}, run_pids={p.pid})[p.pid]
     assert h.resolved and h.source == "fd+nvml"
     assert h.used_mib == 2048.0 and h.gpus == [0, 1] and h.in_run
 
 
 def test_simulated_source_resolves_by_existence(dev_dir: Path, spawn: Callable[..., subprocess.Popen[bytes]]) -> None:
     p = spawn()
-    found = holders_by_pid(nvml_pids={p.pid: 100.0, NO_SUCH_PID: 5.0}, nvml_source="simulated")
+    found = holders_by_pid(pid_used_mib={p.pid: 100.0, NO_SUCH_PID: 5.0}, source="simulated")
     assert found[p.pid].resolved and found[p.pid].source == "simulated"
     assert not found[NO_SUCH_PID].resolved
 

@@ -14,7 +14,7 @@ import pytest
 from support.agent import REPO_ROOT, AgentClient, Event, agent_argv, checkout_env
 
 from engine import protocol
-from engine.agent import procs
+from engine.host import procs
 from engine.supervisor import records
 
 
@@ -42,7 +42,7 @@ def make_run(run_root: Path, run_id: str, pid: int | None = None) -> Path:
                 "job_pid": pid,
                 "job_start_ticks": st.start_ticks,
                 "job_pgid": st.pgrp,
-                "boot_id": records.read_boot_id(),
+                "boot_id": procs.read_boot_id(),
                 "started_at": time.time(),
             },
         )
@@ -65,7 +65,7 @@ def test_hello_then_status_snapshot(agent: AgentClient) -> None:
     assert len(st["gpus"]) == 8 and all(g["simulated"] for g in st["gpus"])
     assert all(g["util_pct"] is not None and g["mem_total_mib"] > 0 for g in st["gpus"])
     assert st["run"] is None and st["anomalies"] == []
-    assert st["host"]["boot_id"] == records.read_boot_id()
+    assert st["host"]["boot_id"] == procs.read_boot_id()
     assert st["processes"] == {"run_tree": [], "holders": st["processes"]["holders"]}
     assert st["capabilities"]["nvml"]["detail"]
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 from support.waiting import wait_until
 
-from engine.agent import procs
-from engine.supervisor.control import group_is_ours, signal_group_checked
+from engine.host import procs
+from engine.supervisor.members import group_is_ours, signal_group_checked
 from tui.cli_run import launch_cwd
 
 

@@ -19,12 +19,13 @@ import pytest
 from support.waiting import wait_until
 
 from engine import protocol
-from engine.agent import anomalies, procs
-from engine.agent.gpus import NvmlGpus
-from engine.agent.main import Agent
+from engine.agent import anomalies
 from engine.agent.monitor_cmds import monitor_of
+from engine.agent.server import Agent
+from engine.host import holders, procs
+from engine.host.gpus import NvmlGpus
 from engine.protocol import HolderGpu, HolderInfo
-from engine.supervisor import control
+from engine.supervisor import kill_stale
 
 GIB = 1024**3
 NO_SUCH_PID = 2**22 + 1  # above the kernel's largest pid_max: a host PID this namespace cannot see
@@ -114,14 +115,7 @@ def cuda_like(dev_dir: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
 
 def holders_from(nv: RecordedNvml, dev_dir: Path, run_pids: set[int] | None = None) -> dict[int, HolderInfo]:
     sample = NvmlGpus(nv).sample()
-    found = procs.find_holders(
-        str(dev_dir),
-        nvml_pids=sample.pid_used_mib,
-        run_pids=run_pids or set(),
-        nvml_pid_gpus=sample.pid_gpus,
-        nvml_pid_gpu_mib=sample.pid_gpu_mib,
-        nvml_listed=sample.processes_listed,
-    )
+    found = holders.find_holders(str(dev_dir), holders.NvmlView.of_sample(sample, "nvml", None), run_pids or set())
     return {h.pid: h for h in found}
 
 
@@ -206,10 +200,10 @@ def test_status_json_says_where_holder_gpus_come_from(dev_dir: Path, cuda_like, 
 def test_kill_stale_candidates_carry_nvml_gpus(dev_dir: Path, cuda_like, tmp_path: Path) -> None:
     p = cuda_like()
     sample = NvmlGpus(RecordedNvml([[], [(p.pid, 20 * GIB)]])).sample()
-    view = control.NvmlView(
+    view = holders.NvmlView(
         sample.pid_used_mib, sample.pid_gpus, "nvml", pid_gpu_mib=sample.pid_gpu_mib, listed=True, gpus=sample.gpus
     )
-    res = control.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
+    res = kill_stale.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
     (cand,) = [h for h in res["candidates"] if h.pid == p.pid]
     assert cand.gpus == [1] and cand.gpus_source == "nvml"
     assert p.poll() is None  # a dry run signals nothing

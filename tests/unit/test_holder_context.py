@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.agent import anomalies, procs
+from engine.agent import anomalies
+from engine.host.holders import NvmlView, find_holders
 from engine.protocol import GpuInfo
-from engine.supervisor import control
+from engine.supervisor import kill_stale
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def _gpu() -> GpuInfo:
 
 def test_holder_missing_from_nvml_list_has_no_context_and_is_not_stale(holders, dev_dir: Path) -> None:
     compute, monitor = holders
-    found = {h.pid: h for h in procs.find_holders(str(dev_dir), nvml_pids={compute.pid: 8192.0})}
+    found = {h.pid: h for h in find_holders(str(dev_dir), NvmlView(pid_used_mib={compute.pid: 8192.0}))}
     assert found[compute.pid].context is True
     assert found[monitor.pid].context is False
     stale = [a.pid for a in anomalies.gpu_anomalies([_gpu()], list(found.values()), set(), False)]
@@ -57,7 +58,7 @@ def test_holder_missing_from_nvml_list_has_no_context_and_is_not_stale(holders, 
 
 def test_without_nvml_every_fd_holder_stays_a_candidate(holders, dev_dir: Path) -> None:
     compute, monitor = holders
-    found = {h.pid: h for h in procs.find_holders(str(dev_dir), nvml_pids={})}
+    found = {h.pid: h for h in find_holders(str(dev_dir), NvmlView())}
     assert found[compute.pid].context is None and found[monitor.pid].context is None
     stale = {a.pid for a in anomalies.gpu_anomalies([_gpu()], list(found.values()), set(), False)}
     assert stale == {compute.pid, monitor.pid}
@@ -66,15 +67,15 @@ def test_without_nvml_every_fd_holder_stays_a_candidate(holders, dev_dir: Path) 
 def test_an_unresolvable_nvml_pid_means_another_namespace_so_nothing_is_called_a_monitor(holders, dev_dir) -> None:
     compute, monitor = holders
     unseen = 2**22 + 1  # above pid_max: NVML's host PID that this namespace cannot see
-    found = {h.pid: h for h in procs.find_holders(str(dev_dir), nvml_pids={unseen: 8192.0})}
+    found = {h.pid: h for h in find_holders(str(dev_dir), NvmlView(pid_used_mib={unseen: 8192.0}))}
     assert found[unseen].resolved is False
     assert found[compute.pid].context is None and found[monitor.pid].context is None
 
 
 def test_kill_stale_leaves_a_monitor_alone_and_says_why(holders, dev_dir: Path, tmp_path: Path) -> None:
     compute, monitor = holders
-    view = control.NvmlView(pid_used_mib={compute.pid: 8192.0}, pid_gpus={compute.pid: [0]}, source="nvml")
-    res = control.kill_stale(tmp_path / "runs-root", dry_run=True, nvml=view)
+    view = NvmlView(pid_used_mib={compute.pid: 8192.0}, pid_gpus={compute.pid: [0]}, source="nvml")
+    res = kill_stale.kill_stale(tmp_path / "runs-root", dry_run=True, nvml=view)
     assert [h.pid for h in res["candidates"]] == [compute.pid]
     left = {entry["holder"].pid: entry for entry in res["left_alone"]}
     assert monitor.pid in left, res

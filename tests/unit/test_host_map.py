@@ -22,10 +22,11 @@ import pytest
 from support.procfs import cgroup2_root, remove_cgroup_tree
 
 from engine import protocol
-from engine.agent import anomalies, host_map, procs
-from engine.agent.gpus import NvmlGpus
+from engine.agent import anomalies
+from engine.host import holders, host_map, procs
+from engine.host.gpus import NvmlGpus
 from engine.protocol import GpuInfo, HostMap, HostProcess
-from engine.supervisor import control
+from engine.supervisor import kill_stale
 from tests.unit.test_holder_attribution import GIB, RecordedNvml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +72,8 @@ def test_other_containers_and_the_host_are_shown_as_such_never_stale_never_killa
     other = HostProcess(9001, "GPU-recorded-1", 1, 8192.0, container=OTHER_CTID, ns_pid=77, cmd="python3 b.py")
     on_host = HostProcess(9002, "GPU-recorded-1", 1, 1024.0, container=None, ns_pid=None, cmd="Xorg")
     unseen_gpu = HostProcess(9003, "GPU-recorded-0", 0, 512.0, container=OTHER_CTID, ns_pid=5, cmd="python3 c.py")
-    found = procs.find_holders(str(tmp_path), host_map=_map([other, on_host, unseen_gpu]), local_gpus=_gpus())
+    view = holders.NvmlView(host_map=_map([other, on_host, unseen_gpu]), gpus=_gpus())
+    found = holders.find_holders(str(tmp_path), view)
     by_host_pid = {h.host_pid: h for h in found}
     assert set(by_host_pid) == {9001, 9002}  # the GPU this container does not see is not in its picture
     assert by_host_pid[9001].scope == "container" and by_host_pid[9001].container == OTHER_CTID
@@ -81,8 +83,8 @@ def test_other_containers_and_the_host_are_shown_as_such_never_stale_never_killa
     assert [(a.kind, a.gpu) for a in items] == [("foreign_holder", 0)]
     assert f"container {OTHER_CTID} (host pid 9001" in items[0].message
     assert "the Proxmox host (host pid 9002" in items[0].message
-    view = control.NvmlView(host_map=_map([other, on_host]), gpus=_gpus())
-    res = control.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
+    view = holders.NvmlView(host_map=_map([other, on_host]), gpus=_gpus())
+    res = kill_stale.kill_stale(tmp_path / "root", dry_run=True, nvml=view)
     assert res["candidates"] == []
     reasons = {e["holder"].host_pid: e["reason"] for e in res["left_alone"]}
     assert "never signalled from this container" in reasons[9001] and "Proxmox host" in reasons[9002]
@@ -91,7 +93,7 @@ def test_other_containers_and_the_host_are_shown_as_such_never_stale_never_killa
 def test_phantom_is_stated_when_the_host_sees_no_process_anywhere(tmp_path: Path) -> None:
     busy_empty = GpuInfo(index=3, name="H200", uuid="u3", util_pct=100.0, mem_used_mib=0.0, mem_total_mib=1.0)
     busy_empty.holder_pids = [123456]  # the container's own NVML answer: a host PID, meaningless here
-    found = procs.find_holders(str(tmp_path), host_map=_map([]), local_gpus=[busy_empty])
+    found = holders.find_holders(str(tmp_path), holders.NvmlView(host_map=_map([]), gpus=[busy_empty]))
     (item,) = anomalies.gpu_anomalies([busy_empty], found, set(), run_active=False, host_view=True)
     assert item.kind == "phantom_utilization"
     assert "lists no process on it, in any container or on the host" in item.message
@@ -103,7 +105,7 @@ def test_a_mapped_pid_whose_start_time_differs_is_never_taken_for_the_holder(tmp
     reused = HostProcess(
         9100, "GPU-recorded-1", 1, 4096.0, container=CTID, ns_pid=os.getpid(), start_ticks=me.start_ticks + 7
     )
-    (h,) = procs.find_holders(str(tmp_path), host_map=_map([reused]), local_gpus=_gpus())
+    (h,) = holders.find_holders(str(tmp_path), holders.NvmlView(host_map=_map([reused]), gpus=_gpus()))
     assert h.pid == os.getpid() and not h.resolved and h.host_pid == 9100
 
 
@@ -119,11 +121,11 @@ with open("/proc/self/status") as fh:
 print(json.dumps({"nspid": nspid, "proc": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}), flush=True)
 line = sys.stdin.readline()  # the host's map, as the client hands it to the container's agent
 from engine import protocol
-from engine.agent import host_map, procs
+from engine.host import holders, host_map, procs
 from engine.protocol import GpuInfo
 hm = host_map.host_map_from_json(json.loads(line))
 gpus = [GpuInfo(index=0, name="H200", uuid="GPU-recorded-1", util_pct=97.0, mem_used_mib=29000.0, mem_total_mib=1.0)]
-found = procs.find_holders(dev, host_map=hm, local_gpus=gpus)
+found = holders.find_holders(dev, holders.NvmlView(host_map=hm, gpus=gpus))
 print(json.dumps(protocol.to_jsonable(found)), flush=True)
 sys.stdin.readline()
 """

@@ -8,7 +8,7 @@ from typing import Any
 
 from test_agent_gpus import RecordingNvml  # same folder: pytest puts it on sys.path
 
-from engine.agent.gpus import NvmlGpus
+from engine.host.gpus import NvmlGpus
 
 MIB = 1024 * 1024
 

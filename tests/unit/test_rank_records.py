@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.host.runs import ExitRecord
 from engine.supervisor import records
 
 
@@ -80,7 +81,7 @@ def test_a_killed_rank_is_named_with_its_signal_not_the_peer_error_it_caused(tmp
     st = records.RunScanner(tmp_path, r"step=\d+").catch_up()
     failed = records.rank_failure(st)
     assert failed == records.RankFailure("rank 1 (node 0) killed by SIGKILL", 1, 0)
-    cause = records.failure_cause(st, {"exit_code": 1, "signal": None}, 11)
+    cause = records.failure_cause(st, ExitRecord(exit_code=1), 11)
     assert cause.startswith("rank 1 (node 0) killed by SIGKILL; exit code 1"), cause
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.supervisor import control, restart
+from engine import protocol
+from engine.supervisor import launch, restart
+from engine.supervisor.common import SupervisorError
 from tui.profiles import ProfileError, load_profiles
 
 
@@ -55,15 +57,15 @@ def test_bad_restart_input_is_a_config_error_naming_the_key(tmp_path: Path, tabl
 
 
 def test_the_agent_refuses_a_bad_policy_on_the_wire_naming_the_key() -> None:
-    with pytest.raises(control.SupervisorError, match=r"^launch field restart\.max: must not be negative, got -2$"):
-        control.coerce_spec({"command": ["true"], "restart": {"max": -2}})
-    spec = control.coerce_spec({"command": ["true"], "restart": {"on": ["hang"], "stall_s": 5}})
+    with pytest.raises(SupervisorError, match=r"^launch field restart\.max: must not be negative, got -2$"):
+        launch.coerce_spec({"command": ["true"], "restart": {"max": -2}})
+    spec = launch.coerce_spec({"command": ["true"], "restart": {"on": ["hang"], "stall_s": 5}})
     assert spec.restart is not None and spec.restart["on"] == ["hang"] and spec.restart["stall_s"] == 5.0
 
 
 def test_which_endings_the_policy_restarts() -> None:
-    every = restart.parse_policy({"on": ["crash", "hang", "oom"]})
-    crash_only = restart.parse_policy({"on": ["crash"]})
+    every = protocol.parse_policy({"on": ["crash", "hang", "oom"]})
+    crash_only = protocol.parse_policy({"on": ["crash"]})
     failed = restart.Ending(1, None, "exited with code 1")
     killed = restart.Ending(None, 9, "killed by signal 9 (SIGKILL)")
     oom = restart.Ending(1, None, "exited with code 1", oom="torch.OutOfMemoryError: CUDA out of memory.")
@@ -75,7 +77,7 @@ def test_which_endings_the_policy_restarts() -> None:
     assert restart.restart_cause(oom, crash_only) == "crash"  # an OOM is a crash when only crashes are restarted
     assert restart.restart_cause(hung_then_clean, every) == "hang"  # our engine exits 0 on SIGTERM: still a hang
     assert restart.restart_cause(hung_then_clean, crash_only) is None
-    assert restart.restart_cause(oom, restart.parse_policy({"on": []})) is None
+    assert restart.restart_cause(oom, protocol.parse_policy({"on": []})) is None
 
 
 def test_only_this_attempts_output_can_mark_an_oom(tmp_path: Path) -> None:
@@ -132,4 +134,4 @@ def test_the_dashboards_launch_carries_the_profiles_restart_policy(tmp_path: Pat
     spec = launch_spec_for(profiles["demo"].as_dict(), session)  # type: ignore[arg-type]
     assert spec["command"][1:3] == ["-m", "engine.trainer"]
     assert spec["restart"] == {"on": ["oom"], "max": 1, "backoff_s": 30.0, "stall_s": 1800.0, "grace_s": 30.0}
-    assert control.coerce_spec(spec).restart == spec["restart"]
+    assert launch.coerce_spec(spec).restart == spec["restart"]

@@ -17,7 +17,8 @@ from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter, apply_rotary, rotary_tables, ttt_step
 from engine.trainer.loss import soft_cross_entropy, total_loss
 from engine.trainer.metrics import EventLog, compile_listener
-from engine.trainer.target import decoder_layers, default_layer_ids, load_target, tiny_config
+from engine.trainer.shapes import tiny_config
+from engine.trainer.target import decoder_layers, default_layer_ids, load_target
 
 VOCAB = 50
 

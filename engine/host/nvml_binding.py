@@ -23,11 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
-VENDOR_DIR = "_vendor"  # a folder beside `engine/` in the bundle (not a package: nothing imports it by name)
-VENDORED_MODULE = "pynvml.py"
-VENDORED_LICENSE = "pynvml.LICENSE"
-VENDORED_MANIFEST = "pynvml.json"  # {"distribution": "nvidia-ml-py", "version": ..., "sha256": ...}
-DISTRIBUTION = "nvidia-ml-py"
+from engine.protocol import DISTRIBUTION, VENDOR_DIR, VENDORED_MANIFEST, VENDORED_MODULE
 
 
 class BindingMissing(ImportError):

@@ -26,8 +26,8 @@ import socket
 import time
 from typing import Any
 
-from engine.agent import procs
-from engine.agent.gpus import GpuSource
+from engine.host import procs
+from engine.host.gpus import GpuSource
 from engine.protocol import GpuInfo, HolderGpu, HolderInfo, HostGpu, HostMap, HostProcess
 
 # A container's cgroup path: Proxmox (`/lxc/<CTID>/ns/...`, v1 `/lxc/<CTID>/...`) or plain LXC (`/lxc.payload.<CTID>`).

@@ -1,7 +1,7 @@
 """What this host can do for the agent: NVML, psutil, watchfiles, tmux, py-spy, each with a reason.
 
 Stdlib only at import; the optional modules are imported inside the probes (pynvml through
-engine.agent.nvml_binding, which falls back to the copy shipped in the bundle).
+engine.host.nvml_binding, which falls back to the copy shipped in the bundle).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib
 import shutil
 from typing import Any
 
-from engine.agent.nvml_binding import BindingMissing, load_pynvml
+from engine.host.nvml_binding import BindingMissing, load_pynvml
 
 Capability = dict[str, Any]  # {"ok": bool, "detail": str}
 

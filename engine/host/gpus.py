@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
 
-from engine.agent.capabilities import nvml_error_text
-from engine.agent.nvml_binding import BindingMissing, load_pynvml
+from engine.host.capabilities import nvml_error_text
+from engine.host.nvml_binding import BindingMissing, load_pynvml
 from engine.protocol import GpuInfo
 
 MIB = 1024 * 1024
@@ -239,15 +239,3 @@ def _used_bytes(p: Any) -> int | None:
     if used is None or used >= 2**63:
         return None
     return int(used)
-
-
-def open_gpu_source(simulate_gpus: int = 0) -> GpuSource:
-    """The agent's GPU source: simulated when asked, else NVML, else none with the reason."""
-    if simulate_gpus > 0:
-        from engine.agent.simulate import SimulatedGpus
-
-        return SimulatedGpus(simulate_gpus)
-    nv = NvmlGpus()
-    if nv.ok:
-        return nv
-    return NoGpus(nv.error or "NVML unavailable")

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from engine.agent.gpus import GpuSample
+from engine.host.gpus import GpuSample
 from engine.protocol import GpuInfo
 
 ENV_SIM_SCRIPT = "SPECDEC_SIM_SCRIPT"

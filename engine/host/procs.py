@@ -1,11 +1,8 @@
-"""Processes from /proc: GPU holders (through /dev/nvidia* descriptors and NVML), run process trees, identity.
+"""Processes from /proc: the one reader of the process table (stat, status, cmdline, threads, fds), identity.
 
-Pure /proc and stdlib (works on a host without psutil). Identity is (pid, create_time) with
-create_time = boot time + /proc/<pid>/stat starttime / CLK_TCK, the same formula psutil uses, so a
-PID reused by another process never passes for the one recorded.
-
-NVML reports host PIDs; inside a container's PID namespace those PIDs do not exist (or belong to
-someone else). Such a PID is reported with ``resolved=False``: a state to show, never an error.
+Pure /proc and stdlib (works on a host without psutil). Identity is (pid, start ticks): the start time in
+clock ticks after boot from /proc/<pid>/stat; as a wall time, create_time = boot time + start ticks / CLK_TCK,
+the same formula psutil uses, so a PID reused by another process never passes for the one recorded.
 """
 
 from __future__ import annotations
@@ -16,8 +13,9 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-from engine.protocol import GpuInfo, HolderGpu, HolderInfo, HostMap, ProcInfo, ThreadInfo
+from engine.protocol import HolderInfo, ProcInfo, ThreadInfo
 
 PROC = "/proc"
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -40,6 +38,8 @@ _STATES = {
     "W": "waking",
     "K": "wake-kill",
 }
+
+GONE_STATES = ("Z", "X", "x")  # zombie or dead: the process has ended, only its table entry may remain
 
 # Driver daemons and monitors that hold /dev/nvidia* by design: holders, but never "stale".
 SYSTEM_HOLDER_NAMES: frozenset[str] = frozenset(
@@ -68,6 +68,14 @@ class ProcStat:
 
 
 _boot_time: float | None = None
+
+
+def read_boot_id() -> str:
+    """This boot's id: a run recorded under another one did not survive a reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
 
 
 def boot_time() -> float:
@@ -138,6 +146,21 @@ def same_process(pid: int, create_time: float, tolerance_s: float | None = None)
     return ident is not None and abs(ident[1] - create_time) <= tol
 
 
+def process_alive(pid: int | None, start_ticks: int | None) -> bool:
+    """True when pid is alive (not a zombie) and, when start_ticks is known, is still the same process."""
+    if not pid or pid <= 0:
+        return False
+    st = read_stat(pid)
+    if st is None or st.state in GONE_STATES:
+        return False
+    return start_ticks is None or st.start_ticks == start_ticks
+
+
+def start_ticks_of(pid: int) -> int | None:
+    st = read_stat(pid)
+    return st.start_ticks if st is not None else None
+
+
 def state_name(letter: str) -> str:
     return _STATES.get(letter, letter)
 
@@ -153,18 +176,25 @@ def list_pids() -> list[int]:
 _user_cache: dict[int, str] = {}
 
 
-def user_of(pid: int) -> str | None:
-    """The real user of a process, by name when the passwd database knows it."""
+def uids_of(pid: int) -> tuple[int, int] | None:
+    """(real, effective) uid of a process from /proc/<pid>/status; None when it cannot be read."""
     try:
         with open(f"{PROC}/{pid}/status", "rb") as fh:
             for line in fh:
                 if line.startswith(b"Uid:"):
-                    uid = int(line.split()[1])
-                    break
-            else:
-                return None
+                    fields = line.split()
+                    return int(fields[1]), int(fields[2])
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def user_of(pid: int) -> str | None:
+    """The real user of a process, by name when the passwd database knows it."""
+    uids = uids_of(pid)
+    if uids is None:
+        return None
+    uid = uids[0]
     name = _user_cache.get(uid)
     if name is None:
         try:
@@ -173,6 +203,57 @@ def user_of(pid: int) -> str | None:
             name = str(uid)
         _user_cache[uid] = name
     return name
+
+
+def catches_signal(pid: int, sig: int) -> bool:
+    """The process has a handler for ``sig`` (SigCgt in /proc/<pid>/status); False when unreadable."""
+    try:
+        with open(f"{PROC}/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def exe_name(pid: int) -> str:
+    """The file name of the process's executable; "" when unreadable (another user's process, gone)."""
+    try:
+        return os.path.basename(os.readlink(f"{PROC}/{pid}/exe"))
+    except OSError:
+        return ""
+
+
+def wait_channel(pid: int) -> str:
+    """The kernel function the process sleeps in (/proc/<pid>/wchan); "" when running or unreadable."""
+    try:
+        wchan = Path(f"{PROC}/{pid}/wchan").read_text().strip()
+    except OSError:
+        return ""
+    return "" if wchan == "0" else wchan
+
+
+def environ_of(pid: int) -> list[bytes] | None:
+    """The process's environment entries (NAME=value); None when unreadable."""
+    try:
+        return Path(f"{PROC}/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+
+
+def memory_mib() -> dict[str, float]:
+    """MemTotal and MemAvailable of the host in MiB (/proc/meminfo); {} when unreadable."""
+    out: dict[str, float] = {}
+    try:
+        with open(f"{PROC}/meminfo", "rb") as fh:
+            for line in fh:
+                key, _, rest = line.partition(b":")
+                if key in (b"MemTotal", b"MemAvailable"):
+                    out[key.decode()] = int(rest.split()[0]) / 1024.0  # kB -> MiB
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
 
 
 def cmdline_of(pid: int, comm: str | None = None) -> str:
@@ -274,90 +355,6 @@ def in_initial_pid_namespace() -> bool:
         return False
 
 
-def find_holders(
-    dev_dir: str | None = None,
-    nvml_pids: dict[int, float] | None = None,
-    run_pids: set[int] | frozenset[int] = frozenset(),
-    nvml_pid_gpus: dict[int, list[int]] | None = None,
-    nvml_source: str = "nvml",
-    nvml_pid_gpu_mib: dict[int, dict[int, float | None]] | None = None,
-    nvml_listed: bool = False,
-    host_map: HostMap | None = None,
-    local_gpus: list[GpuInfo] | None = None,
-) -> list[HolderInfo]:
-    """Every process holding an NVIDIA device, from /proc/*/fd links and NVML's per-GPU process lists.
-
-    ``nvml_pids``: pid -> used MiB as NVML reports it; ``nvml_pid_gpus``: pid -> GPU indices NVML saw it on;
-    ``nvml_pid_gpu_mib``: pid -> {GPU: MiB}. A NVML pid resolves here when a process with that pid holds a
-    /dev/nvidia* node (or exists with fds we may not read): its GPUs are then NVML's (``gpus_source="nvml"``),
-    not the fd scan's, because a CUDA process opens every /dev/nvidiaN whichever GPU it uses. A NVML pid that
-    does not exist here (container) or that exists but holds no /dev/nvidia* node (another namespace's PID
-    reused here) is ``resolved=False``; fd holders not on NVML's lists keep ``gpus_source="fd-scan"``.
-    ``nvml_listed``: every GPU's list was read, so an empty list in the host's PID namespace means "no process".
-    ``nvml_source="simulated"``: the pids come from the simulated GPU source; existing is enough.
-    ``host_map``: NVML on the Proxmox host mapped into this container (engine/agent/host_map.py): exact
-    holders here, and processes of other containers or of the host shown as such; ``local_gpus`` matches
-    the host's GPUs to ours by UUID.
-    """
-    dev = dev_dir if dev_dir is not None else default_dev_dir()
-    now = time.time()
-    fd_holders = scan_device_holders(dev)
-    nvml = nvml_pids or {}
-    nvml_gpus = nvml_pid_gpus or {}
-    nvml_mib = nvml_pid_gpu_mib or {}
-    out: dict[int, HolderInfo] = {}
-    for pid, nodes in fd_holders.items():
-        st = read_stat(pid)
-        if st is None:
-            continue  # exited since the scan
-        h = holder_of(pid, st, now)
-        h.gpus = gpu_indices(nodes)
-        h.gpus_source = "fd-scan" if h.gpus else None
-        h.source = "fd"
-        out[pid] = h
-    if host_map is not None:
-        from engine.agent.host_map import merge_host_map
-
-        return merge_host_map(out, host_map, run_pids, local_gpus or [], now)
-    for pid, used in nvml.items():
-        gpus = sorted(set(nvml_gpus.get(pid, [])))
-        shares = [HolderGpu(gpu=g, used_mib=mib) for g, mib in sorted(nvml_mib.get(pid, {}).items())]
-        known = out.get(pid)
-        if known is not None:
-            known.source = f"fd+{nvml_source}"
-            known.used_mib = used
-            if gpus:  # NVML's per-GPU lists are exact; the fd scan names every GPU node a CUDA process opened
-                known.gpus, known.gpus_source, known.per_gpu = gpus, nvml_source, shares
-            continue
-        st = read_stat(pid)
-        fds = nvidia_fds(pid, dev) if st is not None and nvml_source == "nvml" else None
-        src = nvml_source if gpus else None
-        if st is None or (fds is not None and not fds[1]):
-            out[pid] = HolderInfo(
-                pid=pid, resolved=False, gpus=gpus, used_mib=used, source=nvml_source, gpus_source=src, per_gpu=shares
-            )
-            continue
-        # Exists, fds unreadable (another user's process without privileges): trust NVML.
-        h = holder_of(pid, st, now)
-        h.gpus, h.used_mib, h.source, h.gpus_source, h.per_gpu = gpus, used, nvml_source, src, shares
-        out[pid] = h
-    # NVML's process list is in our PID namespace when every pid it names is a local /dev/nvidia* holder (or, when it
-    # names none, when it was read in full from the host's namespace); then a holder missing from it has no GPU
-    # context (a monitor), on any GPU.
-    every_pid_resolves = all(out[p].resolved for p in nvml if p in out)
-    same_namespace = nvml_source == "nvml" and every_pid_resolves and (
-        bool(nvml) or (nvml_listed and in_initial_pid_namespace())
-    )
-    for h in out.values():
-        h.in_run = h.pid in run_pids
-        if h.pid in nvml:
-            h.context = True
-        elif same_namespace and h.resolved:
-            h.context = False
-            h.gpus, h.gpus_source = [], None
-    return sorted(out.values(), key=lambda h: (not h.resolved, h.pid))
-
-
 def is_system_holder(h: HolderInfo) -> bool:
     """Driver daemons and monitors (this agent and other specdec agents, through NVML) hold the device by design.
 
@@ -439,6 +436,18 @@ def tree_pids(root_pid: int, stats: dict[int, ProcStat] | None = None) -> list[i
                 seen.add(st.pid)
                 order.append(st.pid)
     return order
+
+
+def group_members(pgid: int, table: dict[int, ProcStat] | None = None, min_start_ticks: int | None = None) -> list[int]:
+    """Live (non-zombie) members of a process group that started no earlier than ``min_start_ticks``."""
+    stats = table if table is not None else all_stats()
+    return [
+        st.pid
+        for st in stats.values()
+        if st.pgrp == pgid
+        and st.state not in GONE_STATES
+        and (min_start_ticks is None or st.start_ticks >= min_start_ticks)
+    ]
 
 
 def proc_info(st: ProcStat, tracker: CpuTracker | None = None, with_threads: bool = True) -> ProcInfo:

@@ -1,0 +1,177 @@
+"""A supervised run's records on disk, typed, and which live processes belong to the run.
+
+The supervisor writes three JSON records per run directory; every reader goes through these dataclasses,
+so a field is spelled once. ``from_json`` keeps a field only when its value has the declared type (a record
+written by another version, or by hand, cannot put a string where a pid belongs) and keeps unknown keys in
+``extra``; ``to_json`` writes the same keys back (fields in ``OMITTED_WHEN_NONE`` only once set).
+
+``run_pids``: a process counts only while it is provably the one recorded: the wrapper and the job are
+checked against their recorded start ticks, and members of the job's process group must have started no
+earlier than the job (a group id reused after the run ended names someone else's processes).
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import UnionType
+from typing import Any, ClassVar, TypeVar
+
+from engine.host import procs
+
+R = TypeVar("R", bound="Record")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """``value`` (decoded JSON) has the declared type; an int passes for a float, a bool never for a number."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is UnionType:
+        return any(_fits(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (arg,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(_fits(v, arg) for v in value)
+    if origin is dict:
+        _, arg = typing.get_args(hint) or (str, Any)
+        return isinstance(value, dict) and all(isinstance(k, str) and _fits(v, arg) for k, v in value.items())
+    return isinstance(value, hint)
+
+
+class Record:
+    """What the three run records share: typed reading, writing back the same keys, unknown keys kept."""
+
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
+    extra: dict[str, Any]
+
+    @classmethod
+    def from_json(cls: type[R], doc: dict[str, Any]) -> R:
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in fields(cls)} - {"extra"}  # type: ignore[arg-type]
+        kwargs: dict[str, Any] = {k: v for k, v in doc.items() if k in names and _fits(v, hints[k])}
+        kwargs["extra"] = {k: v for k, v in doc.items() if k not in names}
+        return cls(**kwargs)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.name == "extra" or (value is None and f.name in self.OMITTED_WHEN_NONE):
+                continue
+            out[f.name] = value
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def read(cls: type[R], path: Path | str) -> R | None:
+        """The record in ``path``; None when missing or not (yet) a JSON object."""
+        try:
+            with open(path, "rb") as fh:
+                doc = json.loads(fh.read())
+        except (OSError, ValueError):
+            return None
+        return cls.from_json(doc) if isinstance(doc, dict) else None
+
+
+@dataclass
+class SubmittedRecord(Record):
+    """submitted.json: written by the launcher, before the wrapper exists ("submitting"), then "accepted"."""
+
+    t: float | None = None
+    phase: str = "accepted"
+    run_id: str | None = None
+    tmux_session: str | None = None
+    attachable: bool = False
+    tmux_socket: str | None = None
+    launcher_pid: int | None = None
+    launcher_start_ticks: int | None = None
+    launcher_wrapper_pid: int | None = None  # without tmux: the wrapper started with setsid
+    launcher_wrapper_start_ticks: int | None = None
+    spec: dict[str, Any] | None = None
+    note: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchRecord(Record):
+    """launch.json: written by the wrapper when it starts, again with the job's ids once the job exists."""
+
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"job_pid", "job_pgid", "job_start_ticks", "job_started_at", "attempt", "attempt_started_at"}
+    )
+
+    run_id: str | None = None
+    command: list[str] = field(default_factory=list)
+    cwd: str | None = None
+    pid: int | None = None
+    pgid: int | None = None
+    wrapper_pid: int | None = None
+    wrapper_start_ticks: int | None = None
+    boot_id: str | None = None
+    hostname: str | None = None
+    started_at: float | None = None
+    tmux_session: str | None = None
+    attachable: bool = False
+    step_pattern: str | None = None
+    deadlines_s: dict[str, float] = field(default_factory=dict)
+    profile: str | None = None
+    spec: dict[str, Any] | None = None
+    output_offset_at_start: int = 0
+    python: str | None = None
+    cancel_signal: str | None = None  # `stop` sends it to the wrapper to cancel a restart policy
+    job_pid: int | None = None
+    job_pgid: int | None = None
+    job_start_ticks: int | None = None
+    job_started_at: float | None = None  # the `started` milestone: the run's job first existed
+    attempt: int | None = None
+    attempt_started_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def job_alive(self) -> bool:
+        return procs.process_alive(self.job_pid, self.job_start_ticks)
+
+    def wrapper_alive(self) -> bool:
+        return procs.process_alive(self.wrapper_pid, self.wrapper_start_ticks)
+
+
+@dataclass
+class ExitRecord(Record):
+    """exit.json: how the job ended, written once by the wrapper (into reserved blocks when the disk is full)."""
+
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"attempts", "restarts", "restart_state"})
+
+    run_id: str | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    signal_name: str | None = None
+    ended_at: float | None = None
+    cause: str | None = None
+    forwarded_signals: list[Any] = field(default_factory=list)
+    attempts: int | None = None  # under a restart policy
+    restarts: list[dict[str, Any]] | None = None
+    restart_state: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_pids(launch: LaunchRecord | None, table: dict[int, procs.ProcStat] | None = None) -> set[int]:
+    """The wrapper, the job, their descendants and the job's process group, as far as each is still ours."""
+    if launch is None:
+        return set()
+    stats = table if table is not None else procs.all_stats()
+    out: set[int] = set()
+    for pid, ticks in ((launch.wrapper_pid, launch.wrapper_start_ticks), (launch.job_pid, launch.job_start_ticks)):
+        st = stats.get(pid) if pid is not None else None
+        if st is None or (ticks is not None and st.start_ticks != ticks):
+            continue
+        out.update(procs.tree_pids(st.pid, stats))
+    if launch.job_pgid is not None:
+        out.update(procs.group_members(launch.job_pgid, stats, launch.job_start_ticks))
+    return out

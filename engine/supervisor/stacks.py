@@ -1,0 +1,166 @@
+"""The ``stacks`` verb: every thread's stack of a live run (our engine's named dump, py-spy, or faulthandler)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from engine import stackdump
+from engine.host import procs
+from engine.host.runs import LaunchRecord
+from engine.supervisor import records
+from engine.supervisor.common import POLL_S, SupervisorError, tree_of
+from engine.supervisor.members import rank_pids, run_members
+
+
+def _is_python(pid: int) -> bool:
+    exe = procs.exe_name(pid)
+    return exe.startswith("python") or exe.startswith("pypy")
+
+
+# How long the named (Python-level) dump may take before faulthandler's unnamed one stands in: a thread
+# that holds the GIL (a long C call) keeps Python handlers from running, never faulthandler.
+NAMED_DUMP_WAIT_S = 0.75
+DUMP_POLL_S = 0.01
+
+
+def _dump_engine(rd: Path, pid: int) -> tuple[str, str]:
+    """(how, text) of one engine process that registered engine.stackdump: the named dump, else faulthandler's."""
+    files = stackdump.dump_files(rd, pid)
+    try:
+        before = files.text.stat().st_ino
+    except OSError:
+        before = None
+    try:
+        raw_start = files.raw.stat().st_size
+    except OSError:
+        raw_start = 0  # removed by hand since the engine started: only the named dump can answer
+    os.kill(pid, stackdump.SIGNAL)
+    deadline = time.monotonic() + NAMED_DUMP_WAIT_S
+    while True:
+        try:
+            st = files.text.stat()
+            if st.st_ino != before:
+                text = files.text.read_text(encoding="utf-8", errors="replace")
+                if text.rstrip().endswith(stackdump.END_MARKER):
+                    return "named threads", text
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(DUMP_POLL_S)
+    try:
+        with open(files.raw, "rb") as fh:  # faulthandler wrote in the signal handler itself: complete by now
+            fh.seek(raw_start)
+            raw = fh.read().decode("utf-8", "replace")
+    except OSError:
+        raw = ""
+    if not raw.strip():
+        raise SupervisorError(f"pid {pid} wrote no stack dump to {files.text.parent} within {NAMED_DUMP_WAIT_S:g} s")
+    why = f"no named dump within {NAMED_DUMP_WAIT_S:g} s: Python code cannot run, a thread holds the GIL"
+    return f"faulthandler, threads unnamed ({why})", raw
+
+
+def stacks(
+    run_dir: Path | str,
+    timeout_s: float = 5.0,
+    boot_id: str | None = None,
+    scanners: records.ScannerCache | None = None,
+) -> dict[str, Any]:
+    """Every thread's stack of the live run.
+
+    Our engine (it registered engine.stackdump): SIGUSR1, named threads from its own dump file in well under
+    a second. Any other Python job: py-spy when installed; else, when the job handles SIGUSR1 (faulthandler
+    to its stderr, as before), the dump read back from output.log, labelled as such (log lines may be mixed
+    in, and it waits for the log to go quiet); else why not.
+    """
+    rd = Path(run_dir)
+    cache = scanners if scanners is not None else records.ScannerCache()
+    info = records.read_run(rd, boot_id or procs.read_boot_id(), cache)
+    if info.state != "running":
+        raise SupervisorError(f"run {rd.name} is not running ({info.state}): no stacks to dump")
+    launch_rec = records.read_launch(rd) or LaunchRecord()
+    job_pid = launch_rec.job_pid
+    pids = tree_of(job_pid) if isinstance(job_pid, int) else []
+    if not pids:
+        raise SupervisorError(f"run {rd.name}: the job process is gone")
+    # torchrun's ranks: in the job's tree while their agent lives, and named with their pid by their events.
+    pids = sorted(set(pids) | set(run_members(rd, launch_rec, cache)))
+    rank_of = {pid: rank for rank, pid in rank_pids(rd, launch_rec, cache).items()}
+    py_pids = [p for p in pids if _is_python(p)]
+    engines = [
+        p for p in py_pids if stackdump.dump_files(rd, p).raw.exists() and procs.catches_signal(p, stackdump.SIGNAL)
+    ]
+    engines.sort(key=lambda p: (rank_of.get(p, -1), p))
+    if engines:
+        texts: list[str] = []
+        hows: list[str] = []
+        for pid in engines:
+            how, text = _dump_engine(rd, pid)
+            hows.append(how)
+            who = f"rank {rank_of[pid]}, pid {pid}" if pid in rank_of else f"pid {pid}"
+            texts.append(f"--- {who} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
+        pids_text = ", ".join(map(str, engines))
+        return {
+            "method": f"SIGUSR1 to pid {pids_text}: {'; '.join(sorted(set(hows)))}",
+            "text": "\n".join(texts),
+            "ranks": {str(rank_of[p]): p for p in engines if p in rank_of},
+        }
+    if not py_pids:
+        names = ", ".join(f"{p} ({procs.cmdline_of(p)[:60]})" for p in pids[:5])
+        raise SupervisorError(f"no Python process in the run ({names}): no Python stacks to dump")
+    pyspy = shutil.which("py-spy")
+    if pyspy is not None:
+        texts = []
+        for pid in py_pids:
+            res = subprocess.run(
+                [pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s + 10, check=False
+            )
+            texts.append(f"--- pid {pid} (py-spy dump, exit {res.returncode}) ---\n{res.stdout}{res.stderr}")
+        return {"method": "py-spy dump", "text": "\n".join(texts)}
+    dumpers = [p for p in py_pids if procs.catches_signal(p, signal.SIGUSR1)]
+    if not dumpers:
+        raise SupervisorError(
+            f"the job's Python process(es) {', '.join(map(str, py_pids))} do not handle SIGUSR1 "
+            "(not our engine) and py-spy is not installed on the host: pip install py-spy, then retry"
+        )
+    log = rd / records.OUTPUT_LOG
+    texts = []
+    for pid in dumpers:
+        start = log.stat().st_size if log.exists() else 0
+        os.kill(pid, signal.SIGUSR1)
+        text = _read_appended(log, start, timeout_s)
+        texts.append(f"--- pid {pid} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
+    return {
+        "method": f"faulthandler via SIGUSR1 to pid {', '.join(map(str, dumpers))}, read back from output.log "
+        "(not our engine: log lines may be mixed in; install py-spy for a clean dump)",
+        "text": "\n".join(texts),
+    }
+
+
+def _read_appended(path: Path, start: int, timeout_s: float, quiet_s: float = 0.3) -> str:
+    """What was appended to path after `start`, once it has stopped growing for quiet_s."""
+    deadline = time.monotonic() + timeout_s
+    last_size = start
+    last_change = time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = start
+        now = time.monotonic()
+        if size != last_size:
+            last_size, last_change = size, now
+        elif size > start and now - last_change >= quiet_s:
+            break
+        time.sleep(POLL_S)
+    if last_size <= start:
+        raise SupervisorError(f"no stack dump appeared in {path} within {timeout_s:g} s")
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        return fh.read(last_size - start).decode("utf-8", "replace")

@@ -1,0 +1,65 @@
+"""Run records on disk as typed dataclasses: the same keys written back, wrong types refused, one run_pids."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.host import procs, runs
+from engine.host.runs import ExitRecord, LaunchRecord, SubmittedRecord
+from engine.supervisor import records
+
+
+def test_a_launch_record_reads_back_the_keys_it_wrote_and_keeps_unknown_ones() -> None:
+    doc = {"run_id": "r1", "command": ["python3", "-c", "pass"], "wrapper_pid": 7, "wrapper_start_ticks": 9,
+           "attachable": True, "deadlines_s": {"output": 5}, "output_offset_at_start": 12, "from_a_newer_wrapper": 1}
+    rec = LaunchRecord.from_json(doc)
+    assert (rec.wrapper_pid, rec.job_pid, rec.deadlines_s) == (7, None, {"output": 5})
+    assert rec.extra == {"from_a_newer_wrapper": 1}
+    written = rec.to_json()
+    assert "job_pid" not in written  # the job's ids appear once the job exists, as before
+    assert LaunchRecord.from_json(written) == rec
+
+
+def test_a_field_of_the_wrong_type_is_not_taken() -> None:
+    rec = LaunchRecord.from_json({"job_pid": "1; kill", "job_start_ticks": True, "command": ["ok", 3]})
+    assert (rec.job_pid, rec.job_start_ticks, rec.command) == (None, None, [])
+    assert SubmittedRecord.from_json({"t": 5, "phase": None}).t == 5.0
+    assert ExitRecord.from_json({"exit_code": 1.5, "signal": 9}).exit_code is None
+
+
+def test_run_pids_counts_the_recorded_job_only_while_its_start_ticks_match(tmp_path: Path) -> None:
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        ticks = procs.start_ticks_of(job.pid)
+        assert ticks is not None
+        pinned = LaunchRecord(job_pid=job.pid, job_pgid=job.pid, job_start_ticks=ticks)
+        assert job.pid in runs.run_pids(pinned)
+        later = LaunchRecord(job_pid=job.pid, job_pgid=job.pid, job_start_ticks=ticks + 1)
+        assert runs.run_pids(later) == set()  # a pid whose start differs from the record is another process
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_reading_a_run_twice_without_a_cache_gives_the_same_answer_and_a_cache_keeps_one_scanner(
+    tmp_path: Path,
+) -> None:
+    rd = tmp_path / "runs" / "r1"
+    rd.mkdir(parents=True)
+    launch = LaunchRecord(run_id="r1", command=["job"], wrapper_pid=os.getpid(), boot_id=procs.read_boot_id(),
+                          started_at=1.0, step_pattern=r"step=\d+", job_pid=os.getpid(), job_started_at=2.0)
+    records.write_json_atomic(rd / records.LAUNCH_JSON, launch.to_json())
+    (rd / records.OUTPUT_LOG).write_bytes(b"step=3\n")
+    first = records.read_run(rd, procs.read_boot_id())
+    second = records.read_run(rd, procs.read_boot_id())
+    assert first.last_step == second.last_step == 3 and first.state == "running"
+    cache = records.ScannerCache()
+    records.read_run(rd, procs.read_boot_id(), cache)
+    read_back = records.read_launch(rd)
+    assert read_back is not None
+    assert cache.scanner_for(rd, read_back) is cache.scanner_for(rd, read_back)
+    assert json.loads((rd / records.LAUNCH_JSON).read_text())["job_pid"] == os.getpid()
