@@ -38,8 +38,10 @@ error       message                             the agent itself hit a problem i
 
 Commands (``cmd``)
 ------------------
+A client decodes each reply it reads into its dataclass below (``StatusReply``, ``RunsReply``, ``TailReply``, ...).
+
 ping        {}                                          -> {"t": float}
-status      {}                                          -> StatusSnapshot (see ``STATUS_KEYS``)
+status      {}                                          -> StatusReply (its required keys: ``STATUS_KEYS``)
 subscribe   {gpu_interval_s, procs_interval_s,          -> {}; then streams gpus/procs/anomalies/run events,
              log: {"offset", "inode"} | None,              log events from that position (None: from the start),
              engine_offset: int | None}                     engine events from that byte offset of events.jsonl
@@ -716,6 +718,172 @@ Event = Union[  # noqa: UP007
     WarningEvent,
     ErrorEvent,
 ]
+
+# -- typed replies -----------------------------------------------------------------------------------
+# What a client reads of a command's ``result``: decoded once where the reply arrives (``from_json(cls,
+# result, cmd)``), with the events' rules: unknown keys ignored, a missing or mistyped field a ProtocolError
+# naming it. The reply stays on the wire as the agent sent it (``status --json`` prints that object).
+
+
+@dataclass
+class HostSummary:
+    """The machine the agent runs on (``status``'s ``host``)."""
+
+    hostname: str | None = None
+    boot_id: str | None = None
+    kernel: str | None = None
+    python: str | None = None  # its version
+    agent_pid: int | None = None
+    agent_uptime_s: float | None = None
+    cpu_count: int | None = None
+    loadavg: list[float] = field(default_factory=list)
+    mem_total_mib: float | None = None
+    mem_available_mib: float | None = None
+    run_root: str | None = None
+    run_root_free_gib: float | None = None
+    dev_dir: str | None = None
+
+
+@dataclass
+class ProcessTable:
+    """The run's process tree and every GPU holder (``status``'s ``processes``)."""
+
+    run_tree: list[ProcInfo] = field(default_factory=list)
+    holders: list[HolderInfo] = field(default_factory=list)
+
+
+@dataclass
+class StatusReply:
+    """``status``: one snapshot of the host (its required fields are ``STATUS_KEYS``)."""
+
+    host: HostSummary
+    gpus: list[GpuInfo]
+    processes: ProcessTable
+    run: RunInfo | None
+    anomalies: list[Anomaly]
+    t: float | None = None
+    gpu_source: str | None = None
+    simulated: bool = False
+    nvml_error: str | None = None  # why NVML is unavailable (None: it works, or GPUs are simulated)
+    holders_source: HoldersSource | None = None
+    host_map: HostMapState | None = None
+    capabilities: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ListedRun(RunInfo):
+    """One row of ``runs``: the run's RunInfo, how long it ran and whether it is the current run."""
+
+    duration_s: float | None = None
+    current: bool = False
+
+
+@dataclass
+class RunsReply:
+    runs: list[ListedRun]
+    total: int  # runs on the host (``runs`` lists the newest ``limit`` of them)
+
+
+@dataclass
+class RunInfoReply:
+    run: RunInfo
+
+
+@dataclass
+class TailReply:
+    """``tail``: the last lines of a run's output.log (each ``encode_log_data`` of its bytes)."""
+
+    offset: int  # the byte after the last line: where following continues
+    run_id: str
+    lines: list[str] = field(default_factory=list)
+    inode: int | None = None  # None: the run has no output.log yet
+    partial: bool = False  # the last line has no newline yet
+    window_cut: bool = False  # long lines overran the reply's byte window: read the bytes with read_log
+    start: int | None = None  # with stream: the byte where the last n lines begin
+    cut_to: int | None = None  # more lines were asked for than one reply carries
+    current: bool = True
+
+
+@dataclass
+class ReadLogReply:
+    """``read_log``: bytes of a run's output.log from ``offset``."""
+
+    data: str  # encode_log_data of the bytes
+    offset: int
+    inode: int
+    size: int | None = None
+    run_id: str | None = None
+
+    @property
+    def raw(self) -> bytes:
+        return decode_log_data(self.data)
+
+
+@dataclass
+class StopReply:
+    stopped: bool
+    steps: list[str] = field(default_factory=list)  # what was done, in order, one sentence each
+    escalated: bool | None = None  # SIGKILL was needed
+    run_id: str | None = None
+    job_pid: int | None = None
+    exit: dict[str, Any] | None = None  # the run's exit record (exit.json), as written
+    gpu_released: bool | None = None
+
+
+@dataclass
+class LaunchReply:
+    run_id: str
+    run_dir: str | None = None
+    tmux_session: str | None = None
+    attachable: bool = False
+    attach: list[str] | None = None  # the argv that attaches on the host
+    submitted_at: float | None = None
+    note: str | None = None
+    command: list[str] | None = None
+
+
+@dataclass
+class RestartReply:
+    previous_run_id: str
+    launch: LaunchReply
+    stop: StopReply | None = None  # None: the run had ended already
+
+
+@dataclass
+class KillStaleReply:
+    """``kill_stale``: the stale holders, and (without dry_run) what was signalled and what failed.
+
+    ``signalled``/``failed``/``left_alone`` entries are the supervisor's records of one process each (pid,
+    create_time, signals, outcome or reason, ...), shown as they are."""
+
+    candidates: list[HolderInfo] = field(default_factory=list)
+    signalled: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    left_alone: list[dict[str, Any]] = field(default_factory=list)
+    dry_run: bool | None = None
+
+
+@dataclass
+class StacksReply:
+    method: str  # how the stacks were taken (py-spy, SIGUSR1 + faulthandler, ...)
+    text: str = ""
+    ranks: dict[str, int] = field(default_factory=dict)  # a torchrun run: rank -> its pid
+
+
+@dataclass
+class DoctorCheck:
+    name: str
+    ok: bool
+    detail: str = ""
+    fix: str | None = None
+    level: str = "error"  # "ok" | "warn" | "fail": a warn is ok=False that does not block training
+
+
+@dataclass
+class DoctorReply:
+    checks: list[DoctorCheck] = field(default_factory=list)
+    ok: bool | None = None
+
 
 EVENT_TYPES: dict[str, type[Any]] = {cls.EV: cls for cls in typing.get_args(Event)}
 ENGINE_EVENT_TYPES: dict[str, type[Any]] = {cls.KIND: cls for cls in typing.get_args(EngineEvent)}

@@ -25,7 +25,7 @@ from tui.cli_common import (
     with_session,
 )
 from tui.events import ClientEvent, ConnectionEvent, Undecodable
-from tui.session import CommandFailed, Session
+from tui.session import CommandFailed, Session, typed_reply
 
 # -- status ----------------------------------------------------------------------------------------
 
@@ -36,16 +36,13 @@ def _num(value: Any, fmt: str = "{:.0f}", unit: str = "") -> str:
     return "-"
 
 
-def _nvml_unavailable(snap: dict[str, Any], hello: dict[str, Any]) -> str | None:
+def _nvml_unavailable(snap: protocol.StatusReply, agent: protocol.HelloEvent | None) -> str | None:
     """The reason NVML is unavailable, or None when it works (or GPUs are simulated)."""
-    host = snap.get("host")
-    for holder in (snap, host if isinstance(host, dict) else {}):
-        reason = holder.get("nvml_error")
-        if reason:
-            return str(reason)
-    if snap.get("simulated") or hello.get("simulated"):
+    if snap.nvml_error:
+        return snap.nvml_error
+    if snap.simulated or (agent is not None and agent.simulated):
         return None
-    cap = (hello.get("capabilities") or {}).get("nvml")
+    cap = agent.capabilities.get("nvml") if agent is not None else None
     if isinstance(cap, dict) and not cap.get("ok"):
         return str(cap.get("detail") or "unknown reason")
     return None
@@ -58,26 +55,8 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def _procs_of(snap: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(run tree, GPU holders) from the snapshot's ``processes`` in either shape (dict or list)."""
-    procs = snap.get("processes")
-    if isinstance(procs, dict):
-        tree = procs.get("run_tree") or []
-        holders = procs.get("holders") or []
-    elif isinstance(procs, list):
-        tree, holders = procs, []
-    else:
-        tree, holders = [], []
-    holders = holders or snap.get("holders") or []
-    return [p for p in tree if isinstance(p, dict)], [h for h in holders if isinstance(h, dict)]
-
-
-def format_run(obj: dict[str, Any]) -> list[str]:
+def format_run(run: protocol.RunInfo) -> list[str]:
     """The run block of ``status``: id, state, command, milestones, step/exit, and a failed run's cause."""
-    try:
-        run = protocol.from_json(protocol.RunInfo, obj, "run")
-    except protocol.ProtocolError as exc:
-        return [f"run       {obj.get('run_id')}: not understood ({exc})"]
     out: list[str] = []
     out.append(f"run       {run.run_id}  state {run.state}  pid {run.pid}")
     if run.command:
@@ -111,18 +90,18 @@ def format_run(obj: dict[str, Any]) -> list[str]:
     return out
 
 
-def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> str:
+def format_status(snap: protocol.StatusReply, agent: protocol.HelloEvent | None, target: str) -> str:
     out: list[str] = []
-    host_raw = snap.get("host")
-    host: dict[str, Any] = host_raw if isinstance(host_raw, dict) else {}
-    sim = bool(snap.get("simulated") or hello.get("simulated"))
-    hostname = host.get("hostname") or hello.get("hostname") or "?"
+    host = snap.host
+    sim = snap.simulated or (agent is not None and agent.simulated)
+    hostname = host.hostname or (agent.hostname if agent else None) or "?"
+    python = host.python or (agent.python if agent else None)
     out.append(
-        f"host      {hostname} via {target}   python {host.get('python') or hello.get('python')}   "
-        f"agent {hello.get('agent_version')}" + ("   [SIMULATED GPUs]" if sim else "")
+        f"host      {hostname} via {target}   python {python}   "
+        f"agent {agent.agent_version if agent else None}" + ("   [SIMULATED GPUs]" if sim else "")
     )
-    gpus = [g for g in snap.get("gpus") or [] if isinstance(g, dict)]
-    reason = _nvml_unavailable(snap, hello)
+    gpus = snap.gpus
+    reason = _nvml_unavailable(snap, agent)
     if reason and not gpus:
         out.append(f"GPUs      NVML unavailable: {reason}")
     else:
@@ -130,38 +109,36 @@ def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> s
         out.append(f"GPUs{' (SIMULATED)' if sim else ''}: {len(gpus)}{note}")
         rows = [["#", "name", "util", "memory used/total", "temp", "power", "holders"]]
         for g in gpus:
-            name = str(g.get("name") or "?") + (" [sim]" if g.get("simulated") else "")
-            mem = f"{_num(g.get('mem_used_mib'))} / {_num(g.get('mem_total_mib'))} MiB"
-            holder_pids = ",".join(str(p) for p in g.get("holder_pids") or []) or "-"
+            name = (g.name or "?") + (" [sim]" if g.simulated else "")
+            mem = f"{_num(g.mem_used_mib)} / {_num(g.mem_total_mib)} MiB"
+            holder_pids = ",".join(str(p) for p in g.holder_pids) or "-"
             rows.append(
                 [
-                    str(g.get("index")),
+                    str(g.index),
                     name,
-                    _num(g.get("util_pct"), unit="%"),
+                    _num(g.util_pct, unit="%"),
                     mem,
-                    _num(g.get("temp_c"), unit="C"),
-                    _num(g.get("power_w"), unit="W"),
+                    _num(g.temp_c, unit="C"),
+                    _num(g.power_w, unit="W"),
                     holder_pids,
                 ]
             )
         out += _table(rows)
-    tree, holders = _procs_of(snap)
-    run = snap.get("run") if isinstance(snap.get("run"), dict) else None
-    out += format_run(run) if run else ["run       none"]
+    tree, holders = snap.processes.run_tree, snap.processes.holders
+    out += format_run(snap.run) if snap.run else ["run       none"]
     if tree:
         out.append(f"run processes: {len(tree)}")
         rows = [["pid", "ppid", "user", "cpu", "rss", "threads", "command"]]
-        p: dict[str, Any]
         for p in tree[:30]:
             rows.append(
                 [
-                    str(p.get("pid")),
-                    str(p.get("ppid")),
-                    str(p.get("user") or "-"),
-                    _num(p.get("cpu_pct"), unit="%"),
-                    _num(p.get("rss_mib"), unit=" MiB"),
-                    str(len(p.get("threads") or [])),
-                    str(p.get("cmd") or "")[:80],
+                    str(p.pid),
+                    str(p.ppid),
+                    p.user or "-",
+                    _num(p.cpu_pct, unit="%"),
+                    _num(p.rss_mib, unit=" MiB"),
+                    str(len(p.threads)),
+                    p.cmd[:80],
                 ]
             )
         out += _table(rows)
@@ -171,46 +148,48 @@ def format_status(snap: dict[str, Any], hello: dict[str, Any], target: str) -> s
         for h in holders:
             rows.append(
                 [
-                    str(h.get("pid")) + ("" if h.get("resolved", True) else " (unresolved)"),
-                    str(h.get("user") or "-"),
-                    ",".join(str(i) for i in h.get("gpus") or []) or "-",
-                    _num(h.get("used_mib"), unit=" MiB"),
-                    str(h.get("state") or "-"),
-                    "yes" if h.get("in_run") else "no",
-                    str(h.get("cmd") or "")[:70],
+                    str(h.pid) + ("" if h.resolved else " (unresolved)"),
+                    h.user or "-",
+                    ",".join(str(i) for i in h.gpus) or "-",
+                    _num(h.used_mib, unit=" MiB"),
+                    h.state or "-",
+                    "yes" if h.in_run else "no",
+                    (h.cmd or "")[:70],
                 ]
             )
         out += _table(rows)
-    anomalies = [a for a in snap.get("anomalies") or [] if isinstance(a, dict)]
+    anomalies = snap.anomalies
     out.append(f"anomalies: {len(anomalies) or 'none'}")
     for a in anomalies:
-        where = f" gpu {a['gpu']}" if a.get("gpu") is not None else ""
-        where += f" pid {a['pid']}" if a.get("pid") is not None else ""
-        out.append(f"  ! {a.get('kind')}{where}: {a.get('message')}")
+        where = f" gpu {a.gpu}" if a.gpu is not None else ""
+        where += f" pid {a.pid}" if a.pid is not None else ""
+        out.append(f"  ! {a.kind}{where}: {a.message}")
     return "\n".join(out)
 
 
-async def fetch_status(session: Session, timeout_s: float = 30.0) -> dict[str, Any]:
+async def fetch_status(session: Session, timeout_s: float = 30.0) -> tuple[dict[str, Any], protocol.StatusReply]:
+    """The ``status`` reply as the agent sent it (what ``--json`` prints) and decoded (what the text reads)."""
     snap = await session.request("status", timeout_s=timeout_s)
     if session.agent and session.agent.simulated:
         snap.setdefault("simulated", True)
-    return snap
+    return snap, typed_reply(protocol.StatusReply, "status", snap)
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        run = await run_named(session, args)
-        if run is not None:
+        named = await run_named(session, args)
+        if named is not None:
+            raw, run = named
             if args.json:
-                print_json({"run": run})
+                print_json({"run": raw})
             else:
                 print("\n".join(format_run(run)), flush=True)
             return EXIT_OK
-        snap = await fetch_status(session)
+        snap, status = await fetch_status(session)
         if args.json:
             print_json(snap)
         else:
-            print(format_status(snap, session.hello or {}, session.target_display), flush=True)
+            print(format_status(status, session.agent, session.target_display), flush=True)
         return EXIT_OK
 
     return await with_session(args, body)
@@ -219,32 +198,32 @@ async def cmd_status(args: argparse.Namespace) -> int:
 # -- runs ------------------------------------------------------------------------------------------
 
 
-def _when(t: Any) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "-"
 
 
-def _duration(seconds: Any) -> str:
-    if not isinstance(seconds, (int, float)):
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
         return "-"
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def format_runs(runs: list[dict[str, Any]], total: int) -> str:
+def format_runs(runs: list[protocol.ListedRun], total: int) -> str:
     rows = [["id", "state", "started", "duration", "last step", "exit", "cause"]]
     for r in runs:
-        exit_txt = str(r["exit_code"]) if r.get("exit_code") is not None else "-"
-        if r.get("signal") is not None:
-            exit_txt = f"signal {r['signal']}"
+        exit_txt = str(r.exit_code) if r.exit_code is not None else "-"
+        if r.signal is not None:
+            exit_txt = f"signal {r.signal}"
         rows.append(
             [
-                str(r.get("run_id")) + (" *" if r.get("current") else ""),
-                str(r.get("state")),
-                _when(r.get("started_at")),
-                _duration(r.get("duration_s")),
-                str(r["last_step"]) if r.get("last_step") is not None else "-",
+                r.run_id + (" *" if r.current else ""),
+                r.state,
+                _when(r.started_at),
+                _duration(r.duration_s),
+                str(r.last_step) if r.last_step is not None else "-",
                 exit_txt,
-                str(r.get("cause") or "")[:100],
+                (r.cause or "")[:100],
             ]
         )
     more = f"   ({total - len(runs)} older: --limit)" if total > len(runs) else ""
@@ -254,13 +233,13 @@ def format_runs(runs: list[dict[str, Any]], total: int) -> str:
 async def cmd_runs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         res = await session.request("runs", timeout_s=60.0, limit=args.limit)
-        runs = [r for r in res.get("runs") or [] if isinstance(r, dict)]
+        listed = typed_reply(protocol.RunsReply, "runs", res)
         if args.json:
             print_json(res)
-        elif not runs:
+        elif not listed.runs:
             print("no runs yet", flush=True)
         else:
-            print(format_runs(runs, int(res.get("total") or len(runs))), flush=True)
+            print(format_runs(listed.runs, listed.total or len(listed.runs)), flush=True)
         return EXIT_OK
 
     return await with_session(args, body)
@@ -297,44 +276,50 @@ def _run_params(args: argparse.Namespace) -> dict[str, Any]:
     return {"run_id": args.run} if getattr(args, "run", None) else {}
 
 
-async def run_named(session: Session, args: argparse.Namespace) -> dict[str, Any] | None:
-    """The RunInfo of ``--run ID`` (None without --run); an ID the host does not have is a usage error (exit 2)."""
+async def run_named(session: Session, args: argparse.Namespace) -> tuple[Any, protocol.RunInfo] | None:
+    """The RunInfo of ``--run ID`` as sent (for ``--json``) and decoded (None without --run); an ID the host does
+    not have is a usage error (exit 2), a reply that does not decode a failed command (exit 1)."""
     if not getattr(args, "run", None):
         return None
     try:
-        run = (await session.request("run_info", timeout_s=30.0, run_id=args.run)).get("run")
+        reply = await session.request("run_info", timeout_s=30.0, run_id=args.run)
     except CommandFailed as exc:
         if exc.lost:
             raise
         raise UsageError(f"--run {args.run}: {exc.message} (`specdec-tui runs TARGET` lists them)") from None
-    return run if isinstance(run, dict) else {}
+    return reply.get("run"), typed_reply(protocol.RunInfoReply, "run_info", reply).run
 
 
-async def _print_last_lines(session: Session, args: argparse.Namespace) -> dict[str, Any]:
+async def _print_last_lines(session: Session, args: argparse.Namespace) -> protocol.TailReply:
     """Print the last ``args.lines`` lines of the run's output.log, however many; returns the tail reply, whose
     ``offset``/``inode`` say where the printed bytes end. BrokenPipeError when stdout's reader left."""
     fd = sys.stdout.fileno()
     n = int(args.lines)
     tail = None
     if n <= TAIL_IN_REPLY_MAX_LINES:
-        tail = await session.request("tail", timeout_s=30.0, n=n, **_run_params(args))
-    if tail is not None and not tail.get("window_cut"):  # else long lines overran the reply's byte window
-        lines = [str(line) for line in tail.get("lines") or []]
+        tail = await session.ask(protocol.TailReply, "tail", timeout_s=30.0, n=n, **_run_params(args))
+    if tail is not None and not tail.window_cut:  # else long lines overran the reply's byte window
+        lines = tail.lines
         for i, line in enumerate(lines):
             data = protocol.decode_log_data(line)
-            last_partial = i == len(lines) - 1 and tail.get("partial") and args.follow
+            last_partial = i == len(lines) - 1 and tail.partial and args.follow
             write_all(fd, data if last_partial else data + b"\n")  # a follower continues a partial last line
         return tail
-    tail = await session.request("tail", timeout_s=30.0, n=n, stream=True, **_run_params(args))
-    pos, end, inode = int(tail.get("start") or 0), int(tail.get("offset") or 0), tail.get("inode")
-    run_id = tail["run_id"]
+    tail = await session.ask(protocol.TailReply, "tail", timeout_s=30.0, n=n, stream=True, **_run_params(args))
+    pos, end, inode = tail.start or 0, tail.offset, tail.inode
+    run_id = tail.run_id
     last = b"\n"
     while pos < end:
-        chunk = await session.request(
-            "read_log", timeout_s=60.0, run_id=run_id, offset=pos, max_bytes=min(READ_CHUNK_BYTES, end - pos)
+        chunk = await session.ask(
+            protocol.ReadLogReply,
+            "read_log",
+            timeout_s=60.0,
+            run_id=run_id,
+            offset=pos,
+            max_bytes=min(READ_CHUNK_BYTES, end - pos),
         )
-        data = protocol.decode_log_data(str(chunk.get("data") or ""))
-        if chunk.get("inode") != inode or not data:
+        data = chunk.raw
+        if chunk.inode != inode or not data:
             raise CommandFailed(f"output.log of run {run_id} was replaced or truncated while read (at byte {pos})")
         data = data[: end - pos]
         write_all(fd, data)
@@ -355,13 +340,10 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             return _reader_gone()
         if not args.follow:
             return EXIT_OK
-        if not tail.get("current", True):
-            err(f"[run {tail.get('run_id')} is not the current run: it has nothing more to follow]")
+        if not tail.current:
+            err(f"[run {tail.run_id} is not the current run: it has nothing more to follow]")
             return EXIT_OK
-        offset, inode = tail.get("offset"), tail.get("inode")
-        session.resume_from(
-            {"offset": offset, "inode": inode} if isinstance(offset, int) and isinstance(inode, int) else None, None
-        )
+        session.resume_from({"offset": tail.offset, "inode": tail.inode} if tail.inode is not None else None, None)
         ended = asyncio.Event()
         reader_gone = False
 
@@ -429,15 +411,17 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
             f" on {hostname}, python {python}{simulated_label(session)}",
             None,
         )
-        result = await session.request("doctor", timeout_s=120.0)
+        result = await session.ask(protocol.DoctorReply, "doctor", timeout_s=120.0)
+    except CommandFailed as exc:
+        err(f"error: {exc.message}")
+        return EXIT_CONNECTION if exc.lost else EXIT_FAILED
     finally:
         await session.close()
-    checks = [c for c in result.get("checks") or [] if isinstance(c, dict)]
+    checks = result.checks
     for c in checks:
-        level = str(c.get("level") or "error")
-        _print_check(bool(c.get("ok")), str(c.get("name")), str(c.get("detail") or ""), c.get("fix"), level)
-    failed = [c for c in checks if not c.get("ok") and c.get("level") != "warn"]
-    warned = [c for c in checks if not c.get("ok") and c.get("level") == "warn"]
+        _print_check(c.ok, c.name, c.detail, c.fix, c.level or "error")
+    failed = [c for c in checks if not c.ok and c.level != "warn"]
+    warned = [c for c in checks if not c.ok and c.level == "warn"]
     passed = len(checks) + 1 - len(failed) - len(warned)
     print(f"{passed} passed, {len(warned)} warnings, {len(failed)} failed", flush=True)
     return EXIT_OK if not failed else EXIT_FAILED
@@ -450,9 +434,9 @@ async def cmd_stacks(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         await run_named(session, args)
         params = {"timeout_s": args.timeout, **_run_params(args)}
-        result = await session.request("stacks", timeout_s=args.timeout + 15.0, params=params)
-        print(f"# stacks via {result.get('method')}", flush=True)
-        print(str(result.get("text") or "").rstrip(), flush=True)
+        result = await session.ask(protocol.StacksReply, "stacks", timeout_s=args.timeout + 15.0, params=params)
+        print(f"# stacks via {result.method}", flush=True)
+        print(result.text.rstrip(), flush=True)
         return EXIT_OK
 
     return await with_session(args, body)

@@ -23,7 +23,7 @@ from tui.cli_common import (
 from tui.events import ClientEvent
 from tui.profiles import Profile, ProfileError, resolve_profile
 from tui.relaunch import engine_python, restart_run
-from tui.session import CommandFailed, Session
+from tui.session import CommandFailed, Session, typed_reply
 
 WAIT_CHOICES = ("started", "output", "first-step")
 _REPLY_MARGIN_S = 30.0  # a wait's reply may arrive this long after its own timeout before we give up on it
@@ -40,32 +40,28 @@ def _engine_python(session: Session) -> str:
     return engine_python(session.opts.python, session.agent.python_path if session.agent else None)
 
 
-def _wait_exit_code(result: dict[str, Any]) -> int:
-    if result.get("ok"):
+def _wait_exit_code(result: protocol.WaitResult) -> int:
+    if result.ok:
         return EXIT_OK
     # Hung means a deadline passed with the process alive; a live process with a dead engine thread failed.
-    hung = result.get("hung")
-    if hung is None:  # an older agent without the field
-        hung = bool(result.get("alive"))
-    return EXIT_HUNG if hung else EXIT_FAILED
+    return EXIT_HUNG if result.hung else EXIT_FAILED
 
 
-def _wait_object(result: dict[str, Any], milestone: str, run_id: str | None) -> dict[str, Any]:
-    obj = {
-        "ok": bool(result.get("ok")),
-        "milestone": result.get("milestone", milestone),
-        "stage": result.get("stage"),
-        "cause": result.get("cause"),
-        "exit_code": result.get("exit_code"),
-        "signal": result.get("signal"),
-        "elapsed_s": result.get("elapsed_s"),
-        "last_lines": list(result.get("last_lines") or []),
+def _wait_object(result: protocol.WaitResult, run_id: str | None) -> dict[str, Any]:
+    """The ``launch --wait --json`` object: the agent's WaitResult without ``hung`` (the exit code says that)."""
+    return {
+        "ok": result.ok,
+        "milestone": result.milestone,
+        "stage": result.stage,
+        "cause": result.cause,
+        "exit_code": result.exit_code,
+        "signal": result.signal,
+        "elapsed_s": result.elapsed_s,
+        "last_lines": result.last_lines,
+        "alive": result.alive,
+        "detail": result.detail,
+        "run_id": result.run_id or run_id,
     }
-    for k in ("alive", "detail"):
-        if k in result:
-            obj[k] = result[k]
-    obj["run_id"] = result.get("run_id") or run_id
-    return obj
 
 
 def _print_wait_human(obj: dict[str, Any], milestone: str) -> None:
@@ -140,16 +136,19 @@ async def wait_and_report(
     as_json: bool,
     printer: _MilestonePrinter,
 ) -> int:
-    """After a launch: print where it runs, wait for the milestone if asked, map the result to an exit code."""
-    run_id = launched.get("run_id")
-    printer.run_id = str(run_id) if run_id else None
+    """After a launch: print where it runs, wait for the milestone if asked, map the result to an exit code.
+
+    ``launched`` is the launch reply as sent (``--json`` carries its keys), ``command`` added by the client."""
+    reply = typed_reply(protocol.LaunchReply, "launch", launched)
+    run_id = reply.run_id
+    printer.run_id = run_id or None
     attach = None
-    if launched.get("attachable") and launched.get("tmux_session"):
-        attach = shlex.join(session.attach_argv(str(launched["tmux_session"])))
+    if reply.attachable and reply.tmux_session:
+        attach = shlex.join(session.attach_argv(reply.tmux_session))
     if not as_json:
         print(f"launched run {run_id} on {session.target_display}{simulated_label(session)}", flush=True)
-        if launched.get("command"):
-            print(f"  command {shlex.join(str(c) for c in launched['command'])}", flush=True)
+        if reply.command:
+            print(f"  command {shlex.join(reply.command)}", flush=True)
     if wait is None:
         if as_json:
             obj = {
@@ -167,12 +166,13 @@ async def wait_and_report(
             print(f"  attach: {attach}", flush=True)
         return EXIT_OK
     bound = timeout_s if timeout_s is not None else max((deadlines_s or {}).values(), default=3600.0)
-    result = await session.request(
+    result = await session.ask(
+        protocol.WaitResult,
         "wait",
         timeout_s=bound + _REPLY_MARGIN_S,
         params={"run_id": run_id, "milestone": wait, "timeout_s": timeout_s, "deadlines_s": deadlines_s},
     )
-    obj = _wait_object(result, wait, str(run_id) if run_id else None)
+    obj = _wait_object(result, run_id or None)
     if as_json:
         print_json(obj)
     else:
@@ -252,10 +252,12 @@ def _quiet(ev: ClientEvent) -> None:
     """A listener for --json: progress goes unsaid."""
 
 
-async def _stop(session: Session, grace_s: float, quiet: bool = False) -> dict[str, Any]:
+async def _stop(session: Session, grace_s: float, quiet: bool = False) -> protocol.StopReply:
     unsubscribe = session.add_event_listener(_on_progress if not quiet else _quiet)
     try:
-        return await session.request("stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0)
+        return await session.ask(
+            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0
+        )
     finally:
         unsubscribe()
 
@@ -263,8 +265,8 @@ async def _stop(session: Session, grace_s: float, quiet: bool = False) -> dict[s
 async def cmd_stop(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         result = await _stop(session, args.grace)
-        print("stopped" if result.get("stopped") else "not stopped", flush=True)
-        return EXIT_OK if result.get("stopped") else EXIT_FAILED
+        print("stopped" if result.stopped else "not stopped", flush=True)
+        return EXIT_OK if result.stopped else EXIT_FAILED
 
     return await with_session(args, body)
 
@@ -300,13 +302,12 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             finally:
                 progress()
                 printer.unsubscribe()
-        status = await session.request("status", timeout_s=30.0)
-        run = status.get("run") if isinstance(status.get("run"), dict) else None
-        if run is not None and run.get("state") in ("starting", "running"):
+        run = (await session.ask(protocol.StatusReply, "status", timeout_s=30.0)).run
+        if run is not None and run.state in ("starting", "running"):
             if not args.json:
-                print(f"stopping run {run.get('run_id')}", flush=True)
+                print(f"stopping run {run.run_id}", flush=True)
             result = await _stop(session, args.grace, quiet=args.json)
-            if not result.get("stopped"):
+            if not result.stopped:
                 err("the run did not stop; not starting a new one")
                 return EXIT_FAILED
         spec = profile.launch_spec(
@@ -318,17 +319,15 @@ async def cmd_restart(args: argparse.Namespace) -> int:
     return await with_session(args, body)
 
 
-def _holder_rows(items: list[dict[str, Any]]) -> list[str]:
+def _holder_rows(items: list[protocol.HolderInfo]) -> list[str]:
     out = []
     for h in items:
-        mem = h.get("used_mib")
-        mem_s = f"{mem:.0f} MiB" if isinstance(mem, (int, float)) else "-"
-        age = h.get("age_s")
-        age_s = f"{age:.0f} s" if isinstance(age, (int, float)) else "-"
-        gpus = ",".join(str(g) for g in h.get("gpus") or []) or "-"
+        mem_s = f"{h.used_mib:.0f} MiB" if h.used_mib is not None else "-"
+        age_s = f"{h.age_s:.0f} s" if h.age_s is not None else "-"
+        gpus = ",".join(str(g) for g in h.gpus) or "-"
         out.append(
-            f"  pid {h.get('pid')}  user {h.get('user') or '-'}  gpus {gpus}  mem {mem_s}  age {age_s}"
-            f"  state {h.get('state') or '-'}  {str(h.get('cmd') or '')[:80]}"
+            f"  pid {h.pid}  user {h.user or '-'}  gpus {gpus}  mem {mem_s}  age {age_s}"
+            f"  state {h.state or '-'}  {(h.cmd or '')[:80]}"
         )
     return out
 
@@ -336,29 +335,34 @@ def _holder_rows(items: list[dict[str, Any]]) -> list[str]:
 async def cmd_kill_stale(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         listed = await session.request("kill_stale", timeout_s=60.0, dry_run=True, targets=None, grace_s=args.grace)
-        candidates = [c for c in listed.get("candidates") or [] if isinstance(c, dict)]
+        candidates = typed_reply(protocol.KillStaleReply, "kill_stale", listed).candidates
+        raw_candidates = listed.get("candidates") or []  # what --json prints: the holders as the agent sent them
         if not args.json:
             print(f"stale GPU holders on {session.target_display}{simulated_label(session)}: {len(candidates)}")
             for line in _holder_rows(candidates):
                 print(line)
         if args.dry_run or not candidates:
             if args.json:
-                print_json({"dry_run": bool(args.dry_run), "candidates": candidates, "signalled": [], "failed": []})
+                print_json({"dry_run": bool(args.dry_run), "candidates": raw_candidates, "signalled": [], "failed": []})
             elif args.dry_run and candidates:
                 print("dry run: nothing signalled (use --yes to signal exactly these)")
             return EXIT_OK
-        targets = [[c.get("pid"), c.get("create_time")] for c in candidates]
+        targets = [[c.pid, c.create_time] for c in candidates]
         unsubscribe = session.add_event_listener(_on_progress if not args.json else _quiet)
         try:
-            done = await session.request(
-                "kill_stale", timeout_s=args.grace + 120.0, dry_run=False, targets=targets, grace_s=args.grace
+            done = await session.ask(
+                protocol.KillStaleReply,
+                "kill_stale",
+                timeout_s=args.grace + 120.0,
+                dry_run=False,
+                targets=targets,
+                grace_s=args.grace,
             )
         finally:
             unsubscribe()
-        signalled = list(done.get("signalled") or [])
-        failed = list(done.get("failed") or [])
+        signalled, failed = done.signalled, done.failed
         if args.json:
-            print_json({"dry_run": False, "candidates": candidates, "signalled": signalled, "failed": failed})
+            print_json({"dry_run": False, "candidates": raw_candidates, "signalled": signalled, "failed": failed})
         else:
             for s in signalled:
                 print(f"  signalled {s}")

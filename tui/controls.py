@@ -16,7 +16,7 @@ import os
 import shlex
 import subprocess
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from textual.app import App, SuspendNotSupported
 from textual.notifications import SeverityLevel
@@ -33,12 +33,14 @@ from tui.screens.help import HelpScreen
 from tui.screens.kill_stale import KillStaleScreen
 from tui.screens.runs import RUN_TAIL_LINES, RunsScreen
 from tui.screens.stacks import StacksScreen
+from tui.session import typed_reply
 
 STOP_TIMEOUT_S = 120.0
 STACKS_TIMEOUT_S = 20.0
 RUNS_SHOWN = 50  # newest runs listed by the runs screen (the agent caches scans of 64 runs)
 
 Handler = Callable[[], Awaitable[None] | None]
+R = TypeVar("R")
 
 
 class SessionLike(Protocol):
@@ -85,9 +87,9 @@ class RunControl:
 
     async def offer_launch(self, on_connect: str) -> None:
         """`connect --launch` starts the profile's run when none is active; plain `connect` offers it."""
-        status = await self._request("status", timeout_s=30.0)
+        status = await self._request(protocol.StatusReply, "status", timeout_s=30.0)
         if status is not None:
-            self.state.ingest_status(status)  # decoded as the stream's events are
+            self.state.ingest_status(status)
         run = self.state.run
         if (run is not None and run.state in ("starting", "running")) or self.launch_asked:
             return
@@ -115,15 +117,17 @@ class RunControl:
             chosen,
         )
 
-    async def _request(self, cmd: str, *, timeout_s: float | None = None, **args: Any) -> dict[str, Any] | None:
+    async def _request(self, reply: type[R], cmd: str, *, timeout_s: float | None = None, **args: Any) -> R | None:
+        """Send ``cmd`` and decode its reply into ``reply``; None (and an error on screen) when either fails."""
         try:
             result = await self.session.request(cmd, timeout_s=timeout_s, **args)
-        except Exception as exc:  # CommandFailed or a lost link: a visible error, never a crash
+            typed = typed_reply(reply, cmd, result)
+        except Exception as exc:  # CommandFailed, a reply that does not decode, a lost link: an error, never a crash
             self.app.notify(f"{cmd} failed: {exc}", severity="error", timeout=12)
             self.app.post_message(CommandFinished(cmd, False, error=str(exc)))
             return None
         self.app.post_message(CommandFinished(cmd, True, result))
-        return result
+        return typed
 
     def _confirm(self, title: str, body: str, on_yes: Callable[[], Any], yes_label: str = "Yes") -> None:
         def done(choice: str | None) -> None:
@@ -155,12 +159,11 @@ class RunControl:
             return
         self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
 
-    async def _launch(self, spec: dict[str, Any]) -> dict[str, Any] | None:
+    async def _launch(self, spec: dict[str, Any]) -> None:
         self.app.notify(f"launching {shlex.join(str(a) for a in spec.get('command', []))}", timeout=4)
-        result = await self._request("launch", timeout_s=60.0, **spec)
+        result = await self._request(protocol.LaunchReply, "launch", timeout_s=60.0, **spec)
         if result is not None:
-            self.app.notify(f"launched run {result.get('run_id')} (tmux {result.get('tmux_session')})", timeout=5)
-        return result
+            self.app.notify(f"launched run {result.run_id} (tmux {result.tmux_session})", timeout=5)
 
     def restart(self) -> None:
         run = self.state.run
@@ -198,19 +201,19 @@ class RunControl:
         self.app.run_worker(self._stop(), group="command", exit_on_error=False)
 
     async def _stop(self) -> None:
-        result = await self._request("stop", timeout_s=STOP_TIMEOUT_S)
+        result = await self._request(protocol.StopReply, "stop", timeout_s=STOP_TIMEOUT_S)
         if result is not None:
-            steps = "; ".join(str(s) for s in result.get("steps", []))
+            steps = "; ".join(result.steps)
             self.app.notify(f"stopped: {steps}" if steps else "stopped", timeout=6)
 
     def kill_stale(self) -> None:
         self.app.run_worker(self._kill_stale(), group="command", exit_on_error=False)
 
     async def _kill_stale(self) -> None:
-        listing = await self._request("kill_stale", timeout_s=30.0, dry_run=True, targets=None)
+        listing = await self._request(protocol.KillStaleReply, "kill_stale", timeout_s=30.0, dry_run=True, targets=None)
         if listing is None:
             return
-        candidates = [c for c in listing.get("candidates", []) if isinstance(c, dict)]
+        candidates = listing.candidates
         if not candidates:
             self.app.notify("no stale GPU holders", timeout=4)
             return
@@ -225,10 +228,11 @@ class RunControl:
         self.app.push_screen(KillStaleScreen(candidates), chosen)
 
     async def _signal_stale(self, targets: list[list[Any]]) -> None:
-        result = await self._request("kill_stale", timeout_s=60.0, dry_run=False, targets=targets)
+        result = await self._request(
+            protocol.KillStaleReply, "kill_stale", timeout_s=60.0, dry_run=False, targets=targets
+        )
         if result is not None:
-            signalled = result.get("signalled", [])
-            failed = result.get("failed", [])
+            signalled, failed = result.signalled, result.failed
             severity: SeverityLevel = "warning" if failed else "information"
             self.app.notify(f"signalled {len(signalled)} process(es); {len(failed)} failed", severity=severity)
 
@@ -242,25 +246,24 @@ class RunControl:
             result = await self.session.request(
                 "stacks", timeout_s=STACKS_TIMEOUT_S + 5, params={"timeout_s": STACKS_TIMEOUT_S}
             )
-        except Exception as exc:  # CommandFailed or a lost link: the reason replaces the pending text
+            stacks = typed_reply(protocol.StacksReply, "stacks", result)
+        except Exception as exc:  # CommandFailed, a reply that does not decode, a lost link: the reason is shown
             screen.show("failed", f"stacks failed: {exc}")
             self.app.post_message(CommandFinished("stacks", False, error=str(exc)))
             return
-        screen.show(str(result.get("method", "?")), str(result.get("text", "")))
+        screen.show(stacks.method, stacks.text)
         self.app.post_message(CommandFinished("stacks", True, result))
 
     def runs(self) -> None:
         self.app.run_worker(self._runs(), group="command", exit_on_error=False)
 
     async def _runs(self) -> None:
-        result = await self._request("runs", timeout_s=60.0, limit=RUNS_SHOWN)
+        result = await self._request(protocol.RunsReply, "runs", timeout_s=60.0, limit=RUNS_SHOWN)
         if result is not None:
-            runs = [r for r in result.get("runs") or [] if isinstance(r, dict)]
-            total = int(result.get("total") or len(runs))
-            self.app.push_screen(RunsScreen(runs, total, self._run_tail))
+            self.app.push_screen(RunsScreen(result.runs, result.total or len(result.runs), self._run_tail))
 
-    async def _run_tail(self, run_id: str) -> dict[str, Any] | None:
-        return await self._request("tail", timeout_s=30.0, n=RUN_TAIL_LINES, run_id=run_id)
+    async def _run_tail(self, run_id: str) -> protocol.TailReply | None:
+        return await self._request(protocol.TailReply, "tail", timeout_s=30.0, n=RUN_TAIL_LINES, run_id=run_id)
 
     def attach(self) -> None:
         run = self.state.run
@@ -359,7 +362,7 @@ class RunControl:
         self.state.dirty.add("header")
         if self.session.state != "connected":
             return  # the session's reconnect loop is at work; the header shows its attempts
-        status = await self._request("status", timeout_s=15.0)
+        status = await self._request(protocol.StatusReply, "status", timeout_s=15.0)
         if status is not None:
             self.state.ingest_status(status)
 

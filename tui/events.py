@@ -48,11 +48,3 @@ def decode(obj: dict[str, Any]) -> protocol.Event | Undecodable:
         kind = obj.get("ev")
         return Undecodable(kind if isinstance(kind, str) else None, str(exc))
 
-
-def to_wire(event: ClientEvent) -> dict[str, Any]:
-    """The event as a JSON object of the wire's shape (an undecodable one as the warning the session gives)."""
-    if isinstance(event, Undecodable):
-        return {"ev": "warning", "message": event.message}
-    if isinstance(event, ConnectionEvent):
-        return {"ev": event.EV, **protocol.to_jsonable(event)}
-    return protocol.event_to_wire(event)

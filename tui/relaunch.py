@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from engine import protocol
+from tui.session import typed_reply
 
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL grace of a stop (the agent's own default)
 RELEASE_TIMEOUT_S = 30.0  # how long a stop waits for the run's GPU devices to be released
@@ -85,30 +86,33 @@ def launch_spec_for(profile: dict[str, Any] | None, session: HasHello) -> dict[s
 
 @dataclass
 class Restarted:
-    """The agent's ``restart`` reply."""
+    """The agent's ``restart`` reply, decoded, with its ``launch`` part also as sent (``restart --json`` prints
+    the keys the agent sent, as ``launch --json`` does)."""
 
-    previous_run_id: str
+    reply: protocol.RestartReply
     launch: dict[str, Any]  # the ``launch`` reply of the new run: run_id, run_dir, tmux_session, attachable
-    stop: dict[str, Any] | None  # the ``stop`` reply, None when the run had already ended
 
     @property
-    def run_id(self) -> str | None:
-        run_id = self.launch.get("run_id")
-        return run_id if isinstance(run_id, str) else None
+    def previous_run_id(self) -> str:
+        return self.reply.previous_run_id
+
+    @property
+    def run_id(self) -> str:
+        return self.reply.launch.run_id
+
+    @property
+    def stop(self) -> protocol.StopReply | None:
+        """The ``stop`` reply, None when the run had already ended."""
+        return self.reply.stop
 
 
 async def restart_run(session: Requester, *, grace_s: float = STOP_GRACE_S) -> Restarted:
-    """Stop the current run if it runs, then launch its recorded spec again; raises the session's CommandFailed."""
-    reply = await session.request(
+    """Stop the current run if it runs, then launch its recorded spec again; raises the session's CommandFailed
+    (ReplyNotUnderstood when the reply does not decode)."""
+    raw = await session.request(
         "restart",
         timeout_s=grace_s + RELEASE_TIMEOUT_S + RESTART_REPLY_MARGIN_S,
         grace_s=grace_s,
         release_timeout_s=RELEASE_TIMEOUT_S,
     )
-    launch = reply.get("launch")
-    stop = reply.get("stop")
-    return Restarted(
-        previous_run_id=str(reply.get("previous_run_id")),
-        launch=launch if isinstance(launch, dict) else {},
-        stop=stop if isinstance(stop, dict) else None,
-    )
+    return Restarted(typed_reply(protocol.RestartReply, "restart", raw), dict(raw["launch"]))

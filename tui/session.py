@@ -7,8 +7,7 @@ log offset/inode and events.jsonl offset, so nothing is skipped or repeated.
 
 Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/events.py): event
 listeners (``add_event_listener``) get those, the session's own ``ConnectionEvent`` on every state change,
-and an ``Undecodable`` for a line that is JSON but not the protocol. Wire listeners (``add_listener``) get
-the same events as JSON objects of the wire's shape, for tools that record or forward the stream.
+and an ``Undecodable`` for a line that is JSON but not the protocol.
 """
 
 from __future__ import annotations
@@ -18,16 +17,24 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from engine import protocol
-from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode, to_wire
+from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode
 from tui.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
 
-__all__ = ["CommandFailed", "ConnectError", "ConnectOptions", "Session", "open_session"]
+__all__ = [
+    "CommandFailed",
+    "ConnectError",
+    "ConnectOptions",
+    "ReplyNotUnderstood",
+    "Session",
+    "open_session",
+    "typed_reply",
+]
 
 Listener = Callable[[ClientEvent], None]
-WireListener = Callable[[dict[str, Any]], None]
+R = TypeVar("R")
 
 HELLO_TIMEOUT_S = 30.0
 HOST_MAP_INTERVAL_S = 2.0  # how often the Proxmox host's map is refreshed under --pct
@@ -54,14 +61,25 @@ class CommandFailed(Exception):
         self.lost = lost  # True when the connection broke before the reply
 
 
+class ReplyNotUnderstood(CommandFailed):
+    """A command's reply came but does not fit its dataclass (engine/protocol.py): the field and why."""
+
+
+def typed_reply(reply: type[R], cmd: str, result: dict[str, Any]) -> R:
+    """A command's result decoded into ``reply``; ReplyNotUnderstood names the field that does not fit."""
+    try:
+        return protocol.from_json(reply, result, cmd)
+    except protocol.ProtocolError as exc:
+        raise ReplyNotUnderstood(f"{cmd}: the agent's reply is not understood: {exc}", cmd=cmd) from None
+
+
 class Session:
     def __init__(self, transport: Transport, opts: ConnectOptions) -> None:
         self.transport = transport
         self.opts = opts
         self.target_display: str = transport.display
         self.state: str = "disconnected"
-        self.hello: dict[str, Any] | None = None  # the agent's hello line as received (scripts read it)
-        self.agent: protocol.HelloEvent | None = None  # the same, decoded: what the client reads
+        self.agent: protocol.HelloEvent | None = None  # the agent's hello, decoded
         self.rtt_ms: float | None = None
         self.auto_reconnect: bool = True
         self.max_reconnect_attempts: int | None = None  # None: keep trying until close()
@@ -71,7 +89,6 @@ class Session:
         self._pending: dict[int, asyncio.Future[protocol.ReplyEvent]] = {}
         self._next_id = 1
         self._listeners: list[Listener] = []
-        self._wire_listeners: list[WireListener] = []
         self._reader: asyncio.Task[None] | None = None
         self._reconnector: asyncio.Task[None] | None = None
         self._pinger: asyncio.Task[None] | None = None
@@ -96,24 +113,10 @@ class Session:
 
         return unsubscribe
 
-    def add_listener(self, fn: WireListener) -> Callable[[], None]:
-        """Call ``fn`` with every event as a JSON object of the wire's shape; returns the function that removes it."""
-        self._wire_listeners.append(fn)
-
-        def unsubscribe() -> None:
-            with contextlib.suppress(ValueError):
-                self._wire_listeners.remove(fn)
-
-        return unsubscribe
-
-    def _dispatch(self, ev: ClientEvent, wire: dict[str, Any] | None = None) -> None:
-        """Hand one event to the listeners; ``wire``: its object as received (built from ``ev`` when None)."""
+    def _dispatch(self, ev: ClientEvent) -> None:
+        """Hand one event to the listeners."""
         for fn in list(self._listeners):
             _call(fn, ev, ev.EV)
-        if self._wire_listeners:
-            obj = wire if wire is not None else to_wire(ev)
-            for wire_fn in list(self._wire_listeners):
-                _call(wire_fn, obj, ev.EV)
 
     def _warn(self, message: str) -> None:
         self._dispatch(protocol.WarningEvent(message))
@@ -179,10 +182,10 @@ class Session:
         except protocol.ProtocolError as exc:
             await stream.close()
             raise ConnectError(f"{self.target_display}: the agent's hello is not understood: {exc}") from None
-        self.hello, self.agent = hello, agent
+        self.agent = agent
         self._stream = stream
         self._reader = asyncio.ensure_future(self._read_loop(stream))
-        self._dispatch(agent, hello)
+        self._dispatch(agent)
 
     async def _read_loop(self, stream: AgentStream) -> None:
         reason = "the agent closed the connection"
@@ -233,11 +236,11 @@ class Session:
                 fitted = self._fit_log_event(ev, int(pos.get("offset") or 0))
                 if fitted is None:
                     return
-                ev, obj = fitted, {**obj, "offset": fitted.offset, "data": fitted.data}
+                ev = fitted
             self._log_pos = {"offset": ev.offset + len(ev.raw), "inode": ev.inode}
         elif isinstance(ev, protocol.LogResetEvent):
             self._log_pos = {"offset": ev.offset, "inode": ev.inode}
-        self._dispatch(ev, obj)
+        self._dispatch(ev)
 
     def _fit_log_event(self, ev: protocol.LogEvent, expected: int) -> protocol.LogEvent | None:
         """A log event that does not start where the received bytes end: trim what was already received, or
@@ -360,6 +363,18 @@ class Session:
         result = reply.result
         return result if isinstance(result, dict) else {"value": result}
 
+    async def ask(
+        self,
+        reply: type[R],
+        cmd: str,
+        *,
+        timeout_s: float | None = None,
+        params: dict[str, Any] | None = None,
+        **args: Any,
+    ) -> R:
+        """``request``, its result decoded into ``reply``; raises CommandFailed (ReplyNotUnderstood: it did not fit)."""
+        return typed_reply(reply, cmd, await self.request(cmd, timeout_s=timeout_s, params=params, **args))
+
     async def ping(self, timeout_s: float = 10.0) -> float:
         t0 = time.perf_counter()
         await self.request("ping", timeout_s=timeout_s)
@@ -479,11 +494,12 @@ class HostLink:
                 assert self._host is not None
                 try:
                     hm = await self._host.request("host_map", timeout_s=20.0, ctid=ctid)
+                    said = typed_reply(protocol.HostMap, "host_map", hm)
                 except CommandFailed as exc:
                     error = f"the Proxmox host's agent failed: {exc.message}"
                     break
-                if isinstance(hm.get("error"), str):
-                    error = f"the Proxmox host cannot list GPU processes: {hm['error']}"
+                if said.error is not None:
+                    error = f"the Proxmox host cannot list GPU processes: {said.error}"
                     break
                 if await self._hand_over(map=hm):
                     self._said = None  # working again: a later failure is news

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from tui.session import ConnectOptions
+from tui.events import ClientEvent, ConnectionEvent
+from tui.session import ConnectOptions, Session
 
 
 def ssh_options(sshd: Any, run_root: Path | None = None, **extra: Any) -> ConnectOptions:
@@ -63,21 +64,25 @@ class LogCollector:
         self.run_id = run_id
         self.errors: list[str] = []
 
-    def __call__(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("ev")
-        if kind == "log":
+    def __call__(self, ev: ClientEvent) -> None:
+        if isinstance(ev, protocol.LogEvent):
             self.events += 1
-            off = ev.get("offset")
-            if off != len(self.data):
-                self.problems.append(f"log event at offset {off} while {len(self.data)} bytes were received")
+            if ev.offset != len(self.data):
+                self.problems.append(f"log event at offset {ev.offset} while {len(self.data)} bytes were received")
                 return
-            self.data.extend(protocol.decode_log_data(ev["data"]))
-        elif kind == "log_reset":
-            if ev.get("offset") != 0 or self.data:
+            self.data.extend(ev.raw)
+        elif isinstance(ev, protocol.LogResetEvent):
+            if ev.offset != 0 or self.data:
                 self.problems.append(f"unexpected log_reset {ev} after {len(self.data)} bytes")
-        elif kind == "connection":
-            self.states.append(str(ev.get("state")))
-        elif kind == "hello":
-            self.hellos.append(int(ev.get("pid") or 0))
-        elif kind == "error":
-            self.errors.append(str(ev.get("message")))
+        elif isinstance(ev, ConnectionEvent):
+            self.states.append(ev.state)
+        elif isinstance(ev, protocol.HelloEvent):
+            self.hellos.append(ev.pid or 0)
+        elif isinstance(ev, protocol.ErrorEvent):
+            self.errors.append(ev.message)
+
+
+def agent_pid_of(session: Session) -> int:
+    """The PID of the agent the session is (or was last) connected to, as its hello said."""
+    assert session.agent is not None and session.agent.pid is not None, "the agent said no hello with its pid"
+    return session.agent.pid

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adv_support import LogCollector, ssh_options, sshd_session_of
+from adv_support import LogCollector, agent_pid_of, ssh_options, sshd_session_of
 from support.procfs import pid_alive
 from support.waiting import wait_until_async
 
 from engine.supervisor import records
+from tui.events import ConnectionEvent
 from tui.session import ConnectOptions, Session, open_session
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tmux]
@@ -93,7 +94,7 @@ async def test_twenty_ssh_drops_during_a_50k_lines_per_second_burst_lose_and_rep
     session = open_session(sshd.target, ssh_options(sshd, run_root))
     _fast_reconnect(session)
     got = LogCollector()
-    session.add_listener(got)
+    session.add_event_listener(got)
     stop = tmp_path / "stop-writer"
     main_sshd = int((sshd.dir / "sshd.pid").read_text().split()[0])
     await session.connect()
@@ -105,7 +106,7 @@ async def test_twenty_ssh_drops_during_a_50k_lines_per_second_burst_lose_and_rep
         await wait_until_async(lambda: len(got.data) > 100_000, 30, "the burst to reach the client")
         t_burst = time.monotonic()
         for i in range(DROPS):
-            agent_pid = int((session.hello or {})["pid"])
+            agent_pid = agent_pid_of(session)
             server = sshd_session_of(agent_pid)
             assert server != main_sshd, "would kill the listening sshd, not the session's"
             before = len(got.data)
@@ -114,7 +115,7 @@ async def test_twenty_ssh_drops_during_a_50k_lines_per_second_burst_lose_and_rep
             await wait_until_async(lambda: session.state != "connected", 10, f"drop {i + 1} to be noticed")
             t_noticed = time.monotonic()
             await wait_until_async(
-                lambda old=agent_pid: session.state == "connected" and int((session.hello or {})["pid"]) != old,
+                lambda old=agent_pid: session.state == "connected" and agent_pid_of(session) != old,
                 30,
                 f"reconnect after drop {i + 1}",
             )
@@ -159,11 +160,11 @@ async def test_agent_killed_with_sigkill_is_noticed_within_two_seconds_and_nothi
     _fast_reconnect(session)
     got = LogCollector()
     noticed_at: list[float] = []
-    session.add_listener(got)
-    session.add_listener(
+    session.add_event_listener(got)
+    session.add_event_listener(
         lambda ev: (
             noticed_at.append(time.monotonic())
-            if ev.get("ev") == "connection" and ev.get("state") == "reconnecting"
+            if isinstance(ev, ConnectionEvent) and ev.state == "reconnecting"
             else None
         )
     )
@@ -175,7 +176,7 @@ async def test_agent_killed_with_sigkill_is_noticed_within_two_seconds_and_nothi
         run_id = str((await _launch_writer(session, stop, 5_000))["run_id"])
         await wait_until_async(lambda: len(got.data) > 10_000, 30, "the log to reach the client")
         for i in range(3):
-            agent_pid = int((session.hello or {})["pid"])
+            agent_pid = agent_pid_of(session)
             before = len(got.data)
             noticed_at.clear()
             t0 = time.monotonic()
@@ -183,7 +184,7 @@ async def test_agent_killed_with_sigkill_is_noticed_within_two_seconds_and_nothi
             await wait_until_async(lambda: noticed_at, 5, f"the client to notice the dead agent ({i + 1})")
             notice_s.append(noticed_at[0] - t0)
             await wait_until_async(
-                lambda old=agent_pid: session.state == "connected" and int((session.hello or {})["pid"]) != old,
+                lambda old=agent_pid: session.state == "connected" and agent_pid_of(session) != old,
                 30,
                 "a new agent",
             )
@@ -208,7 +209,7 @@ async def test_a_frozen_server_side_is_abandoned_and_the_stream_resumes_lossless
     session = open_session(sshd.target, ssh_options(sshd, run_root, keepalive_s=2.0))
     _fast_reconnect(session)
     got = LogCollector()
-    session.add_listener(got)
+    session.add_event_listener(got)
     stop = tmp_path / "stop-writer"
     frozen: int | None = None
     await session.connect()
@@ -216,14 +217,14 @@ async def test_a_frozen_server_side_is_abandoned_and_the_stream_resumes_lossless
         await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
         run_id = str((await _launch_writer(session, stop, 20_000))["run_id"])
         await wait_until_async(lambda: len(got.data) > 50_000, 30, "the burst to reach the client")
-        agent_pid = int((session.hello or {})["pid"])
+        agent_pid = agent_pid_of(session)
         frozen = sshd_session_of(agent_pid)
         t0 = time.monotonic()
         os.kill(frozen, signal.SIGSTOP)
         await wait_until_async(lambda: session.state != "connected", 30, "the silent link to be given up")
         noticed_s = time.monotonic() - t0
         await wait_until_async(
-            lambda: session.state == "connected" and int((session.hello or {})["pid"]) != agent_pid, 30, "reconnect"
+            lambda: session.state == "connected" and agent_pid_of(session) != agent_pid, 30, "reconnect"
         )
         before = len(got.data)
         await wait_until_async(lambda: len(got.data) > before + 50_000, 30, "the stream to resume")

@@ -16,6 +16,7 @@ from typing import Any
 from support.waiting import wait_until_async
 
 from engine import protocol
+from tui.events import ConnectionEvent, Undecodable
 from tui.session import ConnectOptions, Session, open_session
 
 JUNK_LINES = 10_000
@@ -98,8 +99,10 @@ async def test_session_survives_a_hostile_agent_and_reports_every_unreadable_lin
     states: list[str] = []
     loop_errors: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
-    session.add_listener(lambda ev: warnings.append(str(ev.get("message"))) if ev.get("ev") == "warning" else None)
-    session.add_listener(lambda ev: states.append(str(ev.get("state"))) if ev.get("ev") == "connection" else None)
+    session.add_event_listener(
+        lambda ev: warnings.append(ev.message) if isinstance(ev, (protocol.WarningEvent, Undecodable)) else None
+    )
+    session.add_event_listener(lambda ev: states.append(ev.state) if isinstance(ev, ConnectionEvent) else None)
     await session.connect()
     try:
         await wait_until_async(
@@ -127,8 +130,8 @@ async def test_an_agent_cannot_spoof_the_sessions_connection_state(tmp_path: Pat
     spoof = json.dumps({"ev": "connection", "state": "failed", "detail": "spoofed by the agent", "attempt": 0})
     session = _hostile_session(tmp_path, [spoof.encode()])
     seen: list[tuple[str, str]] = []
-    session.add_listener(
-        lambda ev: seen.append((str(ev.get("state")), session.state)) if ev.get("ev") == "connection" else None
+    session.add_event_listener(
+        lambda ev: seen.append((ev.state, session.state)) if isinstance(ev, ConnectionEvent) else None
     )
     await session.connect()
     try:

@@ -22,8 +22,10 @@ from support.agent import AgentClient, end_runs
 from support.procfs import pid_alive
 from support.waiting import wait_until, wait_until_async
 
+from engine import protocol
 from engine.host import procs
 from engine.supervisor import records, tmux
+from tui.events import ClientEvent
 from tui.session import ConnectOptions, open_session
 
 pytestmark = pytest.mark.tmux
@@ -245,19 +247,17 @@ class _Files:
         self.problems: list[str] = []
         self.received = 0
 
-    def __call__(self, ev: dict[str, Any]) -> None:
-        from engine import protocol
-
-        if ev.get("ev") == "log_reset":
-            self.resets.append(str(ev.get("reason")))
-            buf = self.files.setdefault(int(ev["inode"]), bytearray())
-            del buf[int(ev["offset"]) :]
-        elif ev.get("ev") == "log":
-            buf = self.files.setdefault(int(ev["inode"]), bytearray())
-            if ev["offset"] != len(buf):
-                self.problems.append(f"inode {ev['inode']}: event at {ev['offset']}, have {len(buf)}")
+    def __call__(self, ev: ClientEvent) -> None:
+        if isinstance(ev, protocol.LogResetEvent):
+            self.resets.append(ev.reason)
+            buf = self.files.setdefault(ev.inode, bytearray())
+            del buf[ev.offset :]
+        elif isinstance(ev, protocol.LogEvent):
+            buf = self.files.setdefault(ev.inode, bytearray())
+            if ev.offset != len(buf):
+                self.problems.append(f"inode {ev.inode}: event at {ev.offset}, have {len(buf)}")
                 return
-            data = protocol.decode_log_data(ev["data"])
+            data = ev.raw
             buf.extend(data)
             self.received += len(data)
 
@@ -269,7 +269,7 @@ async def test_rotation_and_truncation_while_a_session_follows_lose_and_repeat_n
     pause, stop = tmp_path / "pause", tmp_path / "stop"
     session = open_session("local", ConnectOptions(run_root=str(root), python=sys.executable, connect_timeout_s=5.0))
     got = _Files()
-    session.add_listener(got)
+    session.add_event_listener(got)
     await session.connect()
     try:
         await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)

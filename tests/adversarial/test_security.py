@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adv_support import ssh_options, sshd_session_of
+from adv_support import agent_pid_of, ssh_options, sshd_session_of
 from support.waiting import wait_until_async
 
+from tui.events import ConnectionEvent
 from tui.session import open_session
 
 pytestmark = pytest.mark.ssh
@@ -70,12 +71,12 @@ async def test_a_reconnect_that_meets_a_changed_host_key_fails_instead_of_resumi
     )
     session.backoff_base_s = 0.05
     details: list[tuple[str, str]] = []
-    session.add_listener(
-        lambda ev: details.append((ev["state"], ev["detail"])) if ev.get("ev") == "connection" else None
+    session.add_event_listener(
+        lambda ev: details.append((ev.state, ev.detail)) if isinstance(ev, ConnectionEvent) else None
     )
     await session.connect()
     try:
-        agent_pid = int((session.hello or {})["pid"])
+        agent_pid = agent_pid_of(session)
         known.write_bytes(sshd.changed_known_hosts.read_bytes())  # from now on the server's key does not match
         server = sshd_session_of(agent_pid)
         os.kill(server, 9)
@@ -211,7 +212,7 @@ async def test_agent_and_client_open_no_listening_socket_beyond_loopback(sshd: A
         await session.start_streams(gpu_interval_s=0.2, procs_interval_s=0.2)
         await session.request("status", timeout_s=30.0)
         await session.request("doctor", timeout_s=60.0)
-        agent_pid = int((session.hello or {})["pid"])
+        agent_pid = agent_pid_of(session)
         listening = _listening_inodes()
         for who, pid in (("agent", agent_pid), ("client", os.getpid())):
             for ino in _socket_inodes(pid):
@@ -234,7 +235,7 @@ async def test_the_dashboard_over_ssh_listens_on_nothing_beyond_loopback(
         await wait_until_async(lambda: app.state.gpus is not None, 30, "the dashboard's first GPU sample")
         await pilot.pause()
         listening = _listening_inodes()
-        pids = [os.getpid(), int((session.hello or {})["pid"])]
+        pids = [os.getpid(), agent_pid_of(session)]
         for pid in pids:
             for ino in _socket_inodes(pid):
                 addr = listening.get(ino)

@@ -16,6 +16,7 @@ import pytest
 from support.waiting import wait_until, wait_until_async
 
 from tui import ship
+from tui.events import ClientEvent, ConnectionEvent
 from tui.profiles import ProfileError, resolve_profile
 from tui.session import Session
 from tui.transport import ConnectOptions, LocalTransport, Target, pct_wrap, remote_command
@@ -270,23 +271,24 @@ async def test_session_request_reply_ping_and_reconnect_after_the_agent_dies(run
     opts = ConnectOptions(run_root=str(run_root), simulate_gpus=1)
     session = Session(LocalTransport(Target(local=True), opts), opts)
     session.backoff_base_s = 0.05
-    events: list[dict[str, Any]] = []
-    session.add_listener(events.append)
+    events: list[ClientEvent] = []
+    session.add_event_listener(events.append)
     await session.connect()
     try:
-        assert session.state == "connected" and session.hello is not None
+        assert session.state == "connected" and session.agent is not None
         assert await session.ping() > 0 and session.rtt_ms is not None
         results = await asyncio.gather(*(session.request("ping", timeout_s=10) for _ in range(20)))
         assert len({r["t"] for r in results}) >= 1 and all("agent_pid" in r for r in results)
-        old_pid = session.hello["pid"]
+        old_pid = session.agent.pid
+        assert old_pid is not None
         os.kill(old_pid, 9)
         await wait_until_async(
-            lambda: session.state == "connected" and session.hello["pid"] != old_pid,
+            lambda: session.state == "connected" and session.agent is not None and session.agent.pid != old_pid,
             10,
             "a reconnect to a new agent",
             observe=lambda: session.state,
         )
-        states = [e["state"] for e in events if e["ev"] == "connection"]
+        states = [e.state for e in events if isinstance(e, ConnectionEvent)]
         assert states[:2] == ["connecting", "connected"] and "reconnecting" in states and states[-1] == "connected"
         assert (await session.request("status", timeout_s=30))["gpus"]
     finally:

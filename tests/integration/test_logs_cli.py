@@ -235,6 +235,7 @@ def test_logs_n_then_follow_continues_right_after_the_last_line_printed(run_root
 
 async def test_the_session_passes_on_each_log_byte_once_and_never_across_a_hole() -> None:
     from engine import protocol
+    from tui.events import ClientEvent
     from tui.session import ConnectOptions, Session
     from tui.transport import LocalTransport, Target
 
@@ -248,7 +249,16 @@ async def test_the_session_passes_on_each_log_byte_once_and_never_across_a_hole(
 
     session._subscribe = subscribe  # type: ignore[method-assign]
     seen: list[tuple[str, Any]] = []
-    session.add_listener(lambda ev: seen.append((ev["ev"], ev.get("offset", ev.get("message")))))
+
+    def on_event(ev: ClientEvent) -> None:
+        if isinstance(ev, protocol.LogEvent):
+            seen.append(("log", ev.offset))
+        elif isinstance(ev, protocol.WarningEvent):
+            seen.append(("warning", ev.message))
+        else:
+            seen.append((ev.EV, None))
+
+    session.add_event_listener(on_event)
 
     def log(offset: int, data: bytes) -> None:
         session._on_event({"ev": "log", "offset": offset, "inode": 7, "data": protocol.encode_log_data(data)})

@@ -21,6 +21,7 @@ import pytest
 from support.waiting import wait_until_async
 
 from tui import ship
+from tui.events import ClientEvent, ConnectionEvent
 from tui.session import ConnectOptions, open_session
 from tui.transport import SshTransport, Target
 
@@ -310,31 +311,32 @@ async def test_session_reconnects_and_resumes_log_and_engine_events_without_gap_
     states: list[str] = []
     done = asyncio.Event()
 
-    def on_event(ev: dict[str, Any]) -> None:
+    def on_event(ev: ClientEvent) -> None:
         from engine import protocol
 
-        if ev["ev"] == "log":
-            assert ev["offset"] == len(received), "gap or duplicate in the resumed log"
-            received.extend(protocol.decode_log_data(ev["data"]))
+        if isinstance(ev, protocol.LogEvent):
+            assert ev.offset == len(received), "gap or duplicate in the resumed log"
+            received.extend(ev.raw)
             if received.count(b"\n") >= 400:
                 done.set()
-        elif ev["ev"] == "engine":
-            steps.append(ev["event"]["step"])
-        elif ev["ev"] == "connection":
-            states.append(ev["state"])
+        elif isinstance(ev, protocol.EngineLineEvent) and isinstance(ev.event, protocol.HeartbeatEvent):
+            assert ev.event.step is not None
+            steps.append(ev.event.step)
+        elif isinstance(ev, ConnectionEvent):
+            states.append(ev.state)
 
-    session.add_listener(on_event)
+    session.add_event_listener(on_event)
     await session.connect()
     try:
         await session.start_streams(gpu_interval_s=1.0, procs_interval_s=1.0)
         await wait_until_async(lambda: len(received) > 200, 10, "200 log bytes", observe=lambda: len(received))
-        first_pid = (session.hello or {})["pid"]
+        first_pid = session.agent.pid if session.agent else None
         transport = session.transport
         assert isinstance(transport, SshTransport)
         transport.drop_connection()  # the link dies under the session
         await asyncio.wait_for(done.wait(), 30)
         await wait_until_async(lambda: len(steps) >= 400, 10, "400 step events", observe=lambda: len(steps))
-        assert (session.hello or {})["pid"] != first_pid
+        assert session.agent is not None and session.agent.pid != first_pid
     finally:
         await session.close()
     assert "reconnecting" in states and states.count("connected") >= 2

@@ -398,7 +398,7 @@ async def test_attach_suspends_and_runs_the_ssh_command_then_resyncs(
 ) -> None:
     ran: list[list[str]] = []
     session = RecordingSession(
-        replies={"status": {"host": "gpu-box", "gpus": [], "processes": [], "run": None, "anomalies": []}}
+        replies={"status": {"host": {"hostname": "gpu-box"}, "gpus": [], "processes": {}, "run": None, "anomalies": []}}
     )
     app = recorded_app(session, external_runner=lambda argv: ran.append(argv) or 0)
     async with app.run_test(size=SIZE) as pilot:
@@ -558,9 +558,14 @@ async def test_a_run_that_failed_after_its_milestones_shows_the_hosts_root_cause
 
 PAST_RUNS = {
     "runs": [
-        {**run(state="exited", exit_code=0), "run_id": "20261201-110000-bbbb", "duration_s": 65.0, "current": True},
         {
-            **run(state="failed", exit_code=1),
+            **run(state="exited", exit_code=0)["run"],
+            "run_id": "20261201-110000-bbbb",
+            "duration_s": 65.0,
+            "current": True,
+        },
+        {
+            **run(state="failed", exit_code=1)["run"],
             "run_id": "20261201-100000-aaaa",
             "cause": "RuntimeError: rank 1 exploded at step 30; exit code 1; last step 30",
             "last_step": 30,
@@ -578,7 +583,7 @@ async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and
     from tui.screens.runs import RunsScreen
 
     def tail(args: dict[str, Any]) -> dict[str, Any]:
-        return {"lines": [f"{args['run_id']} line {i}" for i in range(3)], "run_id": args["run_id"]}
+        return {"lines": [f"{args['run_id']} line {i}" for i in range(3)], "offset": 42, "run_id": args["run_id"]}
 
     session = RecordingSession(replies={"runs": PAST_RUNS, "tail": tail})
     app = recorded_app(session)

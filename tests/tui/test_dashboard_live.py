@@ -21,6 +21,7 @@ from support.waiting import wait_until_async
 
 from engine.protocol import to_jsonable
 from tui.app import DashboardApp
+from tui.events import ConnectionEvent
 from tui.screens.kill_stale import KillStaleScreen
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
@@ -132,7 +133,7 @@ async def test_kill_stale_lists_exactly_the_stale_holders_and_signals_only_after
             await wait_until(pilot, lambda: isinstance(app.screen, KillStaleScreen), 15, "kill-stale modal")
             screen = app.screen
             assert isinstance(screen, KillStaleScreen)
-            assert {c["pid"] for c in screen.candidates} == stale
+            assert {c.pid for c in screen.candidates} == stale
             assert {t[0] for t in screen.targets} == stale
             table = screen.query_one("#kill-table")
             assert {int(table.get_row_at(i)[0]) for i in range(table.row_count)} == stale  # type: ignore[attr-defined]
@@ -160,13 +161,13 @@ async def test_agent_loss_shows_in_the_header_and_the_resumed_log_has_no_duplica
     session = local_session_factory()
     session.backoff_base_s = 0.05  # reconnect quickly in the test
     states: list[str] = []
-    session.add_listener(lambda ev: states.append(ev["state"]) if ev.get("ev") == "connection" else None)
+    session.add_event_listener(lambda ev: states.append(ev.state) if isinstance(ev, ConnectionEvent) else None)
     app = DashboardApp(session, profile={"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]})
     try:
         async with app.run_test(size=SIZE) as pilot:
             run = await launch_and_watch(app, pilot)
             cleanup_runs.append(run)
-            agent_pid = (session.hello or {}).get("pid")
+            agent_pid = session.agent.pid if session.agent else None
             assert isinstance(agent_pid, int)
             os.kill(agent_pid, signal.SIGKILL)
             await wait_until(pilot, lambda: "reconnecting" in states, 10, "reconnecting state")

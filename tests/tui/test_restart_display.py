@@ -6,6 +6,7 @@ from typing import Any
 
 from textual.app import App, ComposeResult
 
+from engine import protocol
 from tui.cli_monitor import format_status
 from tui.events import decode
 from tui.screens.dashboard import DashboardState
@@ -68,8 +69,8 @@ async def test_the_header_and_timeline_show_each_restart_with_its_cause() -> Non
 
 
 def test_status_lists_the_restarts_and_says_when_it_gave_up() -> None:
-    snap = {"host": {}, "gpus": [], "processes": [], "anomalies": [], "run": run(CRASH, OOM, state="gave_up")}
-    text = format_status(snap, {}, "root@gpu-box")
+    snap = {"host": {}, "gpus": [], "processes": {}, "anomalies": [], "run": run(CRASH, OOM, state="gave_up")}
+    text = format_status(protocol.from_json(protocol.StatusReply, snap), None, "root@gpu-box")
     assert "  restarts 2/3 (crash, oom), gave up" in text
     assert "    restart 1/3 at " in text and "    restart 2/3 at " in text
 
@@ -79,5 +80,5 @@ def test_a_run_without_a_restart_policy_says_nothing_of_restarts() -> None:
     state = DashboardState("local")
     state.ingest(decode({"ev": "run", "run": plain}))
     assert state.header.restarts is None
-    snap = {"host": {}, "gpus": [], "processes": [], "anomalies": [], "run": plain}
-    assert "restart" not in format_status(snap, {}, "local")
+    snap = {"host": {}, "gpus": [], "processes": {}, "anomalies": [], "run": plain}
+    assert "restart" not in format_status(protocol.from_json(protocol.StatusReply, snap), None, "local")

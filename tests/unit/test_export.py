@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.protocol import RunInfo, from_json
+from engine.protocol import RunInfo, StatusReply, from_json
 from engine.supervisor.records import RunScanner
 from engine.trainer import checkpoint as ckpt
 from engine.trainer import export
@@ -232,7 +232,8 @@ def test_supervised_run_gets_the_event_through_its_checkpoints_link(replicas_ckp
 
 def test_status_and_dashboard_show_the_last_export() -> None:
     run = {"run_id": "r1", "run_dir": "/runs/r1", "state": "exited", "last_export": "/srv/drafter-eagle3"}
-    text = format_status({"gpus": [], "processes": [], "run": run, "anomalies": []}, {}, "host")
+    snap = {"host": {}, "gpus": [], "processes": {}, "run": run, "anomalies": []}
+    text = format_status(from_json(StatusReply, snap), None, "host")
     assert "exported /srv/drafter-eagle3" in text
     timeline = TimelineModel()
     timeline.from_run(from_json(RunInfo, run))

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from engine import protocol
+from tui.events import ClientEvent
 from tui.session import Session
 from tui.transport import ConnectOptions, LocalTransport, Target
 
@@ -35,11 +37,11 @@ def pct_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-async def _status_over_pct(tmp_path: Path, **opts: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+async def _status_over_pct(tmp_path: Path, **opts: Any) -> tuple[dict[str, Any], list[ClientEvent]]:
     options = ConnectOptions(pct=CTID, run_root=str(tmp_path / "root"), python=sys.executable, **opts)
     session = Session(LocalTransport(Target(local=True), options), options)
-    events: list[dict[str, Any]] = []
-    session.add_listener(events.append)
+    events: list[ClientEvent] = []
+    session.add_event_listener(events.append)
     try:
         await session.connect()
         status = await session.request("status", timeout_s=30.0)
@@ -53,7 +55,7 @@ async def test_status_under_pct_is_made_from_the_hosts_map(pct_on_path: None, tm
     assert status["host_map"]["state"] == "ok", status["host_map"]
     assert status["host_map"]["ctid"] == str(CTID)
     assert status["holders_source"]["source"] == "host-nvml"
-    assert not [e for e in events if e.get("ev") == "warning"]
+    assert not [e for e in events if isinstance(e, protocol.WarningEvent)]
 
 
 async def test_a_host_without_nvml_is_said_once_and_the_container_view_stays_labelled(
@@ -62,6 +64,6 @@ async def test_a_host_without_nvml_is_said_once_and_the_container_view_stays_lab
     status, events = await _status_over_pct(tmp_path)  # no driver on this machine: the host's NVML cannot start
     state = status["host_map"]
     assert state["state"] == "unavailable" and "cannot list GPU processes" in state["detail"], state
-    warnings = [e["message"] for e in events if e.get("ev") == "warning"]
+    warnings = [e.message for e in events if isinstance(e, protocol.WarningEvent)]
     assert len(warnings) == 1 and "showing the container's own view" in warnings[0]
     assert status["holders_source"]["source"] != "host-nvml"

@@ -11,7 +11,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from textual import events
 from textual.app import ComposeResult
@@ -22,7 +21,7 @@ from textual.widget import Widget
 
 from engine import protocol
 from tui import restarts
-from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode
+from tui.events import ClientEvent, ConnectionEvent, Undecodable
 from tui.widgets.charts import ChartModel, Charts
 from tui.widgets.footer import KeyFooter
 from tui.widgets.gpu_bars import GpuBars
@@ -120,16 +119,12 @@ class DashboardState:
             if seen == 1:  # the first of its kind in words; the header counts them all
                 self.notices.append(("error", ev.message))
 
-    def ingest_status(self, status: dict[str, Any]) -> None:
+    def ingest_status(self, status: protocol.StatusReply) -> None:
         """A ``status`` reply (after an attach, or at start) as the events it summarises."""
-        gpus = status.get("gpus")
-        if isinstance(gpus, list):
-            simulated = any(isinstance(g, dict) and g.get("simulated") for g in gpus)
-            self.ingest(decode({"ev": "gpus", "gpus": gpus, "simulated": simulated, "t": self.clock()}))
-        if "run" in status:
-            self.ingest(decode({"ev": "run", "run": status.get("run")}))
-        if isinstance(status.get("anomalies"), list):
-            self.ingest(decode({"ev": "anomalies", "items": status["anomalies"]}))
+        simulated = any(g.simulated for g in status.gpus)
+        self.ingest(protocol.GpusEvent(self.clock(), status.gpus, simulated))
+        self.ingest(protocol.RunEvent(status.run))
+        self.ingest(protocol.AnomaliesEvent(status.anomalies))
 
     def _set_run(self, run: protocol.RunInfo | None) -> None:
         old_id = self.run.run_id if self.run else None

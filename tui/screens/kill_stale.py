@@ -14,14 +14,12 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
+from engine import protocol
 
-def targets_of(candidates: list[dict[str, Any]]) -> list[list[Any]]:
+
+def targets_of(candidates: list[protocol.HolderInfo]) -> list[list[Any]]:
     """The exact [pid, create_time] pairs to signal: resolved candidates with a known identity."""
-    return [
-        [int(c["pid"]), c.get("create_time")]
-        for c in candidates
-        if isinstance(c.get("pid"), int) and c.get("resolved", True) and c.get("create_time") is not None
-    ]
+    return [[c.pid, c.create_time] for c in candidates if c.resolved and c.create_time is not None]
 
 
 class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
@@ -37,7 +35,7 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
     """
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,n", "cancel", "Cancel", show=False)]
 
-    def __init__(self, candidates: list[dict[str, Any]]) -> None:
+    def __init__(self, candidates: list[protocol.HolderInfo]) -> None:
         super().__init__()
         self.candidates = candidates
         self.targets = targets_of(candidates)
@@ -66,17 +64,16 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
         table = self.query_one(DataTable)
         table.add_columns("PID", "user", "GPUs", "GPU mem", "state", "age", "command")
         for cand in self.candidates:
-            used = cand.get("used_mib")
-            age = cand.get("age_s")
+            used, age = cand.used_mib, cand.age_s
             table.add_row(
-                str(cand.get("pid")),
-                str(cand.get("user") or "?"),
-                ",".join(str(g) for g in cand.get("gpus") or []) or "?",
-                f"{used:.0f} MiB" if isinstance(used, (int, float)) else "?",
-                str(cand.get("state") or "?"),
-                f"{age:.0f}s" if isinstance(age, (int, float)) else "?",
-                str(cand.get("cmd") or "(not visible)")[:60],
-                key=str(cand.get("pid")),
+                str(cand.pid),
+                cand.user or "?",
+                ",".join(str(g) for g in cand.gpus) or "?",
+                f"{used:.0f} MiB" if used is not None else "?",
+                cand.state or "?",
+                f"{age:.0f}s" if age is not None else "?",
+                (cand.cmd or "(not visible)")[:60],
+                key=str(cand.pid),
             )
         self.query_one("#kill-no", Button).focus()
 

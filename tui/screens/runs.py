@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -16,46 +16,45 @@ from textual.widgets.option_list import Option
 from engine import protocol
 
 RUN_TAIL_LINES = 200
-TailFetcher = Callable[[str], Awaitable[dict[str, Any] | None]]
+TailFetcher = Callable[[str], Awaitable[protocol.TailReply | None]]
 
 
-def _when(t: Any) -> str:
-    return time.strftime("%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+def _when(t: float | None) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "-"
 
 
-def _duration(seconds: Any) -> str:
-    if not isinstance(seconds, (int, float)):
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
         return "-"
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def run_row(run: dict[str, Any]) -> str:
+def run_row(run: protocol.ListedRun) -> str:
     """One line of the list: id, state, start, duration, last step, exit."""
-    step = run.get("last_step")
-    code, sig = run.get("exit_code"), run.get("signal")
+    step = run.last_step
+    code, sig = run.exit_code, run.signal
     ended = f"signal {sig}" if sig is not None else f"exit {code}" if code is not None else ""
-    mark = "*" if run.get("current") else " "
+    mark = "*" if run.current else " "
     return (
-        f"{mark} {run.get('run_id')}  {run.get('state')!s:<9} {_when(run.get('started_at'))}  "
-        f"{_duration(run.get('duration_s')):>7}  step {step if step is not None else '-':<7} {ended}"
+        f"{mark} {run.run_id}  {run.state:<9} {_when(run.started_at)}  "
+        f"{_duration(run.duration_s):>7}  step {step if step is not None else '-':<7} {ended}"
     )
 
 
-def run_detail(run: dict[str, Any], tail: dict[str, Any] | None) -> str:
+def run_detail(run: protocol.ListedRun, tail: protocol.TailReply | None) -> str:
     """The cause first (why it ended), then what ran and the end of its output.log."""
-    out = [f"run {run.get('run_id')}   state {run.get('state')}"]
-    if run.get("cause"):
-        out.append(f"cause: {run['cause']}")
-    cmd = run.get("command") or []
-    if cmd:
-        out.append("command: " + " ".join(str(c) for c in cmd))
-    if run.get("cwd"):
-        out.append(f"cwd: {run['cwd']}")
+    out = [f"run {run.run_id}   state {run.state}"]
+    if run.cause:
+        out.append(f"cause: {run.cause}")
+    if run.command:
+        out.append("command: " + " ".join(run.command))
+    if run.cwd:
+        out.append(f"cwd: {run.cwd}")
     if tail is None:
         out.append("(output.log could not be read)")
     else:
-        lines = [protocol.decode_log_data(str(x)).decode("utf-8", "replace") for x in tail.get("lines") or []]
+        lines = [protocol.decode_log_data(x).decode("utf-8", "replace") for x in tail.lines]
         out.append(f"--- last {len(lines)} lines of output.log ---")
         out += lines
     return "\n".join(out)
@@ -72,10 +71,10 @@ class RunsScreen(ModalScreen[None]):
     """
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q", "close", "Close")]
 
-    def __init__(self, runs: list[dict[str, Any]], total: int, fetch_tail: TailFetcher) -> None:
+    def __init__(self, runs: list[protocol.ListedRun], total: int, fetch_tail: TailFetcher) -> None:
         super().__init__()
-        self.runs = {str(r.get("run_id")): r for r in runs}
-        self.order = [str(r.get("run_id")) for r in runs]
+        self.runs = {r.run_id: r for r in runs}
+        self.order = [r.run_id for r in runs]
         self.total = total
         self.fetch_tail = fetch_tail
         self.shown: str | None = None  # the run whose detail is on screen (set once its tail arrived)
