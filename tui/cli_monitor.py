@@ -167,12 +167,12 @@ def format_status(snap: protocol.StatusReply, agent: protocol.HelloEvent | None,
     return "\n".join(out)
 
 
-async def fetch_status(session: Session, timeout_s: float = 30.0) -> tuple[dict[str, Any], protocol.StatusReply]:
-    """The ``status`` reply as the agent sent it (what ``--json`` prints) and decoded (what the text reads)."""
+async def fetch_status(session: Session, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The ``status`` reply as the agent sent it: what ``--json`` prints (the text decodes it, StatusReply)."""
     snap = await session.request("status", timeout_s=timeout_s)
     if session.agent and session.agent.simulated:
         snap.setdefault("simulated", True)
-    return snap, typed_reply(protocol.StatusReply, "status", snap)
+    return snap
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
@@ -185,10 +185,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
             else:
                 print("\n".join(format_run(run)), flush=True)
             return EXIT_OK
-        snap, status = await fetch_status(session)
-        if args.json:
+        snap = await fetch_status(session)
+        if args.json:  # printed as sent: --json is for scripts that may know fields this client does not
             print_json(snap)
         else:
+            status = typed_reply(protocol.StatusReply, "status", snap)
             print(format_status(status, session.agent, session.target_display), flush=True)
         return EXIT_OK
 
@@ -233,10 +234,11 @@ def format_runs(runs: list[protocol.ListedRun], total: int) -> str:
 async def cmd_runs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         res = await session.request("runs", timeout_s=60.0, limit=args.limit)
-        listed = typed_reply(protocol.RunsReply, "runs", res)
-        if args.json:
+        if args.json:  # printed as sent, as status --json
             print_json(res)
-        elif not listed.runs:
+            return EXIT_OK
+        listed = typed_reply(protocol.RunsReply, "runs", res)
+        if not listed.runs:
             print("no runs yet", flush=True)
         else:
             print(format_runs(listed.runs, listed.total or len(listed.runs)), flush=True)
@@ -359,7 +361,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
                     ended.set()
             elif isinstance(ev, protocol.LogResetEvent):
                 err(f"[log {ev.reason}: following from byte {ev.offset}]")
-            elif isinstance(ev, Undecodable):
+            elif isinstance(ev, Undecodable) and ev.ev in ("log", "log_reset"):  # only what this command prints
                 err(f"[{ev.message}]")
             elif isinstance(ev, ConnectionEvent):
                 if ev.state in ("reconnecting", "failed"):

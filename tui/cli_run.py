@@ -23,7 +23,7 @@ from tui.cli_common import (
 from tui.events import ClientEvent
 from tui.profiles import Profile, ProfileError, resolve_profile
 from tui.relaunch import engine_python, restart_run
-from tui.session import CommandFailed, Session, typed_reply
+from tui.session import CommandFailed, ReplyNotUnderstood, Session, typed_reply
 
 WAIT_CHOICES = ("started", "output", "first-step")
 _REPLY_MARGIN_S = 30.0  # a wait's reply may arrive this long after its own timeout before we give up on it
@@ -284,6 +284,9 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             try:
                 try:
                     done = await restart_run(session, grace_s=args.grace)
+                except ReplyNotUnderstood as exc:  # the agent did restart; only its answer is unreadable
+                    err(f"error: the restart was sent, but {exc.message}; see `specdec-tui runs` for the new run")
+                    return EXIT_FAILED
                 except CommandFailed as exc:
                     if exc.lost:
                         raise

@@ -221,6 +221,14 @@ class Session:
         if kind == "engine" and isinstance(obj.get("offset"), int) and not isinstance(obj.get("offset"), bool):
             self._engine_offset = obj["offset"]  # an engine line resumes after its byte even when it did not decode
         if isinstance(ev, Undecodable):
+            inner = obj.get("event")
+            if kind == "engine" and isinstance(inner, dict) and inner.get("kind") not in protocol.ENGINE_EVENT_KINDS:
+                return  # another engine's own event kind: nothing here reads it (forward-compatible, not an error)
+            reply_id = obj.get("id")
+            if kind == "reply" and isinstance(reply_id, int) and not isinstance(reply_id, bool):
+                fut = self._pending.pop(reply_id, None)  # its command fails now instead of waiting out its timeout
+                if fut is not None and not fut.done():
+                    fut.set_exception(ReplyNotUnderstood(f"the agent's reply is not understood: {ev.reason}"))
             self._dispatch(ev)
             return
         if isinstance(ev, protocol.ReplyEvent):
@@ -358,6 +366,8 @@ class Session:
         except asyncio.TimeoutError:
             self._pending.pop(cmd_id, None)
             raise CommandFailed(f"{cmd}: no reply within {timeout_s:g} s", cmd=cmd) from None
+        except ReplyNotUnderstood as exc:
+            raise ReplyNotUnderstood(f"{cmd}: {exc.message}", cmd=cmd) from None
         if not reply.ok:
             raise CommandFailed(reply.error or f"{cmd} failed", cmd=cmd)
         result = reply.result

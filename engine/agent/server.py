@@ -39,8 +39,6 @@ FINISH_ON_EOF_S = 30.0
 REPLY_ON_EOF_S = 5.0
 
 
-def default_run_root() -> Path:
-    return Path(os.environ.get("SPECDEC_RUN_ROOT", "~/.specdec")).expanduser()
 
 
 class Agent:
@@ -49,13 +47,14 @@ class Agent:
     def __init__(
         self,
         run_root: Path,
+        *,
+        handlers: Mapping[str, Handler],
         simulate_gpus: int = 0,
         out: IO[bytes] | None = None,
-        handlers: Mapping[str, Handler] | None = None,
     ) -> None:
         """``handlers``: command name -> handler (engine/agent/commands.py's table once main imported its modules)."""
         self.run_root = run_root
-        self.handlers: Mapping[str, Handler] = handlers if handlers is not None else {}
+        self.handlers: Mapping[str, Handler] = handlers
         self.simulate_gpus = simulate_gpus
         self.boot_id = procs.read_boot_id()
         self.hostname = socket.gethostname()

@@ -12,6 +12,7 @@ earlier than the job (a group id reused after the run ended names someone else's
 
 from __future__ import annotations
 
+import functools
 import json
 import typing
 from dataclasses import dataclass, field, fields
@@ -46,6 +47,13 @@ def _fits(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    """A record class's field annotations (resolved once: get_type_hints costs most of a read)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if f.name != "extra"}
+
+
 class Record:
     """What the three run records share: typed reading, writing back the same keys, unknown keys kept."""
 
@@ -54,10 +62,11 @@ class Record:
 
     @classmethod
     def from_json(cls: type[R], doc: dict[str, Any]) -> R:
-        hints = typing.get_type_hints(cls)
-        names = {f.name for f in fields(cls)} - {"extra"}  # type: ignore[arg-type]
-        kwargs: dict[str, Any] = {k: v for k, v in doc.items() if k in names and _fits(v, hints[k])}
-        kwargs["extra"] = {k: v for k, v in doc.items() if k not in names}
+        """Known keys whose values fit become fields; every other key (unknown, or of a type the field does not
+        take) stays in ``extra``, so ``to_json`` writes the document back as it was read."""
+        hints = _field_hints(cls)  # type: ignore[arg-type]  # a class is hashable
+        kwargs: dict[str, Any] = {k: v for k, v in doc.items() if k in hints and _fits(v, hints[k])}
+        kwargs["extra"] = {k: v for k, v in doc.items() if k not in kwargs}
         return cls(**kwargs)
 
     def to_json(self) -> dict[str, Any]:

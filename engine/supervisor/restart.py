@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.host.appended import AppendedFile
 from engine.protocol import (  # the policy is part of the LaunchSpec: defined with the wire protocol
     Policy,
 )
@@ -108,39 +109,18 @@ def with_expandable_segments(env: dict[str, str]) -> tuple[dict[str, str], str]:
     return out, f"{ALLOC_CONF_ENV}={out[ALLOC_CONF_ENV]} added to the job's environment"
 
 
-class _Appended:
-    """Complete lines appended to a file since an offset (a file replaced or truncated is read from its start)."""
+PROGRESS_LINE_ENDS = (b"\n", b"\r")  # a progress bar redraws with \r: each redraw is a line here
+MAX_PROGRESS_CARRY_BYTES = 64 * 1024  # a line without end is searched as it is beyond this
 
-    def __init__(self, path: Path, offset: int) -> None:
-        self.path = path
-        self.offset = offset
-        self.carry = b""
-        self.inode: int | None = None
 
-    def read(self) -> bytes:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return b""
-        if self.inode is not None and (st.st_ino != self.inode or st.st_size < self.offset):
-            self.offset, self.carry = 0, b""
-        self.inode = st.st_ino
-        if st.st_size <= self.offset:
-            return b""
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read(min(READ_BUDGET_BYTES, st.st_size - self.offset))
-        except OSError:
-            return b""
-        self.offset += len(data)
-        chunk = self.carry + data
-        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-        if cut < 0:
-            self.carry = chunk if len(chunk) <= 64 * 1024 else b""  # a line without end: give up on its start
-            return b""
-        self.carry = chunk[cut + 1 :]
-        return chunk[: cut + 1]
+def complete_lines(appended: AppendedFile) -> bytes:
+    """The complete lines appended since the last call (a file replaced or truncated is read from its start)."""
+    st, _reason = appended.check()
+    if st is None or st.st_size <= appended.position:
+        return b""
+    data = appended.read_path(min(READ_BUDGET_BYTES, st.st_size - appended.position))
+    _start, complete = appended.take_complete(data, PROGRESS_LINE_ENDS, MAX_PROGRESS_CARRY_BYTES)
+    return complete
 
 
 class ProgressWatch:
@@ -155,8 +135,8 @@ class ProgressWatch:
         stall_s: float,
         first_step_deadline_s: float | None,
     ) -> None:
-        self._log = _Appended(log_path, _size(log_path))
-        self._events = _Appended(events_path, _size(events_path))
+        self._log = AppendedFile(log_path, _size(log_path))
+        self._events = AppendedFile(events_path, _size(events_path))
         self._step_re = re.compile(step_pattern.encode())
         self.started_at = started_at
         self.last_step_seen_at: float | None = None
@@ -164,8 +144,8 @@ class ProgressWatch:
         self.first_step_bound_s = max(stall_s, first_step_deadline_s or 0.0)
 
     def poll(self, now: float) -> None:
-        in_log = self._step_re.search(self._log.read()) is not None
-        in_events = _STEP_EVENT_RE.search(self._events.read()) is not None
+        in_log = self._step_re.search(complete_lines(self._log)) is not None
+        in_events = _STEP_EVENT_RE.search(complete_lines(self._events)) is not None
         if in_log or in_events:
             self.last_step_seen_at = now
 

@@ -424,7 +424,7 @@ class Wrapper:
             )
         status: int | None = None
         hang: str | None = None
-        stacks: str | None = None
+        stacks_path: str | None = None
         while status is None:
             status = self._reap(job.pid)
             if status is not None:
@@ -452,7 +452,7 @@ class Wrapper:
                 hang = watch.hung(now)
                 if hang is not None and self.cancelled() is None:
                     say(f"[specdec] attempt {self.attempt} hung: {hang}; dumping its stacks, then stopping it")
-                    stacks = self.dump_stacks()
+                    stacks_path = self.dump_stacks()
                     status = self.stop_hung(job)
                     break
                 hang = None
@@ -476,7 +476,7 @@ class Wrapper:
             code = os.WEXITSTATUS(status)
             ending = restart.Ending(code, None, f"exited with code {code}")
         ending.hang = hang
-        ending.stacks = stacks
+        ending.stacks = stacks_path
         ending.ended_at = ended_at
         if not ending.ok and hang is None:
             ending.oom = restart.find_oom(self.run_dir / records.OUTPUT_LOG, out_base)

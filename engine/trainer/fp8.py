@@ -19,12 +19,12 @@ from torch import nn
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
 SCALE_FLOOR = 1e-12  # an all-zero row or token keeps a finite scale
-MIN_CUDA_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
+MIN_CUDA_CAPABILITY = (9, 0)  # row-wise scaled FP8 matmuls (torch._scaled_mm): Hopper onwards
 SKIPPED_MODULES = ("lm_head",)  # its logits are the training targets: kept exact
 
 
 def fp8_unsupported_reason(device: torch.device) -> str | None:
-    """Why ``device`` cannot run the FP8 target, or None when it can (CUDA with FP8 tensor cores, or the CPU)."""
+    """Why ``device`` cannot run the FP8 target, or None when it can (CUDA 9.0+, or the CPU)."""
     if device.type == "cpu":
         return None  # the same e4m3 rounding through a dequantized matmul: for tests and small targets
     if device.type != "cuda":
@@ -32,7 +32,10 @@ def fp8_unsupported_reason(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CUDA_CAPABILITY:
         name = torch.cuda.get_device_name(device)
-        return f"target_fp8 needs FP8 tensor cores (compute capability 8.9+); {device} is {name} ({major}.{minor})"
+        return (
+            f"target_fp8 needs row-wise FP8 matmuls (compute capability 9.0+, Hopper); {device} is {name} "
+            f"({major}.{minor})"
+        )
     return None
 
 
@@ -72,14 +75,20 @@ class Fp8Linear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias.float()
             return out.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+        # Row-wise scaling writes bf16 only: a float32 target (dtype = "float32") gets bf16 products, cast back.
+        fused_bias = self.out_dtype == torch.bfloat16
         out = torch._scaled_mm(
             q,
             self.weight_fp8.t(),
             scale_a=scale,
             scale_b=self.weight_scale,
-            bias=self.bias,
-            out_dtype=self.out_dtype,
+            bias=self.bias if fused_bias else None,
+            out_dtype=torch.bfloat16,
         )
+        if not fused_bias:
+            out = out.to(self.out_dtype)
+            if self.bias is not None:
+                out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -92,7 +101,8 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = SKIPPED_MODULES) 
     Returns how many were replaced; the bf16 weights they held are released.
     """
     replaced = 0
-    for module in list(model.modules()):
+    parents = [m for m in model.modules() if not isinstance(m, nn.Linear)]  # no reference kept to a replaced Linear
+    for module in parents:
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name not in skip:
                 setattr(module, child_name, Fp8Linear(child))

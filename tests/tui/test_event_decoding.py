@@ -4,6 +4,7 @@ reads round-trips through the wire unchanged, a line that is JSON but not the pr
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from tui_recorded import healthy_events
 from engine import protocol
 from tui.events import ConnectionEvent, Undecodable, decode
 from tui.screens.dashboard import DashboardState
-from tui.session import ConnectOptions, Session
+from tui.session import ConnectOptions, ReplyNotUnderstood, Session
 from tui.transport import LocalTransport, Target
 
 
@@ -71,3 +72,23 @@ def test_the_session_decodes_once_and_keeps_its_positions_for_bad_engine_lines()
     assert session.engine_offset == 240  # a resumed stream starts after the bad line, not at it
     assert not any(isinstance(ev, ConnectionEvent) for ev in typed)
     assert isinstance(typed[2], protocol.WarningEvent) and "only the session may emit" in typed[2].message
+
+
+def test_another_engines_own_event_kind_is_skipped_quietly_and_its_offset_kept() -> None:
+    session = Session(LocalTransport(Target(local=True), ConnectOptions()), ConnectOptions())
+    typed: list[Any] = []
+    session.add_event_listener(typed.append)
+    session._on_event({"ev": "engine", "offset": 80, "event": {"kind": "teleport", "to": "mars"}})
+    assert typed == [] and session.engine_offset == 80  # not an error: a custom engine may log its own kinds
+
+
+def test_a_reply_that_does_not_decode_fails_its_command_at_once() -> None:
+    async def scenario() -> None:
+        session = Session(LocalTransport(Target(local=True), ConnectOptions()), ConnectOptions())
+        fut: asyncio.Future[protocol.ReplyEvent] = asyncio.get_running_loop().create_future()
+        session._pending[5] = fut
+        session._on_event({"ev": "reply", "id": 5, "ok": "yes"})
+        assert fut.done() and isinstance(fut.exception(), ReplyNotUnderstood)
+        assert "not understood" in str(fut.exception()) and 5 not in session._pending
+
+    asyncio.run(scenario())

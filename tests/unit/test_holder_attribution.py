@@ -182,7 +182,7 @@ def test_an_empty_list_inside_a_container_proves_nothing(
 
 def test_status_json_says_where_holder_gpus_come_from(dev_dir: Path, cuda_like, tmp_path: Path) -> None:
     p = cuda_like()
-    agent = Agent(run_root=tmp_path / "root", out=io.BytesIO())
+    agent = Agent(run_root=tmp_path / "root", handlers={}, out=io.BytesIO())  # the monitor is called directly
     mon = monitor_of(agent)
     mon.gpu_source = NvmlGpus(RecordedNvml([[], [(p.pid, 20 * GIB)]]))
     status = protocol.to_jsonable(mon.status())

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from engine import protocol
+from engine.host.appended import AppendedFile
 from engine.supervisor import launch, restart
 from engine.supervisor.common import SupervisorError
+from engine.supervisor.restart import complete_lines
 from tui.profiles import ProfileError, load_profiles
 
 
@@ -135,3 +137,17 @@ def test_the_dashboards_launch_carries_the_profiles_restart_policy(tmp_path: Pat
     assert spec["command"][1:3] == ["-m", "engine.trainer"]
     assert spec["restart"] == {"on": ["oom"], "max": 1, "backoff_s": 30.0, "stall_s": 1800.0, "grace_s": 30.0}
     assert launch.coerce_spec(spec).restart == spec["restart"]
+
+
+def test_progress_reads_complete_lines_once_and_starts_over_on_a_replaced_file(tmp_path: Path) -> None:
+    log = tmp_path / "output.log"
+    log.write_bytes(b"old output\n")
+    appended = AppendedFile(log, offset=log.stat().st_size)  # an attempt watches what comes after its start
+    with log.open("ab") as fh:
+        fh.write(b"step=1\rstep=2\rste")  # a progress bar's redraws end with \r; the last one is unfinished
+    assert complete_lines(appended) == b"step=1\rstep=2\r"
+    with log.open("ab") as fh:
+        fh.write(b"p=3\n")
+    assert complete_lines(appended) == b"step=3\n" and complete_lines(appended) == b""
+    log.write_bytes(b"new\n")  # truncated (a new attempt's file): read from its start
+    assert complete_lines(appended) == b"new\n"

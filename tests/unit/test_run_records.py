@@ -28,6 +28,8 @@ def test_a_field_of_the_wrong_type_is_not_taken() -> None:
     rec = LaunchRecord.from_json({"job_pid": "1; kill", "job_start_ticks": True, "command": ["ok", 3]})
     assert (rec.job_pid, rec.job_start_ticks, rec.command) == (None, None, [])
     assert SubmittedRecord.from_json({"t": 5, "phase": None}).t == 5.0
+    # Not taken as a field, but not lost either: written back as it was read.
+    assert rec.to_json()["job_pid"] == "1; kill" and rec.to_json()["command"] == ["ok", 3]
     assert ExitRecord.from_json({"exit_code": 1.5, "signal": 9}).exit_code is None
 
 
