@@ -14,6 +14,10 @@ Bytes of a log are carried losslessly: the agent decodes them as UTF-8 with
 
 The first line an agent prints is always a ``hello`` event.
 
+Three more contracts the client and the host share live at the end of this module: which run ids a host
+accepts (``validate_run_id``), the restart policy table a profile carries in its LaunchSpec (``parse_policy``)
+and where the client's bundle puts NVIDIA's NVML binding for the host's loader (``VENDOR_DIR``...).
+
 Events (``ev``)
 ---------------
 hello       protocol, agent_version, hostname, boot_id, python, pid, run_root, simulated,
@@ -1149,7 +1153,7 @@ class Policy:
         return "hang" in self.on and self.max > 0
 
 
-def _seconds(raw: dict[str, Any], key: str, default: float, positive: bool) -> float:
+def _policy_seconds(raw: dict[str, Any], key: str, default: float, positive: bool) -> float:
     value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise PolicyError(key, f"must be a number of seconds, got {value!r}")
@@ -1185,9 +1189,9 @@ def parse_policy(raw: Any) -> Policy:
     return Policy(
         on=tuple(c for c in CAUSES if c in on_raw),
         max=max_raw,
-        backoff_s=_seconds(raw, "backoff_s", DEFAULT_BACKOFF_S, positive=False),
-        stall_s=_seconds(raw, "stall_s", DEFAULT_STALL_S, positive=True),
-        grace_s=_seconds(raw, "grace_s", DEFAULT_GRACE_S, positive=False),
+        backoff_s=_policy_seconds(raw, "backoff_s", DEFAULT_BACKOFF_S, positive=False),
+        stall_s=_policy_seconds(raw, "stall_s", DEFAULT_STALL_S, positive=True),
+        grace_s=_policy_seconds(raw, "grace_s", DEFAULT_GRACE_S, positive=False),
     )
 
 
@@ -1196,4 +1200,4 @@ VENDOR_DIR = "_vendor"  # a folder beside `engine/` in the bundle (not a package
 VENDORED_MODULE = "pynvml.py"
 VENDORED_LICENSE = "pynvml.LICENSE"
 VENDORED_MANIFEST = "pynvml.json"  # {"distribution": "nvidia-ml-py", "version": ..., "sha256": ...}
-DISTRIBUTION = "nvidia-ml-py"
+NVML_DISTRIBUTION = "nvidia-ml-py"

@@ -149,7 +149,7 @@ def _client_pynvml() -> Path | None:
     from importlib import metadata  # ~30 ms to import: only when the bundle is built
 
     try:
-        metadata.version(protocol.DISTRIBUTION)
+        metadata.version(protocol.NVML_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return None  # the deprecated PyPI `pynvml` fork, not NVIDIA's binding: do not ship it
     return origin
@@ -177,13 +177,13 @@ def vendored_files() -> dict[str, bytes]:
     from importlib import metadata
 
     source = source_path.read_bytes()
-    version = metadata.version(protocol.DISTRIBUTION)
+    version = metadata.version(protocol.NVML_DISTRIBUTION)
     licence = (
-        f"pynvml.py is NVIDIA's Python binding for NVML, from {protocol.DISTRIBUTION} {version}, shipped\n"
+        f"pynvml.py is NVIDIA's Python binding for NVML, from {protocol.NVML_DISTRIBUTION} {version}, shipped\n"
         "unchanged inside the specdec-tui agent bundle under these terms:\n\n" + licence_of(source.decode("utf-8"))
     )
     manifest = {
-        "distribution": protocol.DISTRIBUTION,
+        "distribution": protocol.NVML_DISTRIBUTION,
         "version": version,
         "sha256": hashlib.sha256(source).hexdigest(),
         "license_file": protocol.VENDORED_LICENSE,

@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
-from engine.protocol import DISTRIBUTION, VENDOR_DIR, VENDORED_MANIFEST, VENDORED_MODULE
+from engine.protocol import NVML_DISTRIBUTION, VENDOR_DIR, VENDORED_MANIFEST, VENDORED_MODULE
 
 
 class BindingMissing(ImportError):
@@ -91,7 +91,7 @@ def _host_version() -> str | None:
     from importlib import metadata  # ~30 ms to import: only when the host has a pynvml at all
 
     try:
-        return metadata.version(DISTRIBUTION)
+        return metadata.version(NVML_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return ""  # a pynvml without nvidia-ml-py metadata: the deprecated fork
 
@@ -115,10 +115,10 @@ def load_pynvml() -> Binding:
     host = _host_version()
     if host is not None and (bundled is None or (host and _version_key(host) >= _version_key(bundled))):
         module = importlib.import_module("pynvml")
-        return Binding(module, f"host {DISTRIBUTION} {host}" if host else "host pynvml (unknown version)")
+        return Binding(module, f"host {NVML_DISTRIBUTION} {host}" if host else "host pynvml (unknown version)")
     if bundled is not None:
         try:
-            return Binding(_import_bundled(directory), f"bundled {DISTRIBUTION} {bundled}")
+            return Binding(_import_bundled(directory), f"bundled {NVML_DISTRIBUTION} {bundled}")
         except ImportError as exc:
             raise BindingMissing(f"the agent bundle's {VENDOR_DIR}/{VENDORED_MODULE} does not import: {exc}") from exc
     raise BindingMissing(
