@@ -632,14 +632,15 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
     scan: ScanState | None = None
     if launch is not None:
         info.command = list(launch.command or info.command)
-        info.cwd = launch.cwd
+        # launch.json's word wins where it has one; what it lacks, submitted.json says.
+        info.cwd = launch.cwd if launch.cwd is not None else info.cwd
         info.pid = launch.job_pid or launch.wrapper_pid
         info.pgid = launch.job_pgid or launch.pgid
         info.boot_id = launch.boot_id
         info.started_at = launch.started_at
-        info.tmux_session = launch.tmux_session
-        info.attachable = launch.attachable
-        info.profile = launch.profile
+        info.tmux_session = launch.tmux_session if launch.tmux_session is not None else info.tmux_session
+        info.attachable = launch.attachable  # the wrapper always writes it (copied from submitted.json)
+        info.profile = launch.profile if launch.profile is not None else info.profile
         scanner = scanners.scanner_for(rd, launch) if scanners is not None else new_scanner(rd, launch)
         scan = scanner.catch_up() if exit_rec is not None else scanner.poll()
         info.stage = scan.stage
