@@ -141,7 +141,7 @@ EXIT_HUNG = 4
 #   stage         stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping"
 #                 | "done"; thread: str | None, detail: str. The "data" stage's summary event adds skipped
 #                 ({reason: conversations not trained on}), heldout, truncated and cached.
-#   heartbeat     thread, state ("starting" | "warmup" | "training" | "waiting" | "stopped" | "error"),
+#   heartbeat     thread, state ("starting" | "warmup" | "training" | "waiting" | "syncing" | "stopped" | "error"),
 #                 step, tok_s, queue_depth, last_exception (str | None)
 #   step          thread, step, loss: [float per TTT position], acc: [float per TTT position],
 #                 loss_total: float (sum_i 0.8**i * loss_i: the loss trained on, the log line's ``loss=``),
@@ -461,7 +461,7 @@ class StageEvent:
 class HeartbeatEvent:
     KIND: ClassVar[str] = "heartbeat"
     thread: str
-    state: str = "unknown"  # "starting" | "warmup" | "training" | "waiting" | "stopped" | "error"
+    state: str = "unknown"  # "starting" | "warmup" | "training" | "waiting" | "syncing" | "stopped" | "error"
     step: int | None = None
     tok_s: float | None = None
     queue_depth: int | None = None

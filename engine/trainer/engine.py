@@ -216,10 +216,22 @@ class Engine:
                 shapes=shapes,
                 after_round=self._after_round,
                 failing=lambda: self.control.should_exit,
+                on_wait=self._syncing,
             )
         if self.cfg.drafter_mode == "replicas" and n > 1:
-            return ReplicaGroup(list(range(n)), ddevs, lambda: self.control.stop_requested.is_set(), self._ledgers[0])
+            return ReplicaGroup(
+                list(range(n)),
+                ddevs,
+                lambda: self.control.stop_requested.is_set(),
+                self._ledgers[0],
+                on_wait=self._syncing,
+            )
         return None
+
+    def _syncing(self, rank: int) -> None:
+        """A drafter waiting for its peers at the gradient barrier (one may be evaluating, or a rank be slower):
+        its heartbeat says so, so that only a thread that really stopped ages into a stall."""
+        self.health.beat(f"drafter{rank}", state="syncing")
 
     def _build_worker(self, rank: int, training: DrafterTraining) -> DrafterWorker:
         """Drafter thread ``rank`` with its own bounded input queue."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.trainer.metrics import EventLog
 
-ACTIVE_STATES = ("warmup", "training", "waiting")
+ACTIVE_STATES = ("warmup", "training", "waiting", "syncing")  # syncing: at the replicas' gradient barrier
 
 
 @dataclass

@@ -37,6 +37,9 @@ from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
 GET_POLL_S = 0.25
 
 
+WAIT_SLICE_S = 0.5  # a member waiting at the barrier wakes this often (abort checks, liveness beats)
+
+
 class ReplicaGroup:
     """A barrier that averages gradients across replicas; survives a replica leaving (policy ``continue``).
 
@@ -60,6 +63,7 @@ class ReplicaGroup:
         shapes: list[list[torch.Size]] | None = None,
         after_round: Callable[[int, bool], None] | None = None,
         failing: Callable[[], bool] = lambda: False,
+        on_wait: Callable[[int], None] | None = None,
     ) -> None:
         if ledgers is None:
             ledgers = {r: ledger for r in ranks} if ledger is not None else {}
@@ -70,6 +74,8 @@ class ReplicaGroup:
         self._shapes = shapes if shapes is not None else []  # the engine fills it as it builds the drafters
         self._after_round = after_round
         self._failing = failing  # this process is aborting: peers must fail, not stop gracefully
+        # Called every WAIT_SLICE_S while a member waits for its peers (e.g. one evaluating): it is alive, not hung.
+        self._on_wait = on_wait
         self._indices: dict[int, int] = {}
         self._live = set(ranks)
         self._devices = dict(zip(ranks, devices, strict=True))
@@ -131,7 +137,9 @@ class ReplicaGroup:
                 self._complete()
             else:
                 while self._generation == gen and self._error is None:
-                    self._cond.wait(0.5)
+                    self._cond.wait(WAIT_SLICE_S)
+                    if self._on_wait is not None and self._generation == gen:
+                        self._on_wait(rank)
                 if self._error is not None and self._generation == gen:
                     self._raise_aborted()
             return self._stop_decision

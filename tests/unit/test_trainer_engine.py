@@ -283,3 +283,24 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_restart_resumes(tmp_path: Pat
     assert f"at step {saved['step']}" in done.stdout
     after = read_events(events)[len(evs) :]
     assert [e["step"] for e in after if e["kind"] == "step"] == [saved["step"] + 1, saved["step"] + 2]
+
+
+def test_a_replica_waiting_for_a_slow_peer_beats_as_syncing_and_is_not_flagged(
+    tmp_path: Path, small_corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_config(tmp_path, small_corpus, drafter_devices=["cpu", "cpu"], steps=3, stall_after_s=1.0)
+    engine, rec = build(cfg, tmp_path)
+    slow = engine.workers[0]
+    step = slow.train_step
+
+    def slow_second_step(*args: Any, **kwargs: Any) -> Any:
+        if slow.step == 1:
+            time.sleep(2.5)  # as long as an evaluation between two steps: its peer waits at the gradient barrier
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(slow, "train_step", slow_second_step)
+    assert engine.run() == 0
+    waiting = [e for e in rec.of("heartbeat") if e["thread"] == "drafter1" and e["state"] == "syncing"]
+    assert len(waiting) >= 3, [(e["thread"], e["state"]) for e in rec.of("heartbeat")]
+    assert max(e["beat_age_s"] for e in waiting) < 1.0  # beating while it waits: its heartbeats never age
+    assert "stalled" not in {flag for e in rec.of("heartbeat") if e["thread"] == "drafter1" for flag in e["flags"]}
