@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.recorded import TORCHRUN_FAILURE_SUMMARY
 from support.waiting import wait_until
 
 from engine.supervisor import records
@@ -23,7 +24,7 @@ Cli = Callable[..., Any]
 
 # Two "ranks" that step to 30, then rank 1 raises, rank 0 dies of the broken peer, and the launcher prints
 # torchrun's ChildFailedError summary (its real layout) naming rank 1 as the root cause; exit code 1.
-FAKE_TORCHRUN = r'''
+FAKE_TORCHRUN = f"SUMMARY = {TORCHRUN_FAILURE_SUMMARY!r}\n" + r'''
 import sys
 steps = int(sys.argv[1])
 for step in range(1, steps + 1):
@@ -40,28 +41,8 @@ print("""[rank0]: Traceback (most recent call last):
 Traceback (most recent call last):
   File "/usr/bin/torchrun", line 8, in <module>
     sys.exit(main())
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-train.py FAILED
-------------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-12-01_11:10:03
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 4858)  (SIGTERM)
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 4858
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-12-01_11:10:03
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : 1 (pid: 4859)
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-============================================================""", flush=True)
+""", end="", flush=True)
+print(SUMMARY, end="", flush=True)
 sys.exit(1)
 '''
 ROOT_CAUSE = "torchrun: rank 1 (local_rank 1) exited with code 1: RuntimeError: rank 1 exploded at step 30"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from support.recorded import TORCHRUN_FAILURE_SUMMARY
+
 from engine.supervisor.failure import FailureScan, last_step_in
 
 # torchrun 2.13's own words (a real `torchrun --standalone --nproc-per-node 2` run, paths shortened), with the
@@ -26,29 +28,7 @@ Traceback (most recent call last):
     sys.exit(main())
   File "torch/distributed/launcher/api.py", line 383, in launch_agent
     raise ChildFailedError(
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-train.py FAILED
-------------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-12-01_11:10:03
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 4858)  (SIGTERM)
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 4858
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-12-01_11:10:03
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : 1 (pid: 4859)
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-============================================================
-"""
+""" + TORCHRUN_FAILURE_SUMMARY.encode()
 
 
 def _scan(log: bytes, piece: int) -> FailureScan:
