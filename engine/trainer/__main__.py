@@ -3,7 +3,7 @@
     specdec-train --preset cpu-demo
     specdec-train --config engine.toml --set steps=100 --set 'drafter_devices=["cuda:0","cuda:1"]'
     specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
-    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--json]   (acceptance length: engine/trainer/evaluate.py)
+    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--json]   (acceptance length τ: serve/evaluate.py)
 
 Several processes (torch.distributed, one rank per node by default, each rank the threaded engine):
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from engine import stackdump
 from engine.protocol import ENV_RUN_DIR
 from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, parse_override, preset
-from engine.trainer.launch import RankInfo, events_path_for_rank, rank_from_env, shell_line, torchrun_command
-from engine.trainer.metrics import EventLog, events_path_for
+from engine.trainer.run.torchrun import RankInfo, events_path_for_rank, rank_from_env, shell_line, torchrun_command
+from engine.trainer.threads.metrics import EventLog, events_path_for
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,8 +118,7 @@ def link_checkpoints(cfg: EngineConfig, run_dir: str | None) -> None:
 
 def export_main(argv: list[str]) -> int:
     """``specdec-train export``: a checkpoint as the EAGLE-3 draft model vLLM / SGLang load (see export.py)."""
-    from engine.trainer import export
-
+    from engine.trainer.serve import export
     ap = argparse.ArgumentParser(
         prog="specdec-train export", description="Export a trained drafter for vLLM / SGLang (EAGLE-3)"
     )
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(sys.stderr)
     stackdump.install(os.environ.get(ENV_RUN_DIR))  # SIGUSR1: named stacks into <run dir>/stacks/
     if words[:1] == ["eval"]:
-        from engine.trainer.evaluate import main as eval_main
+        from engine.trainer.serve.evaluate import main as eval_main
 
         return eval_main(words[1:])
     args = parse_args(argv)
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from engine.trainer.engine import Engine
+        from engine.trainer.run.loop import Engine
     except Exception as exc:
         events.emit("run_end", ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0)
         raise

@@ -32,15 +32,15 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "flex", "sdpa")
 CUDA_STREAMS: tuple[str, ...] = ("per_thread", "per_device")
 DISTRIBUTED: tuple[str, ...] = ("auto", "off")
-LOCAL_DEVICE = "cuda:local"  # cuda:<LOCAL_RANK> of a torchrun rank (engine/trainer/distributed.py)
+LOCAL_DEVICE = "cuda:local"  # cuda:<LOCAL_RANK> of a torchrun rank (engine/trainer/run/distributed.py)
 DATA_RANDOM = "random"
 DATA_SHIPPED = "shipped"
-# loss_i's denominator (engine/trainer/loss.py): every position of the batch (SpecForge) or the masked ones.
+# loss_i's denominator (engine/trainer/draft/loss.py): every position of the batch (SpecForge) or the masked ones.
 LOSS_MEAN_ALL = "all_positions"
 LOSS_MEAN_MASKED = "masked_positions"
 LOSS_MEANS: tuple[str, ...] = (LOSS_MEAN_ALL, LOSS_MEAN_MASKED)
 # Decoder-layer counts of the built-in random targets whose depth this config knows without loading them.
-BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32, "tiny-trained": 8}  # = builtin_target.Recipe.layers
+BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32, "tiny-trained": 8}  # = target.builtin.Recipe.layers
 
 
 class ConfigError(ValueError):
@@ -65,13 +65,13 @@ class EngineConfig:
     draft_vocab_size: int = 128
     # Ignored (still accepted so old configs load): the draft vocabulary now counts every training conversation.
     vocab_sample_batches: int | None = None
-    # Conversations held out of training (a seeded choice, engine/trainer/holdout.py) for measuring acceptance.
+    # Conversations held out of training (a seeded choice, engine/trainer/data/holdout.py) for measuring acceptance.
     eval_holdout: int = 32
     # Where tokenized data is cached ("": <output_dir>/data_cache); a restart with the same data, tokenizer,
     # chat template, longest bucket and held-out split does not tokenize again.
     data_cache_dir: str = ""
     # Acceptance length every eval_every steps (0: never): greedy chain speculation with eval_k draft tokens
-    # over eval_conversations held-out prompts, eval_max_new_tokens each (engine/trainer/evaluate.py).
+    # over eval_conversations held-out prompts, eval_max_new_tokens each (engine/trainer/serve/evaluate.py).
     eval_every: int = 0
     eval_k: int = 5
     eval_conversations: int = 8
@@ -92,7 +92,7 @@ class EngineConfig:
     compile: bool = False
     compile_guard: bool = True  # False only for the control experiment that shows why the guard exists
     compile_target: bool = False
-    # The target's decoder Linears as e4m3 matmuls with row-wise scales (engine/trainer/fp8.py): faster on
+    # The target's decoder Linears as e4m3 matmuls with row-wise scales (engine/trainer/target/fp8.py): faster on
     # FP8 tensor cores, measured against bf16 by tests/bench/bench_fp8_target.py; lm_head stays exact.
     target_fp8: bool = False
     attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU

@@ -65,11 +65,11 @@ def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, flo
 def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
     import torch
 
-    from engine.trainer.data import RandomTokenSource
+    from engine.trainer.data.sources import RandomTokenSource
+    from engine.trainer.data.vocab import build_draft_vocab
     from engine.trainer.draft.attention import TTTAttention
     from engine.trainer.draft.model import DraftConfig, Drafter
-    from engine.trainer.target import load_target
-    from engine.trainer.vocab import build_draft_vocab
+    from engine.trainer.target.model import load_target
 
     dev = torch.device("cuda:0")
     t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
 def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
     parts = build_parts(compiled=False, attn="sdpa")
     torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
-    from engine.trainer.loss import soft_cross_entropy, total_loss
+    from engine.trainer.draft.loss import soft_cross_entropy, total_loss
 
     draft_ids = parts["vocab"].draft_to_target.to(dev)
     t2d = parts["vocab"].t2d(target.vocab_size).to(dev)
@@ -152,15 +152,15 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
 def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     parts = build_parts(compiled=True, attn="flex")
     torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
-    from engine.trainer.compile import GuardedFunction, apply_dynamo_config
-    from engine.trainer.control import RunControl
-    from engine.trainer.dispatch import IndexLedger
+    from engine.trainer.data.dispatch import IndexLedger
     from engine.trainer.draft.model import ttt_step
-    from engine.trainer.health import HealthBoard
-    from engine.trainer.metrics import EventLog, suggest_split
-    from engine.trainer.producer import DeviceBatch
-    from engine.trainer.queue import BoundedQueue
-    from engine.trainer.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
+    from engine.trainer.run.producer import DeviceBatch
+    from engine.trainer.run.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
+    from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config
+    from engine.trainer.threads.control import RunControl
+    from engine.trainer.threads.health import HealthBoard
+    from engine.trainer.threads.metrics import EventLog, suggest_split
+    from engine.trainer.threads.queue import BoundedQueue
 
     apply_dynamo_config()
     draft_ids = parts["vocab"].draft_to_target.to(dev)
@@ -246,8 +246,8 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     import torch
 
     from engine.trainer.config import from_dict, parse_override, preset
-    from engine.trainer.engine import Engine
-    from engine.trainer.metrics import EventLog
+    from engine.trainer.run.loop import Engine
+    from engine.trainer.threads.metrics import EventLog
 
     overrides: dict[str, Any] = {
         "steps": warm + steps,

@@ -1,6 +1,6 @@
 """How far the FP8 target (``target_fp8``) moves what the drafter trains on, and how much faster its forward is.
 
-For each target the same token batches go through the bf16 target and its FP8 copy (engine/trainer/fp8.py),
+For each target the same token batches go through the bf16 target and its FP8 copy (engine/trainer/target/fp8.py),
 and the bench prints:
 
   top1_agree       share of positions whose full-vocabulary argmax is the same (it sets the position mask)
@@ -37,7 +37,7 @@ def token_batches(spec: str, tokenizer: Any, vocab_size: int, batch: int, seq: i
     if tokenizer is None:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab_size, (batch, seq), generator=g) for _ in range(n)]
-    from engine.trainer.evaluate import heldout_prompts
+    from engine.trainer.serve.evaluate import heldout_prompts
 
     prompts = heldout_prompts(tokenizer, "shipped", 64, 0, batch * n)
     rows = []
@@ -51,8 +51,8 @@ def token_batches(spec: str, tokenizer: Any, vocab_size: int, batch: int, seq: i
 def measure(spec: str, device: str, batch: int, seq: int, n: int, compile_: bool, draft_vocab: int) -> dict[str, Any]:
     import torch
 
-    from engine.trainer.fp8 import quantize_linears
-    from engine.trainer.target import Target, load_target, load_tokenizer
+    from engine.trainer.target.fp8 import quantize_linears
+    from engine.trainer.target.model import Target, load_target, load_tokenizer
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

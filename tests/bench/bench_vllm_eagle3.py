@@ -60,12 +60,12 @@ def prepare(work: Path, steps: int, fmt: str) -> tuple[Path, Path, dict[str, Any
     import torch
     from transformers import LlamaForCausalLM
 
-    from engine.trainer import export
     from engine.trainer.config import from_dict
-    from engine.trainer.engine import Engine
-    from engine.trainer.metrics import EventLog
-    from engine.trainer.shapes import tiny_config
-    from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.run.loop import Engine
+    from engine.trainer.serve import export
+    from engine.trainer.target.model_configs import tiny_config
+    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.threads.metrics import EventLog
 
     target_dir, out_dir, served = work / "target", work / "engine-out", work / f"drafter-{fmt}"
     for old in (out_dir, served):  # a fresh drafter each run (the engine would resume from an old checkpoint)
@@ -172,8 +172,8 @@ def offline_first_token_acceptance(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.trainer import export
-    from engine.trainer.target import Target
+    from engine.trainer.serve import export
+    from engine.trainer.target.model import Target
 
     config, _ = export.read_export(drafter_dir)
     model = AutoModelForCausalLM.from_pretrained(work / "target", dtype=torch.float32)

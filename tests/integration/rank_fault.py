@@ -10,8 +10,8 @@ import os
 import sys
 from typing import Any
 
-from engine.trainer import distributed
 from engine.trainer.__main__ import main
+from engine.trainer.run import distributed
 
 FAULT_RANK = int(os.environ["SPECDEC_TEST_FAULT_RANK"])
 FAULT_STEP = int(os.environ.get("SPECDEC_TEST_FAULT_STEP", "1"))

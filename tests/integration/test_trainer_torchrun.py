@@ -23,7 +23,7 @@ import pytest
 from support.waiting import wait_until
 from torchrun_support import TINY_ENGINE_TOML
 
-from engine.trainer.data import shipped_corpus_path
+from engine.trainer.data.sources import shipped_corpus_path
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 150.0

@@ -50,8 +50,7 @@ def main(argv: list[str]) -> int:
     hidden3, input_ids, embed = data["hidden3"].float(), data["input_ids"].long(), data["embed"].float()
     theirs, model = speculators_logits(export_dir, hidden3, input_ids)
 
-    from engine.trainer import export
-
+    from engine.trainer.serve import export
     drafter = export.drafter_from_export(export_dir, embed)
     both_ours = export.drafter_logits(drafter, hidden3, input_ids, ttt_steps=2)
     ours, theirs_all = both_ours[0], theirs

@@ -15,10 +15,10 @@ import torch
 from speculators_venv import RegistryUnreachable, ensure_venv  # beside this file (pytest puts its dir on sys.path)
 
 from engine.trainer import checkpoint as ckpt
-from engine.trainer import export
 from engine.trainer.draft.model import DraftConfig, Drafter
-from engine.trainer.shapes import tiny_config
-from engine.trainer.target import Target
+from engine.trainer.serve import export
+from engine.trainer.target.model import Target
+from engine.trainer.target.model_configs import tiny_config
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -104,7 +104,7 @@ def test_engine_events_deduplicated_by_offset() -> None:
 
 def test_engine_loss_series_is_the_loss_its_log_line_prints() -> None:
     """The chart's loss and the engine log line's loss= are one number (the weighted total trained on)."""
-    from engine.trainer.metrics import step_line, weighted_total
+    from engine.trainer.threads.metrics import step_line, weighted_total
 
     per_position = [2.0, 3.0, 4.0]
     model = ChartModel()

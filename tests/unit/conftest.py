@@ -23,7 +23,7 @@ def corpus_head(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Pat
     """``corpus_head(n)``: the shipped corpus's first ``n`` conversations as a file of their own."""
 
     def make(n: int) -> Path:
-        from engine.trainer.data import shipped_corpus_path  # torch: only for the tests that train
+        from engine.trainer.data.sources import shipped_corpus_path  # torch: only for the tests that train
 
         path = tmp_path_factory.mktemp("corpus") / f"head{n}.jsonl"
         lines = shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:n]

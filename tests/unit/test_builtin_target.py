@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.trainer import builtin_target
-from engine.trainer.builtin_target import RECIPE_FILE, Recipe, ensure_built, read_metrics, split_corpus
 from engine.trainer.config import BUILTIN_TARGET_LAYERS, from_dict
-from engine.trainer.data import shipped_corpus_path
-from engine.trainer.target import load_target, load_tokenizer
+from engine.trainer.data.sources import shipped_corpus_path
+from engine.trainer.target import builtin as builtin_target
+from engine.trainer.target.builtin import RECIPE_FILE, Recipe, ensure_built, read_metrics, split_corpus
+from engine.trainer.target.model import load_target, load_tokenizer
 
 SMALL = Recipe(hidden=32, layers=8, steps=6, batch_size=4, seq_len=32)  # the default recipe's shape, far fewer steps
 

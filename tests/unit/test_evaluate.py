@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.trainer.data import shipped_corpus_path
+from engine.trainer.data.sources import shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter
-from engine.trainer.evaluate import (
+from engine.trainer.serve.evaluate import (
     AcceptanceStats,
     DrafterProposer,
     evaluate,
@@ -23,8 +23,8 @@ from engine.trainer.evaluate import (
     speculate,
     target_forward,
 )
-from engine.trainer.metrics import EventLog
-from engine.trainer.target import Target, load_target, load_tokenizer
+from engine.trainer.target.model import Target, load_target, load_tokenizer
+from engine.trainer.threads.metrics import EventLog
 
 K = 4
 MAX_NEW = 12
@@ -185,7 +185,7 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from engine.trainer.config import from_dict
-    from engine.trainer.engine import Engine
+    from engine.trainer.run.loop import Engine
 
     out = tmp_path / "out"
     corpus = tmp_path / "small.jsonl"  # tokenizing the whole shipped corpus would be most of the test's time

@@ -15,12 +15,12 @@ from safetensors import safe_open
 from engine.protocol import RunInfo, StatusReply, from_json
 from engine.supervisor.records import RunScanner
 from engine.trainer import checkpoint as ckpt
-from engine.trainer import export
 from engine.trainer.__main__ import main as train_main
 from engine.trainer.config import from_dict
 from engine.trainer.draft.model import DraftConfig, Drafter
-from engine.trainer.engine import Engine
-from engine.trainer.metrics import EventLog
+from engine.trainer.run.loop import Engine
+from engine.trainer.serve import export
+from engine.trainer.threads.metrics import EventLog
 from tui.cli_monitor import format_status
 from tui.widgets.run_timeline import TimelineModel
 

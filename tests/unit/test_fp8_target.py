@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from engine.trainer.config import ConfigError, from_dict, preset
-from engine.trainer.fp8 import E4M3_MAX, Fp8Linear, fp8_unsupported_reason
-from engine.trainer.target import load_target, load_tokenizer
+from engine.trainer.target.fp8 import E4M3_MAX, Fp8Linear, fp8_unsupported_reason
+from engine.trainer.target.model import load_target, load_tokenizer
 
 
 def test_fp8_linear_matches_the_linear_within_e4m3_rounding() -> None:

@@ -1,4 +1,4 @@
-from engine.trainer.holdout import heldout_indices
+from engine.trainer.data.holdout import heldout_indices
 
 
 def test_heldout_split_is_seeded_sized_and_leaves_training_data() -> None:

@@ -8,21 +8,21 @@ from typing import Any
 import pytest
 import torch
 
-from engine.trainer import assembly
 from engine.trainer.config import EngineConfig, from_dict
-from engine.trainer.control import RunControl
-from engine.trainer.data import RandomTokenSource
-from engine.trainer.dispatch import Dispatcher
+from engine.trainer.data.dispatch import Dispatcher
+from engine.trainer.data.sources import RandomTokenSource
+from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
+from engine.trainer.draft.loss import soft_cross_entropy_masked_mean
 from engine.trainer.draft.model import DraftConfig
-from engine.trainer.health import HealthBoard
-from engine.trainer.launch import RankInfo
-from engine.trainer.loss import soft_cross_entropy_masked_mean
-from engine.trainer.metrics import EventLog
-from engine.trainer.producer import Route
-from engine.trainer.queue import BoundedQueue
-from engine.trainer.target import Target, load_target, load_tokenizer
-from engine.trainer.vocab import DraftVocab, build_draft_vocab
-from engine.trainer.worker import DrafterWorker, WorkerLinks, WorkerSettings
+from engine.trainer.run import assembly
+from engine.trainer.run.producer import Route
+from engine.trainer.run.torchrun import RankInfo
+from engine.trainer.run.worker import DrafterWorker, WorkerLinks, WorkerSettings
+from engine.trainer.target.model import Target, load_target, load_tokenizer
+from engine.trainer.threads.control import RunControl
+from engine.trainer.threads.health import HealthBoard
+from engine.trainer.threads.metrics import EventLog
+from engine.trainer.threads.queue import BoundedQueue
 
 
 def config(**values: Any) -> EngineConfig:

@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from engine.trainer.data import (
+from engine.trainer.data.holdout import heldout_indices
+from engine.trainer.data.sources import (
     SKIP_NO_ASSISTANT,
     SKIP_TOO_LONG,
     ConversationSource,
     load_conversations,
     tokenize_conversations,
 )
-from engine.trainer.holdout import heldout_indices
-from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
-from engine.trainer.vocab import build_draft_vocab, vocab_from_counts
+from engine.trainer.data.vocab import build_draft_vocab, vocab_from_counts
+from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
@@ -213,8 +213,8 @@ def test_engine_reports_skipped_conversations_in_an_event_and_a_log_line(tmp_pat
     import io
 
     from engine.trainer.config import from_dict
-    from engine.trainer.engine import Engine
-    from engine.trainer.metrics import EventLog
+    from engine.trainer.run.loop import Engine
+    from engine.trainer.threads.metrics import EventLog
 
     data = write_jsonl(tmp_path / "d.jsonl", [*marked_corpus(8), [u("only a question")]])
     cfg = from_dict(

@@ -13,8 +13,8 @@ import pytest
 from test_trainer_engine import Recorder, build, make_config, raise_on_call  # same folder: on sys.path
 
 from engine.trainer.checkpoint import latest_checkpoint, read_meta
-from engine.trainer.dispatch import Dispatcher, IndexLedger
-from engine.trainer.engine import Engine
+from engine.trainer.data.dispatch import Dispatcher, IndexLedger
+from engine.trainer.run.loop import Engine
 
 QUEUE_SIZE = 2
 RUN_BOUND_S = 120.0  # a run that hangs fails the test instead of the test hanging

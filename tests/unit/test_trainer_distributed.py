@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from engine.trainer.config import ConfigError, from_dict
-from engine.trainer.control import PeerFailure
-from engine.trainer.data import RandomTokenSource
-from engine.trainer.dispatch import IndexLedger
-from engine.trainer.distributed import ShardedSource, map_devices, reshard
-from engine.trainer.launch import RankInfo, events_path_for_rank, rank_from_env, torchrun_command
-from engine.trainer.metrics import EventLog, suggest_split
-from engine.trainer.worker import ReplicaGroup
+from engine.trainer.data.dispatch import IndexLedger
+from engine.trainer.data.sources import RandomTokenSource
+from engine.trainer.run.distributed import ShardedSource, map_devices, reshard
+from engine.trainer.run.torchrun import RankInfo, events_path_for_rank, rank_from_env, torchrun_command
+from engine.trainer.run.worker import ReplicaGroup
+from engine.trainer.threads.control import PeerFailure
+from engine.trainer.threads.metrics import EventLog, suggest_split
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ import torch
 from support.waiting import wait_until
 
 from engine.trainer.config import EngineConfig, from_dict
-from engine.trainer.engine import Engine
-from engine.trainer.metrics import EventLog
+from engine.trainer.run.loop import Engine
+from engine.trainer.threads.metrics import EventLog
 
 REPO = Path(__file__).resolve().parents[2]
 

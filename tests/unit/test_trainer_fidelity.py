@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from engine.agent.anomalies import EngineState, engine_anomalies
-from engine.trainer import compile as guard
 from engine.trainer.config import ConfigError, from_dict
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.loss import soft_cross_entropy, total_loss
 from engine.trainer.draft.model import DraftConfig, Drafter, apply_rotary, rotary_tables, ttt_step
-from engine.trainer.loss import soft_cross_entropy, total_loss
-from engine.trainer.metrics import EventLog, compile_listener
-from engine.trainer.shapes import tiny_config
-from engine.trainer.target import decoder_layers, default_layer_ids, load_target
+from engine.trainer.target.model import decoder_layers, default_layer_ids, load_target
+from engine.trainer.target.model_configs import tiny_config
+from engine.trainer.threads import compile as guard
+from engine.trainer.threads.metrics import EventLog, compile_listener
 
 VOCAB = 50
 
@@ -129,7 +129,7 @@ def test_default_layers_are_the_outputs_of_1_mid_minus_1_and_l_minus_4() -> None
 
 
 def test_captured_hidden_states_are_what_vllm_and_sglang_feed_the_drafter() -> None:
-    from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     target = load_target("tiny", torch.device("cpu"), tokenizer=tok, layer_ids=None, seed=0, dtype=torch.float32)

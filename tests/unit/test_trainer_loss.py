@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.trainer.loss import (
+from engine.trainer.draft.loss import (
     accuracies,
     loss_function,
     soft_cross_entropy,

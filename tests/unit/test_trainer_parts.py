@@ -11,15 +11,15 @@ import pytest
 import torch
 from support.waiting import wait_until
 
-from engine.trainer import compile as guard
 from engine.trainer.config import ConfigError, from_dict, load_toml, preset
+from engine.trainer.data.vocab import vocab_from_counts
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.loss import soft_cross_entropy, total_loss
 from engine.trainer.draft.model import DraftConfig, Drafter
-from engine.trainer.loss import soft_cross_entropy, total_loss
-from engine.trainer.metrics import suggest_split
-from engine.trainer.queue import BoundedQueue, ProducerFailed, QueueClosed, QueueTimeout
-from engine.trainer.target import default_layer_ids
-from engine.trainer.vocab import vocab_from_counts
+from engine.trainer.target.model import default_layer_ids
+from engine.trainer.threads import compile as guard
+from engine.trainer.threads.metrics import suggest_split
+from engine.trainer.threads.queue import BoundedQueue, ProducerFailed, QueueClosed, QueueTimeout
 
 
 def tiny_drafter(seed: int = 0) -> Drafter:
@@ -183,8 +183,8 @@ def test_split_suggestion_balances_target_and_drafter_rates_when_they_do_not_fit
 
 
 def test_heartbeats_flag_a_stalled_thread_and_a_starving_queue() -> None:
-    from engine.trainer.health import HealthBoard
-    from engine.trainer.metrics import EventLog
+    from engine.trainer.threads.health import HealthBoard
+    from engine.trainer.threads.metrics import EventLog
 
     events = EventLog(None)
     seen: list[dict[str, Any]] = []

@@ -6,7 +6,7 @@ import os
 import threading
 from pathlib import Path
 
-from engine.trainer.health import name_os_thread
+from engine.trainer.threads.health import name_os_thread
 
 
 def test_named_thread_shows_its_name_in_proc_comm() -> None:

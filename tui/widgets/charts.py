@@ -29,7 +29,7 @@ MAX_POINTS = 600
 METRICS: tuple[str, ...] = ("step", "tok/s", "loss", "acc", "tau")
 LOG_SERIES = "log"
 
-# What the engine's numbers are (engine/trainer/loss.py computes them; SpecForge's definitions).
+# What the engine's numbers are (engine/trainer/draft/loss.py computes them; SpecForge's definitions).
 LOSS_HELP = (
     "loss = sum_i 0.8^i * loss_i over the TTT steps i. loss_i = soft cross-entropy of the drafter against the "
     "target's distribution on the draft vocabulary, summed over the positions trained on (data loss mask and "

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.trainer.compile import GuardedFunction, compile_guard
 from engine.trainer.draft.masks import BlockMaskCache, dense_ttt_mask
+from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
 IMPLS: tuple[str, ...] = ("flex", "sdpa")
 

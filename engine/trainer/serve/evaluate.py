@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.trainer.data import load_conversations, shipped_corpus_path
+from engine.trainer.data.holdout import heldout_indices
+from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, rotary_tables
-from engine.trainer.holdout import heldout_indices
 
 TargetForward = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]  # ids -> (logits (T, V), hidden3 (1, T, 3H))
 
@@ -432,7 +432,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.trainer import checkpoint as ckpt
-    from engine.trainer.target import load_target, load_tokenizer
+    from engine.trainer.target.model import load_target, load_tokenizer
 
     args = parse_args(argv)
     if args.threads > 0:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.metrics import EventLog, events_path_for
+from engine.trainer.threads.metrics import EventLog, events_path_for
 
 FORMATS: tuple[str, ...] = ("eagle3", "speculators")
 WEIGHTS_FILE = "model.safetensors"
@@ -210,7 +210,7 @@ def target_hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
-    from engine.trainer.shapes import llama3_8b_config, tiny_config
+    from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
 
     if spec == "tiny":
         vocab = int(meta["draft_config"]["vocab_size"])

@@ -8,7 +8,7 @@ the held-out ones) until its predictions are sharp, then cached: built on first 
 Hugging Face model directory plus ``recipe.json`` and ``metrics.json`` (held-out accuracy and entropy).
 
 Eight layers, so the serve-time aux layers (outputs of 1, L/2-1, L-4) and the older ids (2, L/2, L-3) are all
-distinct; the byte-level tokenizer of ``tiny`` (engine/trainer/tiny_tokenizer.py).
+distinct; the byte-level tokenizer of ``tiny`` (engine/trainer/target/tiny_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.trainer.data import load_conversations, shipped_corpus_path, tokenize_conversations
-from engine.trainer.holdout import heldout_indices
+from engine.trainer.data.holdout import heldout_indices
+from engine.trainer.data.sources import load_conversations, shipped_corpus_path, tokenize_conversations
 
 NAME = "tiny-trained"
 RECIPE_FILE = "recipe.json"
@@ -153,7 +153,7 @@ def tokenized(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list
 def build_model(recipe: Recipe, vocab_size: int) -> Any:
     from transformers import LlamaForCausalLM
 
-    from engine.trainer.shapes import tiny_config
+    from engine.trainer.target.model_configs import tiny_config
 
     cfg = tiny_config(vocab_size, recipe.hidden, recipe.layers)
     cfg.initializer_range = 0.02  # tiny_config's 0.1 suits a random target, not one that is trained
@@ -162,7 +162,7 @@ def build_model(recipe: Recipe, vocab_size: int) -> Any:
 
 def train(recipe: Recipe, corpus: Path, say: Progress) -> tuple[Any, dict[str, Any]]:
     """Next-token cross-entropy on windows of the training conversations laid end to end (seeded)."""
-    from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     vocab = ((len(tokenizer) + 7) // 8) * 8

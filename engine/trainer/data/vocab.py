@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.trainer.data import BatchSource
+from engine.trainer.data.sources import BatchSource
 
 
 @dataclass

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from engine.trainer.compile import apply_dynamo_config
-from engine.trainer.control import RunControl
-from engine.trainer.data import BatchSource, HostBatch
-from engine.trainer.dispatch import Dispatcher
-from engine.trainer.health import name_os_thread
-from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
-from engine.trainer.target import Target
+from engine.trainer.data.dispatch import Dispatcher
+from engine.trainer.data.sources import BatchSource, HostBatch
+from engine.trainer.target.model import Target
+from engine.trainer.threads.compile import apply_dynamo_config
+from engine.trainer.threads.control import RunControl
+from engine.trainer.threads.health import name_os_thread
+from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
 
 PUT_POLL_S = 0.25
 

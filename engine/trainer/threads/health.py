@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.trainer.metrics import EventLog
+from engine.trainer.threads.metrics import EventLog
 
 ACTIVE_STATES = ("warmup", "training", "waiting", "syncing")  # syncing: at the replicas' gradient barrier
 

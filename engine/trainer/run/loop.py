@@ -23,7 +23,12 @@ from typing import Any
 import torch
 
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.assembly import (
+from engine.trainer.config import EngineConfig
+from engine.trainer.data.dispatch import Dispatcher, IndexLedger
+from engine.trainer.data.sources import BatchSource
+from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
+from engine.trainer.draft.model import DraftConfig, Drafter
+from engine.trainer.run.assembly import (
     attention_impl,
     build_drafters,
     build_producers,
@@ -37,22 +42,17 @@ from engine.trainer.assembly import (
     share_streams,
     shared_step,
 )
-from engine.trainer.compile import recompile_limit_for, set_recompile_limit
-from engine.trainer.config import EngineConfig
-from engine.trainer.control import CheckpointRounds, RunControl, ThreadFailure
-from engine.trainer.data import BatchSource
-from engine.trainer.dispatch import Dispatcher, IndexLedger
-from engine.trainer.distributed import AGENT_DEATH_SIGNAL, CrossRank, ShardedSource, reshard, weights_digest
-from engine.trainer.distributed import start as start_distributed
-from engine.trainer.draft.model import DraftConfig, Drafter
-from engine.trainer.health import HealthBoard
-from engine.trainer.launch import RankInfo, rank_from_env
-from engine.trainer.metrics import EventLog, compile_listener, events_path_for
-from engine.trainer.producer import DeviceBatch, Producer, Route
-from engine.trainer.queue import BoundedQueue
-from engine.trainer.target import Target, load_tokenizer
-from engine.trainer.vocab import DraftVocab, build_draft_vocab
-from engine.trainer.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
+from engine.trainer.run.distributed import AGENT_DEATH_SIGNAL, CrossRank, ShardedSource, reshard, weights_digest
+from engine.trainer.run.distributed import start as start_distributed
+from engine.trainer.run.producer import DeviceBatch, Producer, Route
+from engine.trainer.run.torchrun import RankInfo, rank_from_env
+from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
+from engine.trainer.target.model import Target, load_tokenizer
+from engine.trainer.threads.compile import recompile_limit_for, set_recompile_limit
+from engine.trainer.threads.control import CheckpointRounds, RunControl, ThreadFailure
+from engine.trainer.threads.health import HealthBoard
+from engine.trainer.threads.metrics import EventLog, compile_listener, events_path_for
+from engine.trainer.threads.queue import BoundedQueue
 
 JOIN_TIMEOUT_S = 30.0
 REPLICAS_CHECKPOINT = "replicas"
@@ -293,7 +293,7 @@ class Engine:
 
     def _install_evaluation(self) -> None:
         """eval_every > 0: acceptance length on held-out prompts every eval_every steps, per drafter (``eval``)."""
-        from engine.trainer.evaluate import EvalSubject, PeriodicEvaluation, heldout_prompts, rope_offset_of
+        from engine.trainer.serve.evaluate import EvalSubject, PeriodicEvaluation, heldout_prompts, rope_offset_of
 
         cfg = self.cfg
         if not cfg.eval_every:

@@ -11,7 +11,7 @@ rule (fewer than 7 layers) use ``0, (L-1)//2, L-1``; a server would need those i
 
 Built-in random presets need no download: ``tiny`` (an 8-layer Llama with a byte-level tokenizer, for the
 CPU) and ``llama3-8b-shape`` (Llama-3.1-8B's shapes with random weights, for GPU throughput work).
-``tiny-trained`` is trained on the shipped corpus on first use and cached (engine/trainer/builtin_target.py).
+``tiny-trained`` is trained on the shipped corpus on first use and cached (engine/trainer/target/builtin.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.trainer.builtin_target import ensure_built
-from engine.trainer.compile import GuardedFunction
-from engine.trainer.shapes import llama3_8b_config, tiny_config
+from engine.trainer.target.builtin import ensure_built
+from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
+from engine.trainer.threads.compile import GuardedFunction
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -155,7 +155,7 @@ class Target:
 
 def load_tokenizer(spec: str) -> Any:
     if spec in ("tiny", "tiny-trained"):
-        from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
+        from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
 
         return build_tiny_tokenizer()
     if spec == "llama3-8b-shape":
@@ -183,7 +183,7 @@ def load_target(
     a named error.
     """
     if fp8:
-        from engine.trainer.fp8 import fp8_unsupported_reason
+        from engine.trainer.target.fp8 import fp8_unsupported_reason
 
         reason = fp8_unsupported_reason(device)
         if reason is not None:
@@ -213,7 +213,7 @@ def load_target(
         model = loaded.to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     if fp8:
-        from engine.trainer.fp8 import quantize_linears
+        from engine.trainer.target.fp8 import quantize_linears
 
         quantize_linears(model)
     return Target(model, tokenizer, ids, device)

@@ -21,18 +21,18 @@ from typing import Any
 import torch
 
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
-from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
 from engine.trainer.config import EngineConfig
-from engine.trainer.control import NonFiniteLoss, PeerFailure, RunControl
-from engine.trainer.dispatch import IndexLedger
-from engine.trainer.distributed import CrossRank
+from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss
 from engine.trainer.draft.model import Drafter
-from engine.trainer.health import name_os_thread
-from engine.trainer.loss import accuracies, loss_function, soft_cross_entropy, total_loss
-from engine.trainer.metrics import step_line, weighted_total
-from engine.trainer.producer import DeviceBatch
-from engine.trainer.queue import BoundedQueue, QueueClosed, QueueTimeout
+from engine.trainer.run.distributed import CrossRank
+from engine.trainer.run.producer import DeviceBatch
+from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
+from engine.trainer.threads.control import NonFiniteLoss, PeerFailure, RunControl
+from engine.trainer.threads.health import name_os_thread
+from engine.trainer.threads.metrics import step_line, weighted_total
+from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
 
 GET_POLL_S = 0.25
 

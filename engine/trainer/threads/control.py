@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.trainer.health import HealthBoard
-from engine.trainer.metrics import EventLog
+from engine.trainer.threads.health import HealthBoard
+from engine.trainer.threads.metrics import EventLog
 
 
 class NonFiniteLoss(RuntimeError):

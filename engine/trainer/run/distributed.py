@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.trainer.control import PeerFailure
-from engine.trainer.data import BatchSource, HostBatch
-from engine.trainer.dispatch import IndexLedger
-from engine.trainer.launch import RankInfo
+from engine.trainer.data.dispatch import IndexLedger
+from engine.trainer.data.sources import BatchSource, HostBatch
+from engine.trainer.run.torchrun import RankInfo
+from engine.trainer.threads.control import PeerFailure
 
 LOCAL_DEVICE = "cuda:local"  # a device string meaning cuda:<LOCAL_RANK>
 AGENT_DEATH_SIGNAL = signal.SIGUSR2  # sent by the kernel when this rank's torchrun agent dies (SIGUSR1: stacks)

@@ -15,20 +15,20 @@ from typing import Any
 
 import torch
 
-from engine.trainer.compile import GuardedFunction, set_guard_enabled
 from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
-from engine.trainer.control import RunControl
-from engine.trainer.data import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
-from engine.trainer.dispatch import Dispatcher, IndexLedger
-from engine.trainer.distributed import map_devices
+from engine.trainer.data.dispatch import Dispatcher, IndexLedger
+from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
+from engine.trainer.data.vocab import DraftVocab
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
-from engine.trainer.launch import RankInfo
-from engine.trainer.metrics import EventLog
-from engine.trainer.producer import Producer, Route
-from engine.trainer.target import Target, load_target
-from engine.trainer.vocab import DraftVocab
-from engine.trainer.worker import DrafterTraining, DrafterWorker
+from engine.trainer.run.distributed import map_devices
+from engine.trainer.run.producer import Producer, Route
+from engine.trainer.run.torchrun import RankInfo
+from engine.trainer.run.worker import DrafterTraining, DrafterWorker
+from engine.trainer.target.model import Target, load_target
+from engine.trainer.threads.compile import GuardedFunction, set_guard_enabled
+from engine.trainer.threads.control import RunControl
+from engine.trainer.threads.metrics import EventLog
 
 # Added to a drafter's seed for its initial weights, so they do not repeat the target's (seeded with the seed).
 DRAFTER_SEED_OFFSET = 7919

@@ -1,6 +1,6 @@
-"""Generates the small ShareGPT-style corpus shipped in engine/trainer/corpus/corpus.jsonl.
+"""Generates the small ShareGPT-style corpus shipped in engine/trainer/data/corpus/corpus.jsonl.
 
-Deterministic (seeded); run ``python3 -m engine.trainer.corpus_gen`` to rebuild it. The conversations are
+Deterministic (seeded); run ``python3 -m engine.trainer.data.corpus_gen`` to rebuild it. The conversations are
 templated (arithmetic, spelling, unit conversion, lists, short facts written for this corpus), which gives
 a drafter enough regular structure to learn from in a few hundred CPU steps.
 """

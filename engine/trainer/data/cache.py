@@ -1,4 +1,4 @@
-"""The tokenized training data (``TokenizedCorpus``, built by data.py) kept on disk, so a restart does not
+"""The tokenized training data (``TokenizedCorpus``, built by data.sources) kept on disk, so a restart does not
 tokenize (or count tokens) again.
 
 One file per key under the cache directory, named by the key's hash. The key holds everything the tokenized

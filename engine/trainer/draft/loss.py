@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from engine.trainer.config import LOSS_MEAN_ALL, LOSS_MEAN_MASKED, LOSS_MEANS
-from engine.trainer.metrics import STEP_WEIGHT_DECAY
+from engine.trainer.threads.metrics import STEP_WEIGHT_DECAY
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.trainer.datacache import TokenizedCorpus, load_or_build
-from engine.trainer.holdout import heldout_indices
+from engine.trainer.data.cache import TokenizedCorpus, load_or_build
+from engine.trainer.data.holdout import heldout_indices
 
 ROLE_ALIASES: dict[str, str] = {
     "human": "user",

@@ -1,5 +1,5 @@
 """The model configs of the built-in targets: ``tiny`` (and ``tiny-trained``, built from it) and the random
-Llama-3.1-8B shape (``llama3-8b-shape``). Used by target.py to build them, by builtin_target.py to train
+Llama-3.1-8B shape (``llama3-8b-shape``). Used by target.model to build them, by target.builtin to train
 ``tiny-trained`` and by export.py; a module of its own so that neither of the first two imports the other.
 """
 

@@ -1,1 +1,0 @@
-"""The demo corpus shipped with the trainer (corpus.jsonl, made by engine.trainer.corpus_gen)."""

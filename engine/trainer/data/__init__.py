@@ -1,0 +1,1 @@
+"""Training data: tokenized conversations and their cache, the held-out split, batch dispatch, the draft vocabulary."""

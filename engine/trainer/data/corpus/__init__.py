@@ -1,0 +1,1 @@
+"""The demo corpus shipped with the trainer (corpus.jsonl, made by engine.trainer.data.corpus_gen)."""
