@@ -104,7 +104,8 @@ def test_engine_events_deduplicated_by_offset() -> None:
 
 def test_engine_loss_series_is_the_loss_its_log_line_prints() -> None:
     """The chart's loss and the engine log line's loss= are one number (the weighted total trained on)."""
-    from engine.trainer.threads.metrics import step_line, weighted_total
+    from engine.trainer.draft.loss import weighted_total
+    from engine.trainer.threads.metrics import step_line
 
     per_position = [2.0, 3.0, 4.0]
     model = ChartModel()
@@ -113,7 +114,8 @@ def test_engine_loss_series_is_the_loss_its_log_line_prints() -> None:
     model.add_engine_event(100, step)
     drawn = model.series[("loss", "drafter0")].values()[-1]
     assert drawn == pytest.approx(2.0 + 0.8 * 3.0 + 0.64 * 4.0)
-    logged = parse_log_metrics(step_line("drafter0", 7, per_position, [0.5, 0.4, 0.3], 10.0))["loss"]
+    line = step_line("drafter0", 7, per_position, weighted_total(per_position), [0.5, 0.4, 0.3], 10.0)
+    logged = parse_log_metrics(line)["loss"]
     assert logged == pytest.approx(drawn, abs=1e-4)
     # An engine without loss_total (older events files): the first position's loss, as before.
     model.add_engine_event(200, decode_engine_event({**ev, "step": 8, "loss": per_position}))

@@ -24,9 +24,10 @@ from collections.abc import Callable
 import torch
 
 from engine.trainer.config import LOSS_MEAN_ALL, LOSS_MEAN_MASKED, LOSS_MEANS
-from engine.trainer.threads.metrics import STEP_WEIGHT_DECAY
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+STEP_WEIGHT_DECAY = 0.8  # the loss trained on is sum_i STEP_WEIGHT_DECAY**i * loss_i over TTT positions
 
 
 def _soft_cross_entropy(
@@ -69,6 +70,11 @@ def loss_function(mean: str) -> LossFn:
 
 def step_weights(ttt_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return STEP_WEIGHT_DECAY ** torch.arange(ttt_steps, dtype=torch.float32, device=device)
+
+
+def weighted_total(loss: list[float]) -> float:
+    """The training loss of one step from its per-position losses (the log line's and the chart's ``loss``)."""
+    return sum(STEP_WEIGHT_DECAY**i * v for i, v in enumerate(loss))
 
 
 def total_loss(losses: torch.Tensor) -> torch.Tensor:

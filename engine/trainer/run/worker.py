@@ -24,14 +24,14 @@ from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.config import EngineConfig
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss
+from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss, weighted_total
 from engine.trainer.draft.model import Drafter
 from engine.trainer.run.distributed import CrossRank
 from engine.trainer.run.producer import DeviceBatch
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 from engine.trainer.threads.control import NonFiniteLoss, PeerFailure, RunControl
 from engine.trainer.threads.health import name_os_thread
-from engine.trainer.threads.metrics import step_line, weighted_total
+from engine.trainer.threads.metrics import step_line
 from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
 
 GET_POLL_S = 0.25
@@ -556,12 +556,13 @@ class DrafterWorker:
                 self.name, state="training", step=self.step, tok_s=result.tok_s, queue_depth=self.queue.depth()
             )
             if self.step % self.log_every == 0 or self.step == 1:
+                loss_total = weighted_total(result.loss)
                 self.control.events.emit(
                     "step",
                     thread=self.name,
                     step=self.step,
                     loss=result.loss,
-                    loss_total=weighted_total(result.loss),
+                    loss_total=loss_total,
                     acc=result.acc,
                     tok_s=result.tok_s,
                     ms=result.ms,
@@ -570,7 +571,8 @@ class DrafterWorker:
                     bucket=batch.bucket,
                     target_ms=batch.target_ms,
                 )
-                self.control.events.say(step_line(self.name, self.step, result.loss, result.acc, result.tok_s))
+                line = step_line(self.name, self.step, result.loss, loss_total, result.acc, result.tok_s)
+                self.control.events.say(line)
             # One state per model: the first live replica's (independent drafters are models of their own).
             leader = self.group is None or self.group.mode != "replicas" or self.rank == min(self.group.live)
             if (

@@ -114,21 +114,16 @@ def compile_listener(events: EventLog) -> Callable[[dict[str, Any]], None]:
     return on_compile
 
 
-STEP_WEIGHT_DECAY = 0.8  # the loss trained on is sum_i STEP_WEIGHT_DECAY**i * loss_i over TTT positions
-
-
-def weighted_total(loss: list[float]) -> float:
-    """The training loss of one step from its per-position losses (the log line's and the chart's ``loss``)."""
-    return sum(STEP_WEIGHT_DECAY**i * v for i, v in enumerate(loss))
-
-
 def fmt(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:.4f}"
 
 
-def step_line(thread: str, step: int, loss: list[float], acc: list[float], tok_s: float) -> str:
+def step_line(
+    thread: str, step: int, loss: list[float], loss_total: float, acc: list[float], tok_s: float
+) -> str:
+    """The human step line; ``loss_total`` is the weighted total trained on (``draft.loss.weighted_total``)."""
     return (
-        f"step={step} thread={thread} loss={fmt(weighted_total(loss))} loss0={fmt(loss[0])} acc0={fmt(acc[0])} "
+        f"step={step} thread={thread} loss={fmt(loss_total)} loss0={fmt(loss[0])} acc0={fmt(acc[0])} "
         f"acc_last={fmt(acc[-1])} tok/s={tok_s:.0f}"
     )
 
