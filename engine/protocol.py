@@ -954,6 +954,19 @@ def encode_engine_event(ev: EngineEvent) -> dict[str, Any]:
     return out
 
 
+def decode_engine_line(line: bytes | str) -> EngineEvent | None:
+    """One line of events.jsonl as its engine event; None for a line that is not one (torn, of an unknown kind, a
+    field of the wrong type): a reader of the file skips it, as the dashboard skips it on the wire."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    try:
+        return decode_engine_event(obj)
+    except ProtocolError:
+        return None
+
+
 def from_json(cls: type[T], obj: Any, where: str | None = None) -> T:
     """A dataclass from a JSON object, every field checked against its annotation (ints pass as floats)."""
     try:
