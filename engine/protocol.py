@@ -976,6 +976,15 @@ def from_json(cls: type[T], obj: Any, where: str | None = None) -> T:
     return decoded
 
 
+def decode_as(tp: Any, value: Any) -> Any:
+    """One JSON value checked against the annotation ``tp`` and converted (an int passes for a float, a bool never
+    for a number); raises ProtocolError. The typed-JSON decoder of every reader above, for one field at a time."""
+    try:
+        return _decoder(tp)(value)
+    except _Mismatch as exc:
+        raise ProtocolError(f"value{exc.path}: {exc.what}") from None
+
+
 # A decoder per annotation, built once: it checks and converts one JSON value. The path to a bad value is
 # assembled only on the way out of a failure, so a valid event costs a few dict look-ups per field.
 
