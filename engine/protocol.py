@@ -136,36 +136,6 @@ EXIT_USAGE = 2
 EXIT_CONNECTION = 3
 EXIT_HUNG = 4
 
-# Engine events (one JSON object per line of <run_dir>/events.jsonl, written by engine/trainer).
-# Every engine event has "t" (unix time, float) and "kind", one of:
-#   stage         stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping"
-#                 | "done"; thread: str | None, detail: str. The "data" stage's summary event adds skipped
-#                 ({reason: conversations not trained on}), heldout, truncated and cached.
-#   heartbeat     thread, state ("starting" | "warmup" | "training" | "waiting" | "syncing" | "stopped" | "error"),
-#                 step, tok_s, queue_depth, last_exception (str | None)
-#   step          thread, step, loss: [float per TTT position], acc: [float per TTT position],
-#                 loss_total: float (sum_i 0.8**i * loss_i: the loss trained on, the log line's ``loss=``),
-#                 tok_s, ms: {"fetch", "fwd", "bwd", "opt"}
-#   thread_error  thread, exc_type, message, traceback, policy ("stop" | "continue")
-#   checkpoint    step, path
-#   run_end       ok, reason, step
-#   export        path, checkpoint, step, format, drafter   (appended by `specdec-train export`, after the run too)
-#   eval          thread, step, tau (mean tokens per target forward in greedy chain speculation on held-out
-#                 prompts), k, per_position: [P(draft token j accepted), j = 1..k],
-#                 per_position_conditional: [P(j accepted | j-1 accepted)], rounds, prompts, new_tokens;
-#                 or thread, step, error (str) when the evaluation failed
-ENGINE_EVENT_KINDS: tuple[str, ...] = (
-    "stage",
-    "heartbeat",
-    "step",
-    "thread_error",
-    "checkpoint",
-    "run_end",
-    "compile",  # a recompile after warm-up or a fallback to eager (what, function, thread, graphs, limit)
-    "export",  # specdec-train export wrote a servable drafter (path, checkpoint, step, format, drafter)
-    "eval",  # acceptance length on held-out prompts (thread, step, tau, k, per_position, ...)
-)
-
 # Environment variables the supervisor sets for the job (the engine writes its events there).
 ENV_RUN_DIR = "SPECDEC_RUN_DIR"
 ENV_EVENTS_PATH = "SPECDEC_EVENTS"
@@ -443,10 +413,19 @@ def decode_log_data(text: str) -> bytes:
 # arrives. The wire stays the JSON objects documented at the top; unknown keys are ignored (a field added
 # on one side never breaks the other), a missing required key or a value of the wrong type is a
 # ProtocolError. Engine events (the ``event`` of an ``engine`` line) are chosen by their ``kind``.
+#
+# Engine events are the one contract of <run_dir>/events.jsonl (one JSON object per line, written by
+# engine/trainer, read by the agent's anomalies, the supervisor's scanner and the dashboard): one dataclass per
+# ``kind`` (its KIND), its fields the keys, ``t`` the unix time; a torchrun rank tags each with rank, node and
+# world_size. ``encode_engine_event`` writes one, ``decode_engine_event`` reads one back.
 
 
 @dataclass
 class StageEvent:
+    """stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping" | "done" |
+    "distributed" (a torchrun rank joined: its pid, local rank and local world size). The "data" stage's summary
+    adds skipped ({reason: conversations not trained on}), heldout, truncated and cached."""
+
     KIND: ClassVar[str] = "stage"
     stage: str
     thread: str | None = None
@@ -454,11 +433,16 @@ class StageEvent:
     t: float | None = None
     rank: int | None = None  # torchrun rank (every event of a rank's events file carries it)
     node: int | None = None
-    pid: int | None = None  # the "distributed" stage: the rank's process
+    world_size: int | None = None
+    pid: int | None = None  # the "distributed" stage: the rank's process, its local rank and how many share the node
+    local_rank: int | None = None
+    local_world_size: int | None = None
 
 
 @dataclass
 class HeartbeatEvent:
+    """A thread is alive: its state, step, throughput and queue depth (a hung thread's heartbeats age)."""
+
     KIND: ClassVar[str] = "heartbeat"
     thread: str
     state: str = "unknown"  # "starting" | "warmup" | "training" | "waiting" | "syncing" | "stopped" | "error"
@@ -468,10 +452,15 @@ class HeartbeatEvent:
     last_exception: str | None = None
     t: float | None = None  # when the thread last beat (a hung thread's heartbeats age)
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
 class StepEvent:
+    """A training step: loss and acceptance per TTT position, loss_total (the loss trained on, the log line's
+    ``loss=``), tokens per second and ms per phase ({"fetch", "fwd", "bwd", "opt"})."""
+
     KIND: ClassVar[str] = "step"
     step: int
     thread: str | None = None
@@ -482,10 +471,14 @@ class StepEvent:
     ms: dict[str, float | None] = field(default_factory=dict)
     t: float | None = None
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
 class ThreadErrorEvent:
+    """A thread died of an exception; ``policy`` says whether the run stops or continues without it."""
+
     KIND: ClassVar[str] = "thread_error"
     thread: str
     exc_type: str = "Error"
@@ -494,29 +487,41 @@ class ThreadErrorEvent:
     policy: str = "stop"  # "stop" | "continue"
     t: float | None = None
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
 class CheckpointEvent:
+    """A checkpoint was written."""
+
     KIND: ClassVar[str] = "checkpoint"
     step: int
     path: str
     t: float | None = None
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
 class RunEndEvent:
+    """The run ended (ok, or why not)."""
+
     KIND: ClassVar[str] = "run_end"
     ok: bool
     reason: str = ""
     step: int | None = None
     t: float | None = None
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
 class CompileEvent:
+    """A recompile after warm-up or a fallback to eager (the guard of engine/trainer)."""
+
     KIND: ClassVar[str] = "compile"
     what: str  # "recompile" | "fallback"
     function: str | None = None
@@ -526,10 +531,14 @@ class CompileEvent:
     signature: str | None = None
     t: float | None = None
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
 class ExportEvent:
+    """``specdec-train export`` wrote a servable drafter (appended after the run too)."""
+
     KIND: ClassVar[str] = "export"
     path: str
     checkpoint: str | None = None
@@ -538,10 +547,16 @@ class ExportEvent:
     drafter: str | None = None
     t: float | None = None
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
 class EvalEvent:
+    """Acceptance on held-out prompts: tau (mean tokens per target forward in greedy chain speculation), k,
+    per_position [P(draft token j accepted), j = 1..k], per_position_conditional [P(j accepted | j-1 accepted)],
+    rounds, prompts, new_tokens; or ``error`` when the evaluation failed."""
+
     KIND: ClassVar[str] = "eval"
     thread: str
     step: int
@@ -555,6 +570,8 @@ class EvalEvent:
     error: str | None = None  # the evaluation failed (then no tau)
     t: float | None = None
     rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
 
 
 # Union[...], not X | Y: evaluated when the module loads, on hosts whose python3 may predate 3.10.
@@ -569,6 +586,9 @@ EngineEvent = Union[  # noqa: UP007
     ExportEvent,
     EvalEvent,
 ]
+
+# The kinds, derived from the dataclasses: a kind is written once, as its class's KIND.
+ENGINE_EVENT_KINDS: tuple[str, ...] = tuple(cls.KIND for cls in typing.get_args(EngineEvent))
 
 
 @dataclass
@@ -922,6 +942,31 @@ def decode_engine_event(obj: Any) -> EngineEvent:
     return decoded
 
 
+def encode_engine_event(ev: EngineEvent) -> dict[str, Any]:
+    """The JSON object of an engine event, as a line of events.jsonl holds it (``decode_engine_event``'s inverse):
+    ``kind`` first, then the fields, less those that are None by default and None now."""
+    out: dict[str, Any] = {"kind": ev.KIND}
+    for f in fields(ev):
+        value = getattr(ev, f.name)
+        if value is None and f.default is None:
+            continue
+        out[f.name] = to_jsonable(value)
+    return out
+
+
+def decode_engine_line(line: bytes | str) -> EngineEvent | None:
+    """One line of events.jsonl as its engine event; None for a line that is not one (torn, of an unknown kind, a
+    field of the wrong type): a reader of the file skips it, as the dashboard skips it on the wire."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    try:
+        return decode_engine_event(obj)
+    except ProtocolError:
+        return None
+
+
 def from_json(cls: type[T], obj: Any, where: str | None = None) -> T:
     """A dataclass from a JSON object, every field checked against its annotation (ints pass as floats)."""
     try:
@@ -929,6 +974,15 @@ def from_json(cls: type[T], obj: Any, where: str | None = None) -> T:
     except _Mismatch as exc:
         raise ProtocolError(f"{where or cls.__name__}{exc.path}: {exc.what}") from None
     return decoded
+
+
+def decode_as(tp: Any, value: Any) -> Any:
+    """One JSON value checked against the annotation ``tp`` and converted (an int passes for a float, a bool never
+    for a number); raises ProtocolError. The typed-JSON decoder of every reader above, for one field at a time."""
+    try:
+        return _decoder(tp)(value)
+    except _Mismatch as exc:
+        raise ProtocolError(f"value{exc.path}: {exc.what}") from None
 
 
 # A decoder per annotation, built once: it checks and converts one JSON value. The path to a bad value is

@@ -10,7 +10,7 @@ GPU side, from one GPU sample + the holders + the run's process tree:
 Host side, from the run root's filesystem:
 * disk full: so little space left where the run's records and log live that they cannot be written.
 
-Engine side, from the run's events.jsonl:
+Engine side, from the run's events.jsonl (each line decoded once into engine.protocol's engine events):
 * stalled run: no step for k x the median step interval (clamped to [floor, cap]);
 * dead thread: a ``thread_error`` event, a heartbeat in state "error", or heartbeats older than a bound;
 * compile fallback: a ``compile`` event whose function hit dynamo's recompile limit and now runs eagerly;
@@ -26,10 +26,20 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from engine.host.procs import is_system_holder
-from engine.protocol import Anomaly, GpuInfo, HolderInfo
+from engine.protocol import (
+    Anomaly,
+    CompileEvent,
+    EngineEvent,
+    GpuInfo,
+    HeartbeatEvent,
+    HolderInfo,
+    RunEndEvent,
+    StageEvent,
+    StepEvent,
+    ThreadErrorEvent,
+)
 
 PHANTOM_UTIL_PCT = 90.0
 NEAR_ZERO_MIB = 64.0  # "~0 MiB": an idle context-free GPU reports a few MiB at most
@@ -160,52 +170,44 @@ def gpu_anomalies(
 
 @dataclass
 class EngineState:
-    """What the anomaly checks need from a run's engine events, folded one event at a time."""
+    """What the anomaly checks need from a run's engine events, folded one decoded event at a time."""
 
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=_STEP_HISTORY))
     last_step: int | None = None
     last_step_at: float | None = None
-    heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)  # thread -> last heartbeat
-    thread_errors: dict[str, dict[str, Any]] = field(default_factory=dict)  # thread -> last thread_error
+    heartbeats: dict[str, HeartbeatEvent] = field(default_factory=dict)  # thread -> last heartbeat
+    thread_errors: dict[str, ThreadErrorEvent] = field(default_factory=dict)  # thread -> last thread_error
     # (thread, function) -> last compile event of each kind, and how many recompiles after warm-up
-    compile_fallbacks: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    recompiles: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    compile_fallbacks: dict[tuple[str, str], CompileEvent] = field(default_factory=dict)
+    recompiles: dict[tuple[str, str], CompileEvent] = field(default_factory=dict)
     recompile_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     stage: str | None = None
     ended: bool = False
 
-    def feed(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("kind")
-        t = ev.get("t")
-        if not isinstance(t, (int, float)):
+    def feed(self, ev: EngineEvent) -> None:
+        t = ev.t
+        if t is None:
             return
-        if kind == "step":
+        if isinstance(ev, StepEvent):
             # Several drafter threads report the same step: count one progress time per new step.
-            step = ev.get("step")
-            if isinstance(step, int) and (self.last_step is None or step > self.last_step):
-                self.last_step = step
-                self.step_times.append(float(t))
-            self.last_step_at = float(t)
-        elif kind == "heartbeat":
-            thread = ev.get("thread")
-            if isinstance(thread, str):
-                self.heartbeats[thread] = ev
-        elif kind == "thread_error":
-            thread = ev.get("thread")
-            if isinstance(thread, str):
-                self.thread_errors[thread] = ev
-        elif kind == "compile":
-            key = (str(ev.get("thread") or "?"), str(ev.get("function") or "?"))
-            if ev.get("what") == "fallback":
+            if self.last_step is None or ev.step > self.last_step:
+                self.last_step = ev.step
+                self.step_times.append(t)
+            self.last_step_at = t
+        elif isinstance(ev, HeartbeatEvent):
+            self.heartbeats[ev.thread] = ev
+        elif isinstance(ev, ThreadErrorEvent):
+            self.thread_errors[ev.thread] = ev
+        elif isinstance(ev, CompileEvent):
+            key = (ev.thread or "?", ev.function or "?")
+            if ev.what == "fallback":
                 self.compile_fallbacks[key] = ev
-            elif ev.get("what") == "recompile":
+            elif ev.what == "recompile":
                 self.recompiles[key] = ev
                 self.recompile_counts[key] = self.recompile_counts.get(key, 0) + 1
-        elif kind == "stage":
-            stage = ev.get("stage")
-            if isinstance(stage, str):
-                self.stage = stage
-        elif kind == "run_end":
+        elif isinstance(ev, StageEvent):
+            self.stage = ev.stage
+        elif isinstance(ev, RunEndEvent):
             self.ended = True
 
 
@@ -260,13 +262,12 @@ def dead_threads(
 ) -> list[Anomaly]:
     out: list[Anomaly] = []
     for thread, err in sorted(state.thread_errors.items()):
-        exc = err.get("exc_type") or "exception"
-        msg = str(err.get("message") or "")
+        exc = err.exc_type or "exception"
         out.append(
             Anomaly(
                 kind="dead_thread",
                 thread=thread,
-                message=f"thread {thread} died: {exc}: {_short(msg, 160)} (policy {err.get('policy', '?')})",
+                message=f"thread {thread} died: {exc}: {_short(err.message, 160)} (policy {err.policy})",
             )
         )
     if not running or state.ended:
@@ -274,11 +275,11 @@ def dead_threads(
     for thread, hb in sorted(state.heartbeats.items()):
         if thread in state.thread_errors:
             continue
-        hb_state = hb.get("state")
+        hb_state = hb.state
         if hb_state == "stopped":
             continue
         if hb_state == "error":
-            last = hb.get("last_exception") or "no exception text"
+            last = hb.last_exception or "no exception text"
             out.append(
                 Anomaly(
                     kind="dead_thread",
@@ -287,7 +288,7 @@ def dead_threads(
                 )
             )
             continue
-        age_s = now - float(hb["t"])
+        age_s = now - (hb.t if hb.t is not None else now)
         if age_s > heartbeat_timeout_s:
             out.append(
                 Anomaly(
@@ -295,7 +296,7 @@ def dead_threads(
                     thread=thread,
                     message=(
                         f"thread {thread} has not sent a heartbeat for {age_s:.0f} s (last state {hb_state}, step "
-                        f"{hb.get('step')}); `stacks` shows where it is"
+                        f"{hb.step}); `stacks` shows where it is"
                     ),
                 )
             )
@@ -311,9 +312,9 @@ def compile_anomalies(state: EngineState) -> list[Anomaly]:
                 kind="compile_fallback",
                 thread=thread,
                 message=(
-                    f"{thread}: compile fallback: {fn} hit the recompile limit ({ev.get('graphs')} of "
-                    f"{ev.get('limit')} graphs) and runs eagerly for new input shapes (slow); last: "
-                    f"{_short(str(ev.get('signature') or ''), 120)}"
+                    f"{thread}: compile fallback: {fn} hit the recompile limit ({ev.graphs} of "
+                    f"{ev.limit} graphs) and runs eagerly for new input shapes (slow); last: "
+                    f"{_short(ev.signature or '', 120)}"
                 ),
             )
         )
@@ -325,7 +326,7 @@ def compile_anomalies(state: EngineState) -> list[Anomaly]:
                 thread=thread,
                 message=(
                     f"{thread}: {fn} recompiled {n}x after warm-up (each stalls the thread while it compiles); "
-                    f"last for: {_short(str(ev.get('signature') or ''), 120)}"
+                    f"last for: {_short(ev.signature or '', 120)}"
                 ),
             )
         )

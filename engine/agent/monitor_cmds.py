@@ -137,7 +137,7 @@ class Monitor:
         if self._engine_reader is None:
             return
         for _, line in self._engine_reader.poll():
-            ev = _parse_engine_line(line)
+            ev = protocol.decode_engine_line(line)
             if ev is not None:
                 self.engine_state.feed(ev)
         if self._engine_reader.reset:

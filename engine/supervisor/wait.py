@@ -12,6 +12,7 @@ from typing import Any
 from engine import protocol
 from engine.host import procs
 from engine.host.holders import find_holders
+from engine.protocol import ThreadErrorEvent
 from engine.supervisor import records
 from engine.supervisor.common import POLL_S, SupervisorError, tree_of
 from engine.supervisor.records import ExitRecord, LaunchRecord, SubmittedRecord
@@ -146,18 +147,18 @@ def wait_for(
             scan = cache.scanner_for(rd, launch_rec).state if launch_rec is not None else None
             errors = _this_attempts(scan.thread_errors, launch_rec) if scan is not None else []
             # A peer's failure that a rank only saw is no cause: torchrun ends the run within seconds, naming the rank.
-            own = [e for e in errors if e.get("exc_type") != records.PEER_FAILURE]
+            own = [e for e in errors if e.exc_type != records.PEER_FAILURE]
             if own and not _may_restart(info):
                 err = own[0]
-                where = f"rank {err['rank']} (node {err.get('node')}): " if isinstance(err.get("rank"), int) else ""
+                where = f"rank {err.rank} (node {err.node}): " if err.rank is not None else ""
                 if where:
-                    info.failed_rank, info.failed_node = err["rank"], err.get("node")
+                    info.failed_rank, info.failed_node = err.rank, err.node
                 return result(
                     False,
                     info,
-                    f"{where}thread {err.get('thread')} died: {err.get('exc_type')}: {err.get('message')}",
+                    f"{where}thread {err.thread} died: {err.exc_type}: {err.message}",
                     True,
-                    str(err.get("traceback") or "") or None,
+                    err.traceback or None,
                 )
         now_m = time.monotonic()
         if info.state == "starting" and now_m >= next_pane_check:
@@ -192,12 +193,12 @@ def _may_restart(info: protocol.RunInfo) -> bool:
     )
 
 
-def _this_attempts(events: list[dict[str, Any]], launch_rec: LaunchRecord | None) -> list[dict[str, Any]]:
+def _this_attempts(events: list[ThreadErrorEvent], launch_rec: LaunchRecord | None) -> list[ThreadErrorEvent]:
     """The events of the current attempt (a restarted run's earlier attempts wrote theirs to the same file)."""
     since = launch_rec.attempt_started_at if launch_rec is not None else None
     if since is None or launch_rec is None or launch_rec.attempt in (None, 1):
         return events
-    return [e for e in events if not isinstance(e.get("t"), (int, float)) or e["t"] >= since]
+    return [e for e in events if e.t is None or e.t >= since]
 
 
 def _failed_lines(rd: Path, info: protocol.RunInfo) -> list[str]:

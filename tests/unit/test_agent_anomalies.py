@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from engine.agent.anomalies import (
     EngineState,
@@ -12,7 +13,7 @@ from engine.agent.anomalies import (
     stall_threshold_s,
     stalled_run,
 )
-from engine.protocol import Anomaly, GpuInfo, HolderInfo
+from engine.protocol import Anomaly, GpuInfo, HolderInfo, StepEvent, decode_engine_event, decode_engine_line
 
 
 def gpu(index: int, util: float | None, mem: float | None, holder_pids: list[int] | None = None) -> GpuInfo:
@@ -108,9 +109,14 @@ def test_not_stale_system_daemons_self_ctl_only_and_unresolved() -> None:
     assert [a for a in items if a.kind == "stale_holder"] == []
 
 
+def feed(state: EngineState, line: dict[str, Any]) -> None:
+    """One line of events.jsonl, decoded as the agent decodes it, into the state."""
+    state.feed(decode_engine_event(line))
+
+
 def steps(state: EngineState, times: list[float], thread: str = "drafter-0") -> None:
     for i, t in enumerate(times):
-        state.feed({"kind": "step", "t": t, "thread": thread, "step": i + 1})
+        feed(state, {"kind": "step", "t": t, "thread": thread, "step": i + 1})
 
 
 def test_stall_threshold_is_k_times_median_clamped() -> None:
@@ -134,7 +140,7 @@ def test_stalled_run_after_k_median_steps() -> None:
 def test_several_threads_reporting_one_step_count_once() -> None:
     st = EngineState()
     for t, step in [(0.0, 1), (0.1, 1), (10.0, 2), (10.1, 2), (20.0, 3)]:
-        st.feed({"kind": "step", "t": t, "thread": "x", "step": step})
+        feed(st, {"kind": "step", "t": t, "thread": "x", "step": step})
     assert list(st.step_times) == [0.0, 10.0, 20.0]
     assert stall_threshold_s(st.step_times, k=3, floor_s=1, cap_s=1000) == 30.0
 
@@ -142,13 +148,14 @@ def test_several_threads_reporting_one_step_count_once() -> None:
 def test_run_end_is_never_a_stall() -> None:
     st = EngineState()
     steps(st, [0.0, 1.0, 2.0])
-    st.feed({"kind": "run_end", "t": 3.0, "ok": True, "reason": "done", "step": 3})
+    feed(st, {"kind": "run_end", "t": 3.0, "ok": True, "reason": "done", "step": 3})
     assert stalled_run(st, now=10_000.0, running=True) is None
 
 
 def test_dead_thread_from_thread_error() -> None:
     st = EngineState()
-    st.feed(
+    feed(
+        st,
         {
             "kind": "thread_error",
             "t": 5.0,
@@ -157,7 +164,7 @@ def test_dead_thread_from_thread_error() -> None:
             "message": "CUDA out of memory",
             "traceback": "...",
             "policy": "stop",
-        }
+        },
     )
     items = dead_threads(st, now=6.0, running=True)
     assert [(a.kind, a.thread) for a in items] == [("dead_thread", "drafter-1")]
@@ -166,10 +173,10 @@ def test_dead_thread_from_thread_error() -> None:
 
 def test_dead_thread_from_silent_heartbeats_and_error_state() -> None:
     st = EngineState()
-    st.feed({"kind": "heartbeat", "t": 100.0, "thread": "producer-0", "state": "training", "step": 9})
-    st.feed({"kind": "heartbeat", "t": 195.0, "thread": "drafter-0", "state": "training", "step": 9})
-    st.feed({"kind": "heartbeat", "t": 190.0, "thread": "drafter-1", "state": "error", "last_exception": "boom"})
-    st.feed({"kind": "heartbeat", "t": 10.0, "thread": "drafter-2", "state": "stopped", "step": 9})
+    feed(st, {"kind": "heartbeat", "t": 100.0, "thread": "producer-0", "state": "training", "step": 9})
+    feed(st, {"kind": "heartbeat", "t": 195.0, "thread": "drafter-0", "state": "training", "step": 9})
+    feed(st, {"kind": "heartbeat", "t": 190.0, "thread": "drafter-1", "state": "error", "last_exception": "boom"})
+    feed(st, {"kind": "heartbeat", "t": 10.0, "thread": "drafter-2", "state": "stopped", "step": 9})
     items = dead_threads(st, now=200.0, running=True, heartbeat_timeout_s=60.0)
     assert sorted(a.thread or "" for a in items) == ["drafter-1", "producer-0"]
     silent = next(a for a in items if a.thread == "producer-0")
@@ -180,7 +187,7 @@ def test_dead_thread_from_silent_heartbeats_and_error_state() -> None:
 def test_engine_anomalies_combines_both_with_limits() -> None:
     st = EngineState()
     steps(st, [0.0, 1.0, 2.0])
-    st.feed({"kind": "heartbeat", "t": 2.0, "thread": "drafter-0", "state": "training", "step": 3})
+    feed(st, {"kind": "heartbeat", "t": 2.0, "thread": "drafter-0", "state": "training", "step": 3})
     items = engine_anomalies(st, 50.0, True, k=5, floor_s=10, cap_s=20, heartbeat_timeout_s=30)
     assert sorted(a.kind for a in items) == ["dead_thread", "stalled_run"]
     assert engine_anomalies(st, 5.0, True, k=5, floor_s=10, cap_s=20, heartbeat_timeout_s=30) == []
@@ -188,6 +195,14 @@ def test_engine_anomalies_combines_both_with_limits() -> None:
 
 def test_events_without_time_are_ignored() -> None:
     st = EngineState()
-    st.feed({"kind": "step", "step": 1})
-    st.feed({"kind": "heartbeat", "thread": "x"})
+    feed(st, {"kind": "step", "step": 1})
+    feed(st, {"kind": "heartbeat", "thread": "x"})
     assert st.last_step is None and st.heartbeats == {}
+
+
+def test_an_engine_line_of_the_wrong_shape_is_no_event_to_the_anomalies() -> None:
+    assert decode_engine_line(b'{"kind": "step", "t": 1.0, "step": 3}') == StepEvent(step=3, t=1.0)
+    assert decode_engine_line(b'{"kind": "step", "t": 1.0, "step": "three"}') is None
+    assert decode_engine_line(b'{"kind": "heartbeat", "t": 1.0}') is None  # no thread
+    assert decode_engine_line(b'{"kind": "nonsense", "t": 1.0}') is None
+    assert decode_engine_line(b'{"kind": "step", "t": 1.0, "ste') is None  # torn

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import typing
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -82,3 +83,28 @@ def test_dataclasses_encode_as_objects() -> None:
 def test_malformed_commands_say_what_is_wrong(line: bytes, message: str) -> None:
     with pytest.raises(protocol.ProtocolError, match=message):
         protocol.parse_command(line)
+
+
+def test_engine_event_kinds_are_the_dataclasses_kinds_each_written_once() -> None:
+    classes = typing.get_args(protocol.EngineEvent)
+    assert tuple(cls.KIND for cls in classes) == protocol.ENGINE_EVENT_KINDS
+    assert len(set(protocol.ENGINE_EVENT_KINDS)) == len(classes)
+    assert dict(zip(protocol.ENGINE_EVENT_KINDS, classes, strict=True)) == protocol.ENGINE_EVENT_TYPES
+
+
+@pytest.mark.parametrize(
+    "ev",
+    [
+        protocol.StepEvent(step=3, thread="drafter0", loss=[1.5, None], ms={"fwd": 2.0}, t=10.0, rank=1, node=0),
+        protocol.StageEvent(stage="distributed", pid=42, local_rank=1, local_world_size=2, world_size=4, t=1.0),
+        protocol.ThreadErrorEvent(thread="drafter0", exc_type="RuntimeError", message="boom", t=2.0),
+        protocol.RunEndEvent(ok=False, reason="a thread died", step=7),
+        protocol.EvalEvent(thread="eval", step=5, tau=2.5, k=3, per_position=[0.9, 0.5, None]),
+    ],
+)
+def test_an_engine_event_round_trips_through_a_line_of_events_jsonl(ev: protocol.EngineEvent) -> None:
+    line = json.dumps(protocol.encode_engine_event(ev))
+    doc = json.loads(line)
+    assert doc["kind"] == ev.KIND
+    assert ("rank" in doc) == (ev.rank is not None)  # a tag is written only when set
+    assert protocol.decode_engine_event(doc) == ev

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.agent.anomalies import EngineState, engine_anomalies
+from engine.protocol import decode_engine_event
 from engine.trainer.config import ConfigError, from_dict
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import soft_cross_entropy, total_loss
@@ -274,7 +275,7 @@ def test_recompile_after_warm_up_and_fallback_to_eager_are_events_and_anomalies(
 
     state = EngineState()
     for ev in seen:
-        state.feed(ev)
+        state.feed(decode_engine_event(ev))
     kinds = {(a.kind, a.thread): a.message for a in engine_anomalies(state, now=seen[-1]["t"], running=True)}
     assert kinds[("compile_fallback", "drafter1")].startswith("drafter1: compile fallback: ttt_step")
     assert "recompiled 1x after warm-up" in kinds[("recompile", "drafter1")]

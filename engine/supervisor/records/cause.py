@@ -89,7 +89,7 @@ def failure_cause(scan: ScanState | None, exit_rec: ExitRecord, last_step: int |
         parts.append(named)
     elif errors:
         first = errors[0]
-        parts.append(f"engine thread {first.get('thread')}: {first.get('exc_type')}: {first.get('message')}")
+        parts.append(f"engine thread {first.thread}: {first.exc_type}: {first.message}")
     elif isinstance(recorded, str) and recorded and not recorded.startswith("exited with code"):
         parts.append(recorded)
     signum, exit_code = exit_rec.signal, exit_rec.exit_code
@@ -119,11 +119,11 @@ def _short(text: str) -> str:
 def _own_error(rs: RankState) -> str | None:
     """What a rank's own events say failed in it (not a peer's failure it only saw)."""
     for err in rs.thread_errors:
-        if err.get("exc_type") != PEER_FAILURE:
-            return f"thread {err.get('thread')}: {err.get('exc_type')}: {_short(str(err.get('message')))}"
+        if err.exc_type != PEER_FAILURE:
+            return f"thread {err.thread}: {err.exc_type}: {_short(err.message)}"
     end = rs.run_end
-    reason = str((end or {}).get("reason") or "")
-    if end is not None and not end.get("ok") and PEER_FAILURE not in reason and _peer_in(reason) is None:
+    reason = end.reason if end is not None else ""
+    if end is not None and not end.ok and PEER_FAILURE not in reason and _peer_in(reason) is None:
         return _short(reason)
     return None
 
@@ -141,7 +141,7 @@ def _peer_in(text: str) -> tuple[int, int] | None:
 
 def _blamed_peer(rs: RankState) -> tuple[int, int, str] | None:
     """(peer rank, its node, what this rank said) when this rank ended because a peer failed or went away."""
-    texts = [str((rs.run_end or {}).get("reason") or "")] + [str(e.get("message") or "") for e in rs.thread_errors]
+    texts = [rs.run_end.reason if rs.run_end is not None else ""] + [e.message for e in rs.thread_errors]
     for text in texts:
         peer = _peer_in(text)
         if peer is not None:
@@ -173,7 +173,7 @@ def rank_failure(scan: ScanState) -> RankFailure | None:
         (
             r
             for r in scan.ranks.values()
-            if r.rank is not None and (r.thread_errors or (r.run_end or {}).get("ok") is False)
+            if r.rank is not None and (r.thread_errors or (r.run_end is not None and not r.run_end.ok))
         ),
         key=lambda r: r.rank or 0,
     )

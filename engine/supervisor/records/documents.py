@@ -17,35 +17,13 @@ import json
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import UnionType
 from typing import Any, ClassVar, TypeVar
 
+from engine import protocol
 from engine.host import procs
 from engine.supervisor.records.layout import EXIT_JSON, LAUNCH_JSON, SUBMITTED_JSON
 
 R = TypeVar("R", bound="Record")
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """``value`` (decoded JSON) has the declared type; an int passes for a float, a bool never for a number."""
-    origin = typing.get_origin(hint)
-    if origin is typing.Union or origin is UnionType:
-        return any(_fits(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is Any:
-        return True
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        (arg,) = typing.get_args(hint) or (Any,)
-        return isinstance(value, list) and all(_fits(v, arg) for v in value)
-    if origin is dict:
-        _, arg = typing.get_args(hint) or (str, Any)
-        return isinstance(value, dict) and all(isinstance(k, str) and _fits(v, arg) for k, v in value.items())
-    return isinstance(value, hint)
 
 
 @functools.cache
@@ -66,8 +44,17 @@ class Record:
         """Known keys whose values fit become fields; every other key (unknown, or of a type the field does not
         take) stays in ``extra``, so ``to_json`` writes the document back as it was read."""
         hints = _field_hints(cls)  # type: ignore[arg-type]  # a class is hashable
-        kwargs: dict[str, Any] = {k: v for k, v in doc.items() if k in hints and _fits(v, hints[k])}
-        kwargs["extra"] = {k: v for k, v in doc.items() if k not in kwargs}
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for k, v in doc.items():
+            if k not in hints:
+                extra[k] = v
+                continue
+            try:
+                kwargs[k] = protocol.decode_as(hints[k], v)  # the protocol's typed-JSON decoder, one field at a time
+            except protocol.ProtocolError:
+                extra[k] = v  # not of the field's type: kept as written, never put where a pid belongs
+        kwargs["extra"] = extra
         return cls(**kwargs)
 
     def to_json(self) -> dict[str, Any]:

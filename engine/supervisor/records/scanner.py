@@ -6,16 +6,23 @@ read_run (one scanner per run directory in a ``ScannerCache``) reads the engine'
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from engine import protocol
 from engine.host.appended import AppendedFile
+from engine.protocol import (
+    ExportEvent,
+    HeartbeatEvent,
+    RunEndEvent,
+    StageEvent,
+    StepEvent,
+    ThreadErrorEvent,
+)
 from engine.supervisor.records.documents import LaunchRecord
 from engine.supervisor.records.layout import EVENTS_JSONL, OUTPUT_LOG, RANK_EVENTS_RE
 from engine.supervisor.records.log_failure import Failure, FailureScan, last_step_in
@@ -23,10 +30,12 @@ from engine.supervisor.records.log_failure import Failure, FailureScan, last_ste
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
 LOG_LINE_MAX_BYTES = 64 * 1024  # a log "line" longer than this without an end is scanned as it is
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
-_SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"export"})
+_SCANNED_KINDS = frozenset(
+    cls.KIND.encode() for cls in (StepEvent, StageEvent, ThreadErrorEvent, RunEndEvent, ExportEvent)
+)
 # Events only a running engine writes about its own progress: a job that writes them takes first-step from them
 # (not from the step pattern); an error event alone (a job that died before training) does not make it an engine.
-_PROGRESS_KINDS = frozenset({b"stage", b"heartbeat", b"step"})
+_PROGRESS_KINDS = frozenset(cls.KIND.encode() for cls in (StageEvent, HeartbeatEvent, StepEvent))
 _NPROC_RE = re.compile(r"--nproc[-_]per[-_]node(?:=|$)")
 
 
@@ -41,8 +50,8 @@ class RankState:
     pid: int | None = None  # from its ``distributed`` stage event
     first_step_t: float | None = None
     last_step: int | None = None
-    thread_errors: list[dict[str, Any]] = field(default_factory=list)
-    run_end: dict[str, Any] | None = None
+    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)
+    run_end: RunEndEvent | None = None
 
     def label(self) -> str:
         return f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
@@ -58,8 +67,8 @@ class ScanState:
     stage: str | None = None
     last_step: int | None = None
     last_step_at: float | None = None
-    thread_errors: list[dict[str, Any]] = field(default_factory=list)
-    run_end: dict[str, Any] | None = None
+    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)
+    run_end: RunEndEvent | None = None
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
     log_last_step: int | None = None  # the number in the last output.log line matching the step pattern
     failure: Failure = field(default_factory=Failure)  # exceptions and torchrun's root cause in output.log
@@ -175,7 +184,7 @@ class RunScanner:
 
     def _event_line(self, line: bytes, main: bool = True) -> None:
         """One event; ``main``: from events.jsonl, whose rank (this node's first) speaks for the run."""
-        # Heartbeats are the bulk of the file and change nothing here: skip them before parsing.
+        # Heartbeats are the bulk of the file and change nothing here: skip them before decoding.
         m = _KIND_RE.search(line)
         if m is None:
             return
@@ -183,52 +192,37 @@ class RunScanner:
             self.state.engine_events = True
         if m.group(1) not in _SCANNED_KINDS:
             return
-        try:
-            ev = json.loads(line)
-        except ValueError:
+        ev = protocol.decode_engine_line(line)
+        if ev is None:
             return
-        if not isinstance(ev, dict):
-            return
-        kind = ev.get("kind")
-        t = ev.get("t")
-        t_f = float(t) if isinstance(t, (int, float)) else None
-        rank = ev.get("rank") if isinstance(ev.get("rank"), int) else None
-        rs = self.state.ranks.get(rank)
+        rs = self.state.ranks.get(ev.rank)
         if rs is None:
-            rs = self.state.ranks[rank] = RankState(rank)
-        if isinstance(ev.get("node"), int):
-            rs.node = ev["node"]
-        if isinstance(ev.get("world_size"), int):
-            rs.world_size = ev["world_size"]
-        if kind == "step":
+            rs = self.state.ranks[ev.rank] = RankState(ev.rank)
+        rs.node = ev.node if ev.node is not None else rs.node
+        rs.world_size = ev.world_size if ev.world_size is not None else rs.world_size
+        if isinstance(ev, StepEvent):
             if rs.first_step_t is None:
-                rs.first_step_t = t_f if t_f is not None else time.time()
+                rs.first_step_t = ev.t if ev.t is not None else time.time()
                 self._check_first_step()
-            step = ev.get("step")
-            if isinstance(step, int):
-                rs.last_step = step
-                if main or self.state.last_step is None:
-                    self.state.last_step = step  # the node's first rank speaks for the run (ranks agree on steps)
-            self.state.last_step_at = t_f
-        elif kind == "stage":
-            stage = ev.get("stage")
-            if isinstance(stage, str) and (main or self.state.stage is None):
-                self.state.stage = stage
-            if stage == "distributed":
-                rs.pid = ev.get("pid") if isinstance(ev.get("pid"), int) else rs.pid
-                lws = ev.get("local_world_size")
-                rs.local_world_size = lws if isinstance(lws, int) else rs.local_world_size
-        elif kind == "thread_error":
+            rs.last_step = ev.step
+            if main or self.state.last_step is None:
+                self.state.last_step = ev.step  # the node's first rank speaks for the run (ranks agree on steps)
+            self.state.last_step_at = ev.t
+        elif isinstance(ev, StageEvent):
+            if main or self.state.stage is None:
+                self.state.stage = ev.stage
+            if ev.stage == "distributed":
+                rs.pid = ev.pid if ev.pid is not None else rs.pid
+                rs.local_world_size = ev.local_world_size if ev.local_world_size is not None else rs.local_world_size
+        elif isinstance(ev, ThreadErrorEvent):
             self.state.thread_errors.append(ev)
             rs.thread_errors.append(ev)
-        elif kind == "run_end":
+        elif isinstance(ev, RunEndEvent):
             rs.run_end = ev
             if main or self.state.run_end is None:
                 self.state.run_end = ev
-        elif kind == "export":
-            path = ev.get("path")
-            if isinstance(path, str):
-                self.state.last_export = path
+        elif isinstance(ev, ExportEvent):
+            self.state.last_export = ev.path
 
     def _check_first_step(self) -> None:
         # first-step: every rank of this node has stepped (a rank that has not would be the one stuck).
