@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.trainer import compile as guard
-from tests.support.waiting import wait_until
+from support.waiting import wait_until
 
 READER_CALLS_MIN = 200  # calls each reader makes at least, so they run through the other thread's compiles
 

@@ -23,6 +23,27 @@ MAX_THREADS = 256
 
 
 ThreadKey = tuple[int | None, str]  # (torchrun rank or None outside torchrun, thread name)
+MAX_THREAD_ROWS = 32
+
+
+@dataclass(frozen=True)
+class ThreadRow:
+    """One row of the pane per thread name: the first thread so named and how many more share the name."""
+
+    name: str
+    tid: int | None
+    native: int  # further threads with the same name: the ones a worker starts (CUDA, autograd, compile) inherit it
+
+
+def thread_rows(threads: list[protocol.ThreadInfo]) -> list[ThreadRow]:
+    """The threads grouped by name, in the order each name first appears."""
+    first: dict[str, int | None] = {}
+    counts: dict[str, int] = {}
+    for thread in threads:
+        if thread.name not in first:
+            first[thread.name] = thread.tid
+        counts[thread.name] = counts.get(thread.name, 0) + 1
+    return [ThreadRow(name, tid, counts[name] - 1) for name, tid in first.items()]
 
 
 @dataclass
@@ -162,11 +183,13 @@ class ProcTree(RowTracking):
         return self.get_component_rich_style(f"proc-tree--{name}")
 
     def _thread_line(
-        self, out: Text, prefix: str, name: str, tid: int | None, now: float, rank: int | None = None
+        self, out: Text, prefix: str, name: str, tid: int | None, now: float, rank: int | None = None, native: int = 0
     ) -> None:
         health = self.health.threads.get((rank, name))
         out.append(f"\n{prefix}", style=self._style("muted"))
         out.append(f"{name:<11}", style=self._style("proc"))
+        if native:
+            out.append(f" +{native} native", style=self._style("muted"))
         if health is None:
             if tid is not None:
                 out.append(f" tid {tid}", style=self._style("muted"))
@@ -225,10 +248,11 @@ class ProcTree(RowTracking):
             named = [t for t in proc.threads if (rank, t.name) in self.health.threads] or [
                 t for t in proc.threads if t.name not in ("", argv0)
             ]
-            for i, thread in enumerate(named[:32]):
-                seen_threads.add((rank, thread.name))
-                branch = "└ " if i == len(named[:32]) - 1 else "├ "
-                self._thread_line(out, indent + branch, thread.name, thread.tid, now, rank)
+            rows = thread_rows(named)[:MAX_THREAD_ROWS]
+            for i, row in enumerate(rows):
+                seen_threads.add((rank, row.name))
+                branch = "└ " if i == len(rows) - 1 else "├ "
+                self._thread_line(out, indent + branch, row.name, row.tid, now, rank, row.native)
             for child in children.get(proc.pid, []):
                 walk(child, depth + 1)
 
