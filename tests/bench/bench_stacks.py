@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             command += ["--output-dir", str(root / "out")]
             for item in overrides:
                 command += ["--set", item]
-            launched, _, up_s = launch_and_wait(
-                agent, command, "first-step", FIRST_STEP_WITHIN_S, cwd=str(REPO)
-            )
+            launched, _, up_s = launch_and_wait(agent, command, "first-step", FIRST_STEP_WITHIN_S, cwd=str(REPO))
             run_id = launched["run_id"]
             print(f"engine up: first step after {up_s:.1f} s (run {run_id})", flush=True)
             return _dumps(agent, run_id, args)

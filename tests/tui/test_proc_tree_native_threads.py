@@ -11,12 +11,12 @@ import subprocess
 import sys
 import textwrap
 
+from support.agent import REPO_ROOT
+from support.waiting import wait_until
 from textual.app import App, ComposeResult
 
 from engine.host.procs import threads_of
 from engine.protocol import ProcInfo, ProcsEvent, decode_engine_event
-from support.agent import REPO_ROOT
-from support.waiting import wait_until
 from tui.widgets.proc_tree import ProcTree, ThreadHealthModel, thread_rows
 
 NATIVE_PER_DRAFTER = 7

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.waiting import wait_until
 
 from engine.trainer import compile as guard
-from support.waiting import wait_until
 
 READER_CALLS_MIN = 200  # calls each reader makes at least, so they run through the other thread's compiles
 
@@ -98,9 +98,9 @@ def test_shared_lock_sets_fail_on_recompile_so_a_guard_failure_is_retried_alone(
     fn(torch.randn(4), m, torch.zeros(4))
     fn.mark_warm()
     lock = guard.compile_lock()
-    with lock.reading():  # another thread's compiled call in progress: compiling now must be refused
-        with pytest.raises(RuntimeError, match="fail_on_recompile"):
-            torch.compile(deep, backend="eager")(torch.randn(5), torch.ones(5), torch.zeros(5))
+    # Another thread's compiled call in progress: compiling now must be refused.
+    with lock.reading(), pytest.raises(RuntimeError, match="fail_on_recompile"):
+        torch.compile(deep, backend="eager")(torch.randn(5), torch.ones(5), torch.zeros(5))
     assert lock.readers() == 0
     fn(torch.randn(4), m, m)  # a guard the signature does not show fails: refused shared, compiled alone
     assert [(e["what"], e["graphs"]) for e in events] == [("recompile", 2)]
@@ -149,6 +149,5 @@ def test_a_writer_waits_for_readers_and_new_readers_wait_for_a_waiting_writer() 
     assert stances == ["fail_on_recompile", "default", "fail_on_recompile", "default"]
     with lock.writing(), lock.reading(), lock.writing():  # reentrant for the writer: no deadlock
         assert lock.held_alone()
-    with lock.reading(), pytest.raises(RuntimeError, match="cannot trace or compile"):
-        with lock.writing():
-            pass
+    with lock.reading(), pytest.raises(RuntimeError, match="cannot trace or compile"), lock.writing():
+        pass

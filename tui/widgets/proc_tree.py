@@ -121,6 +121,18 @@ class ThreadHealthModel:
         self.main_rank = None
 
 
+def split_monitors(holders: list[protocol.HolderInfo]) -> tuple[list[protocol.HolderInfo], list[protocol.HolderInfo]]:
+    """(stale candidates, monitors): a process NVML proves has no GPU context (nvidia-smi, nvitop, DCGM, an
+    agent reading NVML) holds a device handle only; it frees nothing when stopped, so it is never stale."""
+    return [h for h in holders if h.context is not False], [h for h in holders if h.context is False]
+
+
+def _program(cmd: str | None) -> str:
+    """The program of a command line, as a short name (``python3 -m engine.agent.main`` -> ``python3``)."""
+    first = (cmd or "?").split(" ", 1)[0]
+    return first.rsplit("/", 1)[-1][:30]
+
+
 class ProcTree(RowTracking):
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "proc-tree--title",
@@ -273,7 +285,7 @@ class ProcTree(RowTracking):
                 self._thread_line(out, "      " if rank is not None else "    ", name, None, now, rank)
         here = [h for h in self.holders if h.scope == "here"]
         foreign = [h for h in self.holders if h.scope != "here"]
-        stale = [h for h in here if not h.in_run]
+        stale, monitors = split_monitors([h for h in here if not h.in_run])
         out.append("\n")
         out.append("stale GPU holders (not in this run)", style=self._style("title"))
         self._attribution_line(out)
@@ -290,6 +302,11 @@ class ProcTree(RowTracking):
             if not holder.resolved:
                 out.append("(NVML pid not visible here) ", style=self._style("warn"))
             out.append((holder.cmd or "")[:50], style=self._style("proc"))
+        if monitors:
+            out.append("\n  monitors (a device handle, no GPU context): ", style=self._style("muted"))
+            shown = ", ".join(f"{h.pid} {_program(h.cmd)}" for h in monitors[:4])
+            more = f" and {len(monitors) - 4} more" if len(monitors) > 4 else ""
+            out.append(shown + more, style=self._style("muted"))
         if foreign:
             out.append("\n")
             title = "other containers and the host (seen from the host, never stopped from here)"
