@@ -13,7 +13,7 @@ from textual.app import App, ComposeResult
 
 from engine.host.holders import NvmlView, find_holders
 from engine.protocol import ProcsEvent
-from tui.widgets.proc_tree import ProcTree, ThreadHealthModel
+from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel
 
 
 class _Pane(App[None]):

@@ -17,7 +17,7 @@ from textual.app import App, ComposeResult
 
 from engine.host.procs import threads_of
 from engine.protocol import ProcInfo, ProcsEvent, decode_engine_event
-from tui.widgets.proc_tree import ProcTree, ThreadHealthModel, thread_rows
+from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel, thread_rows
 
 NATIVE_PER_DRAFTER = 7
 
