@@ -97,7 +97,7 @@ def one_run(args: argparse.Namespace, engine_argv: list[str]) -> int:
         return attention, step_fn
 
     assembly.shared_step = shared_step
-    engine_mod.shared_step = shared_step  # type: ignore[attr-defined]
+    engine_mod.shared_step = shared_step
 
     def report() -> None:
         fn = made[0] if made else None
@@ -137,7 +137,7 @@ def launch(args: argparse.Namespace, out: Path, label: str, force_at: int) -> di
         except subprocess.TimeoutExpired:
             rc = None
     text = log.read_text(errors="replace")
-    soak = next((json.loads(line[5:]) for line in text.splitlines() if line.startswith("SOAK ")), {})
+    soak: dict[str, Any] = next((json.loads(line[5:]) for line in text.splitlines() if line.startswith("SOAK ")), {})
     events = _events(run_dir / "events.jsonl")
     steps = [e for e in events if e.get("kind") == "step"]
     ends = [e for e in events if e.get("kind") == "run_end"]
