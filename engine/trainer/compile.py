@@ -71,7 +71,8 @@ def guard_enabled() -> bool:
     return _enabled
 
 
-RECOMPILE_REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+# Dynamo's refusal reads "Detected recompile when torch.compile stance is 'fail_on_recompile'. ..." (2.6 to 2.13).
+RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
 
 
 def _set_stance(stance: str) -> None:
@@ -92,20 +93,27 @@ class CompileLock:
         self._writer: int | None = None  # thread ident holding it alone
         self._writer_depth = 0
         self._writers_waiting = 0
+        self._readers_waiting = 0
         self._reads = threading.local()  # .depth: this thread's nested shared holds
+        self._lent_by: int | None = None  # the writer waiting on other threads that work for it (a backward)
         self._set_stance = set_stance
 
     def _read_depth(self) -> int:
         return int(getattr(self._reads, "depth", 0))
 
     def held_alone(self) -> bool:
-        """The calling thread holds the lock alone (a compiled call it makes may compile)."""
+        """The calling thread holds the lock alone, or works for the thread that does and lent it."""
+        me = threading.get_ident()
         with self._cond:
-            return self._writer == threading.get_ident()
+            return self._writer == me or (self._lent_by is not None and self._lent_by == self._writer)
 
     def readers(self) -> int:
         with self._cond:
             return self._readers
+
+    def readers_waiting(self) -> int:
+        with self._cond:
+            return self._readers_waiting
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -133,16 +141,35 @@ class CompileLock:
                     self._cond.notify_all()
 
     @contextlib.contextmanager
+    def lending(self) -> Iterator[None]:
+        """The writer blocks on threads working for it (a backward on CUDA's autograd threads recomputing
+        checkpointed compiled steps): their compiled calls run under its hold instead of waiting for it."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._writer != me:
+                raise RuntimeError("compile lock: only the thread holding it alone can lend it")
+            outer, self._lent_by = self._lent_by, me
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._lent_by = outer
+
+    @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         me = threading.get_ident()
         with self._cond:
-            if self._writer == me:  # already alone: nothing to share
-                shared = False
+            if self._writer == me or (self._lent_by is not None and self._lent_by == self._writer):
+                shared = False  # alone already, or working for the thread that is
             else:
                 shared = True
                 if not self._read_depth():  # a nested read must not wait behind a writer that waits for it
-                    while self._writer is not None or self._writers_waiting:
-                        self._cond.wait()
+                    self._readers_waiting += 1
+                    try:
+                        while self._writer is not None or self._writers_waiting:
+                            self._cond.wait()
+                    finally:
+                        self._readers_waiting -= 1
                     self._readers += 1
                     if self._readers == 1:
                         self._set_stance("fail_on_recompile")
@@ -175,6 +202,16 @@ def compile_guard() -> Iterator[None]:
 
 def compile_lock() -> CompileLock:
     return _LOCK
+
+
+@contextlib.contextmanager
+def lending_guard() -> Iterator[None]:
+    """Inside ``compile_guard``: let the threads this one waits on (a backward's) call compiled code."""
+    if _enabled:
+        with _LOCK.lending():
+            yield
+    else:
+        yield
 
 
 def apply_dynamo_config() -> None:
@@ -310,7 +347,7 @@ class GuardedFunction:
             except RuntimeError as exc:
                 if not _refused(exc):
                     raise
-        with _LOCK.writing():
+        with contextlib.nullcontext() if _LOCK.held_alone() else _LOCK.writing():
             before = self._graphs() if self._graphs is not None else None
             out = self._fn(*args, **kwargs)
             if before is not None and self._graphs is not None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
-from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
+from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard, lending_guard
 from engine.trainer.config import EngineConfig
 from engine.trainer.control import NonFiniteLoss, PeerFailure, RunControl
 from engine.trainer.dispatch import IndexLedger
@@ -365,7 +365,8 @@ class DrafterWorker:
 
     def forward_backward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         losses, correct, counts = self.forward(batch)
-        total_loss(losses).backward()
+        with lending_guard():  # under warm-up's guard: CUDA's autograd threads recompute checkpointed steps
+            total_loss(losses).backward()
         return losses.detach(), correct.detach(), counts.detach()
 
     def synthetic_batch(self, bucket: int) -> DeviceBatch:

@@ -151,3 +151,32 @@ def test_a_writer_waits_for_readers_and_new_readers_wait_for_a_waiting_writer() 
         assert lock.held_alone()
     with lock.reading(), pytest.raises(RuntimeError, match="cannot trace or compile"), lock.writing():
         pass
+
+
+def test_a_thread_working_for_the_writer_calls_compiled_code_under_its_hold(fresh_dynamo: None) -> None:
+    # CUDA runs a backward on autograd's own threads; with checkpointing they call the compiled step again
+    # while the warming thread holds the lock alone and waits for them. Lent, they run; not lent, they wait.
+    fn = guard.GuardedFunction(deep, compiled=True, name="ttt_step", backend="eager")
+    m = torch.ones(4)
+    fn(torch.randn(4), m, torch.zeros(4))
+    done: list[str] = []
+
+    def autograd_thread() -> None:
+        fn(torch.randn(4), m, torch.zeros(4))
+        done.append("recomputed")
+
+    with guard.compile_guard():
+        with guard.lending_guard():
+            helper = threading.Thread(target=autograd_thread)
+            helper.start()
+            helper.join(60)
+        assert done == ["recomputed"]
+        blocked = threading.Thread(target=autograd_thread)
+        blocked.start()
+        lock = guard.compile_lock()
+        wait_until(lambda: lock.readers_waiting() == 1, timeout_s=30, what="the unlent thread to wait for the writer")
+        assert done == ["recomputed"]
+    blocked.join(60)
+    assert done == ["recomputed", "recomputed"]
+    with pytest.raises(RuntimeError, match="only the thread holding it alone"), guard.compile_lock().lending():
+        pass
