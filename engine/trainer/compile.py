@@ -347,6 +347,7 @@ class GuardedFunction:
             except RuntimeError as exc:
                 if not _refused(exc):
                     raise
+                # Refused before tracing; repeating the call is safe for the pure functions guarded here.
         with contextlib.nullcontext() if _LOCK.held_alone() else _LOCK.writing():
             before = self._graphs() if self._graphs is not None else None
             out = self._fn(*args, **kwargs)
