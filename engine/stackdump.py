@@ -84,16 +84,27 @@ def write_dump(path: Path, interrupted: FrameType | None = None) -> None:
     os.replace(tmp, path)
 
 
+def _install_on_stream(stream: IO[str]) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        header = f"# stack dump of pid {os.getpid()} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        stream.write(header + format_threads(frame) + f"\n{END_MARKER}\n")
+        stream.flush()
+
+    signal.signal(SIGNAL, on_signal)
+    faulthandler.register(FALLBACK_SIGNAL, file=stream, all_threads=True)
+
+
 _raw_file: IO[bytes] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
 
 
 def install(run_dir: Path | str | None, fallback: IO[str] | None = None) -> DumpFiles | None:
-    """Register the SIGUSR1 dumps (main thread only). Without a run dir: faulthandler to ``fallback``/stderr."""
+    """Register the SIGUSR1 dumps (main thread only). Without a (writable) run dir: the named dump to
+    ``fallback``/stderr, faulthandler's on FALLBACK_SIGNAL to the same stream."""
     global _raw_file
     if not hasattr(signal, "SIGUSR1"):
         return None
     if not run_dir:
-        faulthandler.register(SIGNAL, file=fallback or sys.stderr, all_threads=True)
+        _install_on_stream(fallback or sys.stderr)
         return None
     files = dump_files(run_dir, os.getpid())
     try:
@@ -101,7 +112,7 @@ def install(run_dir: Path | str | None, fallback: IO[str] | None = None) -> Dump
         _raw_file = open(files.raw, "ab")  # noqa: SIM115 - must outlive this function
     except OSError as exc:  # a read-only run dir must not stop the run: dumps go to stderr as before
         print(f"stack dumps go to stderr: cannot write {files.raw}: {exc}", file=fallback or sys.stderr)
-        faulthandler.register(SIGNAL, file=fallback or sys.stderr, all_threads=True)
+        _install_on_stream(fallback or sys.stderr)
         return None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
