@@ -1,13 +1,19 @@
 """Every thread's stack of a running engine, on SIGUSR1, into files of the run directory nobody else writes.
 
-The engine calls ``install(run_dir)`` in its main thread. On SIGUSR1:
-- faulthandler (C level, chained first) appends an unnamed dump to ``stacks/<pid>.faulthandler`` at once;
-  it works even when a thread holds the GIL and Python cannot run;
-- then the Python-level handler writes ``stacks/<pid>.txt`` (tmp file, then rename): every thread by its
-  ``threading`` name (``drafter0``, ``target0``), native id and frames, ending with ``END_MARKER``.
-The reader (the supervisor's ``stacks``) signals, waits a bounded time for a new ``<pid>.txt`` that ends
-with the marker, and otherwise takes what faulthandler appended. Nothing else writes these files, so a
-busy log never delays or pollutes a dump. Stdlib only: the agent and supervisor import it too.
+The engine calls ``install(run_dir)`` in its main thread. On SIGUSR1 the Python-level handler writes
+``stacks/<pid>.txt`` (tmp file, then rename): every thread by its ``threading`` name (``drafter0``,
+``target0``), native id and frames, ending with ``END_MARKER``. It holds the GIL while it reads the other
+threads' frames, so they stand still.
+
+faulthandler's C-level dump answers on ``FALLBACK_SIGNAL`` (SIGUSR2) only, appended to
+``stacks/<pid>.faulthandler``. It walks every thread's frames from inside a signal handler without the GIL:
+while other threads run Python code, their frames change under it and the walk can read a freed frame and
+kill the process with SIGSEGV (chained in front of every SIGUSR1, it did so once in twelve dumps of a busy
+CPU run). So the reader (the supervisor's ``stacks``) signals SIGUSR1, waits a bounded time for a new
+``<pid>.txt`` that ends with the marker, and only when none came, which means no Python code can run
+(a thread holds the GIL, so every other thread is parked waiting for it), asks for faulthandler's dump.
+Nothing else writes these files, so a busy log never delays or pollutes a dump. Stdlib only: the agent and
+supervisor import it too.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from typing import IO
 STACKS_DIR = "stacks"
 END_MARKER = "# end of stack dump"
 SIGNAL = signal.SIGUSR1
+FALLBACK_SIGNAL = signal.SIGUSR2  # faulthandler's unnamed dump, asked for only when the named one cannot come
 
 
 @dataclass(frozen=True)
 class DumpFiles:
     text: Path  # the Python-level dump with thread names, replaced whole on every signal
-    raw: Path  # faulthandler's dumps, appended on every signal
+    raw: Path  # faulthandler's dumps, appended on every FALLBACK_SIGNAL
 
 
 def dump_files(run_dir: Path | str, pid: int) -> DumpFiles:
@@ -77,16 +84,27 @@ def write_dump(path: Path, interrupted: FrameType | None = None) -> None:
     os.replace(tmp, path)
 
 
+def _install_on_stream(stream: IO[str]) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        header = f"# stack dump of pid {os.getpid()} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        stream.write(header + format_threads(frame) + f"\n{END_MARKER}\n")
+        stream.flush()
+
+    signal.signal(SIGNAL, on_signal)
+    faulthandler.register(FALLBACK_SIGNAL, file=stream, all_threads=True)
+
+
 _raw_file: IO[bytes] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
 
 
 def install(run_dir: Path | str | None, fallback: IO[str] | None = None) -> DumpFiles | None:
-    """Register the SIGUSR1 dumps (main thread only). Without a run dir: faulthandler to ``fallback``/stderr."""
+    """Register the SIGUSR1 dumps (main thread only). Without a (writable) run dir: the named dump to
+    ``fallback``/stderr, faulthandler's on FALLBACK_SIGNAL to the same stream."""
     global _raw_file
     if not hasattr(signal, "SIGUSR1"):
         return None
     if not run_dir:
-        faulthandler.register(SIGNAL, file=fallback or sys.stderr, all_threads=True)
+        _install_on_stream(fallback or sys.stderr)
         return None
     files = dump_files(run_dir, os.getpid())
     try:
@@ -94,7 +112,7 @@ def install(run_dir: Path | str | None, fallback: IO[str] | None = None) -> Dump
         _raw_file = open(files.raw, "ab")  # noqa: SIM115 - must outlive this function
     except OSError as exc:  # a read-only run dir must not stop the run: dumps go to stderr as before
         print(f"stack dumps go to stderr: cannot write {files.raw}: {exc}", file=fallback or sys.stderr)
-        faulthandler.register(SIGNAL, file=fallback or sys.stderr, all_threads=True)
+        _install_on_stream(fallback or sys.stderr)
         return None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -103,7 +121,6 @@ def install(run_dir: Path | str | None, fallback: IO[str] | None = None) -> Dump
         except OSError as exc:  # a full or read-only disk: say it where the run's log goes
             print(f"stack dump to {files.text} failed: {exc}", file=sys.stderr)
 
-    # The Python handler first, then faulthandler chained in front of it (registering it last keeps both).
     signal.signal(SIGNAL, on_signal)
-    faulthandler.register(SIGNAL, file=_raw_file, all_threads=True, chain=True)
+    faulthandler.register(FALLBACK_SIGNAL, file=_raw_file, all_threads=True)
     return files

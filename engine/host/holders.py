@@ -6,6 +6,7 @@ someone else). Such a PID is reported with ``resolved=False``: a state to show, 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -64,7 +65,10 @@ def find_holders(
     fd_holders = procs.scan_device_holders(dev)
     nvml, nvml_gpus, nvml_mib, nvml_source = v.pid_used_mib, v.pid_gpus, v.pid_gpu_mib, v.source
     out: dict[int, HolderInfo] = {}
+    me = os.getpid()  # the scanning process (the agent, kill-stale) opens /dev/nvidia* for NVML: never a holder
     for pid, nodes in fd_holders.items():
+        if pid == me:
+            continue
         st = procs.read_stat(pid)
         if st is None:
             continue  # exited since the scan
@@ -101,8 +105,8 @@ def find_holders(
     # names none, when it was read in full from the host's namespace); then a holder missing from it has no GPU
     # context (a monitor), on any GPU.
     every_pid_resolves = all(out[p].resolved for p in nvml if p in out)
-    same_namespace = nvml_source == "nvml" and every_pid_resolves and (
-        bool(nvml) or (v.listed and procs.in_initial_pid_namespace())
+    same_namespace = (
+        nvml_source == "nvml" and every_pid_resolves and (bool(nvml) or (v.listed and procs.in_initial_pid_namespace()))
     )
     for h in out.values():
         h.in_run = h.pid in run_pids

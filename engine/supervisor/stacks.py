@@ -23,10 +23,32 @@ def _is_python(pid: int) -> bool:
     return exe.startswith("python") or exe.startswith("pypy")
 
 
-# How long the named (Python-level) dump may take before faulthandler's unnamed one stands in: a thread
+# How long the named (Python-level) dump may take before faulthandler's unnamed one is asked for: a thread
 # that holds the GIL (a long C call) keeps Python handlers from running, never faulthandler.
 NAMED_DUMP_WAIT_S = 0.75
+RAW_DUMP_WAIT_S = 0.5  # faulthandler writes inside its handler: its dump is whole once the file stops growing
 DUMP_POLL_S = 0.01
+
+
+def _read_raw_dump(path: Path, start: int) -> str:
+    """What faulthandler appended to ``path`` after ``start``, once it has stopped growing (bounded)."""
+    deadline = time.monotonic() + RAW_DUMP_WAIT_S
+    size = start
+    while time.monotonic() < deadline:
+        time.sleep(DUMP_POLL_S)
+        try:
+            now = path.stat().st_size
+        except OSError:
+            return ""
+        if now > start and now == size:
+            break
+        size = now
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _dump_engine(rd: Path, pid: int) -> tuple[str, str]:
@@ -54,12 +76,11 @@ def _dump_engine(rd: Path, pid: int) -> tuple[str, str]:
         if time.monotonic() >= deadline:
             break
         time.sleep(DUMP_POLL_S)
-    try:
-        with open(files.raw, "rb") as fh:  # faulthandler wrote in the signal handler itself: complete by now
-            fh.seek(raw_start)
-            raw = fh.read().decode("utf-8", "replace")
-    except OSError:
-        raw = ""
+    # No Python code ran: every thread waits for the GIL, so faulthandler's walk reads frames that hold still.
+    raw = ""
+    if procs.catches_signal(pid, stackdump.FALLBACK_SIGNAL):
+        os.kill(pid, stackdump.FALLBACK_SIGNAL)
+        raw = _read_raw_dump(files.raw, raw_start)
     if not raw.strip():
         raise SupervisorError(f"pid {pid} wrote no stack dump to {files.text.parent} within {NAMED_DUMP_WAIT_S:g} s")
     why = f"no named dump within {NAMED_DUMP_WAIT_S:g} s: Python code cannot run, a thread holds the GIL"

@@ -30,6 +30,8 @@ COMMON = [
     "--set",
     'drafter_devices=["cuda:0","cuda:0","cuda:0"]',
     "--set",
+    "drafter_lrs=[1e-3,1e-3,1e-3]",  # cpu-demo sweeps two rates: one per drafter device here
+    "--set",
     'drafter_mode="independent"',
     "--set",
     "buckets=[512]",

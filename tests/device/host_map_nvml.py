@@ -168,9 +168,11 @@ def main() -> int:
             costs_ms.append((time.perf_counter() - t) * 1000)
         print(f"build_host_map cost: median {statistics.median(costs_ms):.2f} ms, max {max(costs_ms):.2f} ms "
               f"({len(hm.processes)} NVML processes)")  # fmt: skip
-        apps = compute_apps() if not ns.dry_run_cpu else {
-            p.host_pid: {"gpu_uuid": p.gpu_uuid, "used_memory": str(p.used_mib)} for p in hm.processes
-        }
+        apps = (
+            compute_apps()
+            if not ns.dry_run_cpu
+            else {p.host_pid: {"gpu_uuid": p.gpu_uuid, "used_memory": str(p.used_mib)} for p in hm.processes}
+        )
         print("host pid | ns pid | container | host GPU | MiB (NVML) | MiB (nvidia-smi) | cgroup | cmd")
         for p in hm.processes:
             smi = apps.get(p.host_pid, {}).get("used_memory", "-")

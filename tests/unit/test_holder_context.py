@@ -81,3 +81,18 @@ def test_kill_stale_leaves_a_monitor_alone_and_says_why(holders, dev_dir: Path, 
     assert monitor.pid in left, res
     assert "no GPU context" in left[monitor.pid]["reason"]
     assert compute.poll() is None and monitor.poll() is None  # a dry run signals nothing
+
+
+def test_the_scanning_process_never_lists_itself_though_it_holds_the_device(holders, dev_dir: Path) -> None:
+    # The agent opens /dev/nvidia* for NVML and has no context: it is the monitor the H200 pane called stale.
+    compute, monitor = holders
+    own = os.open(dev_dir / "nvidiactl", os.O_RDONLY)
+    try:
+        for view in (NvmlView(), NvmlView(pid_used_mib={compute.pid: 8192.0})):
+            pids = {h.pid for h in find_holders(str(dev_dir), view)}
+            assert os.getpid() not in pids and {compute.pid, monitor.pid} <= pids
+        res = kill_stale.kill_stale(dev_dir.parent / "runs-root", dry_run=True, nvml=NvmlView())
+        assert os.getpid() not in {h.pid for h in res["candidates"]}
+        assert os.getpid() not in {entry["holder"].pid for entry in res["left_alone"]}
+    finally:
+        os.close(own)

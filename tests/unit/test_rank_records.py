@@ -133,3 +133,10 @@ def test_on_the_second_node_its_first_rank_speaks_for_the_run(tmp_path: Path) ->
     )
     st = records.RunScanner(tmp_path, None).poll()
     assert st.stage == "training" and st.last_step == 4 and st.first_step_t is not None
+
+
+def test_a_run_killed_by_a_signal_says_so_once() -> None:
+    # The wrapper records "killed by signal 11 (SIGSEGV)" as its cause; the exit record has the signal too.
+    cause = records.failure_cause(None, ExitRecord(signal=11, cause="killed by signal 11 (SIGSEGV)"), 80)
+    assert cause == "killed by signal 11 (SIGSEGV); last step 80"
+    assert cause.count("SIGSEGV") == 1

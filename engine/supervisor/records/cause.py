@@ -90,8 +90,8 @@ def failure_cause(scan: ScanState | None, exit_rec: ExitRecord, last_step: int |
     elif errors:
         first = errors[0]
         parts.append(f"engine thread {first.thread}: {first.exc_type}: {first.message}")
-    elif isinstance(recorded, str) and recorded and not recorded.startswith("exited with code"):
-        parts.append(recorded)
+    elif isinstance(recorded, str) and recorded and not recorded.startswith(("exited with code", "killed by signal")):
+        parts.append(recorded)  # how the job ended follows, said once
     signum, exit_code = exit_rec.signal, exit_rec.exit_code
     if signum is not None:
         parts.append(f"killed by signal {signum} ({signal_name(signum)})")

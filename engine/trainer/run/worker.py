@@ -28,7 +28,7 @@ from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entr
 from engine.trainer.draft.model import Drafter
 from engine.trainer.run.distributed import CrossRank
 from engine.trainer.run.producer import DeviceBatch
-from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
+from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard, lending_guard
 from engine.trainer.threads.control import NonFiniteLoss, PeerFailure, RunControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.metrics import step_line
@@ -365,7 +365,8 @@ class DrafterWorker:
 
     def forward_backward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         losses, correct, counts = self.forward(batch)
-        total_loss(losses).backward()
+        with lending_guard():  # under warm-up's guard: CUDA's autograd threads recompute checkpointed steps
+            total_loss(losses).backward()
         return losses.detach(), correct.detach(), counts.detach()
 
     def synthetic_batch(self, bucket: int) -> DeviceBatch:

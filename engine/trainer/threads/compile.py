@@ -1,21 +1,31 @@
-"""The compile guard: torch.compile is not thread-safe, so everything that can trace or compile runs under one lock.
+"""The compile guard: torch.compile is not thread-safe, so nothing runs compiled code while a thread traces or compiles.
 
 Measured on an H200 with torch 2.11: three threads compiling flex_attention at once hang with no output;
-under one process-wide lock around the first call they finish in 4.5 s. The guard takes the lock around
-the first call of every compiled function for every new input signature (a first call may trace, a new
-shape may recompile), around block-mask creation, and around each thread's warm-up (forward and backward
-of every length bucket, so the lazily compiled backward is built under the lock too). Once warm, calls
-with a known signature run without the lock. ``set_guard_enabled(False)`` exists only for the control
-experiment that shows what happens without it.
+under one process-wide lock around the first call they finish in 4.5 s. A lock around first calls alone is
+not enough: dynamo evaluates a compiled function's guards in the calling thread, and its relational guards
+(that no two tensor inputs alias) keep their state in the guard tree that every thread calling the function
+shares. Three drafter threads calling one compiled TTT step at once make that check fail now and then
+("Unexpected recompilation: runtime guards failed even though they passed during recompilation-reason
+analysis"), so a thread recompiled the step after warm-up while the others ran compiled code, and one of
+them died in FX ("Detected that you are using FX to symbolically trace a dynamo-optimized function").
+
+So the guard is a readers-writer lock (``CompileLock``): every call of a compiled function holds it shared,
+tracing and compiling hold it alone. While any thread holds it shared, dynamo's stance is
+``fail_on_recompile``: a call whose guards fail raises before tracing anything instead of compiling in
+company. The call is then repeated holding the lock alone: alone, a spuriously failed guard passes and the
+existing graph runs (a "retry", counted, no graph compiled); a real change of signature compiles, exclusively
+(a "recompile" event when the thread was warm). The lock is held alone around the first call of every new
+input signature (a first call may trace), around block-mask creation and around each thread's warm-up
+(forward and backward of every length bucket; backward graphs are lowered with their forward, not lazily
+at the first backward, so they are built under the lock too). ``set_guard_enabled(False)`` exists only for
+the control experiment that shows what happens without it.
 
 Compile events: dynamo keeps one graph per input signature of a compiled function (per length bucket, TTT
 step, device and grad mode here) up to its recompile limit, then silently runs that function eagerly for
 every new signature. ``recompile_limit_for`` sizes the limit from the run, and a ``GuardedFunction`` reports
 to its listeners (the engine writes them as ``compile`` events) every graph compiled after the calling
 thread called ``mark_warm`` ("recompile") and every new signature left to eager because the limit was hit
-("fallback"), counted from dynamo's cache entries for the function's code (a few microseconds a call). A
-known signature that recompiles (a guard the signature does not show) is a recompile event too; it cannot
-be a fallback event (an eager run leaves no trace in the count), but its recompiles come first.
+("fallback"), counted from dynamo's cache entries for the function's code.
 """
 
 from __future__ import annotations
@@ -27,7 +37,6 @@ from typing import Any
 
 import torch
 
-_LOCK = threading.RLock()
 _enabled = True
 RECOMPILE_LIMIT = 64  # until the engine sizes it from the run (set_recompile_limit)
 RECOMPILE_HEADROOM = 2  # the limit is this many times the graphs a run is expected to compile per function
@@ -62,11 +71,144 @@ def guard_enabled() -> bool:
     return _enabled
 
 
+# Dynamo's refusal reads "Detected recompile when torch.compile stance is 'fail_on_recompile'. ..." (2.6 to 2.13).
+RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
+
+
+def _set_stance(stance: str) -> None:
+    torch.compiler.set_stance(stance)
+
+
+class CompileLock:
+    """Readers-writer lock: compiled calls share it, tracing and compiling hold it alone; reentrant per thread.
+
+    A waiting writer keeps new readers out (three threads calling compiled code back to back would starve
+    it). While readers hold it dynamo's stance is ``fail_on_recompile`` (the stance is process-wide; it changes
+    only when the first reader enters or the last leaves, so no compiled call is running when it does).
+    """
+
+    def __init__(self, set_stance: Callable[[str], None] = _set_stance) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer: int | None = None  # thread ident holding it alone
+        self._writer_depth = 0
+        self._writers_waiting = 0
+        self._readers_waiting = 0
+        self._reads = threading.local()  # .depth: this thread's nested shared holds
+        self._lent_by: int | None = None  # the writer waiting on other threads that work for it (a backward)
+        self._set_stance = set_stance
+
+    def _read_depth(self) -> int:
+        return int(getattr(self._reads, "depth", 0))
+
+    def held_alone(self) -> bool:
+        """The calling thread holds the lock alone, or works for the thread that does and lent it."""
+        me = threading.get_ident()
+        with self._cond:
+            return self._writer == me or (self._lent_by is not None and self._lent_by == self._writer)
+
+    def readers(self) -> int:
+        with self._cond:
+            return self._readers
+
+    def readers_waiting(self) -> int:
+        with self._cond:
+            return self._readers_waiting
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            if self._writer == me:
+                self._writer_depth += 1
+            else:
+                if self._read_depth():
+                    raise RuntimeError("compile lock: a thread inside a compiled call cannot trace or compile")
+                self._writers_waiting += 1
+                try:
+                    while self._writer is not None or self._readers:
+                        self._cond.wait()
+                finally:
+                    self._writers_waiting -= 1
+                self._writer, self._writer_depth = me, 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer_depth -= 1
+                if self._writer_depth == 0:
+                    self._writer = None
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def lending(self) -> Iterator[None]:
+        """The writer blocks on threads working for it (a backward on CUDA's autograd threads recomputing
+        checkpointed compiled steps): their compiled calls run under its hold instead of waiting for it."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._writer != me:
+                raise RuntimeError("compile lock: only the thread holding it alone can lend it")
+            outer, self._lent_by = self._lent_by, me
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._lent_by = outer
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            if self._writer == me or (self._lent_by is not None and self._lent_by == self._writer):
+                shared = False  # alone already, or working for the thread that is
+            else:
+                shared = True
+                if not self._read_depth():  # a nested read must not wait behind a writer that waits for it
+                    self._readers_waiting += 1
+                    try:
+                        while self._writer is not None or self._writers_waiting:
+                            self._cond.wait()
+                    finally:
+                        self._readers_waiting -= 1
+                    self._readers += 1
+                    if self._readers == 1:
+                        self._set_stance("fail_on_recompile")
+                self._reads.depth = self._read_depth() + 1
+        try:
+            yield
+        finally:
+            if shared:
+                with self._cond:
+                    self._reads.depth -= 1
+                    if not self._reads.depth:
+                        self._readers -= 1
+                        if self._readers == 0:
+                            self._set_stance("default")
+                            self._cond.notify_all()
+
+
+_LOCK = CompileLock()
+
+
 @contextlib.contextmanager
 def compile_guard() -> Iterator[None]:
-    """Hold the process-wide compile lock (a no-op when the guard is disabled for the control run)."""
+    """Hold the compile lock alone (a no-op when the guard is disabled for the control run)."""
     if _enabled:
-        with _LOCK:
+        with _LOCK.writing():
+            yield
+    else:
+        yield
+
+
+def compile_lock() -> CompileLock:
+    return _LOCK
+
+
+@contextlib.contextmanager
+def lending_guard() -> Iterator[None]:
+    """Inside ``compile_guard``: let the threads this one waits on (a backward's) call compiled code."""
+    if _enabled:
+        with _LOCK.lending():
             yield
     else:
         yield
@@ -92,6 +234,13 @@ def apply_dynamo_config() -> None:
         cfg.automatic_dynamic_shapes = False
     if hasattr(cfg, "assume_static_by_default"):
         cfg.assume_static_by_default = True
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:  # pragma: no cover - torch without functorch
+        return
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        # The backward graph is lowered with its forward, under the lock, not at a first backward outside it.
+        functorch_config.force_non_lazy_backward_lowering = True
 
 
 def _signature(value: Any) -> Any:
@@ -148,36 +297,18 @@ def _describe(key: Any) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-class _FirstCallCount:
-    """Guarded first calls (which may compile) started so far and running now, across all functions."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.started = 0
-        self.running = 0
-
-    def __enter__(self) -> None:
-        with self._lock:
-            self.started += 1
-            self.running += 1
-
-    def __exit__(self, *_exc: object) -> None:
-        with self._lock:
-            self.running -= 1
-
-    def snapshot(self) -> tuple[int, int]:
-        with self._lock:
-            return self.started, self.running
-
-
-_FIRST_CALLS = _FirstCallCount()
+def _refused(exc: BaseException) -> bool:
+    """Dynamo declined to compile because of the ``fail_on_recompile`` stance the shared lock sets."""
+    return isinstance(exc, RuntimeError) and RECOMPILE_REFUSED in str(exc)
 
 
 class GuardedFunction:
-    """A (possibly compiled) function whose first call per input signature runs under the compile guard.
+    """A (possibly compiled) function called under the compile lock: shared when its signature is known,
+    alone for the first call of a signature and whenever dynamo wants to compile.
 
     ``listeners`` get a dict per compile event (``what``: "recompile" or "fallback", ``function``,
     ``thread``, ``graphs``, ``limit``, ``signature``); ``backend`` is torch.compile's (tests use "eager").
+    ``retries`` counts calls whose guards failed in company and passed alone (no graph compiled).
     """
 
     def __init__(self, fn: Callable[..., Any], *, compiled: bool, name: str, backend: str = "inductor") -> None:
@@ -189,6 +320,7 @@ class GuardedFunction:
         self._graphs = _graph_counter(fn) if compiled else None
         self._warm: set[tuple[int, bool]] = set()  # (thread ident, grad mode) pairs that finished warm-up
         self._fell_back = False
+        self.retries = 0
         self.listeners: list[CompileListener] = []
         self.events: list[dict[str, Any]] = []
 
@@ -203,40 +335,39 @@ class GuardedFunction:
             self._warm.add((threading.get_ident(), torch.is_grad_enabled()))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.compiled:
+        if not self.compiled or not _enabled:
             return self._fn(*args, **kwargs)
         key = (torch.is_grad_enabled(), _signature(args), _signature(kwargs))
         with self._seen_lock:
             known = key in self._seen
-        if known:
-            return self._call_known(key, args, kwargs)
-        with compile_guard(), _FIRST_CALLS:
+        if known and not _LOCK.held_alone():
+            try:
+                with _LOCK.reading():
+                    return self._fn(*args, **kwargs)
+            except RuntimeError as exc:
+                if not _refused(exc):
+                    raise
+                # Refused before tracing; repeating the call is safe for the pure functions guarded here.
+        with contextlib.nullcontext() if _LOCK.held_alone() else _LOCK.writing():
             before = self._graphs() if self._graphs is not None else None
             out = self._fn(*args, **kwargs)
             if before is not None and self._graphs is not None:
-                self._after_new_signature(key, before, self._graphs())
+                self._after_call(key, known, before, self._graphs())
         with self._seen_lock:
             self._seen.add(key)
         return out
 
-    def _call_known(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A known signature can still recompile (a guard it does not show, e.g. two arguments that were one
-        tensor at warm-up): count graphs around warm calls, unless another thread's first call ran meanwhile."""
-        if self._graphs is None or (threading.get_ident(), key[0]) not in self._warm:
-            return self._fn(*args, **kwargs)
-        first_calls = _FIRST_CALLS.snapshot()
-        before = self._graphs()
-        out = self._fn(*args, **kwargs)
-        after = self._graphs()
-        if after > before and first_calls == _FIRST_CALLS.snapshot() and first_calls[1] == 0:
-            self._report("recompile", key, after, _dynamo_limit())
-        return out
-
-    def _after_new_signature(self, key: Any, before: int, after: int) -> None:
+    def _after_call(self, key: Any, known: bool, before: int, after: int) -> None:
+        """Alone: a graph compiled by a warm thread is a recompile; a known signature that compiled nothing
+        had its guards fail only in company (a retry); a new one left uncompiled at the limit, a fallback."""
         limit = _dynamo_limit()
         warm = (threading.get_ident(), key[0]) in self._warm
         if after > before and warm:
             what = "recompile"
+        elif after == before and known:
+            with self._seen_lock:
+                self.retries += 1
+            return
         elif after == before and after >= limit and not self._fell_back:
             what = "fallback"  # dynamo hit its limit: this signature (and every later new one) runs eagerly
             self._fell_back = True

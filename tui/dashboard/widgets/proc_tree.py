@@ -23,6 +23,27 @@ MAX_THREADS = 256
 
 
 ThreadKey = tuple[int | None, str]  # (torchrun rank or None outside torchrun, thread name)
+MAX_THREAD_ROWS = 32
+
+
+@dataclass(frozen=True)
+class ThreadRow:
+    """One row of the pane per thread name: the first thread so named and how many more share the name."""
+
+    name: str
+    tid: int | None
+    native: int  # further threads with the same name: the ones a worker starts (CUDA, autograd, compile) inherit it
+
+
+def thread_rows(threads: list[protocol.ThreadInfo]) -> list[ThreadRow]:
+    """The threads grouped by name, in the order each name first appears."""
+    first: dict[str, int | None] = {}
+    counts: dict[str, int] = {}
+    for thread in threads:
+        if thread.name not in first:
+            first[thread.name] = thread.tid
+        counts[thread.name] = counts.get(thread.name, 0) + 1
+    return [ThreadRow(name, tid, counts[name] - 1) for name, tid in first.items()]
 
 
 @dataclass
@@ -100,6 +121,18 @@ class ThreadHealthModel:
         self.main_rank = None
 
 
+def split_monitors(holders: list[protocol.HolderInfo]) -> tuple[list[protocol.HolderInfo], list[protocol.HolderInfo]]:
+    """(stale candidates, monitors): a process NVML proves has no GPU context (nvidia-smi, nvitop, DCGM, an
+    agent reading NVML) holds a device handle only; it frees nothing when stopped, so it is never stale."""
+    return [h for h in holders if h.context is not False], [h for h in holders if h.context is False]
+
+
+def _program(cmd: str | None) -> str:
+    """The program of a command line, as a short name (``python3 -m engine.agent.main`` -> ``python3``)."""
+    first = (cmd or "?").split(" ", 1)[0]
+    return first.rsplit("/", 1)[-1][:30]
+
+
 class ProcTree(RowTracking):
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "proc-tree--title",
@@ -162,11 +195,13 @@ class ProcTree(RowTracking):
         return self.get_component_rich_style(f"proc-tree--{name}")
 
     def _thread_line(
-        self, out: Text, prefix: str, name: str, tid: int | None, now: float, rank: int | None = None
+        self, out: Text, prefix: str, name: str, tid: int | None, now: float, rank: int | None = None, native: int = 0
     ) -> None:
         health = self.health.threads.get((rank, name))
         out.append(f"\n{prefix}", style=self._style("muted"))
         out.append(f"{name:<11}", style=self._style("proc"))
+        if native:
+            out.append(f" +{native} native", style=self._style("muted"))
         if health is None:
             if tid is not None:
                 out.append(f" tid {tid}", style=self._style("muted"))
@@ -225,10 +260,11 @@ class ProcTree(RowTracking):
             named = [t for t in proc.threads if (rank, t.name) in self.health.threads] or [
                 t for t in proc.threads if t.name not in ("", argv0)
             ]
-            for i, thread in enumerate(named[:32]):
-                seen_threads.add((rank, thread.name))
-                branch = "└ " if i == len(named[:32]) - 1 else "├ "
-                self._thread_line(out, indent + branch, thread.name, thread.tid, now, rank)
+            rows = thread_rows(named)[:MAX_THREAD_ROWS]
+            for i, row in enumerate(rows):
+                seen_threads.add((rank, row.name))
+                branch = "└ " if i == len(rows) - 1 else "├ "
+                self._thread_line(out, indent + branch, row.name, row.tid, now, rank, row.native)
             for child in children.get(proc.pid, []):
                 walk(child, depth + 1)
 
@@ -249,7 +285,7 @@ class ProcTree(RowTracking):
                 self._thread_line(out, "      " if rank is not None else "    ", name, None, now, rank)
         here = [h for h in self.holders if h.scope == "here"]
         foreign = [h for h in self.holders if h.scope != "here"]
-        stale = [h for h in here if not h.in_run]
+        stale, monitors = split_monitors([h for h in here if not h.in_run])
         out.append("\n")
         out.append("stale GPU holders (not in this run)", style=self._style("title"))
         self._attribution_line(out)
@@ -266,6 +302,11 @@ class ProcTree(RowTracking):
             if not holder.resolved:
                 out.append("(NVML pid not visible here) ", style=self._style("warn"))
             out.append((holder.cmd or "")[:50], style=self._style("proc"))
+        if monitors:
+            out.append("\n  monitors (a device handle, no GPU context): ", style=self._style("muted"))
+            shown = ", ".join(f"{h.pid} {_program(h.cmd)}" for h in monitors[:4])
+            more = f" and {len(monitors) - 4} more" if len(monitors) > 4 else ""
+            out.append(shown + more, style=self._style("muted"))
         if foreign:
             out.append("\n")
             title = "other containers and the host (seen from the host, never stopped from here)"

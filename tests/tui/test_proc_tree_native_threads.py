@@ -1,0 +1,102 @@
+"""One row per engine thread: the native threads a worker starts (CUDA, autograd, compile workers) inherit its
+OS name, and the process pane groups them under its row with a count instead of repeating the worker.
+
+Real threads: a child process names three workers and a target as the engine does (prctl), and each drafter
+starts low-level threads (``_thread.start_new_thread``: no Python-level name, so they keep the inherited
+comm, as native threads do). The agent's process table reads them from /proc like for any run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from support.agent import REPO_ROOT
+from support.waiting import wait_until
+from textual.app import App, ComposeResult
+
+from engine.host.procs import threads_of
+from engine.protocol import ProcInfo, ProcsEvent, decode_engine_event
+from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel, thread_rows
+
+NATIVE_PER_DRAFTER = 7
+
+CHILD = textwrap.dedent(
+    f"""
+    import _thread, sys, threading
+    from engine.trainer.health import name_os_thread
+    hold = threading.Event()
+    def native():
+        hold.wait()
+    def worker(name, natives):
+        name_os_thread(name)
+        for _ in range(natives):
+            _thread.start_new_thread(native, ())
+        hold.wait()
+    for name, natives in (("target0", 0), ("drafter0", {NATIVE_PER_DRAFTER}), ("drafter1", {NATIVE_PER_DRAFTER}),
+                          ("drafter2", {NATIVE_PER_DRAFTER})):
+        threading.Thread(target=worker, args=(name, natives), name=name, daemon=True).start()
+    print("up", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+class _Pane(App[None]):
+    def __init__(self, health: ThreadHealthModel) -> None:
+        super().__init__()
+        self.health = health
+
+    def compose(self) -> ComposeResult:
+        yield ProcTree(self.health, clock=lambda: 100.0, id="procs")
+
+
+async def test_native_threads_named_like_a_worker_collapse_into_its_row() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+
+        def named_and_started() -> bool:
+            names = [t.name for t in threads_of(child.pid)]
+            drafters = all(names.count(f"drafter{i}") == 1 + NATIVE_PER_DRAFTER for i in range(3))
+            return drafters and "target0" in names
+
+        wait_until(named_and_started, timeout_s=20, what=f"the named workers and their threads in pid {child.pid}")
+        threads = threads_of(child.pid)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(20)
+    names = [t.name for t in threads]
+    assert names.count("drafter1") == 1 + NATIVE_PER_DRAFTER  # what the pane repeated, one row each
+    rows = {row.name: row.native for row in thread_rows(threads)}
+    assert {n: rows[n] for n in ("target0", "drafter0", "drafter1", "drafter2")} == {
+        "target0": 0,
+        "drafter0": NATIVE_PER_DRAFTER,
+        "drafter1": NATIVE_PER_DRAFTER,
+        "drafter2": NATIVE_PER_DRAFTER,
+    }
+
+    health = ThreadHealthModel()
+    for name in ("target0", "drafter0", "drafter1", "drafter2"):
+        beat = {"t": 99.5, "kind": "heartbeat", "thread": name, "state": "training", "step": 150}
+        health.add_engine_event(decode_engine_event(beat))
+    cmd = "python3 -m engine.trainer --preset cpu-demo"
+    proc = ProcInfo(child.pid, 1, "root", cmd, None, None, None, None, threads)
+    app = _Pane(health)
+    async with app.run_test(size=(200, 50)) as pilot:
+        pane = app.query_one(ProcTree)
+        pane.update_procs(ProcsEvent(t=100.0, run_tree=[proc], holders=[]))
+        await pilot.pause()
+        text = pane.render().plain  # type: ignore[union-attr]
+    lines = text.splitlines()
+    for name in ("drafter0", "drafter1", "drafter2"):
+        rows_of = [line for line in lines if f"{name} " in line]
+        assert len(rows_of) == 1, text
+        assert f"+{NATIVE_PER_DRAFTER} native" in rows_of[0] and "training step 150" in rows_of[0], rows_of
+    assert sum("target0" in line for line in lines) == 1
+    # The pid line, four engine threads and the stale list fit a 50-row terminal's pane with room to spare.
+    assert lines[1].strip().startswith(str(child.pid)) and "stale GPU holders" in text
+    assert len(lines) <= 10, text
