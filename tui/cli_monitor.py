@@ -48,6 +48,14 @@ def _nvml_unavailable(snap: protocol.StatusReply, agent: protocol.HelloEvent | N
     return None
 
 
+def runs_limit_arg(text: str) -> int:
+    """``runs --limit``: 1..RUNS_MAX_LIMIT, checked here so a bad value is a usage error (exit 2), not a failed run."""
+    count = count_arg(text)
+    if not 0 < count <= protocol.RUNS_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected 1..{protocol.RUNS_MAX_LIMIT} runs, got {count}")
+    return count
+
+
 def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
     if not rows:
         return []
@@ -452,7 +460,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("runs", parents=[common], help="past and current runs: state, cause, duration, last step")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--limit", type=count_arg, default=20, metavar="N", help="the newest N runs (default 20)")
+    p.add_argument("--limit", type=runs_limit_arg, default=20, metavar="N", help="the newest N runs (default 20)")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("logs", parents=[common], help="the current run's output.log")

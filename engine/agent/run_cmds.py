@@ -166,7 +166,7 @@ def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
 
 
 RUNS_DEFAULT_LIMIT = 20
-RUNS_MAX_LIMIT = 500
+RUNS_MAX_LIMIT = protocol.RUNS_MAX_LIMIT
 
 
 @handler("runs")
