@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import re
+from typing import Protocol, TypeVar
 
 TAB = 0x09
 NEWLINE = 0x0A
@@ -98,3 +99,18 @@ class TerminalFilter:
 
     def _neutral(self, text: str) -> str:
         return text.translate(self._keep).replace("\x1b", "\u241b")
+
+
+class _HasPlain(Protocol):
+    plain: str
+
+
+Rendered = TypeVar("Rendered", bound=_HasPlain)
+
+
+def printable_rendered(text: Rendered, *, one_line: bool = False) -> Rendered:
+    """A widget's finished rich Text with every control character it still holds made visible (newlines kept unless
+    ``one_line``); its styled spans stay where they were. The net under the per-string calls, not a replacement:
+    a host string's own newline must be made visible before it is joined with the widget's line breaks."""
+    text.plain = printable(text.plain) if one_line else printable_lines(text.plain)
+    return text

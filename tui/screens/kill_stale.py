@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -15,6 +16,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
 from engine import protocol
+from tui.hosttext import printable
 
 
 def targets_of(candidates: list[protocol.HolderInfo]) -> list[list[Any]]:
@@ -65,7 +67,7 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
         table.add_columns("PID", "user", "GPUs", "GPU mem", "state", "age", "command")
         for cand in self.candidates:
             used, age = cand.used_mib, cand.age_s
-            table.add_row(
+            cells = (
                 str(cand.pid),
                 cand.user or "?",
                 ",".join(str(g) for g in cand.gpus) or "?",
@@ -73,8 +75,9 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
                 cand.state or "?",
                 f"{age:.0f}s" if age is not None else "?",
                 (cand.cmd or "(not visible)")[:60],
-                key=str(cand.pid),
             )
+            # Text, not str: DataTable reads a str cell as markup, and the host chose these words.
+            table.add_row(*(Text(printable(cell)) for cell in cells), key=str(cand.pid))
         self.query_one("#kill-no", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:

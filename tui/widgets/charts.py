@@ -22,6 +22,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from engine import protocol
+from tui.hosttext import printable
 from tui.widgets.text_line import RowTracking
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
@@ -247,7 +248,7 @@ class Charts(RowTracking):
                 if not first:
                     out.append("\n")
                 first = False
-                out.append(f"{metric:<6} {thread:<{name_w}} ", style=label_style)
+                out.append(f"{metric:<6} {printable(thread):<{name_w}} ", style=label_style)
                 if metric == "acc" and thread in model.acc_latest:
                     per_pos = model.acc_latest[thread]
                     bars = "".join(
