@@ -10,8 +10,8 @@ from rich.text import Text
 
 from engine.protocol import MILESTONES, MilestoneEvent, RunInfo
 from tui import restarts
+from tui.dashboard.widgets.text_line import RowTracking
 from tui.hosttext import printable, printable_rendered
-from tui.widgets.text_line import RowTracking
 
 
 @dataclass

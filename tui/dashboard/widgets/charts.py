@@ -22,8 +22,8 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from engine import protocol
+from tui.dashboard.widgets.text_line import RowTracking
 from tui.hosttext import printable
-from tui.widgets.text_line import RowTracking
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_POINTS = 600
