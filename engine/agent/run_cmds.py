@@ -42,7 +42,7 @@ def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
         return rd
     rd_cur = records.current_run_dir(agent.run_root)
     if rd_cur is None:
-        raise CommandError(f"no run under {agent.run_root} yet")
+        raise CommandError(records.current_refusal(agent.run_root) or f"no run under {agent.run_root} yet")
     return rd_cur
 
 
