@@ -68,7 +68,6 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
         for cand in self.candidates:
             used, age = cand.used_mib, cand.age_s
             cells = (
-                str(cand.pid),
                 cand.user or "?",
                 ",".join(str(g) for g in cand.gpus) or "?",
                 f"{used:.0f} MiB" if used is not None else "?",
@@ -76,8 +75,8 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
                 f"{age:.0f}s" if age is not None else "?",
                 (cand.cmd or "(not visible)")[:60],
             )
-            # Text, not str: DataTable reads a str cell as markup, and the host chose these words.
-            table.add_row(*(Text(printable(cell)) for cell in cells), key=str(cand.pid))
+            # Text, not str: DataTable reads a str cell as markup, and the host chose these words (the pid is ours).
+            table.add_row(str(cand.pid), *(Text(printable(cell)) for cell in cells), key=str(cand.pid))
         self.query_one("#kill-no", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
