@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from rich.text import Text
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -75,8 +75,8 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
                 f"{age:.0f}s" if age is not None else "?",
                 (cand.cmd or "(not visible)")[:60],
             )
-            # Text, not str: DataTable reads a str cell as markup, and the host chose these words (the pid is ours).
-            table.add_row(str(cand.pid), *(Text(printable(cell)) for cell in cells), key=str(cand.pid))
+            # Escaped: DataTable reads a str cell as Rich markup, and the host chose these words (the pid is ours).
+            table.add_row(str(cand.pid), *(escape(printable(cell)) for cell in cells), key=str(cand.pid))
         self.query_one("#kill-no", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
