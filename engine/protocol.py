@@ -136,6 +136,8 @@ EXIT_USAGE = 2
 EXIT_CONNECTION = 3
 EXIT_HUNG = 4
 
+RUNS_MAX_LIMIT = 500  # the most runs one ``runs`` command lists (the CLI refuses more as a usage error)
+
 # Environment variables the supervisor sets for the job (the engine writes its events there).
 ENV_RUN_DIR = "SPECDEC_RUN_DIR"
 ENV_EVENTS_PATH = "SPECDEC_EVENTS"
@@ -363,13 +365,28 @@ def command(cmd_id: int, cmd: str, **args: Any) -> dict[str, Any]:
     return {"id": cmd_id, "cmd": cmd, "args": args}
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a protocol value")  # encode() never writes NaN or Infinity
+
+
 def decode(line: bytes | str) -> dict[str, Any]:
-    """Parse one protocol line; raises ProtocolError for anything that is not a JSON object."""
+    """Parse one protocol line; raises ProtocolError for anything that is not a JSON object.
+
+    Every way a line can fail to decode ends here as a ProtocolError, never as another exception: invalid UTF-8,
+    malformed JSON, an integer over Python's digit limit (a ValueError), a float out of range, nesting deep
+    enough to exhaust the stack (RecursionError), or a line too large for memory."""
     try:
         text = line.decode("utf-8") if isinstance(line, bytes) else line
-        obj = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ProtocolError(f"not a JSON line: {exc}") from exc
+        obj = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except (ValueError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ProtocolError(f"not a JSON line: {str(exc)[:200]}") from exc
     if not isinstance(obj, dict):
         raise ProtocolError(f"expected a JSON object, got {type(obj).__name__}")
     return obj

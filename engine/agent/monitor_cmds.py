@@ -618,7 +618,7 @@ def _run_dir_arg(agent: Agent, args: dict[str, Any]) -> Path:
         return run_dir
     current = records.current_run_dir(root)
     if current is None:
-        raise CommandError(f"no run yet under {root} (nothing launched)")
+        raise CommandError(records.current_refusal(root) or f"no run yet under {root} (nothing launched)")
     return current
 
 

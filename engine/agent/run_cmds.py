@@ -42,7 +42,7 @@ def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
         return rd
     rd_cur = records.current_run_dir(agent.run_root)
     if rd_cur is None:
-        raise CommandError(f"no run under {agent.run_root} yet")
+        raise CommandError(records.current_refusal(agent.run_root) or f"no run under {agent.run_root} yet")
     return rd_cur
 
 
@@ -166,7 +166,7 @@ def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
 
 
 RUNS_DEFAULT_LIMIT = 20
-RUNS_MAX_LIMIT = 500
+RUNS_MAX_LIMIT = protocol.RUNS_MAX_LIMIT
 
 
 @handler("runs")

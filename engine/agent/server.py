@@ -183,7 +183,11 @@ class Agent:
                     if not rest or rest.endswith(b"\n"):
                         break
                 continue
-            self.dispatch(line)
+            try:
+                self.dispatch(line)
+            except Exception as exc:  # the agent never dies of bad input: whatever slipped past parsing is answered
+                self.bad_lines += 1
+                self.emit(protocol.event("error", message=f"bad command line #{self.bad_lines}: {exc!r}"[:500]))
         # A launch (or stop, ...) in flight is finished before the process exits, whether or not its reply can
         # still be delivered; waits and streams end now (stopping cancels them).
         self.stopping.set()

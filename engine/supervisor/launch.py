@@ -197,7 +197,7 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
     try:
         if session is not None:
             shell = f"cd {shlex.quote(_engine_root())} && exec {shlex.join([*argv, '--echo-to-pane'])}"
-            tmux.new_session(session, shell, cwd)
+            tmux.new_session(session, shell)  # the wrapper enters the job's cwd itself (spec.cwd)
         else:
             proc = subprocess.Popen(
                 argv,

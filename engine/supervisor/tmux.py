@@ -57,13 +57,23 @@ def has_session(name: str) -> bool:
     return run("has-session", "-t", f"={name}").returncode == 0
 
 
-def new_session(name: str, shell_command: str, cwd: str) -> None:
+# tmux expands ``new-session -c DIR`` as a format (``#(cmd)`` runs cmd), so a user's directory never goes there: the
+# pane starts here and shell_command changes directory itself. (tmux does not expand the shell command.)
+PANE_START_DIR = "/"
+
+
+def new_session(name: str, shell_command: str) -> None:
     """A detached session running shell_command, whose dead pane stays (remain-on-exit) so its status can be read.
+
+    Every argument is fixed or validated (the name is a run id's): user text reaches tmux only inside shell_command,
+    which tmux hands to the shell unexpanded; it must not end in ";", which tmux reads as a command separator.
 
     remain-on-exit is set in the same tmux invocation, before the server handles the child's exit.
     A server that is exiting (its last session just closed) refuses the call with "server exited
     unexpectedly": then no session was made, and a retry starts a fresh server.
     """
+    if shell_command.endswith(";"):
+        raise TmuxError("tmux would split a shell command that ends in ';'")
     words = ""
     for attempt in range(SERVER_RACE_RETRIES + 1):
         res = run(
@@ -76,7 +86,7 @@ def new_session(name: str, shell_command: str, cwd: str) -> None:
             "-y",
             "50",
             "-c",
-            cwd,
+            PANE_START_DIR,
             shell_command,
             ";",
             "set-option",

@@ -69,10 +69,31 @@ def _json_value(rnd: random.Random, depth: int = 0) -> Any:
     }
 
 
+# Values json.loads cannot turn into protocol values: an integer over the 4300-digit limit (ValueError), floats out
+# of range and the non-finite constants, nesting past the recursion limit (RecursionError, though well formed), lone
+# surrogates and invalid UTF-8 in strings.
+_UNDECODABLE = [
+    b"1" * 5000,
+    b"-" + b"9" * 4301,
+    b"1e999",
+    b"-1e400",
+    b"1" * 400 + b".5e99999",
+    b"NaN",
+    b"Infinity",
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+    b'"\\ud800"',
+    b'"\xed\xa0\x80"',
+    b'"\xff\xfe"',
+]
+
+
 def junk_line(seed: int) -> bytes:
     """One generated command line: from random bytes to real commands with junk arguments."""
     rnd = random.Random(seed)
-    kind = rnd.randrange(8)
+    kind = rnd.randrange(9)
+    if kind == 8:  # what Python's json refuses with something other than JSONDecodeError, inside a real command
+        return b'{"id": %d, "cmd": "ping", "args": {"x": %s}}' % (rnd.randrange(2**40), rnd.choice(_UNDECODABLE))
     if kind == 0:
         return rnd.randbytes(rnd.randrange(200)).replace(b"\n", b" ")  # invalid UTF-8, NUL bytes, anything
     if kind == 1:
@@ -174,6 +195,77 @@ def test_agent_dispatch_answers_every_junk_line_visibly_and_keeps_serving(
     assert last["ev"] == "reply" and last["id"] == 424242 and last["ok"] is True
     assert seen["cases"] >= FUZZ_CASES and seen["errors"] > 100 and seen["replies"] > 100
     print(f"\n[adversarial] agent dispatch fuzz: {seen}; bad lines counted by the agent: {agent.bad_lines}")
+
+
+EVENT_KINDS = ("hello", "gpus", "procs", "log", "log_reset", "engine", "run", "anomalies", "milestone", "reply",
+               "warning", "error", "progress", "zzz")  # fmt: skip
+
+
+def junk_event_line(seed: int) -> bytes:
+    """One generated agent line: a real event kind with junk fields, or a value json cannot make a protocol value."""
+    rnd = random.Random(seed)
+    kind = rnd.randrange(4)
+    if kind == 0:
+        field = rnd.choice(["offset", "inode", "id", "t", "gpus", "run", "message", "event", "data"])
+        return b'{"ev": "%s", "%s": %s}' % (rnd.choice(EVENT_KINDS).encode(), field.encode(), rnd.choice(_UNDECODABLE))
+    if kind == 1:
+        return junk_line(seed)  # the agent's junk, read as an event line
+    obj = {"ev": rnd.choice(EVENT_KINDS)}
+    fields = ["id", "ok", "result", "error", "offset", "inode", "data", "event", "run", "gpus", "items", "message"]
+    obj.update({rnd.choice(fields): _json_value(rnd) for _ in range(rnd.randrange(6))})
+    return json.dumps(obj).encode()
+
+
+def test_client_decoding_turns_every_junk_event_line_into_an_event_or_an_undecodable(tmp_path: Path) -> None:
+    """The client's side of the wire: each line is a ProtocolError (the session warns and reads on) or a dict that
+    decodes to an event or an Undecodable; nothing else is raised, and every string it holds prints on a terminal."""
+    from tui.hosttext import printable_lines
+    from tui.link.events import Undecodable, decode
+
+    seen = {"cases": 0, "unreadable": 0, "undecodable": 0, "events": 0}
+
+    @FUZZ
+    @given(seed=SEEDS)
+    def one(seed: int) -> None:
+        line = junk_event_line(seed)
+        seen["cases"] += 1
+        try:
+            obj = protocol.parse_event(line)
+        except protocol.ProtocolError:
+            seen["unreadable"] += 1
+            return
+        ev = decode(obj)
+        if isinstance(ev, Undecodable):
+            seen["undecodable"] += 1
+            printable_lines(ev.message).encode("utf-8")  # a lone surrogate in it cannot break the terminal write
+        else:
+            seen["events"] += 1
+            printable_lines(repr(ev)).encode("utf-8")
+
+    one()
+    assert seen["cases"] >= FUZZ_CASES and seen["unreadable"] > 100 and seen["undecodable"] > 100
+    print(f"\n[adversarial] client event decoding fuzz: {seen}")
+
+
+def test_a_5000_digit_integer_gets_the_real_agent_an_error_and_the_next_ping_answers(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        agent_argv(tmp_path / "root"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=checkout_env(), cwd=REPO_ROOT
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert protocol.parse_event(proc.stdout.readline())["ev"] == "hello"
+        proc.stdin.write(b'{"id": 1, "cmd": "ping", "args": {"n": ' + b"7" * 5000 + b"}}\n")
+        proc.stdin.write(b'{"id": 2, "cmd": "ping", "args": {}}\n')
+        proc.stdin.flush()
+        first = protocol.parse_event(proc.stdout.readline())
+        assert first["ev"] == "error" and "4300 digits" in first["message"], first
+        second = protocol.parse_event(proc.stdout.readline())
+        assert second["ev"] == "reply" and second["id"] == 2 and second["ok"] is True, second
+        assert proc.poll() is None
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
 
 
 def test_real_agent_subprocess_survives_a_stream_of_junk_and_counts_it(tmp_path: Path) -> None:

@@ -151,3 +151,69 @@ async def test_a_reply_with_an_unhashable_id_does_not_kill_the_sessions_reader(t
         reader = session._reader
         if reader is not None and reader.done() and not reader.cancelled():
             reader.exception()  # retrieved here, not logged by a finalizer in the middle of a later test
+
+
+async def test_numbers_json_cannot_make_values_of_are_unreadable_lines_and_the_link_lives(tmp_path: Path) -> None:
+    """A 5000-digit integer (over Python's digit limit), a float out of range and nesting past the recursion limit:
+    each one unreadable line, said; the session stays connected (no reconnect) and its next command is answered."""
+    lines = [
+        b'{"ev": "reply", "id": 1, "ok": true, "result": {"t": ' + b"9" * 5000 + b"}}",
+        b'{"ev": "gpus", "t": 1e999, "gpus": []}',
+        b'{"ev": "warning", "message": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ]
+    session = _hostile_session(tmp_path, lines)
+    warnings: list[str] = []
+    states: list[str] = []
+    session.add_event_listener(
+        lambda ev: warnings.append(ev.message) if isinstance(ev, protocol.WarningEvent) else None
+    )
+    session.add_event_listener(lambda ev: states.append(ev.state) if isinstance(ev, ConnectionEvent) else None)
+    await session.connect()
+    try:
+        await wait_until_async(
+            lambda: sum(w.startswith("unreadable line") for w in warnings) >= 3, 30, "three unreadable-line warnings"
+        )
+        assert await session.request("ping", timeout_s=10.0) == {"t": 1.0}
+        assert session.state == "connected"
+    finally:
+        await session.close()
+    assert any("4300 digits" in w for w in warnings), warnings
+    assert "reconnecting" not in states, states
+
+
+async def test_an_unforeseen_failure_reading_a_line_is_a_lost_link_and_the_session_reconnects(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Whatever the decoder raises besides ProtocolError ends the reader as a lost link, never a reader dead under a
+    'connected' state: the session reconnects (a fresh agent) and answers again."""
+    from tui.link import session as session_module
+
+    real_parse = protocol.parse_event
+    failures = {"left": 1}
+
+    def parse_once_failing(line: bytes | str) -> dict[str, Any]:
+        if b"trip-the-reader" in (line if isinstance(line, bytes) else line.encode()) and failures["left"]:
+            failures["left"] -= 1
+            raise TypeError("a decoder bug nobody foresaw")
+        return real_parse(line)
+
+    monkeypatch.setattr(session_module.protocol, "parse_event", parse_once_failing)
+    session = _hostile_session(tmp_path, [b'{"ev": "warning", "message": "trip-the-reader"}'])
+    states: list[tuple[str, str]] = []
+    session.add_event_listener(
+        lambda ev: states.append((ev.state, ev.detail)) if isinstance(ev, ConnectionEvent) else None
+    )
+    await session.connect()
+    started = asyncio.get_running_loop().time()
+    try:
+        await wait_until_async(
+            lambda: any(s == "connected" and d.startswith("reconnected") for s, d in states), 30, "the reconnect",
+            observe=lambda: states,
+        )  # fmt: skip
+        took_s = asyncio.get_running_loop().time() - started
+        assert await session.request("ping", timeout_s=10.0) == {"t": 1.0}
+    finally:
+        await session.close()
+    lost = [d for s, d in states if s == "reconnecting"]
+    assert lost and "TypeError: a decoder bug nobody foresaw" in lost[0], states
+    print(f"\n[adversarial] reader failure -> reconnected in {took_s:.2f} s")

@@ -3,6 +3,7 @@ the file, the key and what is allowed, and none is a crash."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,21 @@ def test_the_trainer_cli_reports_a_bad_config_with_exit_2_before_importing_torch
     assert done.returncode == 2, done.stderr
     assert "drafter_mode" in done.stderr and "replicas, independent" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_runs_limit_over_the_hosts_cap_is_a_usage_error(cli: Callable[..., Any], run_root: Path) -> None:
+    r = cli("runs", "local", "--run-root", str(run_root), "--limit", "2000")
+    assert r.returncode == 2 and "expected 1..500 runs, got 2000" in r.output, r.output
+    assert not any(run_root.iterdir())  # refused before any agent ran
+
+
+def test_a_current_link_out_of_the_runs_directory_is_refused_with_its_reason(
+    cli: Callable[..., Any], run_root: Path
+) -> None:
+    (run_root / "runs").mkdir()
+    (run_root / "current").symlink_to("/etc")
+    r = cli("logs", "local", "--run-root", str(run_root), "--python", sys.executable)
+    assert r.returncode == 1, r.output
+    assert f"{run_root / 'current'} points outside {run_root / 'runs'} (to /etc); refused" in r.output, r.output
+    status = cli("status", "local", "--run-root", str(run_root), "--python", sys.executable, "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["run"] is None, status.output

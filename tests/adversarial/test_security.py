@@ -260,3 +260,18 @@ async def test_the_dashboard_over_ssh_listens_on_nothing_beyond_loopback(
                 assert addr is None or addr.split(":")[0] in LOOPBACK, f"pid {pid} listens on {addr}"
         await pilot.press("q")
     await session.close()
+
+
+def test_a_changed_host_key_lists_the_recorded_key_once(sshd: Any, cli: Callable[..., Any], run_root: Path) -> None:
+    r = cli("status", sshd.target, *sshd.args(known_hosts=sshd.changed_known_hosts), "--run-root", str(run_root))
+    assert r.returncode == 3 and "REMOTE HOST IDENTIFICATION HAS CHANGED" in r.output, r.output
+    lines = r.output.splitlines()
+    recorded = lines[next(i for i, line in enumerate(lines) if line.endswith(" records")) + 1].strip().split(", ")
+    assert len(recorded) == 1, recorded  # [127.0.0.1]:port matches by name and by address: one key, said once
+
+
+def test_known_hosts_dev_null_is_an_empty_known_hosts(sshd: Any, cli: Callable[..., Any], run_root: Path) -> None:
+    r = cli("status", sshd.target, *sshd.args(known_hosts=Path("/dev/null")), "--run-root", str(run_root))
+    assert r.returncode == 3, r.output
+    assert "does not exist" not in r.output and "is unknown (not in /dev/null)" in r.output, r.output
+    assert sshd.host_key_fingerprint in r.output

@@ -65,9 +65,9 @@ def one_run(args: argparse.Namespace, engine_argv: list[str]) -> int:
     """The engine in this process, its shared TTT step wrapped to force a recompile and report at exit."""
     import torch
 
-    import engine.trainer.assembly as assembly
-    import engine.trainer.engine as engine_mod
-    from engine.trainer.compile import GuardedFunction
+    import engine.trainer.run.assembly as assembly
+    import engine.trainer.run.loop as engine_mod
+    from engine.trainer.threads.compile import GuardedFunction
     from engine.trainer.draft.attention import TTTAttention
     from engine.trainer.draft.model import ttt_step
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,26 @@ def _launch(where: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
         cwd=str(where), env=checkout_env(), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     return done, json.loads(done.stdout) if done.stdout.startswith("{") else {}
+
+
+def _tmux_jobs_running() -> list[int]:
+    """Children of the private tmux server that are not its panes' processes (its #() and run-shell jobs)."""
+    def ask(fmt: str, *args: str) -> str:
+        argv = ["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], *args, fmt]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
+
+    server = int(ask("#{pid}", "display-message", "-p"))
+    panes = {int(p) for p in ask("#{pane_pid}", "list-panes", "-a", "-F").split()}
+    jobs = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split() if stat else []
+        if fields and int(fields[1]) == server and int(entry) not in panes and fields[0] != "Z":
+            jobs.append(int(entry))
+    return jobs
 
 
 def _output(run_root: Path, run_id: str) -> str:
@@ -60,3 +81,22 @@ def test_launch_cwd_reaches_a_remote_host(sshd: Any, run_root: Path, tmp_path: P
     done, res = _launch(tmp_path, *args)
     assert done.returncode == 0 and res["ok"] is True, done.stdout + done.stderr
     assert f"ran in {tmp_path / 'remote-proj'}" in _output(run_root, res["run_id"])
+
+
+@pytest.mark.parametrize("name", ["#(touch M)", "ends-in;", "#{pane_pid}#[fg=red]"])
+def test_a_directory_named_like_a_tmux_format_or_separator_is_only_a_directory(
+    run_root: Path, tmp_path: Path, name: str
+) -> None:
+    """tmux expands ``new-session -c DIR`` as a format (``#(touch M)`` runs touch) and splits an argument ending in
+    ';': the job still runs in that directory, and nothing is run on the way."""
+    work = tmp_path / "parent" / name
+    work.mkdir(parents=True)
+    (work / "train.py").write_text(SCRIPT)
+    done, res = _launch(work, "local", "--run-root", str(run_root))
+    assert done.returncode == 0 and res["ok"] is True, done.stdout + done.stderr
+    assert f"ran in {work}" in _output(run_root, res["run_id"])
+    # tmux forks a #() job while it handles the command, and reaps it later: once the server has no child but its
+    # panes, every job the launch could have started has finished.
+    wait_until(lambda: not _tmux_jobs_running(), 10, "the tmux server's background jobs to finish")
+    for where in (work, work.parent, tmp_path, Path.cwd(), Path.home(), Path("/")):
+        assert not (where / "M").exists(), f"a tmux format ran: {where / 'M'} exists"

@@ -160,7 +160,7 @@ def test_a_wrapper_that_never_started_is_reported_from_its_dead_tmux_pane(tmp_pa
     rd = records.run_dir_for(tmp_path, "never")
     rd.mkdir(parents=True)
     session = tmux.session_name("never")
-    tmux.new_session(session, "echo no python here; exit 127", str(tmp_path))
+    tmux.new_session(session, "echo no python here; exit 127")
     try:
         records.write_json_atomic(rd / records.SUBMITTED_JSON, {"t": time.time(), "tmux_session": session})
         t0 = time.monotonic()
@@ -247,7 +247,7 @@ def test_a_launch_is_recorded_and_current_before_its_job_exists(
     seen: list[tuple[str | None, str | None, bool]] = []
     real_new_session = tmux.new_session
 
-    def watching_new_session(name: str, shell_command: str, cwd: str) -> None:
+    def watching_new_session(name: str, shell_command: str) -> None:
         cur = records.current_run_dir(root)
         sub = records.read_json(cur / records.SUBMITTED_JSON) if cur is not None else None
         seen.append(
@@ -257,7 +257,7 @@ def test_a_launch_is_recorded_and_current_before_its_job_exists(
                 records.read_run(cur, "x").state == "starting" if cur else False,
             )
         )
-        real_new_session(name, shell_command, cwd)
+        real_new_session(name, shell_command)
 
     monkeypatch.setattr(tmux, "new_session", watching_new_session)
     launched = launch.launch({"command": ["true"], "run_id": "visible-first"}, root)
@@ -275,7 +275,7 @@ def test_a_launch_tmux_refuses_leaves_no_run_and_the_previous_one_current(
     first = launch.launch({"command": ["true"], "run_id": "before"}, root)
     tmux.kill_session(first["tmux_session"])
 
-    def refusing_new_session(name: str, shell_command: str, cwd: str) -> None:
+    def refusing_new_session(name: str, shell_command: str) -> None:
         raise tmux.TmuxError(f"tmux new-session -s {name} failed: no server running on /nowhere")
 
     monkeypatch.setattr(tmux, "new_session", refusing_new_session)

@@ -24,7 +24,7 @@ NATIVE_PER_DRAFTER = 7
 CHILD = textwrap.dedent(
     f"""
     import _thread, sys, threading
-    from engine.trainer.health import name_os_thread
+    from engine.trainer.threads.health import name_os_thread
     hold = threading.Event()
     def native():
         hold.wait()

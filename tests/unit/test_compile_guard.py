@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.waiting import wait_until
 
-from engine.trainer import compile as guard
+from engine.trainer.threads import compile as guard
 
 READER_CALLS_MIN = 200  # calls each reader makes at least, so they run through the other thread's compiles
 

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from engine import protocol
+from tui.hosttext import printable_lines
 from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
 
 EXIT_OK = protocol.EXIT_OK
@@ -140,8 +141,14 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
     )
 
 
+def say(message: str) -> None:
+    """Lines of a human command's output on stdout, host words made printable (``--json`` prints as sent)."""
+    print(printable_lines(message), flush=True)
+
+
 def err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A message for the person at the terminal; host words in it cannot reach the terminal as control sequences."""
+    print(printable_lines(message), file=sys.stderr, flush=True)
 
 
 def print_json(obj: Any, out: TextIO | None = None) -> None:

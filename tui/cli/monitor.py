@@ -24,6 +24,7 @@ from tui.cli.common import (
     simulated_label,
     with_session,
 )
+from tui.hosttext import TerminalFilter, printable, printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 from tui.link.session import CommandFailed, Session, typed_reply
 
@@ -46,6 +47,14 @@ def _nvml_unavailable(snap: protocol.StatusReply, agent: protocol.HelloEvent | N
     if isinstance(cap, dict) and not cap.get("ok"):
         return str(cap.get("detail") or "unknown reason")
     return None
+
+
+def runs_limit_arg(text: str) -> int:
+    """``runs --limit``: 1..RUNS_MAX_LIMIT, checked here so a bad value is a usage error (exit 2), not a failed run."""
+    count = count_arg(text)
+    if not 0 < count <= protocol.RUNS_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected 1..{protocol.RUNS_MAX_LIMIT} runs, got {count}")
+    return count
 
 
 def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
@@ -87,7 +96,7 @@ def format_run(run: protocol.RunInfo) -> list[str]:
             out.append(f"    {restarts.line(i, item, run.restart_max)}")
     if run.last_export:
         out.append(f"  exported {run.last_export}")
-    return out
+    return [printable(line) for line in out]  # each line is one line, whatever the host's words hold
 
 
 def format_status(snap: protocol.StatusReply, agent: protocol.HelloEvent | None, target: str) -> str:
@@ -164,7 +173,7 @@ def format_status(snap: protocol.StatusReply, agent: protocol.HelloEvent | None,
         where = f" gpu {a.gpu}" if a.gpu is not None else ""
         where += f" pid {a.pid}" if a.pid is not None else ""
         out.append(f"  ! {a.kind}{where}: {a.message}")
-    return "\n".join(out)
+    return "\n".join(printable(line) for line in out)
 
 
 async def fetch_status(session: Session, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -228,7 +237,8 @@ def format_runs(runs: list[protocol.ListedRun], total: int) -> str:
             ]
         )
     more = f"   ({total - len(runs)} older: --limit)" if total > len(runs) else ""
-    return "\n".join([*_table(rows, indent=""), f"{len(runs)} of {total} runs, newest first; * current{more}"])
+    lines = [*_table(rows, indent=""), f"{len(runs)} of {total} runs, newest first; * current{more}"]
+    return "\n".join(printable(line) for line in lines)
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
@@ -270,6 +280,23 @@ def _reader_gone() -> int:
     return EXIT_FAILED
 
 
+class LogOutput:
+    """Where ``logs`` writes the log's bytes: to a pipe or a file exactly as they are; to a terminal through
+    TerminalFilter (colour shown, every other control sequence made visible) unless ``--raw``."""
+
+    def __init__(self, fd: int, *, raw: bool) -> None:
+        self.fd = fd
+        self.filter = None if raw or not os.isatty(fd) else TerminalFilter()
+
+    def write(self, data: bytes) -> None:
+        write_all(self.fd, data if self.filter is None else self.filter.feed(data))
+
+    def flush(self, *, final: bool) -> None:
+        """``final``: nothing more comes, so a held back unfinished sequence is written (neutralised) too."""
+        if self.filter is not None and final:
+            write_all(self.fd, self.filter.flush())
+
+
 TAIL_IN_REPLY_MAX_LINES = 10_000  # the agent's cap on lines in one tail reply; more are read as byte chunks
 READ_CHUNK_BYTES = 1024 * 1024
 
@@ -292,10 +319,9 @@ async def run_named(session: Session, args: argparse.Namespace) -> tuple[Any, pr
     return reply.get("run"), typed_reply(protocol.RunInfoReply, "run_info", reply).run
 
 
-async def _print_last_lines(session: Session, args: argparse.Namespace) -> protocol.TailReply:
+async def _print_last_lines(session: Session, args: argparse.Namespace, out: LogOutput) -> protocol.TailReply:
     """Print the last ``args.lines`` lines of the run's output.log, however many; returns the tail reply, whose
     ``offset``/``inode`` say where the printed bytes end. BrokenPipeError when stdout's reader left."""
-    fd = sys.stdout.fileno()
     n = int(args.lines)
     tail = None
     if n <= TAIL_IN_REPLY_MAX_LINES:
@@ -305,7 +331,8 @@ async def _print_last_lines(session: Session, args: argparse.Namespace) -> proto
         for i, line in enumerate(lines):
             data = protocol.decode_log_data(line)
             last_partial = i == len(lines) - 1 and tail.partial and args.follow
-            write_all(fd, data if last_partial else data + b"\n")  # a follower continues a partial last line
+            out.write(data if last_partial else data + b"\n")  # a follower continues a partial last line
+        out.flush(final=not args.follow)
         return tail
     tail = await session.ask(protocol.TailReply, "tail", timeout_s=30.0, n=n, stream=True, **_run_params(args))
     pos, end, inode = tail.start or 0, tail.offset, tail.inode
@@ -324,11 +351,12 @@ async def _print_last_lines(session: Session, args: argparse.Namespace) -> proto
         if chunk.inode != inode or not data:
             raise CommandFailed(f"output.log of run {run_id} was replaced or truncated while read (at byte {pos})")
         data = data[: end - pos]
-        write_all(fd, data)
+        out.write(data)
         pos += len(data)
         last = data[-1:]
     if last != b"\n" and not args.follow:
-        write_all(fd, b"\n")
+        out.write(b"\n")
+    out.flush(final=not args.follow)
     return tail
 
 
@@ -336,8 +364,9 @@ async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         await run_named(session, args)
         sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
+        out = LogOutput(sys.stdout.fileno(), raw=args.raw)
         try:
-            tail = await _print_last_lines(session, args)
+            tail = await _print_last_lines(session, args, out)
         except BrokenPipeError:
             return _reader_gone()
         if not args.follow:
@@ -355,7 +384,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
                 # Written whole before the next event is read: the session's resume offset (bytes received) is
                 # then always the bytes on stdout, and a slow reader slows the stream down (TCP back-pressure).
                 try:
-                    write_all(sys.stdout.fileno(), ev.raw)
+                    out.write(ev.raw)
                 except BrokenPipeError:
                     reader_gone = True
                     ended.set()
@@ -384,10 +413,10 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 
 def _print_check(ok: bool, name: str, detail: str, fix: str | None, level: str = "error") -> None:
     label = "PASS" if ok else ("WARN" if level == "warn" else "FAIL")
-    print(f"{label}  {name:<14} {detail}", flush=True)
+    print(printable(f"{label}  {name:<14} {detail}"), flush=True)
     if not ok and fix:
         for line in str(fix).splitlines():
-            print(f"      fix: {line}")
+            print(f"      fix: {printable(line)}")
 
 
 async def cmd_doctor(args: argparse.Namespace) -> int:
@@ -437,8 +466,8 @@ async def cmd_stacks(args: argparse.Namespace) -> int:
         await run_named(session, args)
         params = {"timeout_s": args.timeout, **_run_params(args)}
         result = await session.ask(protocol.StacksReply, "stacks", timeout_s=args.timeout + 15.0, params=params)
-        print(f"# stacks via {result.method}", flush=True)
-        print(result.text.rstrip(), flush=True)
+        print(printable(f"# stacks via {result.method}"), flush=True)
+        print(printable_lines(result.text.rstrip()), flush=True)
         return EXIT_OK
 
     return await with_session(args, body)
@@ -452,11 +481,16 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("runs", parents=[common], help="past and current runs: state, cause, duration, last step")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--limit", type=count_arg, default=20, metavar="N", help="the newest N runs (default 20)")
+    p.add_argument("--limit", type=runs_limit_arg, default=20, metavar="N", help="the newest N runs (default 20)")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("logs", parents=[common], help="the current run's output.log")
     p.add_argument("-f", "--follow", action="store_true", help="keep following (resumes across reconnects)")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="to a terminal too, the bytes as they are (by default a terminal gets colour, other escapes made visible)",
+    )
     p.add_argument("-n", "--lines", type=count_arg, default=20, metavar="N", help="last N lines first (default 20)")
     p.add_argument("--run", type=run_id_arg, metavar="ID", help="a past run's log (see `runs`); default: current")
     p.set_defaults(func=cmd_logs)

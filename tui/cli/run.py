@@ -17,6 +17,7 @@ from tui.cli.common import (
     err,
     positive_float,
     print_json,
+    say,
     simulated_label,
     with_session,
 )
@@ -62,9 +63,9 @@ def _wait_object(result: protocol.WaitResult, run_id: str | None) -> dict[str, A
 
 def _print_wait_human(obj: dict[str, Any], milestone: str) -> None:
     if obj["ok"]:
-        print(f"reached {milestone} in {obj.get('elapsed_s') or 0:.2f} s", flush=True)
+        say(f"reached {milestone} in {obj.get('elapsed_s') or 0:.2f} s")
         return
-    print(f"{'HUNG' if obj.get('alive') else 'FAILED'}: {obj.get('cause')}", flush=True)
+    say(f"{'HUNG' if obj.get('alive') else 'FAILED'}: {obj.get('cause')}")
     bits = []
     if obj.get("exit_code") is not None:
         bits.append(f"exit code {obj['exit_code']}")
@@ -75,11 +76,11 @@ def _print_wait_human(obj: dict[str, Any], milestone: str) -> None:
     bits.append(f"last stage {obj.get('stage')}")
     if obj.get("elapsed_s") is not None:
         bits.append(f"after {obj['elapsed_s']:.2f} s")
-    print("  " + ", ".join(bits), flush=True)
+    say("  " + ", ".join(bits))
     if obj["last_lines"]:
-        print("  last lines of output.log:", flush=True)
+        say("  last lines of output.log:")
         for line in obj["last_lines"]:
-            print("    " + str(line).rstrip("\n"), flush=True)
+            say("    " + str(line).rstrip("\n"))
 
 
 class _MilestonePrinter:
@@ -101,7 +102,7 @@ class _MilestonePrinter:
         if key in self.printed:
             return
         self.printed.add(key)
-        print(f"  {'✓' if ev.ok else '✗'} {ev.milestone:<11} {time.monotonic() - self.t0:6.2f} s", flush=True)
+        say(f"  {'✓' if ev.ok else '✗'} {ev.milestone:<11} {time.monotonic() - self.t0:6.2f} s")
 
 
 def _refused(wait: str | None, message: str, elapsed_s: float, as_json: bool) -> int:
@@ -142,9 +143,9 @@ async def wait_and_report(
     if reply.attachable and reply.tmux_session:
         attach = shlex.join(session.attach_argv(reply.tmux_session))
     if not as_json:
-        print(f"launched run {run_id} on {session.target_display}{simulated_label(session)}", flush=True)
+        say(f"launched run {run_id} on {session.target_display}{simulated_label(session)}")
         if reply.command:
-            print(f"  command {shlex.join(reply.command)}", flush=True)
+            say(f"  command {shlex.join(reply.command)}")
     if wait is None:
         if as_json:
             obj = {
@@ -159,7 +160,7 @@ async def wait_and_report(
             }
             print_json({**obj, **{k: v for k, v in launched.items() if k not in obj}})
         elif attach:
-            print(f"  attach: {attach}", flush=True)
+            say(f"  attach: {attach}")
         return EXIT_OK
     bound = timeout_s if timeout_s is not None else max((deadlines_s or {}).values(), default=3600.0)
     result = await session.ask(
@@ -174,7 +175,7 @@ async def wait_and_report(
     else:
         _print_wait_human(obj, wait)
         if attach:
-            print(f"  attach: {attach}", flush=True)
+            say(f"  attach: {attach}")
     return _wait_exit_code(result)  # the agent's answer: it says hung (the printed object leaves that out)
 
 
@@ -238,7 +239,7 @@ async def cmd_launch(args: argparse.Namespace) -> int:
 
 def _on_progress(ev: ClientEvent) -> None:
     if isinstance(ev, protocol.ProgressEvent):
-        print(f"  … {ev.message}", flush=True)
+        say(f"  … {ev.message}")
 
 
 def _quiet(ev: ClientEvent) -> None:
@@ -258,7 +259,7 @@ async def _stop(session: Session, grace_s: float, quiet: bool = False) -> protoc
 async def cmd_stop(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         result = await _stop(session, args.grace)
-        print("stopped" if result.stopped else "not stopped", flush=True)
+        say("stopped" if result.stopped else "not stopped")
         return EXIT_OK if result.stopped else EXIT_FAILED
 
     return await with_session(args, body)
@@ -285,7 +286,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
                         raise
                     return _refused(args.wait, exc.message, time.monotonic() - printer.t0, args.json)
                 if not args.json:
-                    print(f"previous run {done.previous_run_id}", flush=True)
+                    say(f"previous run {done.previous_run_id}")
                 return await wait_and_report(
                     session,
                     done.launch,
@@ -301,7 +302,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
         run = (await session.ask(protocol.StatusReply, "status", timeout_s=30.0)).run
         if run is not None and run.state in ("starting", "running"):
             if not args.json:
-                print(f"stopping run {run.run_id}", flush=True)
+                say(f"stopping run {run.run_id}")
             result = await _stop(session, args.grace, quiet=args.json)
             if not result.stopped:
                 err("the run did not stop; not starting a new one")
@@ -331,14 +332,14 @@ async def cmd_kill_stale(args: argparse.Namespace) -> int:
         candidates = typed_reply(protocol.KillStaleReply, "kill_stale", listed).candidates
         raw_candidates = listed.get("candidates") or []  # what --json prints: the holders as the agent sent them
         if not args.json:
-            print(f"stale GPU holders on {session.target_display}{simulated_label(session)}: {len(candidates)}")
+            say(f"stale GPU holders on {session.target_display}{simulated_label(session)}: {len(candidates)}")
             for line in _holder_rows(candidates):
-                print(line)
+                say(line)
         if args.dry_run or not candidates:
             if args.json:
                 print_json({"dry_run": bool(args.dry_run), "candidates": raw_candidates, "signalled": [], "failed": []})
             elif args.dry_run and candidates:
-                print("dry run: nothing signalled (use --yes to signal exactly these)")
+                say("dry run: nothing signalled (use --yes to signal exactly these)")
             return EXIT_OK
         targets = [[c.pid, c.create_time] for c in candidates]
         unsubscribe = session.add_event_listener(_on_progress if not args.json else _quiet)
@@ -358,9 +359,9 @@ async def cmd_kill_stale(args: argparse.Namespace) -> int:
             print_json({"dry_run": False, "candidates": raw_candidates, "signalled": signalled, "failed": failed})
         else:
             for s in signalled:
-                print(f"  signalled {s}")
+                say(f"  signalled {s}")
             for f in failed:
-                print(f"  could not kill {f}")
+                say(f"  could not kill {f}")
         return EXIT_OK if not failed else EXIT_FAILED
 
     return await with_session(args, body)

@@ -23,6 +23,7 @@ from textual import actions
 from textual.app import App, SystemCommand
 from textual.css.query import NoMatches
 from textual.dom import DOMNode
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Input
@@ -32,6 +33,7 @@ from tui.dashboard import keys, live_reload, theming
 from tui.dashboard.controls import Handler, RunControl, ViewControl, action_table, run_external
 from tui.dashboard.messages import ConnectionChanged
 from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
+from tui.hosttext import printable, printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import AgentSession
 from tui.profiles import Profile, ProfileError, default_config_path, resolve_profile
@@ -293,6 +295,22 @@ class DashboardApp(App[int]):
 
     def _record_sample_latency(self, sampled_t: float) -> None:
         self.sample_latency_ms.append((time.time() - sampled_t) * 1000.0)
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """Every notice is plain text: its words are often the host's (a thread's exception, a run's cause), and as
+        markup ``[/data]`` would crash the app and ``[@click=...]`` become a live action. ``markup`` is accepted
+        only to keep App's signature; it is never turned on."""
+        del markup
+        text, heading = printable_lines(message), printable(title)
+        super().notify(text, title=heading, severity=severity, timeout=timeout, markup=False)
 
     async def quit_dashboard(self) -> None:
         run = self.state.run

@@ -22,6 +22,15 @@ class HerePlan:
     note: str  # what the user sees afterwards
 
 
+def tmux_literal(arg: str) -> str:
+    """An argv element tmux passes on as it is: one ending in ``;`` would end the tmux command there (and start
+    another from what follows), so that ``;`` is escaped as ``\\;``. tmux cannot pass on an element ending in
+    ``\\;``: refused (ValueError)."""
+    if arg.endswith("\\;"):
+        raise ValueError(f"tmux cannot be given the argument {arg!r} (it ends in a backslash and ';')")
+    return arg[:-1] + "\\;" if arg.endswith(";") else arg
+
+
 def outer_socket(tmux_env: str | None = None) -> str | None:
     """The socket path of the tmux server this process runs inside ($TMUX is "path,pid,session"), or None."""
     value = os.environ.get("TMUX") if tmux_env is None else tmux_env
@@ -76,7 +85,7 @@ def plan_here(argv: list[str], tmux_env: str | None = None) -> HerePlan:
         server_opts, session = local
         inner = server_socket(server_opts)
         if inner is not None and _same_file(inner, outer):
-            switch = ["tmux", *server_opts, "switch-client", "-t", session]
+            switch = ["tmux", *(tmux_literal(a) for a in server_opts), "switch-client", "-t", tmux_literal(session)]
             note = f"this tmux client now shows {session}; the dashboard keeps running: switch-client -l (prefix L)"
             return HerePlan(switch, False, note)
     # Another server: not nesting in tmux's sense, but a client that inherits $TMUX may still refuse.

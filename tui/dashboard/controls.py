@@ -23,7 +23,7 @@ from textual.notifications import SeverityLevel
 
 from engine import protocol
 from tui.dashboard import theming
-from tui.dashboard.attach import HerePlan, plan_here
+from tui.dashboard.attach import HerePlan, plan_here, tmux_literal
 from tui.dashboard.screens.confirm import Choice, ConfirmScreen
 from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
 from tui.dashboard.screens.help import HelpScreen
@@ -293,7 +293,11 @@ class RunControl:
     def _attach_new_window(self, argv: list[str]) -> None:
         # The new window's shell inherits $TMUX; a local `tmux attach` refuses to nest unless it is unset.
         command = ["env", "-u", "TMUX", *argv] if argv and argv[0] == "tmux" else argv
-        window = ["tmux", "new-window", "-n", "specdec-run", "--", *command]
+        try:
+            window = ["tmux", "new-window", "-n", "specdec-run", "--", *(tmux_literal(a) for a in command)]
+        except ValueError as exc:
+            self.app.notify(f"cannot attach in a new window: {exc}; run: {shlex.join(argv)}", severity="error")
+            return
         self.attach_history.append(window)
         try:
             code = self.external_runner(window)

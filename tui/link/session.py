@@ -224,6 +224,9 @@ class Session:
             except ConnectionError as exc:
                 reason = str(exc)
                 break
+            except Exception as exc:  # whatever else ends the reader is a lost link: never "connected" with no reader
+                reason = f"the link's reader failed: {type(exc).__name__}: {exc}"
+                break
             if not line:
                 break
             self._last_rx_s = time.monotonic()
@@ -232,6 +235,9 @@ class Session:
             except protocol.ProtocolError as exc:
                 self._warn(f"unreadable line from the agent: {exc}")
                 continue
+            except Exception as exc:  # a decoder failure the protocol did not foresee: reconnect and resume
+                reason = f"a line from the agent could not be decoded: {type(exc).__name__}: {exc}"
+                break
             try:
                 self._on_event(ev)
             except Exception as exc:  # one bad event must not end the reader while the state says "connected"

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 EXIT_CONNECTION = 3
 _STDERR_KEEP_LINES = 60
 _LINE_LIMIT_BYTES = 1 << 27  # a log event can carry a multi-megabyte line, escaped
+_SSH_READ_CHUNK_BYTES = 1 << 16
+_STDERR_LINE_BYTES = 1 << 16
 
 
 class ConnectError(Exception):
@@ -150,6 +152,7 @@ class AgentStream(ABC):
                 break
             buf += chunk if isinstance(chunk, bytes) else chunk.encode()
             *lines, buf = buf.split(b"\n")
+            buf = buf[-_STDERR_LINE_BYTES:]  # a line with no end keeps only its tail
             for line in lines:
                 self._stderr.append(line.decode("utf-8", "replace"))
         if buf:
@@ -208,15 +211,39 @@ class _SshStream(AgentStream):
         super().__init__()
         self.proc = proc
         self._stderr_task = asyncio.ensure_future(self._drain_stderr(proc.stderr))
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for a newline
 
     async def readline(self) -> bytes:
+        """One line, bounded as the local transport bounds it: a longer line ends the link (and says so) instead of
+        growing the buffer with whatever the host sends."""
         import asyncssh
 
-        try:
-            line: bytes = await self.proc.stdout.readline()
-        except (asyncssh.Error, OSError) as exc:
-            raise ConnectionError(f"ssh channel failed: {exc}") from exc
-        return line
+        while True:
+            end = self._buf.find(b"\n", self._scanned)
+            if end >= 0:
+                line = bytes(self._buf[: end + 1])
+                del self._buf[: end + 1]
+                self._scanned = 0
+                return line
+            if len(self._buf) > _LINE_LIMIT_BYTES:
+                size = len(self._buf)
+                self._buf.clear()
+                self._scanned = 0
+                raise ConnectionError(
+                    f"agent line over the read limit ({_LINE_LIMIT_BYTES} bytes): {size} bytes dropped"
+                )
+            self._scanned = len(self._buf)
+            try:
+                chunk: bytes = await self.proc.stdout.read(_SSH_READ_CHUNK_BYTES)
+            except (asyncssh.Error, OSError) as exc:
+                raise ConnectionError(f"ssh channel failed: {exc}") from exc
+            if not chunk:
+                line = bytes(self._buf)
+                self._buf.clear()
+                self._scanned = 0
+                return line
+            self._buf += chunk
 
     def write(self, data: bytes) -> None:
         if self.proc.stdin.channel.is_closing():
@@ -560,8 +587,11 @@ class SshTransport(Transport):
             raise ConnectError(f"{self.display}: ~/.ssh/config cannot be read: {exc}", retryable=False) from None
         except ValueError as exc:  # an option asyncssh refuses (a bad port in the config, ...)
             raise ConnectError(f"{self.display}: bad SSH settings: {exc}", retryable=False) from None
-        if self.opts.known_hosts and not os.path.isfile(files[0]):
-            raise ConnectError(f"known_hosts file {files[0]} does not exist (--known-hosts)")
+        if self.opts.known_hosts:
+            if not os.path.exists(files[0]) or os.path.isdir(files[0]):
+                raise ConnectError(f"known_hosts file {files[0]} does not exist (--known-hosts)")
+            if not os.path.isfile(files[0]):
+                files = []  # /dev/null (or another device): an empty known_hosts, so no key is trusted
         # Explicit, never None (no checking) and never empty: asyncssh reads an empty value (b"", [], ()) as
         # "use ~/.ssh/known_hosts". No trusted file is the tuple of (trusted keys, CA keys, revoked keys), all empty:
         # every host key is then unknown and refused.
@@ -643,7 +673,8 @@ class SshTransport(Transport):
             with contextlib.suppress(OSError, ValueError):
                 known += list(asyncssh.match_known_hosts(path, host, addr, None if port == 22 else port)[0])
         if known:
-            recorded = ", ".join(f"{k.get_algorithm()} {k.get_fingerprint('sha256')}" for k in known)
+            # A key recorded under both the name and the address (or in two files) is one key: listed once.
+            recorded = ", ".join(dict.fromkeys(f"{k.get_algorithm()} {k.get_fingerprint('sha256')}" for k in known))
             return ConnectError(
                 "@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\n"
                 "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n"

@@ -26,7 +26,7 @@ import secrets
 import time
 from pathlib import Path
 
-from engine.protocol import validate_run_id
+from engine.protocol import RunIdError, validate_run_id
 
 RUNS_DIR = "runs"
 CURRENT_LINK = "current"
@@ -57,15 +57,41 @@ def run_dir_for(run_root: Path | str, run_id: str) -> Path:
     return runs_dir(run_root) / validate_run_id(run_id)
 
 
-def current_run_dir(run_root: Path | str) -> Path | None:
-    """The run directory <run_root>/current points at, or None when there is no (valid) current run."""
+def _current_target(run_root: Path | str) -> tuple[Path | None, str | None]:
+    """(the run directory <run_root>/current points at, None) or (None, why it is refused; None: no link at all)."""
     link = Path(run_root) / CURRENT_LINK
     try:
         target = os.readlink(link)
-    except OSError:
-        return None
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{link} cannot be read as a link: {exc.strerror or exc}"
     path = Path(target) if os.path.isabs(target) else Path(run_root) / target
-    return path if path.is_dir() else None
+    # The link is the run root's to write, but anyone who can write there could point it at /etc: only a directory
+    # of <run_root>/runs, named as run ids are, is a run.
+    real, runs_real = os.path.realpath(path), os.path.realpath(runs_dir(run_root))
+    if os.path.dirname(real) != runs_real:
+        return None, f"{link} points outside {runs_dir(run_root)} (to {target}); refused"
+    try:
+        validate_run_id(os.path.basename(real))
+    except RunIdError as exc:
+        return None, f"{link} points at {target}, which is not a run directory: {exc}"
+    if not os.path.isdir(real):
+        return None, f"{link} points at {target}, which is not a directory"
+    return path, None
+
+
+def current_run_dir(run_root: Path | str) -> Path | None:
+    """The run directory <run_root>/current points at, or None when there is no (valid) current run (a link out
+    of <run_root>/runs is not followed: ``current_refusal`` says why)."""
+    return _current_target(run_root)[0]
+
+
+def current_refusal(run_root: Path | str) -> str | None:
+    """Why <run_root>/current is not taken as the current run (None: it is, or there is no link)."""
+    return _current_target(run_root)[1]
+
+
 
 
 def set_current(run_root: Path | str, run_dir: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -15,6 +16,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
 from engine import protocol
+from tui.hosttext import printable
 
 
 def targets_of(candidates: list[protocol.HolderInfo]) -> list[list[Any]]:
@@ -65,16 +67,16 @@ class KillStaleScreen(ModalScreen[list[list[Any]] | None]):
         table.add_columns("PID", "user", "GPUs", "GPU mem", "state", "age", "command")
         for cand in self.candidates:
             used, age = cand.used_mib, cand.age_s
-            table.add_row(
-                str(cand.pid),
+            cells = (
                 cand.user or "?",
                 ",".join(str(g) for g in cand.gpus) or "?",
                 f"{used:.0f} MiB" if used is not None else "?",
                 cand.state or "?",
                 f"{age:.0f}s" if age is not None else "?",
                 (cand.cmd or "(not visible)")[:60],
-                key=str(cand.pid),
             )
+            # Escaped: DataTable reads a str cell as Rich markup, and the host chose these words (the pid is ours).
+            table.add_row(str(cand.pid), *(escape(printable(cell)) for cell in cells), key=str(cand.pid))
         self.query_one("#kill-no", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:

@@ -14,6 +14,7 @@ from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
 from engine import protocol
+from tui.hosttext import printable
 
 RUN_TAIL_LINES = 200
 TailFetcher = Callable[[str], Awaitable[protocol.TailReply | None]]
@@ -36,7 +37,7 @@ def run_row(run: protocol.ListedRun) -> str:
     code, sig = run.exit_code, run.signal
     ended = f"signal {sig}" if sig is not None else f"exit {code}" if code is not None else ""
     mark = "*" if run.current else " "
-    return (
+    return printable(
         f"{mark} {run.run_id}  {run.state:<9} {_when(run.started_at)}  "
         f"{_duration(run.duration_s):>7}  step {step if step is not None else '-':<7} {ended}"
     )
@@ -44,19 +45,19 @@ def run_row(run: protocol.ListedRun) -> str:
 
 def run_detail(run: protocol.ListedRun, tail: protocol.TailReply | None) -> str:
     """The cause first (why it ended), then what ran and the end of its output.log."""
-    out = [f"run {run.run_id}   state {run.state}"]
+    out = [printable(f"run {run.run_id}   state {run.state}")]
     if run.cause:
-        out.append(f"cause: {run.cause}")
+        out.append(f"cause: {printable(run.cause)}")
     if run.command:
-        out.append("command: " + " ".join(run.command))
+        out.append("command: " + printable(" ".join(run.command)))
     if run.cwd:
-        out.append(f"cwd: {run.cwd}")
+        out.append(f"cwd: {printable(run.cwd)}")
     if tail is None:
         out.append("(output.log could not be read)")
     else:
         lines = [protocol.decode_log_data(x).decode("utf-8", "replace") for x in tail.lines]
         out.append(f"--- last {len(lines)} lines of output.log ---")
-        out += lines
+        out += [printable(line) for line in lines]
     return "\n".join(out)
 
 
@@ -83,7 +84,7 @@ class RunsScreen(ModalScreen[None]):
         title = f"runs: {len(self.order)} of {self.total}, newest first (* current) - Enter/↑↓ show one, Esc closes"
         with Vertical():
             yield Static(title, id="runs-title", markup=False)
-            yield OptionList(*[Option(run_row(self.runs[i]), id=i) for i in self.order], id="runs-list")
+            yield OptionList(*[Option(run_row(self.runs[i]), id=i) for i in self.order], id="runs-list", markup=False)
             with VerticalScroll(id="run-detail-scroll"):
                 yield Static("no runs yet" if not self.order else "", id="run-detail", markup=False)
 

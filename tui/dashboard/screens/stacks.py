@@ -10,6 +10,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from tui.hosttext import printable, printable_lines
+
 PENDING_TEXT = "dumping stacks…"
 
 
@@ -33,12 +35,12 @@ class StacksScreen(ModalScreen[None]):
         self._text_widget = Static(self._body(), id="stacks-text", markup=False)
 
     def _title(self) -> str:
-        return f"thread stacks ({self.method or PENDING_TEXT}) - Esc closes"
+        return f"thread stacks ({printable(self.method or PENDING_TEXT)}) - Esc closes"
 
     def _body(self) -> str:
         if self.method is None:
             return PENDING_TEXT
-        return self.text or "(no stacks returned)"
+        return printable_lines(self.text) if self.text else "(no stacks returned)"
 
     def compose(self) -> ComposeResult:
         with Vertical():

@@ -23,6 +23,7 @@ from rich.text import Text
 
 from engine import protocol
 from tui.dashboard.widgets.text_line import RowTracking
+from tui.hosttext import printable
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_POINTS = 600
@@ -247,7 +248,7 @@ class Charts(RowTracking):
                 if not first:
                     out.append("\n")
                 first = False
-                out.append(f"{metric:<6} {thread:<{name_w}} ", style=label_style)
+                out.append(f"{metric:<6} {printable(thread):<{name_w}} ", style=label_style)
                 if metric == "acc" and thread in model.acc_latest:
                     per_pos = model.acc_latest[thread]
                     bars = "".join(

@@ -15,6 +15,7 @@ from textual.widgets import Static
 
 from engine.protocol import Anomaly, GpuInfo, GpusEvent
 from tui.dashboard.widgets.text_line import TextLine
+from tui.hosttext import printable
 
 BADGE_LABELS = {
     "phantom_utilization": "PHANTOM UTIL",
@@ -46,7 +47,7 @@ class AnomalyBadge(Static, can_focus=True):
 
     def __init__(self, anomaly: Anomaly) -> None:
         kind = anomaly.kind
-        super().__init__(BADGE_LABELS.get(kind, kind.upper()), markup=False)
+        super().__init__(printable(BADGE_LABELS.get(kind, kind.upper())), markup=False)
         self.anomaly = anomaly
         self.tooltip = anomaly.message
         if kind in ("stale_holder", "orphan_memory", "foreign_holder"):
@@ -133,7 +134,7 @@ class GpuBars(Vertical):
     def explain(self, anomaly: Anomaly) -> None:
         box = self.query_one("#gpu-explain", Static)
         label = BADGE_LABELS.get(anomaly.kind, anomaly.kind)
-        box.update(Text(f"{label}: {anomaly.message}"))
+        box.update(Text(printable(f"{label}: {anomaly.message}")))
         box.add_class("-on")
 
     def update_sample(self, event: GpusEvent) -> None:
@@ -151,7 +152,9 @@ class GpuBars(Vertical):
         empty = self.query_one("#gpu-empty", Static)
         if not self.gpus:
             empty.display = True
-            empty.update(f"no GPU data: {self.nvml_error}" if self.nvml_error else "waiting for the first GPU sample…")
+            empty.update(
+                f"no GPU data: {printable(self.nvml_error)}" if self.nvml_error else "waiting for the first GPU sample…"
+            )
         else:
             empty.display = False
         wanted = {g.index for g in self.gpus}
@@ -198,7 +201,7 @@ class GpuBars(Vertical):
 
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(f"{gpu.index} ", style=label)
-        name = gpu.name.replace("NVIDIA ", "")[:10]
+        name = printable(gpu.name.replace("NVIDIA ", "")[:10])
         text.append(f"{name:<10} ", style=muted)
         ufrac = util / 100.0 if util is not None else None
         text.append("util ", style=label)

@@ -10,6 +10,8 @@ from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
+from tui.hosttext import printable_rendered
+
 STATE_MARKS = {
     "connected": ("●", "ok"),
     "connecting": ("◌", "warn"),
@@ -106,4 +108,4 @@ class RunHeader(Widget):
         if m.simulated:
             out.append("  ")
             out.append(" SIMULATED GPUs ", style=self._style("simulated"))
-        return out
+        return printable_rendered(out, one_line=True)  # the hostname, run id and details are the host's words

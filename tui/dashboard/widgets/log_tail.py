@@ -25,6 +25,7 @@ from textual.widgets import Input, Log
 
 from engine.protocol import decode_log_data
 from tui.dashboard.widgets.text_line import TextLine
+from tui.hosttext import printable
 
 DEFAULT_MAX_LINES = 20_000
 MAX_PARTIAL_BYTES = 256 * 1024
@@ -36,7 +37,8 @@ ERROR_LINE_RE = re.compile(
 
 
 def clean_line(raw: str) -> str:
-    """One display line: ANSI escapes removed, a ``\\r``-redrawn progress bar reduced to its last state."""
+    """One display line: ANSI escapes removed, a ``\\r``-redrawn progress bar reduced to its last state (what is left
+    of other control characters is made visible by the caller)."""
     line = _ANSI_RE.sub("", raw).rstrip("\r")
     if "\r" in line:
         segments = [seg for seg in line.split("\r") if seg]
@@ -125,7 +127,7 @@ class LogModel:
         if cut < 0:
             return []
         parts = whole.decode("utf-8", "replace").split("\n")
-        return [clean_line(p) if ("\x1b" in p or "\r" in p) else p for p in parts]
+        return [printable(clean_line(p) if ("\x1b" in p or "\r" in p) else p) for p in parts]
 
     def _take(self, lines: list[str]) -> None:
         if not lines:

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from engine import protocol
 from tui.dashboard.widgets.text_line import RowTracking
+from tui.hosttext import printable, printable_rendered
 
 STALE_HEARTBEAT_S = 30.0
 MAX_THREADS = 256
@@ -183,13 +184,13 @@ class ProcTree(RowTracking):
         source = self.holders_source
         if source is not None and source.source == "fd-scan":
             out.append("\n  GPUs from the fd scan, not exact: ", style=self._style("warn"))
-            out.append(source.detail[:120], style=self._style("muted"))
+            out.append(printable(source.detail[:120]), style=self._style("muted"))
         elif source is not None and source.source == "host-nvml":
             out.append("\n  exact, from the Proxmox host: ", style=self._style("ok"))
-            out.append(source.detail[:120], style=self._style("muted"))
+            out.append(printable(source.detail[:120]), style=self._style("muted"))
         if self.host_map is not None and self.host_map.state != "ok":
-            out.append(f"\n  host view {self.host_map.state}: ", style=self._style("warn"))
-            out.append((self.host_map.detail or "")[:120], style=self._style("muted"))
+            out.append(f"\n  host view {printable(self.host_map.state)}: ", style=self._style("warn"))
+            out.append(printable((self.host_map.detail or "")[:120]), style=self._style("muted"))
 
     def _style(self, name: str) -> Any:
         return self.get_component_rich_style(f"proc-tree--{name}")
@@ -199,7 +200,7 @@ class ProcTree(RowTracking):
     ) -> None:
         health = self.health.threads.get((rank, name))
         out.append(f"\n{prefix}", style=self._style("muted"))
-        out.append(f"{name:<11}", style=self._style("proc"))
+        out.append(f"{printable(name):<11}", style=self._style("proc"))
         if native:
             out.append(f" +{native} native", style=self._style("muted"))
         if health is None:
@@ -212,7 +213,7 @@ class ProcTree(RowTracking):
         elif age is not None and age > STALE_HEARTBEAT_S:
             out.append(" SILENT", style=self._style("warn"))
         else:
-            out.append(f" {health.state}", style=self._style("ok"))
+            out.append(f" {printable(health.state)}", style=self._style("ok"))
         if health.step is not None:
             out.append(f" step {health.step}", style=self._style("proc"))
         if age is not None:
@@ -220,7 +221,7 @@ class ProcTree(RowTracking):
         if health.tok_s is not None and not health.dead:
             out.append(f" {health.tok_s / 1000:.1f}k tok/s", style=self._style("muted"))
         if health.dead and health.last_exception:
-            out.append(f" {health.last_exception[:80]}", style=self._style("dead"))
+            out.append(f" {printable(health.last_exception[:80])}", style=self._style("dead"))
 
     def render(self) -> RenderableType:
         now = self.clock()
@@ -241,14 +242,14 @@ class ProcTree(RowTracking):
         def walk(proc: protocol.ProcInfo, depth: int) -> None:
             indent = "  " * (depth + 1)
             out.append(f"\n{indent}{proc.pid} ", style=self._style("muted"))
-            out.append(proc.cmd[:60], style=self._style("proc"))
+            out.append(printable(proc.cmd[:60]), style=self._style("proc"))
             details = []
             if proc.cpu_pct is not None:
                 details.append(f"cpu {proc.cpu_pct:.0f}%")
             if proc.rss_mib is not None:
                 details.append(f"rss {proc.rss_mib:.0f} MiB")
             if proc.state:
-                details.append(proc.state)
+                details.append(printable(proc.state))
             if details:
                 out.append("  " + "  ".join(details), style=self._style("muted"))
             rank, node = self.health.rank_pids.get(proc.pid, (None, None))
@@ -280,7 +281,7 @@ class ProcTree(RowTracking):
                 if rank is not None and rank != last_rank:
                     names = ", ".join(n for r, n in orphans if r == rank)
                     out.append(f"\n    rank {rank}: ", style=self._style("title"))
-                    out.append(names[:100], style=self._style("muted"))
+                    out.append(printable(names[:100]), style=self._style("muted"))
                     last_rank = rank
                 self._thread_line(out, "      " if rank is not None else "    ", name, None, now, rank)
         here = [h for h in self.holders if h.scope == "here"]
@@ -294,17 +295,17 @@ class ProcTree(RowTracking):
         for holder in stale:
             out.append("\n  ! STALE ", style=self._style("stale"))
             out.append(f"{holder.pid} ", style=self._style("proc"))
-            out.append(f"{holder.user or '?'}  ", style=self._style("muted"))
+            out.append(f"{printable(holder.user or '?')}  ", style=self._style("muted"))
             text, style = self._gpus_label(holder)
             out.append(text, style=self._style(style))
             used = holder.used_mib
             out.append(f"{used:.0f} MiB  " if used is not None else "? MiB  ", style=self._style("muted"))
             if not holder.resolved:
                 out.append("(NVML pid not visible here) ", style=self._style("warn"))
-            out.append((holder.cmd or "")[:50], style=self._style("proc"))
+            out.append(printable((holder.cmd or "")[:50]), style=self._style("proc"))
         if monitors:
             out.append("\n  monitors (a device handle, no GPU context): ", style=self._style("muted"))
-            shown = ", ".join(f"{h.pid} {_program(h.cmd)}" for h in monitors[:4])
+            shown = ", ".join(f"{h.pid} {printable(_program(h.cmd))}" for h in monitors[:4])
             more = f" and {len(monitors) - 4} more" if len(monitors) > 4 else ""
             out.append(shown + more, style=self._style("muted"))
         if foreign:
@@ -312,12 +313,12 @@ class ProcTree(RowTracking):
             title = "other containers and the host (seen from the host, never stopped from here)"
             out.append(title, style=self._style("title"))
         for holder in foreign:
-            where = f"ct {holder.container}" if holder.scope == "container" else "host"
+            where = f"ct {printable(holder.container)}" if holder.scope == "container" else "host"
             out.append(f"\n  {where:<8} ", style=self._style("warn"))
             out.append(f"host pid {holder.host_pid or holder.pid} ", style=self._style("proc"))
-            out.append(f"{holder.user or '?'}  ", style=self._style("muted"))
+            out.append(f"{printable(holder.user or '?')}  ", style=self._style("muted"))
             out.append(self._gpus_label(holder)[0], style=self._style("muted"))
             used = holder.used_mib
             out.append(f"{used:.0f} MiB  " if used is not None else "? MiB  ", style=self._style("muted"))
-            out.append((holder.cmd or "")[:50], style=self._style("proc"))
-        return self.track_rows(out)
+            out.append(printable((holder.cmd or "")[:50]), style=self._style("proc"))
+        return self.track_rows(printable_rendered(out))

@@ -11,6 +11,7 @@ from rich.text import Text
 from engine.protocol import MILESTONES, MilestoneEvent, RunInfo
 from tui import restarts
 from tui.dashboard.widgets.text_line import RowTracking
+from tui.hosttext import printable, printable_rendered
 
 
 @dataclass
@@ -129,15 +130,15 @@ class RunTimeline(RowTracking):
             else:
                 out.append(f"✗ {name}{when}", style=failed)
                 if state.cause:
-                    causes.append(f"{name}: {state.cause}")
+                    causes.append(f"{name}: {printable(state.cause)}")
         if model.stage:
-            out.append(f"   stage {model.stage}", style=pending)
+            out.append(f"   stage {printable(model.stage)}", style=pending)
         if model.last_export:
-            out.append(f"   exported {model.last_export}", style=pending)
+            out.append(f"   exported {printable(model.last_export)}", style=pending)
         if not causes and model.exit_cause:
-            causes.append(f"run {model.exit_cause}")
+            causes.append(f"run {printable(model.exit_cause)}")
         for i, item in enumerate(model.restarts, start=1):
-            out.append(f"\n  ↻ {restarts.line(i, item, model.restart_max)}", style=cause_style)
+            out.append(f"\n  ↻ {printable(restarts.line(i, item, model.restart_max))}", style=cause_style)
         for cause in causes:
             out.append(f"\n  cause: {cause}", style=cause_style)
-        return self.track_rows(out)
+        return self.track_rows(printable_rendered(out))
