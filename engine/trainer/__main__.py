@@ -29,7 +29,16 @@ from pathlib import Path
 
 from engine import stackdump
 from engine.protocol import ENV_RUN_DIR
-from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, parse_override, preset
+from engine.trainer.config import (
+    PRESETS,
+    ConfigError,
+    EngineConfig,
+    check_cuda_present,
+    from_dict,
+    load_toml,
+    parse_override,
+    preset,
+)
 from engine.trainer.launch import RankInfo, events_path_for_rank, rank_from_env, shell_line, torchrun_command
 from engine.trainer.metrics import EventLog, events_path_for
 
@@ -140,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = resolve_config(args)
+        if not (args.print_config or args.print_torchrun):
+            check_cuda_present(cfg)
     except ConfigError as exc:
         print(f"specdec-train: config error: {exc}", file=sys.stderr)
         return 2
@@ -177,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     engine.install_signal_handlers()
     try:
         engine.build()
+    except ConfigError as exc:  # found only once torch or the data is there (a device count, strict_data): exit 2
+        events.emit("run_end", ok=False, reason=f"config error: {exc}", step=0)
+        print(f"specdec-train: config error: {exc}", file=sys.stderr)
+        events.close()
+        if info.launched:
+            leave_now(events, 2, f"config error: {exc}")
+        return 2
     except Exception as exc:
         events.emit("run_end", ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0)
         if info.launched:

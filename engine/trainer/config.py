@@ -60,6 +60,9 @@ class EngineConfig:
     drafter_mode: str = "replicas"
     # Data: "shipped" (the corpus in the package), "random" (random token ids), or a ShareGPT JSONL path.
     data: str = DATA_SHIPPED
+    # A malformed line of the data file (not JSON, not a conversation object) is skipped and counted with its
+    # file:line; true stops the run at the first one instead (exit 2).
+    strict_data: bool = False
     buckets: list[int] = field(default_factory=lambda: [256])
     batch_size: int = 1
     draft_vocab_size: int = 128
@@ -201,6 +204,14 @@ class EngineConfig:
                 "three non-negative layer indices (low, middle, high)",
             )
             need(len(set(ids)) == 3, "target_layers", f"{ids}: three distinct layer indices")
+            # vLLM and SGLang concatenate the aux hidden states in ascending layer order: any other order trains
+            # a drafter whose fc reads them permuted when served (it accepts almost nothing).
+            need(
+                ids == sorted(ids),
+                "target_layers",
+                f"{ids} is not in ascending order; the servers concatenate the captured layers in ascending order, "
+                f"so write {sorted(ids)}",
+            )
             depth = self.target_depth()
             if depth is not None:
                 need(
@@ -250,6 +261,24 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# What a CUDA device needs on the host, looked for without importing torch (a container sees them bind-mounted).
+NVIDIA_DEVICE_NODE = "/dev/nvidiactl"
+NVIDIA_DRIVER_PROC = "/proc/driver/nvidia"
+
+
+def check_cuda_present(cfg: EngineConfig) -> None:
+    """A config naming CUDA devices on a machine without an NVIDIA driver is a config error, said before torch
+    loads (seconds): the key, the device and what this machine has instead."""
+    if not cfg.uses_cuda or Path(NVIDIA_DEVICE_NODE).exists() or Path(NVIDIA_DRIVER_PROC).exists():
+        return
+    key = "target_devices" if any(d.startswith("cuda") for d in cfg.target_devices) else "drafter_devices"
+    named = next(d for d in getattr(cfg, key) if d.startswith("cuda"))
+    raise ConfigError(
+        f"{key}: names {named}, but this machine has no CUDA device (no {NVIDIA_DEVICE_NODE}, no NVIDIA driver "
+        'loaded); use ["cpu"] here or run on a GPU host'
+    )
 
 
 def _cuda_index(device: str) -> int | None:
