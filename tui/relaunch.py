@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from engine import protocol
-from tui.session import typed_reply
+from tui.link.session import typed_reply
 
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL grace of a stop (the agent's own default)
 RELEASE_TIMEOUT_S = 30.0  # how long a stop waits for the run's GPU devices to be released
@@ -21,7 +21,7 @@ RESTART_REPLY_MARGIN_S = 180.0  # the restart reply may take the grace, the rele
 
 
 class Requester(Protocol):
-    """What a restart needs of a session (``tui.session.Session`` or a test's stand-in)."""
+    """What a restart needs of a session (``tui.link.session.Session`` or a test's stand-in)."""
 
     async def request(
         self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any

@@ -21,8 +21,8 @@ import pytest
 from adv_support import agent_pid_of, ssh_options, sshd_session_of
 from support.waiting import wait_until_async
 
-from tui.events import ConnectionEvent
-from tui.session import open_session
+from tui.link.events import ConnectionEvent
+from tui.link.session import open_session
 
 pytestmark = pytest.mark.ssh
 
@@ -226,7 +226,7 @@ async def test_the_dashboard_over_ssh_listens_on_nothing_beyond_loopback(
     sshd: Any, run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No web view exists; the Textual dashboard, live over SSH, opens no listening socket off loopback."""
-    from tui.app import DashboardApp
+    from tui.dashboard.app import DashboardApp
 
     monkeypatch.setenv("SPECDEC_TUI_CONFIG_DIR", str(tmp_path / "tui-config"))
     session = open_session(sshd.target, ssh_options(sshd, run_root, simulate_gpus=2))

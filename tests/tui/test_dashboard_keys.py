@@ -15,13 +15,13 @@ from textual.drivers.headless_driver import HeadlessDriver
 from textual.widgets import Button, Input
 from tui_recorded import RUN_ID, RecordingSession, healthy_events, log_events, run
 
-from tui import theming
-from tui.app import DashboardApp
-from tui.messages import CommandFinished, ConnectionChanged
-from tui.screens.confirm import ConfirmScreen
-from tui.screens.help import HelpScreen
-from tui.screens.stacks import StacksScreen
-from tui.widgets.log_tail import LogTail
+from tui.dashboard import theming
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.messages import CommandFinished, ConnectionChanged
+from tui.dashboard.screens.confirm import ConfirmScreen
+from tui.dashboard.screens.help import HelpScreen
+from tui.dashboard.screens.stacks import StacksScreen
+from tui.dashboard.widgets.log_tail import LogTail
 
 SIZE = (140, 44)
 LAUNCH_REPLY = {"run_id": "20261129-120000-cd34", "run_dir": "/r", "tmux_session": "specdec-x", "attachable": True}
@@ -509,7 +509,7 @@ async def test_run_failure_shows_its_cause(recorded_app: Callable[..., Dashboard
 
 def test_launch_spec_from_a_cli_profile_starts_the_engine() -> None:
     """``connect`` passes ``Profile.as_dict()``; without a command it launches our engine."""
-    from tui.app import launch_spec_for
+    from tui.dashboard.app import launch_spec_for
     from tui.profiles import Profile
 
     session = RecordingSession()
@@ -580,7 +580,7 @@ PAST_RUNS = {
 async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and_log_tail(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
-    from tui.screens.runs import RunsScreen
+    from tui.dashboard.screens.runs import RunsScreen
 
     def tail(args: dict[str, Any]) -> dict[str, Any]:
         return {"lines": [f"{args['run_id']} line {i}" for i in range(3)], "offset": 42, "run_id": args["run_id"]}
@@ -604,7 +604,7 @@ async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and
 
 
 def test_every_key_action_has_exactly_one_owner_and_the_app_keeps_only_routing() -> None:
-    from tui import keys
+    from tui.dashboard import keys
 
     app = DashboardApp(RecordingSession(), connect=False, flush_interval_s=None)
     assert set(app.actions) == {spec.action for spec in keys.KEY_TABLE}

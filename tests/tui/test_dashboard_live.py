@@ -20,9 +20,9 @@ from support.procfs import pid_alive
 from support.waiting import wait_until_async
 
 from engine.protocol import to_jsonable
-from tui.app import DashboardApp
-from tui.events import ConnectionEvent
-from tui.screens.kill_stale import KillStaleScreen
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.kill_stale import KillStaleScreen
+from tui.link.events import ConnectionEvent
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 

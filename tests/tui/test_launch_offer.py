@@ -11,8 +11,8 @@ from support.pilot import wait_until
 from test_dashboard_live import SIZE, STEP_SCRIPT
 
 from engine.protocol import to_jsonable
-from tui.app import DashboardApp
-from tui.screens.confirm import ConfirmScreen
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.confirm import ConfirmScreen
 
 PROFILE = {"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]}
 

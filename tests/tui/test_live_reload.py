@@ -13,8 +13,8 @@ from textual.color import Color
 from textual.message import Message
 from tui_recorded import RecordingSession
 
-from tui.app import DashboardApp
-from tui.messages import LiveReloadReady, ProfilesReloaded, ThemesReloaded
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.messages import LiveReloadReady, ProfilesReloaded, ThemesReloaded
 
 SIZE = (100, 30)
 RELOAD_TIMEOUT_S = 10.0

@@ -12,12 +12,12 @@ from support.pilot import wait_until
 from tui_recorded import RecordingSession, run
 
 from engine import protocol
-from tui import cli_common
 from tui.__main__ import main
-from tui.app import DashboardApp
-from tui.messages import CommandFinished
-from tui.screens.runs import RunsScreen
-from tui.session import CommandFailed, ReplyNotUnderstood, typed_reply
+from tui.cli import common as cli_common
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.messages import CommandFinished
+from tui.dashboard.screens.runs import RunsScreen
+from tui.link.session import CommandFailed, ReplyNotUnderstood, typed_reply
 
 STATUS = {
     "t": 1.0,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.protocol import HelloEvent, encode_log_data, from_json
-from tui.events import ClientEvent, ConnectionEvent, decode
+from tui.link.events import ClientEvent, ConnectionEvent, decode
 
 T0 = 1_764_400_000.0  # a fixed clock for snapshots
 RUN_ID = "20261129-111500-ab12"

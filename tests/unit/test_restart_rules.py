@@ -125,7 +125,7 @@ def test_a_hang_is_no_step_for_stall_s_and_loading_gets_the_first_step_deadline(
 def test_the_dashboards_launch_carries_the_profiles_restart_policy(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from tui.app import launch_spec_for
+    from tui.dashboard.app import launch_spec_for
 
     path = tmp_path / "config.toml"
     path.write_text(

@@ -1,6 +1,6 @@
 """What the dashboard's keys do, each owned by the object it acts on; the app only routes them.
 
-``action_table`` is the routing: a key's action name (tui/keys.py) to the method of its owner.
+``action_table`` is the routing: a key's action name (tui/dashboard/keys.py) to the method of its owner.
 
 - ``RunControl``: the run's verbs, sent to the host (launch, restart, stop, kill stale, stacks, past runs, attach).
 - ``ViewControl``: what changes this screen only (log filter, follow, theme, help).
@@ -22,18 +22,18 @@ from textual.app import App, SuspendNotSupported
 from textual.notifications import SeverityLevel
 
 from engine import protocol
-from tui import theming
-from tui.attach import HerePlan, plan_here
-from tui.events import ClientEvent
-from tui.messages import CommandFinished
+from tui.dashboard import theming
+from tui.dashboard.attach import HerePlan, plan_here
+from tui.dashboard.messages import CommandFinished
+from tui.dashboard.screens.confirm import Choice, ConfirmScreen
+from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
+from tui.dashboard.screens.help import HelpScreen
+from tui.dashboard.screens.kill_stale import KillStaleScreen
+from tui.dashboard.screens.runs import RUN_TAIL_LINES, RunsScreen
+from tui.dashboard.screens.stacks import StacksScreen
+from tui.link.events import ClientEvent
+from tui.link.session import typed_reply
 from tui.relaunch import launch_spec_for, restart_run
-from tui.screens.confirm import Choice, ConfirmScreen
-from tui.screens.dashboard import DashboardScreen, DashboardState
-from tui.screens.help import HelpScreen
-from tui.screens.kill_stale import KillStaleScreen
-from tui.screens.runs import RUN_TAIL_LINES, RunsScreen
-from tui.screens.stacks import StacksScreen
-from tui.session import typed_reply
 
 STOP_TIMEOUT_S = 120.0
 STACKS_TIMEOUT_S = 20.0
@@ -44,7 +44,7 @@ R = TypeVar("R")
 
 
 class SessionLike(Protocol):
-    """What the dashboard needs of ``tui.session.Session`` (tests may pass a recording stand-in)."""
+    """What the dashboard needs of ``tui.link.session.Session`` (tests may pass a recording stand-in)."""
 
     target_display: str
     state: str
@@ -395,7 +395,7 @@ class ViewControl:
 
 
 def action_table(run: RunControl, view: ViewControl, quit_: Handler) -> dict[str, Handler]:
-    """Each key action (tui/keys.py's ``action``) to the method of the object that owns it."""
+    """Each key action (tui/dashboard/keys.py's ``action``) to the method of the object that owns it."""
     return {
         "launch": run.launch,
         "restart": run.restart,

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from engine import protocol
-from tui.cli_common import (
+from tui.cli.common import (
     EXIT_FAILED,
     EXIT_HUNG,
     EXIT_OK,
@@ -20,10 +20,10 @@ from tui.cli_common import (
     simulated_label,
     with_session,
 )
-from tui.events import ClientEvent
+from tui.link.events import ClientEvent
+from tui.link.session import CommandFailed, ReplyNotUnderstood, Session, typed_reply
 from tui.profiles import Profile, ProfileError, resolve_profile
 from tui.relaunch import engine_python, restart_run
-from tui.session import CommandFailed, ReplyNotUnderstood, Session, typed_reply
 
 WAIT_CHOICES = ("started", "output", "first-step")
 _REPLY_MARGIN_S = 30.0  # a wait's reply may arrive this long after its own timeout before we give up on it

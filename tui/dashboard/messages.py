@@ -1,4 +1,4 @@
-"""Textual messages that carry the agent's events (decoded, tui/events.py) into the widget tree.
+"""Textual messages that carry the agent's events (decoded, tui/link/events.py) into the widget tree.
 
 The session calls its listeners on the asyncio loop, once per event. The app buffers those
 events and posts at most one ``StreamBatch`` per flush interval; connection changes are posted at
@@ -12,7 +12,7 @@ from typing import Any
 from textual.message import Message
 
 from engine.protocol import RunInfo
-from tui.events import ClientEvent, ConnectionEvent
+from tui.link.events import ClientEvent, ConnectionEvent
 
 
 class ConnectionChanged(Message):

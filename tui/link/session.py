@@ -5,7 +5,7 @@ to its listeners, measures the round trip with ``ping``, and, when the link brea
 capped exponential backoff plus jitter. After a reconnect the streams resume from the remembered
 log offset/inode and events.jsonl offset, so nothing is skipped or repeated.
 
-Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/events.py): event
+Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/link/events.py): event
 listeners (``add_event_listener``) get those, the session's own ``ConnectionEvent`` on every state change,
 and an ``Undecodable`` for a line that is JSON but not the protocol.
 """
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine import protocol
-from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode
-from tui.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
+from tui.link.events import ClientEvent, ConnectionEvent, Undecodable, decode
+from tui.link.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
 
 __all__ = [
     "CommandFailed",

@@ -29,10 +29,9 @@ from textual.widgets import Input
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from engine import protocol
-from tui import keys, live_reload, theming
-from tui.controls import Handler, RunControl, SessionLike, ViewControl, action_table, run_external
-from tui.events import ClientEvent, ConnectionEvent
-from tui.messages import (
+from tui.dashboard import keys, live_reload, theming
+from tui.dashboard.controls import Handler, RunControl, SessionLike, ViewControl, action_table, run_external
+from tui.dashboard.messages import (
     ConnectionChanged,
     LiveReloadReady,
     MilestoneReached,
@@ -41,8 +40,9 @@ from tui.messages import (
     StreamBatch,
     ThemesReloaded,
 )
+from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
+from tui.link.events import ClientEvent, ConnectionEvent
 from tui.relaunch import launch_spec_for
-from tui.screens.dashboard import DashboardScreen, DashboardState
 
 __all__ = ["DashboardApp", "SessionLike", "launch_spec_for", "run_dashboard"]
 
@@ -56,7 +56,7 @@ GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython's d
 class DashboardApp(App[int]):
     """Live view of one target; keys drive the run (launch, restart, stop, kill stale, attach).
 
-    The app draws and routes: each key's action goes to the object that owns it (tui/controls.py).
+    The app draws and routes: each key's action goes to the object that owns it (tui/dashboard/controls.py).
     """
 
     CSS_PATH = "app.tcss"

@@ -21,14 +21,14 @@ from textual.widget import Widget
 
 from engine import protocol
 from tui import restarts
-from tui.events import ClientEvent, ConnectionEvent, Undecodable
-from tui.widgets.charts import ChartModel, Charts
-from tui.widgets.footer import KeyFooter
-from tui.widgets.gpu_bars import GpuBars
-from tui.widgets.header import HeaderModel, RunHeader
-from tui.widgets.log_tail import LogModel, LogPane
-from tui.widgets.proc_tree import ProcTree, ThreadHealthModel
-from tui.widgets.run_timeline import RunTimeline, TimelineModel
+from tui.dashboard.widgets.charts import ChartModel, Charts
+from tui.dashboard.widgets.footer import KeyFooter
+from tui.dashboard.widgets.gpu_bars import GpuBars
+from tui.dashboard.widgets.header import HeaderModel, RunHeader
+from tui.dashboard.widgets.log_tail import LogModel, LogPane
+from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel
+from tui.dashboard.widgets.run_timeline import RunTimeline, TimelineModel
+from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 
 MAX_NOTICES = 50
 MAX_PARSED_LINES_PER_EVENT = 20
