@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.host.disk import DISK_FULL_FRACTION, DISK_FULL_MAX_BYTES
 from engine.host.procs import is_system_holder
 from engine.protocol import Anomaly, GpuInfo, HolderInfo
 
@@ -35,8 +36,6 @@ PHANTOM_UTIL_PCT = 90.0
 NEAR_ZERO_MIB = 64.0  # "~0 MiB": an idle context-free GPU reports a few MiB at most
 ORPHAN_MIN_MIB = 256.0  # less than this is driver bookkeeping, not someone's tensors
 
-DISK_FULL_MAX_BYTES = 64 * 1024 * 1024  # below this much free space the run root counts as full...
-DISK_FULL_FRACTION = 0.02  # ...or below this fraction of a small filesystem
 
 STALL_K = 5.0
 STALL_FLOOR_S = 60.0
