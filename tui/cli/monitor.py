@@ -21,6 +21,7 @@ from tui.cli.common import (
     err,
     print_json,
     run_id_arg,
+    say_link_state,
     simulated_label,
     with_session,
 )
@@ -334,18 +335,6 @@ async def _print_last_lines(session: Session, args: argparse.Namespace) -> proto
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        await run_named(session, args)
-        sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
-        try:
-            tail = await _print_last_lines(session, args)
-        except BrokenPipeError:
-            return _reader_gone()
-        if not args.follow:
-            return EXIT_OK
-        if not tail.current:
-            err(f"[run {tail.run_id} is not the current run: it has nothing more to follow]")
-            return EXIT_OK
-        session.resume_from({"offset": tail.offset, "inode": tail.inode} if tail.inode is not None else None, None)
         ended = asyncio.Event()
         reader_gone = False
 
@@ -364,14 +353,25 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             elif isinstance(ev, Undecodable) and ev.ev in ("log", "log_reset"):  # only what this command prints
                 err(f"[{ev.message}]")
             elif isinstance(ev, ConnectionEvent):
-                if ev.state in ("reconnecting", "failed"):
-                    err(f"[{ev.state}: {ev.detail}]")
-                elif ev.state == "connected" and ev.detail.startswith("reconnected"):
-                    err(f"[{ev.detail}]")
+                say_link_state(ev)
                 if ev.state == "failed":
                     ended.set()
 
-        session.add_event_listener(on_event)
+        # Before the first request: a drop while the last lines are asked for is said and retried like any other.
+        if args.follow:
+            session.add_event_listener(on_event)
+        await run_named(session, args)
+        sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
+        try:
+            tail = await _print_last_lines(session, args)
+        except BrokenPipeError:
+            return _reader_gone()
+        if not args.follow:
+            return EXIT_OK
+        if not tail.current:
+            err(f"[run {tail.run_id} is not the current run: it has nothing more to follow]")
+            return EXIT_OK
+        session.resume_from({"offset": tail.offset, "inode": tail.inode} if tail.inode is not None else None, None)
         await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
         await ended.wait()
         return _reader_gone() if reader_gone else EXIT_CONNECTION
