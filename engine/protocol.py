@@ -105,6 +105,7 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "disk_full",  # the run root's filesystem is (nearly) full: records and log cannot be written
     "compile_fallback",  # a compiled function hit dynamo's recompile limit and runs eagerly
     "recompile",  # a compiled function compiled a new graph after its thread's warm-up
+    "nonfinite_grad",  # a drafter skipped steps whose gradients were NaN or infinite
     "foreign_holder",  # a GPU of ours is used by a process of another container or of the host (seen from the host)
 )
 
@@ -164,6 +165,7 @@ ENGINE_EVENT_KINDS: tuple[str, ...] = (
     "compile",  # a recompile after warm-up or a fallback to eager (what, function, thread, graphs, limit)
     "export",  # specdec-train export wrote a servable drafter (path, checkpoint, step, format, drafter)
     "eval",  # acceptance length on held-out prompts (thread, step, tau, k, per_position, ...)
+    "nonfinite_grad",  # a drafter skipped a step whose gradients were NaN or infinite (thread, step, grad_norm)
 )
 
 # Environment variables the supervisor sets for the job (the engine writes its events there).
@@ -557,6 +559,17 @@ class EvalEvent:
     rank: int | None = None
 
 
+@dataclass
+class NonFiniteGradEvent:
+    KIND: ClassVar[str] = "nonfinite_grad"
+    thread: str
+    step: int
+    grad_norm: str = "nan"  # "nan" | "inf": JSON has no such numbers
+    in_a_row: int = 1  # skipped steps in a row, this one included
+    t: float | None = None
+    rank: int | None = None
+
+
 # Union[...], not X | Y: evaluated when the module loads, on hosts whose python3 may predate 3.10.
 EngineEvent = Union[  # noqa: UP007
     StageEvent,
@@ -568,6 +581,7 @@ EngineEvent = Union[  # noqa: UP007
     CompileEvent,
     ExportEvent,
     EvalEvent,
+    NonFiniteGradEvent,
 ]
 
 

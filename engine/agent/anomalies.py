@@ -14,7 +14,9 @@ Engine side, from the run's events.jsonl:
 * stalled run: no step for k x the median step interval (clamped to [floor, cap]);
 * dead thread: a ``thread_error`` event, a heartbeat in state "error", or heartbeats older than a bound;
 * compile fallback: a ``compile`` event whose function hit dynamo's recompile limit and now runs eagerly;
-* recompile: ``compile`` events for graphs compiled after a thread's warm-up (each stalls that thread).
+* recompile: ``compile`` events for graphs compiled after a thread's warm-up (each stalls that thread);
+* non-finite gradients: ``nonfinite_grad`` events, steps a drafter skipped because its gradients were NaN or
+  infinite (its weights did not take them).
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ class EngineState:
     compile_fallbacks: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     recompiles: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     recompile_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    nonfinite_grads: dict[str, dict[str, Any]] = field(default_factory=dict)  # thread -> last nonfinite_grad
+    nonfinite_counts: dict[str, int] = field(default_factory=dict)  # thread -> steps skipped in the run
     stage: str | None = None
     ended: bool = False
 
@@ -200,6 +204,10 @@ class EngineState:
             elif ev.get("what") == "recompile":
                 self.recompiles[key] = ev
                 self.recompile_counts[key] = self.recompile_counts.get(key, 0) + 1
+        elif kind == "nonfinite_grad":
+            thread = str(ev.get("thread") or "?")
+            self.nonfinite_grads[thread] = ev
+            self.nonfinite_counts[thread] = self.nonfinite_counts.get(thread, 0) + 1
         elif kind == "stage":
             stage = ev.get("stage")
             if isinstance(stage, str):
@@ -346,7 +354,24 @@ def engine_anomalies(state: EngineState, now: float, running: bool, **limits: fl
         out.append(stall)
     out.extend(dead_threads(state, now, running, limits.get("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S)))
     out.extend(compile_anomalies(state))
+    out.extend(nonfinite_anomalies(state))
     return out
+
+
+def nonfinite_anomalies(state: EngineState) -> list[Anomaly]:
+    """One per drafter thread that skipped steps for non-finite gradients, for the whole run."""
+    return [
+        Anomaly(
+            kind="nonfinite_grad",
+            thread=thread,
+            message=(
+                f"{thread}: {state.nonfinite_counts.get(thread, 1)} step(s) skipped for non-finite gradients "
+                f"(last at step {ev.get('step')}, norm {_short(str(ev.get('grad_norm')), 20)}): the weights did not "
+                "take them; check the learning rate and the data"
+            ),
+        )
+        for thread, ev in sorted(state.nonfinite_grads.items())
+    ]
 
 
 def disk_anomalies(run_root: str | os.PathLike[str]) -> list[Anomaly]:

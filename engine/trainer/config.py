@@ -89,6 +89,9 @@ class EngineConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # A step whose gradients are NaN or infinite is skipped (no update, an event and an anomaly); this many in a
+    # row stop the run with that cause.
+    nonfinite_grad_limit: int = 8
     steps: int = 1000
     checkpoint_every: int = 0  # 0: only on SIGTERM and at the end
     keep_checkpoints: int = 2
@@ -191,6 +194,7 @@ class EngineConfig:
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
+        need(self.nonfinite_grad_limit >= 1, "nonfinite_grad_limit", "an integer >= 1 (skipped steps in a row)")
         need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "a positive number of seconds")
         for key in ("stall_after_s", "starve_after_s", "stop_grace_s"):
             need(getattr(self, key) > 0, key, "a positive number of seconds")

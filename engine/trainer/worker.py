@@ -23,7 +23,7 @@ import torch
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.compile import GuardedFunction, apply_dynamo_config, compile_guard
 from engine.trainer.config import EngineConfig
-from engine.trainer.control import NonFiniteLoss, PeerFailure, RunControl
+from engine.trainer.control import NonFiniteGradient, NonFiniteLoss, PeerFailure, RunControl
 from engine.trainer.dispatch import IndexLedger
 from engine.trainer.distributed import CrossRank
 from engine.trainer.draft.attention import TTTAttention
@@ -238,6 +238,7 @@ class StepResult:
     grad_norm: float
     tok_s: float
     ms: dict[str, float]
+    skipped: bool = False  # non-finite gradients: the optimizer did not step
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,7 @@ class WorkerSettings:
     batch_size: int
     grad_checkpointing: bool = False
     max_grad_norm: float = 1.0
+    nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
     log_every: int = 1  # a step event every log_every steps (and at step 1)
     checkpoint_every: int = 0  # 0: no periodic checkpoint (only at the end and on a stop)
     step_delay_s: float = 0.0
@@ -264,6 +266,7 @@ class WorkerSettings:
             batch_size=cfg.batch_size,
             grad_checkpointing=cfg.grad_checkpointing,
             max_grad_norm=cfg.max_grad_norm,
+            nonfinite_grad_limit=cfg.nonfinite_grad_limit,
             log_every=cfg.log_every,
             checkpoint_every=cfg.checkpoint_every,
             step_delay_s=cfg.step_delay_s,
@@ -318,6 +321,8 @@ class DrafterWorker:
         self.loss_fn = settings.loss_fn
         self.grad_checkpointing = settings.grad_checkpointing
         self.max_grad_norm = settings.max_grad_norm
+        self.nonfinite_grad_limit = settings.nonfinite_grad_limit
+        self.nonfinite_in_a_row = 0
         self.log_every = settings.log_every
         self.checkpoint_every = settings.checkpoint_every
         self.step_delay_s = settings.step_delay_s
@@ -419,8 +424,12 @@ class DrafterWorker:
             stop_after = self.group.all_reduce(self.rank, grads, batch.index, self.step + 1)
         mark()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        # Checked after the reduce: every replica (and rank) sees the same sum, so all skip the same step. One
+        # scalar read a step; an update with NaN in it would reach every replica and every later checkpoint.
+        skipped = not bool(torch.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         mark()
         acc = accuracies(correct.detach(), counts.detach())
@@ -442,10 +451,32 @@ class DrafterWorker:
             grad_norm=values[-1],
             tok_s=tok_s,
             ms={"fetch": fetch_ms, "fwd": ms[0], "bwd": ms[1], "opt": ms[2]},
+            skipped=skipped,
         )
         if not all(math.isfinite(v) for v in result.loss):
             raise NonFiniteLoss(f"non-finite loss {result.loss} at step {step} in thread {self.name}")
+        if skipped:
+            self._skip_nonfinite(step, result.grad_norm)
+        else:
+            self.nonfinite_in_a_row = 0
         return result, stop_after
+
+    def _skip_nonfinite(self, step: int, grad_norm: float) -> None:
+        """Say the skipped step (an event the agent turns into an anomaly); stop once it keeps happening."""
+        self.nonfinite_in_a_row += 1
+        norm = str(grad_norm)  # "nan" / "inf": JSON has no such numbers
+        self.control.events.emit(
+            "nonfinite_grad", thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row
+        )
+        self.control.events.say(
+            f"warning: {self.name} step {step}: gradient norm {norm}: step skipped, weights unchanged "
+            f"({self.nonfinite_in_a_row} in a row, the run stops at {self.nonfinite_grad_limit})"
+        )
+        if self.nonfinite_in_a_row >= self.nonfinite_grad_limit:
+            raise NonFiniteGradient(
+                f"non-finite gradients (norm {norm}) for {self.nonfinite_in_a_row} steps in a row, the last at step "
+                f"{step} in thread {self.name}; every one was skipped, the weights are those before them"
+            )
 
     def capture_state(self) -> dict[str, Any]:
         return {
@@ -565,7 +596,8 @@ class DrafterWorker:
                     acc=result.acc,
                     tok_s=result.tok_s,
                     ms=result.ms,
-                    grad_norm=result.grad_norm,
+                    grad_norm=None if result.skipped else result.grad_norm,
+                    skipped=result.skipped,
                     lr=self.scheduler.get_last_lr()[0],
                     bucket=batch.bucket,
                     target_ms=batch.target_ms,
