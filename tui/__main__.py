@@ -89,7 +89,7 @@ def cmd_connect(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     # The dashboard runs its own event loop and connects the session inside it.
     on_connect = "launch" if args.launch else "none" if args.no_launch else "offer"
-    return int(run_dashboard(session, profile=profile.as_dict(), theme=args.theme, on_connect=on_connect))
+    return int(run_dashboard(session, profile=profile, theme=args.theme, on_connect=on_connect))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,7 @@ from support.waiting import wait_until_async  # noqa: E402
 
 from engine.protocol import RunInfo  # noqa: E402
 from tui.dashboard.app import DashboardApp  # noqa: E402
+from tui.profiles import Profile  # noqa: E402
 
 BURST = """
 import sys, time
@@ -136,7 +137,7 @@ async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
     os.environ.setdefault("SPECDEC_TUI_CONFIG_DIR", tempfile.mkdtemp(prefix="specdec-bench-cfg-"))
     root = tempfile.mkdtemp(prefix="specdec-bench-")
     session = open_session("local", ConnectOptions(run_root=root, simulate_gpus=2, python=sys.executable))
-    profile = {"name": "burst", "command": [sys.executable, "-c", BURST, str(rate), str(burst_s)]}
+    profile = Profile(name="burst", command=[sys.executable, "-c", BURST, str(rate), str(burst_s)])
     t_start = time.monotonic()
     app = DashboardApp(session, profile=profile, gpu_interval_s=0.1, procs_interval_s=1.0, tune_gc=True)
     proc = psutil.Process()
@@ -367,7 +368,7 @@ def terminal_child(report: Path, rate: int, burst_s: float, run_root: Path) -> N
     from tui.link.transport import ConnectOptions
 
     session = open_session("local", ConnectOptions(run_root=str(run_root), simulate_gpus=2, python=sys.executable))
-    profile = {"name": "burst", "command": [sys.executable, "-c", BURST, str(rate), str(burst_s)]}
+    profile = Profile(name="burst", command=[sys.executable, "-c", BURST, str(rate), str(burst_s)])
     app = DashboardApp(session, profile=profile, on_connect="none", tune_gc=True)
     app.run()
     model = app.state.log

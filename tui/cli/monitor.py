@@ -1,4 +1,4 @@
-"""Headless commands that look: status, logs, doctor, stacks."""
+"""Headless commands that look: status, runs, logs, doctor, stacks."""
 
 from __future__ import annotations
 
