@@ -42,11 +42,24 @@ from engine.trainer.config import (
 from engine.trainer.launch import RankInfo, events_path_for_rank, rank_from_env, shell_line, torchrun_command
 from engine.trainer.metrics import EventLog, events_path_for
 
+SUBCOMMANDS_HELP = """\
+also:
+  specdec-train eval --checkpoint DIR [--k 5] [--json]
+      acceptance length tau of a checkpoint (or a run's output dir) on its held-out conversations
+  specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
+      the drafter as vLLM / SGLang load it (each drafter of an independent run in its own subfolder)
+  (each has its own --help)
+"""
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # No abbreviations: --torchrun is filtered out of the ranks' argv by its exact spelling (--torch would respawn).
     ap = argparse.ArgumentParser(
-        prog="specdec-train", description="Threaded EAGLE-3 drafter trainer", allow_abbrev=False
+        prog="specdec-train",
+        description="Threaded EAGLE-3 drafter trainer",
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SUBCOMMANDS_HELP,
     )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", help="engine config (TOML)")
