@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import select
 import sys
@@ -11,7 +12,7 @@ import time
 from typing import Any
 
 from engine import protocol
-from tui import restarts
+from tui import profiles, restarts
 from tui.cli.common import (
     EXIT_CONNECTION,
     EXIT_FAILED,
@@ -390,6 +391,21 @@ def _print_check(ok: bool, name: str, detail: str, fix: str | None, level: str =
             print(f"      fix: {line}")
 
 
+def expects_gpu(args: argparse.Namespace) -> bool:
+    """--expect-gpu, or a --profile whose command, environment or engine names CUDA (or a GPU preset)."""
+    if args.expect_gpu:
+        return True
+    if not args.profile:
+        return False
+    try:
+        prof = profiles.resolve_profile(args.profile, args.config)
+    except profiles.ProfileError as exc:
+        raise UsageError(str(exc)) from None
+    preset = prof.engine.preset or ""
+    named = "cuda" in json.dumps(prof.as_dict()).lower()
+    return named or (prof.command is None and not prof.engine.config and not preset.startswith("cpu"))
+
+
 async def cmd_doctor(args: argparse.Namespace) -> int:
     from tui.cli.common import connect_options
     from tui.link.session import ConnectError, open_session
@@ -413,7 +429,7 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
             f" on {hostname}, python {python}{simulated_label(session)}",
             None,
         )
-        result = await session.ask(protocol.DoctorReply, "doctor", timeout_s=120.0)
+        result = await session.ask(protocol.DoctorReply, "doctor", timeout_s=120.0, expect_gpu=expects_gpu(args))
     except CommandFailed as exc:
         err(f"error: {exc.message}")
         return EXIT_CONNECTION if exc.lost else EXIT_FAILED
@@ -462,6 +478,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("doctor", parents=[common], help="check ssh, python, torch, CUDA, NVML, tmux, disk, holders")
+    p.add_argument(
+        "--expect-gpu",
+        action="store_true",
+        help="fail when CUDA or NVML is missing (without it, or a profile naming CUDA, a CPU box says 'not present')",
+    )
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("stacks", parents=[common], help="every thread's stack of the live run")
