@@ -54,6 +54,8 @@ class DashboardState:
         self.events_in = 0
         self.undecodable: dict[str | None, int] = {}  # agent events not understood, by their ``ev``
         self.dirty: set[str] = set()
+        # A new run, a restart or a new log file: the log pane follows its end again, however it was scrolled.
+        self.follow_log = False
         self.engine_steps_seen = False
 
     def ingest(self, ev: ClientEvent) -> None:
@@ -66,6 +68,7 @@ class DashboardState:
                     self._parse_log_metrics(n)
         elif isinstance(ev, protocol.LogResetEvent):
             self.log.reset(ev.inode, ev.offset, ev.reason)
+            self.follow_log = True
             self.dirty.add("log")
         elif isinstance(ev, protocol.EngineLineEvent):
             if ev.source:
@@ -129,6 +132,7 @@ class DashboardState:
             self.charts.clear()
             self.health.clear()
             self.engine_steps_seen = False
+            self.follow_log = True
         before = len(restarts.restarts_of(self.run)) if new_id == old_id else 0
         self.run = run
         self.timeline.from_run(run)
@@ -139,6 +143,7 @@ class DashboardState:
         self.header.restarted = bool(done)
         if len(done) > before:
             self.health.clear()  # restarted: the threads (and their deaths) of the attempt before are gone
+            self.follow_log = True
         max_restarts = run.restart_max if run else None
         for i, item in enumerate(done[before:], start=before + 1):
             self.notices.append(("warning", f"run {new_id}: {restarts.line(i, item, max_restarts)}"))
@@ -146,7 +151,7 @@ class DashboardState:
         rank, node = (run.failed_rank, run.failed_node) if failed and run else (None, None)
         where = f"rank {rank}" + (f" (node {node})" if node is not None else "") if rank is not None else None
         self.header.failed_rank = where
-        self.dirty.update({"header", "timeline", "charts", "procs"})
+        self.dirty.update({"header", "timeline", "charts", "procs", "log"})
 
     def _engine_event(self, event: protocol.EngineEvent) -> None:
         self.health.add_engine_event(event)
@@ -239,6 +244,9 @@ class DashboardScreen(Screen[None]):
             tree = self.query_one(ProcTree)
             tree.update_procs(state.procs)
         if "log" in dirty:
+            if state.follow_log:
+                state.follow_log = False
+                self.log_pane.tail.action_follow()
             self.log_pane.flush()
         keep: set[str] = set()
         if "charts" in dirty or state.charts.dirty:
