@@ -45,10 +45,20 @@ async def test_the_log_follows_again_after_a_restart_and_after_a_relaunch(
         await wait_until(pilot, lambda: tail.following and tail.pending == 0, what="following after the relaunch")
 
 
-async def test_at_80x24_the_footer_keeps_help_and_quit_and_shows_f(recorded_app: Callable[..., DashboardApp]) -> None:
-    app = recorded_app(RecordingSession())
+async def test_at_80x24_processes_training_log_and_the_footers_help_and_quit_are_visible(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    session = RecordingSession()
+    app = recorded_app(session)
     async with app.run_test(size=(80, 24)) as pilot:
+        session.emit(*healthy_events())
+        app.flush_events(force_charts=True)
         await pilot.pause()
+        screen = app.screen
+        procs, charts, log = (screen.query_one(w).region for w in ("#procs", "#charts-box", "#log"))
+        assert procs.height >= 6 and procs.bottom <= log.y and procs.right <= 80, (procs, log)
+        assert charts.height >= 8 and charts.bottom <= log.y, (charts, log)
+        assert log.height >= 5 and log.bottom <= 23, log
         footer = app.query_one(KeyFooter)
         text = footer.render().plain  # type: ignore[union-attr]
         assert len(text) <= 80, text

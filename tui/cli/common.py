@@ -174,7 +174,7 @@ async def with_session(args: argparse.Namespace, fn: SessionFn, *, reconnect: bo
     # A following command retries a drop while connecting as it retries one after: same backoff, same words.
     said = session.add_event_listener(lambda ev: say_link_state(ev, failed=False)) if reconnect else None
     try:
-        await session.connect(retry=reconnect)
+        await (session.connect(retry=True) if reconnect else session.connect())
     except ConnectError as exc:
         err(exc.message)
         return exc.exit_code

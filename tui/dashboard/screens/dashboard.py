@@ -32,7 +32,8 @@ from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 
 MAX_NOTICES = 50
 MAX_PARSED_LINES_PER_EVENT = 20
-NARROW_WIDTH = 110  # columns below which the process tree goes under the GPUs
+NARROW_WIDTH = 80  # columns below which the process tree goes under the GPUs (80x24 keeps it beside them)
+SHORT_HEIGHT = 30  # rows below which the training pane is kept shorter, so the log keeps its rows
 _METRIC_HINTS = ("step", "tok/s", "loss")
 
 
@@ -222,6 +223,7 @@ class DashboardScreen(Screen[None]):
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.width < NARROW_WIDTH, "-narrow")
+        self.set_class(event.size.height < SHORT_HEIGHT, "-short")
 
     @property
     def log_pane(self) -> LogPane:
