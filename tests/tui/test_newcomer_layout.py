@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from support.pilot import wait_until
-from tui_recorded import RUN_ID, RecordingSession, healthy_events, log_events, run
+from tui_recorded import RUN_ID, T0, RecordingSession, engine_events, healthy_events, log_events, run
 
 from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.dashboard import DashboardState
 from tui.dashboard.widgets.footer import KeyFooter
 from tui.dashboard.widgets.log_tail import LogPane
+from tui.link.events import decode
 
 CRASH = {"attempt": 1, "cause": "crash", "at": 1000.0, "exit_code": 1, "detail": "exited with code 1"}
 
@@ -68,3 +70,19 @@ async def test_at_80x24_processes_training_log_and_the_footers_help_and_quit_are
         await pilot.pause()
         wide = pilot.app.query_one(KeyFooter).render().plain  # type: ignore[union-attr]
         assert "f Follow" in wide and "l Launch" in wide, wide
+
+
+def test_after_a_relaunch_the_old_runs_late_engine_lines_do_not_reach_the_new_runs_panes() -> None:
+    state = DashboardState("root@gpu-box")
+    state.ingest(decode(run()))
+    for raw in engine_events(["drafter0"], 3):
+        state.ingest(decode({**raw, "run_id": RUN_ID}))
+    assert ("drafter0" in {h.name for h in state.health.threads.values()}) and state.charts.series
+    state.ingest(decode(run(run_id=f"{RUN_ID}-2", milestones={"submitted": T0 + 100})))  # connect --launch
+    assert not state.health.threads and not state.charts.series
+    for raw in engine_events(["drafter0"], 5, start_offset=10_000):  # the old run's last lines, still in flight
+        state.ingest(decode({**raw, "run_id": RUN_ID}))
+    assert not state.health.threads and not state.charts.series
+    for raw in engine_events(["drafter7"], 1):  # the new run's own
+        state.ingest(decode({**raw, "run_id": f"{RUN_ID}-2"}))
+    assert {h.name for h in state.health.threads.values()} == {"drafter7"}

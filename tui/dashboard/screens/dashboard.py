@@ -57,6 +57,9 @@ class DashboardState:
         self.dirty: set[str] = set()
         # A new run, a restart or a new log file: the log pane follows its end again, however it was scrolled.
         self.follow_log = False
+        # Runs this dashboard moved on from: engine lines of theirs still in flight are not the new run's (a
+        # relaunch's charts and thread health would otherwise show the old run's last steps and heartbeats).
+        self.left_runs: set[str] = set()
         self.engine_steps_seen = False
 
     def ingest(self, ev: ClientEvent) -> None:
@@ -72,6 +75,8 @@ class DashboardState:
             self.follow_log = True
             self.dirty.add("log")
         elif isinstance(ev, protocol.EngineLineEvent):
+            if ev.run_id is not None and ev.run_id in self.left_runs:
+                return
             if ev.source:
                 # Another rank's events file: its threads' health only (the charts show the run's events.jsonl).
                 self.health.add_engine_event(ev.event, main_file=False)
@@ -134,6 +139,9 @@ class DashboardState:
             self.health.clear()
             self.engine_steps_seen = False
             self.follow_log = True
+            self.left_runs.add(old_id)
+        if new_id is not None:
+            self.left_runs.discard(new_id)
         before = len(restarts.restarts_of(self.run)) if new_id == old_id else 0
         self.run = run
         self.timeline.from_run(run)
