@@ -105,6 +105,7 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "disk_full",  # the run root's filesystem is (nearly) full: records and log cannot be written
     "compile_fallback",  # a compiled function hit dynamo's recompile limit and runs eagerly
     "recompile",  # a compiled function compiled a new graph after its thread's warm-up
+    "nonfinite_grad",  # a drafter skipped steps whose gradients were NaN or infinite
     "foreign_holder",  # a GPU of ours is used by a process of another container or of the host (seen from the host)
 )
 
@@ -591,6 +592,19 @@ class EvalEvent:
     world_size: int | None = None
 
 
+@dataclass
+class NonFiniteGradEvent:
+    KIND: ClassVar[str] = "nonfinite_grad"
+    thread: str
+    step: int
+    grad_norm: str = "nan"  # "nan" | "inf": JSON has no such numbers
+    in_a_row: int = 1  # skipped steps in a row, this one included
+    t: float | None = None
+    rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
+
+
 # Union[...], not X | Y: evaluated when the module loads, on hosts whose python3 may predate 3.10.
 EngineEvent = Union[  # noqa: UP007
     StageEvent,
@@ -602,6 +616,7 @@ EngineEvent = Union[  # noqa: UP007
     CompileEvent,
     ExportEvent,
     EvalEvent,
+    NonFiniteGradEvent,
 ]
 
 # The kinds, derived from the dataclasses: a kind is written once, as its class's KIND.

@@ -8,7 +8,8 @@ The config file (``--config FILE``, default ``<user config dir>/specdec-tui/conf
     command = ["bash", "start_training.sh"]   # argv list; omit to start our engine (see [profiles.X.engine])
     cwd = "/root/work"
     env = { HF_HOME = "/data/hf" }
-    step_pattern = 'step=\\d+'
+    step_pattern = 'step=\\d+'      # a regex per output line (\\r ends one too); the step: its group, else the
+                                    # first integer of the match ('\\d+/1000' on '90/1000' is 90)
     deadlines_s = { started = 10, output = 60, first-step = 900 }
     # Restart on the host when it exits non-zero, hangs (no step for stall_s) or dies of CUDA OOM (then with
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): at most max times, backoff_s apart; `stop` cancels it.

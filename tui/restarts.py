@@ -27,9 +27,12 @@ def summary(run: RunInfo | None) -> str | None:
 
 
 def line(index: int, item: dict[str, Any], max_restarts: int | None) -> str:
-    """One restart: "restart 1/3 at 03:12:09: oom: exited with code 1 (CUDA out of memory: ...)"."""
+    """One restart: "restart 1/3 at 03:12:09: crash: ValueError: first; exited with code 1", the attempt's own
+    cause (``reason``) before how it ended."""
     at = item.get("at")
     when = f" at {time.strftime('%H:%M:%S', time.localtime(at))}" if isinstance(at, (int, float)) else ""
     of = f"/{max_restarts}" if max_restarts is not None else ""
     detail = item.get("detail") or (f"exit code {item.get('exit_code')}" if item.get("exit_code") is not None else "")
-    return f"restart {index}{of}{when}: {item.get('cause')}" + (f": {detail}" if detail else "")
+    reason = item.get("reason")
+    said = "; ".join(str(x) for x in (reason, detail) if x)
+    return f"restart {index}{of}{when}: {item.get('cause')}" + (f": {said}" if said else "")

@@ -14,7 +14,9 @@ Engine side, from the run's events.jsonl (each line decoded once into engine.pro
 * stalled run: no step for k x the median step interval (clamped to [floor, cap]);
 * dead thread: a ``thread_error`` event, a heartbeat in state "error", or heartbeats older than a bound;
 * compile fallback: a ``compile`` event whose function hit dynamo's recompile limit and now runs eagerly;
-* recompile: ``compile`` events for graphs compiled after a thread's warm-up (each stalls that thread).
+* recompile: ``compile`` events for graphs compiled after a thread's warm-up (each stalls that thread);
+* non-finite gradients: ``nonfinite_grad`` events, steps a drafter skipped because its gradients were NaN or
+  infinite (its weights did not take them).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.host.disk import DISK_FULL_FRACTION, DISK_FULL_MAX_BYTES
 from engine.host.procs import is_system_holder
 from engine.protocol import (
     Anomaly,
@@ -35,6 +38,7 @@ from engine.protocol import (
     GpuInfo,
     HeartbeatEvent,
     HolderInfo,
+    NonFiniteGradEvent,
     RunEndEvent,
     StageEvent,
     StepEvent,
@@ -45,8 +49,6 @@ PHANTOM_UTIL_PCT = 90.0
 NEAR_ZERO_MIB = 64.0  # "~0 MiB": an idle context-free GPU reports a few MiB at most
 ORPHAN_MIN_MIB = 256.0  # less than this is driver bookkeeping, not someone's tensors
 
-DISK_FULL_MAX_BYTES = 64 * 1024 * 1024  # below this much free space the run root counts as full...
-DISK_FULL_FRACTION = 0.02  # ...or below this fraction of a small filesystem
 
 STALL_K = 5.0
 STALL_FLOOR_S = 60.0
@@ -181,6 +183,8 @@ class EngineState:
     compile_fallbacks: dict[tuple[str, str], CompileEvent] = field(default_factory=dict)
     recompiles: dict[tuple[str, str], CompileEvent] = field(default_factory=dict)
     recompile_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    nonfinite_grads: dict[str, NonFiniteGradEvent] = field(default_factory=dict)  # thread -> last nonfinite_grad
+    nonfinite_counts: dict[str, int] = field(default_factory=dict)  # thread -> steps skipped in the run
     stage: str | None = None
     ended: bool = False
 
@@ -205,6 +209,9 @@ class EngineState:
             elif ev.what == "recompile":
                 self.recompiles[key] = ev
                 self.recompile_counts[key] = self.recompile_counts.get(key, 0) + 1
+        elif isinstance(ev, NonFiniteGradEvent):
+            self.nonfinite_grads[ev.thread] = ev
+            self.nonfinite_counts[ev.thread] = self.nonfinite_counts.get(ev.thread, 0) + 1
         elif isinstance(ev, StageEvent):
             self.stage = ev.stage
         elif isinstance(ev, RunEndEvent):
@@ -348,7 +355,24 @@ def engine_anomalies(state: EngineState, now: float, running: bool, **limits: fl
         out.append(stall)
     out.extend(dead_threads(state, now, running, limits.get("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S)))
     out.extend(compile_anomalies(state))
+    out.extend(nonfinite_anomalies(state))
     return out
+
+
+def nonfinite_anomalies(state: EngineState) -> list[Anomaly]:
+    """One per drafter thread that skipped steps for non-finite gradients, for the whole run."""
+    return [
+        Anomaly(
+            kind="nonfinite_grad",
+            thread=thread,
+            message=(
+                f"{thread}: {state.nonfinite_counts.get(thread, 1)} step(s) skipped for non-finite gradients "
+                f"(last at step {ev.step}, norm {_short(ev.grad_norm, 20)}): the weights did not "
+                "take them; check the learning rate and the data"
+            ),
+        )
+        for thread, ev in sorted(state.nonfinite_grads.items())
+    ]
 
 
 def disk_anomalies(run_root: str | os.PathLike[str]) -> list[Anomaly]:

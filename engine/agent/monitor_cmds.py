@@ -669,6 +669,7 @@ def _doctor(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
         Path(agent.run_root),
         (mon.gpu_source.source, mon.gpu_source.error, snap.sample.gpus, snap.holders, snap.run_pids, running),
         python=args.get("python") if isinstance(args.get("python"), str) else None,
+        expect_gpu=args.get("expect_gpu") is True,
     )
     return {"checks": checks, "ok": all(c["ok"] or c["level"] == "warn" for c in checks)}
 

@@ -64,6 +64,7 @@ class Ending:
     hang: str | None = None  # why the wrapper stopped it as hung
     oom: str | None = None  # the output line that names a CUDA OOM
     stacks: str | None = None  # where the hang's stack dump went, or why there is none
+    reason: str | None = None  # the attempt's own root cause, in its words (records.root_cause), or a full disk
     ended_at: float = 0.0  # when the wrapper reaped it (unix time)
 
     @property
@@ -172,3 +173,8 @@ def _size(path: Path) -> int:
 def summary(restarts: list[dict[str, Any]]) -> str:
     """ "crash, oom" for the causes of a run's restarts, in order."""
     return ", ".join(str(r.get("cause")) for r in restarts)
+
+
+def attempts_said(restarts: list[dict[str, Any]]) -> str:
+    """ "attempt 1: ValueError: first; attempt 2: KeyError: second": each restarted attempt's own cause, in order."""
+    return "; ".join(f"attempt {r.get('attempt')}: {r.get('reason') or r.get('detail')}" for r in restarts)

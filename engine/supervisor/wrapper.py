@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from engine import protocol, stackdump
-from engine.host import procs
+from engine.host import disk, procs
 from engine.supervisor import records, restart, stacks
 from engine.supervisor.common import SupervisorError
 from engine.supervisor.members import signal_group_checked
@@ -131,7 +131,8 @@ class Wrapper:
     def write_launch(self) -> None:
         records.write_json_atomic(self.run_dir / records.LAUNCH_JSON, self.launch.to_json(), mode=0o600)
 
-    def write_exit(self, exit_code: int | None, sig: int | None, cause: str) -> None:
+    def write_exit(self, exit_code: int | None, sig: int | None, cause: str, root: str | None = None) -> None:
+        """exit.json; ``root``: the last attempt's own root cause (records.ROOT_CAUSE_KEY), when one is known."""
         rec = ExitRecord(
             run_id=self.run_id,
             exit_code=exit_code,
@@ -143,6 +144,8 @@ class Wrapper:
         )
         if self.policy is not None:
             rec.attempts, rec.restarts, rec.restart_state = self.attempt, self.restarts, self.restart_state
+        if root:
+            rec.extra[records.ROOT_CAUSE_KEY] = root
         records.write_exit_record(self.run_dir, rec)
 
     def write_milestones(self, milestones: dict[str, float]) -> None:
@@ -150,6 +153,7 @@ class Wrapper:
         try:
             records.write_json_atomic(self.run_dir / records.MILESTONES_JSON, milestones)
         except OSError as exc:
+            self.note_write_error("milestones.json", exc)
             say(f"specdec: cannot record milestones: {exc.strerror or exc}")
 
     def write_restarts(self, **extra: Any) -> None:
@@ -166,7 +170,23 @@ class Wrapper:
         try:  # a full disk loses this record only: the restarts still happen and output.log says so
             records.write_json_atomic(self.run_dir / records.RESTARTS_JSON, doc)
         except OSError as exc:
+            self.note_write_error(records.RESTARTS_JSON, exc)
             say(f"specdec: cannot record the restarts: {exc.strerror or exc}")
+
+    disk_error: str | None = None  # the wrapper's own first write that failed for a full disk
+
+    def note_write_error(self, name: str, exc: OSError) -> None:
+        if exc.errno == errno.ENOSPC and self.disk_error is None:
+            self.disk_error = f"the wrapper could not write {name}: {exc.strerror or exc}"
+
+    def attempt_reason(self, scanner: records.RunScanner) -> str | None:
+        """The ended attempt's own root cause: its words in its part of output.log or its engine events, and a full
+        disk first (the run root's filesystem full now, or a write of the wrapper's that failed for it)."""
+        own = records.root_cause(scanner.catch_up(), since=self.launch.attempt_started_at)
+        full = disk.full_note(self.run_dir) or self.disk_error
+        if full is None or (own is not None and "No space left on device" in own):
+            return own
+        return f"disk full: {full}: No space left on device" + (f" (then {own})" if own else "")
 
     def fail_before_start(self, exit_code: int, cause: str) -> int:
         say(f"specdec: cannot start run {self.run_id}: {cause}")
@@ -286,25 +306,27 @@ class Wrapper:
             self.pending.clear()
             ending = self.supervise(started, out_base)
             if self.policy is None:
-                return self.finish(ending.exit_code, ending.signal, ending.detail)
+                return self.finish(ending.exit_code, ending.signal, ending.detail, ending.reason)
             cause = restart.restart_cause(ending, self.policy)
             why_not = self.cancelled()
             if cause is None or why_not is not None:
                 self.restart_state = "cancelled" if why_not is not None and cause is not None else "done"
                 self.write_restarts()
-                return self.finish(ending.exit_code, ending.signal, self._ending_text(ending))
+                return self.finish(ending.exit_code, ending.signal, self._ending_text(ending), ending.reason)
             assert self.launch.job_pgid is not None  # the job started: its group was recorded
             self.clear_leftovers(self.launch.job_pgid, self.launch.job_start_ticks)
             if len(self.restarts) >= self.policy.max:
                 self.restart_state = "gave_up"
                 self.write_restarts()
-                causes = restart.summary([*self.restarts, {"cause": cause}])
+                said = restart.attempts_said(self.restarts)
+                last = f"{ending.reason}; " if ending.reason else ""
                 say(f"[specdec] ──── {self._ending_text(ending)}: gave up after {len(self.restarts)} restarts ────")
                 return self.finish(
                     ending.exit_code,
                     ending.signal,
                     f"gave up after {len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''} "
-                    f"(causes: {causes}): the last attempt {self._ending_text(ending)}",
+                    f"({said}): the last attempt ({self.attempt}) {last}{self._ending_text(ending)}",
+                    ending.reason,
                 )
             entry = self.record_restart(cause, ending)
             if not self.backoff():
@@ -317,6 +339,7 @@ class Wrapper:
                     ending.signal,
                     f"restart cancelled ({why}) during the backoff after attempt {self.attempt}, which "
                     f"{self._ending_text(ending)}",
+                    ending.reason,
                 )
             if cause == "oom":
                 self.env, said = restart.with_expandable_segments(self.env)
@@ -347,6 +370,7 @@ class Wrapper:
             "exit_code": ending.exit_code,
             "signal": ending.signal,
             "detail": self._ending_text(ending),
+            "reason": ending.reason,  # the attempt's own root cause, in its words
             "backoff_s": self.policy.backoff_s,
         }
         if ending.stacks is not None:
@@ -396,8 +420,8 @@ class Wrapper:
             if stuck:  # uninterruptible sleep in the driver: the next attempt may find its GPU memory still held
                 say(f"[specdec] pid(s) {', '.join(map(str, stuck))} still there {KILL_WAIT_S:g} s after SIGKILL")
 
-    def finish(self, exit_code: int | None, sig: int | None, cause: str) -> int:
-        self.write_exit(exit_code, sig, cause)
+    def finish(self, exit_code: int | None, sig: int | None, cause: str, root: str | None = None) -> int:
+        self.write_exit(exit_code, sig, cause, root)
         self.echo_offset = self.echo(self.echo_offset)
         after = f" (after {len(self.restarts)} restarts: {restart.summary(self.restarts)})" if self.restarts else ""
         self.echo_status(f"[specdec] run {self.run_id} {cause}{after}")
@@ -480,6 +504,8 @@ class Wrapper:
         ending.ended_at = ended_at
         if not ending.ok and hang is None:
             ending.oom = restart.find_oom(self.run_dir / records.OUTPUT_LOG, out_base)
+        if not ending.ok:
+            ending.reason = f"hung ({ending.hang})" if ending.hang is not None else self.attempt_reason(scanner)
         self.echo_offset = self.echo(self.echo_offset)
         return ending
 

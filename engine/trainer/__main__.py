@@ -29,15 +29,37 @@ from pathlib import Path
 
 from engine import stackdump
 from engine.protocol import ENV_RUN_DIR
-from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, parse_override, preset
+from engine.trainer.config import (
+    PRESETS,
+    ConfigError,
+    EngineConfig,
+    check_cuda_present,
+    from_dict,
+    load_toml,
+    parse_override,
+    preset,
+)
 from engine.trainer.run.torchrun import RankInfo, events_path_for_rank, rank_from_env, shell_line, torchrun_command
 from engine.trainer.threads.metrics import EventLog, events_path_for
+
+SUBCOMMANDS_HELP = """\
+also:
+  specdec-train eval --checkpoint DIR [--k 5] [--json]
+      acceptance length tau of a checkpoint (or a run's output dir) on its held-out conversations
+  specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
+      the drafter as vLLM / SGLang load it (each drafter of an independent run in its own subfolder)
+  (each has its own --help)
+"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # No abbreviations: --torchrun is filtered out of the ranks' argv by its exact spelling (--torch would respawn).
     ap = argparse.ArgumentParser(
-        prog="specdec-train", description="Threaded EAGLE-3 drafter trainer", allow_abbrev=False
+        prog="specdec-train",
+        description="Threaded EAGLE-3 drafter trainer",
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SUBCOMMANDS_HELP,
     )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", help="engine config (TOML)")
@@ -139,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = resolve_config(args)
+        if not (args.print_config or args.print_torchrun):
+            check_cuda_present(cfg)
     except ConfigError as exc:
         print(f"specdec-train: config error: {exc}", file=sys.stderr)
         return 2
@@ -176,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     engine.install_signal_handlers()
     try:
         engine.build()
+    except ConfigError as exc:  # found only once torch or the data is there (a device count, strict_data): exit 2
+        events.emit("run_end", ok=False, reason=f"config error: {exc}", step=0)
+        print(f"specdec-train: config error: {exc}", file=sys.stderr)
+        events.close()
+        if info.launched:
+            leave_now(events, 2, f"config error: {exc}")
+        return 2
     except Exception as exc:
         events.emit("run_end", ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0)
         if info.launched:

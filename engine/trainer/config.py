@@ -60,6 +60,9 @@ class EngineConfig:
     drafter_mode: str = "replicas"
     # Data: "shipped" (the corpus in the package), "random" (random token ids), or a ShareGPT JSONL path.
     data: str = DATA_SHIPPED
+    # A malformed line of the data file (not JSON, not a conversation object) is skipped and counted with its
+    # file:line; true stops the run at the first one instead (exit 2).
+    strict_data: bool = False
     buckets: list[int] = field(default_factory=lambda: [256])
     batch_size: int = 1
     draft_vocab_size: int = 128
@@ -86,6 +89,9 @@ class EngineConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # A step whose gradients are NaN or infinite is skipped (no update, an event and an anomaly); this many in a
+    # row stop the run with that cause.
+    nonfinite_grad_limit: int = 8
     steps: int = 1000
     checkpoint_every: int = 0  # 0: only on SIGTERM and at the end
     keep_checkpoints: int = 2
@@ -188,6 +194,7 @@ class EngineConfig:
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
+        need(self.nonfinite_grad_limit >= 1, "nonfinite_grad_limit", "an integer >= 1 (skipped steps in a row)")
         need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "a positive number of seconds")
         for key in ("stall_after_s", "starve_after_s", "stop_grace_s"):
             need(getattr(self, key) > 0, key, "a positive number of seconds")
@@ -201,6 +208,14 @@ class EngineConfig:
                 "three non-negative layer indices (low, middle, high)",
             )
             need(len(set(ids)) == 3, "target_layers", f"{ids}: three distinct layer indices")
+            # vLLM and SGLang concatenate the aux hidden states in ascending layer order: any other order trains
+            # a drafter whose fc reads them permuted when served (it accepts almost nothing).
+            need(
+                ids == sorted(ids),
+                "target_layers",
+                f"{ids} is not in ascending order; the servers concatenate the captured layers in ascending order, "
+                f"so write {sorted(ids)}",
+            )
             depth = self.target_depth()
             if depth is not None:
                 need(
@@ -250,6 +265,24 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# What a CUDA device needs on the host, looked for without importing torch (a container sees them bind-mounted).
+NVIDIA_DEVICE_NODE = "/dev/nvidiactl"
+NVIDIA_DRIVER_PROC = "/proc/driver/nvidia"
+
+
+def check_cuda_present(cfg: EngineConfig) -> None:
+    """A config naming CUDA devices on a machine without an NVIDIA driver is a config error, said before torch
+    loads (seconds): the key, the device and what this machine has instead."""
+    if not cfg.uses_cuda or Path(NVIDIA_DEVICE_NODE).exists() or Path(NVIDIA_DRIVER_PROC).exists():
+        return
+    key = "target_devices" if any(d.startswith("cuda") for d in cfg.target_devices) else "drafter_devices"
+    named = next(d for d in getattr(cfg, key) if d.startswith("cuda"))
+    raise ConfigError(
+        f"{key}: names {named}, but this machine has no CUDA device (no {NVIDIA_DEVICE_NODE}, no NVIDIA driver "
+        'loaded); use ["cpu"] here or run on a GPU host'
+    )
 
 
 def _cuda_index(device: str) -> int | None:

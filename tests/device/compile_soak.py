@@ -67,9 +67,9 @@ def one_run(args: argparse.Namespace, engine_argv: list[str]) -> int:
 
     import engine.trainer.run.assembly as assembly
     import engine.trainer.run.loop as engine_mod
-    from engine.trainer.threads.compile import GuardedFunction
     from engine.trainer.draft.attention import TTTAttention
     from engine.trainer.draft.model import ttt_step
+    from engine.trainer.threads.compile import GuardedFunction
 
     made: list[GuardedFunction] = []
     forced: list[float] = []

@@ -77,7 +77,8 @@ def test_doctor_over_ssh_with_a_bare_python_names_the_driver_not_pynvml(
 ) -> None:
     args = sshd.args()
     args[args.index("--python") + 1] = _bare_python(tmp_path / "bare")
-    r = cli("doctor", sshd.target, *args, "--run-root", str(run_root), timeout_s=120)
+    # --expect-gpu: the missing driver is then a failure with its fix (else a CPU box says "not present").
+    r = cli("doctor", sshd.target, *args, "--run-root", str(run_root), "--expect-gpu", timeout_s=120)
     lines = r.stdout.splitlines()
     nvml = next(i for i, ln in enumerate(lines) if ln.split()[:2] in (["PASS", "nvml"], ["FAIL", "nvml"]))
     assert "pynvml not installed" not in r.stdout and "pip install nvidia-ml-py" not in r.stdout, r.stdout

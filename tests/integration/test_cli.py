@@ -221,6 +221,25 @@ def test_doctor_prints_each_check_with_a_verdict(cli: Cli, run_root: Path) -> No
     assert all("fix:" in r.stdout.split(ln, 1)[1].splitlines()[1] for ln in lines if ln.startswith("FAIL"))
 
 
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a machine with an NVIDIA driver has CUDA to check")
+def test_doctor_on_a_cpu_box_says_not_present_and_passes_unless_a_gpu_is_expected(
+    cli: Cli, run_root: Path, tmp_path: Path
+) -> None:
+    r = cli("doctor", "local", "--run-root", str(run_root), timeout_s=120)
+    by = {ln.split()[1]: ln for ln in r.stdout.splitlines() if ln[:4] in ("PASS", "FAIL", "WARN")}
+    assert r.returncode == 0, r.output
+    assert by["cuda"].startswith("PASS") and "not present" in by["cuda"], r.stdout
+    assert by["nvml"].startswith("PASS") and "not present" in by["nvml"], r.stdout
+    expected = cli("doctor", "local", "--run-root", str(run_root), "--expect-gpu", timeout_s=120)
+    assert expected.returncode == 1, expected.output
+    failed = {ln.split()[1] for ln in expected.stdout.splitlines() if ln.startswith("FAIL")}
+    assert {"cuda", "nvml"} <= failed, expected.stdout
+    config = tmp_path / "config.toml"
+    config.write_text('[profiles.gpu]\ncommand = ["python3", "train.py"]\nenv = { CUDA_VISIBLE_DEVICES = "0" }\n')
+    profiled = cli("doctor", "local", "--run-root", str(run_root), "--config", str(config), "--profile", "gpu")
+    assert profiled.returncode == 1 and "FAIL  cuda" in profiled.stdout, profiled.output
+
+
 def test_bundle_is_reproducible_has_no_tests_and_runs_as_a_zipapp(tmp_path: Path) -> None:
     one, two = ship.build_bundle_bytes(), ship.build_bundle_bytes()
     assert one == two

@@ -284,3 +284,60 @@ def test_logs_n_serves_every_line_asked_for_when_long_lines_overrun_the_tail_win
     r = cli("logs", "local", "--run-root", str(run_root), "-n", "1500")
     assert r.returncode == 0, r.stderr
     assert r.stdout.encode() == b"".join(line(i) for i in range(500, 2_000))
+
+
+# Numbered lines at once, then one more line each time the poke file appears, until the stop file exists.
+BURST_WRITER = r"""
+import os, sys, time
+stop = sys.argv[1]
+out = sys.stdout.buffer
+out.write(b"".join(b"line %09d of the numbered run output\n" % k for k in range(5000))); out.flush()
+while not os.path.exists(stop):
+    time.sleep(0.01)
+out.write(b"done\n"); out.flush()
+"""
+
+
+@pytest.mark.ssh
+@pytest.mark.tmux
+@pytest.mark.parametrize("drop_after_s", [0.3, 0.8, 1.5])
+def test_follow_gets_every_line_when_the_ssh_link_drops_during_its_first_seconds(
+    drop_after_s: float, sshd: Any, cli: Callable[..., Any], run_root: Path, tmp_path: Path
+) -> None:
+    stop = tmp_path / "stop"
+    r = cli(
+        "launch", sshd.target, *sshd.args(), "--run-root", str(run_root), "--wait", "output", "--json",
+        "--", sys.executable, "-c", BURST_WRITER, str(stop),
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    run_dir = records.run_dir_for(run_root, json.loads(r.stdout)["run_id"])
+    main_sshd = int((sshd.dir / "sshd.pid").read_text().split()[0])
+    before = _children_of(main_sshd)
+    t0 = time.monotonic()
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "tui", "logs", sshd.target, *sshd.args(), "--run-root", str(run_root),
+         "-n", "100000", "-f"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=checkout_env(),
+    )  # fmt: skip
+    assert follow.stdout is not None and follow.stderr is not None
+    try:
+        # The drop: at drop_after_s, or the moment the follower's first SSH session appears when that is later
+        # (then the link dies while the agent starts: a drop during connect).
+        time.sleep(drop_after_s)  # the drop's moment is the scenario, not a wait for something
+        first = wait_until(lambda: _children_of(main_sshd) - before, 30, "the follower's SSH session", interval_s=0.005)
+        dropped_at_s = time.monotonic() - t0
+        for pid in first:
+            os.kill(_session_process(pid), signal.SIGKILL)
+        stop.write_text("")
+        wait_until(lambda: (run_dir / records.EXIT_JSON).exists(), 30, "the writer's exit")
+        data = (run_dir / records.OUTPUT_LOG).read_bytes()
+        got = _read_at_least(follow.stdout.fileno(), len(data))
+    finally:
+        stop.write_text("")
+        follow.send_signal(signal.SIGTERM)
+        follow.wait(10)
+    notes = follow.stderr.read().decode(errors="replace")
+    print(f"\n[drop] link cut {dropped_at_s:.2f} s after `logs -f` started; its notes: {notes.strip()!r}")
+    assert follow.returncode != 3, notes
+    assert "[reconnecting: " in notes and "[reconnected after " in notes, notes
+    assert got == data, f"{len(got)} of {len(data)} bytes; notes: {notes}"

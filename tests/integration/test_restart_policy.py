@@ -23,6 +23,7 @@ from support.waiting import wait_until
 from engine import protocol
 from engine.host import procs
 from engine.supervisor import records
+from tui.restarts import line as restart_line
 
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
@@ -144,10 +145,46 @@ def test_a_job_that_always_fails_stops_after_max_restarts_with_the_causes_listed
     assert info.restart_state == "gave_up"
     exit_rec = records.read_json(run_dir / records.EXIT_JSON) or {}
     assert exit_rec["cause"] == (
-        "gave up after 2 restarts (causes: crash, crash, crash): the last attempt exited with code 7"
+        "gave up after 2 restarts (attempt 1: exited with code 7; attempt 2: exited with code 7): "
+        "the last attempt (3) exited with code 7"
     )
     assert exit_rec["attempts"] == 3
     assert output(run_dir).count("fails") == 3
+
+
+DIES_DIFFERENTLY = textwrap.dedent(
+    """
+    import os
+    attempt = int(os.environ["SPECDEC_ATTEMPT"])
+    print(f"attempt {attempt} starts", flush=True)
+    raise [ValueError("first"), KeyError("second"), RuntimeError("third")][attempt - 1]
+    """
+)
+
+
+def test_each_attempts_own_cause_is_kept_in_order_and_the_run_ends_with_the_last_ones(agent: AgentClient) -> None:
+    run_dir = launch(agent, DIES_DIFFERENTLY, on=["crash"], max=2)
+    info = ended(run_dir)
+    assert info.state == "failed" and info.exit_code == 1 and info.restart_state == "gave_up"
+    # The run's cause is the last attempt's root cause, though the appended log starts with the first one's.
+    assert info.cause == "RuntimeError: third; exit code 1; no step reached", info.cause
+    doc = records.read_json(run_dir / records.RESTARTS_JSON) or {}
+    reasons = [(r["attempt"], r["reason"]) for r in doc["restarts"]]
+    assert reasons == [(1, "ValueError: first"), (2, "KeyError: 'second'")]
+    exit_rec = records.read_json(run_dir / records.EXIT_JSON) or {}
+    assert exit_rec["root_cause"] == "RuntimeError: third"
+    assert exit_rec["cause"] == (
+        "gave up after 2 restarts (attempt 1: ValueError: first; attempt 2: KeyError: 'second'): "
+        "the last attempt (3) RuntimeError: third; exited with code 1"
+    )
+    assert "crash, crash, crash" not in exit_rec["cause"]
+    # status carries every attempt's own cause; the CLI and the dashboard print each restart with it.
+    run = agent.ok("status")["run"]
+    assert run["cause"] == info.cause
+    assert [r["reason"] for r in run["restarts"]] == ["ValueError: first", "KeyError: 'second'"]
+    said = [restart_line(i, r, run["restart_max"]) for i, r in enumerate(run["restarts"], start=1)]
+    assert said[0].startswith("restart 1/2 at ") and said[0].endswith(": crash: ValueError: first; exited with code 1")
+    assert said[1].endswith(": crash: KeyError: 'second'; exited with code 1"), said
 
 
 def test_a_stalled_job_is_dumped_stopped_and_restarted(agent: AgentClient) -> None:

@@ -1,6 +1,8 @@
 """A private venv with the PyPI ``speculators`` package, cached per version under ~/.cache/specdec-tui/.
 
-It shares this interpreter's torch and transformers (``--system-site-packages``) and installs speculators and its
+It shares this interpreter's torch and transformers (``--system-site-packages``; when this interpreter is itself a
+venv's, whose ``--system-site-packages`` would reach only the base Python's, a ``.pth`` file adds this venv's
+site-packages after the private venv's own) and installs speculators and its
 connector package without their dependency lists (those pull torchvision/torchaudio builds that break transformers
 on the CPU torch), then only the pure-python packages its EAGLE-3 import chain needs. A ``.ready`` file marks a
 complete venv, so later runs start at once; a lock keeps two test processes from building it together.
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -51,10 +54,27 @@ def registry_reachable() -> str | None:
     return lines[-1] if lines else f"pip download exited {proc.returncode}"
 
 
+SHARED_PTH = "specdec-shared-site.pth"
+
+
+def share_this_venv(python: Path) -> None:
+    """Inside a venv, the private venv's ``--system-site-packages`` is the base Python's: put this venv's
+    site-packages (its torch, transformers) on the private venv's path too, after its own."""
+    if sys.prefix == sys.base_prefix:
+        return  # not in a venv: --system-site-packages already shares this interpreter's packages
+    ours = list(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+    where = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    (Path(where) / SHARED_PTH).write_text("".join(f"{p}\n" for p in ours))
+
+
 def ensure_venv() -> Path:
     """The venv's python, built on first use; RegistryUnreachable when the registry cannot be reached."""
     root = venv_dir()
     if (root / ".ready").is_file():
+        share_this_venv(venv_python())  # the venv running the tests may have changed since it was built
         return venv_python()
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
@@ -66,6 +86,7 @@ def ensure_venv() -> Path:
             raise RegistryUnreachable(why)
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], check=True, timeout=120)
+        share_this_venv(venv_python())
         for args in (("--no-deps", *NO_DEPS), WITH_DEPS):
             proc = _pip(venv_python(), *args)
             if proc.returncode != 0:

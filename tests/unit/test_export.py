@@ -260,6 +260,21 @@ def test_independent_checkpoint_needs_drafter_and_names_the_choices(tmp_path: Pa
     assert torch.equal(tensors_of(result.out_dir)["fc.weight"], one.fc.weight.to(torch.bfloat16))
 
 
+def test_the_documented_command_exports_each_drafter_of_an_independent_run_into_its_own_folder(
+    tmp_path: Path, capsys: Any
+) -> None:
+    path = write_checkpoint(tmp_path / "out", {"drafter0": tiny_drafter(0)[0], "drafter1": tiny_drafter(1)[0]})
+    assert train_main(["export", str(path), str(tmp_path / "served")]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("2 drafters, each in its own folder (--drafter NAME exports one):"), said
+    for i in (0, 1):
+        got = tensors_of(tmp_path / "served" / f"drafter{i}")["fc.weight"]
+        assert torch.equal(got, tiny_drafter(i)[0].fc.weight.to(torch.bfloat16))
+    assert sorted(p.name for p in (tmp_path / "served").iterdir()) == ["drafter0", "drafter1"]
+    assert train_main(["export", str(path), str(tmp_path / "one"), "--drafter", "drafter1"]) == 0
+    assert (tmp_path / "one" / "config.json").is_file()
+
+
 # --- bad input: one clear line, nothing written ----------------------------------------------------------------
 def assert_refused(capsys: Any, argv: list[str], out_dir: Path, message: str) -> None:
     before = set(out_dir.parent.iterdir()) if out_dir.parent.exists() else set()

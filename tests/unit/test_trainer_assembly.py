@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.trainer.config import EngineConfig, from_dict
+from engine.trainer.config import ConfigError, EngineConfig, from_dict
 from engine.trainer.data.dispatch import Dispatcher
 from engine.trainer.data.sources import RandomTokenSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
@@ -48,14 +48,19 @@ def draft_vocab(cfg: EngineConfig, target: Target) -> DraftVocab:
 @pytest.fixture(scope="module")
 def target() -> Target:
     return load_target(
-        "tiny", torch.device("cpu"), tokenizer=load_tokenizer("tiny"), layer_ids=None, seed=0, dtype=torch.float32,
+        "tiny",
+        torch.device("cpu"),
+        tokenizer=load_tokenizer("tiny"),
+        layer_ids=None,
+        seed=0,
+        dtype=torch.float32,
         tiny_layers=4,
     )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
 def test_a_cuda_device_on_a_machine_without_cuda_is_refused_before_anything_loads() -> None:
-    with pytest.raises(RuntimeError, match="CUDA devices"):
+    with pytest.raises(ConfigError, match=r"^drafter_devices: names cuda:0, but torch .* sees no CUDA device"):
         assembly.devices_for(config(drafter_devices=["cuda:0"]), RankInfo())
 
 
@@ -64,7 +69,7 @@ def test_cpu_devices_map_one_to_one_and_auto_attention_is_sdpa_there() -> None:
     tdevs, ddevs = assembly.devices_for(cfg, RankInfo())
     assert tdevs == [torch.device("cpu")] and ddevs == [torch.device("cpu")] * 2
     assert assembly.attention_impl(cfg, ddevs) == "sdpa"
-    with pytest.raises(RuntimeError, match="flex"):
+    with pytest.raises(ConfigError, match=r"^attention: 'flex' needs CUDA drafters"):
         assembly.attention_impl(config(attention="flex"), ddevs)
 
 
@@ -98,9 +103,7 @@ def test_producers_resume_with_the_trained_batches_split_as_they_made_them() -> 
 
 
 @pytest.mark.parametrize("mode", ["replicas", "independent"])
-def test_drafters_start_equal_as_replicas_and_from_their_own_seeds_when_independent(
-    target: Target, mode: str
-) -> None:
+def test_drafters_start_equal_as_replicas_and_from_their_own_seeds_when_independent(target: Target, mode: str) -> None:
     lrs = [1e-3, 2e-3] if mode == "independent" else None
     cfg = config(drafter_mode=mode, drafter_devices=["cpu", "cpu"], drafter_lrs=lrs)
     vocab = draft_vocab(cfg, target)

@@ -4,10 +4,12 @@ TypeError out of validate()), and every error about a file starts with that file
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +140,43 @@ def test_the_cli_prints_file_key_and_type_and_exits_2(tmp_path: Path) -> None:
     done = _train("--preset", "cpu-demo", "--set", "buckets=5", "--print-config")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == "specdec-train: config error: buckets: expected a list of integers, got 5 (int)\n"
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="this machine has CUDA: the check has nothing to say")
+def test_cuda_devices_on_a_machine_without_cuda_exit_2_within_two_seconds_without_a_traceback(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    done = _train(
+        "--preset", "cpu-demo", "--set", 'target_devices=["cuda:0"]', "--set", 'drafter_devices=["cuda:0", "cuda:1"]',
+        "--set", f"output_dir={tmp_path / 'out'}",
+    )  # fmt: skip
+    elapsed_s = time.monotonic() - t0
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("specdec-train: config error: target_devices: names cuda:0, but this machine has")
+    assert "no CUDA device" in done.stderr
+    assert elapsed_s < 2.0, f"{elapsed_s:.2f} s: the check must come before torch loads"
+    assert not (tmp_path / "out").exists()
+
+
+def test_target_layers_out_of_ascending_order_are_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict({"target_layers": [4, 1, 3]})
+    assert str(err.value).startswith("target_layers: [4, 1, 3] is not in ascending order")
+    assert "write [1, 3, 4]" in str(err.value)
+    assert from_dict({"target_layers": [1, 3, 4]}).target_layers == [1, 3, 4]
+    done = _train("--preset", "cpu-demo", "--set", "target_layers=[4, 1, 3]", "--print-config")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("specdec-train: config error: target_layers: [4, 1, 3] is not in ascending order")
+
+
+def test_strict_data_ends_the_run_with_exit_2_naming_file_and_line_without_a_traceback(tmp_path: Path) -> None:
+    data = tmp_path / "chat.jsonl"
+    good = json.dumps({"conversations": [{"from": "human", "value": "hi?"}, {"from": "gpt", "value": "hello."}]})
+    data.write_text("\n".join([good] * 8 + ['{"conversations": [ oops'] + [good] * 8) + "\n", encoding="utf-8")
+    done = _train(
+        "--preset", "cpu-demo", "--set", f"data={data}", "--set", "strict_data=true", "--set", "eval_holdout=0",
+        "--set", f"output_dir={tmp_path / 'out'}",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(f"specdec-train: config error: strict_data: {data}:9: not JSON: ")

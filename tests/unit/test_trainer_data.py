@@ -16,8 +16,11 @@ import torch
 from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.sources import (
     SKIP_NO_ASSISTANT,
+    SKIP_NOT_CONVERSATION,
+    SKIP_NOT_JSON,
     SKIP_TOO_LONG,
     ConversationSource,
+    DataError,
     load_conversations,
     tokenize_conversations,
 )
@@ -235,3 +238,35 @@ def test_engine_reports_skipped_conversations_in_an_event_and_a_log_line(tmp_pat
     (ev,) = [e for e in seen if e["kind"] == "stage" and e["stage"] == "data" and "skipped" in e]
     assert ev["skipped"] == {SKIP_NO_ASSISTANT: 1} and ev["heldout"] == 2 and ev["cached"] is False
     assert "6 conversations to train on, 2 held out, 1 skipped (no assistant turn: 1)" in said.getvalue()
+
+
+def _with_malformed_lines(path: Path, n_good: int) -> Path:
+    lines = [json.dumps({"messages": c}) for c in marked_corpus(n_good)]
+    lines.insert(5, '{"conversations": [ oops')  # line 6: cut short
+    lines.insert(2, "[1, 2, 3]")  # line 3: JSON, but no conversation object
+    lines.insert(9, '{"messages": "hello"}')  # line 10: turns that are no list
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_malformed_line_is_skipped_and_counted_by_reason_with_its_file_and_line(tmp_path: Path) -> None:
+    data = _with_malformed_lines(tmp_path / "d.jsonl", 12)
+    tok = build_tiny_tokenizer()
+    src = ConversationSource(tok, data, buckets=[64], batch_size=2, seed=0, cache_dir=tmp_path / "c")
+    assert src.examples == 12
+    assert src.skipped == {SKIP_NOT_JSON: 1, SKIP_NOT_CONVERSATION: 2}
+    assert [w.split(": ", 1)[0] for w in src.bad_lines] == [f"{data}:3", f"{data}:7", f"{data}:10"]
+    assert src.bad_lines[1].startswith(f"{data}:7: not JSON: ")
+    again = ConversationSource(tok, data, buckets=[64], batch_size=2, seed=0, cache_dir=tmp_path / "c")
+    assert again.cache_hit and again.bad_lines == src.bad_lines and again.skipped == src.skipped
+
+
+def test_strict_data_stops_at_the_first_malformed_line_even_from_a_cache(tmp_path: Path) -> None:
+    data = _with_malformed_lines(tmp_path / "d.jsonl", 12)
+    tok = build_tiny_tokenizer()
+    with pytest.raises(DataError) as err:
+        ConversationSource(tok, data, buckets=[64], batch_size=2, seed=0, strict=True)
+    assert str(err.value).startswith(f"strict_data: {data}:3: not a conversation object")
+    ConversationSource(tok, data, buckets=[64], batch_size=2, seed=0, cache_dir=tmp_path / "c")  # caches, lenient
+    with pytest.raises(DataError, match=r"^strict_data: "):
+        ConversationSource(tok, data, buckets=[64], batch_size=2, seed=0, cache_dir=tmp_path / "c", strict=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from support.waiting import wait_until
 
+from engine.agent import anomalies
 from engine.trainer.config import EngineConfig, from_dict
 from engine.trainer.run.loop import Engine
 from engine.trainer.threads.metrics import EventLog
@@ -304,3 +305,66 @@ def test_a_replica_waiting_for_a_slow_peer_beats_as_syncing_and_is_not_flagged(
     assert len(waiting) >= 3, [(e["thread"], e["state"]) for e in rec.of("heartbeat")]
     assert max(e["beat_age_s"] for e in waiting) < 1.0  # beating while it waits: its heartbeats never age
     assert "stalled" not in {flag for e in rec.of("heartbeat") if e["thread"] == "drafter1" for flag in e["flags"]}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _poison_gradients(engine: Engine, steps: Callable[[int], bool]) -> None:
+    """Replica 0's fc gradient turns NaN on the steps ``steps`` picks (the worker's step + 1 is the one computed)."""
+    worker = engine.workers[0]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan") if steps(worker.step + 1) else grad
+
+    worker.drafter.fc.weight.register_hook(hook)
+
+
+def test_a_nan_gradient_skips_the_step_on_every_replica_and_never_reaches_a_checkpoint(
+    tmp_path: Path, small_corpus: Path
+) -> None:
+    cfg = make_config(
+        tmp_path, small_corpus, steps=6, drafter_devices=["cpu", "cpu"], checkpoint_every=1, keep_checkpoints=10
+    )
+    engine, rec = build(cfg, tmp_path)
+    _poison_gradients(engine, lambda step: step in (3, 4))
+    assert engine.run() == 0
+    skipped = sorted((e["thread"], e["step"]) for e in rec.of("nonfinite_grad"))
+    assert skipped == [("drafter0", 3), ("drafter0", 4), ("drafter1", 3), ("drafter1", 4)], skipped
+    assert all(e["grad_norm"] == "nan" for e in rec.of("nonfinite_grad"))
+    steps = {(e["thread"], e["step"]): e for e in rec.of("step")}
+    assert steps[("drafter0", 3)]["skipped"] is True and steps[("drafter0", 3)]["grad_norm"] is None
+    assert steps[("drafter0", 5)]["skipped"] is False
+    ckpts = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert len(ckpts) >= 5, ckpts
+    for ckpt in ckpts:
+        for f in ckpt.glob("*.pt"):
+            for t in _tensors(torch.load(f, map_location="cpu", weights_only=True)):
+                assert not (t.is_floating_point() and not torch.isfinite(t).all()), f"non-finite values in {f}"
+    # The skipped steps changed nothing: the weights after step 4 are those after step 2.
+    after2 = torch.load(tmp_path / "checkpoints" / "step_00000002" / "replicas.pt", weights_only=True)["model"]
+    after4 = torch.load(tmp_path / "checkpoints" / "step_00000004" / "replicas.pt", weights_only=True)["model"]
+    assert all(torch.equal(after2[k], after4[k]) for k in after2)
+    # The agent turns the events into one anomaly per thread.
+    state = anomalies.EngineState()
+    for ev in rec.events:
+        state.feed(ev)
+    found = [a for a in anomalies.engine_anomalies(state, time.time(), True) if a.kind == "nonfinite_grad"]
+    assert [a.thread for a in found] == ["drafter0", "drafter1"]
+    assert "2 step(s) skipped for non-finite gradients (last at step 4, norm nan)" in found[0].message
+
+
+def test_gradients_that_stay_non_finite_stop_the_run_with_that_cause(tmp_path: Path, small_corpus: Path) -> None:
+    engine, rec = build(make_config(tmp_path, small_corpus, steps=20, nonfinite_grad_limit=3), tmp_path)
+    _poison_gradients(engine, lambda step: step >= 2)
+    assert engine.run() == 1
+    err = rec.of("thread_error")[0]
+    assert err["exc_type"] == "NonFiniteGradient", err
+    assert "for 3 steps in a row, the last at step 4 in thread drafter0" in err["message"]

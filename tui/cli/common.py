@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from engine import protocol
 from tui.hosttext import printable_lines
+from tui.link.events import ConnectionEvent
 from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
 
 EXIT_OK = protocol.EXIT_OK
@@ -160,18 +161,35 @@ def print_json(obj: Any, out: TextIO | None = None) -> None:
 SessionFn = Callable[[Session], Awaitable[int]]
 
 
+def say_link_state(ev: object, failed: bool = True) -> None:
+    """A following command's words on its link: "[reconnecting: why; retry in 0.4 s]", "[reconnected ...]" (and
+    "[failed: ...]" unless the caller says the failure itself)."""
+    if not isinstance(ev, ConnectionEvent):
+        return
+    if ev.state == "reconnecting" or (failed and ev.state == "failed"):
+        err(f"[{ev.state}: {ev.detail}]")
+    elif ev.state == "connected" and ev.detail.startswith("reconnected"):
+        err(f"[{ev.detail}]")
+
+
 async def with_session(args: argparse.Namespace, fn: SessionFn, *, reconnect: bool = False) -> int:
     """Connect, run ``fn``, close; map failures to exit codes (3 connection, 1 command failure)."""
     try:
         session = open_session(args.target, connect_options(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    # A following command retries a drop while connecting as it retries one after: same backoff, same words.
+    said = session.add_event_listener(lambda ev: say_link_state(ev, failed=False)) if reconnect else None
     try:
-        await session.connect()
+        await (session.connect(retry=True) if reconnect else session.connect())
     except ConnectError as exc:
         err(exc.message)
         return exc.exit_code
+    finally:
+        if said is not None:
+            said()
     session.auto_reconnect = reconnect
+    session.retry_lost_requests = reconnect
     try:
         return await fn(session)
     except CommandFailed as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import select
 import sys
@@ -11,7 +12,7 @@ import time
 from typing import Any
 
 from engine import protocol
-from tui import restarts
+from tui import profiles, restarts
 from tui.cli.common import (
     EXIT_CONNECTION,
     EXIT_FAILED,
@@ -21,6 +22,7 @@ from tui.cli.common import (
     err,
     print_json,
     run_id_arg,
+    say_link_state,
     simulated_label,
     with_session,
 )
@@ -362,19 +364,7 @@ async def _print_last_lines(session: Session, args: argparse.Namespace, out: Log
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        await run_named(session, args)
-        sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
         out = LogOutput(sys.stdout.fileno(), raw=args.raw)
-        try:
-            tail = await _print_last_lines(session, args, out)
-        except BrokenPipeError:
-            return _reader_gone()
-        if not args.follow:
-            return EXIT_OK
-        if not tail.current:
-            err(f"[run {tail.run_id} is not the current run: it has nothing more to follow]")
-            return EXIT_OK
-        session.resume_from({"offset": tail.offset, "inode": tail.inode} if tail.inode is not None else None, None)
         ended = asyncio.Event()
         reader_gone = False
 
@@ -393,14 +383,25 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             elif isinstance(ev, Undecodable) and ev.ev in ("log", "log_reset"):  # only what this command prints
                 err(f"[{ev.message}]")
             elif isinstance(ev, ConnectionEvent):
-                if ev.state in ("reconnecting", "failed"):
-                    err(f"[{ev.state}: {ev.detail}]")
-                elif ev.state == "connected" and ev.detail.startswith("reconnected"):
-                    err(f"[{ev.detail}]")
+                say_link_state(ev)
                 if ev.state == "failed":
                     ended.set()
 
-        session.add_event_listener(on_event)
+        # Before the first request: a drop while the last lines are asked for is said and retried like any other.
+        if args.follow:
+            session.add_event_listener(on_event)
+        await run_named(session, args)
+        sys.stdout.flush()  # the log goes straight to the descriptor, below any buffer
+        try:
+            tail = await _print_last_lines(session, args, out)
+        except BrokenPipeError:
+            return _reader_gone()
+        if not args.follow:
+            return EXIT_OK
+        if not tail.current:
+            err(f"[run {tail.run_id} is not the current run: it has nothing more to follow]")
+            return EXIT_OK
+        session.resume_from({"offset": tail.offset, "inode": tail.inode} if tail.inode is not None else None, None)
         await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
         await ended.wait()
         return _reader_gone() if reader_gone else EXIT_CONNECTION
@@ -417,6 +418,21 @@ def _print_check(ok: bool, name: str, detail: str, fix: str | None, level: str =
     if not ok and fix:
         for line in str(fix).splitlines():
             print(f"      fix: {printable(line)}")
+
+
+def expects_gpu(args: argparse.Namespace) -> bool:
+    """--expect-gpu, or a --profile whose command, environment or engine names CUDA (or a GPU preset)."""
+    if args.expect_gpu:
+        return True
+    if not args.profile:
+        return False
+    try:
+        prof = profiles.resolve_profile(args.profile, args.config)
+    except profiles.ProfileError as exc:
+        raise UsageError(str(exc)) from None
+    preset = prof.engine.preset or ""
+    named = "cuda" in json.dumps(prof.as_dict()).lower()
+    return named or (prof.command is None and not prof.engine.config and not preset.startswith("cpu"))
 
 
 async def cmd_doctor(args: argparse.Namespace) -> int:
@@ -442,7 +458,7 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
             f" on {hostname}, python {python}{simulated_label(session)}",
             None,
         )
-        result = await session.ask(protocol.DoctorReply, "doctor", timeout_s=120.0)
+        result = await session.ask(protocol.DoctorReply, "doctor", timeout_s=120.0, expect_gpu=expects_gpu(args))
     except CommandFailed as exc:
         err(f"error: {exc.message}")
         return EXIT_CONNECTION if exc.lost else EXIT_FAILED
@@ -496,6 +512,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("doctor", parents=[common], help="check ssh, python, torch, CUDA, NVML, tmux, disk, holders")
+    p.add_argument(
+        "--expect-gpu",
+        action="store_true",
+        help="fail when CUDA or NVML is missing (without it, or a profile naming CUDA, a CPU box says 'not present')",
+    )
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("stacks", parents=[common], help="every thread's stack of the live run")

@@ -373,6 +373,13 @@ def _add_wait_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+STEP_PATTERN_HELP = (
+    "first-step for a foreign command: a line of its output matching the profile's step_pattern (default "
+    "'step=\\d+'; a carriage return ends a line, so progress bars count). The step is the pattern's first "
+    "capture group, else the first integer of the match: '\\d+/1000' reads '90/1000' as step 90."
+)
+
+
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "launch",
@@ -380,6 +387,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         help="start the engine (or -- COMMAND) under supervision",
         usage="%(prog)s TARGET [opts] [--cwd DIR] [--wait started|output|first-step] [--timeout S] [--json]"
         " [-- COMMAND ...]",
+        epilog=STEP_PATTERN_HELP,
     )
     _add_wait_opts(p)
     p.add_argument(

@@ -43,7 +43,7 @@ KEY_TABLE: tuple[KeySpec, ...] = (
         show=False,
     ),
     KeySpec("filter", "slash", "filter", "Filter", "Filter the log tail (empty filter shows everything)"),
-    KeySpec("follow", "f", "follow", "Follow", "Jump to the end of the log and follow new lines", show=False),
+    KeySpec("follow", "f", "follow", "Follow", "Jump to the end of the log and follow new lines"),
     KeySpec("theme", "t", "next_theme", "Theme", "Switch to the next colour theme (the choice is saved)"),
     KeySpec("help", "question_mark", "help", "Help", "Show every key and what it does"),
     KeySpec("quit", "q", "quit_dashboard", "Quit", "Leave the dashboard; the run keeps running on the target"),

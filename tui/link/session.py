@@ -107,6 +107,9 @@ class Session:
         self.rtt_ms: float | None = None
         self.auto_reconnect: bool = True
         self.max_reconnect_attempts: int | None = None  # None: keep trying until close()
+        # A following client's requests (idempotent reads: tail, read_log, subscribe) are sent again once the link
+        # is back when it dropped under them, instead of failing the command.
+        self.retry_lost_requests: bool = False
         self.backoff_base_s: float = 0.5
         self.backoff_cap_s: float = 30.0
         self._stream: AgentStream | None = None
@@ -156,16 +159,31 @@ class Session:
 
     # -- connecting --------------------------------------------------------------------------------
 
-    async def connect(self) -> None:
-        """Connect and read the agent's hello; raises ConnectError (exit code 3)."""
+    async def connect(self, retry: bool = False) -> None:
+        """Connect and read the agent's hello; raises ConnectError (exit code 3). ``retry`` (a following command):
+        a link that drops while connecting is tried again as a drop after connect is, same backoff and words."""
         self._closing = False
         self._set_state("connecting", self.target_display)
-        try:
-            await self._open()
-        except ConnectError as exc:
-            self._set_state("failed", exc.message)
-            raise
-        self._set_state("connected", self._hello_detail())
+        attempt = 0
+        while True:
+            try:
+                await self._open()
+                break
+            except ConnectError as exc:
+                attempt += 1
+                out_of_tries = self.max_reconnect_attempts is not None and attempt > self.max_reconnect_attempts
+                if not retry or not exc.retryable or self._closing or out_of_tries:
+                    self._set_state("failed", exc.message)
+                    raise
+                if isinstance(self.transport, SshTransport):
+                    self.transport.drop_connection()  # the next try opens a fresh SSH connection
+                self._attempt = attempt
+                delay = self.backoff_s(attempt)
+                self._set_state("reconnecting", f"{exc.message}; retry in {delay:.1f} s")
+                await asyncio.sleep(delay)
+        self._attempt = 0
+        again = f"reconnected after {attempt} attempt(s); " if attempt else ""
+        self._set_state("connected", again + self._hello_detail())
         host = self.transport.host_side()
         if host is not None and self._host_link is None:
             self._host_link = HostLink(self, host)
@@ -379,7 +397,37 @@ class Session:
 
         ``timeout_s`` bounds the wait for the reply. Command arguments go in ``**args``; those whose
         name clashes with this signature (``wait``'s and ``stacks``' own ``timeout_s``) go in ``params``.
+        With ``retry_lost_requests`` a command the link lost is sent again once it is back.
         """
+        while True:
+            try:
+                return await self._request_once(cmd, timeout_s=timeout_s, params=params, **args)
+            except CommandFailed as exc:
+                if not (exc.lost and self.retry_lost_requests and self.auto_reconnect) or self._closing:
+                    raise
+                if not await self.until_connected():
+                    raise
+
+    async def until_connected(self) -> bool:
+        """Wait for the link to be back (True), or for the session to give up on it (False)."""
+        if self.state == "connected" and self._stream is not None:
+            return True
+        back: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+        def on_event(ev: ClientEvent) -> None:
+            settled = isinstance(ev, ConnectionEvent) and ev.state in ("connected", "failed", "disconnected")
+            if settled and not back.done():
+                back.set_result(isinstance(ev, ConnectionEvent) and ev.state == "connected")
+
+        unsubscribe = self.add_event_listener(on_event)
+        try:
+            return await back
+        finally:
+            unsubscribe()
+
+    async def _request_once(
+        self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
+    ) -> dict[str, Any]:
         if params:
             args = {**args, **params}
         if cmd in HOLDER_COMMANDS and self._host_link is not None:

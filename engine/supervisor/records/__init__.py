@@ -23,12 +23,14 @@ from engine.supervisor.records.atomic import (
 )
 from engine.supervisor.records.cause import (
     PEER_FAILURE,
+    ROOT_CAUSE_KEY,
     STARTING_GRACE_S,
     RankFailure,
     failure_cause,
     never_started_cause,
     pane_note,
     rank_failure,
+    root_cause,
     signal_name,
 )
 from engine.supervisor.records.documents import (
@@ -90,6 +92,7 @@ __all__ = [
     "PEER_FAILURE",
     "RANK_EVENTS_RE",
     "RESTARTS_JSON",
+    "ROOT_CAUSE_KEY",
     "RUNS_DIR",
     "SPEC_JSON",
     "STARTING_GRACE_S",
@@ -125,6 +128,7 @@ __all__ = [
     "read_run",
     "read_submitted",
     "reserve_exit_record",
+    "root_cause",
     "run_dir_for",
     "run_pids",
     "runs_dir",

@@ -75,21 +75,42 @@ def never_started_cause(sub: SubmittedRecord, now: float | None = None) -> str |
     return pane_note(sub)
 
 
+ROOT_CAUSE_KEY = "root_cause"  # exit.json: the wrapper's word on the last attempt's own root cause
+
+
+def root_cause(scan: ScanState, since: float | None = None) -> str | None:
+    """What failed, in the run's own words: the failing rank (torchrun), else the log's root exception or first
+    error line (a full disk first), else the first engine thread error (at or after ``since``, the attempt's
+    start, when given); None when nothing names it."""
+    blamed = rank_failure(scan)
+    if blamed is not None:
+        return blamed.text
+    named = scan.failure.describe()
+    if named:
+        return named
+    errors = [e for e in scan.thread_errors if since is None or e.t is None or e.t >= since]
+    if errors:
+        first = errors[0]
+        return f"engine thread {first.thread}: {first.exc_type}: {first.message}"
+    return None
+
+
 def failure_cause(scan: ScanState | None, exit_rec: ExitRecord, last_step: int | None) -> str:
     """A failed run's cause: the root exception (torchrun: the failing rank and its exception), else what the wrapper
-    recorded; then how the job ended and its last step."""
+    recorded; then how the job ended and its last step. After restarts the wrapper's record of the last attempt's
+    own cause wins: the log holds every attempt's words, the first attempt's first."""
     parts: list[str] = []
-    named = scan.failure.describe() if scan is not None else None
-    errors = scan.thread_errors if scan is not None else []
     recorded = exit_rec.cause
-    blamed = rank_failure(scan) if scan is not None else None
-    if blamed is not None:
-        parts.append(blamed.text)
-    elif named:
-        parts.append(named)
-    elif errors:
-        first = errors[0]
-        parts.append(f"engine thread {first.thread}: {first.exc_type}: {first.message}")
+    recorded_root = exit_rec.extra.get(ROOT_CAUSE_KEY)
+    recorded_root = recorded_root if isinstance(recorded_root, str) and recorded_root else None
+    restarted = (exit_rec.attempts or 1) > 1
+    own = root_cause(scan) if scan is not None and not restarted else None
+    if restarted and recorded_root is not None:
+        parts.append(recorded_root)
+    elif own:
+        parts.append(own)
+    elif recorded_root is not None:
+        parts.append(recorded_root)  # e.g. the disk filled before the job could write why
     elif isinstance(recorded, str) and recorded and not recorded.startswith(("exited with code", "killed by signal")):
         parts.append(recorded)  # how the job ended follows, said once
     signum, exit_code = exit_rec.signal, exit_rec.exit_code

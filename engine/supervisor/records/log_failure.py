@@ -14,6 +14,11 @@ failure)" block names the failing rank and its exit code::
       error_file: <N/A>
       traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 
+A job that dies without a traceback still says why in its own words: a shell's ``bash: start_training.sh: No
+such file or directory``, a tool's ``error: ...``, ``specdec-train: config error: ...``. The first such line is
+the cause when no exception names one. A line saying ``No space left on device`` names a full disk, whatever
+else the log says.
+
 ``FailureScan`` is fed complete lines as the log grows and keeps only what names the cause, so a long
 log costs one pass, without holding it.
 """
@@ -33,6 +38,15 @@ _ERROR_FILE_RE = re.compile(rb"^\s*error_file\s*:\s*(.*)$")
 _TRACEBACK_FIELD_RE = re.compile(rb"^\s*traceback\s*:\s*(.*)$")
 # Exceptions that only report another process's failure: never the root cause themselves.
 _WRAPPER_EXCEPTIONS = frozenset({"ChildFailedError"})
+# A job's own error words outside a traceback: "prog: [line N: ]what: No such file or directory" (shells, exec
+# failures) or "[prog: ][config ]error: ..." (tools, our trainer). Our wrapper's "[specdec] ..." lines are no job's.
+_ERROR_LINE_RE = re.compile(
+    rb"^(?:(?:[\w.+/-]+: )+(?:line \d+: )?.*(?:No such file or directory|command not found|Permission denied"
+    rb"|not found|Is a directory|cannot execute|Exec format error|No space left on device)"
+    rb"|(?:[\w.+/-]+: )*(?:[A-Za-z]+ )?(?:error|fatal|ERROR|FATAL|Error|Fatal): \S.*)\s*$",
+    re.MULTILINE,
+)
+DISK_FULL = b"No space left on device"
 MAX_EXCEPTIONS = 32
 MAX_TEXT_CHARS = 300
 _ROOT_BLOCK_LINES = 12
@@ -56,6 +70,8 @@ class Failure:
     root_local_rank: int | None = None
     root_exitcode: int | None = None
     root_detail: str | None = None  # the summary's error_file/traceback when it says more than "see the docs"
+    first_error: str | None = None  # the job's first own error line outside a traceback (shell errors and the like)
+    disk_full: str | None = None  # the first line that says "No space left on device"
 
     def root_exception(self) -> str | None:
         """The failing rank's first exception when torchrun named the rank; else the log's first exception."""
@@ -67,6 +83,12 @@ class Failure:
 
     def describe(self) -> str | None:
         """One sentence naming the root cause, or None when the log names none."""
+        named = self._describe()
+        if self.disk_full is not None and (named is None or DISK_FULL.decode() not in named):
+            return f"disk full: {self.disk_full}" + (f" (then {named})" if named else "")
+        return named
+
+    def _describe(self) -> str | None:
         exc = self.root_exception()
         if self.root_rank is not None:
             where = f"rank {self.root_rank}" + (
@@ -75,7 +97,7 @@ class Failure:
             code = f" exited with code {self.root_exitcode}" if self.root_exitcode is not None else " failed"
             detail = f": {exc}" if exc else (f": {self.root_detail}" if self.root_detail else "")
             return f"torchrun: {where}{code}{detail}"
-        return exc
+        return exc or self.first_error
 
 
 class FailureScan:
@@ -87,6 +109,7 @@ class FailureScan:
         self._root_lines_left = 0
 
     def feed(self, data: bytes) -> None:
+        self._own_words(data)
         if not self._open and not self._root_lines_left:
             t = data.find(TRACEBACK_START)
             r = data.find(ROOT_CAUSE)
@@ -96,6 +119,19 @@ class FailureScan:
             data = data[data.rfind(b"\n", 0, min(starts)) + 1 :]
         for line in data.split(b"\n"):
             self._line(line.rstrip(b"\r"))
+
+    def _own_words(self, data: bytes) -> None:
+        """The first error line and the first disk-full line, each looked for until found (one search per chunk)."""
+        f = self.failure
+        if f.disk_full is None and (i := data.find(DISK_FULL)) >= 0:
+            start = data.rfind(b"\n", 0, i) + 1
+            end = data.find(b"\n", i)
+            f.disk_full = _text(data[start : end if end >= 0 else len(data)])
+        if f.first_error is None:
+            for m in _ERROR_LINE_RE.finditer(data):
+                if not m.group(0).startswith(b"[specdec]"):
+                    f.first_error = _text(m.group(0))
+                    break
 
     def _line(self, line: bytes) -> None:
         if self._root_lines_left:
@@ -140,13 +176,13 @@ _STEP_NUMBER_RE = re.compile(rb"\d+")
 
 
 def last_step_in(data: bytes, step_re: re.Pattern[bytes]) -> int | None:
-    """The step number of the last match of the profile's step pattern in ``data`` (its first group, else the
-    last number in the match), or None."""
+    """The step number of the last match of the profile's step pattern in ``data``: its first capture group when
+    it has one, else the first integer of the match (``\\d+/1000`` on ``90/1000`` is step 90); None when none."""
     last: re.Match[bytes] | None = None
     for last in step_re.finditer(data):  # noqa: B007 - only the last match is wanted
         pass
     if last is None:
         return None
     text = last.group(1) if step_re.groups else last.group(0)
-    numbers = _STEP_NUMBER_RE.findall(text or b"")
-    return int(numbers[-1]) if numbers else None
+    number = _STEP_NUMBER_RE.search(text or b"")
+    return int(number.group(0)) if number else None

@@ -154,14 +154,15 @@ class RunScanner:
         if not data:
             return
         _, complete = self._log.take_complete(data, (b"\n", b"\r"), LOG_LINE_MAX_BYTES)
-        if not complete:
-            return
-        self._failure.feed(complete)
-        if self._step_re is not None:
-            step = last_step_in(complete, self._step_re)
+        if complete:
+            self._failure.feed(complete)
+        # A progress bar redraws after a \r and ends its current state with none: that partial line counts too.
+        seen = complete + self._log.carry
+        if self._step_re is not None and seen:
+            step = last_step_in(seen, self._step_re)
             if step is not None:
                 self.state.log_last_step = step
-            if self.state.log_step_seen_at is None and not self.state.engine_events and self._step_re.search(complete):
+            if self.state.log_step_seen_at is None and not self.state.engine_events and self._step_re.search(seen):
                 self.state.log_step_seen_at = now
 
     def _poll_events(self, budget: int) -> None:

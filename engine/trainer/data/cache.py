@@ -15,7 +15,7 @@ import os
 import pickle
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class TokenizedCorpus:
     heldout: list[int]  # conversation indices (file order) kept out of training
     skipped: dict[str, int]  # conversations not trained on, by reason
     truncated: int  # conversations cut to the longest bucket (still trained on)
+    bad_lines: list[str] = field(default_factory=list)  # "file:line: reason" of the first malformed lines
 
     @property
     def examples(self) -> int:
@@ -93,6 +94,7 @@ def _to_file(key: dict[str, Any], corpus: TokenizedCorpus) -> dict[str, Any]:
         "heldout": corpus.heldout,
         "skipped": corpus.skipped,
         "truncated": corpus.truncated,
+        "bad_lines": corpus.bad_lines,
     }
 
 
@@ -115,6 +117,7 @@ def _from_file(blob: Any, key: dict[str, Any]) -> TokenizedCorpus:
             heldout=[int(i) for i in blob["heldout"]],
             skipped={str(k): int(v) for k, v in blob["skipped"].items()},
             truncated=int(blob["truncated"]),
+            bad_lines=[str(w) for w in blob.get("bad_lines", [])],
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CacheUnusable(f"missing or malformed field ({type(exc).__name__}: {exc})") from None

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.trainer.config import ConfigError
 from engine.trainer.data.cache import TokenizedCorpus, load_or_build
 from engine.trainer.data.holdout import heldout_indices
 
@@ -64,6 +65,9 @@ class BatchSource(Protocol):
 
 
 SKIP_NO_ASSISTANT = "no assistant turn"
+SKIP_NOT_JSON = "not JSON"
+SKIP_NOT_CONVERSATION = "not a conversation object"
+BAD_LINES_SHOWN = 5  # file:line of the first malformed lines, kept to show; the rest are only counted
 SKIP_TEMPLATE_ERROR = "chat template error"
 SKIP_EMPTY_MASK = "no assistant tokens after templating"
 SKIP_TOO_LONG = "assistant tokens beyond the longest bucket"
@@ -73,22 +77,54 @@ PROGRESS_EVERY_PCT = 10
 _PROBE_REPLY = "specdec-probe-reply"
 
 
-def load_conversations(path: str | Path, skipped: Counter[str] | None = None) -> list[list[dict[str, str]]]:
+class DataError(ConfigError):
+    """A malformed data line under ``strict_data = true``: the run stops (exit 2) naming the file and line."""
+
+
+def _turns(row: Any) -> list[Any] | None:
+    """The turn list of one row, or None when the row is no conversation object."""
+    if not isinstance(row, dict):
+        return None
+    turns = row.get("conversations") or row.get("messages") or []
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        return None
+    return turns
+
+
+def load_conversations(
+    path: str | Path,
+    skipped: Counter[str] | None = None,
+    *,
+    strict: bool = False,
+    bad_lines: list[str] | None = None,
+) -> list[list[dict[str, str]]]:
     """ShareGPT (``conversations: [{from, value}]``) or chat (``messages: [{role, content}]``) JSON lines.
 
-    Rows without an assistant turn are left out (counted in ``skipped``); the held-out split indexes the list
-    this returns."""
+    Rows without an assistant turn are left out (counted in ``skipped``); so are malformed lines (not JSON, not a
+    conversation object), whose first few ``file:line: reason`` go to ``bad_lines``; ``strict`` raises DataError
+    at the first malformed line instead. The held-out split indexes the list this returns."""
     convs: list[list[dict[str, str]]] = []
-    with Path(path).open(encoding="utf-8") as f:
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
+            turns: list[Any] | None = None
             try:
-                row = json.loads(line)
+                turns = _turns(json.loads(line))
+                reason = SKIP_NOT_CONVERSATION
+                why = f"{SKIP_NOT_CONVERSATION} (conversations or messages: a list of turns)"
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from exc
-            turns = row.get("conversations") or row.get("messages") or []
+                reason, why = SKIP_NOT_JSON, f"not JSON: {exc}"
+            if turns is None:
+                where = f"{path}:{lineno}: {why}"
+                if strict:
+                    raise DataError(f"strict_data: {where}")
+                if skipped is not None:
+                    skipped[reason] += 1
+                if bad_lines is not None and len(bad_lines) < BAD_LINES_SHOWN:
+                    bad_lines.append(where)
+                continue
             msgs: list[dict[str, str]] = []
             for turn in turns:
                 role = ROLE_ALIASES.get(str(turn.get("from", turn.get("role", ""))).lower())
@@ -261,11 +297,13 @@ def build_corpus(
     eval_holdout: int,
     seed: int,
     progress: Callable[[str], None] | None = None,
+    strict: bool = False,
 ) -> TokenizedCorpus:
     """Tokenize every conversation of ``path`` except the held-out ones, counting what is skipped and why, and
     the trained token frequencies (the draft vocabulary's input), with a progress line every 10 %."""
     skipped: Counter[str] = Counter()
-    convs = load_conversations(path, skipped)
+    bad_lines: list[str] = []
+    convs = load_conversations(path, skipped, strict=strict, bad_lines=bad_lines)
     heldout = heldout_indices(len(convs), eval_holdout, seed)
     train = [c for i, c in enumerate(convs) if i not in heldout]
     eot = end_of_turn_marker(tokenizer)
@@ -314,6 +352,7 @@ def build_corpus(
         heldout=sorted(heldout),
         skipped=dict(skipped),
         truncated=truncated,
+        bad_lines=bad_lines,
     )
 
 
@@ -338,6 +377,7 @@ class ConversationSource:
         eval_holdout: int = 0,
         cache_dir: str | Path | None = None,
         progress: Callable[[str], None] | None = None,
+        strict: bool = False,
     ) -> None:
         self.buckets = list(buckets)
         self.batch_size = batch_size
@@ -349,7 +389,13 @@ class ConversationSource:
 
         def build() -> TokenizedCorpus:
             return build_corpus(
-                tokenizer, path, max_tokens=self.buckets[-1], eval_holdout=eval_holdout, seed=seed, progress=progress
+                tokenizer,
+                path,
+                max_tokens=self.buckets[-1],
+                eval_holdout=eval_holdout,
+                seed=seed,
+                progress=progress,
+                strict=strict,
             )
 
         self.cache_hit = False
@@ -368,6 +414,9 @@ class ConversationSource:
         else:
             self.corpus = build()
         self.skipped = dict(self.corpus.skipped)
+        self.bad_lines = list(self.corpus.bad_lines)
+        if strict and self.bad_lines:  # a cache built without strict_data kept the file's malformed lines
+            raise DataError(f"strict_data: {self.bad_lines[0]}")
         self.heldout_indices = list(self.corpus.heldout)
         n = self.corpus.examples
         if n < batch_size:
@@ -421,9 +470,7 @@ class ConversationSource:
 
     def describe(self) -> str:
         held = f", {len(self.heldout_indices)} held out" if self.heldout_indices else ""
-        return (
-            f"{self.corpus.examples} conversations from {self.path}{held} ({self.batches_per_epoch} batches/epoch)"
-        )
+        return f"{self.corpus.examples} conversations from {self.path}{held} ({self.batches_per_epoch} batches/epoch)"
 
 
 class RandomTokenSource:

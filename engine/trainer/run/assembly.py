@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, EngineConfig
+from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, ConfigError, EngineConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.data.vocab import DraftVocab
@@ -74,14 +74,20 @@ def devices_for(cfg: EngineConfig, info: RankInfo) -> tuple[list[torch.device], 
     """This rank's (target devices, drafter devices); raises when one names a GPU this node lacks."""
     tdevs = [torch.device(d) for d in map_devices(cfg.target_devices, info)]
     ddevs = [torch.device(d) for d in map_devices(cfg.drafter_devices, info)]
-    if any(d.type == "cuda" for d in tdevs + ddevs) and not torch.cuda.is_available():
-        raise RuntimeError("the config names CUDA devices but torch.cuda.is_available() is False")
-    for d in tdevs + ddevs:
-        if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"rank {info.rank} (local rank {info.local_rank}) maps to {d}, but this node has "
-                f"{torch.cuda.device_count()} GPU(s): lower nproc_per_node or name fewer devices per rank"
-            )
+    cuda = [d for d in tdevs + ddevs if d.type == "cuda"]
+    if cuda and not torch.cuda.is_available():
+        key = "target_devices" if any(d.type == "cuda" for d in tdevs) else "drafter_devices"
+        raise ConfigError(
+            f"{key}: names {cuda[0]}, but torch {torch.__version__} sees no CUDA device here "
+            '(a CPU-only build, or no driver); use ["cpu"] or a CUDA build of torch'
+        )
+    for key, devs in (("target_devices", tdevs), ("drafter_devices", ddevs)):
+        for d in devs:
+            if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"{key}: rank {info.rank} (local rank {info.local_rank}) maps to {d}, but this node has "
+                    f"{torch.cuda.device_count()} GPU(s): lower nproc_per_node or name fewer devices per rank"
+                )
     return tdevs, ddevs
 
 
@@ -89,7 +95,7 @@ def attention_impl(cfg: EngineConfig, ddevs: list[torch.device]) -> str:
     """The drafters' attention kernel: the configured one, or for "auto" flex on CUDA and sdpa on the CPU."""
     impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
     if impl == "flex" and any(d.type == "cpu" for d in ddevs):
-        raise RuntimeError("attention = 'flex' needs CUDA drafters (flex_attention has no CPU backward)")
+        raise ConfigError("attention: 'flex' needs CUDA drafters (flex_attention has no CPU backward); use 'sdpa'")
     return impl
 
 
@@ -149,6 +155,7 @@ def data_source(
         eval_holdout=cfg.eval_holdout,
         cache_dir=cache_dir,
         progress=lambda text: events.stage("data", text),
+        strict=cfg.strict_data,
     )
     report_data(source, events)
     return source
@@ -160,8 +167,10 @@ def report_data(source: ConversationSource, events: EventLog) -> None:
     total = sum(skipped.values())
     detail = (
         f"{source.examples} conversations to train on, {len(source.heldout_indices)} held out, "
-        f"{total} skipped" + (f" ({', '.join(f'{k}: {v}' for k, v in skipped.items())})" if total else "")
+        f"{total} skipped"
+        + (f" ({', '.join(f'{k}: {v}' for k, v in skipped.items())})" if total else "")
         + (f", {source.corpus.truncated} cut to {source.buckets[-1]} tokens" if source.corpus.truncated else "")
+        + (f"; malformed lines: {'; '.join(source.bad_lines)}" if source.bad_lines else "")
     )
     events.emit(
         "stage",
@@ -171,6 +180,7 @@ def report_data(source: ConversationSource, events: EventLog) -> None:
         skipped=skipped,
         heldout=len(source.heldout_indices),
         truncated=source.corpus.truncated,
+        bad_lines=source.bad_lines,
         cached=source.cache_hit,
     )
     events.say(f"stage=data {detail}")

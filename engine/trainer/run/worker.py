@@ -29,7 +29,7 @@ from engine.trainer.draft.model import Drafter
 from engine.trainer.run.distributed import CrossRank
 from engine.trainer.run.producer import DeviceBatch
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard, lending_guard
-from engine.trainer.threads.control import NonFiniteLoss, PeerFailure, RunControl
+from engine.trainer.threads.control import NonFiniteGradient, NonFiniteLoss, PeerFailure, RunControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.metrics import step_line
 from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
@@ -238,6 +238,7 @@ class StepResult:
     grad_norm: float
     tok_s: float
     ms: dict[str, float]
+    skipped: bool = False  # non-finite gradients: the optimizer did not step
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,7 @@ class WorkerSettings:
     batch_size: int
     grad_checkpointing: bool = False
     max_grad_norm: float = 1.0
+    nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
     log_every: int = 1  # a step event every log_every steps (and at step 1)
     checkpoint_every: int = 0  # 0: no periodic checkpoint (only at the end and on a stop)
     step_delay_s: float = 0.0
@@ -264,6 +266,7 @@ class WorkerSettings:
             batch_size=cfg.batch_size,
             grad_checkpointing=cfg.grad_checkpointing,
             max_grad_norm=cfg.max_grad_norm,
+            nonfinite_grad_limit=cfg.nonfinite_grad_limit,
             log_every=cfg.log_every,
             checkpoint_every=cfg.checkpoint_every,
             step_delay_s=cfg.step_delay_s,
@@ -318,6 +321,8 @@ class DrafterWorker:
         self.loss_fn = settings.loss_fn
         self.grad_checkpointing = settings.grad_checkpointing
         self.max_grad_norm = settings.max_grad_norm
+        self.nonfinite_grad_limit = settings.nonfinite_grad_limit
+        self.nonfinite_in_a_row = 0
         self.log_every = settings.log_every
         self.checkpoint_every = settings.checkpoint_every
         self.step_delay_s = settings.step_delay_s
@@ -420,8 +425,12 @@ class DrafterWorker:
             stop_after = self.group.all_reduce(self.rank, grads, batch.index, self.step + 1)
         mark()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        # Checked after the reduce: every replica (and rank) sees the same sum, so all skip the same step. One
+        # scalar read a step; an update with NaN in it would reach every replica and every later checkpoint.
+        skipped = not bool(torch.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         mark()
         acc = accuracies(correct.detach(), counts.detach())
@@ -443,10 +452,32 @@ class DrafterWorker:
             grad_norm=values[-1],
             tok_s=tok_s,
             ms={"fetch": fetch_ms, "fwd": ms[0], "bwd": ms[1], "opt": ms[2]},
+            skipped=skipped,
         )
         if not all(math.isfinite(v) for v in result.loss):
             raise NonFiniteLoss(f"non-finite loss {result.loss} at step {step} in thread {self.name}")
+        if skipped:
+            self._skip_nonfinite(step, result.grad_norm)
+        else:
+            self.nonfinite_in_a_row = 0
         return result, stop_after
+
+    def _skip_nonfinite(self, step: int, grad_norm: float) -> None:
+        """Say the skipped step (an event the agent turns into an anomaly); stop once it keeps happening."""
+        self.nonfinite_in_a_row += 1
+        norm = str(grad_norm)  # "nan" / "inf": JSON has no such numbers
+        self.control.events.emit(
+            "nonfinite_grad", thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row
+        )
+        self.control.events.say(
+            f"warning: {self.name} step {step}: gradient norm {norm}: step skipped, weights unchanged "
+            f"({self.nonfinite_in_a_row} in a row, the run stops at {self.nonfinite_grad_limit})"
+        )
+        if self.nonfinite_in_a_row >= self.nonfinite_grad_limit:
+            raise NonFiniteGradient(
+                f"non-finite gradients (norm {norm}) for {self.nonfinite_in_a_row} steps in a row, the last at step "
+                f"{step} in thread {self.name}; every one was skipped, the weights are those before them"
+            )
 
     def capture_state(self) -> dict[str, Any]:
         return {
@@ -567,7 +598,8 @@ class DrafterWorker:
                     acc=result.acc,
                     tok_s=result.tok_s,
                     ms=result.ms,
-                    grad_norm=result.grad_norm,
+                    grad_norm=None if result.skipped else result.grad_norm,
+                    skipped=result.skipped,
                     lr=self.scheduler.get_last_lr()[0],
                     bucket=batch.bucket,
                     target_ms=batch.target_ms,

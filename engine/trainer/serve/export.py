@@ -545,18 +545,41 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("checkpoint", help="a checkpoint directory (step_N) or a run output directory (its latest)")
     ap.add_argument("out_dir", help="the directory to create (must not exist, or be empty)")
     ap.add_argument("--format", dest="fmt", choices=FORMATS, default="eagle3", help="eagle3 (default) or speculators")
-    ap.add_argument("--drafter", help="which drafter state (independent mode has one per drafter)")
+    ap.add_argument(
+        "--drafter",
+        help="which drafter state (independent mode has one per drafter; without it each goes to OUT_DIR/<name>/)",
+    )
     ap.add_argument("--verifier", help="speculators layout: the target's name or directory to record as verifier")
+
+
+def export_every_drafter(
+    source: Path, out_dir: Path, *, fmt: str = "eagle3", drafter: str | None = None, verifier: str | None = None
+) -> list[ExportResult]:
+    """One export, or, for a checkpoint of several drafters (independent mode) and no ``drafter`` named, one per
+    drafter in ``out_dir/<drafter>/``: every drafter is checked before the first is written."""
+    checkpoint, _picked = resolve_checkpoint(Path(source).expanduser().absolute())
+    names = [str(d) for d in _read_meta(checkpoint).get("drafters") or []]
+    if drafter is not None or len(names) <= 1:
+        return [export_checkpoint(source, out_dir, fmt=fmt, drafter=drafter, verifier=verifier)]
+    out_dir = Path(out_dir).expanduser().absolute()
+    _check_out_dir(out_dir)
+    meta = _read_meta(checkpoint)
+    for name in names:  # a bad state fails here, before anything is written
+        served_tensors(_load_model_state(checkpoint, name), meta, fmt)
+    return [export_checkpoint(source, out_dir / name, fmt=fmt, drafter=name, verifier=verifier) for name in names]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = export_checkpoint(
+        results = export_every_drafter(
             Path(args.checkpoint), Path(args.out_dir), fmt=args.fmt, drafter=args.drafter, verifier=args.verifier
         )
     except ExportError as exc:
         print(f"specdec-train export: error: {exc}", file=sys.stderr)
         return 1
-    for line in summary_lines(result):
-        print(line)
+    if len(results) > 1:
+        print(f"{len(results)} drafters, each in its own folder (--drafter NAME exports one):")
+    for result in results:
+        for line in summary_lines(result):
+            print(line)
     return 0

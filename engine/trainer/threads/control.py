@@ -17,6 +17,11 @@ class NonFiniteLoss(RuntimeError):
     """A loss that is NaN or infinite: the run stops, naming the step and the thread."""
 
 
+class NonFiniteGradient(RuntimeError):
+    """Gradients that stayed NaN or infinite for ``nonfinite_grad_limit`` steps in a row: each was skipped (the
+    weights never took one), and the run stops, naming the thread and the steps."""
+
+
 class PeerFailure(RuntimeError):
     """A collective across ranks failed: a peer rank died or timed out. The rank stops; the message names the peer."""
 

@@ -32,7 +32,8 @@ from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 
 MAX_NOTICES = 50
 MAX_PARSED_LINES_PER_EVENT = 20
-NARROW_WIDTH = 110  # columns below which the process tree goes under the GPUs
+NARROW_WIDTH = 80  # columns below which the process tree goes under the GPUs (80x24 keeps it beside them)
+SHORT_HEIGHT = 30  # rows below which the training pane is kept shorter, so the log keeps its rows
 _METRIC_HINTS = ("step", "tok/s", "loss")
 
 
@@ -54,6 +55,11 @@ class DashboardState:
         self.events_in = 0
         self.undecodable: dict[str | None, int] = {}  # agent events not understood, by their ``ev``
         self.dirty: set[str] = set()
+        # A new run, a restart or a new log file: the log pane follows its end again, however it was scrolled.
+        self.follow_log = False
+        # Runs this dashboard moved on from: engine lines of theirs still in flight are not the new run's (a
+        # relaunch's charts and thread health would otherwise show the old run's last steps and heartbeats).
+        self.left_runs: set[str] = set()
         self.engine_steps_seen = False
 
     def ingest(self, ev: ClientEvent) -> None:
@@ -66,8 +72,11 @@ class DashboardState:
                     self._parse_log_metrics(n)
         elif isinstance(ev, protocol.LogResetEvent):
             self.log.reset(ev.inode, ev.offset, ev.reason)
+            self.follow_log = True
             self.dirty.add("log")
         elif isinstance(ev, protocol.EngineLineEvent):
+            if ev.run_id is not None and ev.run_id in self.left_runs:
+                return
             if ev.source:
                 # Another rank's events file: its threads' health only (the charts show the run's events.jsonl).
                 self.health.add_engine_event(ev.event, main_file=False)
@@ -129,6 +138,10 @@ class DashboardState:
             self.charts.clear()
             self.health.clear()
             self.engine_steps_seen = False
+            self.follow_log = True
+            self.left_runs.add(old_id)
+        if new_id is not None:
+            self.left_runs.discard(new_id)
         before = len(restarts.restarts_of(self.run)) if new_id == old_id else 0
         self.run = run
         self.timeline.from_run(run)
@@ -139,6 +152,7 @@ class DashboardState:
         self.header.restarted = bool(done)
         if len(done) > before:
             self.health.clear()  # restarted: the threads (and their deaths) of the attempt before are gone
+            self.follow_log = True
         max_restarts = run.restart_max if run else None
         for i, item in enumerate(done[before:], start=before + 1):
             self.notices.append(("warning", f"run {new_id}: {restarts.line(i, item, max_restarts)}"))
@@ -146,7 +160,7 @@ class DashboardState:
         rank, node = (run.failed_rank, run.failed_node) if failed and run else (None, None)
         where = f"rank {rank}" + (f" (node {node})" if node is not None else "") if rank is not None else None
         self.header.failed_rank = where
-        self.dirty.update({"header", "timeline", "charts", "procs"})
+        self.dirty.update({"header", "timeline", "charts", "procs", "log"})
 
     def _engine_event(self, event: protocol.EngineEvent) -> None:
         self.health.add_engine_event(event)
@@ -217,6 +231,7 @@ class DashboardScreen(Screen[None]):
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.width < NARROW_WIDTH, "-narrow")
+        self.set_class(event.size.height < SHORT_HEIGHT, "-short")
 
     @property
     def log_pane(self) -> LogPane:
@@ -239,6 +254,9 @@ class DashboardScreen(Screen[None]):
             tree = self.query_one(ProcTree)
             tree.update_procs(state.procs)
         if "log" in dirty:
+            if state.follow_log:
+                state.follow_log = False
+                self.log_pane.tail.action_follow()
             self.log_pane.flush()
         keep: set[str] = set()
         if "charts" in dirty or state.charts.dirty:

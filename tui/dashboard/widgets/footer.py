@@ -14,6 +14,8 @@ from textual.widget import Widget
 
 from tui.dashboard.keys import KEY_TABLE, display_key
 
+ALWAYS_WORDED = frozenset({"help", "quit"})
+
 
 class KeyFooter(Widget):
     COMPONENT_CLASSES: ClassVar[set[str]] = {"key-footer--key", "key-footer--description"}
@@ -32,15 +34,19 @@ class KeyFooter(Widget):
         self.refresh()
 
     def render(self) -> RenderableType:
+        """Every shown key with its description; when that does not fit, the keys alone but for ``? Help`` and
+        ``q Quit``, which always keep their words (a newcomer's way in and out, also at 80 columns)."""
         key_style = self.get_component_rich_style("key-footer--key")
         text_style = self.get_component_rich_style("key-footer--description")
+        shown = [(display_key(self.keymap.get(s.id, s.key).split(",")[0]), s) for s in KEY_TABLE if s.show]
+        width = self.size.width
+        full = sum(len(k) + len(s.description) + 3 for k, s in shown) + len(" ^p palette")
+        compact = bool(width) and full > width
         out = Text(no_wrap=True, overflow="ellipsis")
-        for spec in KEY_TABLE:
-            if not spec.show:
-                continue
-            key = self.keymap.get(spec.id, spec.key).split(",")[0]
-            out.append(f" {display_key(key)} ", style=key_style)
-            out.append(f"{spec.description} ", style=text_style)
+        for key, spec in shown:
+            out.append(f" {key} ", style=key_style)
+            if not compact or spec.id in ALWAYS_WORDED:
+                out.append(f"{spec.description} ", style=text_style)
         out.append(" ^p ", style=key_style)
         out.append("palette", style=text_style)
         return out
