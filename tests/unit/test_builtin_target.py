@@ -14,7 +14,7 @@ from engine.trainer.config import BUILTIN_TARGET_LAYERS, from_dict
 from engine.trainer.data import shipped_corpus_path
 from engine.trainer.target import load_target, load_tokenizer
 
-SMALL = Recipe(hidden=32, layers=8, steps=6, batch_size=4, seq_len=32)  # the default recipe's shape, far fewer steps
+SMALL = Recipe(hidden=32, layers=8, head_dim=32, steps=6, batch_size=4, seq_len=32)  # default depth, few steps
 
 
 @pytest.fixture(scope="module")
