@@ -1,1 +1,1 @@
-"""Colour themes shipped with specdec-tui (TOML files, loaded by tui.theming)."""
+"""Colour themes shipped with specdec-tui (TOML files, loaded by tui.dashboard.theming)."""

@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tui import cli_monitor, cli_run
-from tui.cli_common import (
+from tui.cli import monitor, run
+from tui.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
     UsageError,
@@ -20,7 +20,7 @@ from tui.cli_common import (
     err,
     run_async,
 )
-from tui.session import ConnectError
+from tui.link.session import ConnectError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     when.add_argument("--no-launch", action="store_true", help="never offer to launch; just watch")
     p.set_defaults(func=None)
-    cli_run.add_parsers(sub, common)
-    cli_monitor.add_parsers(sub, common)
+    run.add_parsers(sub, common)
+    monitor.add_parsers(sub, common)
     return parser
 
 
@@ -54,8 +54,8 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_connect(args: argparse.Namespace) -> int:
+    from tui.link.session import ConnectError, open_session
     from tui.profiles import ProfileError, resolve_profile
-    from tui.session import ConnectError, open_session
 
     try:
         profile = resolve_profile(args.profile, args.config)
@@ -78,9 +78,9 @@ def cmd_connect(args: argparse.Namespace) -> int:
     if rc:
         return rc
     try:
-        from tui.app import run_dashboard
+        from tui.dashboard.app import run_dashboard
     except ImportError as exc:
-        if exc.name not in ("tui.app", "textual"):
+        if exc.name not in ("tui.dashboard.app", "textual"):
             raise
         err(
             f"the dashboard is not available in this build ({exc}); "
@@ -89,7 +89,7 @@ def cmd_connect(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     # The dashboard runs its own event loop and connects the session inside it.
     on_connect = "launch" if args.launch else "none" if args.no_launch else "offer"
-    return int(run_dashboard(session, profile=profile.as_dict(), theme=args.theme, on_connect=on_connect))
+    return int(run_dashboard(session, profile=profile, theme=args.theme, on_connect=on_connect))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,29 +9,16 @@ The engine's interpreter on the host is chosen here, once, for every launch the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from engine import protocol
-from tui.session import typed_reply
+from tui.link.session import AgentSession, typed_reply
+from tui.profiles import Profile, resolve_profile
 
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL grace of a stop (the agent's own default)
 RELEASE_TIMEOUT_S = 30.0  # how long a stop waits for the run's GPU devices to be released
 RESTART_REPLY_MARGIN_S = 180.0  # the restart reply may take the grace, the release wait and a launch
-
-
-class Requester(Protocol):
-    """What a restart needs of a session (``tui.session.Session`` or a test's stand-in)."""
-
-    async def request(
-        self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
-    ) -> dict[str, Any]: ...
-
-
-class HasHello(Protocol):
-    """A session whose agent said hello (its ``opts`` and ``transport``, when it has them, refine the launch)."""
-
-    agent: protocol.HelloEvent | None
 
 
 def engine_python(explicit: str | None, agent_python: str | None) -> str:
@@ -43,45 +30,26 @@ def engine_python(explicit: str | None, agent_python: str | None) -> str:
     return explicit or agent_python or "python3"
 
 
-def launch_spec_for(profile: dict[str, Any] | None, session: HasHello) -> dict[str, Any]:
-    """The ``launch`` command's arguments for a profile dict (a LaunchSpec dict, or a Profile.as_dict()).
+def session_profile(session: AgentSession) -> Profile:
+    """The profile the command line named (``--profile`` in ``--config``), for a launch that was given none;
+    raises ProfileError."""
+    return resolve_profile(session.opts.profile, session.opts.config)
 
-    Raises ValueError with a sentence when no spec can be made.
+
+def launch_spec(
+    profile: Profile, session: AgentSession, *, command: list[str] | None = None, cwd: str | None = None
+) -> protocol.LaunchSpec:
+    """The ``launch`` command's spec: ``profile`` (``command`` from ``-- COMMAND`` replacing its own) started on
+    this session's host, by the interpreter and PYTHONPATH the engine has there; ``cwd`` overrides the profile's.
+
+    Every launch the client sends is composed here: the CLI's ``launch`` and ``restart --profile``, the
+    dashboard's ``l`` and its offer on connect.
     """
-    from tui.profiles import EngineConfig, Profile, ProfileError, resolve_profile
-
-    allowed = {f.name for f in fields(protocol.LaunchSpec)}
-    if profile is None:
-        config = getattr(getattr(session, "opts", None), "config", None)
-        name = getattr(getattr(session, "opts", None), "profile", None)
-        try:
-            profile = resolve_profile(name, config).as_dict()
-        except ProfileError as exc:
-            raise ValueError(str(exc)) from exc
-    if profile.get("command"):
-        spec = {k: v for k, v in profile.items() if k in allowed and v is not None}
-        if "profile" not in spec and isinstance(profile.get("name"), str):
-            spec["profile"] = profile["name"]
-        return spec
-    engine = profile.get("engine") or {}
-    prof = Profile(
-        name=str(profile.get("name") or "default"),
-        command=None,
-        cwd=profile.get("cwd"),
-        env=dict(profile.get("env") or {}),
-        engine=EngineConfig(**{k: v for k, v in engine.items() if k in ("preset", "config", "args")}),
-    )
-    if isinstance(profile.get("step_pattern"), str):
-        prof.step_pattern = profile["step_pattern"]
-    if isinstance(profile.get("deadlines_s"), dict):
-        prof.deadlines_s = dict(profile["deadlines_s"])
-    if isinstance(profile.get("restart"), dict):
-        prof.restart = dict(profile["restart"])
-    python_path = session.agent.python_path if session.agent else None
-    python = engine_python(getattr(getattr(session, "opts", None), "python", None), python_path)
-    pythonpath = getattr(getattr(session, "transport", None), "engine_pythonpath", None)
-    spec = protocol.to_jsonable(prof.launch_spec(None, python=python, engine_pythonpath=pythonpath))
-    return {k: v for k, v in spec.items() if v is not None}
+    python = engine_python(session.opts.python, session.agent.python_path if session.agent else None)
+    spec = profile.launch_spec(command, python=python, engine_pythonpath=session.engine_pythonpath)
+    if cwd is not None:
+        spec.cwd = cwd
+    return spec
 
 
 @dataclass
@@ -106,7 +74,7 @@ class Restarted:
         return self.reply.stop
 
 
-async def restart_run(session: Requester, *, grace_s: float = STOP_GRACE_S) -> Restarted:
+async def restart_run(session: AgentSession, *, grace_s: float = STOP_GRACE_S) -> Restarted:
     """Stop the current run if it runs, then launch its recorded spec again; raises the session's CommandFailed
     (ReplyNotUnderstood when the reply does not decode)."""
     raw = await session.request(

@@ -23,7 +23,7 @@ from engine.agent.commands import handler
 from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
 from engine.agent.server import Agent, CommandError
-from engine.host import host_map, procs, runs
+from engine.host import host_map, procs
 from engine.host.capabilities import probe_capabilities
 from engine.host.gpu_source import open_gpu_source
 from engine.host.gpus import GpuSample, GpuSource
@@ -108,10 +108,10 @@ class Monitor:
         return records.read_run(run_dir, self.agent.boot_id, self.agent.scanners)
 
     def run_pids(self, run: RunInfo | None) -> set[int]:
-        """Pids of the running run's processes, each still the one its launch record pinned (host.runs.run_pids)."""
+        """Pids of the running run's processes, each still the one its launch record pinned (records.run_pids)."""
         if run is None or run.state != "running":
             return set()
-        return runs.run_pids(records.read_launch(run.run_dir))
+        return records.run_pids(records.read_launch(run.run_dir))
 
     def _run_tree(self, run_pids: set[int], with_threads: bool = True) -> list[ProcInfo]:
         out: list[ProcInfo] = []

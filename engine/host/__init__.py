@@ -5,9 +5,9 @@ pyproject.toml keeps the arrows pointing down; tests/unit/test_import_cycles.py 
 
     engine.agent        commands over stdio: status, subscribe, logs, launch/wait/stop/kill-stale/stacks
         |
-    engine.supervisor   runs on disk: launch wrapper, run records, one module per verb
+    engine.supervisor   runs on disk: launch wrapper, a run's records (records/), one module per verb
         |
-    engine.host         the machine: processes, GPUs, appended files, run record types   (engine.stackdump beside it)
+    engine.host         the machine: processes, GPUs, files that only grow   (engine.stackdump beside it)
         |
     engine.protocol     the wire's dataclasses and encoding
 
@@ -21,8 +21,8 @@ Here:
   source imports the other. ``nvml_binding`` finds pynvml; ``capabilities`` says what the host can do.
 * ``appended``: the one reader of files that only grow (offset, identity, carried partial line) and the one
   "last lines of a file"; the agent's log follower and events reader and the supervisor's run scanner use it.
-* ``runs``: the run records (submitted.json, launch.json, exit.json) as dataclasses, and ``run_pids``, the
-  one answer to "which live processes are this run's".
+
+Nothing here knows what a run is: a run's records live in engine.supervisor.records.
 
 Stdlib only: this runs on hosts that have nothing but python3 (psutil and pynvml when present).
 """

@@ -1,7 +1,8 @@
 """engine.supervisor: supervised runs on disk, on top of engine.host; it never imports engine.agent.
 
-A run is a directory of records (``records``: the layout, atomic JSON writes, reading a run back with
-an incremental scan of its output and events) kept by a wrapper process (``wrapper``, with its restart
+A run is a directory of records kept in one room, the ``records`` package (ids and the layout, the typed
+record files and ``run_pids``, atomic writes, the incremental scan of its output and events, all of "why it
+failed", and ``read_run``, one module per job), by a wrapper process (``wrapper``, with its restart
 policy in ``restart`` and tmux in ``tmux``). What the agent asks of runs is one module per verb:
 
 * ``launch``: validate a LaunchSpec, claim a run directory, start the wrapper under tmux (or setsid);

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.host import procs, runs
+from engine.host import procs
 from engine.host.holders import NvmlView, find_holders
 from engine.supervisor import records
 from engine.supervisor.common import KILL_WAIT_S, Progress, SupervisorError, noop, state_of, wait_until
@@ -23,7 +23,7 @@ def current_run_pids(run_root: Path | str) -> set[int]:
     rd = records.current_run_dir(run_root)
     if rd is None:
         return set()
-    return runs.run_pids(records.read_launch(rd))
+    return records.run_pids(records.read_launch(rd))
 
 
 def _protected_pids() -> set[int]:

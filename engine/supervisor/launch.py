@@ -22,9 +22,9 @@ from typing import Any
 import engine
 from engine import protocol
 from engine.host import procs
-from engine.host.runs import SubmittedRecord
 from engine.supervisor import records, tmux
 from engine.supervisor.common import SupervisorError
+from engine.supervisor.records import SubmittedRecord
 
 
 def coerce_spec(raw: protocol.LaunchSpec | dict[str, Any]) -> protocol.LaunchSpec:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from engine import protocol
 from engine.host import procs
-from engine.host.runs import LaunchRecord
 from engine.supervisor import records
+from engine.supervisor.records import LaunchRecord
 
 
 def rank_pids(rd: Path, launch_rec: LaunchRecord, scanners: records.ScannerCache | None = None) -> dict[int, int]:

@@ -12,10 +12,10 @@ from typing import Any
 
 from engine import stackdump
 from engine.host import procs
-from engine.host.runs import LaunchRecord
 from engine.supervisor import records
 from engine.supervisor.common import POLL_S, SupervisorError, tree_of
 from engine.supervisor.members import rank_pids, run_members
+from engine.supervisor.records import LaunchRecord
 
 
 def _is_python(pid: int) -> bool:

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.host import procs, runs
+from engine.host import procs
 from engine.host.holders import find_holders
-from engine.host.runs import LaunchRecord
 from engine.supervisor import records
 from engine.supervisor.common import KILL_WAIT_S, POLL_S, Progress, SupervisorError, noop, state_of, wait_until
 from engine.supervisor.members import group_is_ours, kill_checked, parent_of, pgrp_of, run_members, signal_group_checked
+from engine.supervisor.records import LaunchRecord
 
 
 def stop(
@@ -45,7 +45,7 @@ def stop(
             raise SupervisorError(f"run {rd.name} has no launch record (it never started): nothing to stop")
     cache = scanners if scanners is not None else records.ScannerCache()
     info = records.read_run(rd, boot, cache)
-    ours = runs.run_pids(launch_rec)
+    ours = records.run_pids(launch_rec)
     held_before = _holders_among(ours)
     job_pid = launch_rec.job_pid
     job_ticks = launch_rec.job_start_ticks

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.host import procs, runs
+from engine.host import procs
 from engine.host.holders import find_holders
-from engine.host.runs import ExitRecord, LaunchRecord, SubmittedRecord
 from engine.supervisor import records
 from engine.supervisor.common import POLL_S, SupervisorError, tree_of
+from engine.supervisor.records import ExitRecord, LaunchRecord, SubmittedRecord
 
 LAST_LINES = 20
 STARTING_CHECK_S = 0.5  # while no launch.json exists, how often to ask tmux whether the pane died
@@ -236,7 +236,7 @@ def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result
         # The wrapper's session is still there but it has not written its record: stuck before the job.
         return result(False, info, f"hung: {overdue}; the wrapper has not written launch.json yet", True, None, True)
     launch_rec = records.read_launch(rd)
-    pids = runs.run_pids(launch_rec)
+    pids = records.run_pids(launch_rec)
     job_pid = launch_rec.job_pid if launch_rec is not None else None
     job_pids = set(tree_of(job_pid))
     activity = describe_activity(job_pids or pids)

@@ -38,10 +38,10 @@ from typing import Any
 
 from engine import protocol, stackdump
 from engine.host import procs
-from engine.host.runs import ExitRecord, LaunchRecord
 from engine.supervisor import records, restart, stacks
 from engine.supervisor.common import SupervisorError
 from engine.supervisor.members import signal_group_checked
+from engine.supervisor.records import ExitRecord, LaunchRecord
 
 POLL_S = 0.05  # milestone timing and exit detection resolution
 ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left

@@ -104,7 +104,7 @@ def place_output_dir(cfg: EngineConfig, run_dir: str | None) -> EngineConfig:
 
 
 def link_checkpoints(cfg: EngineConfig, run_dir: str | None) -> None:
-    """<run_dir>/checkpoints points at the engine's checkpoints (the run directory of engine/supervisor/records.py)."""
+    """<run_dir>/checkpoints points at the engine's checkpoints (engine.supervisor.records.layout)."""
     if not run_dir:
         return
     link = Path(run_dir) / "checkpoints"

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from tui.events import ClientEvent, ConnectionEvent
-from tui.session import ConnectOptions, Session
+from tui.link.events import ClientEvent, ConnectionEvent
+from tui.link.session import ConnectOptions, Session
 
 
 def ssh_options(sshd: Any, run_root: Path | None = None, **extra: Any) -> ConnectOptions:

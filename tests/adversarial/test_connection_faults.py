@@ -1,5 +1,5 @@
 """Connection faults under load: the SSH link cut 20 times during a 50k lines/s burst, and the agent
-killed with SIGKILL. The client (tui.session.Session with streams) must reconnect by itself and rebuild
+killed with SIGKILL. The client (tui.link.session.Session with streams) must reconnect by itself and rebuild
 the job's output.log byte for byte; the job must not notice.
 
 Everything is real: the OpenSSH sshd on 127.0.0.1 (tests/integration/conftest.py), the shipped agent,
@@ -23,8 +23,8 @@ from support.procfs import pid_alive
 from support.waiting import wait_until_async
 
 from engine.supervisor import records
-from tui.events import ConnectionEvent
-from tui.session import ConnectOptions, Session, open_session
+from tui.link.events import ConnectionEvent
+from tui.link.session import ConnectOptions, Session, open_session
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tmux]
 

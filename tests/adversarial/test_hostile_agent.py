@@ -16,8 +16,8 @@ from typing import Any
 from support.waiting import wait_until_async
 
 from engine import protocol
-from tui.events import ConnectionEvent, Undecodable
-from tui.session import ConnectOptions, Session, open_session
+from tui.link.events import ConnectionEvent, Undecodable
+from tui.link.session import ConnectOptions, Session, open_session
 
 JUNK_LINES = 10_000
 

@@ -20,7 +20,7 @@ import pytest
 from adv_support import ssh_options
 
 from engine.supervisor import records
-from tui.session import CommandFailed, open_session
+from tui.link.session import CommandFailed, open_session
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tmux]
 

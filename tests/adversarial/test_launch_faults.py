@@ -25,8 +25,8 @@ from support.waiting import wait_until, wait_until_async
 from engine import protocol
 from engine.host import procs
 from engine.supervisor import records, tmux
-from tui.events import ClientEvent
-from tui.session import ConnectOptions, open_session
+from tui.link.events import ClientEvent
+from tui.link.session import ConnectOptions, open_session
 
 pytestmark = pytest.mark.tmux
 REPO_ROOT = Path(__file__).resolve().parents[2]

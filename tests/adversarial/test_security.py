@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import stat
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,8 @@ import pytest
 from adv_support import agent_pid_of, ssh_options, sshd_session_of
 from support.waiting import wait_until_async
 
-from tui.events import ConnectionEvent
-from tui.session import open_session
+from tui.link.events import ConnectionEvent
+from tui.link.session import open_session
 
 pytestmark = pytest.mark.ssh
 
@@ -191,15 +193,31 @@ def _listening_inodes() -> dict[int, str]:
 
 
 def _socket_inodes(pid: int) -> set[int]:
-    found: set[int] = set()
+    """The socket inodes among ``pid``'s open files. A fd directory that cannot be read fails the test: the
+    callers' only assertion runs over this set, so an empty one from a failed read would pass unchecked."""
+    fd_dir = f"/proc/{pid}/fd"
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith("socket:["):
-                found.add(int(link[8:-1]))
-    except OSError:
-        pass
+        fds = os.listdir(fd_dir)
+    except OSError as exc:
+        pytest.fail(f"cannot read {fd_dir}: {exc}")
+    found: set[int] = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"{fd_dir}/{fd}")
+        except FileNotFoundError:
+            continue  # closed between the listing and the read (the client's own descriptors come and go)
+        if link.startswith("socket:["):
+            found.add(int(link[8:-1]))
     return found
+
+
+def test_socket_inodes_fails_loudly_when_the_fd_directory_cannot_be_read() -> None:
+    with socket.socket() as sock:
+        assert os.fstat(sock.fileno()).st_ino in _socket_inodes(os.getpid())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its /proc/<pid>/fd is gone
+    with pytest.raises(pytest.fail.Exception, match=f"cannot read /proc/{gone.pid}/fd"):
+        _socket_inodes(gone.pid)
 
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc/net prints them
@@ -226,7 +244,7 @@ async def test_the_dashboard_over_ssh_listens_on_nothing_beyond_loopback(
     sshd: Any, run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No web view exists; the Textual dashboard, live over SSH, opens no listening socket off loopback."""
-    from tui.app import DashboardApp
+    from tui.dashboard.app import DashboardApp
 
     monkeypatch.setenv("SPECDEC_TUI_CONFIG_DIR", str(tmp_path / "tui-config"))
     session = open_session(sshd.target, ssh_options(sshd, run_root, simulate_gpus=2))

@@ -3,7 +3,7 @@
 For each failure case, the median over several runs of the time from the job's death (a marker the
 job writes just before it dies) or from the deadline, to the `wait` reply that carries the cause,
 with real tmux on a private socket: through the local agent (a subprocess speaking JSON lines), and,
-with ``--ssh``, through tui.session over a throwaway OpenSSH sshd on 127.0.0.1 (the agent shipped and
+with ``--ssh``, through tui.link.session over a throwaway OpenSSH sshd on 127.0.0.1 (the agent shipped and
 started over SSH, as for a remote host). The seed workflow learns the same things after `sleep 600`.
 """
 
@@ -110,7 +110,7 @@ class SshHost:
 
 
 async def ssh_cases(host: SshHost, root: Path, work: Path, runs: int, hang_timeout_s: float) -> list[str]:
-    from tui.session import ConnectOptions, open_session
+    from tui.link.session import ConnectOptions, open_session
 
     opts = ConnectOptions(
         identity=str(host.identity),
@@ -169,7 +169,7 @@ def summarize(name: str, samples: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--ssh", action="store_true", help="also measure through tui.session over loopback SSH")
+    parser.add_argument("--ssh", action="store_true", help="also measure through tui.link.session over loopback SSH")
     parser.add_argument("--hang-timeout", type=float, default=1.0, help="wait timeout for the hung case, s")
     ns = parser.parse_args(argv)
     os.environ.setdefault("SPECDEC_TMUX_SOCKET", f"specdec-bench-{os.getpid()}")

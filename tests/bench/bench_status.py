@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tui.session import ConnectOptions, open_session  # noqa: E402
+from tui.link.session import ConnectOptions, open_session  # noqa: E402
 
 SEED_POLL = (
     "nvidia-smi --query-gpu=index,utilization.gpu,memory.used,memory.total --format=csv,noheader "

@@ -34,7 +34,8 @@ import psutil  # noqa: E402
 from support.waiting import wait_until_async  # noqa: E402
 
 from engine.protocol import RunInfo  # noqa: E402
-from tui.app import DashboardApp  # noqa: E402
+from tui.dashboard.app import DashboardApp  # noqa: E402
+from tui.profiles import Profile  # noqa: E402
 
 BURST = """
 import sys, time
@@ -129,14 +130,14 @@ def pin_host_side(session: Any, run: RunInfo | None, cpu: int) -> None:
 
 
 async def bench(rate: int, burst_s: float, pin: bool = False) -> None:
-    from tui.session import open_session
-    from tui.transport import ConnectOptions
+    from tui.link.session import open_session
+    from tui.link.transport import ConnectOptions
 
     os.environ.setdefault("SPECDEC_TMUX_SOCKET", f"specdec-bench-{os.getpid()}")
     os.environ.setdefault("SPECDEC_TUI_CONFIG_DIR", tempfile.mkdtemp(prefix="specdec-bench-cfg-"))
     root = tempfile.mkdtemp(prefix="specdec-bench-")
     session = open_session("local", ConnectOptions(run_root=root, simulate_gpus=2, python=sys.executable))
-    profile = {"name": "burst", "command": [sys.executable, "-c", BURST, str(rate), str(burst_s)]}
+    profile = Profile(name="burst", command=[sys.executable, "-c", BURST, str(rate), str(burst_s)])
     t_start = time.monotonic()
     app = DashboardApp(session, profile=profile, gpu_interval_s=0.1, procs_interval_s=1.0, tune_gc=True)
     proc = psutil.Process()
@@ -363,11 +364,11 @@ def terminal_child(report: Path, rate: int, burst_s: float, run_root: Path) -> N
     the benchmark presses l), then a report of its log model."""
     import json
 
-    from tui.session import open_session
-    from tui.transport import ConnectOptions
+    from tui.link.session import open_session
+    from tui.link.transport import ConnectOptions
 
     session = open_session("local", ConnectOptions(run_root=str(run_root), simulate_gpus=2, python=sys.executable))
-    profile = {"name": "burst", "command": [sys.executable, "-c", BURST, str(rate), str(burst_s)]}
+    profile = Profile(name="burst", command=[sys.executable, "-c", BURST, str(rate), str(burst_s)])
     app = DashboardApp(session, profile=profile, on_connect="none", tune_gc=True)
     app.run()
     model = app.state.log
@@ -390,8 +391,8 @@ async def bench_ssh() -> None:
     sys.path.insert(0, str(REPO / "tests" / "integration"))
     from conftest import running_sshd  # type: ignore[import-not-found]
 
-    from tui.session import open_session
-    from tui.transport import ConnectOptions
+    from tui.link.session import open_session
+    from tui.link.transport import ConnectOptions
 
     os.environ.setdefault("SPECDEC_TMUX_SOCKET", f"specdec-bench-{os.getpid()}")
     os.environ.setdefault("SPECDEC_TUI_CONFIG_DIR", tempfile.mkdtemp(prefix="specdec-bench-cfg-"))
@@ -423,8 +424,8 @@ async def bench_ssh() -> None:
 
 async def screenshot(path: Path, settle_s: float) -> None:
     """Launch the default profile (the engine's CPU demo) and save an SVG of the dashboard."""
-    from tui.session import open_session
-    from tui.transport import ConnectOptions
+    from tui.link.session import open_session
+    from tui.link.transport import ConnectOptions
 
     os.environ.setdefault("SPECDEC_TMUX_SOCKET", f"specdec-shot-{os.getpid()}")
     os.environ.setdefault("SPECDEC_TUI_CONFIG_DIR", tempfile.mkdtemp(prefix="specdec-shot-cfg-"))

@@ -36,7 +36,7 @@ import pytest
 from support.agent import AgentClient, AgentPool
 from support.waiting import wait_until
 
-from tui.session import ConnectOptions
+from tui.link.session import ConnectOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PCT_CTID = 4242

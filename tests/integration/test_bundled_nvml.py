@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tui import ship
+from tui.link import ship
 
 HAS_DRIVER_LIBRARY = ctypes.util.find_library("nvidia-ml") is not None
 

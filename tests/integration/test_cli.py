@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from support.waiting import wait_until, wait_until_async
 
-from tui import ship
-from tui.events import ClientEvent, ConnectionEvent
+from tui.link import ship
+from tui.link.events import ClientEvent, ConnectionEvent
+from tui.link.session import Session
+from tui.link.transport import ConnectOptions, LocalTransport, Target, pct_wrap, remote_command
 from tui.profiles import ProfileError, resolve_profile
-from tui.session import Session
-from tui.transport import ConnectOptions, LocalTransport, Target, pct_wrap, remote_command
 
 Cli = Callable[..., Any]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.protocol import WaitResult
-from tui.cli_run import _wait_exit_code
+from tui.cli.run import _wait_exit_code
 
 
 def _result(**fields: Any) -> WaitResult:

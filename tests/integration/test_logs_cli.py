@@ -235,9 +235,9 @@ def test_logs_n_then_follow_continues_right_after_the_last_line_printed(run_root
 
 async def test_the_session_passes_on_each_log_byte_once_and_never_across_a_hole() -> None:
     from engine import protocol
-    from tui.events import ClientEvent
-    from tui.session import ConnectOptions, Session
-    from tui.transport import LocalTransport, Target
+    from tui.link.events import ClientEvent
+    from tui.link.session import ConnectOptions, Session
+    from tui.link.transport import LocalTransport, Target
 
     session = Session(LocalTransport(Target(local=True), ConnectOptions()), ConnectOptions())
     session.resume_from({"offset": 10, "inode": 7}, None)

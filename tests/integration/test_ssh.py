@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from support.waiting import wait_until_async
 
-from tui import ship
-from tui.events import ClientEvent, ConnectionEvent
-from tui.session import ConnectOptions, open_session
-from tui.transport import SshTransport, Target
+from tui.link import ship
+from tui.link.events import ClientEvent, ConnectionEvent
+from tui.link.session import ConnectOptions, open_session
+from tui.link.transport import SshTransport, Target
 
 pytestmark = pytest.mark.ssh
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine.supervisor import records
-from tui.app import DashboardApp
+from tui.dashboard.app import DashboardApp
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +29,8 @@ def tui_config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def local_session_factory(run_root: Path) -> Callable[..., Any]:
     """A real session to a real local agent (simulated GPUs, temp run root, private tmux socket)."""
-    from tui.session import open_session
-    from tui.transport import ConnectOptions
+    from tui.link.session import open_session
+    from tui.link.transport import ConnectOptions
 
     def make(simulate_gpus: int = 2) -> Any:
         opts = ConnectOptions(run_root=str(run_root), simulate_gpus=simulate_gpus, python=sys.executable)

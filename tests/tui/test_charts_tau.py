@@ -6,9 +6,9 @@ from typing import Any
 
 from textual.app import App, ComposeResult
 
-from tui.events import decode
-from tui.screens.dashboard import DashboardState
-from tui.widgets.charts import ChartModel, Charts
+from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.widgets.charts import ChartModel, Charts
+from tui.link.events import decode
 
 
 def eval_event(thread: str, step: int, tau: float, per: list[float]) -> dict[str, Any]:

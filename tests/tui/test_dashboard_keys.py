@@ -7,6 +7,7 @@ covered against a real local agent in test_dashboard_live.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from support.pilot import wait_until
@@ -15,16 +16,24 @@ from textual.drivers.headless_driver import HeadlessDriver
 from textual.widgets import Button, Input
 from tui_recorded import RUN_ID, RecordingSession, healthy_events, log_events, run
 
-from tui import theming
-from tui.app import DashboardApp
-from tui.messages import CommandFinished, ConnectionChanged
-from tui.screens.confirm import ConfirmScreen
-from tui.screens.help import HelpScreen
-from tui.screens.stacks import StacksScreen
-from tui.widgets.log_tail import LogTail
+from tui.dashboard import theming
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.messages import ConnectionChanged
+from tui.dashboard.screens.confirm import ConfirmScreen
+from tui.dashboard.screens.help import HelpScreen
+from tui.dashboard.screens.stacks import StacksScreen
+from tui.dashboard.widgets.log_tail import LogTail
+from tui.link.transport import ConnectOptions
+from tui.profiles import Profile
+from tui.relaunch import launch_spec
 
 SIZE = (140, 44)
 LAUNCH_REPLY = {"run_id": "20261129-120000-cd34", "run_dir": "/r", "tmux_session": "specdec-x", "attachable": True}
+
+
+def notifications(app: DashboardApp) -> list[str]:
+    """What the app told the user, oldest first."""
+    return [str(n.message) for n in app._notifications]
 
 
 def session_with_run() -> RecordingSession:
@@ -44,7 +53,7 @@ def started(app: DashboardApp, session: RecordingSession) -> None:
 
 async def test_launch_sends_the_profiles_spec(recorded_app: Callable[..., DashboardApp]) -> None:
     session = session_with_run()
-    profile = {"name": "demo", "command": ["bash", "start_training.sh"], "cwd": "/root/work", "env": {"A": "1"}}
+    profile = Profile(name="demo", command=["bash", "start_training.sh"], cwd="/root/work", env={"A": "1"})
     app = recorded_app(session, profile=profile)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("l")
@@ -58,11 +67,8 @@ async def test_restart_confirmed_asks_the_agent_to_relaunch_the_recorded_spec(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
     session = session_with_run()
-    finished: list[CommandFinished] = []
     app = recorded_app(session)
-    async with app.run_test(
-        size=SIZE, message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None
-    ) as pilot:
+    async with app.run_test(size=SIZE) as pilot:
         started(app, session)
         await pilot.press("r")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
@@ -70,11 +76,11 @@ async def test_restart_confirmed_asks_the_agent_to_relaunch_the_recorded_spec(
         assert "python3 -m engine.trainer --preset cpu-demo" in body  # the command the run recorded
         assert session.requests == []  # nothing is sent before the answer
         await pilot.press("y")
-        await wait_until(pilot, lambda: [m.cmd for m in finished] == ["restart"], what="the restart reply")
+        said = f"restarted: run {LAUNCH_REPLY['run_id']} (was {RUN_ID})"
+        await wait_until(pilot, lambda: said in notifications(app), what="the restart reply, on screen")
         # One command: the agent stops the run and launches the spec it recorded (the CLI's restart does the same).
         assert session.commands() == ["restart"]
         assert session.requests[0][1]["grace_s"] == 30.0
-        assert finished[0].ok and finished[0].result == {"previous_run_id": RUN_ID, **LAUNCH_REPLY}
 
 
 async def test_restart_without_a_run_sends_nothing_and_says_why(recorded_app: Callable[..., DashboardApp]) -> None:
@@ -89,16 +95,17 @@ async def test_restart_without_a_run_sends_nothing_and_says_why(recorded_app: Ca
 
 async def test_restart_cancelled_sends_nothing(recorded_app: Callable[..., DashboardApp]) -> None:
     session = session_with_run()
-    finished: list[CommandFinished] = []
     app = recorded_app(session)
-    async with app.run_test(
-        size=SIZE, message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None
-    ) as pilot:
+
+    def cancels() -> int:
+        return notifications(app).count("Restart the run: cancelled")
+
+    async with app.run_test(size=SIZE) as pilot:
         started(app, session)
         await pilot.press("r")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("escape")
-        await wait_until(pilot, lambda: finished, what="cancel message")
+        await wait_until(pilot, lambda: cancels() == 1, what="the cancel, on screen")
         assert not isinstance(app.screen, ConfirmScreen)
         # a stray Enter on the dialog is a cancel too: the safe button has the focus
         await pilot.press("r")
@@ -106,7 +113,7 @@ async def test_restart_cancelled_sends_nothing(recorded_app: Callable[..., Dashb
         focused = app.screen.focused
         assert isinstance(focused, Button) and focused.id == "choice-no"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(finished) == 2)
+        await wait_until(pilot, lambda: cancels() == 2, what="the second cancel, on screen")
         assert session.requests == []
 
 
@@ -507,20 +514,36 @@ async def test_run_failure_shows_its_cause(recorded_app: Callable[..., Dashboard
         assert "✗ output" in timeline and "No such file" in timeline
 
 
-def test_launch_spec_from_a_cli_profile_starts_the_engine() -> None:
-    """``connect`` passes ``Profile.as_dict()``; without a command it launches our engine."""
-    from tui.app import launch_spec_for
-    from tui.profiles import Profile
-
+def test_launch_spec_of_a_profile_without_a_command_starts_the_engine_by_the_agents_interpreter() -> None:
+    """``connect`` hands the dashboard the typed ``Profile``; without a command it launches our engine."""
     session = RecordingSession()
     assert session.agent is not None
     session.agent.python_path = "/usr/bin/python3"
-    spec = launch_spec_for(Profile(name="default").as_dict(), session)
-    assert spec["command"][:3] == ["/usr/bin/python3", "-m", "engine.trainer"]
-    assert "--preset" in spec["command"] and spec["profile"] == "default"
-    assert spec["deadlines_s"]["first-step"] > 0
-    foreign = launch_spec_for({"name": "mine", "command": ["bash", "run.sh"], "cwd": "/w"}, session)
-    assert foreign == {"command": ["bash", "run.sh"], "cwd": "/w", "profile": "mine"}
+    session.engine_pythonpath = "/root/.cache/specdec/engine-abc"
+    spec = launch_spec(Profile(name="default"), session)
+    assert spec.command[:3] == ["/usr/bin/python3", "-m", "engine.trainer"]
+    assert "--preset" in spec.command and spec.profile == "default"
+    assert spec.env["PYTHONPATH"] == "/root/.cache/specdec/engine-abc"
+    assert spec.deadlines_s is not None and spec.deadlines_s["first-step"] > 0
+    foreign = launch_spec(Profile(name="mine", command=["bash", "run.sh"], cwd="/w"), session, cwd="/elsewhere")
+    assert (foreign.command, foreign.cwd, foreign.profile) == (["bash", "run.sh"], "/elsewhere", "mine")
+    assert foreign.env == {}  # a command of its own gets no engine PYTHONPATH
+
+
+async def test_l_without_a_profile_launches_the_one_the_command_line_named(
+    recorded_app: Callable[..., DashboardApp], tmp_path: Path
+) -> None:
+    """No profile given to the app: ``l`` reads ``--profile`` in ``--config`` from the session's options."""
+    config = tmp_path / "config.toml"
+    config.write_text('[profiles.mine]\ncommand = ["bash", "mine.sh"]\ncwd = "/w"\n')
+    session = session_with_run()
+    session.opts = ConnectOptions(profile="mine", config=str(config))
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("l")
+        await wait_until(pilot, lambda: "launch" in session.commands(), what="launch request")
+        _, args = session.requests[-1]
+        assert (args["command"], args["cwd"], args["profile"]) == (["bash", "mine.sh"], "/w", "mine")
 
 
 async def test_anomaly_badge_explains_itself_on_focus(recorded_app: Callable[..., DashboardApp]) -> None:
@@ -580,7 +603,7 @@ PAST_RUNS = {
 async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and_log_tail(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
-    from tui.screens.runs import RunsScreen
+    from tui.dashboard.screens.runs import RunsScreen
 
     def tail(args: dict[str, Any]) -> dict[str, Any]:
         return {"lines": [f"{args['run_id']} line {i}" for i in range(3)], "offset": 42, "run_id": args["run_id"]}
@@ -604,7 +627,7 @@ async def test_runs_key_lists_past_runs_and_shows_the_highlighted_ones_cause_and
 
 
 def test_every_key_action_has_exactly_one_owner_and_the_app_keeps_only_routing() -> None:
-    from tui import keys
+    from tui.dashboard import keys
 
     app = DashboardApp(RecordingSession(), connect=False, flush_interval_s=None)
     assert set(app.actions) == {spec.action for spec in keys.KEY_TABLE}

@@ -20,9 +20,10 @@ from support.procfs import pid_alive
 from support.waiting import wait_until_async
 
 from engine.protocol import to_jsonable
-from tui.app import DashboardApp
-from tui.events import ConnectionEvent
-from tui.screens.kill_stale import KillStaleScreen
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.kill_stale import KillStaleScreen
+from tui.link.events import ConnectionEvent
+from tui.profiles import Profile
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -61,7 +62,7 @@ async def test_launch_key_starts_a_real_run_and_every_pane_fills(
     local_session_factory: Callable[..., Any], cleanup_runs: list[dict[str, Any]]
 ) -> None:
     session = local_session_factory()
-    app = DashboardApp(session, profile={"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]})
+    app = DashboardApp(session, profile=Profile(name="steps", command=[sys.executable, "-c", STEP_SCRIPT]))
     try:
         async with app.run_test(size=SIZE) as pilot:
             run = await launch_and_watch(app, pilot)
@@ -85,7 +86,7 @@ async def test_quit_leaves_the_run_alive(
     local_session_factory: Callable[..., Any], cleanup_runs: list[dict[str, Any]]
 ) -> None:
     session = local_session_factory()
-    app = DashboardApp(session, profile={"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]})
+    app = DashboardApp(session, profile=Profile(name="steps", command=[sys.executable, "-c", STEP_SCRIPT]))
     async with app.run_test(size=SIZE) as pilot:
         run = await launch_and_watch(app, pilot)
         cleanup_runs.append(run)
@@ -162,7 +163,7 @@ async def test_agent_loss_shows_in_the_header_and_the_resumed_log_has_no_duplica
     session.backoff_base_s = 0.05  # reconnect quickly in the test
     states: list[str] = []
     session.add_event_listener(lambda ev: states.append(ev.state) if isinstance(ev, ConnectionEvent) else None)
-    app = DashboardApp(session, profile={"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]})
+    app = DashboardApp(session, profile=Profile(name="steps", command=[sys.executable, "-c", STEP_SCRIPT]))
     try:
         async with app.run_test(size=SIZE) as pilot:
             run = await launch_and_watch(app, pilot)

@@ -11,10 +11,10 @@ import pytest
 from tui_recorded import healthy_events
 
 from engine import protocol
-from tui.events import ConnectionEvent, Undecodable, decode
-from tui.screens.dashboard import DashboardState
-from tui.session import ConnectOptions, ReplyNotUnderstood, Session
-from tui.transport import LocalTransport, Target
+from tui.dashboard.screens.dashboard import DashboardState
+from tui.link.events import ConnectionEvent, Undecodable, decode
+from tui.link.session import ConnectOptions, ReplyNotUnderstood, Session
+from tui.link.transport import LocalTransport, Target
 
 
 def test_every_recorded_event_decodes_into_its_dataclass_and_its_wire_object_decodes_to_the_same() -> None:

@@ -9,8 +9,8 @@ from support.pilot import wait_until
 from textual.geometry import Region
 from tui_recorded import RecordingSession
 
-from tui.app import DashboardApp
-from tui.screens.help import HelpScreen
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.help import HelpScreen
 
 NARROW = (64, 40)
 

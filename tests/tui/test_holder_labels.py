@@ -8,7 +8,7 @@ from typing import Any
 from textual.app import App, ComposeResult
 
 from engine.protocol import ProcsEvent, from_json
-from tui.widgets.proc_tree import ProcTree, ThreadHealthModel
+from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel
 
 
 class _Pane(App[None]):

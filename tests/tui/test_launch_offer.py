@@ -11,10 +11,11 @@ from support.pilot import wait_until
 from test_dashboard_live import SIZE, STEP_SCRIPT
 
 from engine.protocol import to_jsonable
-from tui.app import DashboardApp
-from tui.screens.confirm import ConfirmScreen
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.confirm import ConfirmScreen
+from tui.profiles import Profile
 
-PROFILE = {"name": "steps", "command": [sys.executable, "-c", STEP_SCRIPT]}
+PROFILE = Profile(name="steps", command=[sys.executable, "-c", STEP_SCRIPT])
 
 
 async def test_connect_offers_a_launch_and_l_accepts_it(

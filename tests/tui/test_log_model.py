@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.protocol import decode_engine_event, encode_log_data
-from tui.widgets.charts import ChartModel, parse_log_metrics, sparkline
-from tui.widgets.log_tail import LogModel, clean_line, is_error_line
+from tui.dashboard.widgets.charts import ChartModel, parse_log_metrics, sparkline
+from tui.dashboard.widgets.log_tail import LogModel, clean_line, is_error_line
 
 
 def feed(model: LogModel, offset: int, data: bytes, inode: int = 7) -> int:

@@ -12,12 +12,11 @@ from support.pilot import wait_until
 from tui_recorded import RecordingSession, run
 
 from engine import protocol
-from tui import cli_common
 from tui.__main__ import main
-from tui.app import DashboardApp
-from tui.messages import CommandFinished
-from tui.screens.runs import RunsScreen
-from tui.session import CommandFailed, ReplyNotUnderstood, typed_reply
+from tui.cli import common as cli_common
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.runs import RunsScreen
+from tui.link.session import CommandFailed, ReplyNotUnderstood, typed_reply
 
 STATUS = {
     "t": 1.0,
@@ -125,13 +124,14 @@ async def test_the_dashboard_shows_a_runs_reply_that_does_not_decode_as_an_error
     recorded_app: Callable[..., DashboardApp],
 ) -> None:
     session = RecordingSession(replies={"runs": {"runs": [{"run_id": "r1"}], "total": 1}})
-    finished: list[CommandFinished] = []
     app = recorded_app(session)
-    async with app.run_test(
-        message_hook=lambda m: finished.append(m) if isinstance(m, CommandFinished) else None
-    ) as pilot:
+
+    def errors() -> list[str]:
+        return [str(n.message) for n in app._notifications if n.severity == "error"]
+
+    async with app.run_test() as pilot:
         await pilot.press("p")
-        await wait_until(pilot, lambda: [m.cmd for m in finished] == ["runs"], what="the runs reply")
-        assert not finished[0].ok and "runs.runs[0]: no 'run_dir'" in str(finished[0].error)
-        assert any("runs.runs[0]: no 'run_dir'" in str(n.message) for n in app._notifications)
+        await wait_until(pilot, errors, what="the runs reply, on screen")
+        assert len(errors()) == 1 and errors()[0].startswith("runs failed:")
+        assert "runs.runs[0]: no 'run_dir'" in errors()[0]
         assert not isinstance(app.screen, RunsScreen)

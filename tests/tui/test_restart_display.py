@@ -7,11 +7,11 @@ from typing import Any
 from textual.app import App, ComposeResult
 
 from engine import protocol
-from tui.cli_monitor import format_status
-from tui.events import decode
-from tui.screens.dashboard import DashboardState
-from tui.widgets.header import RunHeader
-from tui.widgets.run_timeline import RunTimeline
+from tui.cli.monitor import format_status
+from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.widgets.header import RunHeader
+from tui.dashboard.widgets.run_timeline import RunTimeline
+from tui.link.events import decode
 
 CRASH = {"attempt": 1, "cause": "crash", "at": 1000.0, "exit_code": 1, "detail": "exited with code 1"}
 OOM = {

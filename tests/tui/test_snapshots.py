@@ -22,7 +22,7 @@ from tui_recorded import (
     run,
 )
 
-from tui.app import DashboardApp
+from tui.dashboard.app import DashboardApp
 
 SIZE = (140, 44)
 STALE_HOLDER = {

@@ -9,8 +9,8 @@ from typing import Any
 from support.pilot import wait_until
 from tui_recorded import RecordingSession
 
-from tui.app import DashboardApp
-from tui.screens.stacks import StacksScreen
+from tui.dashboard.app import DashboardApp
+from tui.dashboard.screens.stacks import StacksScreen
 
 SIZE = (120, 40)
 DUMP = "Thread drafter0 (native id 7), most recent call last:\n  File \"worker.py\", line 3, in _loop"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tui import keys, theming
+from tui.dashboard import keys, theming
 
 SHIPPED = {"specdec-dark", "specdec-light", "specdec-high-contrast"}
 
@@ -77,7 +77,7 @@ def test_no_colour_literals_outside_themes() -> None:
     hex_colour = re.compile(r"#[0-9a-fA-F]{6}\b|#[0-9a-fA-F]{3}\b")
     named = re.compile(r"\b(?:color|background):\s*(?:red|green|blue|yellow|white|black|magenta|cyan)\b")
     offenders = []
-    for path in [*root.glob("*.py"), *root.glob("*.tcss"), *root.glob("screens/*.py"), *root.glob("widgets/*.py")]:
+    for path in [*root.rglob("*.py"), *root.rglob("*.tcss")]:
         if path.name in ("theming.py",):
             continue
         text = path.read_text()

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.protocol import HelloEvent, encode_log_data, from_json
-from tui.events import ClientEvent, ConnectionEvent, decode
+from tui.link.events import ClientEvent, ConnectionEvent, decode
+from tui.link.transport import ConnectOptions
 
 T0 = 1_764_400_000.0  # a fixed clock for snapshots
 RUN_ID = "20261129-111500-ab12"
@@ -30,6 +31,8 @@ class RecordingSession:
         self.state = "connected"
         self.agent: HelloEvent | None = from_json(HelloEvent, hello())
         self.rtt_ms: float | None = 12.0
+        self.opts = ConnectOptions()
+        self.engine_pythonpath: str | None = None  # where the engine was shipped on the host (none: it is installed)
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.replies: dict[str, Any] = replies or {}
         self.listeners: list[Callable[[ClientEvent], None]] = []

@@ -21,8 +21,8 @@ from engine.trainer.config import from_dict
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.engine import Engine
 from engine.trainer.metrics import EventLog
-from tui.cli_monitor import format_status
-from tui.widgets.run_timeline import TimelineModel
+from tui.cli.monitor import format_status
+from tui.dashboard.widgets.run_timeline import TimelineModel
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB = 32, 2, 1, 16, 64, 80, 24
 TARGET_LAYERS = [1, 2, 3]

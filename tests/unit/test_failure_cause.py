@@ -6,7 +6,7 @@ import re
 
 from support.recorded import TORCHRUN_FAILURE_SUMMARY
 
-from engine.supervisor.failure import FailureScan, last_step_in
+from engine.supervisor.records.log_failure import FailureScan, last_step_in
 
 # torchrun 2.13's own words (a real `torchrun --standalone --nproc-per-node 2` run, paths shortened), with the
 # surviving rank's consequential error printed BEFORE the root cause's, as happens when rank 0 reaches the log first.

@@ -13,7 +13,7 @@ from support.waiting import wait_until
 
 from engine.host import procs
 from engine.supervisor.members import group_is_ours, signal_group_checked
-from tui.cli_run import launch_cwd
+from tui.cli.run import launch_cwd
 
 
 def _session_sleeper() -> subprocess.Popen[bytes]:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from engine import protocol
-from tui.events import ClientEvent
-from tui.session import Session
-from tui.transport import ConnectOptions, LocalTransport, Target
+from tui.link.events import ClientEvent
+from tui.link.session import Session
+from tui.link.transport import ConnectOptions, LocalTransport, Target
 
 CTID = 4242
 PCT_SHIM = """#!/bin/sh

@@ -1,8 +1,8 @@
-"""No import cycle between modules inside engine/, counting every import statement.
+"""No import cycle between modules inside engine/ or inside tui/, counting every import statement.
 
 import-linter sees module-level imports only; a circle held together by an import under ``if TYPE_CHECKING``
-or inside a function is still a circle to a reader. This test parses each file of engine/ with ast and
-follows every import statement wherever it sits.
+or inside a function is still a circle to a reader. This test parses each file of engine/ and tui/ with ast
+and follows every import statement wherever it sits.
 """
 
 from __future__ import annotations
@@ -10,19 +10,26 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parents[2] / "engine"
+REPO = Path(__file__).resolve().parents[2]
+ENGINE = REPO / "engine"
+TUI = REPO / "tui"
+
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ENGINE.parent).with_suffix("").parts
+    parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def package_modules(root: Path) -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(root.rglob("*.py"))}
+
+
 def engine_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(ENGINE.rglob("*.py"))}
+    return package_modules(ENGINE)
 
 
 def imported_modules(name: str, source: str, known: set[str], is_package: bool = False) -> set[str]:
-    """The engine modules one file imports, at any depth of its syntax tree."""
+    """The modules of ``known`` one file imports, at any depth of its syntax tree."""
     package = name if is_package else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(ast.parse(source, name)):
@@ -46,8 +53,8 @@ def imported_modules(name: str, source: str, known: set[str], is_package: bool =
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = engine_modules()
+def import_graph(root: Path = ENGINE) -> dict[str, set[str]]:
+    modules = package_modules(root)
     known = set(modules)
     return {
         name: imported_modules(name, path.read_text(encoding="utf-8"), known, path.name == "__init__.py")
@@ -120,3 +127,15 @@ def test_a_circle_is_found_whatever_its_length() -> None:
 def test_no_import_cycle_inside_engine() -> None:
     found = sorted(sorted(c) for c in cycles(import_graph()))
     assert found == [], f"import cycles inside engine/: {found}"
+
+
+def test_the_tui_graph_sees_the_dashboard_imported_inside_a_function() -> None:
+    """``connect`` imports the dashboard inside its function (textual stays out of headless commands)."""
+    graph = import_graph(TUI)
+    assert "tui.dashboard.app" in graph["tui.__main__"]
+    assert {"tui.cli.run", "tui.cli.monitor"} <= graph["tui.__main__"]
+
+
+def test_no_import_cycle_inside_tui() -> None:
+    found = sorted(sorted(c) for c in cycles(import_graph(TUI)))
+    assert found == [], f"import cycles inside tui/: {found}"

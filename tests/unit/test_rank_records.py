@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.host.runs import ExitRecord
 from engine.supervisor import records
+from engine.supervisor.records import ExitRecord
 
 
 def write_events(path: Path, *events: dict[str, Any]) -> None:

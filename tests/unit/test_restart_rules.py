@@ -123,18 +123,24 @@ def test_a_hang_is_no_step_for_stall_s_and_loading_gets_the_first_step_deadline(
 
 
 def test_the_dashboards_launch_carries_the_profiles_restart_policy(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
-    from tui.app import launch_spec_for
+    from tui.link.transport import ConnectOptions
+    from tui.relaunch import launch_spec
 
     path = tmp_path / "config.toml"
     path.write_text(
         '[profiles.demo]\nrestart = { on = ["oom"], max = 1 }\n[profiles.demo.engine]\npreset = "cpu-demo"\n'
     )
     profiles, _, _ = load_profiles(str(path))
-    session = SimpleNamespace(agent=None, opts=None, transport=None)
-    spec = launch_spec_for(profiles["demo"].as_dict(), session)  # type: ignore[arg-type]
-    assert spec["command"][1:3] == ["-m", "engine.trainer"]
+
+    class Unconnected:
+        """A session before its first hello, shipped nowhere: the launch falls back to python3 on PATH."""
+
+        agent = None
+        opts = ConnectOptions()
+        engine_pythonpath = None
+
+    spec = protocol.to_jsonable(launch_spec(profiles["demo"], Unconnected()))  # type: ignore[arg-type]
+    assert spec["command"][:3] == ["python3", "-m", "engine.trainer"]
     assert spec["restart"] == {"on": ["oom"], "max": 1, "backoff_s": 30.0, "stall_s": 1800.0, "grace_s": 30.0}
     assert launch.coerce_spec(spec).restart == spec["restart"]
 

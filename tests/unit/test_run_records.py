@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.host import procs, runs
-from engine.host.runs import ExitRecord, LaunchRecord, SubmittedRecord
+from engine.host import procs
 from engine.supervisor import records
+from engine.supervisor.records import ExitRecord, LaunchRecord, SubmittedRecord
 
 
 def test_a_launch_record_reads_back_the_keys_it_wrote_and_keeps_unknown_ones() -> None:
@@ -39,9 +39,9 @@ def test_run_pids_counts_the_recorded_job_only_while_its_start_ticks_match(tmp_p
         ticks = procs.start_ticks_of(job.pid)
         assert ticks is not None
         pinned = LaunchRecord(job_pid=job.pid, job_pgid=job.pid, job_start_ticks=ticks)
-        assert job.pid in runs.run_pids(pinned)
+        assert job.pid in records.run_pids(pinned)
         later = LaunchRecord(job_pid=job.pid, job_pgid=job.pid, job_start_ticks=ticks + 1)
-        assert runs.run_pids(later) == set()  # a pid whose start differs from the record is another process
+        assert records.run_pids(later) == set()  # a pid whose start differs from the record is another process
     finally:
         job.kill()
         job.wait()

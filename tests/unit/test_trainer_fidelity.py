@@ -304,8 +304,8 @@ def test_recompile_limit_is_sized_from_steps_buckets_and_devices() -> None:
 
 
 def test_help_screen_and_chart_tooltip_say_what_loss_i_and_acc_i_divide_by() -> None:
-    from tui.screens.help import HelpScreen
-    from tui.widgets.charts import CHARTS_TOOLTIP
+    from tui.dashboard.screens.help import HelpScreen
+    from tui.dashboard.widgets.charts import CHARTS_TOOLTIP
 
     for text in (HelpScreen.charts_text(), CHARTS_TOOLTIP):
         assert "0.8^i" in text and "ALL B x T positions" in text

@@ -22,7 +22,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from engine import protocol
-from tui.widgets.text_line import RowTracking
+from tui.dashboard.widgets.text_line import RowTracking
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_POINTS = 600

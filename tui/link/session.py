@@ -5,7 +5,7 @@ to its listeners, measures the round trip with ``ping``, and, when the link brea
 capped exponential backoff plus jitter. After a reconnect the streams resume from the remembered
 log offset/inode and events.jsonl offset, so nothing is skipped or repeated.
 
-Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/events.py): event
+Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/link/events.py): event
 listeners (``add_event_listener``) get those, the session's own ``ConnectionEvent`` on every state change,
 and an ``Undecodable`` for a line that is JSON but not the protocol.
 """
@@ -17,13 +17,14 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine import protocol
-from tui.events import ClientEvent, ConnectionEvent, Undecodable, decode
-from tui.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
+from tui.link.events import ClientEvent, ConnectionEvent, Undecodable, decode
+from tui.link.transport import AgentStream, ConnectError, ConnectOptions, SshTransport, Transport, make_transport
 
 __all__ = [
+    "AgentSession",
     "CommandFailed",
     "ConnectError",
     "ConnectOptions",
@@ -49,6 +50,29 @@ PINGS_MISSED_BEFORE_RECONNECT = 2
 
 # Events only the session itself emits (synthetic connection-state changes).
 SESSION_EVENTS = frozenset({"connection"})
+
+
+class AgentSession(Protocol):
+    """One connection to a host's agent as the dashboard and the run words see it: what ``Session`` offers its
+    callers (tests' recording stand-ins implement the same), so no caller reaches into the transport."""
+
+    target_display: str
+    state: str
+    agent: protocol.HelloEvent | None  # the agent's hello, None before the first connect
+    rtt_ms: float | None
+    opts: ConnectOptions  # what the command line asked for (--python, --profile, --config, ...)
+
+    @property
+    def engine_pythonpath(self) -> str | None: ...
+
+    async def connect(self) -> None: ...
+    async def request(
+        self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
+    ) -> dict[str, Any]: ...
+    def add_event_listener(self, fn: Listener) -> Callable[[], None]: ...
+    async def start_streams(self, gpu_interval_s: float = 0.5, procs_interval_s: float = 1.0) -> None: ...
+    def attach_argv(self, tmux_session: str) -> list[str]: ...
+    async def close(self) -> None: ...
 
 
 class CommandFailed(Exception):
@@ -100,6 +124,11 @@ class Session:
         self._host_link: HostLink | None = None
         self._last_rx_s = 0.0  # monotonic time of the last line from the agent
         self._resync: asyncio.Future[None] | None = None
+
+    @property
+    def engine_pythonpath(self) -> str | None:
+        """PYTHONPATH under which ``python3 -m engine.trainer`` runs on the host (where the engine was shipped)."""
+        return self.transport.engine_pythonpath
 
     # -- listeners ---------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from engine.protocol import MILESTONES, MilestoneEvent, RunInfo
 from tui import restarts
-from tui.widgets.text_line import RowTracking
+from tui.dashboard.widgets.text_line import RowTracking
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A supervised run's records on disk, typed, and which live processes belong to the run.
+"""A run's three JSON records (submitted.json, launch.json, exit.json), typed, and which live processes are the run's.
 
 The supervisor writes three JSON records per run directory; every reader goes through these dataclasses,
 so a field is spelled once. ``from_json`` keeps a field only when its value has the declared type (a record
@@ -21,6 +21,7 @@ from types import UnionType
 from typing import Any, ClassVar, TypeVar
 
 from engine.host import procs
+from engine.supervisor.records.layout import EXIT_JSON, LAUNCH_JSON, SUBMITTED_JSON
 
 R = TypeVar("R", bound="Record")
 
@@ -184,3 +185,25 @@ def run_pids(launch: LaunchRecord | None, table: dict[int, procs.ProcStat] | Non
     if launch.job_pgid is not None:
         out.update(procs.group_members(launch.job_pgid, stats, launch.job_start_ticks))
     return out
+
+
+def read_json(path: Path | str) -> dict[str, Any] | None:
+    """A JSON object from a file; None when missing or not (yet) a JSON object."""
+    try:
+        with open(path, "rb") as fh:
+            obj = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_launch(run_dir: Path | str) -> LaunchRecord | None:
+    return LaunchRecord.read(Path(run_dir) / LAUNCH_JSON)
+
+
+def read_exit(run_dir: Path | str) -> ExitRecord | None:
+    return ExitRecord.read(Path(run_dir) / EXIT_JSON)
+
+
+def read_submitted(run_dir: Path | str) -> SubmittedRecord | None:
+    return SubmittedRecord.read(Path(run_dir) / SUBMITTED_JSON)

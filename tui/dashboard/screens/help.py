@@ -13,8 +13,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Static
 
-from tui.keys import KEY_TABLE, display_key
-from tui.widgets.charts import ACC_HELP, LOSS_HELP, TAU_HELP
+from tui.dashboard.keys import KEY_TABLE, display_key
+from tui.dashboard.widgets.charts import ACC_HELP, LOSS_HELP, TAU_HELP
 
 
 class HelpScreen(Screen[None]):

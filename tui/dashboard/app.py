@@ -28,23 +28,15 @@ from textual.theme import Theme
 from textual.widgets import Input
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
-from engine import protocol
-from tui import keys, live_reload, theming
-from tui.controls import Handler, RunControl, SessionLike, ViewControl, action_table, run_external
-from tui.events import ClientEvent, ConnectionEvent
-from tui.messages import (
-    ConnectionChanged,
-    LiveReloadReady,
-    MilestoneReached,
-    ProfilesReloaded,
-    RunChanged,
-    StreamBatch,
-    ThemesReloaded,
-)
-from tui.relaunch import launch_spec_for
-from tui.screens.dashboard import DashboardScreen, DashboardState
+from tui.dashboard import keys, live_reload, theming
+from tui.dashboard.controls import Handler, RunControl, ViewControl, action_table, run_external
+from tui.dashboard.messages import ConnectionChanged
+from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
+from tui.link.events import ClientEvent, ConnectionEvent
+from tui.link.session import AgentSession
+from tui.profiles import Profile, ProfileError, default_config_path, resolve_profile
 
-__all__ = ["DashboardApp", "SessionLike", "launch_spec_for", "run_dashboard"]
+__all__ = ["DashboardApp", "run_dashboard"]
 
 FLUSH_INTERVAL_S = 0.1
 CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second
@@ -56,7 +48,7 @@ GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython's d
 class DashboardApp(App[int]):
     """Live view of one target; keys drive the run (launch, restart, stop, kill stale, attach).
 
-    The app draws and routes: each key's action goes to the object that owns it (tui/controls.py).
+    The app draws and routes: each key's action goes to the object that owns it (tui/dashboard/controls.py).
     """
 
     CSS_PATH = "app.tcss"
@@ -65,9 +57,9 @@ class DashboardApp(App[int]):
 
     def __init__(
         self,
-        session: SessionLike,
+        session: AgentSession,
         *,
-        profile: dict[str, Any] | None = None,
+        profile: Profile | None = None,
         theme: str | None = None,
         flush_interval_s: float | None = FLUSH_INTERVAL_S,
         chart_interval_s: float = CHART_INTERVAL_S,
@@ -116,11 +108,11 @@ class DashboardApp(App[int]):
         self.view_control = ViewControl(self, lambda: self.dashboard, keymap)
         self.view_control.theme_names = list(loaded.themes)
         self.actions: dict[str, Handler] = action_table(self.run_control, self.view_control, self.quit_dashboard)
-        opts = getattr(session, "opts", None)
         self.live_reload = live_reload
-        self.profiles_config = config if config is not None else getattr(opts, "config", None)
-        self.profile_name: str | None = getattr(opts, "profile", None)
+        self.profiles_config = config if config is not None else session.opts.config
+        self.profile_name: str | None = session.opts.profile
         self.live_reload_worker: Worker[None] | None = None
+        self.watching: list[str] = []  # the directories the file watcher watches, once it does
         self._watch_stop = asyncio.Event()
 
     # -- life cycle --------------------------------------------------------------------------------
@@ -207,13 +199,11 @@ class DashboardApp(App[int]):
     # -- live reload of themes and profiles ----------------------------------------------------------
 
     async def _watch_files(self) -> None:
-        from tui.profiles import default_config_path
-
         config_file = Path(self.profiles_config).expanduser() if self.profiles_config else default_config_path()
         watched = live_reload.watched(config_file)
 
         def ready() -> None:
-            self.post_message(LiveReloadReady([str(d) for d in watched.directories]))
+            self.watching = [str(d) for d in watched.directories]
 
         await live_reload.watch(watched, self._watch_stop, ready, self._files_changed)
 
@@ -245,21 +235,17 @@ class DashboardApp(App[int]):
             self.notify(f"{error}; the theme loaded before stays", severity="error", timeout=15)
         if changed_names:
             self.notify(f"theme reloaded: {', '.join(changed_names)}", timeout=4)
-        self.post_message(ThemesReloaded(changed_names, errors))
 
     def reload_profiles(self) -> None:
         """Read the profiles' config file again; a broken one is reported and the profile loaded before stays."""
-        from tui.profiles import ProfileError, resolve_profile
 
         try:
             profile = resolve_profile(self.profile_name, self.profiles_config)
         except ProfileError as exc:
             self.notify(f"{exc}; the profiles loaded before stay", severity="error", timeout=15)
-            self.post_message(ProfilesReloaded(None, str(exc)))
             return
-        self.profile = profile.as_dict()
+        self.profile = profile
         self.notify(f"profile {profile.name} reloaded from {profile.source}", timeout=4)
-        self.post_message(ProfilesReloaded(profile.name, None))
 
     # -- events in ---------------------------------------------------------------------------------
 
@@ -284,7 +270,7 @@ class DashboardApp(App[int]):
         if state.header.state != self.session.state and self.session.state:
             state.header.state = self.session.state
             state.dirty.add("header")
-        if not state.dirty and not state.notices and not state.pending_messages:
+        if not state.dirty and not state.notices:
             return
         self.flushes += 1
         now = time.monotonic()
@@ -294,8 +280,6 @@ class DashboardApp(App[int]):
         if charts_allowed and ("charts" in state.dirty or state.charts.dirty):
             self._last_chart_draw = now
         sampled = state.gpus.t if state.gpus is not None and "gpus" in state.dirty else None
-        log_lines = state.new_log_lines
-        state.new_log_lines = 0
         try:
             with self.batch_update():
                 self.dashboard.apply(charts_allowed=charts_allowed)
@@ -304,14 +288,6 @@ class DashboardApp(App[int]):
         while state.notices:
             severity, text = state.notices.popleft()
             self.notify(text, severity=severity, timeout=8)  # type: ignore[arg-type]
-        events = state.pending_messages
-        state.pending_messages = []
-        for ev in events:
-            if isinstance(ev, protocol.RunEvent):
-                self.post_message(RunChanged(ev.run))
-            elif isinstance(ev, protocol.MilestoneEvent):
-                self.post_message(MilestoneReached(ev.run_id, ev.milestone, ev.t, ev.ok, ev.cause))
-        self.post_message(StreamBatch(events, log_lines))
         if sampled is not None:
             self.call_after_refresh(self._record_sample_latency, sampled)
 
@@ -372,9 +348,9 @@ class DashboardApp(App[int]):
 
 
 def run_dashboard(
-    session: SessionLike,
+    session: AgentSession,
     *,
-    profile: dict[str, Any] | None = None,
+    profile: Profile | None = None,
     theme: str | None = None,
     on_connect: str = "offer",
 ) -> int:

@@ -16,7 +16,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from engine import protocol
-from tui.widgets.text_line import RowTracking
+from tui.dashboard.widgets.text_line import RowTracking
 
 STALE_HEARTBEAT_S = 30.0
 MAX_THREADS = 256

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import watchfiles
 
-from tui import theming
+from tui.dashboard import theming
 
 CHANGE_STEP_MS = 50  # a batch is delivered once nothing changed for this long
 DEBOUNCE_MS = 1600  # ...or after this long at most, under a stream of writes

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from engine import protocol
-from tui.cli_common import (
+from tui.cli.common import (
     EXIT_FAILED,
     EXIT_HUNG,
     EXIT_OK,
@@ -20,10 +20,10 @@ from tui.cli_common import (
     simulated_label,
     with_session,
 )
-from tui.events import ClientEvent
+from tui.link.events import ClientEvent
+from tui.link.session import CommandFailed, ReplyNotUnderstood, Session, typed_reply
 from tui.profiles import Profile, ProfileError, resolve_profile
-from tui.relaunch import engine_python, restart_run
-from tui.session import CommandFailed, ReplyNotUnderstood, Session, typed_reply
+from tui.relaunch import launch_spec, restart_run
 
 WAIT_CHOICES = ("started", "output", "first-step")
 _REPLY_MARGIN_S = 30.0  # a wait's reply may arrive this long after its own timeout before we give up on it
@@ -34,10 +34,6 @@ def _profile(args: argparse.Namespace) -> Profile:
         return resolve_profile(args.profile, args.config)
     except ProfileError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _engine_python(session: Session) -> str:
-    return engine_python(session.opts.python, session.agent.python_path if session.agent else None)
 
 
 def _wait_exit_code(result: protocol.WaitResult) -> int:
@@ -234,10 +230,7 @@ async def cmd_launch(args: argparse.Namespace) -> int:
     command = _split_command(args)
 
     async def body(session: Session) -> int:
-        spec = profile.launch_spec(
-            command, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
-        )
-        spec.cwd = launch_cwd(args, spec.cwd)
+        spec = launch_spec(profile, session, command=command, cwd=launch_cwd(args, profile.cwd))
         return await launch_and_wait(session, spec, wait=args.wait, timeout_s=args.timeout, as_json=args.json)
 
     return await with_session(args, body)
@@ -313,10 +306,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             if not result.stopped:
                 err("the run did not stop; not starting a new one")
                 return EXIT_FAILED
-        spec = profile.launch_spec(
-            command, python=_engine_python(session), engine_pythonpath=session.transport.engine_pythonpath
-        )
-        spec.cwd = launch_cwd(args, spec.cwd)
+        spec = launch_spec(profile, session, command=command, cwd=launch_cwd(args, profile.cwd))
         return await launch_and_wait(session, spec, wait=args.wait, timeout_s=args.timeout, as_json=args.json)
 
     return await with_session(args, body)

@@ -1,13 +1,13 @@
 """What the dashboard's keys do, each owned by the object it acts on; the app only routes them.
 
-``action_table`` is the routing: a key's action name (tui/keys.py) to the method of its owner.
+``action_table`` is the routing: a key's action name (tui/dashboard/keys.py) to the method of its owner.
 
 - ``RunControl``: the run's verbs, sent to the host (launch, restart, stop, kill stale, stacks, past runs, attach).
 - ``ViewControl``: what changes this screen only (log filter, follow, theme, help).
 - the app itself: leaving (quit), which ends the session and the app's life.
 
-Every command runs in a worker, so the screen never waits on the network; a failed command is a notification and
-a ``CommandFinished`` message, never a crash.
+Every command runs in a worker, so the screen never waits on the network; its outcome is a notification (a
+failed command an error one), never a crash.
 """
 
 from __future__ import annotations
@@ -16,24 +16,23 @@ import os
 import shlex
 import subprocess
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from textual.app import App, SuspendNotSupported
 from textual.notifications import SeverityLevel
 
 from engine import protocol
-from tui import theming
-from tui.attach import HerePlan, plan_here
-from tui.events import ClientEvent
-from tui.messages import CommandFinished
-from tui.relaunch import launch_spec_for, restart_run
-from tui.screens.confirm import Choice, ConfirmScreen
-from tui.screens.dashboard import DashboardScreen, DashboardState
-from tui.screens.help import HelpScreen
-from tui.screens.kill_stale import KillStaleScreen
-from tui.screens.runs import RUN_TAIL_LINES, RunsScreen
-from tui.screens.stacks import StacksScreen
-from tui.session import typed_reply
+from tui.dashboard import theming
+from tui.dashboard.attach import HerePlan, plan_here
+from tui.dashboard.screens.confirm import Choice, ConfirmScreen
+from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
+from tui.dashboard.screens.help import HelpScreen
+from tui.dashboard.screens.kill_stale import KillStaleScreen
+from tui.dashboard.screens.runs import RUN_TAIL_LINES, RunsScreen
+from tui.dashboard.screens.stacks import StacksScreen
+from tui.link.session import AgentSession, typed_reply
+from tui.profiles import Profile, ProfileError
+from tui.relaunch import launch_spec, restart_run, session_profile
 
 STOP_TIMEOUT_S = 120.0
 STACKS_TIMEOUT_S = 20.0
@@ -41,24 +40,6 @@ RUNS_SHOWN = 50  # newest runs listed by the runs screen (the agent caches scans
 
 Handler = Callable[[], Awaitable[None] | None]
 R = TypeVar("R")
-
-
-class SessionLike(Protocol):
-    """What the dashboard needs of ``tui.session.Session`` (tests may pass a recording stand-in)."""
-
-    target_display: str
-    state: str
-    agent: protocol.HelloEvent | None
-    rtt_ms: float | None
-
-    async def connect(self) -> None: ...
-    async def request(
-        self, cmd: str, *, timeout_s: float | None = None, params: dict[str, Any] | None = None, **args: Any
-    ) -> dict[str, Any]: ...
-    def add_event_listener(self, fn: Callable[[ClientEvent], None]) -> Callable[[], None]: ...
-    async def start_streams(self, gpu_interval_s: float = 0.5, procs_interval_s: float = 1.0) -> None: ...
-    def attach_argv(self, tmux_session: str) -> list[str]: ...
-    async def close(self) -> None: ...
 
 
 def run_external(argv: list[str]) -> int:
@@ -72,9 +53,9 @@ class RunControl:
     def __init__(
         self,
         app: App[Any],
-        session: SessionLike,
+        session: AgentSession,
         state: DashboardState,
-        profile: Callable[[], dict[str, Any] | None],
+        profile: Callable[[], Profile | None],
         external_runner: Callable[[list[str]], int] = run_external,
     ) -> None:
         self.app = app
@@ -93,15 +74,13 @@ class RunControl:
         run = self.state.run
         if (run is not None and run.state in ("starting", "running")) or self.launch_asked:
             return
-        try:
-            spec = launch_spec_for(self.profile(), self.session)
-        except (ValueError, TypeError) as exc:
-            self.app.notify(f"cannot launch: {exc}", severity="error", timeout=12)
+        spec = self._launch_spec()
+        if spec is None:
             return
         if on_connect == "launch":
             await self._launch(spec)
             return
-        what = shlex.join(str(a) for a in spec.get("command", []))
+        what = shlex.join(spec.command)
         last = f"The last run, {run.run_id}, is {run.state}.\n" if run else ""
 
         def chosen(choice: str | None) -> None:
@@ -124,9 +103,7 @@ class RunControl:
             typed = typed_reply(reply, cmd, result)
         except Exception as exc:  # CommandFailed, a reply that does not decode, a lost link: an error, never a crash
             self.app.notify(f"{cmd} failed: {exc}", severity="error", timeout=12)
-            self.app.post_message(CommandFinished(cmd, False, error=str(exc)))
             return None
-        self.app.post_message(CommandFinished(cmd, True, result))
         return typed
 
     def _confirm(self, title: str, body: str, on_yes: Callable[[], Any], yes_label: str = "Yes") -> None:
@@ -135,7 +112,6 @@ class RunControl:
                 on_yes()
             else:
                 self.app.notify(f"{title.rstrip('?')}: cancelled", timeout=3)
-                self.app.post_message(CommandFinished("confirm", False, error="cancelled"))
 
         self.app.push_screen(
             ConfirmScreen(
@@ -150,18 +126,24 @@ class RunControl:
             return "the run"
         return f"run {run.run_id} ({shlex.join(run.command)})"
 
+    def _launch_spec(self) -> protocol.LaunchSpec | None:
+        """The profile's launch on this host (the one the command line named when the app was given none); None,
+        with the reason on screen, when the profiles' file cannot be used."""
+        try:
+            return launch_spec(self.profile() or session_profile(self.session), self.session)
+        except ProfileError as exc:
+            self.app.notify(f"cannot launch: {exc}", severity="error", timeout=12)
+            return None
+
     def launch(self) -> None:
         self.launch_asked = True
-        try:
-            spec = launch_spec_for(self.profile(), self.session)
-        except (ValueError, TypeError) as exc:
-            self.app.notify(f"cannot launch: {exc}", severity="error", timeout=12)
-            return
-        self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
+        spec = self._launch_spec()
+        if spec is not None:
+            self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
 
-    async def _launch(self, spec: dict[str, Any]) -> None:
-        self.app.notify(f"launching {shlex.join(str(a) for a in spec.get('command', []))}", timeout=4)
-        result = await self._request(protocol.LaunchReply, "launch", timeout_s=60.0, **spec)
+    async def _launch(self, spec: protocol.LaunchSpec) -> None:
+        self.app.notify(f"launching {shlex.join(spec.command)}", timeout=4)
+        result = await self._request(protocol.LaunchReply, "launch", timeout_s=60.0, **protocol.to_jsonable(spec))
         if result is not None:
             self.app.notify(f"launched run {result.run_id} (tmux {result.tmux_session})", timeout=5)
 
@@ -184,11 +166,8 @@ class RunControl:
             done = await restart_run(self.session)
         except Exception as exc:  # CommandFailed or a lost link: a visible error, never a crash
             self.app.notify(f"restart failed: {exc}", severity="error", timeout=12)
-            self.app.post_message(CommandFinished("restart", False, error=str(exc)))
             return
         self.app.notify(f"restarted: run {done.run_id} (was {done.previous_run_id})", timeout=5)
-        result = {"previous_run_id": done.previous_run_id, **done.launch}
-        self.app.post_message(CommandFinished("restart", True, result))
 
     def stop(self) -> None:
         if not self.state.run:
@@ -221,7 +200,6 @@ class RunControl:
         def chosen(targets: list[list[Any]] | None) -> None:
             if not targets:
                 self.app.notify("kill stale: cancelled, nothing signalled", timeout=4)
-                self.app.post_message(CommandFinished("confirm", False, error="cancelled"))
                 return
             self.app.run_worker(self._signal_stale(targets), group="command", exit_on_error=False)
 
@@ -249,10 +227,8 @@ class RunControl:
             stacks = typed_reply(protocol.StacksReply, "stacks", result)
         except Exception as exc:  # CommandFailed, a reply that does not decode, a lost link: the reason is shown
             screen.show("failed", f"stacks failed: {exc}")
-            self.app.post_message(CommandFinished("stacks", False, error=str(exc)))
             return
         screen.show(stacks.method, stacks.text)
-        self.app.post_message(CommandFinished("stacks", True, result))
 
     def runs(self) -> None:
         self.app.run_worker(self._runs(), group="command", exit_on_error=False)
@@ -313,7 +289,6 @@ class RunControl:
             self.app.notify(f"{failure}; run: {shlex.join(plan.argv)}", severity="error", timeout=20)
         else:
             self.app.notify(plan.note, timeout=10)
-        self.app.post_message(CommandFinished("attach", not failure, {"argv": plan.argv}, failure or None))
 
     def _attach_new_window(self, argv: list[str]) -> None:
         # The new window's shell inherits $TMUX; a local `tmux attach` refuses to nest unless it is unset.
@@ -349,11 +324,9 @@ class RunControl:
                     [Choice("no", "Close", "primary")],
                 )
             )
-            self.app.post_message(CommandFinished("attach", False, {"argv": argv}, "suspend not supported"))
             return
         for line in outcome:
             self.app.notify(line, severity="warning", timeout=10)
-        self.app.post_message(CommandFinished("attach", not outcome, {"argv": argv}))
         self.app.run_worker(self._resync(), name="resync", exit_on_error=False)
 
     async def _resync(self) -> None:
@@ -395,7 +368,7 @@ class ViewControl:
 
 
 def action_table(run: RunControl, view: ViewControl, quit_: Handler) -> dict[str, Handler]:
-    """Each key action (tui/keys.py's ``action``) to the method of the object that owns it."""
+    """Each key action (tui/dashboard/keys.py's ``action``) to the method of the object that owns it."""
     return {
         "launch": run.launch,
         "restart": run.restart,

@@ -1,4 +1,4 @@
-"""Headless commands that look: status, logs, doctor, stacks."""
+"""Headless commands that look: status, runs, logs, doctor, stacks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from engine import protocol
 from tui import restarts
-from tui.cli_common import (
+from tui.cli.common import (
     EXIT_CONNECTION,
     EXIT_FAILED,
     EXIT_OK,
@@ -24,8 +24,8 @@ from tui.cli_common import (
     simulated_label,
     with_session,
 )
-from tui.events import ClientEvent, ConnectionEvent, Undecodable
-from tui.session import CommandFailed, Session, typed_reply
+from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
+from tui.link.session import CommandFailed, Session, typed_reply
 
 # -- status ----------------------------------------------------------------------------------------
 
@@ -391,8 +391,8 @@ def _print_check(ok: bool, name: str, detail: str, fix: str | None, level: str =
 
 
 async def cmd_doctor(args: argparse.Namespace) -> int:
-    from tui.cli_common import connect_options
-    from tui.session import ConnectError, open_session
+    from tui.cli.common import connect_options
+    from tui.link.session import ConnectError, open_session
 
     session = open_session(args.target, connect_options(args))
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from textual.reactive import reactive
 from textual.widgets import Input, Log
 
 from engine.protocol import decode_log_data
-from tui.widgets.text_line import TextLine
+from tui.dashboard.widgets.text_line import TextLine
 
 DEFAULT_MAX_LINES = 20_000
 MAX_PARTIAL_BYTES = 256 * 1024

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 
 from engine.protocol import Anomaly, GpuInfo, GpusEvent
-from tui.widgets.text_line import TextLine
+from tui.dashboard.widgets.text_line import TextLine
 
 BADGE_LABELS = {
     "phantom_utilization": "PHANTOM UTIL",

@@ -12,7 +12,7 @@ from rich.console import RenderableType
 from rich.text import Text
 from textual.widget import Widget
 
-from tui.keys import KEY_TABLE, display_key
+from tui.dashboard.keys import KEY_TABLE, display_key
 
 
 class KeyFooter(Widget):

@@ -1,7 +1,7 @@
 """How the client reaches the host agent: a local subprocess, an asyncssh channel, or either behind ``pct exec``.
 
 Every transport ends in an ``AgentStream``: JSON lines from the agent's stdout, commands to its stdin.
-The host needs only ``python3``: the SSH and pct transports ship the agent bundle (tui/ship.py)
+The host needs only ``python3``: the SSH and pct transports ship the agent bundle (tui/link/ship.py)
 over the same connection, hash-checked, before starting it.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tui import ship
+from tui.link import ship
 
 if TYPE_CHECKING:
     import asyncssh

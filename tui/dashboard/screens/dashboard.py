@@ -21,14 +21,14 @@ from textual.widget import Widget
 
 from engine import protocol
 from tui import restarts
-from tui.events import ClientEvent, ConnectionEvent, Undecodable
-from tui.widgets.charts import ChartModel, Charts
-from tui.widgets.footer import KeyFooter
-from tui.widgets.gpu_bars import GpuBars
-from tui.widgets.header import HeaderModel, RunHeader
-from tui.widgets.log_tail import LogModel, LogPane
-from tui.widgets.proc_tree import ProcTree, ThreadHealthModel
-from tui.widgets.run_timeline import RunTimeline, TimelineModel
+from tui.dashboard.widgets.charts import ChartModel, Charts
+from tui.dashboard.widgets.footer import KeyFooter
+from tui.dashboard.widgets.gpu_bars import GpuBars
+from tui.dashboard.widgets.header import HeaderModel, RunHeader
+from tui.dashboard.widgets.log_tail import LogModel, LogPane
+from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel
+from tui.dashboard.widgets.run_timeline import RunTimeline, TimelineModel
+from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 
 MAX_NOTICES = 50
 MAX_PARSED_LINES_PER_EVENT = 20
@@ -55,15 +55,12 @@ class DashboardState:
         self.undecodable: dict[str | None, int] = {}  # agent events not understood, by their ``ev``
         self.dirty: set[str] = set()
         self.engine_steps_seen = False
-        self.new_log_lines = 0
-        self.pending_messages: list[ClientEvent] = []  # run / milestone events to post as messages
 
     def ingest(self, ev: ClientEvent) -> None:
         self.events_in += 1
         if isinstance(ev, protocol.LogEvent):
             n = self.log.feed(ev.offset, ev.inode, ev.data)
             if n:
-                self.new_log_lines += n
                 self.dirty.add("log")
                 if not self.engine_steps_seen:
                     self._parse_log_metrics(n)
@@ -92,14 +89,12 @@ class DashboardState:
             self.dirty.update({"gpus", "procs"})
         elif isinstance(ev, protocol.RunEvent):
             self._set_run(ev.run)
-            self.pending_messages.append(ev)
         elif isinstance(ev, protocol.MilestoneEvent):
             self.timeline.from_milestone(ev)
             if ev.run_id is not None:
                 self.header.run_id = ev.run_id
             if not ev.ok and ev.cause:
                 self.notices.append(("error", f"launch failed at {ev.milestone}: {ev.cause}"))
-            self.pending_messages.append(ev)
             self.dirty.update({"timeline", "header"})
         elif isinstance(ev, ConnectionEvent):
             self.header.state = ev.state

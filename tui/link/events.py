@@ -1,7 +1,7 @@
 """The events a session's listeners receive: the agent's, decoded into engine/protocol.py's dataclasses, and the
 session's own (its connection state, and a message it could not decode).
 
-Decoding happens once, where a line arrives (``tui.session.Session``); everything after it (the dashboard's models
+Decoding happens once, where a line arrives (``tui.link.session.Session``); everything after it (the dashboard's models
 and widgets, the headless commands) reads typed fields. A message that does not decode is not dropped and does
 not raise: it becomes an ``Undecodable`` event that the dashboard and the CLI show.
 """

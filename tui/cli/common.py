@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from engine import protocol
-from tui.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
+from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
 
 EXIT_OK = protocol.EXIT_OK
 EXIT_FAILED = protocol.EXIT_RUN_FAILED

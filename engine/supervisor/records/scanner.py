@@ -1,0 +1,276 @@
+"""The incremental scan of a run: only what was appended to output.log and the events files since the last poll.
+
+The wrapper times milestones with it as they happen, the agent's wait ends within one poll of a milestone, and
+read_run (one scanner per run directory in a ``ScannerCache``) reads the engine's stage and last step from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.host.appended import AppendedFile
+from engine.supervisor.records.documents import LaunchRecord
+from engine.supervisor.records.layout import EVENTS_JSONL, OUTPUT_LOG, RANK_EVENTS_RE
+from engine.supervisor.records.log_failure import Failure, FailureScan, last_step_in
+
+_SCAN_BUDGET_BYTES = 8 * 1024 * 1024
+LOG_LINE_MAX_BYTES = 64 * 1024  # a log "line" longer than this without an end is scanned as it is
+_KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
+_SCANNED_KINDS = frozenset({b"step", b"stage", b"thread_error", b"run_end", b"export"})
+# Events only a running engine writes about its own progress: a job that writes them takes first-step from them
+# (not from the step pattern); an error event alone (a job that died before training) does not make it an engine.
+_PROGRESS_KINDS = frozenset({b"stage", b"heartbeat", b"step"})
+_NPROC_RE = re.compile(r"--nproc[-_]per[-_]node(?:=|$)")
+
+
+@dataclass
+class RankState:
+    """One torchrun rank as its tagged events say (rank None: an engine outside torchrun)."""
+
+    rank: int | None
+    node: int | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None  # from its ``distributed`` stage event
+    pid: int | None = None  # from its ``distributed`` stage event
+    first_step_t: float | None = None
+    last_step: int | None = None
+    thread_errors: list[dict[str, Any]] = field(default_factory=list)
+    run_end: dict[str, Any] | None = None
+
+    def label(self) -> str:
+        return f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
+
+
+@dataclass
+class ScanState:
+    """What an incremental scan of a run's output.log and its events files has found so far."""
+
+    output_seen_at: float | None = None  # when this scanner first saw a byte of job output
+    log_step_seen_at: float | None = None  # a step-pattern line, for a job that writes no engine events
+    first_step_t: float | None = None  # when every rank of this node had stepped (the last one's first step)
+    stage: str | None = None
+    last_step: int | None = None
+    last_step_at: float | None = None
+    thread_errors: list[dict[str, Any]] = field(default_factory=list)
+    run_end: dict[str, Any] | None = None
+    last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
+    log_last_step: int | None = None  # the number in the last output.log line matching the step pattern
+    failure: Failure = field(default_factory=Failure)  # exceptions and torchrun's root cause in output.log
+    engine_events: bool = False  # the job writes engine events: first-step comes from them, not the step pattern
+    ranks: dict[int | None, RankState] = field(default_factory=dict)
+    nproc_hint: int | None = None  # --nproc-per-node of a torchrun command line, when the events do not say
+
+    def ranks_expected(self) -> int:
+        """How many ranks of this node write into this run directory."""
+        if None in self.ranks or not self.ranks:
+            return 1
+        sizes = [r.local_world_size for r in self.ranks.values() if r.local_world_size]
+        if sizes:
+            return max(sizes)
+        return max(self.nproc_hint or 0, len(self.ranks))
+
+    def distributed(self) -> bool:
+        return any(r is not None for r in self.ranks)
+
+
+class RunScanner:
+    """Reads only what was appended to output.log and events.jsonl since the last poll.
+
+    Used by the wrapper (to time milestones as they happen), by the agent's wait (to end a wait
+    within one poll of a milestone) and by read_run (cached per run dir, for the engine's stage).
+    """
+
+    def __init__(
+        self, run_dir: Path | str, step_pattern: str | None, output_base: int = 0, nproc_hint: int | None = None
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self._step_re = re.compile(step_pattern.encode()) if step_pattern else None
+        self._failure = FailureScan()
+        self._output_base = output_base
+        self._log = AppendedFile(self.run_dir / OUTPUT_LOG, output_base)
+        self._ev: dict[str, AppendedFile] = {}  # events file name -> how far it was read
+        self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
+        self.state = ScanState(nproc_hint=nproc_hint)
+        self.state.failure = self._failure.failure
+
+    def poll(self, now: float | None = None, budget_bytes: int = _SCAN_BUDGET_BYTES) -> ScanState:
+        t = now if now is not None else time.time()
+        with self._lock:
+            self._poll_events(budget_bytes)  # first: a step line in the log of an engine run is not its first-step
+            self._poll_log(t, budget_bytes)
+        return self.state
+
+    CATCH_UP_MAX_BYTES = 16 * 1024 * 1024  # of an ended run's log, read at once; beyond, only its end is read
+
+    def catch_up(self, now: float | None = None) -> ScanState:
+        """Scan an ended run's files to their end (its last step and cause are there), in budgeted passes."""
+        t = now if now is not None else time.time()
+        with self._lock:
+            try:
+                size = os.stat(self._log.path).st_size
+            except OSError:
+                size = 0
+            if size - self._log.position > self.CATCH_UP_MAX_BYTES:
+                self._log.restart(size - self.CATCH_UP_MAX_BYTES)
+            for _ in range(self.CATCH_UP_MAX_BYTES // _SCAN_BUDGET_BYTES + 1):
+                before = (self._log.position, sum(tail.position for tail in self._ev.values()))
+                self._poll_events(_SCAN_BUDGET_BYTES)
+                self._poll_log(t, _SCAN_BUDGET_BYTES)
+                if (self._log.position, sum(tail.position for tail in self._ev.values())) == before:
+                    break
+            if self._log.carry and self._step_re is not None:  # the last line may have no newline
+                step = last_step_in(self._log.carry, self._step_re)
+                self.state.log_last_step = step if step is not None else self.state.log_last_step
+        return self.state
+
+    def _poll_log(self, now: float, budget: int) -> None:
+        st, reset = self._log.check()
+        if st is None:
+            return
+        if reset is not None:  # rotated or truncated: scan the new file from its start
+            self._failure = FailureScan()
+            self.state.failure, self.state.log_last_step = self._failure.failure, None
+        if st.st_size <= self._log.position:
+            return
+        if self.state.output_seen_at is None and st.st_size > self._output_base:
+            self.state.output_seen_at = now
+        data = self._log.read_path(min(budget, st.st_size - self._log.position))
+        if not data:
+            return
+        _, complete = self._log.take_complete(data, (b"\n", b"\r"), LOG_LINE_MAX_BYTES)
+        if not complete:
+            return
+        self._failure.feed(complete)
+        if self._step_re is not None:
+            step = last_step_in(complete, self._step_re)
+            if step is not None:
+                self.state.log_last_step = step
+            if self.state.log_step_seen_at is None and not self.state.engine_events and self._step_re.search(complete):
+                self.state.log_step_seen_at = now
+
+    def _poll_events(self, budget: int) -> None:
+        names = [EVENTS_JSONL]
+        try:
+            names += sorted(e for e in os.listdir(self.run_dir) if RANK_EVENTS_RE.fullmatch(e))
+        except OSError:
+            return
+        for name in names:
+            self._poll_events_file(name, self._ev.setdefault(name, AppendedFile(self.run_dir / name)), budget)
+
+    def _poll_events_file(self, name: str, tail: AppendedFile, budget: int) -> None:
+        st, _ = tail.check()
+        if st is None or st.st_size <= tail.position:
+            return
+        data = tail.read_path(min(budget, st.st_size - tail.position))
+        _, complete = tail.take_complete(data)
+        for line in complete.split(b"\n")[:-1]:
+            self._event_line(line, name == EVENTS_JSONL)
+
+    def _event_line(self, line: bytes, main: bool = True) -> None:
+        """One event; ``main``: from events.jsonl, whose rank (this node's first) speaks for the run."""
+        # Heartbeats are the bulk of the file and change nothing here: skip them before parsing.
+        m = _KIND_RE.search(line)
+        if m is None:
+            return
+        if m.group(1) in _PROGRESS_KINDS:
+            self.state.engine_events = True
+        if m.group(1) not in _SCANNED_KINDS:
+            return
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(ev, dict):
+            return
+        kind = ev.get("kind")
+        t = ev.get("t")
+        t_f = float(t) if isinstance(t, (int, float)) else None
+        rank = ev.get("rank") if isinstance(ev.get("rank"), int) else None
+        rs = self.state.ranks.get(rank)
+        if rs is None:
+            rs = self.state.ranks[rank] = RankState(rank)
+        if isinstance(ev.get("node"), int):
+            rs.node = ev["node"]
+        if isinstance(ev.get("world_size"), int):
+            rs.world_size = ev["world_size"]
+        if kind == "step":
+            if rs.first_step_t is None:
+                rs.first_step_t = t_f if t_f is not None else time.time()
+                self._check_first_step()
+            step = ev.get("step")
+            if isinstance(step, int):
+                rs.last_step = step
+                if main or self.state.last_step is None:
+                    self.state.last_step = step  # the node's first rank speaks for the run (ranks agree on steps)
+            self.state.last_step_at = t_f
+        elif kind == "stage":
+            stage = ev.get("stage")
+            if isinstance(stage, str) and (main or self.state.stage is None):
+                self.state.stage = stage
+            if stage == "distributed":
+                rs.pid = ev.get("pid") if isinstance(ev.get("pid"), int) else rs.pid
+                lws = ev.get("local_world_size")
+                rs.local_world_size = lws if isinstance(lws, int) else rs.local_world_size
+        elif kind == "thread_error":
+            self.state.thread_errors.append(ev)
+            rs.thread_errors.append(ev)
+        elif kind == "run_end":
+            rs.run_end = ev
+            if main or self.state.run_end is None:
+                self.state.run_end = ev
+        elif kind == "export":
+            path = ev.get("path")
+            if isinstance(path, str):
+                self.state.last_export = path
+
+    def _check_first_step(self) -> None:
+        # first-step: every rank of this node has stepped (a rank that has not would be the one stuck).
+        firsts = [r.first_step_t for r in self.state.ranks.values() if r.first_step_t is not None]
+        if self.state.first_step_t is None and len(firsts) >= self.state.ranks_expected():
+            self.state.first_step_t = max(firsts)
+
+
+def nproc_per_node(command: list[str]) -> int | None:
+    """--nproc-per-node N of a torchrun command line (its number only: ``auto``/``gpu`` say nothing here)."""
+    for i, arg in enumerate(command):
+        value: str | None = None
+        if _NPROC_RE.match(arg):
+            value = arg.split("=", 1)[1] if "=" in arg else (command[i + 1] if i + 1 < len(command) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+class ScannerCache:
+    """One incremental scanner per run directory and wrapper start, owned by whoever reads runs repeatedly (the
+    agent, one wait): each read then scans only what was appended since the last. Thread-safe."""
+
+    MAX_RUNS = 64  # beyond, start over (a scanner costs its ranks' state; an agent rarely sees this many runs)
+
+    def __init__(self) -> None:
+        self._scanners: dict[str, tuple[float | None, RunScanner]] = {}
+        self._lock = threading.Lock()
+
+    def scanner_for(self, run_dir: Path, launch: LaunchRecord) -> RunScanner:
+        key = str(run_dir)
+        with self._lock:
+            cached = self._scanners.get(key)
+            if cached is not None and cached[0] == launch.started_at:
+                return cached[1]
+            sc = new_scanner(run_dir, launch)
+            if len(self._scanners) > self.MAX_RUNS:
+                self._scanners.clear()
+            self._scanners[key] = (launch.started_at, sc)
+            return sc
+
+
+def new_scanner(run_dir: Path, launch: LaunchRecord) -> RunScanner:
+    """A scanner of one run from the start of its job's output."""
+    return RunScanner(run_dir, launch.step_pattern, launch.output_offset_at_start, nproc_per_node(launch.command))
