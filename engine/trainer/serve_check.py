@@ -136,7 +136,7 @@ def prepare(checkpoint: Path, config: dict[str, Any]) -> Subject:
 
 
 def our_figures(
-    subject: Subject, prompts: list[list[int]], *, k: int, max_new_tokens: int, ignore_eos: bool
+    subject: Subject, prompts: list[list[int]], *, k: int, max_new_tokens: int, ignore_eos: bool, say: Any
 ) -> dict[str, Any]:
     """τ of the exported drafter with evaluate.py, in both countings, and the generated ids (vLLM counting's)."""
     import torch
@@ -159,6 +159,11 @@ def our_figures(
     for counting in COUNTINGS:
         outputs: list[list[int]] = []
         t0 = time.perf_counter()
+
+        def progress(done: int, stats: Any, counting: str = counting) -> None:
+            if done % 8 == 0 or done == len(prompts):
+                say(f"ours ({counting} counting): {done}/{len(prompts)} prompts, tau {stats.tau:.3f}")
+
         stats = evaluate(
             target_forward(target),
             DrafterProposer(drafter, rope_offset=True),
@@ -168,6 +173,7 @@ def our_figures(
             eos_id=eos_id,
             counting=counting,
             outputs=outputs,
+            on_prompt=progress,
         )
         out[counting] = {**stats.to_dict(), "eval_s": round(time.perf_counter() - t0, 1)}
         out["outputs"] = outputs
@@ -275,7 +281,9 @@ def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
         report["traceback_tail"] = served.get("traceback_tail", [])
         return EXIT_VLLM_FAILED, report
     say("vLLM done; our evaluation of the same export on the same prompt ids")
-    ours = our_figures(subject, prompts, k=args.k, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+    ours = our_figures(
+        subject, prompts, k=args.k, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, say=say
+    )
     theirs = vllm_figures(served, args.k)
     eos_id = None if args.ignore_eos else getattr(tokenizer, "eos_token_id", None)
     same = sum(
