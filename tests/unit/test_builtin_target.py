@@ -14,7 +14,7 @@ from engine.trainer.target import builtin as builtin_target
 from engine.trainer.target.builtin import RECIPE_FILE, Recipe, ensure_built, read_metrics, split_corpus
 from engine.trainer.target.model import load_target, load_tokenizer
 
-SMALL = Recipe(hidden=32, layers=8, steps=6, batch_size=4, seq_len=32)  # the default recipe's shape, far fewer steps
+SMALL = Recipe(hidden=32, layers=8, head_dim=32, steps=6, batch_size=4, seq_len=32)  # default depth, few steps
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +76,22 @@ def test_tiny_trained_is_a_target_name_the_engine_loads(
     assert target.config.num_hidden_layers == 8 and target.layer_ids == [1, 3, 4]
     logits, hidden3 = target.logits_and_hidden3(torch.tensor([tok("<|bos|>hi")["input_ids"]]))
     assert logits.shape[-1] == target.vocab_size and hidden3.shape[-1] == 3 * SMALL.hidden
+
+
+def test_the_saved_directory_serves_as_it_is(small_root: Path) -> None:
+    """A server given only the directory must stop at <|end|> (not at LlamaConfig's eos 2, the byte '#') and find
+    the tokenizer and its chat template there; vLLM's CPU attention has no 16-wide heads."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = ensure_built(SMALL, root=small_root, progress=lambda _line: None)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    config, generation = AutoConfig.from_pretrained(str(path)), GenerationConfig.from_pretrained(str(path))
+    names = {"bos": "<|bos|>", "eos": "<|end|>", "pad": "<|pad|>"}
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in names.items()}
+    for cfg in (config, generation):
+        assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (ids["bos"], ids["eos"], ids["pad"])
+    assert tok.decode([2]) == "#" and ids["eos"] != 2
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True) == (
+        "<|bos|><|user|>\nhi<|end|>\n<|assistant|>\n"
+    )
+    assert builtin_target.Recipe().head_dim == 64 and config.head_dim == SMALL.head_dim

@@ -233,3 +233,49 @@ def test_eval_of_a_directory_without_checkpoints_is_a_usage_error(
 ) -> None:
     assert main(["--checkpoint", str(tmp_path)]) == 2
     assert "neither a checkpoint" in capsys.readouterr().err
+
+
+VOCAB = 64
+
+
+def next_token_target(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target whose greedy token after ``t`` is ``t + 1``: its continuation of [0] is 1, 2, 3, ..."""
+    logits = torch.full((len(ids), VOCAB), -1.0)
+    logits[torch.arange(len(ids)), (torch.tensor(ids) + 1) % VOCAB] = 1.0
+    return logits, torch.zeros(1, len(ids), 3)
+
+
+class CountingUp:
+    """Proposes the next_token_target's own continuation: every draft is right."""
+
+    def propose(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[int]:
+        return [(seq[-1] + j) % VOCAB for j in range(1, k + 1)]
+
+
+def test_vllm_counting_counts_the_drafts_past_the_stop_token_and_keeps_the_output() -> None:
+    """Token 7 is the stop token. The prompt's forward gives 1; round 1 drafts 2-5 (the target adds 6); round 2
+    drafts 7-10, so the stop token is its first draft. Counted as we stop, round 2 accepts no draft and the
+    target gives the stop token; counted as vLLM's scheduler does (before it cuts the output), it accepts four."""
+    results = {}
+    for counting in ("stop", "vllm"):
+        outputs: list[list[int]] = []
+        stats = evaluate(
+            next_token_target, CountingUp(), [[0]], k=K, max_new_tokens=MAX_NEW, eos_id=7, counting=counting,
+            outputs=outputs,
+        )  # fmt: skip
+        results[counting] = (stats, outputs[0])
+    (ours, out_ours), (vllm, out_vllm) = results["stop"], results["vllm"]
+    assert out_ours == out_vllm == [1, 2, 3, 4, 5, 6, 7]  # the same text, ending with the stop token
+    assert ours.hist == [1, 0, 0, 0, 1] and vllm.hist == [0, 0, 0, 0, 2]
+    assert ours.accepted_per_position() == [1, 1, 1, 1] and vllm.accepted_per_position() == [2, 2, 2, 2]
+    assert vllm.tau == K + 1 and ours.tau == (5 + 1) / 2
+    assert vllm.to_dict()["counting"] == "vllm" and ours.to_dict()["counting"] == "stop"
+    # Ignoring the stop token, both countings are the same numbers.
+    ignore = [evaluate(next_token_target, CountingUp(), [[0]], k=K, max_new_tokens=MAX_NEW, eos_id=None,
+                       counting=c) for c in ("stop", "vllm")]  # fmt: skip
+    assert ignore[0].hist == ignore[1].hist
+
+
+def test_unknown_counting_is_refused() -> None:
+    with pytest.raises(ValueError, match="one of stop, vllm"):
+        evaluate(next_token_target, CountingUp(), [[0]], k=K, max_new_tokens=4, eos_id=None, counting="sglang")

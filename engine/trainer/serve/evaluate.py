@@ -13,7 +13,19 @@ greedily; every round the drafter proposes ``k`` tokens as a chain and the targe
 * accepted = the longest prefix of the proposals equal to the target's greedy tokens; the round commits
   those and the target's next greedy token, so it yields ``accepted + 1`` tokens. τ = mean over rounds.
 
-That is how vLLM and SGLang chain-draft an EAGLE-3 head. No KV cache: the target and the drafter's prefix
+That is how vLLM and SGLang chain-draft an EAGLE-3 head. Two countings of the last round, which differ only when a
+prompt ends at the stop token (``eos``; with ``--ignore-eos`` they are the same numbers):
+
+* ``stop`` (the default): a round's accepted drafts end before the stop token, which the target's own token of the
+  round then supplies; τ counts the tokens the reader receives;
+* ``vllm``: every leading draft equal to the target's greedy token counts, the stop token and drafts after it
+  included, and only then is the output cut at the stop token, as vLLM's scheduler counts (it records a round's
+  accepted drafts before it checks for stop tokens). Its counts equal vLLM's ``spec_decode_num_drafts`` and
+  ``spec_decode_num_accepted_tokens_per_pos`` on the same prompt ids.
+
+vLLM's "mean acceptance length" is τ (1 + accepted / drafts); its per-position acceptance rate is ``per_position``
+here (accepted at position i / drafts, unconditional), not ``per_position_conditional`` (accepted at i given i-1).
+ No KV cache: the target and the drafter's prefix
 are recomputed each round (one target forward per round), which is plenty for small targets and bounded
 evaluations, and keeps the arithmetic the same as training's.
 
@@ -40,6 +52,10 @@ from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, rotary_tables
 
+COUNT_STOP = "stop"
+COUNT_VLLM = "vllm"
+COUNTINGS = (COUNT_STOP, COUNT_VLLM)
+
 TargetForward = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]  # ids -> (logits (T, V), hidden3 (1, T, 3H))
 
 
@@ -51,6 +67,7 @@ class AcceptanceStats:
     hist: list[int] = field(default_factory=list)  # hist[a] = rounds that accepted exactly a tokens, a = 0..k
     prompts: int = 0
     new_tokens: int = 0
+    counting: str = "stop"  # COUNT_STOP or COUNT_VLLM (the module docstring)
 
     def __post_init__(self) -> None:
         if not self.hist:
@@ -78,13 +95,19 @@ class AcceptanceStats:
         n = self.rounds
         return sum((a + 1) * c for a, c in enumerate(self.hist)) / n if n else float("nan")
 
+    def accepted_per_position(self) -> list[int]:
+        """Rounds whose proposal j was accepted, j = 1..k (vLLM's ``spec_decode_num_accepted_tokens_per_pos``)."""
+        return [self.at_least(j) for j in range(1, self.k + 1)]
+
     def per_position(self) -> list[float]:
-        """P(proposal j accepted) for j = 1..k: the chance a round gets at least j tokens from the drafter."""
+        """P(proposal j accepted) for j = 1..k, unconditional: accepted at j / rounds. vLLM's per-position
+        acceptance rate (``num_accepted_tokens_per_pos[j] / num_drafts``)."""
         n = self.rounds
         return [self.at_least(j) / n if n else float("nan") for j in range(1, self.k + 1)]
 
     def per_position_conditional(self) -> list[float]:
-        """P(proposal j accepted | proposal j-1 accepted), j = 1..k (vLLM's per-position acceptance rate)."""
+        """P(proposal j accepted | proposal j-1 accepted), j = 1..k: accepted at j / accepted at j-1 (not what
+        vLLM reports; see ``per_position``)."""
         out = []
         for j in range(1, self.k + 1):
             before = self.at_least(j - 1)
@@ -95,7 +118,9 @@ class AcceptanceStats:
         return {
             "tau": self.tau,
             "k": self.k,
+            "counting": self.counting,
             "rounds": self.rounds,
+            "accepted_per_position": self.accepted_per_position(),
             "prompts": self.prompts,
             "new_tokens": self.new_tokens,
             "per_position": self.per_position(),
@@ -200,23 +225,27 @@ def speculate(
     eos_id: int | None,
     stats: AcceptanceStats,
 ) -> list[int]:
-    """Greedy chain speculation on one prompt; adds each round to ``stats``; returns the generated tokens.
+    """Greedy chain speculation on one prompt; adds each round to ``stats`` (counted as ``stats.counting`` says,
+    see the module docstring); returns the generated tokens, up to and including the stop token.
 
     The output equals plain greedy decoding by the target (speculation changes speed, never the text).
     """
     logits, hidden3 = forward(prompt)
     generated = [int(logits[-1].argmax())]
     stats.prompts += 1
-    while len(generated) < max_new_tokens and generated[-1] != eos_id:
+    past_stop = stats.counting == COUNT_VLLM
+    while len(generated) < max_new_tokens and eos_id not in generated:
         seq = prompt + generated
         draft = proposer.propose(seq, hidden3[:, : len(seq) - 1], k)
         logits, hidden3 = forward(seq + draft)
         greedy = logits[len(seq) - 1 :].argmax(-1).tolist()  # the target's token after seq, seq+d1, ..., (k + 1)
         accepted = 0
-        while accepted < k and draft[accepted] == greedy[accepted] and greedy[accepted] != eos_id:
+        while accepted < k and draft[accepted] == greedy[accepted] and (past_stop or greedy[accepted] != eos_id):
             accepted += 1
         stats.add(accepted)
         generated.extend(greedy[: accepted + 1])
+    if eos_id in generated:
+        del generated[generated.index(eos_id) + 1 :]
     del generated[max_new_tokens:]
     stats.new_tokens += len(generated)
     return generated
@@ -237,6 +266,16 @@ def prompt_ids(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
     last = max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
     text: str = tokenizer.apply_chat_template(conversation[:last], tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def read_prompt_ids(path: Path) -> list[list[int]]:
+    """A JSON list of prompts, each a non-empty list of token ids (what a server is fed as ``prompt_token_ids``)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, list) or not all(
+        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data
+    ):
+        raise ValueError(f"{path}: not a JSON list of non-empty token-id lists")
+    return data
 
 
 def data_path_of(data: str) -> Path:
@@ -265,10 +304,17 @@ def evaluate(
     max_new_tokens: int,
     eos_id: int | None,
     on_prompt: Callable[[int, AcceptanceStats], None] | None = None,
+    counting: str = COUNT_STOP,
+    outputs: list[list[int]] | None = None,
 ) -> AcceptanceStats:
-    stats = AcceptanceStats(k)
+    """τ over ``prompts``; the generated tokens of each prompt are appended to ``outputs`` when given."""
+    if counting not in COUNTINGS:
+        raise ValueError(f"counting {counting!r}: one of {', '.join(COUNTINGS)}")
+    stats = AcceptanceStats(k, counting=counting)
     for i, prompt in enumerate(prompts):
-        speculate(forward, proposer, prompt, k=k, max_new_tokens=max_new_tokens, eos_id=eos_id, stats=stats)
+        out = speculate(forward, proposer, prompt, k=k, max_new_tokens=max_new_tokens, eos_id=eos_id, stats=stats)
+        if outputs is not None:
+            outputs.append(out)
         if on_prompt is not None:
             on_prompt(i + 1, stats)
     return stats
@@ -371,7 +417,7 @@ class PeriodicEvaluation:
         body = stats.to_dict()
         body["eval_s"] = round(time.perf_counter() - t0, 3)
         event = self.events.emit("eval", thread=thread, step=step, **body)
-        per = " ".join(f"{p:.2f}" for p in stats.per_position_conditional())
+        per = " ".join(f"{p:.2f}" for p in stats.per_position())
         self.events.say(f"eval step={step} thread={thread} tau={stats.tau:.3f} accept_i={per} rounds={stats.rounds}")
         return dict(event)
 
@@ -421,6 +467,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="feed the drafter as vLLM/SGLang do by default, whatever it was trained with: rotary positions "
         "advancing per draft token, and the outputs of target layers 1, L/2-1, L-4",
     )
+    ap.add_argument(
+        "--count",
+        choices=COUNTINGS,
+        default=COUNT_STOP,
+        help="how the round that reaches the stop token counts. stop (default): its accepted drafts end before the "
+        "stop token, so τ counts the tokens the reader gets; vllm: every draft equal to the target's token counts, "
+        "the stop token and past it, before the output is cut there, as vLLM's scheduler counts (its "
+        "num_accepted_tokens_per_pos and mean acceptance length on the same prompt ids)",
+    )
+    ap.add_argument(
+        "--ignore-eos", action="store_true", help="decode --max-new-tokens for every prompt, through stop tokens"
+    )
+    ap.add_argument("--prompt-ids", help="a JSON file of prompts as token-id lists, instead of the held-out ones")
+    ap.add_argument("--outputs", action="store_true", help="add each prompt's generated token ids to --json")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
@@ -469,19 +529,22 @@ def main(argv: list[str] | None = None) -> int:
         tiny_layers=int(cfg.get("tiny_layers", 4)),
     )
     try:
-        prompts = heldout_prompts(
-            tokenizer,
-            str(cfg.get("data", "shipped")),
-            int(cfg.get("eval_holdout", 32)),
-            int(cfg.get("seed", 0)),
-            args.conversations,
-        )
-    except ValueError as exc:
+        if args.prompt_ids:
+            prompts = read_prompt_ids(Path(args.prompt_ids))[: args.conversations]
+        else:
+            prompts = heldout_prompts(
+                tokenizer,
+                str(cfg.get("data", "shipped")),
+                int(cfg.get("eval_holdout", 32)),
+                int(cfg.get("seed", 0)),
+                args.conversations,
+            )
+    except (ValueError, OSError) as exc:
         print(f"specdec-train eval: {exc}", file=sys.stderr)
         return 2
     names = args.drafter or list(meta.get("drafters") or [])
     rope_offset = True if args.as_served else rope_offset_of(cfg)
-    eos_id = getattr(tokenizer, "eos_token_id", None)
+    eos_id = None if args.ignore_eos else getattr(tokenizer, "eos_token_id", None)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     results: dict[str, Any] = {}
     for name in names:
@@ -491,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         def progress(i: int, stats: AcceptanceStats, name: str = name) -> None:
             say(f"{name}: {i}/{len(prompts)} prompts, {stats.rounds} rounds, tau {stats.tau:.3f}")
 
+        outputs: list[list[int]] = []
         stats = evaluate(
             target_forward(target),
             DrafterProposer(drafter, rope_offset=rope_offset, autocast_dtype=autocast),
@@ -499,8 +563,12 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             eos_id=eos_id,
             on_prompt=progress,
+            counting=args.count,
+            outputs=outputs,
         )
         results[name] = {**stats.to_dict(), "eval_s": round(time.perf_counter() - t0, 2)}
+        if args.outputs:
+            results[name]["outputs"] = outputs
     summary = {
         "checkpoint": str(path),
         "step": meta.get("step"),
@@ -508,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_layers": target.layer_ids,
         "ttt_rope_offset": rope_offset,
         "as_served": args.as_served,
+        "counting": args.count,
+        "ignore_eos": args.ignore_eos,
         "drafters": results,
     }
     if args.json:
@@ -515,12 +585,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"checkpoint {path} (step {meta.get('step')}), target {spec} layers {target.layer_ids}, k={args.k}, "
-        f"rope offset {rope_offset}{' (as served)' if args.as_served else ''}"
+        f"rope offset {rope_offset}{' (as served)' if args.as_served else ''}, counting {args.count}"
+        f"{', ignoring eos' if args.ignore_eos else ''}"
     )
     for name, r in results.items():
         cond = " ".join(f"{v:.3f}" for v in r["per_position_conditional"])
         uncond = " ".join(f"{v:.3f}" for v in r["per_position"])
         print(f"{name}: tau={r['tau']:.3f} rounds={r['rounds']} prompts={r['prompts']} new_tokens={r['new_tokens']}")
-        print(f"  accept_i | accept_(i-1): {cond}")
-        print(f"  accept_i:                {uncond}")
+        print(f"  accepted at i / drafts (vLLM's per-position rate): {uncond}")
+        print(f"  accepted at i / accepted at i-1 (conditional):   {cond}")
     return 0

@@ -9,6 +9,11 @@ Hugging Face model directory plus ``recipe.json`` and ``metrics.json`` (held-out
 
 Eight layers, so the serve-time aux layers (outputs of 1, L/2-1, L-4) and the older ids (2, L/2, L-3) are all
 distinct; the byte-level tokenizer of ``tiny`` (engine/trainer/target/tiny_tokenizer.py).
+
+Servable as it is (``vllm serve DIR``, or DIR as the target of an EAGLE-3 speculative config): its heads are 64
+wide (vLLM's CPU attention has kernels for head_dim 32, 64, 80, ... and none for 16), its config carries the
+tokenizer's own special ids (LlamaConfig's defaults, bos 1 and eos 2, are the bytes ``"`` and ``#`` here, so a
+server would stop at every ``#``), and the tokenizer files with the chat template are saved beside the weights.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from engine.trainer.data.sources import load_conversations, shipped_corpus_path,
 NAME = "tiny-trained"
 RECIPE_FILE = "recipe.json"
 METRICS_FILE = "metrics.json"
-FORMAT_VERSION = 1  # bump when the training code changes what a recipe produces
+FORMAT_VERSION = 2  # bump when the training code changes what a recipe produces
 
 Progress = Callable[[str], None]
 
@@ -46,8 +51,9 @@ Progress = Callable[[str], None]
 class Recipe:
     """Everything that decides the trained weights; its hash names the cache directory."""
 
-    hidden: int = 64
+    hidden: int = 128
     layers: int = 8
+    head_dim: int = 64  # two heads; vLLM's CPU attention runs 64-wide heads (not the tiny preset's 16)
     steps: int = 250
     batch_size: int = 16
     seq_len: int = 128
@@ -120,7 +126,7 @@ def ensure_built(
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(str(tmp))
+        save_servable(model, str(tmp))
         (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1), encoding="utf-8")
         (tmp / RECIPE_FILE).write_text(json.dumps(dataclasses.asdict(recipe), indent=1), encoding="utf-8")
         if final.exists():  # an incomplete leftover (no recipe.json)
@@ -131,6 +137,24 @@ def ensure_built(
             f"entropy {metrics['heldout_entropy_bits']:.2f} bits (uniform: {metrics['uniform_entropy_bits']:.2f})"
         )
     return final
+
+
+def save_servable(model: Any, directory: str) -> None:
+    """The weights with the tokenizer's special ids in config.json and generation_config.json, and the tokenizer
+    files (chat template included), so a server given only this directory tokenizes and stops as we do."""
+    from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    special = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    for config in (model.config, model.generation_config):
+        for key, value in special.items():
+            setattr(config, key, value)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 def read_metrics(path: Path) -> dict[str, Any]:
@@ -155,7 +179,7 @@ def build_model(recipe: Recipe, vocab_size: int) -> Any:
 
     from engine.trainer.target.model_configs import tiny_config
 
-    cfg = tiny_config(vocab_size, recipe.hidden, recipe.layers)
+    cfg = tiny_config(vocab_size, recipe.hidden, recipe.layers, recipe.head_dim)
     cfg.initializer_range = 0.02  # tiny_config's 0.1 suits a random target, not one that is trained
     return LlamaForCausalLM(cfg)
 

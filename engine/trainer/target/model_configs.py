@@ -10,10 +10,10 @@ from typing import Any
 from engine.trainer.config import BUILTIN_TARGET_LAYERS
 
 
-def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 8) -> Any:
+def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 8, head_dim: int = 16) -> Any:
     from transformers import LlamaConfig
 
-    heads = hidden // 16
+    heads = hidden // head_dim
     extra: dict[str, Any] = {"attn_implementation": "sdpa"}
     return LlamaConfig(
         **extra,
@@ -23,7 +23,7 @@ def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 8) -> Any:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         tie_word_embeddings=True,  # a random target whose argmax depends on the token: learnable
         initializer_range=0.1,
