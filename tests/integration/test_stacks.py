@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from support.agent import REPO_ROOT, AgentClient, launch_and_wait
 
+from engine.supervisor import stacks as stacks_mod
+
 pytestmark = [pytest.mark.tmux, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
 # Registers the engine's handler, then logs every 50 ms from threads named as the engine names its own.
@@ -64,7 +66,7 @@ def test_stacks_of_a_run_logging_every_50_ms_come_back_named_in_under_a_second(a
         _stop(agent, launched["run_id"])
 
 
-def test_a_thread_holding_the_gil_still_gets_faulthandlers_dump_in_under_a_second(agent: AgentClient) -> None:
+def test_a_thread_holding_the_gil_gets_faulthandlers_dump_soon_after_the_named_dump_wait(agent: AgentClient) -> None:
     # The main thread sits in one long C call (sum over a range holds the GIL): no Python handler can run.
     busy_main = 'while True:\n    print("main: health tick", flush=True)'
     script = BUSY_RUN.replace(busy_main, "print('up', flush=True)\nwhile True:\n    sum(range(10**12))")
@@ -73,7 +75,7 @@ def test_a_thread_holding_the_gil_still_gets_faulthandlers_dump_in_under_a_secon
         t0 = time.monotonic()
         res = agent.ok("stacks", timeout_s=20)
         elapsed_s = time.monotonic() - t0
-        assert elapsed_s < 1.5, f"stacks took {elapsed_s:.2f} s"
+        assert elapsed_s < stacks_mod.NAMED_DUMP_WAIT_S + 1.5, f"stacks took {elapsed_s:.2f} s"
         assert "faulthandler, threads unnamed" in res["method"] and "GIL" in res["method"], res["method"]
         assert "most recent call first" in res["text"] and "<module>" in res["text"], res["text"]
         assert not LOG_LINE.search(res["text"])

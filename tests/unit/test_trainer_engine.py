@@ -16,6 +16,7 @@ import pytest
 import torch
 from support.waiting import wait_until
 
+from engine import protocol
 from engine.agent import anomalies
 from engine.trainer.config import EngineConfig, from_dict
 from engine.trainer.run.loop import Engine
@@ -354,8 +355,8 @@ def test_a_nan_gradient_skips_the_step_on_every_replica_and_never_reaches_a_chec
     assert all(torch.equal(after2[k], after4[k]) for k in after2)
     # The agent turns the events into one anomaly per thread.
     state = anomalies.EngineState()
-    for ev in rec.events:
-        state.feed(ev)
+    for raw in rec.events:
+        state.feed(protocol.decode_engine_event(raw))  # every event the trainer wrote decodes
     found = [a for a in anomalies.engine_anomalies(state, time.time(), True) if a.kind == "nonfinite_grad"]
     assert [a.thread for a in found] == ["drafter0", "drafter1"]
     assert "2 step(s) skipped for non-finite gradients (last at step 4, norm nan)" in found[0].message

@@ -142,7 +142,7 @@ def ensure_built(
 def save_servable(model: Any, directory: str) -> None:
     """The weights with the tokenizer's special ids in config.json and generation_config.json, and the tokenizer
     files (chat template included), so a server given only this directory tokenizes and stops as we do."""
-    from engine.trainer.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     special = {
