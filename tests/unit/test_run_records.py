@@ -65,3 +65,26 @@ def test_reading_a_run_twice_without_a_cache_gives_the_same_answer_and_a_cache_k
     assert read_back is not None
     assert cache.scanner_for(rd, read_back) is cache.scanner_for(rd, read_back)
     assert json.loads((rd / records.LAUNCH_JSON).read_text())["job_pid"] == os.getpid()
+
+
+def test_an_event_line_without_end_is_skipped_and_counted_never_held_whole(tmp_path: Path) -> None:
+    from engine.supervisor.records import scanner
+
+    rd = tmp_path / "runs" / "r1"
+    rd.mkdir(parents=True)
+    launch = LaunchRecord(run_id="r1", command=["job"], wrapper_pid=os.getpid(), boot_id=procs.read_boot_id(),
+                          started_at=1.0, job_pid=os.getpid(), job_started_at=2.0)
+    events = rd / records.EVENTS_JSONL
+    with events.open("wb") as fh:
+        fh.write(b'{"kind": "stage", "stage": "data"}\n')
+        fh.write(b"x" * (5 * scanner.EVENT_LINE_MAX_BYTES))  # one line, no end, several bounds long
+    sc = scanner.new_scanner(rd, launch)
+    for _ in range(4):
+        state = sc.poll(budget_bytes=2 * scanner.EVENT_LINE_MAX_BYTES)
+        assert len(sc._ev[records.EVENTS_JSONL].carry) <= scanner.EVENT_LINE_MAX_BYTES
+    assert state.stage == "data" and state.skipped_event_lines >= 1
+    with events.open("ab") as fh:
+        fh.write(b'\n{"kind": "stage", "stage": "training"}\n')
+    for _ in range(4):
+        state = sc.poll(budget_bytes=2 * scanner.EVENT_LINE_MAX_BYTES)
+    assert state.stage == "training"

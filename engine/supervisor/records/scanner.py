@@ -29,6 +29,7 @@ from engine.supervisor.records.log_failure import Failure, FailureScan, last_ste
 
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
 LOG_LINE_MAX_BYTES = 64 * 1024  # a log "line" longer than this without an end is scanned as it is
+EVENT_LINE_MAX_BYTES = 1024 * 1024  # an event line longer than this is no event: skipped, never held whole
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
 _SCANNED_KINDS = frozenset(
     cls.KIND.encode() for cls in (StepEvent, StageEvent, ThreadErrorEvent, RunEndEvent, ExportEvent)
@@ -75,6 +76,7 @@ class ScanState:
     engine_events: bool = False  # the job writes engine events: first-step comes from them, not the step pattern
     ranks: dict[int | None, RankState] = field(default_factory=dict)
     nproc_hint: int | None = None  # --nproc-per-node of a torchrun command line, when the events do not say
+    skipped_event_lines: int = 0  # event lines longer than EVENT_LINE_MAX_BYTES, skipped unread
 
     def ranks_expected(self) -> int:
         """How many ranks of this node write into this run directory."""
@@ -179,8 +181,14 @@ class RunScanner:
         if st is None or st.st_size <= tail.position:
             return
         data = tail.read_path(min(budget, st.st_size - tail.position))
-        _, complete = tail.take_complete(data)
-        for line in complete.split(b"\n")[:-1]:
+        _, complete = tail.take_complete(data, max_carry_bytes=EVENT_LINE_MAX_BYTES)
+        lines = complete.split(b"\n")
+        if lines[-1]:  # the carry outgrew the bound: the start of an over-long line, dropped
+            self.state.skipped_event_lines += 1
+        for line in lines[:-1]:
+            if len(line) > EVENT_LINE_MAX_BYTES:
+                self.state.skipped_event_lines += 1
+                continue
             self._event_line(line, name == EVENTS_JSONL)
 
     def _event_line(self, line: bytes, main: bool = True) -> None:
