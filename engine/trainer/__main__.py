@@ -46,8 +46,12 @@ from engine.trainer.threads.metrics import EventLog, events_path_for
 
 SUBCOMMANDS_HELP = """\
 also:
-  specdec-train eval --checkpoint DIR [--k 5] [--json]
+  specdec-train eval --checkpoint DIR [--k 5] [--count stop|vllm] [--json]
       acceptance length tau of a checkpoint (or a run's output dir) on its held-out conversations
+  specdec-train regenerate --target DIR --data FILE --out FILE [--temperature T]
+      the data's assistant turns rewritten with the target's own replies (resumable)
+  specdec-train serve-check RUN [--vllm-python PATH]
+      vLLM serves the run's latest export; its acceptance next to ours (exit 3: vLLM absent)
   specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
       the drafter as vLLM / SGLang load it (each drafter of an independent run in its own subfolder)
   (each has its own --help)

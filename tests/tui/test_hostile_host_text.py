@@ -109,8 +109,12 @@ def hostile_run(run_root: Path, tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def clipboard_server() -> Iterator[None]:
     tmux("kill-server")
-    made = tmux("new-session", "-d", "-s", "specdec-control", "-x", "80", "-y", "10", "sleep 600")
-    assert made.returncode == 0, made.stderr
+    def started() -> bool:
+        # A server still exiting from the kill above answers "server exited unexpectedly": ask again.
+        made = tmux("new-session", "-d", "-s", "specdec-control", "-x", "80", "-y", "10", "sleep 600")
+        return made.returncode == 0
+
+    wait_until(started, 10, "a fresh tmux server for the control pane")
     tmux("set-option", "-s", "set-clipboard", "on")
     try:
         yield
