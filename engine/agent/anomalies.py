@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from engine.host.disk import DISK_FULL_FRACTION, DISK_FULL_MAX_BYTES
+from engine.host.disk import full_usage
 from engine.host.procs import is_system_holder
 from engine.protocol import (
     Anomaly,
@@ -377,22 +375,16 @@ def nonfinite_anomalies(state: EngineState) -> list[Anomaly]:
 
 def disk_anomalies(run_root: str | os.PathLike[str]) -> list[Anomaly]:
     """``disk_full`` when the filesystem of the run root (or its nearest existing parent) is (nearly) full."""
-    probe = Path(run_root)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        usage = shutil.disk_usage(probe)
-    except OSError:
+    full = full_usage(run_root)
+    if full is None:
         return []
-    limit = min(DISK_FULL_MAX_BYTES, usage.total * DISK_FULL_FRACTION)
-    if usage.free >= limit:
-        return []
+    free, total = full
     return [
         Anomaly(
             kind="disk_full",
             message=(
-                f"the filesystem of the run root {run_root} is full ({usage.free // 1024} KiB free of "
-                f"{usage.total // 1024} KiB): the run's log and records cannot be written, a job writing there "
+                f"the filesystem of the run root {run_root} is full ({free // 1024} KiB free of "
+                f"{total // 1024} KiB): the run's log and records cannot be written, a job writing there "
                 "fails and its end may go unrecorded; free space there"
             ),
         )

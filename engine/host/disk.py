@@ -10,8 +10,8 @@ DISK_FULL_MAX_BYTES = 64 * 1024 * 1024  # below this much free space the run roo
 DISK_FULL_FRACTION = 0.02  # ...or below this fraction of a small filesystem
 
 
-def full_note(path: str | os.PathLike[str]) -> str | None:
-    """ "the filesystem of PATH is full (12 KiB free of 1024 KiB)" when it is, else None (also when unreadable).
+def full_usage(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """(free, total) bytes of the filesystem of PATH when it is full, else None (also when unreadable).
     A path not there yet is judged by its nearest existing parent."""
     probe = Path(path)
     while not probe.exists() and probe != probe.parent:
@@ -22,4 +22,12 @@ def full_note(path: str | os.PathLike[str]) -> str | None:
         return None
     if usage.free >= min(DISK_FULL_MAX_BYTES, usage.total * DISK_FULL_FRACTION):
         return None
-    return f"the filesystem of {path} is full ({usage.free // 1024} KiB free of {usage.total // 1024} KiB)"
+    return usage.free, usage.total
+
+
+def full_note(path: str | os.PathLike[str]) -> str | None:
+    """ "the filesystem of PATH is full (12 KiB free of 1024 KiB)" when it is, else None."""
+    full = full_usage(path)
+    if full is None:
+        return None
+    return f"the filesystem of {path} is full ({full[0] // 1024} KiB free of {full[1] // 1024} KiB)"
