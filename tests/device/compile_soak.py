@@ -8,7 +8,10 @@ process running the engine in-process, so the run can count its TTT step's retri
 call: a global state every compiled graph guards on, so every thread's next call must recompile while the
 others run compiled code (the race the compile guard exists for).
 
-    python3 tests/device/compile_soak.py [--runs 3] [--steps 300] [--forced-runs 2] [--cpu]
+    python3 tests/device/compile_soak.py [--runs 3] [--steps 300] [--forced-runs 2] [--parallel 1] [--cpu]
+
+``--parallel N`` runs N of those processes at once (the race is between one process's threads, so runs side by
+side on one GPU are still independent runs; it lets the 10 x 1000-step soak fit a 10-minute device call).
 
 ``--cpu`` (no GPU): drafters on the CPU with SDPA attention, the TTT step compiled with dynamo's aot_eager
 backend (FX tracing like inductor, no C++ build), so the soak itself can be dry-run anywhere.
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +136,7 @@ def launch(args: argparse.Namespace, out: Path, label: str, force_at: int) -> di
         try:
             rc: int | None = subprocess.run(
                 [*cmd, "--", *engine_argv], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                timeout=RUN_TIMEOUT_S, check=False,
+                timeout=args.run_timeout, check=False,
             ).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = None
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs without a forced recompile")
     ap.add_argument("--forced-runs", type=int, default=2, help="runs with a recompile forced mid-run")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once (separate processes)")
+    ap.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S, help="seconds before one run counts as hung")
     ap.add_argument("--force-at", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cpu", action="store_true", help="dry run without a GPU (aot_eager on the CPU)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
@@ -188,17 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     force_at = max(30, args.steps * 3 // 2)  # drafter1's TTT step calls (3 a step): about half-way through
     plan = [(f"plain{i}", 0) for i in range(args.runs)] + [(f"forced{i}", force_at) for i in range(args.forced_runs)]
+    if args.parallel < 1:
+        ap.error("--parallel: at least 1")
     results = []
-    for label, at in plan:
-        res = launch(args, out, label, at)
-        results.append(res)
-        soak = res["soak"]
-        print(
-            f"  {label}: rc {res['rc']} ok {res['ok']} steps {res['last_step']} in {res['s']:.0f} s; "
-            f"recompiles {res['recompiles']}, fallbacks {res['fallbacks']}, retries {soak.get('retries')}, "
-            f"graphs {soak.get('graphs')}, forced {soak.get('forced')}; log {res['log']}",
-            flush=True,
-        )
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        runs = pool.map(lambda item: launch(args, out, *item), plan)
+        for res in runs:
+            results.append(res)
+            soak = res["soak"]
+            print(
+                f"  {res['label']}: rc {res['rc']} ok {res['ok']} steps {res['last_step']} in {res['s']:.0f} s; "
+                f"recompiles {res['recompiles']}, fallbacks {res['fallbacks']}, retries {soak.get('retries')}, "
+                f"graphs {soak.get('graphs')}, forced {soak.get('forced')}; log {res['log']}",
+                flush=True,
+            )
     plain = [r for r in results if r["label"].startswith("plain")]
     forced = [r for r in results if r["label"].startswith("forced")]
 

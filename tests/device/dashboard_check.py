@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tui.dashboard.widgets.gpu_bars import short_gpu_name
+
 REPO = Path(__file__).resolve().parents[2]
 THREADS = ("target0", "drafter0", "drafter1", "drafter2")
 COLS, ROWS = 200, 50
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         screen = wait_for(full_screen, SCREEN_WITHIN_S) or tmux.screen(session)
         (out / "dashboard_screen.txt").write_text(screen)
         counts = {n: rows_of(screen, n) for n in THREADS}
-        pid_line = re.search(r"^\W*\d+ \S*python\S* .*engine\.trainer", screen, re.M) is not None
+        # the processes pane sits right of the training pane: its rows start after a border, not at the line's start
+        pid_line = re.search(r"(?:^|│)\s*\d+ \S*python\S* .*engine\.trainer", screen, re.M) is not None
         ok = all(c == 1 for c in counts.values()) and pid_line and "stale GPU holders" in screen
         results.append(("PASS" if ok else "FAIL", f"engine threads once each on {COLS}x{ROWS}: {counts}, "
                         f"pid line {'shown' if pid_line else 'missing'}, stale list "
@@ -194,8 +197,9 @@ def gpu_rows_vs_nvidia_smi(status: dict[str, Any], screen: str, sim: int | None)
             problems.append(f"GPU {index}: total {gpu.get('mem_total_mib')} vs {total} MiB")
         if abs(float(gpu.get("mem_used_mib") or 0) - used) > MEM_USED_TOLERANCE_MIB:
             problems.append(f"GPU {index}: used {gpu.get('mem_used_mib')} vs {used} MiB")
-        if name not in screen:
-            problems.append(f"GPU {index}: {name!r} not on the screen")
+        shown = short_gpu_name(name)  # the row drops the vendor: "NVIDIA H200" reads "H200"
+        if not re.search(rf"\b{index} {re.escape(shown)}\s", screen):
+            problems.append(f"GPU {index}: {shown!r} ({name!r}) not on the screen")
     detail = "; ".join(problems) if problems else f"{len(ours)} GPU(s) equal (name, total, used within 512 MiB)"
     return ("FAIL" if problems else "PASS", f"GPU rows vs nvidia-smi: {detail}")
 

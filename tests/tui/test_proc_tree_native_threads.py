@@ -100,3 +100,79 @@ async def test_native_threads_named_like_a_worker_collapse_into_its_row() -> Non
     # The pid line, four engine threads and the stale list fit a 50-row terminal's pane with room to spare.
     assert lines[1].strip().startswith(str(child.pid)) and "stale GPU holders" in text
     assert len(lines) <= 10, text
+
+
+POOL = textwrap.dedent(
+    """
+    import subprocess, sys, threading
+    from engine.trainer.threads.health import name_os_thread
+    hold = threading.Event()
+    def worker(name):
+        name_os_thread(name)
+        hold.wait()
+    for name in ("target0", "drafter0"):
+        threading.Thread(target=worker, args=(name,), name=name, daemon=True).start()
+    # A compile-worker pool as inductor starts one: a pool process and identical workers under it.
+    pool = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys; ws = [subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'],"
+        " stdin=subprocess.PIPE) for _ in range(6)]; print('up', flush=True); sys.stdin.read()"
+    )], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert pool.stdout.readline().strip() == "up"
+    print("up", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+async def test_a_pool_of_identical_worker_processes_is_one_row_and_native_threads_stay_out() -> None:
+    """On the H200 inductor's compile-worker pool (a pool process and 16+ identical workers) pushed the stale
+    list off a 50-row pane: the workers fold into one row with a count, summed cpu and rss; the pool process's
+    own CUDA thread is not listed once heartbeats name the engine's threads; long paths are cut to their tail."""
+    from engine.host.procs import all_stats, proc_info, tree_pids
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", POOL], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+
+        def whole_tree() -> list[ProcInfo] | None:
+            stats = all_stats()
+            tree = [proc_info(stats[p]) for p in tree_pids(child.pid, stats) if p in stats]
+            named = {t.name for p in tree for t in p.threads}
+            return tree if len(tree) == 8 and {"target0", "drafter0"} <= named else None
+
+        tree = wait_until(whole_tree, timeout_s=20, what=f"pid {child.pid}, its pool and six workers")
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(20)
+    health = ThreadHealthModel()
+    for name in ("target0", "drafter0"):
+        beat = {"t": 99.5, "kind": "heartbeat", "thread": name, "state": "training", "step": 7}
+        health.add_engine_event(decode_engine_event(beat))
+    app = _Pane(health)
+    async with app.run_test(size=(200, 50)) as pilot:
+        pane = app.query_one(ProcTree)
+        pane.update_procs(ProcsEvent(t=100.0, run_tree=tree, holders=[]))
+        await pilot.pause()
+        text = pane.render().plain  # type: ignore[union-attr]
+    lines = text.splitlines()
+    workers = [p for p in tree if p.ppid not in (child.pid, 1) and p.pid != child.pid]
+    assert len(workers) == 6
+    folded = [line for line in lines if "×6" in line]
+    assert len(folded) == 1 and str(min(w.pid for w in workers)) in folded[0], text
+    assert not any(str(w.pid) in line for w in workers for line in lines if line is not folded[0]), text
+    assert sum("drafter0" in line for line in lines) == 1 and sum("target0" in line for line in lines) == 1
+    assert len(lines) <= 8, text  # run, engine pid, 2 threads, pool, workers, stale title, none
+    assert lines[1].strip().startswith(f"{child.pid} python") and "/" not in lines[1].split()[1], text
+
+
+def test_short_cmd_keeps_what_runs() -> None:
+    from tui.dashboard.widgets.proc_tree import short_cmd
+
+    site = "/opt/torch/.venv/lib/python3.12/site-packages"
+    long = f"/opt/torch/.venv/bin/python3 {site}/torch/_inductor/compile_worker/__main__.py --workers=16"
+    assert short_cmd(long) == "python3 …/compile_worker/__main__.py --workers=16"
+    assert short_cmd("python3 -m engine.trainer --preset cpu-demo") == "python3 -m engine.trainer --preset cpu-demo"
+    assert short_cmd("/bin/sh -c /tmp/x") == "sh -c /tmp/x"

@@ -36,6 +36,11 @@ def bar(fraction: float | None, width: int) -> str:
     return "█" * full + "░" * (width - full)
 
 
+
+def short_gpu_name(name: str) -> str:
+    """A GPU's name as its row shows it: the vendor dropped, 10 columns (``NVIDIA H200`` -> ``H200``)."""
+    return name.replace("NVIDIA ", "")[:10]
+
 class AnomalyBadge(Static, can_focus=True):
     DEFAULT_CSS = """
     AnomalyBadge { width: auto; height: 1; margin: 0 0 0 1; padding: 0 1; background: $error 30%; color: $error;
@@ -201,7 +206,7 @@ class GpuBars(Vertical):
 
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(f"{gpu.index} ", style=label)
-        name = printable(gpu.name.replace("NVIDIA ", "")[:10])
+        name = printable(short_gpu_name(gpu.name))
         text.append(f"{name:<10} ", style=muted)
         ufrac = util / 100.0 if util is not None else None
         text.append("util ", style=label)

@@ -128,6 +128,20 @@ def split_monitors(holders: list[protocol.HolderInfo]) -> tuple[list[protocol.Ho
     return [h for h in holders if h.context is not False], [h for h in holders if h.context is False]
 
 
+def short_cmd(cmd: str) -> str:
+    """A command line as the pane shows it: the program's base name, and long absolute paths cut to their last
+    two parts (``/opt/torch/.venv/bin/python3 /opt/.../torch/_inductor/compile_worker/__main__.py`` ->
+    ``python3 …/compile_worker/__main__.py``), so the part that says what runs fits the row."""
+    words = cmd.split(" ")
+    if words and "/" in words[0]:
+        words[0] = words[0].rsplit("/", 1)[-1] or words[0]
+    for i, word in enumerate(words[1:], 1):
+        parts = word.split("/")
+        if word.startswith("/") and len(word) > 30 and len(parts) > 3:
+            words[i] = "…/" + "/".join(parts[-2:])
+    return " ".join(words)
+
+
 def _program(cmd: str | None) -> str:
     """The program of a command line, as a short name (``python3 -m engine.agent.main`` -> ``python3``)."""
     first = (cmd or "?").split(" ", 1)[0]
@@ -239,35 +253,64 @@ class ProcTree(RowTracking):
             else:
                 roots.append(proc)
 
-        def walk(proc: protocol.ProcInfo, depth: int) -> None:
-            indent = "  " * (depth + 1)
+        def engine_threads(proc: protocol.ProcInfo) -> bool:
+            rank = self.health.rank_pids.get(proc.pid, (None, None))[0]
+            return any((rank, t.name) in self.health.threads for t in proc.threads)
+
+        # Before the first heartbeat the engine's threads are known only by their OS names: list every process's
+        # named threads then; once heartbeats name the engine's threads, only those (a compile worker's CUDA
+        # thread is not the user's business).
+        any_engine_threads = any(engine_threads(p) for p in self.run_tree)
+
+        def line(proc: protocol.ProcInfo, indent: str, like: list[protocol.ProcInfo]) -> None:
+            """One process row; ``like`` are its siblings with the same command, folded into it with a count."""
+            group = [proc, *like]
             out.append(f"\n{indent}{proc.pid} ", style=self._style("muted"))
-            out.append(printable(proc.cmd[:60]), style=self._style("proc"))
-            details = []
-            if proc.cpu_pct is not None:
-                details.append(f"cpu {proc.cpu_pct:.0f}%")
-            if proc.rss_mib is not None:
-                details.append(f"rss {proc.rss_mib:.0f} MiB")
-            if proc.state:
+            out.append(printable(short_cmd(proc.cmd)[:60]), style=self._style("proc"))
+            details = [f"×{len(group)}"] if like else []
+            cpu = [p.cpu_pct for p in group if p.cpu_pct is not None]
+            rss = [p.rss_mib for p in group if p.rss_mib is not None]
+            if cpu:
+                details.append(f"cpu {sum(cpu):.0f}%")
+            if rss:
+                details.append(f"rss {sum(rss):.0f} MiB")
+            if proc.state and not like:
                 details.append(printable(proc.state))
             if details:
                 out.append("  " + "  ".join(details), style=self._style("muted"))
+
+        def foldable(proc: protocol.ProcInfo) -> bool:
+            """A leaf of the tree with no rank and no engine thread: a pool worker, folded with its twins."""
+            return proc.pid not in children and proc.pid not in self.health.rank_pids and not engine_threads(proc)
+
+        def walk(proc: protocol.ProcInfo, depth: int, like: list[protocol.ProcInfo] | None = None) -> None:
+            indent = "  " * (depth + 1)
+            line(proc, indent, like or [])
             rank, node = self.health.rank_pids.get(proc.pid, (None, None))
             if rank is not None:
                 out.append(
                     f"  rank {rank}" + (f" (node {node})" if node is not None else ""), style=self._style("title")
                 )
             argv0 = proc.cmd.split(" ", 1)[0].rsplit("/", 1)[-1]
-            named = [t for t in proc.threads if (rank, t.name) in self.health.threads] or [
-                t for t in proc.threads if t.name not in ("", argv0)
-            ]
+            named = [t for t in proc.threads if (rank, t.name) in self.health.threads]
+            if not named and not any_engine_threads:
+                named = [t for t in proc.threads if t.name not in ("", argv0)]
             rows = thread_rows(named)[:MAX_THREAD_ROWS]
             for i, row in enumerate(rows):
                 seen_threads.add((rank, row.name))
                 branch = "└ " if i == len(rows) - 1 else "├ "
                 self._thread_line(out, indent + branch, row.name, row.tid, now, rank, row.native)
+            twins: dict[str, list[protocol.ProcInfo]] = {}
             for child in children.get(proc.pid, []):
-                walk(child, depth + 1)
+                if foldable(child):
+                    twins.setdefault(child.cmd, []).append(child)
+            folded: set[int] = set()
+            for child in children.get(proc.pid, []):
+                if child.pid in folded:
+                    continue
+                like = [c for c in twins.get(child.cmd, []) if c.pid != child.pid] if foldable(child) else []
+                folded.update(c.pid for c in like)
+                walk(child, depth + 1, like)
 
         for root in roots:
             walk(root, 0)
