@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from engine import stackdump
-from engine.protocol import ENV_RUN_DIR
+from engine.protocol import ENV_RUN_DIR, RunEndEvent
 from engine.trainer.config import (
     PRESETS,
     ConfigError,
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from engine.trainer.run.loop import Engine
     except Exception as exc:
-        events.emit("run_end", ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0)
+        events.emit(RunEndEvent(ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0))
         raise
     events.stage("imports", f"torch {torch.__version__} in {time.perf_counter() - t0:.1f} s")
     engine = Engine(cfg, events, info)
@@ -215,14 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine.build()
     except ConfigError as exc:  # found only once torch or the data is there (a device count, strict_data): exit 2
-        events.emit("run_end", ok=False, reason=f"config error: {exc}", step=0)
+        events.emit(RunEndEvent(ok=False, reason=f"config error: {exc}", step=0))
         print(f"specdec-train: config error: {exc}", file=sys.stderr)
         events.close()
         if info.launched:
             leave_now(events, 2, f"config error: {exc}")
         return 2
     except Exception as exc:
-        events.emit("run_end", ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0)
+        events.emit(RunEndEvent(ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0))
         if info.launched:
             leave_now(events, 1, f"setup failed: {type(exc).__name__}: {exc}")
         raise

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine.protocol import StageEvent
 from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, ConfigError, EngineConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
@@ -173,15 +174,15 @@ def report_data(source: ConversationSource, events: EventLog) -> None:
         + (f"; malformed lines: {'; '.join(source.bad_lines)}" if source.bad_lines else "")
     )
     events.emit(
-        "stage",
-        stage="data",
-        thread=None,
-        detail=detail,
-        skipped=skipped,
-        heldout=len(source.heldout_indices),
-        truncated=source.corpus.truncated,
-        bad_lines=source.bad_lines,
-        cached=source.cache_hit,
+        StageEvent(
+            stage="data",
+            detail=detail,
+            skipped=skipped,
+            heldout=len(source.heldout_indices),
+            truncated=source.corpus.truncated,
+            bad_lines=source.bad_lines,
+            cached=source.cache_hit,
+        )
     )
     events.say(f"stage=data {detail}")
 

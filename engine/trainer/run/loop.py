@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine.protocol import CheckpointEvent, RunEndEvent, StageEvent
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.config import EngineConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
@@ -152,14 +153,14 @@ class Engine:
         )
         # pid and local_rank let the agent map a rank to its process (torchrun starts each in its own session).
         self.events.emit(
-            "stage",
-            stage="distributed",
-            thread=None,
-            detail=detail,
-            pid=os.getpid(),
-            local_rank=self.info.local_rank,
-            local_world_size=self.info.local_world_size,
-            backend=cross.backend,
+            StageEvent(
+                stage="distributed",
+                detail=detail,
+                pid=os.getpid(),
+                local_rank=self.info.local_rank,
+                local_world_size=self.info.local_world_size,
+                backend=cross.backend,
+            )
         )
         self.events.say(f"stage=distributed {detail}")
         return cross
@@ -409,7 +410,7 @@ class Engine:
                 self.output_dir, step, states, meta, self.vocab.draft_to_target, self.cfg.keep_checkpoints
             )
             self.last_checkpoint = path
-        self.events.emit("checkpoint", step=step, path=str(path))
+        self.events.emit(CheckpointEvent(step=step, path=str(path)))
         self.events.say(f"checkpoint step={step} path={path}")
 
     # --- failures ---------------------------------------------------------------------------------------------
@@ -551,7 +552,7 @@ class Engine:
             self._write_rank_record(step)
         if ok and self.cross is not None:
             self.cross.close()
-        self.events.emit("run_end", ok=ok, reason=reason, step=step, degraded=degraded)
+        self.events.emit(RunEndEvent(ok=ok, reason=reason, step=step, degraded=degraded))
         self.events.stage("done", reason)
         self.exit_code = 0 if ok else 1
         return self.exit_code

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine.protocol import NonFiniteGradEvent, StepEvent
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.config import EngineConfig
 from engine.trainer.data.dispatch import IndexLedger
@@ -467,7 +468,7 @@ class DrafterWorker:
         self.nonfinite_in_a_row += 1
         norm = str(grad_norm)  # "nan" / "inf": JSON has no such numbers
         self.control.events.emit(
-            "nonfinite_grad", thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row
+            NonFiniteGradEvent(thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row)
         )
         self.control.events.say(
             f"warning: {self.name} step {step}: gradient norm {norm}: step skipped, weights unchanged "
@@ -590,19 +591,20 @@ class DrafterWorker:
             if self.step % self.log_every == 0 or self.step == 1:
                 loss_total = weighted_total(result.loss)
                 self.control.events.emit(
-                    "step",
-                    thread=self.name,
-                    step=self.step,
-                    loss=result.loss,
-                    loss_total=loss_total,
-                    acc=result.acc,
-                    tok_s=result.tok_s,
-                    ms=result.ms,
-                    grad_norm=None if result.skipped else result.grad_norm,
-                    skipped=result.skipped,
-                    lr=self.scheduler.get_last_lr()[0],
-                    bucket=batch.bucket,
-                    target_ms=batch.target_ms,
+                    StepEvent(
+                        thread=self.name,
+                        step=self.step,
+                        loss=list(result.loss),
+                        loss_total=loss_total,
+                        acc=list(result.acc),
+                        tok_s=result.tok_s,
+                        ms=dict(result.ms),
+                        grad_norm=None if result.skipped else result.grad_norm,
+                        skipped=result.skipped,
+                        lr=float(self.scheduler.get_last_lr()[0]),
+                        bucket=batch.bucket,
+                        target_ms=batch.target_ms,
+                    )
                 )
                 line = step_line(self.name, self.step, result.loss, loss_total, result.acc, result.tok_s)
                 self.control.events.say(line)

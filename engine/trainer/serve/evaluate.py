@@ -47,6 +47,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.protocol import EvalEvent
 from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
@@ -113,6 +114,24 @@ class AcceptanceStats:
             before = self.at_least(j - 1)
             out.append(self.at_least(j) / before if before else float("nan"))
         return out
+
+    def as_event(self, thread: str, step: int, *, eval_s: float | None = None) -> EvalEvent:
+        """These counts as the ``eval`` event of ``thread`` at ``step``."""
+        return EvalEvent(
+            thread=thread,
+            step=step,
+            tau=self.tau,
+            k=self.k,
+            counting=self.counting,
+            rounds=self.rounds,
+            accepted_per_position=self.accepted_per_position(),
+            prompts=self.prompts,
+            new_tokens=self.new_tokens,
+            per_position=list(self.per_position()),
+            per_position_conditional=list(self.per_position_conditional()),
+            accepted_hist=list(self.hist),
+            eval_s=eval_s,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -413,13 +432,11 @@ class PeriodicEvaluation:
             )
         except Exception as exc:  # training goes on (this runs inside a drafter's step); the failure is an event
             self.events.say(f"warning: evaluation of {thread} at step {step} failed: {type(exc).__name__}: {exc}")
-            return dict(self.events.emit("eval", thread=thread, step=step, error=f"{type(exc).__name__}: {exc}"))
-        body = stats.to_dict()
-        body["eval_s"] = round(time.perf_counter() - t0, 3)
-        event = self.events.emit("eval", thread=thread, step=step, **body)
+            return self.events.emit(EvalEvent(thread=thread, step=step, error=f"{type(exc).__name__}: {exc}"))
+        event = self.events.emit(stats.as_event(thread, step, eval_s=round(time.perf_counter() - t0, 3)))
         per = " ".join(f"{p:.2f}" for p in stats.per_position())
         self.events.say(f"eval step={step} thread={thread} tau={stats.tau:.3f} accept_i={per} rounds={stats.rounds}")
-        return dict(event)
+        return event
 
 
 # --- the command line ----------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from engine.protocol import ExportEvent
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.threads.metrics import EventLog, events_path_for
 
@@ -397,12 +398,13 @@ def record_export(result: ExportResult) -> Path | None:
     log = EventLog(path, stdout=sys.stdout)
     try:
         log.emit(
-            "export",
-            path=str(result.out_dir),
-            checkpoint=str(result.checkpoint),
-            step=result.step,
-            format=result.fmt,
-            drafter=result.drafter,
+            ExportEvent(
+                path=str(result.out_dir),
+                checkpoint=str(result.checkpoint),
+                step=result.step,
+                format=result.fmt,
+                drafter=result.drafter,
+            )
         )
     finally:
         log.close()
