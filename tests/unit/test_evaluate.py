@@ -235,6 +235,17 @@ def test_eval_of_a_directory_without_checkpoints_is_a_usage_error(
     assert "neither a checkpoint" in capsys.readouterr().err
 
 
+def test_eval_of_a_checkpoint_still_being_written_says_so_as_export_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    partial = tmp_path / "checkpoints" / ".tmp-step_00000004-123-456"
+    partial.mkdir(parents=True)
+    assert main(["--checkpoint", str(partial)]) == 2
+    assert "is a checkpoint still being written (no meta.json yet)" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path)]) == 2
+    assert "has no complete checkpoint yet: one is still being written" in capsys.readouterr().err
+
+
 VOCAB = 64
 
 

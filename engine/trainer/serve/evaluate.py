@@ -442,19 +442,6 @@ class PeriodicEvaluation:
 # --- the command line ----------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory (``step_N`` with meta.json) or an output directory (its newest checkpoint)."""
-    from engine.trainer import checkpoint as ckpt
-
-    p = Path(path).expanduser()
-    if (p / ckpt.META).is_file():
-        return p
-    latest = ckpt.latest_checkpoint(p)
-    if latest is None:
-        raise FileNotFoundError(f"{p}: neither a checkpoint (no {ckpt.META}) nor an output directory with one")
-    return latest
-
-
 def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Drafter:
     from engine.trainer import checkpoint as ckpt
     from engine.trainer.draft.model import DraftConfig
@@ -519,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval: {line}", file=sys.stderr, flush=True)
 
     try:
-        path = resolve_checkpoint(args.checkpoint)
-    except FileNotFoundError as exc:
+        path, _picked = ckpt.resolve_checkpoint(args.checkpoint)
+    except ckpt.CheckpointNotFound as exc:
         print(f"specdec-train eval: {exc}", file=sys.stderr)
         return 2
     meta = ckpt.read_meta(path)
