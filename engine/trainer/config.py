@@ -1,4 +1,4 @@
-"""Engine configuration: a TOML file or a named preset, validated with errors that name the key.
+"""The trainer's configuration (TrainerConfig): a TOML file or a named preset, validated with errors that name the key.
 
 Stdlib only (no torch), so the command line can report config errors before the heavy imports.
 """
@@ -48,7 +48,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class EngineConfig:
+class TrainerConfig:
     # The target: a built-in random preset ("tiny", "llama3-8b-shape"), the built-in trained "tiny-trained"
     # (trained on the shipped corpus on first use, then cached), or a local Hugging Face directory.
     target: str = "tiny"
@@ -135,7 +135,7 @@ class EngineConfig:
     tiny_hidden: int = 64
     tiny_layers: int = 8  # deep enough for the serve-time layers (outputs of 1, 3, 4) to be distinct
 
-    def validate(self) -> EngineConfig:
+    def validate(self) -> TrainerConfig:
         def need(cond: bool, key: str, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"{key}: {msg}")
@@ -272,7 +272,7 @@ NVIDIA_DEVICE_NODE = "/dev/nvidiactl"
 NVIDIA_DRIVER_PROC = "/proc/driver/nvidia"
 
 
-def check_cuda_present(cfg: EngineConfig) -> None:
+def check_cuda_present(cfg: TrainerConfig) -> None:
     """A config naming CUDA devices on a machine without an NVIDIA driver is a config error, said before torch
     loads (seconds): the key, the device and what this machine has instead."""
     if not cfg.uses_cuda or Path(NVIDIA_DEVICE_NODE).exists() or Path(NVIDIA_DRIVER_PROC).exists():
@@ -361,13 +361,13 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
 
 @functools.cache
 def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(EngineConfig)
+    return typing.get_type_hints(TrainerConfig)
 
 
-def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
+def from_dict(values: dict[str, Any], base: TrainerConfig | None = None) -> TrainerConfig:
     """Overlay ``values`` on ``base`` (or the defaults). Unknown keys are errors that list the known ones; every
     value is checked against its field's type before validation, so a wrong type names the key, not a crash."""
-    cfg = dataclasses.replace(base) if base is not None else EngineConfig()
+    cfg = dataclasses.replace(base) if base is not None else TrainerConfig()
     types_by_key = _field_types()
     flat: dict[str, Any] = {}
     for key, value in values.items():
@@ -382,7 +382,7 @@ def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> Engin
     return cfg.validate()
 
 
-def load_toml(path: str | Path, base: EngineConfig | None = None) -> EngineConfig:
+def load_toml(path: str | Path, base: TrainerConfig | None = None) -> TrainerConfig:
     """The config in the TOML file at ``path`` (a ``preset = NAME`` key starts from that preset). Every error
     is a ConfigError whose message starts with ``<path>: ``."""
     p = Path(path).expanduser()
@@ -465,7 +465,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset(name: str) -> EngineConfig:
+def preset(name: str) -> TrainerConfig:
     if name not in PRESETS:
         raise ConfigError(f"preset: got {name!r}; allowed: {', '.join(sorted(PRESETS))}")
     return from_dict(PRESETS[name])

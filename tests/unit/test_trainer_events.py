@@ -17,7 +17,7 @@ import torch
 
 from engine import protocol
 from engine.trainer.config import from_dict
-from engine.trainer.run.loop import Engine
+from engine.trainer.run.loop import TrainingRun
 from engine.trainer.threads import compile as guard
 from engine.trainer.threads.metrics import EventLog, compile_listener
 
@@ -99,7 +99,7 @@ def test_a_run_that_skips_a_gradient_and_loses_a_drafter_writes_only_whole_engin
         }
     )
     events = EventLog(tmp_path / "events.jsonl", stdout=io.StringIO())
-    engine = Engine(cfg, events)
+    engine = TrainingRun(cfg, events)
     engine.build()
     poisoned = engine.workers[0]
     poisoned.drafter.fc.weight.register_hook(lambda g: g * float("nan") if poisoned.step + 1 == 2 else g)

@@ -24,7 +24,7 @@ import torch
 
 from engine.protocol import CheckpointEvent, RunEndEvent, StageEvent
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.config import EngineConfig
+from engine.trainer.config import TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
@@ -48,9 +48,9 @@ from engine.trainer.run.distributed import start as start_distributed
 from engine.trainer.run.producer import DeviceBatch, Producer, Route
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
-from engine.trainer.target.model import Target, load_tokenizer
+from engine.trainer.target.model import FrozenTarget, load_tokenizer
 from engine.trainer.threads.compile import recompile_limit_for, set_recompile_limit
-from engine.trainer.threads.control import CheckpointRounds, RunControl, ThreadFailure
+from engine.trainer.threads.control import CheckpointRounds, ThreadControl, ThreadFailure
 from engine.trainer.threads.health import HealthBoard
 from engine.trainer.threads.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.threads.queue import BoundedQueue
@@ -70,8 +70,8 @@ class ResumePoint:
     states: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model name; a drafter that died has none
 
 
-class Engine:
-    def __init__(self, cfg: EngineConfig, events: EventLog | None = None, rank: RankInfo | None = None) -> None:
+class TrainingRun:
+    def __init__(self, cfg: TrainerConfig, events: EventLog | None = None, rank: RankInfo | None = None) -> None:
         self.cfg = cfg.validate()
         # Who this process is in a torchrun world; a plain process (or distributed = "off") is rank 0 of 1.
         self.info = rank if rank is not None else (rank_from_env() if cfg.distributed == "auto" else RankInfo())
@@ -79,9 +79,9 @@ class Engine:
         self.output_dir = Path(cfg.output_dir).expanduser().resolve()
         self.events = events if events is not None else EventLog(events_path_for(cfg.output_dir))
         self.health = HealthBoard(self.events, stall_after_s=cfg.stall_after_s, starve_after_s=cfg.starve_after_s)
-        self.control = RunControl(self.events, self.health, cfg.on_thread_error)
+        self.control = ThreadControl(self.events, self.health, cfg.on_thread_error)
         self.control.on_failure.append(self._on_failure)
-        self.targets: list[Target] = []
+        self.targets: list[FrozenTarget] = []
         self.producers: list[Producer] = []
         self.workers: list[DrafterWorker] = []
         self.queues: list[BoundedQueue[DeviceBatch]] = []

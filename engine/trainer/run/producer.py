@@ -19,9 +19,9 @@ import torch
 
 from engine.trainer.data.dispatch import Dispatcher
 from engine.trainer.data.sources import BatchSource, HostBatch
-from engine.trainer.target.model import Target, TargetOutput
+from engine.trainer.target.model import FrozenTarget, TargetOutput
 from engine.trainer.threads.compile import apply_dynamo_config
-from engine.trainer.threads.control import RunControl
+from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
 
@@ -74,7 +74,7 @@ class Producer:
     def __init__(
         self,
         name: str,
-        target: Target,
+        target: FrozenTarget,
         source: BatchSource,
         routes: list[Route],
         dispatcher: Dispatcher,
@@ -82,7 +82,7 @@ class Producer:
         start_batches: int,
         draft_ids: torch.Tensor,
         t2d: torch.Tensor,
-        control: RunControl,
+        control: ThreadControl,
     ) -> None:
         self.name = name
         self.target = target

@@ -22,7 +22,7 @@ import torch
 
 from engine.protocol import NonFiniteGradEvent, StepEvent
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
-from engine.trainer.config import EngineConfig
+from engine.trainer.config import TrainerConfig
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss, weighted_total
@@ -30,7 +30,7 @@ from engine.trainer.draft.model import Drafter
 from engine.trainer.run.distributed import CrossRank
 from engine.trainer.run.producer import DeviceBatch
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard, lending_guard
-from engine.trainer.threads.control import NonFiniteGradient, NonFiniteLoss, PeerFailure, RunControl
+from engine.trainer.threads.control import NonFiniteGradient, NonFiniteLoss, PeerFailure, ThreadControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.metrics import step_line
 from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
@@ -259,7 +259,7 @@ class WorkerSettings:
     loss_fn: Callable[..., Any] = soft_cross_entropy  # loss.soft_cross_entropy or its masked-mean variant
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> WorkerSettings:
+    def from_config(cls, cfg: TrainerConfig) -> WorkerSettings:
         return cls(
             ttt_steps=cfg.ttt_steps,
             total_steps=cfg.steps,
@@ -294,7 +294,7 @@ class WorkerLinks:
     """How a worker meets the rest of the engine: its input queue, the run's control, its model's ledger."""
 
     queue: BoundedQueue[DeviceBatch]
-    control: RunControl
+    control: ThreadControl
     ledger: IndexLedger  # the trained batch indices (replicas: shared, marked at the gradient barrier)
     group: ReplicaGroup | None = None  # the gradient barrier of replicas or of ranks; None: trains alone
     # Hands a periodic checkpoint's state over (None: this worker's states are not written, e.g. on rank > 0).

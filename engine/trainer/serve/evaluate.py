@@ -224,7 +224,7 @@ class DrafterProposer:
 
 
 def target_forward(target: Any) -> TargetForward:
-    """A ``TargetForward`` over an engine ``Target`` (its hooks give hidden3; its lock keeps other threads out)."""
+    """A ``TargetForward`` over a ``FrozenTarget`` (its hooks give hidden3; its lock keeps other threads out)."""
 
     def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.tensor([ids], device=target.device)

@@ -37,7 +37,7 @@ class ThreadFailure:
 
 
 @dataclass
-class RunControl:
+class ThreadControl:
     events: EventLog
     health: HealthBoard
     policy: str  # "stop" | "continue"
