@@ -129,7 +129,9 @@ class FrozenTarget:
         return emb.weight
 
     @torch.no_grad()
-    def logits_and_hidden3(self, input_ids: torch.Tensor, *, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_and_hidden3(
+        self, input_ids: torch.Tensor, *, eager: bool = False  # input_ids (B, T) long
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's logits ``(B, T, V)`` and the three captured layers side by side ``(B, T, 3H)``.
 
         ``eager``: the uncompiled model, for calls whose lengths vary (evaluation), which would otherwise compile
@@ -144,7 +146,11 @@ class FrozenTarget:
 
     @torch.no_grad()
     def run(
-        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
+        self,
+        input_ids: torch.Tensor,  # (B, T) long
+        loss_mask: torch.Tensor,  # (B, T): the data's
+        draft_ids: torch.Tensor,  # (Vd,) long: the target id of each draft token
+        t2d: torch.Tensor,  # (V,) bool: the target ids in the draft vocabulary
     ) -> TargetOutput:
         logits, hidden3 = self.logits_and_hidden3(input_ids)
         in_draft = t2d[logits.argmax(dim=-1)]
