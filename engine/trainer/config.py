@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.protocol import ProtocolError, decode_as
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work without it)
@@ -314,49 +316,38 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _expected(key: str, tp: Any) -> str:
+    """What the field type ``tp`` of ``key`` asks for, in the words of an error message."""
+    if key in _TYPE_WORDS:
+        return _TYPE_WORDS[key]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]  # optional: None is allowed too, and says nothing about the type
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}[item]
+    if tp is float:
+        return "a number of seconds" if key.endswith("_s") else "a number"
+    return {bool: "true or false", int: "an integer", str: "a string"}[tp]
 
 
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and not (isinstance(value, float) and math.isnan(value))
+def _has_nan(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_has_nan(v) for v in value)
+    return isinstance(value, float) and math.isnan(value)
 
 
 def _coerce(key: str, tp: Any, value: Any) -> Any:
-    """``value`` checked against the field type ``tp`` (ints become floats where a float is wanted);
-    a ConfigError naming the key and the expected type otherwise."""
-    optional = False
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(tp))
-        assert len(args) == 1, f"{key}: unsupported field type {tp}"
-        tp = args[0]
-    if value is None and optional:
-        return None
-    if tp is bool:
-        want, ok = "true or false", isinstance(value, bool)
-    elif tp is int:
-        want, ok = "an integer", _is_int(value)
-    elif tp is float:
-        want, ok = ("a number of seconds" if key.endswith("_s") else "a number"), _is_number(value)
-        value = float(value) if ok else value
-    elif tp is str:
-        want, ok = "a string", isinstance(value, str)
-    elif typing.get_origin(tp) is list:
-        (item,) = typing.get_args(tp)
-        check, words = {int: (_is_int, "integers"), float: (_is_number, "numbers"), str: (_is_str, "strings")}[item]
-        want = _TYPE_WORDS.get(key, f"a list of {words}")
-        ok = isinstance(value, list) and all(check(v) for v in value)
-        value = [float(v) for v in value] if ok and item is float else value
-    else:  # pragma: no cover - a field type added without teaching this function
-        raise AssertionError(f"{key}: unsupported field type {tp}")
-    if not ok:
-        raise ConfigError(f"{key}: expected {want}, got {_show(value)}")
-    return list(value) if isinstance(value, list) else value
+    """``value`` checked against the field type ``tp`` by the protocol's typed-JSON decoder (ints become floats
+    where a float is wanted); a ConfigError naming the key and the expected type otherwise."""
+    wrong = f"{key}: expected {_expected(key, tp)}, got {_show(value)}"
+    try:
+        decoded = decode_as(tp, value)
+    except ProtocolError:
+        raise ConfigError(wrong) from None
+    if _has_nan(decoded):  # TOML can write nan, JSON cannot: the protocol's decoder never meets one
+        raise ConfigError(wrong)
+    return decoded
 
 
 @functools.cache
