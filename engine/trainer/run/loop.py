@@ -1,8 +1,9 @@
-"""The engine: builds target producers and drafter workers from a config, runs them, watches them, stops them.
+"""A training run (``TrainingRun``): builds target producers and drafter workers from a config, runs them,
+watches them, stops them.
 
 All in one process: one producer thread per target device, one worker thread per drafter device, bounded
 queues between them, heartbeats and step metrics to events.jsonl, checkpoints periodically and on SIGTERM.
-The parts are made by the factories in ``assembly``; the engine calls them in order and owns what needs the
+The parts are made by the factories in ``assembly``; the run calls them in order and owns what needs the
 run's state (the torchrun world, the checkpoint resumed, failures, checkpoints).
 """
 
