@@ -441,8 +441,8 @@ def decode_log_data(text: str) -> bytes:
 @dataclass
 class StageEvent:
     """stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping" | "done" |
-    "distributed" (a torchrun rank joined: its pid, local rank and local world size). The "data" stage's summary
-    adds skipped ({reason: conversations not trained on}), heldout, truncated and cached."""
+    "distributed" (a torchrun rank joined: its pid, local rank, local world size and collective backend). The "data"
+    stage's summary adds skipped ({reason: conversations not trained on}), heldout, truncated, bad_lines and cached."""
 
     KIND: ClassVar[str] = "stage"
     stage: str
@@ -455,6 +455,12 @@ class StageEvent:
     pid: int | None = None  # the "distributed" stage: the rank's process, its local rank and how many share the node
     local_rank: int | None = None
     local_world_size: int | None = None
+    backend: str | None = None  # the "distributed" stage: "nccl" | "gloo"
+    skipped: dict[str, int] | None = None  # the "data" stage: conversations not trained on, by reason
+    heldout: int | None = None  # conversations held out for evaluation
+    truncated: int | None = None  # conversations cut to the longest bucket
+    bad_lines: list[str] | None = None  # "file:line: reason" of the first malformed lines
+    cached: bool | None = None  # the tokenized data came from the cache
 
 
 @dataclass
@@ -468,6 +474,9 @@ class HeartbeatEvent:
     tok_s: float | None = None
     queue_depth: int | None = None
     last_exception: str | None = None
+    role: str | None = None  # "drafter" | "producer" | ...
+    flags: list[str] = field(default_factory=list)  # raised by the trainer's health board: "stalled", "starving"
+    beat_age_s: float | None = None  # seconds since the thread last beat, when this line was written
     t: float | None = None  # when the thread last beat (a hung thread's heartbeats age)
     rank: int | None = None
     node: int | None = None
@@ -487,6 +496,11 @@ class StepEvent:
     loss_total: float | None = None  # sum_i 0.8**i * loss_i: the loss trained on
     tok_s: float | None = None
     ms: dict[str, float | None] = field(default_factory=dict)
+    grad_norm: float | None = None  # before clipping; None when the step was skipped (not finite)
+    skipped: bool = False  # non-finite gradients: the optimizer did not step
+    lr: float | None = None
+    bucket: int | None = None  # the padded sequence length of the batch
+    target_ms: float | None = None  # the target forward that produced the batch
     t: float | None = None
     rank: int | None = None
     node: int | None = None
@@ -503,6 +517,7 @@ class ThreadErrorEvent:
     message: str = ""
     traceback: str | None = None
     policy: str = "stop"  # "stop" | "continue"
+    role: str | None = None  # "drafter" | "producer" | ...
     t: float | None = None
     rank: int | None = None
     node: int | None = None
@@ -530,6 +545,7 @@ class RunEndEvent:
     ok: bool
     reason: str = ""
     step: int | None = None
+    degraded: list[str] | None = None  # threads that died under the ``continue`` policy (the run went on without them)
     t: float | None = None
     rank: int | None = None
     node: int | None = None
@@ -585,6 +601,10 @@ class EvalEvent:
     rounds: int | None = None
     prompts: int | None = None
     new_tokens: int | None = None
+    counting: str | None = None  # how a round's accepted tokens are counted: "stop" | "vllm"
+    accepted_per_position: list[int] = field(default_factory=list)  # rounds whose proposal j was accepted
+    accepted_hist: list[int] = field(default_factory=list)  # [rounds that accepted exactly a tokens, a = 0..k]
+    eval_s: float | None = None  # how long the evaluation took
     error: str | None = None  # the evaluation failed (then no tau)
     t: float | None = None
     rank: int | None = None

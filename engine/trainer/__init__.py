@@ -2,22 +2,26 @@
 
 Its rooms, from the top floor down (each imports only rooms below it):
 
-* ``__main__`` (``specdec-train``), ``config`` (the TOML/``--set`` keys and presets), ``checkpoint``.
-* ``run/``: ``run.assembly`` (one small factory per part) -> ``run.loop`` (builds the parts in the order every
-  rank follows, runs them, writes checkpoints); ``run.producer`` threads run the frozen target and put
-  ``DeviceBatch``es on a bounded queue; ``run.worker`` threads train the drafter; replicas average gradients
+* ``__main__`` (``specdec-train``), ``config`` (``TrainerConfig``: the TOML/``--set`` keys and presets),
+  ``checkpoint`` (the layout, and ``resolve_checkpoint``: which checkpoint a path names, for export, eval and
+  serve-check).
+* ``run/``: ``run.assembly`` (one small factory per part) -> ``run.loop`` (``TrainingRun``: builds the parts in
+  the order every rank follows, runs them, writes checkpoints); ``run.producer`` threads run the frozen target
+  and put ``DeviceBatch``es on a bounded queue; ``run.worker`` threads train the drafter; replicas average gradients
   inside the process and, under torchrun (``run.torchrun``, ``run.distributed``), across ranks.
 * ``serve/``: ``serve.evaluate`` (acceptance length τ) and ``serve.export`` (the draft model vLLM and SGLang load).
-* ``target/``: ``target.model`` (a Hugging Face causal LM with hooks on three layers), ``target.fp8``,
-  ``target.builtin`` (the ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``.
+* ``target/``: ``target.model`` (``FrozenTarget``: a Hugging Face causal LM with hooks on three layers),
+  ``target.fp8``, ``target.builtin`` (the ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``.
 * ``draft/``: the drafter (``model``, TTT ``masks``, compiled flex ``attention``) and its ``loss``.
 * ``data/``: conversations tokenized with the target's chat template (``sources``, cached by ``cache``), the
   held-out split (``holdout``), which batch index each producer computes next (``dispatch``), the draft
   vocabulary with EAGLE-3's d2t/t2d (``vocab``), the shipped ``corpus/``.
-* ``threads/``: ``control`` / ``health`` / ``compile``: stop requests and thread errors, heartbeats, the compile
-  guard (torch.compile is not thread-safe); ``queue``; ``metrics`` writes events.jsonl (kinds from
-  ``engine.protocol``) and the human log lines the supervisor and the dashboard read.
+* ``threads/``: ``control`` (``ThreadControl``) / ``health`` / ``compile``: stop requests and thread errors,
+  heartbeats, the compile guard (torch.compile is not thread-safe); ``queue``; ``metrics`` writes events.jsonl
+  (each line one of ``engine.protocol``'s engine-event dataclasses) and the human log lines the supervisor and
+  the dashboard read.
 
-Of the rest of ``engine`` only ``protocol`` (event kinds) and ``stackdump`` (SIGUSR1 named stacks) are
-imported here: the agent and the supervisor never import torch, and the trainer never imports them.
+Of the rest of ``engine`` only ``protocol`` (the engine events, and the typed-JSON decoder ``config`` checks its
+keys with) and ``stackdump`` (SIGUSR1 named stacks) are imported here: the agent and the supervisor never import
+torch, and the trainer never imports them.
 """

@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 
 from engine import stackdump
-from engine.protocol import ENV_RUN_DIR
+from engine.protocol import ENV_RUN_DIR, RunEndEvent
 from engine.trainer.config import (
     PRESETS,
     ConfigError,
-    EngineConfig,
+    TrainerConfig,
     check_cuda_present,
     from_dict,
     load_toml,
@@ -93,7 +93,7 @@ def engine_argv(argv: list[str]) -> list[str]:
     return [a for a in argv if a not in LAUNCH_ONLY_FLAGS]
 
 
-def torchrun_line(cfg: EngineConfig, argv: list[str]) -> list[str]:
+def torchrun_line(cfg: TrainerConfig, argv: list[str]) -> list[str]:
     return torchrun_command(
         engine_argv(argv),
         nproc_per_node=cfg.nproc_per_node,
@@ -103,7 +103,7 @@ def torchrun_line(cfg: EngineConfig, argv: list[str]) -> list[str]:
     )
 
 
-def resolve_config(args: argparse.Namespace) -> EngineConfig:
+def resolve_config(args: argparse.Namespace) -> TrainerConfig:
     if args.config:
         cfg = load_toml(args.config)
     elif args.preset:
@@ -120,7 +120,7 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
     return place_output_dir(cfg, os.environ.get(ENV_RUN_DIR))
 
 
-def place_output_dir(cfg: EngineConfig, run_dir: str | None) -> EngineConfig:
+def place_output_dir(cfg: TrainerConfig, run_dir: str | None) -> TrainerConfig:
     """Under the supervisor, a relative output_dir lives in <run_root>/engine/, not in whatever directory the
     job started in, and stays the same across runs so that `restart` resumes from the last checkpoint."""
     if not run_dir or Path(cfg.output_dir).expanduser().is_absolute():
@@ -129,7 +129,7 @@ def place_output_dir(cfg: EngineConfig, run_dir: str | None) -> EngineConfig:
     return from_dict({"output_dir": str(run_root / "engine" / cfg.output_dir)}, cfg)
 
 
-def link_checkpoints(cfg: EngineConfig, run_dir: str | None) -> None:
+def link_checkpoints(cfg: TrainerConfig, run_dir: str | None) -> None:
     """<run_dir>/checkpoints points at the engine's checkpoints (engine.supervisor.records.layout)."""
     if not run_dir:
         return
@@ -205,24 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from engine.trainer.run.loop import Engine
+        from engine.trainer.run.loop import TrainingRun
     except Exception as exc:
-        events.emit("run_end", ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0)
+        events.emit(RunEndEvent(ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0))
         raise
     events.stage("imports", f"torch {torch.__version__} in {time.perf_counter() - t0:.1f} s")
-    engine = Engine(cfg, events, info)
+    engine = TrainingRun(cfg, events, info)
     engine.install_signal_handlers()
     try:
         engine.build()
     except ConfigError as exc:  # found only once torch or the data is there (a device count, strict_data): exit 2
-        events.emit("run_end", ok=False, reason=f"config error: {exc}", step=0)
+        events.emit(RunEndEvent(ok=False, reason=f"config error: {exc}", step=0))
         print(f"specdec-train: config error: {exc}", file=sys.stderr)
         events.close()
         if info.launched:
             leave_now(events, 2, f"config error: {exc}")
         return 2
     except Exception as exc:
-        events.emit("run_end", ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0)
+        events.emit(RunEndEvent(ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0))
         if info.launched:
             leave_now(events, 1, f"setup failed: {type(exc).__name__}: {exc}")
         raise

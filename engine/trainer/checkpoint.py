@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -18,6 +19,12 @@ from typing import Any
 import torch
 
 META = "meta.json"
+STEP_DIR = re.compile(r"step_\d+")  # a checkpoint's directory; complete once meta.json is in it
+TMP_STEP_DIR = re.compile(r"\.tmp-step_\d+.*")  # one being written (renamed to step_<N> when complete)
+
+
+class CheckpointNotFound(Exception):
+    """A path that names no complete checkpoint; the message is one line a person can act on."""
 
 
 def to_cpu(obj: Any) -> Any:
@@ -84,6 +91,34 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
         return None
     complete = sorted(p for p in root.glob("step_*") if (p / META).exists())
     return complete[-1] if complete else None
+
+
+def resolve_checkpoint(source: str | Path) -> tuple[Path, str | None]:
+    """The complete checkpoint ``source`` names (itself, or an output directory's latest) and how it was picked
+    (None: ``source`` is the checkpoint); raises CheckpointNotFound saying why there is none."""
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise CheckpointNotFound(f"{source} does not exist")
+    if not source.is_dir():
+        raise CheckpointNotFound(f"{source} is not a directory (expected a checkpoint or a run output directory)")
+    if (source / META).is_file():
+        return source, None
+    if TMP_STEP_DIR.fullmatch(source.name):
+        raise CheckpointNotFound(f"{source} is a checkpoint still being written (no {META} yet); wait for it to finish")
+    if STEP_DIR.fullmatch(source.name):
+        raise CheckpointNotFound(f"{source} is an incomplete checkpoint: no {META}")
+    root = checkpoints_dir(source)
+    if not root.is_dir():
+        raise CheckpointNotFound(
+            f"{source} is neither a checkpoint (no {META}) nor an output directory (no checkpoints/)"
+        )
+    latest = latest_checkpoint(source)
+    if latest is None:
+        if any(TMP_STEP_DIR.fullmatch(p.name) for p in root.iterdir()):
+            raise CheckpointNotFound(f"{root} has no complete checkpoint yet: one is still being written")
+        raise CheckpointNotFound(f"{root} has no checkpoint")
+    complete = [p for p in root.glob("step_*") if (p / META).is_file()]
+    return latest, f"latest of {len(complete)} in {root}"
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Engine configuration: a TOML file or a named preset, validated with errors that name the key.
+"""The trainer's configuration (TrainerConfig): a TOML file or a named preset, validated with errors that name the key.
 
 Stdlib only (no torch), so the command line can report config errors before the heavy imports.
 """
@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine.protocol import ProtocolError, decode_as
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,7 +50,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class EngineConfig:
+class TrainerConfig:
     # The target: a built-in random preset ("tiny", "llama3-8b-shape"), the built-in trained "tiny-trained"
     # (trained on the shipped corpus on first use, then cached), or a local Hugging Face directory.
     target: str = "tiny"
@@ -135,7 +137,7 @@ class EngineConfig:
     tiny_hidden: int = 64
     tiny_layers: int = 8  # deep enough for the serve-time layers (outputs of 1, 3, 4) to be distinct
 
-    def validate(self) -> EngineConfig:
+    def validate(self) -> TrainerConfig:
         def need(cond: bool, key: str, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"{key}: {msg}")
@@ -272,7 +274,7 @@ NVIDIA_DEVICE_NODE = "/dev/nvidiactl"
 NVIDIA_DRIVER_PROC = "/proc/driver/nvidia"
 
 
-def check_cuda_present(cfg: EngineConfig) -> None:
+def check_cuda_present(cfg: TrainerConfig) -> None:
     """A config naming CUDA devices on a machine without an NVIDIA driver is a config error, said before torch
     loads (seconds): the key, the device and what this machine has instead."""
     if not cfg.uses_cuda or Path(NVIDIA_DEVICE_NODE).exists() or Path(NVIDIA_DRIVER_PROC).exists():
@@ -314,60 +316,49 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _expected(key: str, tp: Any) -> str:
+    """What the field type ``tp`` of ``key`` asks for, in the words of an error message."""
+    if key in _TYPE_WORDS:
+        return _TYPE_WORDS[key]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]  # optional: None is allowed too, and says nothing about the type
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}[item]
+    if tp is float:
+        return "a number of seconds" if key.endswith("_s") else "a number"
+    return {bool: "true or false", int: "an integer", str: "a string"}[tp]
 
 
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and not (isinstance(value, float) and math.isnan(value))
+def _has_nan(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_has_nan(v) for v in value)
+    return isinstance(value, float) and math.isnan(value)
 
 
 def _coerce(key: str, tp: Any, value: Any) -> Any:
-    """``value`` checked against the field type ``tp`` (ints become floats where a float is wanted);
-    a ConfigError naming the key and the expected type otherwise."""
-    optional = False
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(tp))
-        assert len(args) == 1, f"{key}: unsupported field type {tp}"
-        tp = args[0]
-    if value is None and optional:
-        return None
-    if tp is bool:
-        want, ok = "true or false", isinstance(value, bool)
-    elif tp is int:
-        want, ok = "an integer", _is_int(value)
-    elif tp is float:
-        want, ok = ("a number of seconds" if key.endswith("_s") else "a number"), _is_number(value)
-        value = float(value) if ok else value
-    elif tp is str:
-        want, ok = "a string", isinstance(value, str)
-    elif typing.get_origin(tp) is list:
-        (item,) = typing.get_args(tp)
-        check, words = {int: (_is_int, "integers"), float: (_is_number, "numbers"), str: (_is_str, "strings")}[item]
-        want = _TYPE_WORDS.get(key, f"a list of {words}")
-        ok = isinstance(value, list) and all(check(v) for v in value)
-        value = [float(v) for v in value] if ok and item is float else value
-    else:  # pragma: no cover - a field type added without teaching this function
-        raise AssertionError(f"{key}: unsupported field type {tp}")
-    if not ok:
-        raise ConfigError(f"{key}: expected {want}, got {_show(value)}")
-    return list(value) if isinstance(value, list) else value
+    """``value`` checked against the field type ``tp`` by the protocol's typed-JSON decoder (ints become floats
+    where a float is wanted); a ConfigError naming the key and the expected type otherwise."""
+    wrong = f"{key}: expected {_expected(key, tp)}, got {_show(value)}"
+    try:
+        decoded = decode_as(tp, value)
+    except ProtocolError:
+        raise ConfigError(wrong) from None
+    if _has_nan(decoded):  # TOML can write nan, JSON cannot: the protocol's decoder never meets one
+        raise ConfigError(wrong)
+    return decoded
 
 
 @functools.cache
 def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(EngineConfig)
+    return typing.get_type_hints(TrainerConfig)
 
 
-def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
+def from_dict(values: dict[str, Any], base: TrainerConfig | None = None) -> TrainerConfig:
     """Overlay ``values`` on ``base`` (or the defaults). Unknown keys are errors that list the known ones; every
     value is checked against its field's type before validation, so a wrong type names the key, not a crash."""
-    cfg = dataclasses.replace(base) if base is not None else EngineConfig()
+    cfg = dataclasses.replace(base) if base is not None else TrainerConfig()
     types_by_key = _field_types()
     flat: dict[str, Any] = {}
     for key, value in values.items():
@@ -382,7 +373,7 @@ def from_dict(values: dict[str, Any], base: EngineConfig | None = None) -> Engin
     return cfg.validate()
 
 
-def load_toml(path: str | Path, base: EngineConfig | None = None) -> EngineConfig:
+def load_toml(path: str | Path, base: TrainerConfig | None = None) -> TrainerConfig:
     """The config in the TOML file at ``path`` (a ``preset = NAME`` key starts from that preset). Every error
     is a ConfigError whose message starts with ``<path>: ``."""
     p = Path(path).expanduser()
@@ -465,7 +456,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset(name: str) -> EngineConfig:
+def preset(name: str) -> TrainerConfig:
     if name not in PRESETS:
         raise ConfigError(f"preset: got {name!r}; allowed: {', '.join(sorted(PRESETS))}")
     return from_dict(PRESETS[name])

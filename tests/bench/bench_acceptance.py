@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from engine.trainer.config import EngineConfig  # noqa: E402
+from engine.trainer.config import TrainerConfig  # noqa: E402
 from engine.trainer.target.builtin import DEFAULT_RECIPE, ensure_built, read_metrics  # noqa: E402
 
 LAYERS = DEFAULT_RECIPE.layers
@@ -41,7 +41,7 @@ ALL_VARIANTS = ("rope0-old", "rope0-new", "rope1-old", "rope1-new")
 
 
 def has_key(key: str) -> bool:
-    return key in EngineConfig.__dataclass_fields__
+    return key in TrainerConfig.__dataclass_fields__
 
 
 TTT_STEPS: int | None = None  # --ttt-steps: training depth (default: the eval k: every drafted position trained)

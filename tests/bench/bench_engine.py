@@ -157,7 +157,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     from engine.trainer.run.producer import DeviceBatch
     from engine.trainer.run.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
     from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config
-    from engine.trainer.threads.control import RunControl
+    from engine.trainer.threads.control import ThreadControl
     from engine.trainer.threads.health import HealthBoard
     from engine.trainer.threads.metrics import EventLog, suggest_split
     from engine.trainer.threads.queue import BoundedQueue
@@ -185,7 +185,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     target_gib = torch.cuda.max_memory_allocated() / 2**30  # the target's weights and one batch's activations
     # Drafter side alone, through the engine's worker step (compiled flex + loss).
     events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
-    control = RunControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
+    control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
     params = drafter.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -246,7 +246,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     import torch
 
     from engine.trainer.config import from_dict, parse_override, preset
-    from engine.trainer.run.loop import Engine
+    from engine.trainer.run.loop import TrainingRun
     from engine.trainer.threads.metrics import EventLog
 
     overrides: dict[str, Any] = {
@@ -265,7 +265,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     got: list[tuple[float, dict[str, Any]]] = []
     events.listeners.append(lambda ev: got.append((time.perf_counter(), ev)))
     t0 = time.perf_counter()
-    engine = Engine(cfg, events)
+    engine = TrainingRun(cfg, events)
     engine.build()
     built = time.perf_counter()
     code = engine.run()

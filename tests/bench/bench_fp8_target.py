@@ -52,7 +52,7 @@ def measure(spec: str, device: str, batch: int, seq: int, n: int, compile_: bool
     import torch
 
     from engine.trainer.target.fp8 import quantize_linears
-    from engine.trainer.target.model import Target, load_target, load_tokenizer
+    from engine.trainer.target.model import FrozenTarget, load_target, load_tokenizer
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -61,7 +61,7 @@ def measure(spec: str, device: str, batch: int, seq: int, n: int, compile_: bool
     # The same weights, quantised: a deep copy of the bf16 model (load_target(fp8=True) would rebuild it).
     model8 = copy.deepcopy(ref.model)
     replaced = quantize_linears(model8)
-    fp8 = Target(model8, tok, ref.layer_ids, dev)
+    fp8 = FrozenTarget(model8, tok, ref.layer_ids, dev)
     batches = token_batches(spec, tok, ref.vocab_size, batch, seq, n)
     counts = torch.bincount(torch.cat([b.flatten() for b in batches]), minlength=ref.vocab_size)
     draft_ids = torch.argsort(counts, descending=True, stable=True)[: min(draft_vocab, ref.vocab_size)].sort().values

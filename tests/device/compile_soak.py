@@ -110,7 +110,7 @@ def one_run(args: argparse.Namespace, engine_argv: list[str]) -> int:
             "graphs": fn.graph_count() if fn else None,
             "compiled": fn.compiled if fn else None,
             "forced": len(forced),
-            "events": [e["what"] + ":" + str(e["thread"]) for e in fn.events] if fn else [],
+            "events": [e.what + ":" + str(e.thread) for e in fn.events] if fn else [],
         }
         print("SOAK " + json.dumps(summary), flush=True)
 

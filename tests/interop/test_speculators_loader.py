@@ -17,7 +17,7 @@ from speculators_venv import RegistryUnreachable, ensure_venv  # beside this fil
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.serve import export
-from engine.trainer.target.model import Target
+from engine.trainer.target.model import FrozenTarget
 from engine.trainer.target.model_configs import tiny_config
 
 HERE = Path(__file__).resolve().parent
@@ -26,14 +26,14 @@ VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB, TARGET_LAYERS = 96, 32, 4, 40, [1, 2, 3]
 MAX_ABS_DIFF = 1e-4  # float32 on both sides from the same bf16 weights: only op order differs
 
 
-def build_target_and_drafter(target_dir: Path) -> tuple[Target, Drafter]:
+def build_target_and_drafter(target_dir: Path) -> tuple[FrozenTarget, Drafter]:
     from transformers import LlamaForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(tiny_config(VOCAB, HIDDEN, LAYERS))
     model.save_pretrained(target_dir)
-    target = Target(model, None, TARGET_LAYERS, torch.device("cpu"))
+    target = FrozenTarget(model, None, TARGET_LAYERS, torch.device("cpu"))
     dcfg = DraftConfig.from_target(model.config, DRAFT_VOCAB)
     draft_to_target = torch.sort(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:DRAFT_VOCAB]).values
     with torch.random.fork_rng(devices=[]):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from support.waiting import wait_until
 
+from engine.protocol import CompileEvent
 from engine.trainer.threads import compile as guard
 
 READER_CALLS_MIN = 200  # calls each reader makes at least, so they run through the other thread's compiles
@@ -37,7 +38,7 @@ def test_a_forced_recompile_in_one_thread_never_runs_beside_compiled_calls_of_th
     fresh_dynamo: None,
 ) -> None:
     fn = guard.GuardedFunction(deep, compiled=True, name="ttt_step", backend="aot_eager")
-    events: list[dict[str, Any]] = []
+    events: list[CompileEvent] = []
     fn.listeners.append(events.append)
     errors: list[tuple[str, BaseException]] = []
     calls: dict[str, int] = {}
@@ -86,13 +87,13 @@ def test_a_forced_recompile_in_one_thread_never_runs_beside_compiled_calls_of_th
     assert errors == [], errors
     assert all(calls[f"drafter{i}"] >= READER_CALLS_MIN for i in range(2)), calls
     # Every graph compiled after warm-up is the recompiler's and is an event; the readers never compiled.
-    assert [(e["what"], e["thread"]) for e in events] == [("recompile", "drafter2")] * 4
+    assert [(e.what, e.thread) for e in events] == [("recompile", "drafter2")] * 4
     assert fn.graph_count() == 5
 
 
 def test_shared_lock_sets_fail_on_recompile_so_a_guard_failure_is_retried_alone(fresh_dynamo: None) -> None:
     fn = guard.GuardedFunction(deep, compiled=True, name="ttt_step", backend="eager")
-    events: list[dict[str, Any]] = []
+    events: list[CompileEvent] = []
     fn.listeners.append(events.append)
     m = torch.ones(4)
     fn(torch.randn(4), m, torch.zeros(4))
@@ -103,7 +104,7 @@ def test_shared_lock_sets_fail_on_recompile_so_a_guard_failure_is_retried_alone(
         torch.compile(deep, backend="eager")(torch.randn(5), torch.ones(5), torch.zeros(5))
     assert lock.readers() == 0
     fn(torch.randn(4), m, m)  # a guard the signature does not show fails: refused shared, compiled alone
-    assert [(e["what"], e["graphs"]) for e in events] == [("recompile", 2)]
+    assert [(e.what, e.graphs) for e in events] == [("recompile", 2)]
     fn(torch.randn(4), m, torch.zeros(4))  # the first graph again: guards pass, nothing compiled or retried
     assert fn.retries == 0 and fn.graph_count() == 2
 

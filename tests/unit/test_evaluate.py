@@ -23,7 +23,7 @@ from engine.trainer.serve.evaluate import (
     speculate,
     target_forward,
 )
-from engine.trainer.target.model import Target, load_target, load_tokenizer
+from engine.trainer.target.model import FrozenTarget, load_target, load_tokenizer
 from engine.trainer.threads.metrics import EventLog
 
 K = 4
@@ -101,20 +101,20 @@ def test_acceptance_stats_give_tau_and_per_position_rates() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_target() -> Target:
+def tiny_target() -> FrozenTarget:
     tok = load_tokenizer("tiny")
     return load_target("tiny", torch.device("cpu"), tokenizer=tok, layer_ids=None, seed=0, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_target: Target) -> list[list[int]]:
+def prompts(tiny_target: FrozenTarget) -> list[list[int]]:
     return heldout_prompts(tiny_target.tokenizer, "shipped", holdout=32, seed=0, count=2)
 
 
 class Oracle:
     """Proposes the target's own greedy continuation: every proposal is accepted."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: FrozenTarget) -> None:
         self.forward = target_forward(target)
 
     def propose(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[int]:
@@ -131,7 +131,7 @@ class AlwaysWrong(Oracle):
         return [(right + 1) % 64] * k
 
 
-def greedy(target: Target, prompt: list[int], n: int) -> list[int]:
+def greedy(target: FrozenTarget, prompt: list[int], n: int) -> list[int]:
     forward = target_forward(target)
     out: list[int] = []
     for _ in range(n):
@@ -141,7 +141,7 @@ def greedy(target: Target, prompt: list[int], n: int) -> list[int]:
 
 
 def test_a_drafter_that_proposes_the_targets_tokens_gets_tau_k_plus_one(
-    tiny_target: Target, prompts: list[list[int]]
+    tiny_target: FrozenTarget, prompts: list[list[int]]
 ) -> None:
     forward = target_forward(tiny_target)
     stats = evaluate(forward, Oracle(tiny_target), prompts, k=K, max_new_tokens=MAX_NEW, eos_id=None)
@@ -150,7 +150,7 @@ def test_a_drafter_that_proposes_the_targets_tokens_gets_tau_k_plus_one(
     assert stats.per_position_conditional() == [1.0] * K
 
 
-def test_a_drafter_that_is_always_wrong_gets_tau_one(tiny_target: Target, prompts: list[list[int]]) -> None:
+def test_a_drafter_that_is_always_wrong_gets_tau_one(tiny_target: FrozenTarget, prompts: list[list[int]]) -> None:
     forward = target_forward(tiny_target)
     stats = evaluate(forward, AlwaysWrong(tiny_target), prompts[:1], k=K, max_new_tokens=6, eos_id=None)
     assert stats.rounds == 6 - 1  # one token per round after the first (the prompt's own forward)
@@ -159,7 +159,7 @@ def test_a_drafter_that_is_always_wrong_gets_tau_one(tiny_target: Target, prompt
 
 
 def test_speculation_with_a_real_drafter_generates_exactly_the_targets_greedy_text(
-    tiny_target: Target, prompts: list[list[int]]
+    tiny_target: FrozenTarget, prompts: list[list[int]]
 ) -> None:
     cfg = DraftConfig.from_target(tiny_target.config, 64)
     vocab = tiny_target.vocab_size
@@ -185,7 +185,7 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from engine.trainer.config import from_dict
-    from engine.trainer.run.loop import Engine
+    from engine.trainer.run.loop import TrainingRun
 
     out = tmp_path / "out"
     corpus = tmp_path / "small.jsonl"  # tokenizing the whole shipped corpus would be most of the test's time
@@ -212,7 +212,7 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     events = EventLog(out / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
     seen: list[dict[str, Any]] = []
     events.listeners.append(seen.append)
-    engine = Engine(cfg, events)
+    engine = TrainingRun(cfg, events)
     engine.build()
     assert engine.run() == 0
     evals = [(e["thread"], e["step"]) for e in seen if e["kind"] == "eval"]
@@ -233,6 +233,17 @@ def test_eval_of_a_directory_without_checkpoints_is_a_usage_error(
 ) -> None:
     assert main(["--checkpoint", str(tmp_path)]) == 2
     assert "neither a checkpoint" in capsys.readouterr().err
+
+
+def test_eval_of_a_checkpoint_still_being_written_says_so_as_export_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    partial = tmp_path / "checkpoints" / ".tmp-step_00000004-123-456"
+    partial.mkdir(parents=True)
+    assert main(["--checkpoint", str(partial)]) == 2
+    assert "is a checkpoint still being written (no meta.json yet)" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path)]) == 2
+    assert "has no complete checkpoint yet: one is still being written" in capsys.readouterr().err
 
 
 VOCAB = 64

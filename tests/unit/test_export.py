@@ -18,7 +18,7 @@ from engine.trainer import checkpoint as ckpt
 from engine.trainer.__main__ import main as train_main
 from engine.trainer.config import from_dict
 from engine.trainer.draft.model import DraftConfig, Drafter
-from engine.trainer.run.loop import Engine
+from engine.trainer.run.loop import TrainingRun
 from engine.trainer.serve import export
 from engine.trainer.threads.metrics import EventLog
 from tui.cli.monitor import format_status
@@ -192,7 +192,7 @@ def test_engine_output_dir_exports_its_latest_checkpoint_and_records_the_event(t
     settings.update(vocab_sample_batches=2, steps=2, checkpoint_every=1, torch_threads=1, tiny_hidden=32)
     cfg = from_dict({**settings, "output_dir": str(out)})
     events = EventLog(out / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
-    engine = Engine(cfg, events)
+    engine = TrainingRun(cfg, events)
     engine.build()
     assert engine.run() == 0
     events.close()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine.trainer.config import from_dict
-from engine.trainer.run.loop import Engine
+from engine.trainer.run.loop import TrainingRun
 from engine.trainer.serve.serve_check import EXIT_NO_VLLM, EXIT_USAGE
 from engine.trainer.threads.metrics import EventLog
 
@@ -29,7 +29,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     settings.update(data="random", buckets=[64], batch_size=1, ttt_steps=2, draft_vocab_size=64)
     settings.update(vocab_sample_batches=2, steps=2, checkpoint_every=2, torch_threads=1, tiny_hidden=32)
     events = EventLog(out / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
-    engine = Engine(from_dict({**settings, "output_dir": str(out)}), events)
+    engine = TrainingRun(from_dict({**settings, "output_dir": str(out)}), events)
     engine.build()
     assert engine.run() == 0
     events.close()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.trainer.config import ConfigError, EngineConfig, from_dict
+from engine.trainer.config import ConfigError, TrainerConfig, from_dict
 from engine.trainer.data.dispatch import Dispatcher
 from engine.trainer.data.sources import RandomTokenSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
@@ -18,14 +18,14 @@ from engine.trainer.run import assembly
 from engine.trainer.run.producer import Route
 from engine.trainer.run.torchrun import RankInfo
 from engine.trainer.run.worker import DrafterWorker, WorkerLinks, WorkerSettings
-from engine.trainer.target.model import Target, load_target, load_tokenizer
-from engine.trainer.threads.control import RunControl
+from engine.trainer.target.model import FrozenTarget, load_target, load_tokenizer
+from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.health import HealthBoard
 from engine.trainer.threads.metrics import EventLog
 from engine.trainer.threads.queue import BoundedQueue
 
 
-def config(**values: Any) -> EngineConfig:
+def config(**values: Any) -> TrainerConfig:
     return from_dict({"target": "tiny", "tiny_layers": 4, "draft_vocab_size": 32, **values})
 
 
@@ -33,20 +33,20 @@ def quiet_events() -> EventLog:
     return EventLog(None, stdout=open(os.devnull, "w"))
 
 
-def control_for(events: EventLog) -> RunControl:
-    return RunControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
+def control_for(events: EventLog) -> ThreadControl:
+    return ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
 
 
-def random_source(target: Target) -> RandomTokenSource:
+def random_source(target: FrozenTarget) -> RandomTokenSource:
     return RandomTokenSource(target.vocab_size, buckets=[32], batch_size=1, seed=0)
 
 
-def draft_vocab(cfg: EngineConfig, target: Target) -> DraftVocab:
+def draft_vocab(cfg: TrainerConfig, target: FrozenTarget) -> DraftVocab:
     return build_draft_vocab(random_source(target), target.vocab_size, cfg.draft_vocab_size)
 
 
 @pytest.fixture(scope="module")
-def target() -> Target:
+def target() -> FrozenTarget:
     return load_target(
         "tiny",
         torch.device("cpu"),
@@ -103,7 +103,9 @@ def test_producers_resume_with_the_trained_batches_split_as_they_made_them() -> 
 
 
 @pytest.mark.parametrize("mode", ["replicas", "independent"])
-def test_drafters_start_equal_as_replicas_and_from_their_own_seeds_when_independent(target: Target, mode: str) -> None:
+def test_drafters_start_equal_as_replicas_and_from_their_own_seeds_when_independent(
+    target: FrozenTarget, mode: str
+) -> None:
     lrs = [1e-3, 2e-3] if mode == "independent" else None
     cfg = config(drafter_mode=mode, drafter_devices=["cpu", "cpu"], drafter_lrs=lrs)
     vocab = draft_vocab(cfg, target)
@@ -122,7 +124,9 @@ def test_drafters_start_equal_as_replicas_and_from_their_own_seeds_when_independ
     assert scheduler.get_last_lr() == [optimizer.param_groups[0]["lr"]]
 
 
-def test_a_worker_takes_its_settings_from_the_config_and_its_model_from_the_training_factory(target: Target) -> None:
+def test_a_worker_takes_its_settings_from_the_config_and_its_model_from_the_training_factory(
+    target: FrozenTarget,
+) -> None:
     cfg = config(ttt_steps=2, steps=9, buckets=[32, 64], log_every=3, checkpoint_every=4, loss_mean="masked_positions")
     settings = WorkerSettings.from_config(cfg)
     assert (settings.ttt_steps, settings.total_steps, settings.buckets) == (2, 9, (32, 64))

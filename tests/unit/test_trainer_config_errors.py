@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine.trainer.config import PRESETS, ConfigError, EngineConfig, from_dict, load_toml, preset
+from engine.trainer.config import PRESETS, ConfigError, TrainerConfig, from_dict, load_toml, preset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,14 +54,14 @@ def test_a_value_of_the_wrong_type_names_the_key_the_type_and_the_value(key: str
 def test_ints_are_numbers_and_optional_lists_may_be_unset() -> None:
     cfg = from_dict({"lr": 1, "heartbeat_interval_s": 2, "drafter_mode": "independent"})
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and isinstance(cfg.heartbeat_interval_s, float)
-    cfg = from_dict({"drafter_lrs": [1, 0.5]}, EngineConfig(drafter_mode="independent", drafter_devices=["cpu"] * 2))
+    cfg = from_dict({"drafter_lrs": [1, 0.5]}, TrainerConfig(drafter_mode="independent", drafter_devices=["cpu"] * 2))
     assert cfg.drafter_lrs == [1.0, 0.5] and all(isinstance(x, float) for x in cfg.drafter_lrs)
     assert from_dict({"target_layers": None, "drafter_lrs": None}).target_layers is None
 
 
 def test_every_field_type_is_understood_and_every_preset_round_trips() -> None:
-    defaults = EngineConfig()
-    for f in dataclasses.fields(EngineConfig):  # a new field of a type the checker does not know fails here
+    defaults = TrainerConfig()
+    for f in dataclasses.fields(TrainerConfig):  # a new field of a type the checker does not know fails here
         assert getattr(from_dict({f.name: getattr(defaults, f.name)}), f.name) == getattr(defaults, f.name)
     for name in PRESETS:
         cfg = preset(name)

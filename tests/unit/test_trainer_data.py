@@ -216,7 +216,7 @@ def test_engine_reports_skipped_conversations_in_an_event_and_a_log_line(tmp_pat
     import io
 
     from engine.trainer.config import from_dict
-    from engine.trainer.run.loop import Engine
+    from engine.trainer.run.loop import TrainingRun
     from engine.trainer.threads.metrics import EventLog
 
     data = write_jsonl(tmp_path / "d.jsonl", [*marked_corpus(8), [u("only a question")]])
@@ -234,7 +234,7 @@ def test_engine_reports_skipped_conversations_in_an_event_and_a_log_line(tmp_pat
     events = EventLog(tmp_path / "events.jsonl", stdout=said)
     seen: list[dict[str, Any]] = []
     events.listeners.append(seen.append)
-    Engine(cfg, events).build()
+    TrainingRun(cfg, events).build()
     (ev,) = [e for e in seen if e["kind"] == "stage" and e["stage"] == "data" and "skipped" in e]
     assert ev["skipped"] == {SKIP_NO_ASSISTANT: 1} and ev["heldout"] == 2 and ev["cached"] is False
     assert "6 conversations to train on, 2 held out, 1 skipped (no assistant turn: 1)" in said.getvalue()

@@ -14,7 +14,7 @@ from test_trainer_engine import Recorder, build, make_config, raise_on_call  # s
 
 from engine.trainer.checkpoint import latest_checkpoint, read_meta
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
-from engine.trainer.run.loop import Engine
+from engine.trainer.run.loop import TrainingRun
 
 QUEUE_SIZE = 2
 RUN_BOUND_S = 120.0  # a run that hangs fails the test instead of the test hanging
@@ -34,7 +34,7 @@ def test_ledger_keeps_a_watermark_and_the_indices_done_above_it() -> None:
     assert [dispatcher.claim() for _ in range(2)] == [4, 7]
 
 
-def record_trained(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> list[int]:
+def record_trained(monkeypatch: pytest.MonkeyPatch, engine: TrainingRun) -> list[int]:
     """The batch index of every training step of every drafter (patched from outside)."""
     trained: list[int] = []
     lock = threading.Lock()
@@ -50,7 +50,7 @@ def record_trained(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> list[int]
     return trained
 
 
-def run_bounded(engine: Engine) -> int:
+def run_bounded(engine: TrainingRun) -> int:
     watchdog = threading.Timer(RUN_BOUND_S, engine.control.fail_run, args=("test bound: the run hung",))
     watchdog.start()
     try:

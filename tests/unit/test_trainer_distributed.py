@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.protocol import StepEvent
 from engine.trainer.config import ConfigError, from_dict
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.data.sources import RandomTokenSource
@@ -149,7 +150,7 @@ def test_a_rank_tags_its_events_and_writes_its_own_file_beside_the_first_rank(tm
             pass
 
     log = EventLog(path, stdout=Out(), tags=info.tags(), prefix="[rank 3] ")  # type: ignore[arg-type]
-    log.emit("step", thread="drafter0", step=1)
+    log.emit(StepEvent(thread="drafter0", step=1))
     log.say("step=1 thread=drafter0")
     log.close()
     event = json.loads(path.read_text())

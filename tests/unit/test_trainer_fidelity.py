@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.agent.anomalies import EngineState, engine_anomalies
-from engine.protocol import decode_engine_event
+from engine.protocol import CompileEvent, decode_engine_event
 from engine.trainer.config import ConfigError, from_dict
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import soft_cross_entropy, total_loss
@@ -287,7 +287,7 @@ def aliased(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def test_a_known_signature_that_recompiles_after_warm_up_is_an_event_too() -> None:
     fn = guard.GuardedFunction(aliased, compiled=True, name="ttt_step", backend="eager")
-    seen: list[dict[str, Any]] = []
+    seen: list[CompileEvent] = []
     fn.listeners.append(seen.append)
     m = torch.ones(3)
     fn(torch.randn(3), m, m)  # warm-up with one tensor passed twice
@@ -295,7 +295,7 @@ def test_a_known_signature_that_recompiles_after_warm_up_is_an_event_too() -> No
     fn(torch.randn(3), m, m)
     assert seen == []
     fn(torch.randn(3), torch.ones(3), torch.ones(3))  # same shapes, but dynamo guards on the aliasing
-    assert [(e["what"], e["graphs"]) for e in seen] == [("recompile", 2)]
+    assert [(e.what, e.graphs) for e in seen] == [("recompile", 2)]
 
 
 def test_recompile_limit_is_sized_from_steps_buckets_and_devices() -> None:
@@ -319,7 +319,7 @@ def test_compiled_ttt_step_keeps_one_graph_per_step_and_bucket_with_per_step_rop
     torch._dynamo.reset()
     drafter = small_drafter()
     fn = guard.GuardedFunction(ttt_step, compiled=True, name="ttt_step", backend="eager")
-    seen: list[dict[str, Any]] = []
+    seen: list[CompileEvent] = []
     fn.listeners.append(seen.append)
     attention = TTTAttention("sdpa")
 

@@ -31,12 +31,12 @@ STEP_WEIGHT_DECAY = 0.8  # the loss trained on is sum_i STEP_WEIGHT_DECAY**i * l
 
 
 def _soft_cross_entropy(
-    logits: torch.Tensor,
-    target_p: torch.Tensor,
-    mask: torch.Tensor,
-    loss_mask: torch.Tensor | None,
+    logits: torch.Tensor,  # (B, T, Vd): the drafter's
+    target_p: torch.Tensor,  # (B, T, Vd): the target's softmax over the draft vocabulary, shifted to this step
+    mask: torch.Tensor,  # (B, T): the position mask m, shifted
+    loss_mask: torch.Tensor | None,  # (B, T): the data's loss mask l, shifted
     mean: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, count: each ()
     m = mask.to(torch.float32)
     logp = torch.log_softmax(logits.float(), dim=-1)
     summed = (-(target_p.float() * logp).sum(dim=-1) * m).sum()
@@ -77,10 +77,10 @@ def weighted_total(loss: list[float]) -> float:
     return sum(STEP_WEIGHT_DECAY**i * v for i, v in enumerate(loss))
 
 
-def total_loss(losses: torch.Tensor) -> torch.Tensor:
+def total_loss(losses: torch.Tensor) -> torch.Tensor:  # (ttt_steps,) -> ()
     return (losses * step_weights(losses.numel(), losses.device)).sum()
 
 
-def accuracies(correct: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def accuracies(correct: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # (ttt_steps,) each -> (ttt_steps,)
     """acc_i = correct_i / counts_i (0 where a step counted no position)."""
     return correct / counts.clamp_min(1.0)

@@ -84,6 +84,7 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each ``(seq_len, head_dim)`` float32: row ``p`` rotates position ``p``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
@@ -96,7 +97,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor,  # (B, heads, T, D)
+    cos: torch.Tensor,  # (T, D)
+    sin: torch.Tensor,  # (T, D)
+) -> torch.Tensor:  # (B, heads, T, D)
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
 
 
@@ -120,15 +125,15 @@ class DraftDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
-        emb: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        prior_k: torch.Tensor | None,
-        prior_v: torch.Tensor | None,
-        mask: Any,
+        hidden: torch.Tensor,  # (B, T, H): the step's hidden state
+        emb: torch.Tensor,  # (B, T, H): embeddings of the tokens it reads
+        cos: torch.Tensor,  # (T, D): this step's rotary tables
+        sin: torch.Tensor,  # (T, D)
+        prior_k: torch.Tensor | None,  # (B, Hkv, i*T, D): the keys of steps 0..i-1; None at step 0
+        prior_v: torch.Tensor | None,  # (B, Hkv, i*T, D)
+        mask: Any,  # a flex BlockMask or a dense bool (T, (i+1)*T)
         attention: TTTAttention,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden (B, T, H), k_all and v_all (B, Hkv, (i+1)*T, D)
         b, t, _ = hidden.shape
         d = self.cfg.head_dim
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
@@ -150,7 +155,7 @@ class DraftDecoderLayer(nn.Module):
         return h, k_all, v_all
 
 
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:  # x (B, T, ...) -> (B, T, ...)
     """Drop the first ``n`` positions (dim 1) and pad the end with zeros: keeps the bucket's shape fixed."""
     if n == 0:
         return x
@@ -163,20 +168,20 @@ def ttt_step(
     layer: DraftDecoderLayer,
     norm: RMSNorm,
     lm_head: nn.Linear,
-    hidden: torch.Tensor,
-    emb: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    prior_k: torch.Tensor | None,
-    prior_v: torch.Tensor | None,
-    mask: Any,
+    hidden: torch.Tensor,  # (B, T, H)
+    emb: torch.Tensor,  # (B, T, H)
+    cos: torch.Tensor,  # (T, D)
+    sin: torch.Tensor,  # (T, D)
+    prior_k: torch.Tensor | None,  # (B, Hkv, i*T, D); None at step 0
+    prior_v: torch.Tensor | None,  # (B, Hkv, i*T, D)
+    mask: Any,  # a flex BlockMask or a dense bool (T, (i+1)*T)
     attention: TTTAttention,
-    target_p: torch.Tensor,
-    position_mask: torch.Tensor,
-    shift: int,
+    target_p: torch.Tensor,  # (B, T, Vd) float32: the target's distribution, unshifted
+    position_mask: torch.Tensor,  # (B, T) float32, unshifted
+    shift: int,  # i + 1: positions to shift the targets by
     loss_fn: LossFn,
-    loss_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
+    loss_mask: torch.Tensor | None = None,  # (B, T), unshifted
+) -> tuple[torch.Tensor, ...]:  # hidden (B, T, H), k_all, v_all (B, Hkv, (i+1)*T, D), loss, correct, count ()
     """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
 
     ``cos``/``sin`` are this step's rotary tables (``Drafter.step_rotary``). ``loss_mask``, when given, is
@@ -272,18 +277,18 @@ class Drafter(nn.Module):
 
     def forward(
         self,
-        hidden3: torch.Tensor,
-        input_ids: torch.Tensor,
-        target_p: torch.Tensor,
-        position_mask: torch.Tensor,
+        hidden3: torch.Tensor,  # (B, T, 3H): the target's three captured layers
+        input_ids: torch.Tensor,  # (B, T) long
+        target_p: torch.Tensor,  # (B, T, Vd) float32
+        position_mask: torch.Tensor,  # (B, T) float32
         *,
         ttt_steps: int,
         attention: TTTAttention,
         loss_fn: LossFn,
         grad_checkpointing: bool = False,
         step_fn: Callable[..., Any] | None = None,
-        loss_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss_mask: torch.Tensor | None = None,  # (B, T)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, counts: each (ttt_steps,)
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
         Position ``t`` of step ``i`` reads token ``t + 1 + i`` at rotary position ``t + i`` and predicts the

@@ -1,7 +1,7 @@
 """The engine's parts, each made by one small factory: devices, targets, data, drafters with their optimizers, the
 workers' shared step, producers and streams.
 
-``engine.Engine.build`` calls them in order and keeps what they return; each can be called (and tested) alone.
+``run.loop.TrainingRun.build`` calls them in order and keeps what they return; each can be called (and tested) alone.
 The factories that depend on the torchrun world (barriers, broadcasts) stay on the engine.
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, ConfigError, EngineConfig
+from engine.protocol import StageEvent
+from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, ConfigError, TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.data.vocab import DraftVocab
@@ -25,9 +26,9 @@ from engine.trainer.run.distributed import map_devices
 from engine.trainer.run.producer import Producer, Route
 from engine.trainer.run.torchrun import RankInfo
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker
-from engine.trainer.target.model import Target, load_target
+from engine.trainer.target.model import FrozenTarget, load_target
 from engine.trainer.threads.compile import GuardedFunction, set_guard_enabled
-from engine.trainer.threads.control import RunControl
+from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.metrics import EventLog
 
 # Added to a drafter's seed for its initial weights, so they do not repeat the target's (seeded with the seed).
@@ -35,7 +36,7 @@ DRAFTER_SEED_OFFSET = 7919
 ADAMW_BETAS = (0.9, 0.95)
 
 
-def lr_lambda(cfg: EngineConfig) -> Callable[[int], float]:
+def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
     """The learning-rate factor per step: linear warm-up, then constant, linear or cosine decay to cfg.steps."""
 
     def fn(step: int) -> float:
@@ -52,7 +53,7 @@ def lr_lambda(cfg: EngineConfig) -> Callable[[int], float]:
     return fn
 
 
-def dtypes_for(cfg: EngineConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+def dtypes_for(cfg: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
     """(target dtype, autocast dtype) for a device."""
     if cfg.dtype == "float32":
         return torch.float32, None
@@ -61,7 +62,7 @@ def dtypes_for(cfg: EngineConfig, device: torch.device) -> tuple[torch.dtype, to
     return torch.float32, None
 
 
-def configure_torch(cfg: EngineConfig, events: EventLog) -> None:
+def configure_torch(cfg: TrainerConfig, events: EventLog) -> None:
     """The process-wide torch settings of a run: intra-op threads and the compile guard."""
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -70,7 +71,7 @@ def configure_torch(cfg: EngineConfig, events: EventLog) -> None:
         events.say("warning: compile guard DISABLED (control experiment): threads may compile concurrently")
 
 
-def devices_for(cfg: EngineConfig, info: RankInfo) -> tuple[list[torch.device], list[torch.device]]:
+def devices_for(cfg: TrainerConfig, info: RankInfo) -> tuple[list[torch.device], list[torch.device]]:
     """This rank's (target devices, drafter devices); raises when one names a GPU this node lacks."""
     tdevs = [torch.device(d) for d in map_devices(cfg.target_devices, info)]
     ddevs = [torch.device(d) for d in map_devices(cfg.drafter_devices, info)]
@@ -91,7 +92,7 @@ def devices_for(cfg: EngineConfig, info: RankInfo) -> tuple[list[torch.device], 
     return tdevs, ddevs
 
 
-def attention_impl(cfg: EngineConfig, ddevs: list[torch.device]) -> str:
+def attention_impl(cfg: TrainerConfig, ddevs: list[torch.device]) -> str:
     """The drafters' attention kernel: the configured one, or for "auto" flex on CUDA and sdpa on the CPU."""
     impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
     if impl == "flex" and any(d.type == "cpu" for d in ddevs):
@@ -103,12 +104,12 @@ FP8_NOTE = " (FP8 linears)"  # the target_loaded stage names an FP8 target
 
 
 def load_targets(
-    cfg: EngineConfig,
+    cfg: TrainerConfig,
     devices: list[torch.device],
     tokenizer: Any,
     on_compile: Callable[..., None],
     events: EventLog,
-) -> list[Target]:
+) -> list[FrozenTarget]:
     """One target per target device (compiled when asked, on CUDA), each reported as ``target_loaded``."""
     targets = []
     for i, dev in enumerate(devices):
@@ -139,7 +140,7 @@ def load_targets(
 
 
 def data_source(
-    cfg: EngineConfig, tokenizer: Any, target_vocab_size: int, output_dir: Path, events: EventLog
+    cfg: TrainerConfig, tokenizer: Any, target_vocab_size: int, output_dir: Path, events: EventLog
 ) -> BatchSource:
     """The training batches: random token ids, or the configured conversations tokenized (through the cache)."""
     if cfg.data == DATA_RANDOM or tokenizer is None:
@@ -173,15 +174,15 @@ def report_data(source: ConversationSource, events: EventLog) -> None:
         + (f"; malformed lines: {'; '.join(source.bad_lines)}" if source.bad_lines else "")
     )
     events.emit(
-        "stage",
-        stage="data",
-        thread=None,
-        detail=detail,
-        skipped=skipped,
-        heldout=len(source.heldout_indices),
-        truncated=source.corpus.truncated,
-        bad_lines=source.bad_lines,
-        cached=source.cache_hit,
+        StageEvent(
+            stage="data",
+            detail=detail,
+            skipped=skipped,
+            heldout=len(source.heldout_indices),
+            truncated=source.corpus.truncated,
+            bad_lines=source.bad_lines,
+            cached=source.cache_hit,
+        )
     )
     events.say(f"stage=data {detail}")
 
@@ -194,7 +195,7 @@ def model_ledgers(mode: str, drafters: int) -> list[IndexLedger]:
 
 
 def shared_step(
-    cfg: EngineConfig, ddevs: list[torch.device], impl: str, on_compile: Callable[..., None]
+    cfg: TrainerConfig, ddevs: list[torch.device], impl: str, on_compile: Callable[..., None]
 ) -> tuple[TTTAttention, GuardedFunction]:
     """The attention and TTT step all workers share: compiled once (under the guard) on CUDA, then reused."""
     compiled = cfg.compile and ddevs[0].type == "cuda"
@@ -206,7 +207,7 @@ def shared_step(
 
 
 def build_drafters(
-    cfg: EngineConfig, dcfg: DraftConfig, ddevs: list[torch.device], targets: list[Target], vocab: DraftVocab
+    cfg: TrainerConfig, dcfg: DraftConfig, ddevs: list[torch.device], targets: list[FrozenTarget], vocab: DraftVocab
 ) -> list[Drafter]:
     """One drafter per drafter device, its embedding the target's on that device (else a copy of the first
     target's); replicas start from the same weights, independent drafters each from their own seed."""
@@ -226,14 +227,14 @@ def build_drafters(
     return drafters
 
 
-def gradient_shapes(cfg: EngineConfig, drafters: list[Drafter]) -> list[list[torch.Size]]:
+def gradient_shapes(cfg: TrainerConfig, drafters: list[Drafter]) -> list[list[torch.Size]]:
     """The trainable parameters' shapes per model (replicas: one model), in the order they are exchanged."""
     models = drafters[:1] if cfg.drafter_mode == "replicas" else drafters
     return [[p.shape for p in d.trainable_parameters()] for d in models]
 
 
 def build_optimizer(
-    cfg: EngineConfig, drafter: Drafter, rank: int, device: torch.device
+    cfg: TrainerConfig, drafter: Drafter, rank: int, device: torch.device
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the drafter's trainable parameters (drafter_lrs: one rate per drafter) and its LR schedule."""
     optimizer = torch.optim.AdamW(
@@ -247,7 +248,7 @@ def build_optimizer(
 
 
 def drafter_training(
-    cfg: EngineConfig,
+    cfg: TrainerConfig,
     drafter: Drafter,
     rank: int,
     device: torch.device,
@@ -266,12 +267,12 @@ def start_batches(trained: int, n_targets: int, producer: int) -> int:
 
 
 def build_producers(
-    targets: list[Target],
+    targets: list[FrozenTarget],
     source: BatchSource,
     routes: list[Route],
     dispatcher: Dispatcher,
     vocab: DraftVocab,
-    control: RunControl,
+    control: ThreadControl,
     trained: int,
 ) -> list[Producer]:
     """One producer thread per target, feeding every drafter's route through the shared dispatcher."""

@@ -1,8 +1,9 @@
-"""The engine: builds target producers and drafter workers from a config, runs them, watches them, stops them.
+"""A training run (``TrainingRun``): builds target producers and drafter workers from a config, runs them,
+watches them, stops them.
 
 All in one process: one producer thread per target device, one worker thread per drafter device, bounded
 queues between them, heartbeats and step metrics to events.jsonl, checkpoints periodically and on SIGTERM.
-The parts are made by the factories in ``assembly``; the engine calls them in order and owns what needs the
+The parts are made by the factories in ``assembly``; the run calls them in order and owns what needs the
 run's state (the torchrun world, the checkpoint resumed, failures, checkpoints).
 """
 
@@ -22,8 +23,9 @@ from typing import Any
 
 import torch
 
+from engine.protocol import CheckpointEvent, RunEndEvent, StageEvent
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.config import EngineConfig
+from engine.trainer.config import TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
@@ -47,9 +49,9 @@ from engine.trainer.run.distributed import start as start_distributed
 from engine.trainer.run.producer import DeviceBatch, Producer, Route
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
-from engine.trainer.target.model import Target, load_tokenizer
+from engine.trainer.target.model import FrozenTarget, load_tokenizer
 from engine.trainer.threads.compile import recompile_limit_for, set_recompile_limit
-from engine.trainer.threads.control import CheckpointRounds, RunControl, ThreadFailure
+from engine.trainer.threads.control import CheckpointRounds, ThreadControl, ThreadFailure
 from engine.trainer.threads.health import HealthBoard
 from engine.trainer.threads.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.threads.queue import BoundedQueue
@@ -69,8 +71,8 @@ class ResumePoint:
     states: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model name; a drafter that died has none
 
 
-class Engine:
-    def __init__(self, cfg: EngineConfig, events: EventLog | None = None, rank: RankInfo | None = None) -> None:
+class TrainingRun:
+    def __init__(self, cfg: TrainerConfig, events: EventLog | None = None, rank: RankInfo | None = None) -> None:
         self.cfg = cfg.validate()
         # Who this process is in a torchrun world; a plain process (or distributed = "off") is rank 0 of 1.
         self.info = rank if rank is not None else (rank_from_env() if cfg.distributed == "auto" else RankInfo())
@@ -78,9 +80,9 @@ class Engine:
         self.output_dir = Path(cfg.output_dir).expanduser().resolve()
         self.events = events if events is not None else EventLog(events_path_for(cfg.output_dir))
         self.health = HealthBoard(self.events, stall_after_s=cfg.stall_after_s, starve_after_s=cfg.starve_after_s)
-        self.control = RunControl(self.events, self.health, cfg.on_thread_error)
+        self.control = ThreadControl(self.events, self.health, cfg.on_thread_error)
         self.control.on_failure.append(self._on_failure)
-        self.targets: list[Target] = []
+        self.targets: list[FrozenTarget] = []
         self.producers: list[Producer] = []
         self.workers: list[DrafterWorker] = []
         self.queues: list[BoundedQueue[DeviceBatch]] = []
@@ -152,14 +154,14 @@ class Engine:
         )
         # pid and local_rank let the agent map a rank to its process (torchrun starts each in its own session).
         self.events.emit(
-            "stage",
-            stage="distributed",
-            thread=None,
-            detail=detail,
-            pid=os.getpid(),
-            local_rank=self.info.local_rank,
-            local_world_size=self.info.local_world_size,
-            backend=cross.backend,
+            StageEvent(
+                stage="distributed",
+                detail=detail,
+                pid=os.getpid(),
+                local_rank=self.info.local_rank,
+                local_world_size=self.info.local_world_size,
+                backend=cross.backend,
+            )
         )
         self.events.say(f"stage=distributed {detail}")
         return cross
@@ -409,7 +411,7 @@ class Engine:
                 self.output_dir, step, states, meta, self.vocab.draft_to_target, self.cfg.keep_checkpoints
             )
             self.last_checkpoint = path
-        self.events.emit("checkpoint", step=step, path=str(path))
+        self.events.emit(CheckpointEvent(step=step, path=str(path)))
         self.events.say(f"checkpoint step={step} path={path}")
 
     # --- failures ---------------------------------------------------------------------------------------------
@@ -551,7 +553,7 @@ class Engine:
             self._write_rank_record(step)
         if ok and self.cross is not None:
             self.cross.close()
-        self.events.emit("run_end", ok=ok, reason=reason, step=step, degraded=degraded)
+        self.events.emit(RunEndEvent(ok=ok, reason=reason, step=step, degraded=degraded))
         self.events.stage("done", reason)
         self.exit_code = 0 if ok else 1
         return self.exit_code

@@ -19,9 +19,9 @@ import torch
 
 from engine.trainer.data.dispatch import Dispatcher
 from engine.trainer.data.sources import BatchSource, HostBatch
-from engine.trainer.target.model import Target
+from engine.trainer.target.model import FrozenTarget, TargetOutput
 from engine.trainer.threads.compile import apply_dynamo_config
-from engine.trainer.threads.control import RunControl
+from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
 
@@ -60,24 +60,21 @@ class Route:
 
 
 @dataclass
-class TargetOutput:
-    """One batch through the target, on the target's device."""
+class TargetBatch:
+    """One batch through the target, on the target's device: what a producer hands its drafters."""
 
     host: HostBatch
-    input_ids: torch.Tensor
-    hidden3: torch.Tensor
-    target_p: torch.Tensor
-    position_mask: torch.Tensor
-    ready: Any
+    input_ids: torch.Tensor  # (B, T) long
+    target: TargetOutput  # hidden states, target distribution and masks of those ids
+    ready: Any  # torch.cuda.Event recorded after the target's forward, or None on the CPU
     target_ms: float
-    loss_mask: torch.Tensor  # the data's loss mask on the target device (the accuracy's denominator)
 
 
 class Producer:
     def __init__(
         self,
         name: str,
-        target: Target,
+        target: FrozenTarget,
         source: BatchSource,
         routes: list[Route],
         dispatcher: Dispatcher,
@@ -85,7 +82,7 @@ class Producer:
         start_batches: int,
         draft_ids: torch.Tensor,
         t2d: torch.Tensor,
-        control: RunControl,
+        control: ThreadControl,
     ) -> None:
         self.name = name
         self.target = target
@@ -108,7 +105,7 @@ class Producer:
     def start(self) -> None:
         self.thread.start()
 
-    def compute(self, index: int) -> TargetOutput:
+    def compute(self, index: int) -> TargetBatch:
         """Batch ``index`` through the target: hidden states and target distributions on the target device."""
         dev = self.target.device
         t0 = time.perf_counter()
@@ -121,10 +118,11 @@ class Producer:
             ready = torch.cuda.Event()
             ready.record()
         ms = (time.perf_counter() - t0) * 1000.0
-        return TargetOutput(hb, ids, out.hidden3, out.target_p, out.position_mask, ready, ms, out.loss_mask)
+        return TargetBatch(hb, ids, out, ready, ms)
 
-    def _batch_for(self, route: Route, out: TargetOutput) -> DeviceBatch:
-        tensors = [out.input_ids, out.hidden3, out.target_p, out.position_mask, out.loss_mask]
+    def _batch_for(self, route: Route, out: TargetBatch) -> DeviceBatch:
+        got = out.target
+        tensors = [out.input_ids, got.hidden3, got.target_p, got.position_mask, got.loss_mask]
         if route.device != self.target.device:
             tensors = [t.to(route.device, non_blocking=True) for t in tensors]
         ready = out.ready
@@ -138,7 +136,7 @@ class Producer:
         batch.target_ms = out.target_ms
         return batch
 
-    def _put(self, rank: int, out: TargetOutput) -> str:
+    def _put(self, rank: int, out: TargetBatch) -> str:
         """``"ok"``, ``"closed"`` (that drafter's queue is closed: it died) or ``"stop"`` (the run is stopping)."""
         route = self.routes[rank]
         batch = self._batch_for(route, out)
@@ -152,7 +150,7 @@ class Producer:
                 return "stop" if self.control.producers_stop.is_set() else "closed"
         return "stop"
 
-    def deliver(self, out: TargetOutput) -> bool:
+    def deliver(self, out: TargetBatch) -> bool:
         """Put the batch on its drafters' queues; False when the run is stopping."""
         if self.dispatcher.mode == "replicas":
             while True:

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from engine.protocol import NonFiniteGradEvent, StepEvent
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
-from engine.trainer.config import EngineConfig
+from engine.trainer.config import TrainerConfig
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss, weighted_total
@@ -29,7 +30,7 @@ from engine.trainer.draft.model import Drafter
 from engine.trainer.run.distributed import CrossRank
 from engine.trainer.run.producer import DeviceBatch
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard, lending_guard
-from engine.trainer.threads.control import NonFiniteGradient, NonFiniteLoss, PeerFailure, RunControl
+from engine.trainer.threads.control import NonFiniteGradient, NonFiniteLoss, PeerFailure, ThreadControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.metrics import step_line
 from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
@@ -258,7 +259,7 @@ class WorkerSettings:
     loss_fn: Callable[..., Any] = soft_cross_entropy  # loss.soft_cross_entropy or its masked-mean variant
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> WorkerSettings:
+    def from_config(cls, cfg: TrainerConfig) -> WorkerSettings:
         return cls(
             ttt_steps=cfg.ttt_steps,
             total_steps=cfg.steps,
@@ -293,7 +294,7 @@ class WorkerLinks:
     """How a worker meets the rest of the engine: its input queue, the run's control, its model's ledger."""
 
     queue: BoundedQueue[DeviceBatch]
-    control: RunControl
+    control: ThreadControl
     ledger: IndexLedger  # the trained batch indices (replicas: shared, marked at the gradient barrier)
     group: ReplicaGroup | None = None  # the gradient barrier of replicas or of ranks; None: trains alone
     # Hands a periodic checkpoint's state over (None: this worker's states are not written, e.g. on rank > 0).
@@ -467,7 +468,7 @@ class DrafterWorker:
         self.nonfinite_in_a_row += 1
         norm = str(grad_norm)  # "nan" / "inf": JSON has no such numbers
         self.control.events.emit(
-            "nonfinite_grad", thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row
+            NonFiniteGradEvent(thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row)
         )
         self.control.events.say(
             f"warning: {self.name} step {step}: gradient norm {norm}: step skipped, weights unchanged "
@@ -590,19 +591,20 @@ class DrafterWorker:
             if self.step % self.log_every == 0 or self.step == 1:
                 loss_total = weighted_total(result.loss)
                 self.control.events.emit(
-                    "step",
-                    thread=self.name,
-                    step=self.step,
-                    loss=result.loss,
-                    loss_total=loss_total,
-                    acc=result.acc,
-                    tok_s=result.tok_s,
-                    ms=result.ms,
-                    grad_norm=None if result.skipped else result.grad_norm,
-                    skipped=result.skipped,
-                    lr=self.scheduler.get_last_lr()[0],
-                    bucket=batch.bucket,
-                    target_ms=batch.target_ms,
+                    StepEvent(
+                        thread=self.name,
+                        step=self.step,
+                        loss=list(result.loss),
+                        loss_total=loss_total,
+                        acc=list(result.acc),
+                        tok_s=result.tok_s,
+                        ms=dict(result.ms),
+                        grad_norm=None if result.skipped else result.grad_norm,
+                        skipped=result.skipped,
+                        lr=float(self.scheduler.get_last_lr()[0]),
+                        bucket=batch.bucket,
+                        target_ms=batch.target_ms,
+                    )
                 )
                 line = step_line(self.name, self.step, result.loss, loss_total, result.acc, result.tok_s)
                 self.control.events.say(line)

@@ -47,6 +47,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.protocol import EvalEvent
 from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
@@ -113,6 +114,24 @@ class AcceptanceStats:
             before = self.at_least(j - 1)
             out.append(self.at_least(j) / before if before else float("nan"))
         return out
+
+    def as_event(self, thread: str, step: int, *, eval_s: float | None = None) -> EvalEvent:
+        """These counts as the ``eval`` event of ``thread`` at ``step``."""
+        return EvalEvent(
+            thread=thread,
+            step=step,
+            tau=self.tau,
+            k=self.k,
+            counting=self.counting,
+            rounds=self.rounds,
+            accepted_per_position=self.accepted_per_position(),
+            prompts=self.prompts,
+            new_tokens=self.new_tokens,
+            per_position=list(self.per_position()),
+            per_position_conditional=list(self.per_position_conditional()),
+            accepted_hist=list(self.hist),
+            eval_s=eval_s,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -205,7 +224,7 @@ class DrafterProposer:
 
 
 def target_forward(target: Any) -> TargetForward:
-    """A ``TargetForward`` over an engine ``Target`` (its hooks give hidden3; its lock keeps other threads out)."""
+    """A ``TargetForward`` over a ``FrozenTarget`` (its hooks give hidden3; its lock keeps other threads out)."""
 
     def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.tensor([ids], device=target.device)
@@ -413,29 +432,14 @@ class PeriodicEvaluation:
             )
         except Exception as exc:  # training goes on (this runs inside a drafter's step); the failure is an event
             self.events.say(f"warning: evaluation of {thread} at step {step} failed: {type(exc).__name__}: {exc}")
-            return dict(self.events.emit("eval", thread=thread, step=step, error=f"{type(exc).__name__}: {exc}"))
-        body = stats.to_dict()
-        body["eval_s"] = round(time.perf_counter() - t0, 3)
-        event = self.events.emit("eval", thread=thread, step=step, **body)
+            return self.events.emit(EvalEvent(thread=thread, step=step, error=f"{type(exc).__name__}: {exc}"))
+        event = self.events.emit(stats.as_event(thread, step, eval_s=round(time.perf_counter() - t0, 3)))
         per = " ".join(f"{p:.2f}" for p in stats.per_position())
         self.events.say(f"eval step={step} thread={thread} tau={stats.tau:.3f} accept_i={per} rounds={stats.rounds}")
-        return dict(event)
+        return event
 
 
 # --- the command line ----------------------------------------------------------------------------------------
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory (``step_N`` with meta.json) or an output directory (its newest checkpoint)."""
-    from engine.trainer import checkpoint as ckpt
-
-    p = Path(path).expanduser()
-    if (p / ckpt.META).is_file():
-        return p
-    latest = ckpt.latest_checkpoint(p)
-    if latest is None:
-        raise FileNotFoundError(f"{p}: neither a checkpoint (no {ckpt.META}) nor an output directory with one")
-    return latest
 
 
 def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Drafter:
@@ -502,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval: {line}", file=sys.stderr, flush=True)
 
     try:
-        path = resolve_checkpoint(args.checkpoint)
-    except FileNotFoundError as exc:
+        path, _picked = ckpt.resolve_checkpoint(args.checkpoint)
+    except ckpt.CheckpointNotFound as exc:
         print(f"specdec-train eval: {exc}", file=sys.stderr)
         return 2
     meta = ckpt.read_meta(path)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from engine.protocol import ExportEvent
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.threads.metrics import EventLog, events_path_for
 
@@ -60,8 +60,6 @@ LAYER_PARAMS: dict[str, str] = {
 }
 TOP_PARAMS: tuple[str, ...] = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 LAYER_PREFIX: dict[str, str] = {"eagle3": "midlayer.", "speculators": "layers.0."}
-_STEP_DIR = re.compile(r"step_\d+")
-_TMP_STEP_DIR = re.compile(r"\.tmp-step_\d+.*")
 
 
 class ExportError(Exception):
@@ -80,33 +78,6 @@ class ExportResult:
     picked: str | None = None  # how the checkpoint was chosen, when the input was an output directory
     events_path: Path | None = None
     notes: list[str] = field(default_factory=list)
-
-
-# --- finding the checkpoint ---------------------------------------------------------------------------------------
-def resolve_checkpoint(source: Path) -> tuple[Path, str | None]:
-    """The complete checkpoint ``source`` names (itself, or an output/run dir's latest) and how it was picked."""
-    if not source.exists():
-        raise ExportError(f"{source} does not exist")
-    if not source.is_dir():
-        raise ExportError(f"{source} is not a directory (expected a checkpoint or a run output directory)")
-    if (source / ckpt.META).is_file():
-        return source, None
-    if _TMP_STEP_DIR.fullmatch(source.name):
-        raise ExportError(f"{source} is a checkpoint still being written (no {ckpt.META} yet); wait for it to finish")
-    if _STEP_DIR.fullmatch(source.name):
-        raise ExportError(f"{source} is an incomplete checkpoint: no {ckpt.META}")
-    root = ckpt.checkpoints_dir(source)
-    if not root.is_dir():
-        raise ExportError(
-            f"{source} is neither a checkpoint (no {ckpt.META}) nor an output directory (no checkpoints/)"
-        )
-    latest = ckpt.latest_checkpoint(source)
-    if latest is None:
-        if any(_TMP_STEP_DIR.fullmatch(p.name) for p in root.iterdir()):
-            raise ExportError(f"{root} has no complete checkpoint yet: one is still being written")
-        raise ExportError(f"{root} has no checkpoint")
-    complete = [p for p in root.glob("step_*") if (p / ckpt.META).is_file()]
-    return latest, f"latest of {len(complete)} in {root}"
 
 
 def choose_drafter(meta: dict[str, Any], name: str | None) -> str:
@@ -397,12 +368,13 @@ def record_export(result: ExportResult) -> Path | None:
     log = EventLog(path, stdout=sys.stdout)
     try:
         log.emit(
-            "export",
-            path=str(result.out_dir),
-            checkpoint=str(result.checkpoint),
-            step=result.step,
-            format=result.fmt,
-            drafter=result.drafter,
+            ExportEvent(
+                path=str(result.out_dir),
+                checkpoint=str(result.checkpoint),
+                step=result.step,
+                format=result.fmt,
+                drafter=result.drafter,
+            )
         )
     finally:
         log.close()
@@ -419,12 +391,13 @@ def export_checkpoint(
     verifier: str | None = None,
     record: bool = True,
 ) -> ExportResult:
-    """Validate everything, then write ``out_dir`` atomically; ExportError (nothing written) for bad input."""
+    """Validate everything, then write ``out_dir`` atomically; ExportError or checkpoint.CheckpointNotFound (nothing
+    written) for bad input."""
     if fmt not in FORMATS:
         raise ExportError(f"format {fmt!r}; allowed: {', '.join(FORMATS)}")
     source = Path(source).expanduser().absolute()
     out_dir = Path(out_dir).expanduser().absolute()
-    checkpoint, picked = resolve_checkpoint(source)
+    checkpoint, picked = ckpt.resolve_checkpoint(source)
     _check_out_dir(out_dir)
     meta = _read_meta(checkpoint)
     name = choose_drafter(meta, drafter)
@@ -557,7 +530,7 @@ def export_every_drafter(
 ) -> list[ExportResult]:
     """One export, or, for a checkpoint of several drafters (independent mode) and no ``drafter`` named, one per
     drafter in ``out_dir/<drafter>/``: every drafter is checked before the first is written."""
-    checkpoint, _picked = resolve_checkpoint(Path(source).expanduser().absolute())
+    checkpoint, _picked = ckpt.resolve_checkpoint(Path(source).expanduser().absolute())
     names = [str(d) for d in _read_meta(checkpoint).get("drafters") or []]
     if drafter is not None or len(names) <= 1:
         return [export_checkpoint(source, out_dir, fmt=fmt, drafter=drafter, verifier=verifier)]
@@ -574,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
         results = export_every_drafter(
             Path(args.checkpoint), Path(args.out_dir), fmt=args.fmt, drafter=args.drafter, verifier=args.verifier
         )
-    except ExportError as exc:
+    except (ExportError, ckpt.CheckpointNotFound) as exc:
         print(f"specdec-train export: error: {exc}", file=sys.stderr)
         return 1
     if len(results) > 1:

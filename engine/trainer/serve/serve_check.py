@@ -108,11 +108,10 @@ def target_directory(spec: str) -> Path:
 def resolve_run(run: Path) -> tuple[Path, dict[str, Any]]:
     """The run's latest checkpoint and its engine config."""
     from engine.trainer import checkpoint as ckpt
-    from engine.trainer.serve.evaluate import resolve_checkpoint
 
     try:
-        checkpoint = resolve_checkpoint(run)
-    except FileNotFoundError as exc:
+        checkpoint, _picked = ckpt.resolve_checkpoint(run)
+    except ckpt.CheckpointNotFound as exc:
         raise CheckError(str(exc)) from exc
     config: dict[str, Any] = ckpt.read_meta(checkpoint).get("config") or {}
     return checkpoint, config

@@ -1,6 +1,6 @@
 """The frozen target model: a Hugging Face causal LM under ``no_grad``, with hooks on three decoder layers.
 
-Which hidden states: ``target_layers`` (the config key, ``Target.layer_ids`` and a checkpoint's
+Which hidden states: ``target_layers`` (the config key, ``FrozenTarget.layer_ids`` and a checkpoint's
 ``meta["target_layers"]``) are 0-based indices of decoder layers whose OUTPUT a forward hook captures
 (the residual stream after that layer; Hugging Face's ``output_hidden_states[i + 1]``). That is SGLang's
 ``eagle_aux_hidden_state_layer_ids`` (it captures the input of layer ``i + 1``, "we plus 1 here") and one
@@ -86,7 +86,7 @@ class TargetOutput:
     loss_mask: torch.Tensor  # (B, T): the data's loss mask as given (the accuracy's denominator, see loss.py)
 
 
-class Target:
+class FrozenTarget:
     def __init__(self, model: nn.Module, tokenizer: Any, layer_ids: list[int], device: torch.device) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -129,7 +129,9 @@ class Target:
         return emb.weight
 
     @torch.no_grad()
-    def logits_and_hidden3(self, input_ids: torch.Tensor, *, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_and_hidden3(
+        self, input_ids: torch.Tensor, *, eager: bool = False  # input_ids (B, T) long
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's logits ``(B, T, V)`` and the three captured layers side by side ``(B, T, 3H)``.
 
         ``eager``: the uncompiled model, for calls whose lengths vary (evaluation), which would otherwise compile
@@ -144,7 +146,11 @@ class Target:
 
     @torch.no_grad()
     def run(
-        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
+        self,
+        input_ids: torch.Tensor,  # (B, T) long
+        loss_mask: torch.Tensor,  # (B, T): the data's
+        draft_ids: torch.Tensor,  # (Vd,) long: the target id of each draft token
+        t2d: torch.Tensor,  # (V,) bool: the target ids in the draft vocabulary
     ) -> TargetOutput:
         logits, hidden3 = self.logits_and_hidden3(input_ids)
         in_draft = t2d[logits.argmax(dim=-1)]
@@ -176,7 +182,7 @@ def load_target(
     tiny_hidden: int = 64,
     tiny_layers: int = 8,
     fp8: bool = False,
-) -> Target:
+) -> FrozenTarget:
     """Builds (random presets, seeded) or loads (local directory) the target on ``device``.
 
     ``fp8``: its decoder's Linear layers become FP8 matmuls (see fp8.py); a device without FP8 tensor cores is
@@ -216,4 +222,4 @@ def load_target(
         from engine.trainer.target.fp8 import quantize_linears
 
         quantize_linears(model)
-    return Target(model, tokenizer, ids, device)
+    return FrozenTarget(model, tokenizer, ids, device)

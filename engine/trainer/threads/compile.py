@@ -37,12 +37,14 @@ from typing import Any
 
 import torch
 
+from engine.protocol import CompileEvent
+
 _enabled = True
 RECOMPILE_LIMIT = 64  # until the engine sizes it from the run (set_recompile_limit)
 RECOMPILE_HEADROOM = 2  # the limit is this many times the graphs a run is expected to compile per function
 _recompile_limit = RECOMPILE_LIMIT
 
-CompileListener = Callable[[dict[str, Any]], None]
+CompileListener = Callable[[CompileEvent], None]
 
 
 def recompile_limit_for(ttt_steps: int, buckets: int, devices: int) -> int:
@@ -306,8 +308,8 @@ class GuardedFunction:
     """A (possibly compiled) function called under the compile lock: shared when its signature is known,
     alone for the first call of a signature and whenever dynamo wants to compile.
 
-    ``listeners`` get a dict per compile event (``what``: "recompile" or "fallback", ``function``,
-    ``thread``, ``graphs``, ``limit``, ``signature``); ``backend`` is torch.compile's (tests use "eager").
+    ``listeners`` get a ``CompileEvent`` per graph compiled after warm-up (``what``: "recompile") or signature
+    left to eager (``what``: "fallback"); ``backend`` is torch.compile's (tests use "eager").
     ``retries`` counts calls whose guards failed in company and passed alone (no graph compiled).
     """
 
@@ -322,7 +324,7 @@ class GuardedFunction:
         self._fell_back = False
         self.retries = 0
         self.listeners: list[CompileListener] = []
-        self.events: list[dict[str, Any]] = []
+        self.events: list[CompileEvent] = []
 
     def graph_count(self) -> int | None:
         """Graphs dynamo holds for this function's code (None when not compiled or not countable)."""
@@ -376,14 +378,14 @@ class GuardedFunction:
         self._report(what, key, after, limit)
 
     def _report(self, what: str, key: Any, graphs: int, limit: int) -> None:
-        event = {
-            "what": what,
-            "function": self.name,
-            "thread": threading.current_thread().name,
-            "graphs": graphs,
-            "limit": limit,
-            "signature": _describe(key),
-        }
+        event = CompileEvent(
+            what=what,
+            function=self.name,
+            thread=threading.current_thread().name,
+            graphs=graphs,
+            limit=limit,
+            signature=_describe(key),
+        )
         self.events.append(event)
         for listener in list(self.listeners):
             listener(event)

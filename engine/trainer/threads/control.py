@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.protocol import ThreadErrorEvent
 from engine.trainer.threads.health import HealthBoard
 from engine.trainer.threads.metrics import EventLog
 
@@ -36,7 +37,7 @@ class ThreadFailure:
 
 
 @dataclass
-class RunControl:
+class ThreadControl:
     events: EventLog
     health: HealthBoard
     policy: str  # "stop" | "continue"
@@ -83,13 +84,14 @@ class RunControl:
         sys.stderr.write(f"thread {thread} raised:\n{tb}")
         sys.stderr.flush()
         self.events.emit(
-            "thread_error",
-            thread=thread,
-            role=role,
-            exc_type=failure.exc_type,
-            message=failure.message,
-            traceback=tb,
-            policy=policy,
+            ThreadErrorEvent(
+                thread=thread,
+                role=role,
+                exc_type=failure.exc_type,
+                message=failure.message,
+                traceback=tb,
+                policy=policy,
+            )
         )
         self.health.beat(thread, state="error", last_exception=f"{failure.exc_type}: {failure.message}")
         continuing = policy == "continue"

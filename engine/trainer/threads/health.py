@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.protocol import HeartbeatEvent
 from engine.trainer.threads.metrics import EventLog
 
 ACTIVE_STATES = ("warmup", "training", "waiting", "syncing")  # syncing: at the replicas' gradient barrier
@@ -93,25 +94,25 @@ class HealthBoard:
                         raised.append((st.name, flag))
                 for key in [k for k in self._flagged if k[0] == st.name and k[1] not in flags]:
                     self._flagged.discard(key)
-            rows = [
-                {
-                    # "t" is when the thread last beat, not when this line was written: a hung thread's
+            beats = [
+                HeartbeatEvent(
+                    # t is when the thread last beat, not when this line was written: a hung thread's
                     # heartbeats age (the agent flags a dead thread by heartbeat age).
-                    "t": st.last_beat_wall,
-                    "thread": st.name,
-                    "role": st.role,
-                    "state": st.state,
-                    "step": st.step,
-                    "tok_s": st.tok_s,
-                    "queue_depth": st.queue_depth,
-                    "last_exception": st.last_exception,
-                    "flags": list(st.flags),
-                    "beat_age_s": round(now - st.last_beat, 3),
-                }
+                    t=st.last_beat_wall,
+                    thread=st.name,
+                    role=st.role,
+                    state=st.state,
+                    step=st.step,
+                    tok_s=st.tok_s,
+                    queue_depth=st.queue_depth,
+                    last_exception=st.last_exception,
+                    flags=list(st.flags),
+                    beat_age_s=round(now - st.last_beat, 3),
+                )
                 for st in snapshot
             ]
-        for row in rows:
-            self.events.emit("heartbeat", **row)
+        for beat in beats:
+            self.events.emit(beat)
         return raised
 
 

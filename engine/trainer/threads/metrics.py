@@ -1,4 +1,5 @@
-"""Engine output: structured events to events.jsonl (kinds from engine.protocol) and human lines on stdout.
+"""Engine output: structured events to events.jsonl (engine.protocol's engine-event dataclasses, written by
+``encode_engine_event``) and human lines on stdout.
 
 Stdlib only, so ``__main__`` can report the ``imports`` stage before torch is imported.
 """
@@ -12,11 +13,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
-from engine.protocol import ENGINE_EVENT_KINDS, ENV_EVENTS_PATH, to_jsonable
+from engine.protocol import ENV_EVENTS_PATH, CompileEvent, EngineEvent, StageEvent, encode_engine_event
 
 
 def events_path_for(output_dir: str | Path) -> Path:
@@ -25,17 +26,18 @@ def events_path_for(output_dir: str | Path) -> Path:
 
 
 class EventLog:
-    """Appends one JSON object per line, flushed at once; thread-safe.
+    """Appends one engine event per line, flushed at once; thread-safe.
 
     ``tags`` are added to every event (a torchrun rank's ``rank``, ``world_size`` and ``node``); ``prefix`` starts
-    every human line (``[rank 1] ``), so the ranks' lines in one output.log can be told apart."""
+    every human line (``[rank 1] ``), so the ranks' lines in one output.log can be told apart. ``listeners`` get
+    each event as the JSON object its line holds."""
 
     def __init__(
         self,
         path: str | Path | None,
         stdout: IO[str] | None = None,
         *,
-        tags: dict[str, Any] | None = None,
+        tags: dict[str, int] | None = None,
         prefix: str = "",
     ) -> None:
         self.path = Path(path) if path is not None else None
@@ -47,21 +49,32 @@ class EventLog:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        self.listeners: list[Any] = []  # callables(event): progress record, evaluation, benches and tests
+        # callables(event): progress record, evaluation, benches and tests
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._stdout_broken = False
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        if kind not in ENGINE_EVENT_KINDS:
-            raise ValueError(f"unknown engine event kind {kind!r}")
-        event = {"t": time.time(), "kind": kind, **self.tags, **fields}
-        line = json.dumps(to_jsonable(event), separators=(",", ":"))
+    def emit(self, event: EngineEvent) -> dict[str, Any]:
+        """Write ``event`` (stamped with the time, unless it has one, and the tags); returns its JSON object."""
+        obj = self._encode(event)
+        line = json.dumps(obj, separators=(",", ":"))
         with self._lock:
             if self._file is not None:
                 self._file.write(line + "\n")
                 self._file.flush()
         for fn in list(self.listeners):
-            fn(event)
-        return event
+            fn(obj)
+        return obj
+
+    def _encode(self, event: EngineEvent) -> dict[str, Any]:
+        tags = self.tags
+        stamped = replace(
+            event,
+            t=time.time() if event.t is None else event.t,
+            rank=tags.get("rank") if event.rank is None else event.rank,
+            node=tags.get("node") if event.node is None else event.node,
+            world_size=tags.get("world_size") if event.world_size is None else event.world_size,
+        )
+        return encode_engine_event(stamped)
 
     def say(self, text: str) -> None:
         """A human line on stdout, flushed (the supervisor's step pattern matches ``step=N``)."""
@@ -74,14 +87,14 @@ class EventLog:
             except (BrokenPipeError, ValueError, OSError) as exc:
                 # A closed stdout must not kill training threads; events.jsonl still gets everything.
                 self._stdout_broken = True
-                if self._file is not None:
-                    note = {"t": time.time(), "kind": "stage", "stage": "training", "thread": None}
-                    note["detail"] = f"stdout unavailable ({type(exc).__name__}); human log lines stop here"
-                    self._file.write(json.dumps(note) + "\n")
+                if self._file is not None:  # under the lock already: written here, not through emit
+                    detail = f"stdout unavailable ({type(exc).__name__}); human log lines stop here"
+                    note = self._encode(StageEvent(stage="training", detail=detail))
+                    self._file.write(json.dumps(note, separators=(",", ":")) + "\n")
                     self._file.flush()
 
     def stage(self, stage: str, detail: str = "", thread: str | None = None) -> None:
-        self.emit("stage", stage=stage, thread=thread, detail=detail)
+        self.emit(StageEvent(stage=stage, thread=thread, detail=detail))
         who = f" [{thread}]" if thread else ""
         self.say(f"stage={stage}{who} {detail}".rstrip())
 
@@ -92,11 +105,11 @@ class EventLog:
                 self._file = None
 
 
-def compile_message(event: dict[str, Any]) -> str:
+def compile_message(event: CompileEvent) -> str:
     """One line for a compile event (see compile.GuardedFunction)."""
-    who, fn = event.get("thread"), event.get("function")
-    graphs, limit, sig = event.get("graphs"), event.get("limit"), event.get("signature")
-    if event.get("what") == "fallback":
+    who, fn = event.thread, event.function
+    graphs, limit, sig = event.graphs, event.limit, event.signature
+    if event.what == "fallback":
         return (
             f"{who}: compile fallback: {fn} hit the recompile limit ({graphs} of {limit} graphs); new input "
             f"signatures run eagerly from here (slow); last signature: {sig}"
@@ -104,11 +117,11 @@ def compile_message(event: dict[str, Any]) -> str:
     return f"{who}: {fn} recompiled after warm-up (graph {graphs}, limit {limit}) for signature: {sig}"
 
 
-def compile_listener(events: EventLog) -> Callable[[dict[str, Any]], None]:
+def compile_listener(events: EventLog) -> Callable[[CompileEvent], None]:
     """A GuardedFunction listener that writes each compile event to ``events`` and a warning line to stdout."""
 
-    def on_compile(event: dict[str, Any]) -> None:
-        events.emit("compile", **event)
+    def on_compile(event: CompileEvent) -> None:
+        events.emit(event)
         events.say(f"warning: {compile_message(event)}")
 
     return on_compile
