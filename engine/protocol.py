@@ -625,6 +625,29 @@ class NonFiniteGradEvent:
     world_size: int | None = None
 
 
+@dataclass
+class ServedEvent:
+    """A run's export served by vLLM with its target (``specdec-train serve-check``): vLLM's acceptance length
+    ``tau`` and per-position rates P(draft token j accepted) on the run's held-out prompts, next to ours on the same
+    prompt ids in the same (vLLM's) counting, ``tau_ours``; or ``error`` (vLLM absent or failed)."""
+
+    KIND: ClassVar[str] = "served"
+    export: str | None = None  # the export directory served
+    step: int | None = None  # the checkpoint's step
+    k: int | None = None
+    tau: float | None = None  # vLLM's
+    tau_ours: float | None = None
+    per_position: list[float | None] = field(default_factory=list)
+    prompts: int | None = None
+    outputs_equal: int | None = None  # prompts whose speculative output equals the target's greedy one
+    vllm: str | None = None  # its version
+    error: str | None = None
+    t: float | None = None
+    rank: int | None = None
+    node: int | None = None
+    world_size: int | None = None
+
+
 # Union[...], not X | Y: evaluated when the module loads, on hosts whose python3 may predate 3.10.
 EngineEvent = Union[  # noqa: UP007
     StageEvent,
@@ -637,6 +660,7 @@ EngineEvent = Union[  # noqa: UP007
     ExportEvent,
     EvalEvent,
     NonFiniteGradEvent,
+    ServedEvent,
 ]
 
 # The kinds, derived from the dataclasses: a kind is written once, as its class's KIND.
@@ -937,6 +961,16 @@ class KillStaleReply:
     failed: list[dict[str, Any]] = field(default_factory=list)
     left_alone: list[dict[str, Any]] = field(default_factory=list)
     dry_run: bool | None = None
+
+
+@dataclass
+class ServeCheckReply:
+    """``serve_check`` started: its pid, the checkpoint it serves, its log on the host, vLLM's interpreter."""
+
+    pid: int
+    checkpoint: str
+    log: str
+    vllm_python: str
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Agent commands that start, wait for, stop and inspect supervised runs (engine/supervisor).
 
-launch, wait, stop, restart, kill_stale, stacks, runs, run_info: argument and result shapes in engine/protocol.py.
+launch, wait, stop, restart, kill_stale, stacks, serve_check, runs, run_info: argument and result shapes in
+engine/protocol.py.
 Every command that names no run acts on the current one (<run_root>/current).
 """
 
@@ -17,7 +18,7 @@ from engine.agent.commands import handler
 from engine.agent.monitor_cmds import monitor_of
 from engine.agent.server import Agent, CommandError
 from engine.host.holders import NvmlView
-from engine.supervisor import kill_stale, launch, records, stacks, stop, wait
+from engine.supervisor import kill_stale, launch, records, serve_check, stacks, stop, wait
 from engine.supervisor.common import SupervisorError
 
 
@@ -163,6 +164,18 @@ def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
     with _user_errors():
         timeout_s = _num(args, "timeout_s", 5.0) or 5.0
         return stacks.stacks(rd, timeout_s=timeout_s, boot_id=agent.boot_id, scanners=agent.scanners)
+
+
+@handler("serve_check")
+def _serve_check(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """Start ``specdec-train serve-check`` on the run's newest checkpoint, detached; its result arrives later as
+    the run's ``served`` event."""
+    rd = _run_dir(agent, args)
+    vllm_python = args.get("vllm_python")
+    if vllm_python is not None and not isinstance(vllm_python, str):
+        raise CommandError("vllm_python must be a string")
+    with _user_errors():
+        return serve_check.start(rd, vllm_python)
 
 
 RUNS_DEFAULT_LIMIT = 20

@@ -73,3 +73,35 @@ def test_a_failed_evaluation_is_a_notice_and_no_point() -> None:
     state.ingest(decode(wire(50, failed)))
     assert ("tau", "drafter0") not in state.charts.series
     assert ("warning", "evaluation of drafter0 failed: ValueError: boom") in state.notices
+
+
+def served_event(**fields: Any) -> dict[str, Any]:
+    return {"t": 2000.0, "kind": "served", **fields}
+
+
+async def test_a_served_check_shows_vllms_tau_under_the_trained_one() -> None:
+    state = DashboardState(target="local")
+    state.ingest(decode(wire(100, eval_event("drafter0", 1500, 1.86, [0.44, 0.59, 0.60]))))
+    served = served_event(
+        export="/runs/out/exports/step_00001500", step=1500, k=3, tau=1.8993, tau_ours=1.8993,
+        per_position=[0.4554, 0.2799, 0.164], prompts=32, outputs_equal=32, vllm="0.32.0",
+    )  # fmt: skip
+    state.ingest(decode(wire(200, served)))
+    assert ("information", "served by vLLM: τ 1.90 (ours 1.90)") in state.notices
+    app = ChartsApp(state.charts)
+    async with app.run_test(size=(120, 10)):
+        lines = str(app.query_one(Charts).render()).splitlines()
+    row = next(line for line in lines if line.startswith("served"))
+    assert "τ 1.90 @1500 k 3  ours 1.90  acc_i 0.46 0.28 0.16  greedy-equal 32/32" in row, row
+    assert lines.index(row) > next(i for i, line in enumerate(lines) if line.startswith("tau"))
+
+
+async def test_a_check_without_vllm_says_why_literally() -> None:
+    state = DashboardState(target="local")
+    state.ingest(decode(wire(100, eval_event("drafter0", 10, 1.2, [0.2]))))
+    state.ingest(decode(wire(200, served_event(error="vLLM is not installed for /usr/bin/python3 [/data]"))))
+    assert ("warning", "serve-check: vLLM is not installed for /usr/bin/python3 [/data]") in state.notices
+    app = ChartsApp(state.charts)
+    async with app.run_test(size=(120, 10)):
+        lines = str(app.query_one(Charts).render()).splitlines()
+    assert any(line.startswith("served") and "not installed for /usr/bin/python3 [/data]" in line for line in lines)

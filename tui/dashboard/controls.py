@@ -16,6 +16,7 @@ import os
 import shlex
 import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from textual.app import App, SuspendNotSupported
@@ -30,6 +31,7 @@ from tui.dashboard.screens.help import HelpScreen
 from tui.dashboard.screens.kill_stale import KillStaleScreen
 from tui.dashboard.screens.runs import RUN_TAIL_LINES, RunsScreen
 from tui.dashboard.screens.stacks import StacksScreen
+from tui.hosttext import printable
 from tui.link.session import AgentSession, typed_reply
 from tui.profiles import Profile, ProfileError
 from tui.relaunch import launch_spec, restart_run, session_profile
@@ -230,6 +232,19 @@ class RunControl:
             return
         screen.show(stacks.method, stacks.text)
 
+    def serve_check(self) -> None:
+        self.app.run_worker(self._serve_check(), group="command", exit_on_error=False)
+
+    async def _serve_check(self) -> None:
+        started = await self._request(protocol.ServeCheckReply, "serve_check", timeout_s=30.0)
+        if started is not None:
+            self.app.notify(
+                f"serve-check started (pid {started.pid}) on {printable(Path(started.checkpoint).name)} with "
+                f"{printable(started.vllm_python)}: vLLM loads for a minute or more, then its τ shows under the "
+                f"charts (log: {printable(started.log)})",
+                timeout=10,
+            )
+
     def runs(self) -> None:
         self.app.run_worker(self._runs(), group="command", exit_on_error=False)
 
@@ -380,6 +395,7 @@ def action_table(run: RunControl, view: ViewControl, quit_: Handler) -> dict[str
         "kill_stale": run.kill_stale,
         "attach": run.attach,
         "stacks": run.stacks,
+        "serve_check": run.serve_check,
         "runs": run.runs,
         "filter": view.filter,
         "follow": view.follow,

@@ -35,6 +35,15 @@ KEY_TABLE: tuple[KeySpec, ...] = (
     KeySpec("attach", "a", "attach", "Attach", "Hand this terminal to the run's tmux session; detach to come back"),
     KeySpec("stacks", "d", "stacks", "Stacks", "Dump every thread's stack of the live run"),
     KeySpec(
+        "serve_check",
+        "v",
+        "serve_check",
+        "Serve check",
+        "Serve the run's newest checkpoint through vLLM with its target on the held-out prompts; vLLM's τ shows "
+        "beside the trained one when it is done ($SPECDEC_VLLM_PYTHON on the host names vLLM's interpreter)",
+        show=False,
+    ),
+    KeySpec(
         "runs",
         "p",
         "runs",

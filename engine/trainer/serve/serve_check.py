@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -32,6 +33,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from engine.protocol import ServedEvent
+from engine.trainer.checkpoint import STEP_DIR
+from engine.trainer.threads.metrics import EventLog, events_path_for
 
 EXIT_OK, EXIT_VLLM_FAILED, EXIT_USAGE, EXIT_NO_VLLM = 0, 1, 2, 3
 RESULT_FILE = "serve_check.json"
@@ -236,7 +241,7 @@ def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
     checkpoint, config = resolve_run(Path(args.run).expanduser())
     why = vllm_missing(args.vllm_python)
     if why is not None:
-        return EXIT_NO_VLLM, {"error": why}
+        return EXIT_NO_VLLM, {"error": why, "output_dir": str(output_dir_of(checkpoint))}
     subject = prepare(checkpoint, config)
     if subject.exported_now:
         say(f"no export recorded: exported {subject.checkpoint.name} to {subject.export_dir}")
@@ -294,6 +299,44 @@ def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
         tau = ours[counting]["tau"]
         report[f"ratio_vllm_to_ours_{counting}"] = theirs["tau"] / tau if tau == tau and tau else float("nan")
     return EXIT_OK, report
+
+
+def output_dir_of(checkpoint: Path) -> Path:
+    """The engine output directory a checkpoint (``<output_dir>/checkpoints/step_N``) belongs to."""
+    return checkpoint.parent.parent
+
+
+def served_event(report: dict[str, Any]) -> ServedEvent:
+    """The report as the engine event the dashboard shows beside the trained τ."""
+    checkpoint = Path(report["checkpoint"]) if report.get("checkpoint") else None
+    step = int(checkpoint.name[5:]) if checkpoint is not None and STEP_DIR.fullmatch(checkpoint.name) else None
+    theirs, ours = report.get("vllm") or {}, (report.get("ours") or {}).get("vllm") or {}
+
+    def finite(x: Any) -> float | None:
+        return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+    return ServedEvent(
+        export=report.get("export"),
+        step=step,
+        k=report.get("k"),
+        tau=finite(theirs.get("tau")),
+        tau_ours=finite(ours.get("tau")),
+        per_position=[finite(x) for x in theirs.get("per_position") or []],
+        prompts=report.get("prompts"),
+        outputs_equal=report.get("outputs_equal_to_greedy"),
+        vllm=theirs.get("vllm"),
+        error=report.get("error"),
+    )
+
+
+def record_served(output_dir: Path, report: dict[str, Any]) -> None:
+    """Append the result to the run's events ($SPECDEC_EVENTS when a supervisor started the check for a run,
+    else <output_dir>/events.jsonl), where the dashboard reads it like the trainer's own events."""
+    log = EventLog(events_path_for(output_dir), stdout=sys.stderr)
+    try:
+        log.emit(served_event(report))
+    finally:
+        log.close()
 
 
 def lines_of(report: dict[str, Any]) -> list[str]:
@@ -360,9 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if code == EXIT_NO_VLLM:
         print(f"specdec-train serve-check: {report['error']}", file=sys.stderr)
+        record_served(Path(report["output_dir"]), {"error": report["error"]})
         return code
     out = Path(report["run"]) / RESULT_FILE
     out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    record_served(Path(report["run"]), report)
     if args.json:
         print(json.dumps(report))
     elif code == EXIT_VLLM_FAILED:

@@ -174,6 +174,13 @@ class DashboardState:
         elif isinstance(event, protocol.StageEvent):
             self.timeline.stage = event.stage
             self.dirty.add("timeline")
+        elif isinstance(event, protocol.ServedEvent):
+            self.dirty.add("charts")
+            if event.tau is None:
+                self.notices.append(("warning", f"serve-check: {event.error or 'no figures'}"))
+            else:
+                ours = f" (ours {event.tau_ours:.2f})" if event.tau_ours is not None else ""
+                self.notices.append(("information", f"served by vLLM: τ {event.tau:.2f}{ours}"))
         elif isinstance(event, protocol.ExportEvent):
             self.timeline.last_export = event.path
             self.notices.append(("information", f"drafter exported to {event.path} ({event.format})"))

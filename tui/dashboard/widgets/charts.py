@@ -115,6 +115,7 @@ class ChartModel:
         self.acc_latest: dict[str, list[float]] = {}  # thread -> acc per TTT position, latest step
         self.accept_latest: dict[str, list[float]] = {}  # thread -> acceptance per draft position, latest eval
         self.eval_steps: dict[str, int] = {}  # thread -> step of the latest eval
+        self.served: protocol.ServedEvent | None = None  # the latest serve-check of the run's export (vLLM)
         self.engine_offset = -1
         self.duplicate_events = 0
         self.points_added = 0
@@ -138,6 +139,9 @@ class ChartModel:
             self.engine_offset = offset
         if isinstance(event, protocol.EvalEvent):
             self._add_eval(event)
+        elif isinstance(event, protocol.ServedEvent):
+            self.served = event
+            self.dirty = True
         elif isinstance(event, protocol.StepEvent):
             self._add_step(event)
         return True
@@ -266,7 +270,30 @@ class Charts(RowTracking):
                 last = series.last()
                 shown = f"{last:.3f}" if metric in ("loss", "acc") and last is not None else human(last)
                 out.append(shown, style=value_style)
+        if model.served is not None:
+            out.append("\n")
+            self._render_served(out, model.served, name_w, label_style, value_style)
         return self.track_rows(out)
+
+    def _render_served(
+        self, out: Text, served: protocol.ServedEvent, name_w: int, label_style: Any, value_style: Any
+    ) -> None:
+        """The last serve-check: vLLM's τ for the run's export, ours on the same prompts, its acceptance per
+        draft position; or why it could not run."""
+        out.append(f"{'served':<6} {'vLLM':<{name_w}} ", style=label_style)
+        if served.tau is None:
+            out.append(printable((served.error or "no figures")[:120]), style=label_style)
+            return
+        out.append(f"τ {served.tau:.2f}", style=value_style)
+        where = f" @{served.step}" if served.step is not None else ""
+        out.append(f"{where} k {served.k}", style=label_style)
+        if served.tau_ours is not None:
+            out.append(f"  ours {served.tau_ours:.2f}", style=label_style)
+        rates = [x for x in served.per_position if x is not None]
+        if rates:
+            out.append("  acc_i " + " ".join(f"{x:.2f}" for x in rates), style=label_style)
+        if served.outputs_equal is not None and served.prompts:
+            out.append(f"  greedy-equal {served.outputs_equal}/{served.prompts}", style=label_style)
 
     def _render_tau(
         self, out: Text, thread: str, series: Series, width: int, colour: Any, label_style: Any, value_style: Any

@@ -1,0 +1,100 @@
+"""Start ``specdec-train serve-check`` for a supervised run from the dashboard (key ``v``) or the agent.
+
+The check serves the newest checkpoint the run's events name (its export, made on the way when missing) with the
+run's target through vLLM, on the held-out prompts, and appends its result to the run's events.jsonl as a
+``served`` event, which the dashboard shows beside the trained τ. It runs detached (its own session), so it
+outlives the agent and the link; one at a time per run (``serve_check.pid`` in the run directory names it), its
+output in ``serve_check.log``. vLLM's interpreter: the request's ``vllm_python``, else ``$SPECDEC_VLLM_PYTHON``
+on the host, else the agent's own; without vLLM the check ends at once with a ``served`` event that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import engine
+from engine import protocol
+from engine.host import procs
+from engine.supervisor.common import SupervisorError
+from engine.supervisor.records.layout import EVENTS_JSONL
+
+CHECK_LOG = "serve_check.log"
+CHECK_PID = "serve_check.pid"
+ENV_VLLM_PYTHON = "SPECDEC_VLLM_PYTHON"
+TAIL_CHUNK = 1 << 20
+TAIL_MAX_BYTES = 32 << 20  # how far back from the end of events.jsonl a checkpoint is looked for
+
+
+def latest_checkpoint(events: Path, max_bytes: int = TAIL_MAX_BYTES) -> Path | None:
+    """The newest checkpoint a run's events name (a ``checkpoint`` event, or the source of an ``export``), read
+    backwards from the end in 1 MiB chunks, at most ``max_bytes``: a huge events file costs no more than that."""
+    try:
+        fh = events.open("rb")
+    except OSError:
+        return None
+    with fh:
+        end = fh.seek(0, os.SEEK_END)
+        pos, carry = end, b""
+        while pos > 0 and end - pos < max_bytes:
+            step = min(TAIL_CHUNK, pos)
+            pos -= step
+            fh.seek(pos)
+            block = fh.read(step) + carry
+            lines = block.split(b"\n")
+            carry = lines[0] if pos > 0 else b""  # the first line may start in the chunk before
+            for line in reversed(lines[1:] if pos > 0 else lines):
+                if b'"checkpoint"' not in line:
+                    continue
+                event = protocol.decode_engine_line(line)
+                if isinstance(event, protocol.CheckpointEvent):
+                    return Path(event.path)
+                if isinstance(event, protocol.ExportEvent) and event.checkpoint:
+                    return Path(event.checkpoint)
+    return None
+
+
+def running_check(run_dir: Path) -> int | None:
+    """The pid of this run's serve-check while it runs (the pid file's start time must match: a reused pid is not
+    it), else None."""
+    try:
+        record = json.loads((run_dir / CHECK_PID).read_text(encoding="utf-8"))
+        pid, ticks = int(record["pid"]), int(record["start_ticks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if procs.process_alive(pid, ticks) else None
+
+
+def start(run_dir: Path, vllm_python: str | None = None) -> dict[str, object]:
+    """Start the check for ``run_dir``'s newest checkpoint; returns pid, checkpoint, log and the vLLM interpreter.
+    Raises SupervisorError (a sentence for the user) when one runs already or the run has no checkpoint yet."""
+    busy = running_check(run_dir)
+    if busy is not None:
+        raise SupervisorError(f"a serve-check of this run is running already (pid {busy}; {run_dir / CHECK_LOG})")
+    events = run_dir / EVENTS_JSONL
+    checkpoint = latest_checkpoint(events)
+    if checkpoint is None:
+        raise SupervisorError("no checkpoint in this run's events yet: serve-check serves a checkpoint's export")
+    python = vllm_python or os.environ.get(ENV_VLLM_PYTHON) or sys.executable
+    if "\0" in python or not python.strip():
+        raise SupervisorError("vllm_python: not a path")
+    engine_root = str(Path(engine.__file__).resolve().parent.parent)
+    inherited = os.environ.get("PYTHONPATH")
+    env = {**os.environ, protocol.ENV_EVENTS_PATH: str(events)}
+    env["PYTHONPATH"] = engine_root + (os.pathsep + inherited if inherited else "")
+    argv = [sys.executable, "-m", "engine.trainer", "serve-check", str(checkpoint), "--vllm-python", python]
+    log_path = run_dir / CHECK_LOG
+    with log_path.open("ab") as log:
+        child = subprocess.Popen(
+            argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True,
+        )  # fmt: skip
+    threading.Thread(target=child.wait, name="serve-check-reaper", daemon=True).start()
+    ticks = procs.start_ticks_of(child.pid)
+    record = {"pid": child.pid, "start_ticks": ticks, "checkpoint": str(checkpoint)}
+    (run_dir / CHECK_PID).write_text(json.dumps(record), encoding="utf-8")
+    return {"pid": child.pid, "checkpoint": str(checkpoint), "log": str(log_path), "vllm_python": python}
