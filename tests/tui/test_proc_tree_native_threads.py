@@ -176,3 +176,23 @@ def test_short_cmd_keeps_what_runs() -> None:
     assert short_cmd(long) == "python3 …/compile_worker/__main__.py --workers=16"
     assert short_cmd("python3 -m engine.trainer --preset cpu-demo") == "python3 -m engine.trainer --preset cpu-demo"
     assert short_cmd("/bin/sh -c /tmp/x") == "sh -c /tmp/x"
+
+
+async def test_threads_of_a_run_that_ended_read_ended_not_silent() -> None:
+    """After the run exits its threads stop beating: that is the end of the run, not a warning."""
+    health = ThreadHealthModel()
+    beat = {"t": 10.0, "kind": "heartbeat", "thread": "drafter0", "state": "training", "step": 200, "tok_s": 2900.0}
+    health.add_engine_event(decode_engine_event(beat))
+    app = _Pane(health)  # the pane's clock reads 100.0: the last beat is 90 s old
+    async with app.run_test(size=(120, 20)) as pilot:
+        pane = app.query_one(ProcTree)
+        pane.update_procs(ProcsEvent(t=100.0, run_tree=[], holders=[]))
+        await pilot.pause()
+        running = pane.render().plain  # type: ignore[union-attr]
+        health.run_over = True
+        pane.refresh()
+        await pilot.pause()
+        ended = pane.render().plain  # type: ignore[union-attr]
+    assert "drafter0    SILENT step 200 hb 90.0s" in running, running
+    row = next(line for line in ended.splitlines() if "drafter0" in line)
+    assert row.strip() == "drafter0    ended step 200", ended

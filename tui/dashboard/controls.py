@@ -239,9 +239,8 @@ class RunControl:
         started = await self._request(protocol.ServeCheckReply, "serve_check", timeout_s=30.0)
         if started is not None:
             self.app.notify(
-                f"serve-check started (pid {started.pid}) on {printable(Path(started.checkpoint).name)} with "
-                f"{printable(started.vllm_python)}: vLLM loads for a minute or more, then its τ shows under the "
-                f"charts (log: {printable(started.log)})",
+                f"serve-check of {printable(Path(started.checkpoint).name)} started (pid {started.pid}); vLLM's τ "
+                f"shows under the charts in a few minutes (log: {printable(started.log)})",
                 timeout=10,
             )
 

@@ -144,6 +144,8 @@ class DashboardState:
             self.left_runs.discard(new_id)
         before = len(restarts.restarts_of(self.run)) if new_id == old_id else 0
         self.run = run
+        self.health.run_over = run is not None and run.state not in ("starting", "running")
+        self.dirty.add("procs")
         self.timeline.from_run(run)
         self.header.run_id = new_id
         self.header.run_state = run.state if run else None

@@ -64,6 +64,7 @@ class ThreadHealthModel:
         self.threads: dict[ThreadKey, ThreadHealth] = {}
         self.rank_pids: dict[int, tuple[int, int | None]] = {}  # pid -> (rank, node), from `distributed` stages
         self.main_rank: int | None = None  # the rank of the run's events.jsonl (the agent's anomalies read it)
+        self.run_over = False  # the run ended: its threads' silence is no warning
 
     def _get(self, name: str, rank: int | None = None) -> ThreadHealth:
         health = self.threads.get((rank, name))
@@ -224,6 +225,9 @@ class ProcTree(RowTracking):
         age = now - health.heartbeat_t if health.heartbeat_t is not None else None
         if health.dead:
             out.append(" DEAD", style=self._style("dead"))
+        elif self.health.run_over:
+            out.append(" ended", style=self._style("muted"))
+            age = None  # the time since its last beat only grows now
         elif age is not None and age > STALE_HEARTBEAT_S:
             out.append(" SILENT", style=self._style("warn"))
         else:
@@ -232,7 +236,7 @@ class ProcTree(RowTracking):
             out.append(f" step {health.step}", style=self._style("proc"))
         if age is not None:
             out.append(f" hb {max(0.0, age):.1f}s", style=self._style("warn" if age > 10 else "muted"))
-        if health.tok_s is not None and not health.dead:
+        if health.tok_s is not None and not health.dead and not self.health.run_over:
             out.append(f" {health.tok_s / 1000:.1f}k tok/s", style=self._style("muted"))
         if health.dead and health.last_exception:
             out.append(f" {printable(health.last_exception[:80])}", style=self._style("dead"))
