@@ -30,6 +30,12 @@ from engine.supervisor.records.log_failure import Failure, FailureScan, last_ste
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
 LOG_LINE_MAX_BYTES = 64 * 1024  # a log "line" longer than this without an end is scanned as it is
 EVENT_LINE_MAX_BYTES = 1024 * 1024  # an event line longer than this is no event: skipped, never held whole
+# An events file larger than head + tail is read at its start (stages, each rank's distributed stage) and its end
+# (the latest step, errors, run_end); the middle stays unread and is counted (``ScanState.skipped_event_bytes``).
+EVENTS_HEAD_BYTES = 1024 * 1024
+EVENTS_TAIL_BYTES = _SCAN_BUDGET_BYTES  # one poll reads it
+THREAD_ERRORS_KEPT = 64  # per list: the first few (the root cause is the first) and the newest; the rest counted
+THREAD_ERRORS_FIRST_KEPT = 8
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
 _SCANNED_KINDS = frozenset(
     cls.KIND.encode() for cls in (StepEvent, StageEvent, ThreadErrorEvent, RunEndEvent, ExportEvent)
@@ -51,7 +57,7 @@ class RankState:
     pid: int | None = None  # from its ``distributed`` stage event
     first_step_t: float | None = None
     last_step: int | None = None
-    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)
+    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)  # bounded: see keep_thread_error
     run_end: RunEndEvent | None = None
 
     def label(self) -> str:
@@ -68,7 +74,8 @@ class ScanState:
     stage: str | None = None
     last_step: int | None = None
     last_step_at: float | None = None
-    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)
+    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)  # bounded: see keep_thread_error
+    dropped_thread_errors: int = 0  # thread_error events seen but not kept (all ranks)
     run_end: RunEndEvent | None = None
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
     log_last_step: int | None = None  # the number in the last output.log line matching the step pattern
@@ -77,6 +84,7 @@ class ScanState:
     ranks: dict[int | None, RankState] = field(default_factory=dict)
     nproc_hint: int | None = None  # --nproc-per-node of a torchrun command line, when the events do not say
     skipped_event_lines: int = 0  # event lines longer than EVENT_LINE_MAX_BYTES, skipped unread
+    skipped_event_bytes: int = 0  # bytes of the events files left unread: a huge file's middle, the line it cut
 
     def ranks_expected(self) -> int:
         """How many ranks of this node write into this run directory."""
@@ -180,7 +188,16 @@ class RunScanner:
         st, _ = tail.check()
         if st is None or st.st_size <= tail.position:
             return
-        data = tail.read_path(min(budget, st.st_size - tail.position))
+        skipped_before = tail.skipped_bytes
+        if tail.position == 0 and st.st_size > EVENTS_HEAD_BYTES + EVENTS_TAIL_BYTES:
+            # A first read of a huge file: its head, then its newest lines; never every line in between.
+            self._event_lines(name, tail, tail.read_path(EVENTS_HEAD_BYTES))
+            tail.skip_to(st.st_size - EVENTS_TAIL_BYTES)
+            budget = max(budget, EVENTS_TAIL_BYTES + 1)  # the skip reads again from the byte before the window
+        self._event_lines(name, tail, tail.read_path(min(budget, st.st_size - tail.position)))
+        self.state.skipped_event_bytes += tail.skipped_bytes - skipped_before
+
+    def _event_lines(self, name: str, tail: AppendedFile, data: bytes) -> None:
         _, complete = tail.take_complete(data, max_carry_bytes=EVENT_LINE_MAX_BYTES)
         lines = complete.split(b"\n")
         if lines[-1]:  # the carry outgrew the bound: the start of an over-long line, dropped
@@ -224,8 +241,8 @@ class RunScanner:
                 rs.pid = ev.pid if ev.pid is not None else rs.pid
                 rs.local_world_size = ev.local_world_size if ev.local_world_size is not None else rs.local_world_size
         elif isinstance(ev, ThreadErrorEvent):
-            self.state.thread_errors.append(ev)
-            rs.thread_errors.append(ev)
+            self.state.dropped_thread_errors += keep_thread_error(self.state.thread_errors, ev)
+            keep_thread_error(rs.thread_errors, ev)
         elif isinstance(ev, RunEndEvent):
             rs.run_end = ev
             if main or self.state.run_end is None:
@@ -238,6 +255,15 @@ class RunScanner:
         firsts = [r.first_step_t for r in self.state.ranks.values() if r.first_step_t is not None]
         if self.state.first_step_t is None and len(firsts) >= self.state.ranks_expected():
             self.state.first_step_t = max(firsts)
+
+
+def keep_thread_error(kept: list[ThreadErrorEvent], ev: ThreadErrorEvent) -> int:
+    """Append ``ev``, keeping at most THREAD_ERRORS_KEPT: the first few and the newest. How many were dropped (0, 1)."""
+    kept.append(ev)
+    if len(kept) <= THREAD_ERRORS_KEPT:
+        return 0
+    del kept[THREAD_ERRORS_FIRST_KEPT]  # the oldest of the newest
+    return 1
 
 
 def nproc_per_node(command: list[str]) -> int | None:
