@@ -40,8 +40,10 @@ TAIL_MAX_LINES = 10000  # lines in one tail reply; more are read with tail(strea
 READ_LOG_MAX_BYTES = 4 * 1024 * 1024
 _TICK_SLACK_S = 0.005  # a procs scan due within this of a GPU tick runs on that tick
 # A huge events file is never read whole: the anomaly state and a new stream read its head and its end.
-ANOMALY_EVENTS_WINDOW = (1024 * 1024, 2 * 1024 * 1024)  # (head, tail) bytes: stages, then the newest steps and beats
-STREAM_EVENTS_WINDOW = (1024 * 1024, 8 * 1024 * 1024)  # what a client new to a run is sent of a huge events file
+ANOMALY_EVENTS_WINDOW = (256 * 1024, 1024 * 1024)  # (head, tail) bytes: stages, then the newest steps and beats
+# What a client new to a run is sent of a huge events file: its first lines (stages, the data summary) and some
+# thousand steps with their heartbeats, which the agent encodes in about a second.
+STREAM_EVENTS_WINDOW = (256 * 1024, 2 * 1024 * 1024)
 ANOMALY_POLLS_MAX = 16  # of POLL_BYTES each, per collect: a burst is caught up over several collects
 
 
@@ -593,7 +595,7 @@ def _skipped_message(run_id: str, skipped: int, name: str = records.EVENTS_JSONL
     head, tail = STREAM_EVENTS_WINDOW
     return (
         f"{name} of {run_id}: {skipped / 2**20:.1f} MiB of engine events not sent (a huge file: its first "
-        f"{head // 2**20} MiB and its last {tail // 2**20} MiB are)"
+        f"{head // 1024} KiB and its last {tail // 1024} KiB are)"
     )
 
 

@@ -147,10 +147,10 @@ class PeakWatch:
                 kids = []
             for pid in [self.root, *kids]:
                 hwm = vm_hwm_mib(pid)
+                name = _cmdline(pid)  # read each time: a forked child has its parent's until it execs
                 if hwm is not None:
                     self.peaks[pid] = max(hwm, self.peaks.get(pid, 0.0))
-                    if pid not in self.names:
-                        self.names[pid] = _cmdline(pid)
+                    self.names[pid] = name or self.names.get(pid, "")
             self._stop.wait(self.interval_s)
 
     def peak_of(self, needle: str) -> float | None:

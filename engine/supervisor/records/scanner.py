@@ -115,6 +115,7 @@ class RunScanner:
         self._output_base = output_base
         self._log = AppendedFile(self.run_dir / OUTPUT_LOG, output_base)
         self._ev: dict[str, AppendedFile] = {}  # events file name -> how far it was read
+        self._stepped: set[str] = set()  # events files whose first step was read
         self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
         self.state = ScanState(nproc_hint=nproc_hint)
         self.state.failure = self._failure.failure
@@ -202,25 +203,53 @@ class RunScanner:
         lines = complete.split(b"\n")
         if lines[-1]:  # the carry outgrew the bound: the start of an over-long line, dropped
             self.state.skipped_event_lines += 1
+        kinds: list[bytes | None] = []
         for line in lines[:-1]:
             if len(line) > EVENT_LINE_MAX_BYTES:
                 self.state.skipped_event_lines += 1
+                kinds.append(None)
                 continue
-            self._event_line(line, name == EVENTS_JSONL)
+            m = _KIND_RE.search(line)
+            kinds.append(m.group(1) if m is not None else None)
+        # A file is one rank's: of its steps only the first ever (first-step) and the newest change the state, so
+        # the steps in between are not decoded (a chunk of a busy run holds thousands).
+        newest = self._newest_step(lines, kinds)
+        for i, kind in enumerate(kinds):
+            if kind is None:
+                continue
+            if kind == StepEvent.KIND.encode():
+                self.state.engine_events = True
+                if name in self._stepped and i != newest[0]:
+                    continue
+                ev = newest[1] if i == newest[0] else protocol.decode_engine_line(lines[i])
+                if ev is not None:
+                    self._stepped.add(name)
+                    self._event(ev, name == EVENTS_JSONL)
+                continue
+            self._event_line(lines[i], kind, name == EVENTS_JSONL)
 
-    def _event_line(self, line: bytes, main: bool = True) -> None:
-        """One event; ``main``: from events.jsonl, whose rank (this node's first) speaks for the run."""
-        # Heartbeats are the bulk of the file and change nothing here: skip them before decoding.
-        m = _KIND_RE.search(line)
-        if m is None:
-            return
-        if m.group(1) in _PROGRESS_KINDS:
+    @staticmethod
+    def _newest_step(lines: list[bytes], kinds: list[bytes | None]) -> tuple[int, protocol.EngineEvent | None]:
+        """(index, event) of the last step line of a chunk that decodes; (-1, None) without one."""
+        for i in range(len(kinds) - 1, -1, -1):
+            if kinds[i] == StepEvent.KIND.encode():
+                ev = protocol.decode_engine_line(lines[i])
+                if ev is not None:
+                    return i, ev
+        return -1, None
+
+    def _event_line(self, line: bytes, kind: bytes, main: bool = True) -> None:
+        """One event line of ``kind``; ``main``: from events.jsonl, whose rank (the node's first) speaks for the run."""
+        if kind in _PROGRESS_KINDS:
             self.state.engine_events = True
-        if m.group(1) not in _SCANNED_KINDS:
+        # Heartbeats are the bulk of the file and change nothing here: skipped before decoding.
+        if kind not in _SCANNED_KINDS:
             return
         ev = protocol.decode_engine_line(line)
-        if ev is None:
-            return
+        if ev is not None:
+            self._event(ev, main)
+
+    def _event(self, ev: protocol.EngineEvent, main: bool) -> None:
         rs = self.state.ranks.get(ev.rank)
         if rs is None:
             rs = self.state.ranks[ev.rank] = RankState(ev.rank)
