@@ -96,3 +96,12 @@ def test_thread_errors_kept_are_capped_first_ones_and_newest_with_the_dropped_co
     assert kept == list(range(first)) + list(range(n - scanner.THREAD_ERRORS_KEPT + first, n))
     assert len(state.ranks[None].thread_errors) == scanner.THREAD_ERRORS_KEPT
     assert records.root_cause(state) == "engine thread t0: E: 0"  # the first error is still the root cause
+
+
+def test_events_naming_ever_new_ranks_keep_at_most_ranks_kept_states(tmp_path: Path) -> None:
+    rd, launch = _run_dir(tmp_path)
+    n = scanner.RANKS_KEPT + 300
+    (rd / records.EVENTS_JSONL).write_bytes(b"".join(_line(kind="stage", stage="data", rank=r) for r in range(n)))
+    state = scanner.new_scanner(rd, launch).poll()
+    assert len(state.ranks) == scanner.RANKS_KEPT and state.dropped_rank_events == 300
+    assert state.stage == "data"

@@ -36,6 +36,7 @@ EVENTS_HEAD_BYTES = 1024 * 1024
 EVENTS_TAIL_BYTES = _SCAN_BUDGET_BYTES  # one poll reads it
 THREAD_ERRORS_KEPT = 64  # per list: the first few (the root cause is the first) and the newest; the rest counted
 THREAD_ERRORS_FIRST_KEPT = 8
+RANKS_KEPT = 1024  # ranks with a state: events naming ever new ranks beyond are not kept (counted)
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
 _SCANNED_KINDS = frozenset(
     cls.KIND.encode() for cls in (StepEvent, StageEvent, ThreadErrorEvent, RunEndEvent, ExportEvent)
@@ -76,6 +77,7 @@ class ScanState:
     last_step_at: float | None = None
     thread_errors: list[ThreadErrorEvent] = field(default_factory=list)  # bounded: see keep_thread_error
     dropped_thread_errors: int = 0  # thread_error events seen but not kept (all ranks)
+    dropped_rank_events: int = 0  # events of a rank beyond RANKS_KEPT others: not kept
     run_end: RunEndEvent | None = None
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
     log_last_step: int | None = None  # the number in the last output.log line matching the step pattern
@@ -252,6 +254,9 @@ class RunScanner:
     def _event(self, ev: protocol.EngineEvent, main: bool) -> None:
         rs = self.state.ranks.get(ev.rank)
         if rs is None:
+            if len(self.state.ranks) >= RANKS_KEPT:
+                self.state.dropped_rank_events += 1
+                return
             rs = self.state.ranks[ev.rank] = RankState(ev.rank)
         rs.node = ev.node if ev.node is not None else rs.node
         rs.world_size = ev.world_size if ev.world_size is not None else rs.world_size
