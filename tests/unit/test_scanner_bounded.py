@@ -7,9 +7,11 @@ import json
 import os
 from pathlib import Path
 
+from engine import protocol
 from engine.host import procs
 from engine.supervisor import records
 from engine.supervisor.records import LaunchRecord, scanner
+from tui.cli.monitor import format_run
 
 
 def _run_dir(tmp_path: Path) -> tuple[Path, LaunchRecord]:
@@ -105,3 +107,10 @@ def test_events_naming_ever_new_ranks_keep_at_most_ranks_kept_states(tmp_path: P
     state = scanner.new_scanner(rd, launch).poll()
     assert len(state.ranks) == scanner.RANKS_KEPT and state.dropped_rank_events == 300
     assert state.stage == "data"
+
+
+def test_status_text_says_when_the_middle_of_the_events_was_not_read_and_only_then() -> None:
+    run = protocol.RunInfo(run_id="r1", run_dir="/r/r1", state="running", last_step=7)
+    assert not any("not read" in line for line in format_run(run))
+    run.events_unread_bytes = 3 << 20
+    assert "  events  3.0 MiB in the middle of its events not read (huge)" in format_run(run)
