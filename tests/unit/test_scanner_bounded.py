@@ -114,3 +114,22 @@ def test_status_text_says_when_the_middle_of_the_events_was_not_read_and_only_th
     assert not any("not read" in line for line in format_run(run))
     run.events_unread_bytes = 3 << 20
     assert "  events  3.0 MiB in the middle of its events not read (huge)" in format_run(run)
+
+
+def test_the_first_look_at_a_huge_log_of_a_running_run_reads_its_end_where_the_latest_step_is(tmp_path: Path) -> None:
+    rd, launch = _run_dir(tmp_path)
+    launch.step_pattern = r"step=\d+"
+    log = rd / records.OUTPUT_LOG
+    lines = [b"step=%d loss=2.0 a line of a training log\n" % i for i in range(500_000)]
+    log.write_bytes(b"".join(lines))
+    assert log.stat().st_size > scanner.RunScanner.CATCH_UP_MAX_BYTES
+    state = scanner.new_scanner(rd, launch).poll()
+    assert state.log_last_step == 499_999 and state.skipped_log_bytes > 0
+    # A scanner that follows the log as it grows (the wrapper's) reads every byte.
+    follower = scanner.new_scanner(rd, launch)
+    log.write_bytes(b"")
+    for i in range(0, 500_000, 50_000):
+        with log.open("ab") as fh:
+            fh.write(b"".join(lines[i : i + 50_000]))
+        state = follower.poll()
+    assert state.log_last_step == 499_999 and state.skipped_log_bytes == 0

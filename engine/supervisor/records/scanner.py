@@ -86,6 +86,7 @@ class ScanState:
     ranks: dict[int | None, RankState] = field(default_factory=dict)
     nproc_hint: int | None = None  # --nproc-per-node of a torchrun command line, when the events do not say
     skipped_event_lines: int = 0  # event lines longer than EVENT_LINE_MAX_BYTES, skipped unread
+    skipped_log_bytes: int = 0  # bytes of output.log never scanned: the start of a huge one (its end has the step)
     skipped_event_bytes: int = 0  # bytes of the events files left unread: a huge file's middle, the line it cut
 
     def ranks_expected(self) -> int:
@@ -140,6 +141,7 @@ class RunScanner:
             except OSError:
                 size = 0
             if size - self._log.position > self.CATCH_UP_MAX_BYTES:
+                self.state.skipped_log_bytes += size - self.CATCH_UP_MAX_BYTES - self._log.position
                 self._log.restart(size - self.CATCH_UP_MAX_BYTES)
             for _ in range(self.CATCH_UP_MAX_BYTES // _SCAN_BUDGET_BYTES + 1):
                 before = (self._log.position, sum(tail.position for tail in self._ev.values()))
@@ -163,6 +165,10 @@ class RunScanner:
             return
         if self.state.output_seen_at is None and st.st_size > self._output_base:
             self.state.output_seen_at = now
+        if self._log.position == self._output_base and st.st_size - self._output_base > self.CATCH_UP_MAX_BYTES:
+            # A first look at a huge log (an agent meeting a long run): its end, where the latest step is.
+            self.state.skipped_log_bytes += st.st_size - budget - self._output_base
+            self._log.restart(st.st_size - budget)
         data = self._log.read_path(min(budget, st.st_size - self._log.position))
         if not data:
             return
