@@ -2,6 +2,10 @@
 
 The wrapper times milestones with it as they happen, the agent's wait ends within one poll of a milestone, and
 read_run (one scanner per run directory in a ``ScannerCache``) reads the engine's stage and last step from it.
+
+Bounded whatever the files hold: an event line is at most 1 MiB; the first read of a huge events file takes its
+head and its newest 8 MiB (the middle is counted, never read), the first look at a huge log its end; the thread
+errors and ranks kept are capped, and what was dropped is counted in the state.
 """
 
 from __future__ import annotations
