@@ -551,11 +551,11 @@ class Subscription:
             self._rank_readers, self._rank_dir = {}, run_dir
             self._rank_from_end = self._resumed_run
         try:
-            names = [n for n in os.listdir(run_dir) if records.RANK_EVENTS_RE.fullmatch(n)]
+            names = records.rank_events_names(run_dir)
         except OSError:
             return False
         more = False
-        for name in sorted(names):
+        for name in names:
             found = self._rank_readers.get(name)
             if found is not None:
                 reader = found

@@ -133,3 +133,13 @@ def test_the_first_look_at_a_huge_log_of_a_running_run_reads_its_end_where_the_l
             fh.write(b"".join(lines[i : i + 50_000]))
         state = follower.poll()
     assert state.log_last_step == 499_999 and state.skipped_log_bytes == 0
+
+
+def test_a_run_dir_with_thousands_of_rank_events_files_has_only_the_first_followed(tmp_path: Path) -> None:
+    rd, launch = _run_dir(tmp_path)
+    for r in range(1, 2001):
+        (rd / f"events.rank{r}.jsonl").write_bytes(_line(kind="stage", stage="data", rank=r))
+    sc = scanner.new_scanner(rd, launch)
+    state = sc.poll()
+    assert len(sc._ev) == 1 + records.RANK_EVENTS_FILES_MAX and len(state.ranks) == records.RANK_EVENTS_FILES_MAX
+    assert sorted(state.ranks) == list(range(1, records.RANK_EVENTS_FILES_MAX + 1))  # the lowest ranks

@@ -28,7 +28,7 @@ from engine.protocol import (
     ThreadErrorEvent,
 )
 from engine.supervisor.records.documents import LaunchRecord
-from engine.supervisor.records.layout import EVENTS_JSONL, OUTPUT_LOG, RANK_EVENTS_RE
+from engine.supervisor.records.layout import EVENTS_JSONL, OUTPUT_LOG, rank_events_names
 from engine.supervisor.records.log_failure import Failure, FailureScan, last_step_in
 
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
@@ -191,7 +191,7 @@ class RunScanner:
     def _poll_events(self, budget: int) -> None:
         names = [EVENTS_JSONL]
         try:
-            names += sorted(e for e in os.listdir(self.run_dir) if RANK_EVENTS_RE.fullmatch(e))
+            names += rank_events_names(self.run_dir)
         except OSError:
             return
         for name in names:
