@@ -40,7 +40,8 @@ TAIL_MAX_LINES = 10000  # lines in one tail reply; more are read with tail(strea
 READ_LOG_MAX_BYTES = 4 * 1024 * 1024
 _TICK_SLACK_S = 0.005  # a procs scan due within this of a GPU tick runs on that tick
 # A huge events file is never read whole: the anomaly state and a new stream read its head and its end.
-ANOMALY_EVENTS_WINDOW = (256 * 1024, 1024 * 1024)  # (head, tail) bytes: stages, then the newest steps and beats
+# (head, tail) bytes: the first stages, then the newest steps (a few times the 256 the stall check uses) and beats.
+ANOMALY_EVENTS_WINDOW = (64 * 1024, 512 * 1024)
 # What a client new to a run is sent of a huge events file: its first lines (stages, the data summary) and some
 # thousand steps with their heartbeats, which the agent encodes in about a second.
 STREAM_EVENTS_WINDOW = (256 * 1024, 2 * 1024 * 1024)

@@ -1,10 +1,11 @@
 """Benchmark (on demand, not a test): status and a subscribed agent on a run whose events.jsonl is huge.
 
-    python3 tests/bench/bench_hostile_files.py [--size-mib 1024] [--subscribe-s 15] [--code DIR]
+    python3 tests/bench/bench_hostile_files.py [--size-mib 1024] [--subscribe-s 15] [-n 3] [--code DIR]
 
 Builds a running run (its job a live sleep) in a temp dir under /tmp and prints, for it:
-  * `python3 -m tui status local --json` on a run whose events.jsonl holds SIZE of valid event lines: wall time, the
-    peak RSS (VmHWM) of the status process and of the agent it starts, and what the run said (last step, unread);
+  * `python3 -m tui status local --json` on a run whose events.jsonl holds SIZE of valid event lines: wall time (the
+    median and the slowest of -n fresh processes), the peak RSS (VmHWM) of the status process and of the agent it
+    starts (the highest of the -n), and what the run said (last step, unread);
   * an agent (`python3 -m engine.agent.main`) subscribed to that run: its peak RSS after --subscribe-s seconds,
     when its first engine event and the run's last step reached the client, how many events and bytes it sent;
   * status again on a run whose events.jsonl is SIZE of one line with no newline.
@@ -19,12 +20,15 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -41,7 +45,39 @@ def _env(code: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(code))
 
 
-def _status(code: Path, run_root: Path) -> dict[str, object]:
+@dataclass
+class StatusFigures:
+    rc: int
+    wall_s: float
+    status_mib: float | None  # peak RSS (VmHWM) of the status process
+    agent_mib: float | None  # and of the agent it started
+    last_step: object = None  # what the run said
+    unread: object = None
+    max_s: float = 0.0  # the slowest of several
+
+
+def _statuses(code: Path, run_root: Path, n: int) -> StatusFigures:
+    """``_status`` n times: the median and slowest wall time, the highest peaks, the last answer."""
+    runs = [_status(code, run_root) for _ in range(max(1, n))]
+    walls = sorted(r.wall_s for r in runs)
+
+    def peak(found: list[float | None]) -> float | None:
+        known = [f for f in found if f is not None]
+        return max(known) if known else None
+
+    last = runs[-1]
+    return StatusFigures(
+        last.rc,
+        statistics.median(walls),
+        peak([r.status_mib for r in runs]),
+        peak([r.agent_mib for r in runs]),
+        last.last_step,
+        last.unread,
+        walls[-1],
+    )
+
+
+def _status(code: Path, run_root: Path) -> StatusFigures:
     argv = [sys.executable, "-m", "tui", "status", "local", "--json", "--simulate-gpus", "2"]
     t0 = time.perf_counter()
     proc = subprocess.Popen([*argv, "--run-root", str(run_root)], stdout=subprocess.PIPE, env=_env(code), cwd=code)
@@ -49,18 +85,23 @@ def _status(code: Path, run_root: Path) -> dict[str, object]:
     out, _ = proc.communicate(timeout=600)
     wall_s = time.perf_counter() - t0
     watch.stop()
-    run = json.loads(out).get("run") or {} if proc.returncode == 0 else {}
-    return {
-        "rc": proc.returncode,
-        "wall_s": wall_s,
-        "status_mib": watch.peak_of("-m tui"),
-        "agent_mib": watch.peak_of("engine.agent"),
-        "last_step": run.get("last_step"),
-        "unread": run.get("events_unread_bytes"),
-    }
+    run = (json.loads(out).get("run") or {}) if proc.returncode == 0 else {}
+    return StatusFigures(
+        proc.returncode,
+        wall_s,
+        watch.peak_of("-m tui"),
+        watch.peak_of("engine.agent"),
+        run.get("last_step"),
+        run.get("events_unread_bytes"),
+        wall_s,
+    )
 
 
-def _subscribed(code: Path, run_root: Path, last_step: int, seconds: float) -> dict[str, object]:
+def _subscribed(
+    code: Path, run_root: Path, last_step: int, seconds: float
+) -> tuple[float | None, dict[str, int], dict[str, float]]:
+    """(the agent's peak RSS after ``seconds`` subscribed, counts of what it sent, when the first engine event and
+    the last step came)."""
     argv = [sys.executable, "-m", "engine.agent.main", "--run-root", str(run_root), "--simulate-gpus", "2"]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(code), cwd=code)
     assert proc.stdin is not None and proc.stdout is not None
@@ -68,8 +109,8 @@ def _subscribed(code: Path, run_root: Path, last_step: int, seconds: float) -> d
     seen: dict[str, float] = {}
     t0 = time.monotonic()
 
-    def read(stdout: object) -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
+    def read(stdout: IO[bytes]) -> None:
+        for line in stdout:
             counts["events"] += 1
             counts["bytes"] += len(line)
             ev = json.loads(line)
@@ -94,7 +135,7 @@ def _subscribed(code: Path, run_root: Path, last_step: int, seconds: float) -> d
         proc.kill()
         proc.wait()
     reader.join(5)
-    return {"agent_mib": peak, **counts, **seen}
+    return peak, counts, seen
 
 
 def _fmt(value: object, unit: str = "") -> str:
@@ -109,6 +150,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024, help="size of the events.jsonl (MiB)")
     ap.add_argument("--subscribe-s", type=float, default=15.0, help="how long the subscribed agent streams")
+    ap.add_argument("-n", type=int, default=3, help="status processes per figure")
     ap.add_argument("--code", type=Path, default=REPO, help="checkout the CLI and the agent run from")
     ns = ap.parse_args()
     size = ns.size_mib * MiB
@@ -128,26 +170,28 @@ def main() -> int:
             last_step = hostile.write_event_lines(run.events, size)
             wrote_mib = run.events.stat().st_size / MiB
             print(f"  wrote {wrote_mib:.0f} MiB of event lines in {time.perf_counter() - t0:.1f} s")
-            st = _status(code, root)
+            st = _statuses(code, root, ns.n)
             print(
-                f"  status --json, valid lines:   {_fmt(st['wall_s'], ' s')} wall; peak RSS status "
-                f"{_fmt(st['status_mib'], ' MiB')}, agent {_fmt(st['agent_mib'], ' MiB')}; rc {st['rc']}; "
-                f"last_step {st['last_step']} (written: {last_step}); events_unread_bytes {st['unread']}"
+                f"  status --json, valid lines:   {_fmt(st.wall_s, ' s')} wall (median of {ns.n}, slowest "
+                f"{_fmt(st.max_s, ' s')}); peak RSS status "
+                f"{_fmt(st.status_mib, ' MiB')}, agent {_fmt(st.agent_mib, ' MiB')}; rc {st.rc}; "
+                f"last_step {st.last_step} (written: {last_step}); events_unread_bytes {st.unread}"
             )
-            sub = _subscribed(code, root, last_step, ns.subscribe_s)
+            peak, counts, seen = _subscribed(code, root, last_step, ns.subscribe_s)
             print(
-                f"  subscribed agent, {ns.subscribe_s:.0f} s:       peak RSS {_fmt(sub['agent_mib'], ' MiB')}; "
-                f"first engine event {_fmt(sub.get('first_engine_s'), ' s')}, last step "
-                f"{_fmt(sub.get('last_step_s'), ' s')}; sent {sub['events']} events "
-                f"({sub['engine']} engine, {sub['warnings']} warnings), {sub['bytes'] / MiB:.1f} MiB"
+                f"  subscribed agent, {ns.subscribe_s:.0f} s:       peak RSS {_fmt(peak, ' MiB')}; "
+                f"first engine event {_fmt(seen.get('first_engine_s'), ' s')}, last step "
+                f"{_fmt(seen.get('last_step_s'), ' s')}; sent {counts['events']} events "
+                f"({counts['engine']} engine, {counts['warnings']} warnings), {counts['bytes'] / MiB:.1f} MiB"
             )
             run.events.unlink()
             hostile.write_line_without_end(run.events, size)
-            st = _status(code, root)
+            st = _statuses(code, root, ns.n)
             print(
-                f"  status --json, no newline:    {_fmt(st['wall_s'], ' s')} wall; peak RSS status "
-                f"{_fmt(st['status_mib'], ' MiB')}, agent {_fmt(st['agent_mib'], ' MiB')}; rc {st['rc']}; "
-                f"events_unread_bytes {st['unread']}"
+                f"  status --json, no newline:    {_fmt(st.wall_s, ' s')} wall (median of {ns.n}, slowest "
+                f"{_fmt(st.max_s, ' s')}); peak RSS status "
+                f"{_fmt(st.status_mib, ' MiB')}, agent {_fmt(st.agent_mib, ' MiB')}; rc {st.rc}; "
+                f"events_unread_bytes {st.unread}"
             )
         finally:
             run.close()
