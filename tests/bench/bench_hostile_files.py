@@ -3,6 +3,7 @@
     python3 tests/bench/bench_hostile_files.py [--size-mib 1024] [--subscribe-s 15] [-n 3] [--code DIR]
 
 Builds a running run (its job a live sleep) in a temp dir under /tmp and prints, for it:
+  * `python3 -m tui status local --json` before it has events: the cost of two fresh interpreters, for reference;
   * `python3 -m tui status local --json` on a run whose events.jsonl holds SIZE of valid event lines: wall time (the
     median and the slowest of -n fresh processes), the peak RSS (VmHWM) of the status process and of the agent it
     starts (the highest of the -n), and what the run said (last step, unread);
@@ -166,6 +167,12 @@ def main() -> int:
         root = Path(tmp) / "root"
         run = hostile.running_run(root)
         try:
+            st = _statuses(code, root, ns.n)  # what two fresh interpreters cost, whatever the files
+            print(
+                f"  status --json, no events yet: {_fmt(st.wall_s, ' s')} wall (median of {ns.n}, slowest "
+                f"{_fmt(st.max_s, ' s')}); peak RSS status {_fmt(st.status_mib, ' MiB')}, agent "
+                f"{_fmt(st.agent_mib, ' MiB')}; rc {st.rc}"
+            )
             t0 = time.perf_counter()
             last_step = hostile.write_event_lines(run.events, size)
             wrote_mib = run.events.stat().st_size / MiB
