@@ -303,6 +303,9 @@ class RunInfo:
     last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
     failed_rank: int | None = None  # a torchrun run: the global rank that failed first (its node below), when named
     failed_node: int | None = None
+    # Bytes of its events files the scan left unread (the middle of a huge file: stage and step come from its
+    # head and tail); 0: every line was read.
+    events_unread_bytes: int = 0
 
 
 @dataclass

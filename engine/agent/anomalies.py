@@ -26,6 +26,7 @@ import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.host.disk import full_usage
 from engine.host.procs import is_system_holder
@@ -53,6 +54,7 @@ STALL_FLOOR_S = 60.0
 STALL_CAP_S = 1800.0
 HEARTBEAT_TIMEOUT_S = 120.0
 _STEP_HISTORY = 256
+THREADS_KEPT = 256  # per table of EngineState: a job that names ever new threads cannot grow the agent without end
 
 
 def _short(cmd: str | None, limit: int = 60) -> str:
@@ -186,6 +188,16 @@ class EngineState:
     stage: str | None = None
     ended: bool = False
 
+    dropped: int = 0  # events about a thread (or function) beyond THREADS_KEPT in their table: not kept
+
+    def _keep(self, table: dict[Any, Any], key: Any, value: Any) -> bool:
+        """Set ``table[key]``, unless that would hold more than THREADS_KEPT keys (then counted in ``dropped``)."""
+        if key not in table and len(table) >= THREADS_KEPT:
+            self.dropped += 1
+            return False
+        table[key] = value
+        return True
+
     def feed(self, ev: EngineEvent) -> None:
         t = ev.t
         if t is None:
@@ -197,19 +209,18 @@ class EngineState:
                 self.step_times.append(t)
             self.last_step_at = t
         elif isinstance(ev, HeartbeatEvent):
-            self.heartbeats[ev.thread] = ev
+            self._keep(self.heartbeats, ev.thread, ev)
         elif isinstance(ev, ThreadErrorEvent):
-            self.thread_errors[ev.thread] = ev
+            self._keep(self.thread_errors, ev.thread, ev)
         elif isinstance(ev, CompileEvent):
             key = (ev.thread or "?", ev.function or "?")
             if ev.what == "fallback":
-                self.compile_fallbacks[key] = ev
-            elif ev.what == "recompile":
-                self.recompiles[key] = ev
+                self._keep(self.compile_fallbacks, key, ev)
+            elif ev.what == "recompile" and self._keep(self.recompiles, key, ev):
                 self.recompile_counts[key] = self.recompile_counts.get(key, 0) + 1
         elif isinstance(ev, NonFiniteGradEvent):
-            self.nonfinite_grads[ev.thread] = ev
-            self.nonfinite_counts[ev.thread] = self.nonfinite_counts.get(ev.thread, 0) + 1
+            if self._keep(self.nonfinite_grads, ev.thread, ev):
+                self.nonfinite_counts[ev.thread] = self.nonfinite_counts.get(ev.thread, 0) + 1
         elif isinstance(ev, StageEvent):
             self.stage = ev.stage
         elif isinstance(ev, RunEndEvent):

@@ -171,27 +171,59 @@ class JsonlReader(_AppendedFileUser):
     so a client resuming from it gets the next line. Truncation or rotation restarts at 0 and sets
     ``reset`` (the caller can tell clients). A thin user of ``AppendedFile`` (by descriptor, the partial
     line carried).
+
+    Bounded: one poll reads at most ``poll_bytes`` (``more`` then says to poll again at once), and with a
+    ``window`` (head_bytes, tail_bytes) a read from byte 0 of a file larger than both takes its head's lines, then
+    skips to its last ``tail_bytes``; ``skipped_bytes`` counts what was never returned.
     """
 
-    def __init__(self, path: str | os.PathLike[str], offset: int = 0, max_line_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        offset: int = 0,
+        max_line_bytes: int = 8 * 1024 * 1024,
+        poll_bytes: int = POLL_BYTES,
+        window: tuple[int, int] | None = None,
+    ) -> None:
         self.path = os.fspath(path)
         self.file = AppendedFile(self.path, offset)
         self.max_line_bytes = max_line_bytes
+        self.poll_bytes = max(1, poll_bytes)
+        self.window = window
         self.reset: str | None = None  # reason of the last restart at 0, cleared by the caller
+        self.more = False  # the last poll stopped at its byte budget: poll again at once
+
+    @property
+    def skipped_bytes(self) -> int:
+        return self.file.skipped_bytes
 
     def _restart(self, reason: str) -> None:
         self.file.restart(0)
         self.reset = reason
 
-    def _drain(self, out: list[tuple[int, bytes]]) -> None:
-        while True:
-            data = self.file.read(CHUNK_BYTES)
+    def _lines(self, out: list[tuple[int, bytes]], data: bytes) -> None:
+        out.extend(split_lines(*self.file.take_complete(data, max_carry_bytes=self.max_line_bytes)))
+
+    def _drain(self, out: list[tuple[int, bytes]], budget: int) -> int:
+        """Read towards EOF, up to ``budget`` bytes (sets ``more`` when it ran out); what is left of the budget."""
+        if self.window is not None and self.file.position == 0:
+            head_bytes, tail_bytes = self.window
+            size = self.file.size()
+            if size > head_bytes + tail_bytes:
+                self._lines(out, self.file.read(head_bytes))
+                self.file.skip_to(size - tail_bytes)
+        while budget > 0:
+            data = self.file.read(min(CHUNK_BYTES, budget))
             if not data:
-                return
-            out.extend(split_lines(*self.file.take_complete(data, max_carry_bytes=self.max_line_bytes)))
+                return budget
+            budget -= len(data)
+            self._lines(out, data)
+        self.more = True
+        return 0
 
     def poll(self) -> list[tuple[int, bytes]]:
         out: list[tuple[int, bytes]] = []
+        self.more = False
         if not self.file.is_open:
             st = self.file.open()
             if st is None:
@@ -200,13 +232,15 @@ class JsonlReader(_AppendedFileUser):
                 self._restart("truncated")
         if self.file.size() < self.file.position:
             self._restart("truncated")
-        self._drain(out)
-        if self.file.replaced():
-            self._drain(out)
+        budget = self._drain(out, self.poll_bytes)
+        if not self.more and self.file.replaced():
+            budget = self._drain(out, budget)  # finish the old file first
+            if self.more:
+                return out
             self.close()
             self._restart("rotated")
             if self.file.open() is not None:
-                self._drain(out)
+                self._drain(out, budget)
         return out
 
 

@@ -39,6 +39,13 @@ RUN_CHECK_INTERVAL_S = 0.25  # how often the follower looks at <run_root>/curren
 TAIL_MAX_LINES = 10000  # lines in one tail reply; more are read with tail(stream=True) + read_log
 READ_LOG_MAX_BYTES = 4 * 1024 * 1024
 _TICK_SLACK_S = 0.005  # a procs scan due within this of a GPU tick runs on that tick
+# A huge events file is never read whole: the anomaly state and a new stream read its head and its end.
+# (head, tail) bytes: the first stages, then the newest steps (a few times the 256 the stall check uses) and beats.
+ANOMALY_EVENTS_WINDOW = (64 * 1024, 512 * 1024)
+# What a client new to a run is sent of a huge events file: its first lines (stages, the data summary) and some
+# thousand steps with their heartbeats, which the agent encodes in about a second.
+STREAM_EVENTS_WINDOW = (256 * 1024, 2 * 1024 * 1024)
+ANOMALY_POLLS_MAX = 16  # of POLL_BYTES each, per collect: a burst is caught up over several collects
 
 
 def _now() -> float:
@@ -127,21 +134,25 @@ class Monitor:
             if self._engine_reader is not None:
                 self._engine_reader.close()
             self._engine_dir = run_dir
-            self._engine_reader = JsonlReader(run_dir / records.EVENTS_JSONL) if run_dir is not None else None
+            events = run_dir / records.EVENTS_JSONL if run_dir is not None else None
+            self._engine_reader = JsonlReader(events, window=ANOMALY_EVENTS_WINDOW) if events is not None else None
             self.engine_state = anomalies.EngineState()
             self._engine_restarts = len(run.restarts) if run is not None else 0
         elif run is not None and len(run.restarts) != self._engine_restarts:
             # Restarted in the same run dir: the dead threads and step times of the attempt before are not this one's.
             self.engine_state = anomalies.EngineState()
             self._engine_restarts = len(run.restarts)
-        if self._engine_reader is None:
+        reader = self._engine_reader
+        if reader is None:
             return
-        for _, line in self._engine_reader.poll():
-            ev = protocol.decode_engine_line(line)
-            if ev is not None:
-                self.engine_state.feed(ev)
-        if self._engine_reader.reset:
-            self._engine_reader.reset = None
+        for _ in range(ANOMALY_POLLS_MAX):
+            for _, line in reader.poll():
+                ev = protocol.decode_engine_line(line)
+                if ev is not None:
+                    self.engine_state.feed(ev)
+            if not reader.more:
+                break
+        reader.reset = None
 
     # -- collection ----------------------------------------------------------------------------
 
@@ -484,17 +495,17 @@ class Subscription:
                         engine_offset = 0
                 except OSError:
                     pass  # no output.log yet: nothing says the offsets are foreign
-            engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=engine_offset)
+            engine = _events_reader(run_dir / records.EVENTS_JSONL, offset=engine_offset)
             if self.engine_inode is not None and engine_offset:
                 try:
                     if os.stat(run_dir / records.EVENTS_JSONL).st_ino != self.engine_inode:
-                        engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=0)
+                        engine = _events_reader(run_dir / records.EVENTS_JSONL, offset=0)
                 except OSError:
-                    engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=0)
+                    engine = _events_reader(run_dir / records.EVENTS_JSONL, offset=0)
         else:
             # A run the client has not seen: announce it and stream both files from their start.
             log = LogFollower(log_path, announce_open=True)
-            engine = JsonlReader(run_dir / records.EVENTS_JSONL, offset=0)
+            engine = _events_reader(run_dir / records.EVENTS_JSONL, offset=0)
         return log, engine
 
     def _pump(self, log: LogFollower, engine: JsonlReader | None, run_dir: Path) -> bool:
@@ -504,8 +515,11 @@ class Subscription:
             if ev["ev"] == "log_reset":
                 ev["run_id"] = run_id
             self._emit(ev)
+        more = log.more
         if engine is not None:
+            skipped = engine.skipped_bytes
             lines = engine.poll()
+            more = more or engine.more
             if engine.reset:
                 self._emit(
                     protocol.event(
@@ -513,6 +527,8 @@ class Subscription:
                     )
                 )
                 engine.reset = None
+            if engine.skipped_bytes > skipped:
+                self._emit(protocol.event("warning", message=_skipped_message(run_id, engine.skipped_bytes - skipped)))
             for end, line in lines:
                 eng = _parse_engine_line(line)
                 if eng is None:
@@ -523,22 +539,24 @@ class Subscription:
                     )
                     continue
                 self._emit(protocol.event("engine", offset=end, inode=engine.inode, run_id=run_id, event=eng))
-            self._pump_ranks(run_dir)
-        return log.more
+            more = self._pump_ranks(run_dir) or more
+        return more
 
-    def _pump_ranks(self, run_dir: Path) -> None:
+    def _pump_ranks(self, run_dir: Path) -> bool:
         """The other ranks' events files of a torchrun node (events.rank<R>.jsonl), forwarded as engine events
-        without an offset: a resumed stream starts them at their end (their heartbeats are live state)."""
+        without an offset: a resumed stream starts them at their end (their heartbeats are live state). True when
+        one of them stopped at its byte budget."""
         if self._rank_dir != run_dir:
             for reader in self._rank_readers.values():
                 reader.close()
             self._rank_readers, self._rank_dir = {}, run_dir
             self._rank_from_end = self._resumed_run
         try:
-            names = [n for n in os.listdir(run_dir) if records.RANK_EVENTS_RE.fullmatch(n)]
+            names = records.rank_events_names(run_dir)
         except OSError:
-            return
-        for name in sorted(names):
+            return False
+        more = False
+        for name in names:
             found = self._rank_readers.get(name)
             if found is not None:
                 reader = found
@@ -549,18 +567,37 @@ class Subscription:
                         start = os.stat(run_dir / name).st_size
                     except OSError:
                         start = 0
-                reader = self._rank_readers[name] = JsonlReader(run_dir / name, offset=start)
+                reader = self._rank_readers[name] = _events_reader(run_dir / name, offset=start)
+            skipped = reader.skipped_bytes
             for _, line in reader.poll():
                 eng = _parse_engine_line(line)
                 if eng is not None:
                     self._emit(protocol.event("engine", run_id=run_dir.name, source=name, event=eng))
+            if reader.skipped_bytes > skipped:
+                message = _skipped_message(run_dir.name, reader.skipped_bytes - skipped, name)
+                self._emit(protocol.event("warning", message=message))
             reader.reset = None
+            more = more or reader.more
+        return more
 
     def _drain(self, log: LogFollower, engine: JsonlReader | None, run_dir: Path | None) -> None:
         if run_dir is None:
             return
         while self._pump(log, engine, run_dir) and not self._stopped():
             pass
+
+
+def _events_reader(path: Path, offset: int) -> JsonlReader:
+    """A stream's reader of one events file: bounded per poll, and from byte 0 of a huge file only its ends."""
+    return JsonlReader(path, offset=offset, window=STREAM_EVENTS_WINDOW)
+
+
+def _skipped_message(run_id: str, skipped: int, name: str = records.EVENTS_JSONL) -> str:
+    head, tail = STREAM_EVENTS_WINDOW
+    return (
+        f"{name} of {run_id}: {skipped / 2**20:.1f} MiB of engine events not sent (a huge file: its first "
+        f"{head // 1024} KiB and its last {tail // 1024} KiB are)"
+    )
 
 
 def subscribe_to(agent: Agent, args: dict[str, Any]) -> Subscription:

@@ -9,6 +9,9 @@ follow one:
   the same path is taken, so lines written just before a rename are not lost;
 * by path (``check``/``read_path``): each read opens the path, so following many files holds no descriptor.
 
+``skip_to`` leaves bytes unread (a huge file's middle): reading resumes at the first line that starts at or
+after the offset, and ``skipped_bytes`` counts what was never handed out, so a reader can say it is incomplete.
+
 ``last_lines`` reads a file's end backwards (bounded); the agent's ``tail`` and the supervisor's failure
 report both use it.
 """
@@ -46,6 +49,8 @@ class AppendedFile:
         self.inode = inode
         self.dev: int | None = None
         self.carry = b""
+        self.skipped_bytes = 0  # never handed out: skipped by ``skip_to`` (the carry dropped, the gap, a cut line)
+        self._resync = False  # the next bytes read finish a line that began before a skip: dropped up to its end
         self._fd: int | None = None
 
     @property
@@ -55,7 +60,17 @@ class AppendedFile:
 
     def restart(self, offset: int = 0) -> None:
         """Continue from ``offset`` of the file, dropping what was held back."""
-        self.offset, self.carry = offset, b""
+        self.offset, self.carry, self._resync = offset, b"", False
+
+    def skip_to(self, offset: int) -> None:
+        """Leave the bytes from ``position`` up to ``offset`` unread, and the rest of a line cut there: lines are
+        handed out again from the first one that starts at or after ``offset``. The carry is dropped too."""
+        if offset <= self.position:
+            return
+        # Read again from the byte before: a newline there makes ``offset`` a line start, dropped alone.
+        self.skipped_bytes += len(self.carry) + (offset - 1 - self.position)
+        self.restart(offset - 1)
+        self._resync = True
 
     # -- by descriptor ---------------------------------------------------------------------------
 
@@ -134,6 +149,13 @@ class AppendedFile:
         """Hand out the complete lines that ``data`` (just read at ``position``) finishes: (their start offset, the
         bytes up to and including the last line end). The partial rest is carried; a carry longer than
         ``max_carry_bytes`` (a line without end) is handed out as it is."""
+        if self._resync:
+            nl = min((i for i in (data.find(end) for end in ends) if i >= 0), default=-1)
+            dropped = len(data) if nl < 0 else nl + 1
+            self.offset += dropped
+            self.skipped_bytes += dropped
+            self._resync = nl < 0
+            data = data[dropped:]
         start = self.offset
         chunk = self.carry + data
         cut = max(chunk.rfind(end) for end in ends)

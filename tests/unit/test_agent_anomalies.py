@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from engine.agent.anomalies import (
+    THREADS_KEPT,
     EngineState,
     dead_threads,
     engine_anomalies,
@@ -13,7 +14,16 @@ from engine.agent.anomalies import (
     stall_threshold_s,
     stalled_run,
 )
-from engine.protocol import Anomaly, GpuInfo, HolderInfo, StepEvent, decode_engine_event, decode_engine_line
+from engine.protocol import (
+    Anomaly,
+    GpuInfo,
+    HeartbeatEvent,
+    HolderInfo,
+    StepEvent,
+    ThreadErrorEvent,
+    decode_engine_event,
+    decode_engine_line,
+)
 
 
 def gpu(index: int, util: float | None, mem: float | None, holder_pids: list[int] | None = None) -> GpuInfo:
@@ -206,3 +216,13 @@ def test_an_engine_line_of_the_wrong_shape_is_no_event_to_the_anomalies() -> Non
     assert decode_engine_line(b'{"kind": "heartbeat", "t": 1.0}') is None  # no thread
     assert decode_engine_line(b'{"kind": "nonsense", "t": 1.0}') is None
     assert decode_engine_line(b'{"kind": "step", "t": 1.0, "ste') is None  # torn
+
+
+def test_engine_state_keeps_at_most_threads_kept_threads_of_each_table() -> None:
+    state = EngineState()
+    for i in range(THREADS_KEPT + 50):
+        state.feed(HeartbeatEvent(thread=f"t{i}", t=1.0))
+        state.feed(ThreadErrorEvent(thread=f"t{i}", t=1.0))
+    state.feed(HeartbeatEvent(thread="t0", state="waiting", t=2.0))  # a kept thread still updates
+    assert len(state.heartbeats) == len(state.thread_errors) == THREADS_KEPT and state.dropped == 100
+    assert state.heartbeats["t0"].state == "waiting"

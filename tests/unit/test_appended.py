@@ -47,3 +47,27 @@ def test_last_lines_marks_a_first_line_cut_by_its_window_and_the_run_report_drop
     assert tail.lines == [b"aaaaaa", b"second\r", b"third"]  # 20 bytes back: the end of the first line
     assert records.last_lines(p, 5, max_bytes=20) == ["second", "third"]
     assert records.last_lines(tmp_path / "missing.log") == []
+
+
+def test_skip_to_hands_out_lines_again_from_the_first_that_starts_at_or_after_the_offset(tmp_path: Path) -> None:
+    p = tmp_path / "events.jsonl"
+    p.write_bytes(b"aaaa\nbbbb\ncccc\ndddd\n")  # lines start at 0, 5, 10, 15
+    for offset, first, skipped in ((7, b"cccc", 10), (10, b"cccc", 10), (11, b"dddd", 15)):
+        f = AppendedFile(p)
+        f.take_complete(f.read_path(3))  # "aaa" carried: dropped with the skip
+        f.skip_to(offset)
+        start, complete = f.take_complete(f.read_path(1024))
+        assert split_lines(start, complete)[0] == (start + len(first) + 1, first)
+        assert (start, f.skipped_bytes) == (skipped, skipped)
+
+
+def test_a_skip_into_a_line_without_end_drops_it_until_its_end_arrives(tmp_path: Path) -> None:
+    p = tmp_path / "events.jsonl"
+    p.write_bytes(b"ok\n" + b"x" * 100)
+    f = AppendedFile(p)
+    f.skip_to(50)
+    assert f.take_complete(f.read_path(1024)) == (103, b"") and f.carry == b""
+    assert f.skipped_bytes == 103 and f.position == 103  # the skipped first line too
+    with open(p, "ab") as fh:
+        fh.write(b"x\nnext\n")
+    assert f.take_complete(f.read_path(1024)) == (105, b"next\n") and f.skipped_bytes == 105

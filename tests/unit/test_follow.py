@@ -368,3 +368,41 @@ def test_tail_lines_says_when_its_byte_window_held_fewer_lines_than_asked(tmp_pa
     assert enough["window_cut"] is False
     assert [x[:4] for x in enough["lines"]] == ["0095", "0096", "0097", "0098", "0099"]
     assert tail_lines(p, 500)["window_cut"] is False  # the whole file was read: nothing more exists
+
+
+def test_jsonl_reader_reads_at_most_its_budget_per_poll_and_says_more(tmp_path: Path) -> None:
+    p = tmp_path / "events.jsonl"
+    lines = [b'{"n":%06d}' % i for i in range(5000)]  # 13 bytes a line with its newline
+    p.write_bytes(b"".join(line + b"\n" for line in lines))
+    r = JsonlReader(p, poll_bytes=1000)
+    got: list[bytes] = []
+    polls = 0
+    while True:
+        batch = r.poll()
+        polls += 1
+        assert len(batch) <= 1000 // 13 + 1
+        got += [line for _, line in batch]
+        if not r.more:
+            break
+    assert got == lines and polls >= 5000 * 13 // 1000
+    r.close()
+
+
+def test_jsonl_reader_with_a_window_reads_a_huge_file_at_its_head_and_its_end(tmp_path: Path) -> None:
+    p = tmp_path / "events.jsonl"
+    lines = [b'{"n":%06d}' % i for i in range(5000)]
+    data = b"".join(line + b"\n" for line in lines)
+    p.write_bytes(data)
+    r = JsonlReader(p, window=(100, 200))
+    got = r.poll()
+    head = [line for _, line in got][: 100 // 13]
+    tail = [line for _, line in got][100 // 13 :]
+    assert head == lines[: 100 // 13] and tail == lines[-(200 // 13) :]
+    assert got[-1][0] == len(data) and r.skipped_bytes == len(data) - 13 * len(got)
+    assert not r.more
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(data[:299])
+    whole = JsonlReader(small, window=(100, 200))
+    assert len(whole.poll()) == 299 // 13 and whole.skipped_bytes == 0  # no larger than the window: read whole
+    whole.close()
+    r.close()

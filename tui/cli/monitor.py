@@ -98,6 +98,8 @@ def format_run(run: protocol.RunInfo) -> list[str]:
             out.append(f"    {restarts.line(i, item, run.restart_max)}")
     if run.last_export:
         out.append(f"  exported {run.last_export}")
+    if run.events_unread_bytes:
+        out.append(f"  events  {run.events_unread_bytes / 2**20:.1f} MiB in the middle of its events not read (huge)")
     return [printable(line) for line in out]  # each line is one line, whatever the host's words hold
 
 

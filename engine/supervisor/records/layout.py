@@ -20,6 +20,7 @@ Layout::
 
 from __future__ import annotations
 
+import heapq
 import os
 import re
 import secrets
@@ -41,6 +42,14 @@ EVENTS_JSONL = "events.jsonl"
 RESTARTS_JSON = "restarts.json"  # engine/supervisor/restart.py writes it through the wrapper
 CHECKPOINTS_DIR = "checkpoints"
 RANK_EVENTS_RE = re.compile(r"events\.rank(\d+)\.jsonl")
+RANK_EVENTS_FILES_MAX = 64  # a node runs a few ranks (one per GPU): of more such files the lowest ranks' are read
+
+
+def rank_events_names(run_dir: Path | str) -> list[str]:
+    """The events.rank<R>.jsonl files of a run directory by name, at most RANK_EVENTS_FILES_MAX (the lowest ranks);
+    OSError when the directory cannot be listed."""
+    ranks = {int(m.group(1)): n for n in os.listdir(run_dir) if (m := RANK_EVENTS_RE.fullmatch(n)) is not None}
+    return sorted(ranks[r] for r in heapq.nsmallest(RANK_EVENTS_FILES_MAX, ranks))
 
 
 def new_run_id(now: float | None = None) -> str:

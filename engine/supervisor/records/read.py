@@ -69,6 +69,7 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
         info.last_step = scan.last_step if scan.last_step is not None else scan.log_last_step
         info.last_step_at = scan.last_step_at
         info.last_export = scan.last_export
+        info.events_unread_bytes = scan.skipped_event_bytes
         blamed = rank_failure(scan)
         if blamed is not None:
             info.failed_rank, info.failed_node = blamed.rank, blamed.node

@@ -2,6 +2,10 @@
 
 The wrapper times milestones with it as they happen, the agent's wait ends within one poll of a milestone, and
 read_run (one scanner per run directory in a ``ScannerCache``) reads the engine's stage and last step from it.
+
+Bounded whatever the files hold: an event line is at most 1 MiB; the first read of a huge events file takes its
+head and its newest 8 MiB (the middle is counted, never read), the first look at a huge log its end; the thread
+errors and ranks kept are capped, and what was dropped is counted in the state.
 """
 
 from __future__ import annotations
@@ -24,12 +28,19 @@ from engine.protocol import (
     ThreadErrorEvent,
 )
 from engine.supervisor.records.documents import LaunchRecord
-from engine.supervisor.records.layout import EVENTS_JSONL, OUTPUT_LOG, RANK_EVENTS_RE
+from engine.supervisor.records.layout import EVENTS_JSONL, OUTPUT_LOG, rank_events_names
 from engine.supervisor.records.log_failure import Failure, FailureScan, last_step_in
 
 _SCAN_BUDGET_BYTES = 8 * 1024 * 1024
 LOG_LINE_MAX_BYTES = 64 * 1024  # a log "line" longer than this without an end is scanned as it is
 EVENT_LINE_MAX_BYTES = 1024 * 1024  # an event line longer than this is no event: skipped, never held whole
+# An events file larger than head + tail is read at its start (stages, each rank's distributed stage) and its end
+# (the latest step, errors, run_end); the middle stays unread and is counted (``ScanState.skipped_event_bytes``).
+EVENTS_HEAD_BYTES = 1024 * 1024
+EVENTS_TAIL_BYTES = _SCAN_BUDGET_BYTES  # one poll reads it
+THREAD_ERRORS_KEPT = 64  # per list: the first few (the root cause is the first) and the newest; the rest counted
+THREAD_ERRORS_FIRST_KEPT = 8
+RANKS_KEPT = 1024  # ranks with a state: events naming ever new ranks beyond are not kept (counted)
 _KIND_RE = re.compile(rb'"kind"\s*:\s*"([a-z_]+)"')
 _SCANNED_KINDS = frozenset(
     cls.KIND.encode() for cls in (StepEvent, StageEvent, ThreadErrorEvent, RunEndEvent, ExportEvent)
@@ -51,7 +62,7 @@ class RankState:
     pid: int | None = None  # from its ``distributed`` stage event
     first_step_t: float | None = None
     last_step: int | None = None
-    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)
+    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)  # bounded: see keep_thread_error
     run_end: RunEndEvent | None = None
 
     def label(self) -> str:
@@ -68,7 +79,9 @@ class ScanState:
     stage: str | None = None
     last_step: int | None = None
     last_step_at: float | None = None
-    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)
+    thread_errors: list[ThreadErrorEvent] = field(default_factory=list)  # bounded: see keep_thread_error
+    dropped_thread_errors: int = 0  # thread_error events seen but not kept (all ranks)
+    dropped_rank_events: int = 0  # events of a rank beyond RANKS_KEPT others: not kept
     run_end: RunEndEvent | None = None
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` event
     log_last_step: int | None = None  # the number in the last output.log line matching the step pattern
@@ -77,6 +90,8 @@ class ScanState:
     ranks: dict[int | None, RankState] = field(default_factory=dict)
     nproc_hint: int | None = None  # --nproc-per-node of a torchrun command line, when the events do not say
     skipped_event_lines: int = 0  # event lines longer than EVENT_LINE_MAX_BYTES, skipped unread
+    skipped_log_bytes: int = 0  # bytes of output.log never scanned: the start of a huge one (its end has the step)
+    skipped_event_bytes: int = 0  # bytes of the events files left unread: a huge file's middle, the line it cut
 
     def ranks_expected(self) -> int:
         """How many ranks of this node write into this run directory."""
@@ -107,6 +122,7 @@ class RunScanner:
         self._output_base = output_base
         self._log = AppendedFile(self.run_dir / OUTPUT_LOG, output_base)
         self._ev: dict[str, AppendedFile] = {}  # events file name -> how far it was read
+        self._stepped: set[str] = set()  # events files whose first step was read
         self._lock = threading.Lock()  # the agent's status and wait threads share one scanner per run
         self.state = ScanState(nproc_hint=nproc_hint)
         self.state.failure = self._failure.failure
@@ -129,6 +145,7 @@ class RunScanner:
             except OSError:
                 size = 0
             if size - self._log.position > self.CATCH_UP_MAX_BYTES:
+                self.state.skipped_log_bytes += size - self.CATCH_UP_MAX_BYTES - self._log.position
                 self._log.restart(size - self.CATCH_UP_MAX_BYTES)
             for _ in range(self.CATCH_UP_MAX_BYTES // _SCAN_BUDGET_BYTES + 1):
                 before = (self._log.position, sum(tail.position for tail in self._ev.values()))
@@ -152,6 +169,10 @@ class RunScanner:
             return
         if self.state.output_seen_at is None and st.st_size > self._output_base:
             self.state.output_seen_at = now
+        if self._log.position == self._output_base and st.st_size - self._output_base > self.CATCH_UP_MAX_BYTES:
+            # A first look at a huge log (an agent meeting a long run): its end, where the latest step is.
+            self.state.skipped_log_bytes += st.st_size - budget - self._output_base
+            self._log.restart(st.st_size - budget)
         data = self._log.read_path(min(budget, st.st_size - self._log.position))
         if not data:
             return
@@ -170,7 +191,7 @@ class RunScanner:
     def _poll_events(self, budget: int) -> None:
         names = [EVENTS_JSONL]
         try:
-            names += sorted(e for e in os.listdir(self.run_dir) if RANK_EVENTS_RE.fullmatch(e))
+            names += rank_events_names(self.run_dir)
         except OSError:
             return
         for name in names:
@@ -180,32 +201,72 @@ class RunScanner:
         st, _ = tail.check()
         if st is None or st.st_size <= tail.position:
             return
-        data = tail.read_path(min(budget, st.st_size - tail.position))
+        skipped_before = tail.skipped_bytes
+        if tail.position == 0 and st.st_size > EVENTS_HEAD_BYTES + EVENTS_TAIL_BYTES:
+            # A first read of a huge file: its head, then its newest lines; never every line in between.
+            self._event_lines(name, tail, tail.read_path(EVENTS_HEAD_BYTES))
+            tail.skip_to(st.st_size - EVENTS_TAIL_BYTES)
+            budget = max(budget, EVENTS_TAIL_BYTES + 1)  # the skip reads again from the byte before the window
+        self._event_lines(name, tail, tail.read_path(min(budget, st.st_size - tail.position)))
+        self.state.skipped_event_bytes += tail.skipped_bytes - skipped_before
+
+    def _event_lines(self, name: str, tail: AppendedFile, data: bytes) -> None:
         _, complete = tail.take_complete(data, max_carry_bytes=EVENT_LINE_MAX_BYTES)
         lines = complete.split(b"\n")
         if lines[-1]:  # the carry outgrew the bound: the start of an over-long line, dropped
             self.state.skipped_event_lines += 1
+        kinds: list[bytes | None] = []
         for line in lines[:-1]:
             if len(line) > EVENT_LINE_MAX_BYTES:
                 self.state.skipped_event_lines += 1
+                kinds.append(None)
                 continue
-            self._event_line(line, name == EVENTS_JSONL)
+            m = _KIND_RE.search(line)
+            kinds.append(m.group(1) if m is not None else None)
+        # A file is one rank's: of its steps only the first ever (first-step) and the newest change the state, so
+        # the steps in between are not decoded (a chunk of a busy run holds thousands).
+        newest = self._newest_step(lines, kinds)
+        for i, kind in enumerate(kinds):
+            if kind is None:
+                continue
+            if kind == StepEvent.KIND.encode():
+                self.state.engine_events = True
+                if name in self._stepped and i != newest[0]:
+                    continue
+                ev = newest[1] if i == newest[0] else protocol.decode_engine_line(lines[i])
+                if ev is not None:
+                    self._stepped.add(name)
+                    self._event(ev, name == EVENTS_JSONL)
+                continue
+            self._event_line(lines[i], kind, name == EVENTS_JSONL)
 
-    def _event_line(self, line: bytes, main: bool = True) -> None:
-        """One event; ``main``: from events.jsonl, whose rank (this node's first) speaks for the run."""
-        # Heartbeats are the bulk of the file and change nothing here: skip them before decoding.
-        m = _KIND_RE.search(line)
-        if m is None:
-            return
-        if m.group(1) in _PROGRESS_KINDS:
+    @staticmethod
+    def _newest_step(lines: list[bytes], kinds: list[bytes | None]) -> tuple[int, protocol.EngineEvent | None]:
+        """(index, event) of the last step line of a chunk that decodes; (-1, None) without one."""
+        for i in range(len(kinds) - 1, -1, -1):
+            if kinds[i] == StepEvent.KIND.encode():
+                ev = protocol.decode_engine_line(lines[i])
+                if ev is not None:
+                    return i, ev
+        return -1, None
+
+    def _event_line(self, line: bytes, kind: bytes, main: bool = True) -> None:
+        """One event line of ``kind``; ``main``: from events.jsonl, whose rank (the node's first) speaks for the run."""
+        if kind in _PROGRESS_KINDS:
             self.state.engine_events = True
-        if m.group(1) not in _SCANNED_KINDS:
+        # Heartbeats are the bulk of the file and change nothing here: skipped before decoding.
+        if kind not in _SCANNED_KINDS:
             return
         ev = protocol.decode_engine_line(line)
-        if ev is None:
-            return
+        if ev is not None:
+            self._event(ev, main)
+
+    def _event(self, ev: protocol.EngineEvent, main: bool) -> None:
         rs = self.state.ranks.get(ev.rank)
         if rs is None:
+            if len(self.state.ranks) >= RANKS_KEPT:
+                self.state.dropped_rank_events += 1
+                return
             rs = self.state.ranks[ev.rank] = RankState(ev.rank)
         rs.node = ev.node if ev.node is not None else rs.node
         rs.world_size = ev.world_size if ev.world_size is not None else rs.world_size
@@ -224,8 +285,8 @@ class RunScanner:
                 rs.pid = ev.pid if ev.pid is not None else rs.pid
                 rs.local_world_size = ev.local_world_size if ev.local_world_size is not None else rs.local_world_size
         elif isinstance(ev, ThreadErrorEvent):
-            self.state.thread_errors.append(ev)
-            rs.thread_errors.append(ev)
+            self.state.dropped_thread_errors += keep_thread_error(self.state.thread_errors, ev)
+            keep_thread_error(rs.thread_errors, ev)
         elif isinstance(ev, RunEndEvent):
             rs.run_end = ev
             if main or self.state.run_end is None:
@@ -238,6 +299,15 @@ class RunScanner:
         firsts = [r.first_step_t for r in self.state.ranks.values() if r.first_step_t is not None]
         if self.state.first_step_t is None and len(firsts) >= self.state.ranks_expected():
             self.state.first_step_t = max(firsts)
+
+
+def keep_thread_error(kept: list[ThreadErrorEvent], ev: ThreadErrorEvent) -> int:
+    """Append ``ev``, keeping at most THREAD_ERRORS_KEPT: the first few and the newest. How many were dropped (0, 1)."""
+    kept.append(ev)
+    if len(kept) <= THREAD_ERRORS_KEPT:
+        return 0
+    del kept[THREAD_ERRORS_FIRST_KEPT]  # the oldest of the newest
+    return 1
 
 
 def nproc_per_node(command: list[str]) -> int | None:
