@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tui.cli import monitor, run
+from tui.cli import monitor, nodes, run
 from tui.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -51,6 +51,29 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         i = argv.index("--")
         return argv[:i], argv[i + 1 :]
     return argv, []
+
+
+def choose_targets(args: argparse.Namespace) -> bool:
+    """Set ``args.target`` (the first TARGET, else the profile's first node); True when the command spans several
+    nodes (several TARGETs, or none and a ``--profile`` with ``nodes``). Raises UsageError."""
+    from tui.profiles import ProfileError, resolve_profile
+
+    targets = list(args.targets)
+    if not targets:
+        try:
+            profile = resolve_profile(args.profile, args.config)
+        except ProfileError as exc:
+            raise UsageError(str(exc)) from None
+        if not profile.nodes:
+            raise UsageError("a TARGET is needed (or --profile NAME of a profile with nodes)")
+        targets = [n.target for n in profile.nodes]
+        if len(targets) == 1:
+            args.targets = targets
+    args.target = targets[0]
+    if len(targets) > 1 or not args.targets:
+        nodes.check_multi(args.subcommand)
+        return True
+    return False
 
 
 def cmd_connect(args: argparse.Namespace) -> int:
@@ -100,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"`-- COMMAND` is only for launch and restart, not {args.subcommand}")
     args.command = command
     try:
+        if choose_targets(args):
+            return run_async(nodes.run_nodes(args))
         if args.func is None:
             return cmd_connect(args)
         return run_async(args.func(args))

@@ -1,0 +1,222 @@
+"""One run across two "nodes" from one command line: two real sshd on loopback, two run roots, two tmux servers,
+the engine as torchrun ranks meeting over gloo (tui/nodes.py, tui/cli/nodes.py).
+
+Pinned: one `launch --profile` starts both nodes under one run id and waits until both stepped; `status --json`
+gives one object per node and the run's combined state; `logs` tags each node's lines (and a further rank's as
+node/rank); a node's ranks killed are named with node and rank by `status --json`; one `stop` leaves no rank on
+either node; a node that cannot be reached at launch is named and nothing starts anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.waiting import wait_until
+from torchrun_support import TINY_ENGINE_TOML
+
+from engine.host import procs
+from engine.supervisor import records
+
+pytestmark = [
+    pytest.mark.ssh,
+    pytest.mark.tmux,
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240.0
+ENGINE_TOML = TINY_ENGINE_TOML + 'data = "random"\nsteps = 100000\nstep_delay_s = 0.05\nstop_grace_s = 10\n'
+
+
+def node_table(s: Any, run_root: Path, port: int | None = None) -> str:
+    return (
+        f'{{ target = "{s.target}", port = {port or s.port}, identity = "{s.identity}", '
+        f'known_hosts = "{s.known_hosts}", python = "{sys.executable}", run_root = "{run_root}" }}'
+    )
+
+
+def write_profile(tmp: Path, nodes: list[str]) -> Path:
+    engine = tmp / "engine.toml"
+    engine.write_text(ENGINE_TOML, encoding="utf-8")
+    cfg = tmp / "config.toml"
+    cfg.write_text(
+        "[profiles.two]\n"
+        f"nodes = [{', '.join(nodes)}]\n"
+        f'cwd = "{REPO}"\n'
+        'env = { OMP_NUM_THREADS = "1" }\n'
+        f"deadlines_s = {{ first-step = {START_TIMEOUT_S} }}\n"
+        "[profiles.two.engine]\n"
+        f'config = "{engine}"\n',
+        encoding="utf-8",
+    )
+    return cfg
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """Global rank -> pid, from the ranks' ``distributed`` stage events in this node's run directory."""
+    out: dict[int, int] = {}
+    for path in sorted(run_dir.glob("events*.jsonl")):
+        for e in events(path):
+            if e.get("stage") == "distributed" and isinstance(e.get("rank"), int):
+                out[int(e["rank"])] = int(e["pid"])
+    return out
+
+
+def status_json(cli: Callable[..., Any], cfg: Path) -> dict[str, Any]:
+    r = cli("status", "--profile", "two", "--config", str(cfg), "--json", timeout_s=60)
+    assert r.returncode == 0, r.output
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+def stop_both(cli: Callable[..., Any], cfg: Path) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        cli("stop", "--profile", "two", "--config", str(cfg), "--grace", "5", timeout_s=120)
+
+
+@dataclass
+class TwoNodeRun:
+    cfg: Path
+    labels: list[str]
+    run_id: str
+    dirs: list[Path]  # the run's directory on each node
+    pids: list[dict[int, int]]  # each node's ranks: global rank -> pid
+    launch_s: float
+
+    def all_pids(self) -> list[int]:
+        return [p for node in self.pids for p in node.values()]
+
+
+def launch_two(sshds: list[Any], tmp: Path, cli: Callable[..., Any]) -> TwoNodeRun:
+    """One ``launch --profile two --wait first-step --json`` over both nodes, checked."""
+    roots = [tmp / f"node{n}-root" for n in (0, 1)]
+    cfg = write_profile(tmp, [node_table(s, r) for s, r in zip(sshds, roots, strict=True)])
+    labels = [f"{s.target}:{s.port}" for s in sshds]
+    r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--json",
+            timeout_s=START_TIMEOUT_S + 60)  # fmt: skip
+    try:
+        assert r.returncode == 0, r.output
+        launched = json.loads(r.stdout)
+        assert launched["ok"] and [n["node"] for n in launched["nodes"]] == labels, launched
+        assert all(n["ok"] and n["milestone"] == "first-step" for n in launched["nodes"]), launched
+        assert launched["rendezvous"].startswith("127.0.0.1:"), launched
+        dirs = [records.run_dir_for(root, launched["run_id"]) for root in roots]
+        for d in dirs:  # the same run on both nodes, each with its own run root
+            assert (d / records.LAUNCH_JSON).exists(), d
+        pids = [rank_pids(d) for d in dirs]
+        assert sorted([*pids[0], *pids[1]]) == [0, 1], pids  # one rank per node, a world of two
+    except BaseException:
+        stop_both(cli, cfg)
+        raise
+    return TwoNodeRun(cfg, labels, launched["run_id"], dirs, pids, r.elapsed_s)
+
+
+def assert_nothing_left(run: TwoNodeRun, said: str) -> None:
+    left = [p for p in run.all_pids() if procs.process_alive(p, None)]
+    assert not left, f"ranks alive after stop: {left}\n{said}"
+    for d in run.dirs:
+        launch = records.read_json(d / records.LAUNCH_JSON)
+        assert launch is not None
+        assert not procs.process_alive(int(launch["pid"]), None), f"{d}: the job is alive after stop"
+
+
+@pytest.mark.timeout(900)
+def test_one_launch_reaches_first_step_on_both_nodes_status_and_logs_cover_both_and_one_stop_ends_both(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    run = launch_two(sshd_pair, tmp_path, cli)
+    labels, cfg = run.labels, run.cfg
+    try:
+        st = status_json(cli, cfg)
+        assert [n["node"] for n in st["nodes"]] == labels and all(n["reachable"] for n in st["nodes"]), st
+        assert st["run"]["state"] == "running" and st["run"]["run_id"] == run.run_id, st["run"]
+        assert st["run"]["running"] == 2, st["run"]
+        for n in st["nodes"]:
+            assert n["status"]["run"]["run_id"] == run.run_id and n["status"]["run"]["state"] == "running"
+
+        logs = cli("logs", "--profile", "two", "--config", str(cfg), "-n", "200", timeout_s=60)
+        assert logs.returncode == 0, logs.output
+        lines = logs.stdout.splitlines()
+        assert any(ln.startswith(f"[{labels[0]}] ") for ln in lines), logs.stdout[-2000:]
+        rank_of_node1 = next(iter(run.pids[1]))
+        tagged = f"[{labels[1]}/rank {rank_of_node1}] " if rank_of_node1 > 0 else f"[{labels[1]}] "
+        assert any(ln.startswith(tagged) and "step=" in ln for ln in lines), logs.stdout[-2000:]
+
+        t0 = time.monotonic()
+        stop = cli("stop", "--profile", "two", "--config", str(cfg), "--grace", "20", timeout_s=120)
+        stop_s = time.monotonic() - t0
+        assert stop.returncode == 0, stop.output
+        assert_nothing_left(run, stop.output)
+        ends = [[e for e in events(d / "events.jsonl") if e["kind"] == "run_end"] for d in run.dirs]
+        assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends), ends  # both ranks stopped cleanly
+    finally:
+        stop_both(cli, cfg)
+    print(f"two ssh nodes: launch to first-step on both {run.launch_s:.1f} s; one stop ended both in {stop_s:.1f} s")
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_killed_on_one_node_is_named_with_node_and_rank_and_stop_then_leaves_nothing(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    run = launch_two(sshd_pair, tmp_path, cli)
+    labels, cfg = run.labels, run.cfg
+    try:
+        rank_of_node1 = next(iter(run.pids[1]))
+        os.kill(run.pids[1][rank_of_node1], signal.SIGKILL)
+        t_kill = time.monotonic()
+
+        def named() -> dict[str, Any] | None:
+            combined: dict[str, Any] = status_json(cli, cfg)["run"]
+            return combined if combined["state"] == "failed" else None
+
+        failed = wait_until(named, 60, "status --json to name the killed rank", interval_s=0.2)
+        named_s = time.monotonic() - t_kill
+        assert failed["failed_node"] == labels[1] and failed["failed_rank"] == rank_of_node1, failed
+        assert f"rank {rank_of_node1}" in failed["cause"] and "SIGKILL" in failed["cause"], failed
+
+        stop = cli("stop", "--profile", "two", "--config", str(cfg), "--grace", "10", timeout_s=120)
+        assert stop.returncode == 0, stop.output
+        assert_nothing_left(run, stop.output)
+    finally:
+        stop_both(cli, cfg)
+    print(f"a rank killed on node 1: named by status --json {named_s:.2f} s later: {failed['cause'][:160]}")
+
+
+def test_a_node_that_cannot_be_reached_at_launch_is_named_and_nothing_starts(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = int(probe.getsockname()[1])
+    cfg = write_profile(tmp_path, [node_table(sshd_pair[0], roots[0]), node_table(sshd_pair[1], roots[1], closed)])
+    r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--json", timeout_s=120)
+    assert r.returncode == 3, r.output
+    result = json.loads(r.stdout)
+    label = f"{sshd_pair[1].target}:{closed}"
+    assert result["unreachable"] == [label] and f"node {label} unreachable" in result["cause"], result
+    assert "nothing was started" in result["cause"], result
+    for root in roots:
+        assert not list(records.runs_dir(root).glob("*")), f"{root}: a run started"

@@ -1,0 +1,505 @@
+"""The headless commands over several nodes: one launch, one status, one stop, one merged log (tui/nodes.py).
+
+A launch connects to every node before it starts anything: a node that cannot be reached is named and nothing
+starts. It then launches node 0 (the rendezvous host) and the others under node 0's run id; a node whose launch
+is refused is named and the nodes already started are stopped. ``--wait`` waits for every node; the first node
+whose run fails (or hangs) ends the wait for all, every node is stopped, and the cause at the root (the node whose
+own rank failed, not a survivor that saw its peer go) is the launch's cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine import protocol
+from tui.cli.common import (
+    EXIT_CONNECTION,
+    EXIT_FAILED,
+    EXIT_HUNG,
+    EXIT_OK,
+    UsageError,
+    err,
+    print_json,
+    say,
+)
+from tui.hosttext import printable
+from tui.link.events import ClientEvent, ConnectionEvent
+from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session
+from tui.nodes import (
+    PEER_LEFT,
+    Node,
+    NodeRun,
+    NodesError,
+    RendezvousError,
+    close_all,
+    combined_run,
+    connect_all,
+    node_spec,
+    rendezvous_endpoint,
+    resolve_nodes,
+    tag_line,
+)
+from tui.profiles import Profile
+
+STOP_GRACE_ON_FAILURE_S = 10.0  # a launch that failed somewhere stops the other nodes with this grace
+AFTER_STOP_WAIT_S = 60.0  # how long the other nodes' waits may take to end once every node was told to stop
+_REPLY_MARGIN_S = 30.0
+
+
+def nodes_of(args: argparse.Namespace, profile: Profile, base: ConnectOptions) -> list[Node]:
+    try:
+        return resolve_nodes(list(args.targets), profile, base)
+    except NodesError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else message
+
+
+def _unreachable(failed: dict[str, ConnectError]) -> str:
+    return "; ".join(f"node {label} unreachable: {_first_line(e.message)}" for label, e in failed.items())
+
+
+async def _stop_one(node: Node, grace_s: float) -> tuple[bool, str]:
+    """Stop ``node``'s current run: (stopped, what was said). A run that already ended there counts as stopped
+    (a rank's death ends its peers' runs too); a node with no run at all has nothing to stop."""
+    assert node.session is not None
+    try:
+        run = (await node.session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0)).run
+        if run.state not in ("starting", "running"):
+            return True, f"run {run.run_id} had ended already ({run.state})"
+        res = await node.session.ask(
+            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0
+        )
+    except CommandFailed as exc:
+        return False, exc.message
+    return res.stopped, "; ".join(res.steps[-1:]) if res.steps else ("stopped" if res.stopped else "not stopped")
+
+
+async def stop_nodes(nodes: list[Node], grace_s: float) -> list[tuple[Node, bool, str]]:
+    said = await asyncio.gather(*(_stop_one(n, grace_s) for n in nodes))
+    return [(n, ok, text) for n, (ok, text) in zip(nodes, said, strict=True)]
+
+
+class _NodeMilestones:
+    """Prints each node's milestones as they arrive (human output only): ``[gpu-b] ✓ first-step  4.20 s``."""
+
+    def __init__(self, node: Node, t0: float) -> None:
+        self.node, self.t0 = node, t0
+        self.run_id: str | None = None
+        self.printed: set[tuple[str, bool]] = set()
+
+    def __call__(self, ev: ClientEvent) -> None:
+        if not isinstance(ev, protocol.MilestoneEvent) or (self.run_id and ev.run_id not in (None, self.run_id)):
+            return
+        if (ev.milestone, ev.ok) in self.printed:
+            return
+        self.printed.add((ev.milestone, ev.ok))
+        say(f"  [{self.node.label}] {'✓' if ev.ok else '✗'} {ev.milestone:<11} {time.monotonic() - self.t0:6.2f} s")
+
+
+def _launch_object(
+    ok: bool, milestone: str, run_id: str | None, cause: str | None, t0: float, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "ok": ok,
+        "milestone": milestone,
+        "run_id": run_id,
+        "cause": cause,
+        "elapsed_s": round(time.monotonic() - t0, 3),
+        **extra,
+    }
+
+
+def _node_object(node: Node, **fields: Any) -> dict[str, Any]:
+    return {"node": node.label, "target": node.target, "node_rank": node.rank, **fields}
+
+
+async def _wait_one(
+    node: Node, run_id: str, milestone: str, timeout_s: float | None, deadlines: dict[str, float]
+) -> protocol.WaitResult:
+    assert node.session is not None
+    bound = timeout_s if timeout_s is not None else max(deadlines.values(), default=3600.0)
+    try:
+        return await node.session.ask(
+            protocol.WaitResult,
+            "wait",
+            timeout_s=bound + _REPLY_MARGIN_S,
+            params={"run_id": run_id, "milestone": milestone, "timeout_s": timeout_s, "deadlines_s": deadlines},
+        )
+    except CommandFailed as exc:
+        return protocol.WaitResult(
+            ok=False,
+            milestone=milestone,
+            stage="unknown",
+            cause=f"lost the node: {exc.message}",
+            exit_code=None,
+            signal=None,
+            elapsed_s=0.0,
+        )
+
+
+def _root_failure(order: list[str], results: dict[str, protocol.WaitResult]) -> str:
+    """The node at the root of a failed wait: the first to fail whose cause is its own (not a peer gone)."""
+    failed = [label for label in order if not results[label].ok]
+    own = [label for label in failed if PEER_LEFT not in (results[label].cause or "")]
+    return (own or failed)[0]
+
+
+async def launch_nodes(
+    args: argparse.Namespace, nodes: list[Node], profile: Profile, cwd: Callable[[Node], str | None]
+) -> int:
+    """``launch`` over ``nodes`` (exit codes as ``launch``: 0 reached, 1 failed, 3 a node unreachable, 4 hung)."""
+    t0 = time.monotonic()
+    as_json = bool(args.json)
+    milestone = args.wait or "submitted"
+
+    def fail(cause: str, code: int, run_id: str | None = None, **extra: Any) -> int:
+        if as_json:
+            print_json(_launch_object(False, milestone, run_id, cause, t0, **extra))
+        else:
+            err(f"FAILED: {cause}")
+        return code
+
+    failed = await connect_all(nodes)
+    try:
+        if failed:
+            return fail(f"{_unreachable(failed)}; nothing was started", EXIT_CONNECTION, unreachable=sorted(failed))
+        try:
+            endpoint = await rendezvous_endpoint(nodes, profile)
+        except RendezvousError as exc:
+            return fail(f"{exc}; nothing was started", EXIT_FAILED)
+        if not as_json:
+            say(f"rendezvous at {endpoint} on {nodes[0].label}; {len(nodes)} nodes")
+        command = list(getattr(args, "command", None) or []) or None
+        printers = [_NodeMilestones(n, t0) for n in nodes]
+        if not as_json:
+            for n, pr in zip(nodes, printers, strict=True):
+                assert n.session is not None
+                n.session.add_event_listener(pr)
+        started: list[Node] = []
+        run_id: str | None = None
+        for node in nodes:
+            assert node.session is not None
+            spec = node_spec(
+                profile, node, nnodes=len(nodes), endpoint=endpoint, run_id=run_id, command=command, cwd=cwd(node)
+            )
+            try:
+                launched = await node.session.request("launch", timeout_s=60.0, **protocol.to_jsonable(spec))
+            except CommandFailed as exc:
+                stopped = await stop_nodes(started, STOP_GRACE_ON_FAILURE_S)
+                then = f"stopped {', '.join(n.label for n, _, _ in stopped)}" if stopped else "nothing was started"
+                code = EXIT_CONNECTION if exc.lost else EXIT_FAILED
+                return fail(
+                    f"node {node.label}: launch refused: {exc.message}; {then}", code, run_id, failed_node=node.label
+                )
+            run_id = run_id or str(launched["run_id"])
+            started.append(node)
+            printers[node.rank].run_id = run_id
+            if not as_json:
+                say(f"launched run {run_id} on {node.label} (node {node.rank} of {len(nodes)})")
+        assert run_id is not None
+        if args.wait is None:
+            if as_json:
+                print_json(
+                    _launch_object(
+                        True, "submitted", run_id, None, t0, rendezvous=endpoint, nodes=[_node_object(n) for n in nodes]
+                    )
+                )
+            return EXIT_OK
+        return await _wait_nodes(args, nodes, run_id, endpoint, dict(profile.deadlines_s), t0)
+    finally:
+        await close_all(nodes)
+
+
+async def _wait_nodes(
+    args: argparse.Namespace, nodes: list[Node], run_id: str, endpoint: str, deadlines: dict[str, float], t0: float
+) -> int:
+    tasks = {asyncio.create_task(_wait_one(n, run_id, args.wait, args.timeout, deadlines)): n for n in nodes}
+    results: dict[str, protocol.WaitResult] = {}
+    order: list[str] = []  # labels in the order their waits ended
+    pending: set[asyncio.Task[protocol.WaitResult]] = set(tasks)
+    stopped: list[tuple[Node, bool, str]] = []
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            results[tasks[task].label] = task.result()
+            order.append(tasks[task].label)
+        if pending and any(not r.ok for r in results.values()):
+            # Nothing left running half-launched: every node is told to stop; their waits then end in their words.
+            stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
+            done, pending = await asyncio.wait(pending, timeout=AFTER_STOP_WAIT_S)
+            for task in done:
+                results[tasks[task].label] = task.result()
+                order.append(tasks[task].label)
+            for task in pending:
+                task.cancel()
+            pending = set()
+    ok = all(r.ok for r in results.values()) and len(results) == len(nodes)
+    per_node = [
+        _node_object(
+            n,
+            **(
+                {k: v for k, v in protocol.to_jsonable(results[n.label]).items() if k != "hung"}
+                if n.label in results
+                else {"ok": False, "cause": "no answer"}
+            ),
+        )
+        for n in nodes
+    ]
+    if ok:
+        if args.json:
+            print_json(_launch_object(True, args.wait, run_id, None, t0, rendezvous=endpoint, nodes=per_node))
+        else:
+            say(f"reached {args.wait} on all {len(nodes)} nodes in {time.monotonic() - t0:.2f} s")
+        return EXIT_OK
+    root = _root_failure(order, results)
+    res = results[root]
+    if not stopped:
+        stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
+    cause = f"node {root}: {res.cause}"
+    rank = _failed_rank(res)
+    if args.json:
+        print_json(
+            _launch_object(
+                False,
+                args.wait,
+                run_id,
+                cause,
+                t0,
+                failed_node=root,
+                failed_rank=rank,
+                rendezvous=endpoint,
+                stopped=[n.label for n, _, _ in stopped],
+                nodes=per_node,
+            )
+        )
+    else:
+        say(f"{'HUNG' if res.hung else 'FAILED'}: {printable(cause)}")
+        say(f"  stopped every node: {', '.join(n.label + ('' if s else ' (' + t + ')') for n, s, t in stopped)}")
+        for line in res.last_lines:
+            say("    " + tag_line(root, str(line).rstrip("\n")))
+    if res.hung:
+        return EXIT_HUNG
+    return EXIT_CONNECTION if (res.cause or "").startswith("lost the node") else EXIT_FAILED
+
+
+def _failed_rank(res: protocol.WaitResult) -> int | None:
+    """The global rank a torchrun cause names first ("rank 1 (node 1) ..."), None when it names none."""
+    cause = res.cause or ""
+    if cause.startswith("rank "):
+        word = cause[5:].split(" ", 1)[0]
+        if word.isdigit():
+            return int(word)
+    return None
+
+
+async def status_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
+    """``status`` over ``nodes``: one object per node (its ``status`` as sent, or why it could not be asked) and
+    the run's combined state. Exit 0 when every node answered, 3 when one could not be reached."""
+    failed = await connect_all(nodes)
+    try:
+
+        async def ask(node: Node) -> tuple[dict[str, Any] | None, str | None]:
+            if node.label in failed:
+                return None, _first_line(failed[node.label].message)
+            assert node.session is not None
+            try:
+                return await node.session.request("status", timeout_s=30.0), None
+            except CommandFailed as exc:
+                return None, exc.message
+
+        answers = await asyncio.gather(*(ask(n) for n in nodes))
+    finally:
+        await close_all(nodes)
+    parts: list[NodeRun] = []
+    objs: list[dict[str, Any]] = []
+    for node, (snap, problem) in zip(nodes, answers, strict=True):
+        run = None
+        if snap is not None and snap.get("run") is not None:
+            run = protocol.decode_as(protocol.RunInfo, snap["run"])
+        parts.append(NodeRun(node.label, run, problem))
+        objs.append(_node_object(node, reachable=problem is None, error=problem, status=snap))
+    combined = combined_run(parts)
+    if args.json:
+        print_json({"nodes": objs, "run": combined})
+    else:
+        say(
+            f"run {combined['run_id'] or '-'}  state {combined['state']}  "
+            f"{combined['running']}/{len(nodes)} nodes running"
+        )
+        if combined["cause"]:
+            say(f"  cause {combined['cause']}")
+        for node, part in zip(nodes, parts, strict=True):
+            if part.error is not None:
+                say(f"  [{node.label}] unreachable: {part.error}")
+            elif part.run is None:
+                say(f"  [{node.label}] no run")
+            else:
+                r = part.run
+                step = f" step {r.last_step}" if r.last_step is not None else ""
+                say(
+                    f"  [{node.label}] node {node.rank}: run {r.run_id} {r.state}{step}"
+                    + (f": {r.cause}" if r.cause else "")
+                )
+    return EXIT_CONNECTION if failed else EXIT_OK
+
+
+async def stop_all_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
+    """``stop`` on every node at once; a node that cannot be reached is named (exit 3), one not stopped exit 1."""
+    failed = await connect_all(nodes)
+    try:
+        reached = [n for n in nodes if n.label not in failed]
+        done = await stop_nodes(reached, args.grace)
+    finally:
+        await close_all(nodes)
+    for label, exc in failed.items():
+        err(f"[{label}] unreachable: {_first_line(exc.message)}")
+    for node, ok, text in done:
+        say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
+    if failed:
+        return EXIT_CONNECTION
+    return EXIT_OK if all(ok for _, ok, _ in done) else EXIT_FAILED
+
+
+class _TaggedLines:
+    """One node's log bytes cut into lines, each written tagged (tui/nodes.tag_line); a partial line waits."""
+
+    def __init__(self, label: str, write: Callable[[str], None]) -> None:
+        self.label, self.write = label, write
+        self.held = b""
+
+    def feed(self, data: bytes) -> None:
+        *lines, self.held = (self.held + data).split(b"\n")
+        for line in lines:
+            self.write(tag_line(self.label, printable(line.decode("utf-8", "replace").rstrip("\r"))))
+
+    def flush(self) -> None:
+        if self.held:
+            self.feed(b"\n")
+
+
+async def logs_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
+    """``logs`` over ``nodes``: each node's last lines, tagged ``[node]`` or ``[node/rank R]``, node by node; with
+    ``-f`` every node's new lines as they come (in order per node), each node's link reconnecting on its own."""
+
+    def write(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    streams = {n.label: _TaggedLines(n.label, write) for n in nodes}
+    failed = await connect_all(nodes, retry=args.follow)
+    try:
+        for label, exc in failed.items():
+            err(f"[{label}] unreachable: {_first_line(exc.message)}")
+        reached = [n for n in nodes if n.label not in failed]
+        tails: dict[str, protocol.TailReply] = {}
+        ended = asyncio.Event()
+        live = {n.label for n in reached}
+
+        def listener(node: Node) -> Callable[[ClientEvent], None]:
+            def on_event(ev: ClientEvent) -> None:
+                if isinstance(ev, protocol.LogEvent):
+                    streams[node.label].feed(ev.raw)
+                elif isinstance(ev, protocol.LogResetEvent):
+                    err(f"[{node.label}] [log {ev.reason}: following from byte {ev.offset}]")
+                elif isinstance(ev, ConnectionEvent) and ev.state in ("reconnecting", "failed"):
+                    err(f"[{node.label}] [{ev.state}: {ev.detail}]")
+                    if ev.state == "failed":
+                        live.discard(node.label)
+                        if not live:
+                            ended.set()
+                elif isinstance(ev, ConnectionEvent) and ev.detail.startswith("reconnected"):
+                    err(f"[{node.label}] [{ev.detail}]")
+
+            return on_event
+
+        for node in reached:
+            session: Session | None = node.session
+            assert session is not None
+            params = {"run_id": args.run} if getattr(args, "run", None) else {}
+            try:
+                tail = await session.ask(protocol.TailReply, "tail", timeout_s=30.0, n=int(args.lines), **params)
+            except CommandFailed as exc:
+                err(f"[{node.label}] {exc.message}")
+                live.discard(node.label)
+                continue
+            tails[node.label] = tail
+            for i, line in enumerate(tail.lines):
+                cont = args.follow and tail.partial and i == len(tail.lines) - 1  # a follower continues that line
+                streams[node.label].feed(protocol.decode_log_data(line) + (b"" if cont else b"\n"))
+        if not args.follow:
+            return EXIT_CONNECTION if failed else EXIT_OK
+        for node in reached:
+            tail_of = tails.get(node.label)
+            if tail_of is None or not tail_of.current:
+                live.discard(node.label)
+                continue
+            assert node.session is not None
+            node.session.auto_reconnect = True
+            node.session.retry_lost_requests = True
+            node.session.add_event_listener(listener(node))
+            node.session.resume_from(
+                {"offset": tail_of.offset, "inode": tail_of.inode} if tail_of.inode is not None else None, None
+            )
+            await node.session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
+        if not live:
+            return EXIT_OK
+        await ended.wait()
+        return EXIT_CONNECTION
+    finally:
+        for stream in streams.values():
+            stream.flush()
+        await close_all(nodes)
+
+
+def check_multi(verb: str) -> None:
+    if verb not in MULTI_VERBS:
+        raise UsageError(f"{verb} takes one TARGET; several nodes are for {', '.join(sorted(MULTI_VERBS))}")
+
+
+MULTI_VERBS = frozenset({"launch", "status", "stop", "logs"})
+
+
+def _cwd_for(args: argparse.Namespace, profile: Profile) -> Callable[[Node], str | None]:
+    """Where each node's job starts: --cwd, else the profile's cwd, else (a ``local`` node) the directory the
+    command was typed in; None lets the node use its home."""
+    import os
+
+    def cwd(node: Node) -> str | None:
+        local = node.target == "local" and node.opts.pct is None
+        given = getattr(args, "cwd", None)
+        if given:
+            return os.path.abspath(os.path.expanduser(given)) if local else str(given)
+        if profile.cwd:
+            return profile.cwd
+        return os.getcwd() if local else None
+
+    return cwd
+
+
+async def run_nodes(args: argparse.Namespace) -> int:
+    """The command over several nodes (``args.targets``, else the profile's ``nodes``)."""
+    from tui.cli.common import connect_options
+    from tui.profiles import ProfileError, resolve_profile
+
+    try:
+        profile = resolve_profile(args.profile, args.config)
+    except ProfileError as exc:
+        raise UsageError(str(exc)) from None
+    nodes = nodes_of(args, profile, connect_options(args))
+    if args.subcommand == "launch":
+        return await launch_nodes(args, nodes, profile, _cwd_for(args, profile))
+    if args.subcommand == "status":
+        if getattr(args, "run", None):
+            raise UsageError("status --run is for one TARGET")
+        return await status_nodes(args, nodes)
+    if args.subcommand == "stop":
+        return await stop_all_nodes(args, nodes)
+    return await logs_nodes(args, nodes)

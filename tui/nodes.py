@@ -1,0 +1,239 @@
+"""One run across several machines: its nodes, the torchrun launch of each, and the run's combined state.
+
+The nodes come from the command line (``launch gpu-a gpu-b``) or a profile (``nodes = [...]``); the first hosts
+the c10d rendezvous. Every node runs the same run id; node r starts ``specdec-train --torchrun --nnodes N
+--node-rank r --rdzv-endpoint ADDR:PORT`` (a foreign ``command`` gets the same words as SPECDEC_NNODES,
+SPECDEC_NODE_RANK and SPECDEC_RDZV_ENDPOINT). The rendezvous address is the profile's, else the first node's
+route to the others (as its agent sees it), at a port that agent checked is free.
+
+The headless commands and the dashboard both hold one ``Node`` (a label, a target, its options, its session) per
+machine; ``combined_run`` reads the nodes' run states as one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine import protocol
+from tui.link.session import ConnectError, ConnectOptions, Session, open_session
+from tui.profiles import Node as ProfileNode
+from tui.profiles import Profile
+from tui.relaunch import launch_spec
+
+ENV_NNODES = "SPECDEC_NNODES"
+ENV_NODE_RANK = "SPECDEC_NODE_RANK"
+ENV_RDZV_ENDPOINT = "SPECDEC_RDZV_ENDPOINT"
+PEER_LEFT = "failed or left the run"  # how a surviving rank's cause names a peer that went away
+RENDEZVOUS_TIMEOUT_S = 30.0
+
+
+class NodesError(ValueError):
+    """The nodes cannot be worked out (a usage error: exit 2)."""
+
+
+class RendezvousError(Exception):
+    """The first node cannot host the rendezvous as asked (the profile's port is taken there)."""
+
+
+@dataclass
+class Node:
+    """One machine of the run: ``label`` as every line names it, the TARGET, its options, once connected its
+    session."""
+
+    label: str
+    target: str
+    opts: ConnectOptions
+    rank: int
+    session: Session | None = None
+
+    def open(self) -> Session:
+        """A session for this node (not yet connected); raises ValueError for a malformed TARGET."""
+        self.session = open_session(self.target, self.opts)
+        return self.session
+
+
+def _label(target: str, node: ProfileNode | None) -> str:
+    label = target
+    if node is not None and node.port is not None and ":" not in target:
+        label += f":{node.port}"
+    if node is not None and node.pct is not None:
+        label += f"/ct{node.pct}"
+    return label
+
+
+def resolve_nodes(targets: list[str], profile: Profile, base: ConnectOptions) -> list[Node]:
+    """The run's nodes: the TARGETs given (each with the command line's options), else the profile's ``nodes``
+    (each node's own options over the command line's). Raises NodesError when there are none."""
+    if targets:
+        pairs: list[tuple[str, ProfileNode | None]] = [(t, None) for t in targets]
+    elif profile.nodes:
+        pairs = [(n.target, n) for n in profile.nodes]
+    else:
+        raise NodesError(f"no TARGET given, and profile {profile.name!r} names no nodes")
+    out: list[Node] = []
+    seen: dict[str, int] = {}
+    for rank, (target, pn) in enumerate(pairs):
+        opts = base
+        if pn is not None:
+            own = {k: v for k, v in dataclasses.asdict(pn).items() if k != "target" and v is not None}
+            opts = dataclasses.replace(base, **own)
+        label = _label(target, pn)
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            label = f"{label}#{seen[label]}"
+        out.append(Node(label=label, target=target, opts=opts, rank=rank))
+    return out
+
+
+async def connect_all(nodes: list[Node], *, retry: bool = False) -> dict[str, ConnectError]:
+    """Connect every node at once; returns the nodes that could not be reached, by label, with their error (the
+    others stay connected). Raises NodesError for a malformed TARGET, before connecting any."""
+    try:
+        sessions = [n.open() for n in nodes]
+    except ValueError as exc:
+        raise NodesError(str(exc)) from None
+    results = await asyncio.gather(
+        *((s.connect(retry=True) if retry else s.connect()) for s in sessions), return_exceptions=True
+    )
+    failed: dict[str, ConnectError] = {}
+    for node, res in zip(nodes, results, strict=True):
+        if isinstance(res, ConnectError):
+            failed[node.label] = res
+        elif isinstance(res, BaseException):
+            raise res
+    return failed
+
+
+async def close_all(nodes: list[Node]) -> None:
+    await asyncio.gather(*(n.session.close() for n in nodes if n.session is not None), return_exceptions=True)
+
+
+def _session(node: Node) -> Session:
+    if node.session is None:
+        raise RuntimeError(f"node {node.label} is not connected")
+    return node.session
+
+
+async def rendezvous_endpoint(nodes: list[Node], profile: Profile) -> str:
+    """``ADDR:PORT`` of the c10d rendezvous on the first node: the profile's address, else the first node's route
+    to the others; the profile's port when free there, else 29500 when free, else one the kernel gives."""
+    first, others = nodes[0], nodes[1:]
+    asked = await asyncio.gather(
+        *(_session(n).ask(protocol.RendezvousReply, "rendezvous", timeout_s=RENDEZVOUS_TIMEOUT_S) for n in others)
+    )
+    peers = [r.ssh_address or "127.0.0.1" for r in asked]  # a node reached without SSH is the client's machine
+    here = await _session(first).ask(
+        protocol.RendezvousReply,
+        "rendezvous",
+        timeout_s=RENDEZVOUS_TIMEOUT_S,
+        peers=peers,
+        port=profile.rendezvous.port,
+        pick_port=True,
+    )
+    if here.port is None:
+        raise RendezvousError(f"node {first.label}: its agent picked no rendezvous port")
+    if profile.rendezvous.port is not None and here.port != profile.rendezvous.port:
+        raise RendezvousError(
+            f"node {first.label}: rendezvous port {profile.rendezvous.port} (profile {profile.name}) is in use there"
+        )
+    address = profile.rendezvous.address
+    if address is None:
+        routed = [here.routes.get(p) for p in peers]
+        address = next((a for a in routed if a), None) or here.ssh_address or "127.0.0.1"
+    host = f"[{address}]" if ":" in address else address
+    return f"{host}:{here.port}"
+
+
+def node_spec(
+    profile: Profile,
+    node: Node,
+    *,
+    nnodes: int,
+    endpoint: str,
+    run_id: str | None,
+    command: list[str] | None = None,
+    cwd: str | None = None,
+) -> protocol.LaunchSpec:
+    """Node ``node.rank``'s launch: the profile's engine as torchrun over ``nnodes`` nodes meeting at
+    ``endpoint`` (a foreign command as it is, told the same in its environment), under ``run_id``."""
+    spec = launch_spec(profile, _session(node), command=command, cwd=cwd)
+    spec.run_id = run_id
+    if command is None and profile.command is None:
+        at = spec.command.index("engine.trainer") + 1
+        spec.command[at:at] = [
+            "--torchrun", "--nnodes", str(nnodes), "--node-rank", str(node.rank), "--rdzv-endpoint", endpoint,
+        ]  # fmt: skip
+    spec.env.update({ENV_NNODES: str(nnodes), ENV_NODE_RANK: str(node.rank), ENV_RDZV_ENDPOINT: endpoint})
+    return spec
+
+
+@dataclass
+class NodeRun:
+    """One node's part of the run, as its ``status`` says (None: the node could not be asked, ``error`` why)."""
+
+    label: str
+    run: protocol.RunInfo | None
+    error: str | None = None
+
+
+def _is_peer_echo(cause: str | None) -> bool:
+    return cause is not None and PEER_LEFT in cause
+
+
+def combined_run(parts: list[NodeRun]) -> dict[str, Any]:
+    """The run over every node as one: ``state`` (failed when any node's part failed; unreachable when a node
+    could not be asked; running when every part runs; else starting, or ended), the run id(s), and for a failure
+    the node, the rank and the cause at its root (a node whose own rank failed, before one that saw a peer go)."""
+    ids = sorted({p.run.run_id for p in parts if p.run is not None})
+    failed = [p for p in parts if p.run is not None and p.run.state in ("failed", "vanished", "rebooted")]
+    unreachable = [p for p in parts if p.error is not None]
+    states = [p.run.state if p.run is not None else None for p in parts if p.error is None]
+    out: dict[str, Any] = {
+        "run_id": ids[0] if len(ids) == 1 else None,
+        "run_ids": ids,
+        "nodes": len(parts),
+        "running": sum(1 for s in states if s == "running"),
+        "failed_node": None,
+        "failed_rank": None,
+        "cause": None,
+        "unreachable": [p.label for p in unreachable],
+    }
+    if failed:
+        root = min(failed, key=lambda p: (_is_peer_echo(p.run.cause if p.run else None), _ended(p)))
+        assert root.run is not None
+        out.update(state="failed", failed_node=root.label, failed_rank=root.run.failed_rank)
+        out["cause"] = f"node {root.label}: {root.run.cause or root.run.state}"
+    elif unreachable:
+        out["state"] = "unreachable"
+        out["cause"] = "; ".join(f"node {p.label} unreachable: {p.error}" for p in unreachable)
+    elif not ids or any(s is None for s in states):
+        out["state"] = "none" if not ids else "partial"
+        missing = [p.label for p in parts if p.run is None]
+        if ids and missing:
+            out["cause"] = f"no run on {', '.join(missing)}"
+    elif all(s == "running" for s in states):
+        out["state"] = "running"
+    elif any(s in ("starting", "running") for s in states):
+        out["state"] = "starting" if all(s in ("starting", "running") for s in states) else "partial"
+    else:
+        out["state"] = "exited"
+    if len(ids) > 1 and out["state"] != "failed":
+        out["state"], out["cause"] = "mixed", f"the nodes' current runs differ: {', '.join(ids)}"
+    return out
+
+
+def _ended(part: NodeRun) -> float:
+    return part.run.ended_at if part.run is not None and part.run.ended_at is not None else float("inf")
+
+
+def tag_line(label: str, line: str) -> str:
+    """A node's log line as the merged log shows it: ``[node] line``, ``[node/rank R] line`` for a further rank's
+    own line (the engine prefixes those ``[rank R] ``)."""
+    if line.startswith("[rank "):
+        end = line.find("] ")
+        if end > 0 and line[6:end].isdigit():
+            return f"[{label}/rank {line[6:end]}] {line[end + 2 :]}"
+    return f"[{label}] {line}"
