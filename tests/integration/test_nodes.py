@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.agent import checkout_env
 from support.waiting import wait_until
 from torchrun_support import TINY_ENGINE_TOML
 
@@ -220,3 +221,121 @@ def test_a_node_that_cannot_be_reached_at_launch_is_named_and_nothing_starts(
     assert "nothing was started" in result["cause"], result
     for root in roots:
         assert not list(records.runs_dir(root).glob("*")), f"{root}: a run started"
+
+
+# A foreign command (no torch): node 1 cannot start; node 0 steps every 0.2 s. The nodes tell them apart by the
+# SPECDEC_NODE_RANK the launch sets.
+STEPPING = 'i=0; while :; do i=$((i+1)); echo "step=$i"; sleep 0.2; done'
+NODE1_FAILS = (
+    f'if [ "$SPECDEC_NODE_RANK" = 1 ]; then echo "train: error: no data on node 1" >&2; exit 3; fi; {STEPPING}'
+)
+
+
+def two_node_profile(sshds: list[Any], tmp: Path) -> tuple[Path, list[Path], list[str]]:
+    roots = [tmp / f"node{n}-root" for n in (0, 1)]
+    cfg = write_profile(tmp, [node_table(s, r) for s, r in zip(sshds, roots, strict=True)])
+    return cfg, roots, [f"{s.target}:{s.port}" for s in sshds]
+
+
+def test_a_node_that_fails_to_start_is_named_and_the_node_already_started_is_stopped(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    cfg, roots, labels = two_node_profile(sshd_pair, tmp_path)
+    try:
+        r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--json",
+                "--", "sh", "-c", NODE1_FAILS, timeout_s=120)  # fmt: skip
+        assert r.returncode == 1, r.output
+        result = json.loads(r.stdout)
+        assert result["failed_node"] == labels[1] and "train: error: no data on node 1" in result["cause"], result
+        assert result["cause"].startswith(f"node {labels[1]}: "), result
+        assert result["stopped"] == labels, result
+        run0 = records.run_dir_for(roots[0], result["run_id"])
+        launch0 = records.read_json(run0 / records.LAUNCH_JSON)
+        assert launch0 is not None and not procs.process_alive(int(launch0["pid"]), None), "node 0 left running"
+        st = status_json(cli, cfg)
+        assert [n["status"]["run"]["state"] for n in st["nodes"]] != ["running", "running"], st
+        assert st["run"]["state"] == "failed" and st["run"]["failed_node"] == labels[1], st["run"]
+    finally:
+        stop_both(cli, cfg)
+
+
+def agent_pids(run_root: Path) -> list[int]:
+    """The agents serving ``run_root`` (their argv names it after --run-root), by /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [w.decode(errors="replace") for w in argv]
+        if "--run-root" in words and str(run_root) in words and "--run-dir" not in words and words[0] == sys.executable:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_logs_follow_merges_both_nodes_tagged_and_one_nodes_lost_link_reconnects_while_the_other_streams(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    cfg, roots, labels = two_node_profile(sshd_pair, tmp_path)
+    r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--", "sh", "-c", STEPPING,
+            timeout_s=120)  # fmt: skip
+    follower: subprocess.Popen[str] | None = None
+    try:
+        assert r.returncode == 0, r.output
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "tui", "logs", "--profile", "two", "--config", str(cfg), "-f", "-n", "1"],
+            cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        out = Lines(follower.stdout)
+        errs = Lines(follower.stderr)
+        for label in labels:
+            out.wait_for(lambda ln, label=label: ln.startswith(f"[{label}] step="), 60)
+        steps_before = {label: out.count(f"[{label}] step=") for label in labels}
+        killed = agent_pids(roots[1])
+        assert killed, "node 1's agent not found"
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        errs.wait_for(lambda ln: ln.startswith(f"[{labels[1]}] [reconnecting"), 30)
+        errs.wait_for(lambda ln: ln.startswith(f"[{labels[1]}] [reconnected"), 60)
+        mark = len(out.lines)
+        out.wait_for(lambda ln: ln.startswith(f"[{labels[1]}] step="), 30, start=mark)  # node 1 streams again
+        assert out.count(f"[{labels[0]}] step=") > steps_before[labels[0]]  # node 0 never stopped streaming
+        assert not [ln for ln in errs.lines if ln.startswith(f"[{labels[0]}] [reconnecting")], errs.lines
+        for label in labels:  # in order per node: each node's steps only go up, none twice (the resume is exact)
+            mine = [int(ln.split("step=")[1]) for ln in out.lines if ln.startswith(f"[{label}] step=")]
+            assert mine == sorted(set(mine)) and mine == list(range(mine[0], mine[0] + len(mine))), (label, mine)
+    finally:
+        if follower is not None:
+            follower.kill()
+            follower.wait()
+        stop_both(cli, cfg)
+
+
+class Lines:
+    """A pipe's lines, read by a thread as they come, waited on with a bound."""
+
+    def __init__(self, pipe: Any) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True, name="lines").start()
+
+    def _read(self, pipe: Any) -> None:
+        for line in pipe:
+            with self._lock:
+                self.lines.append(line.rstrip("\n"))
+
+    def count(self, prefix: str) -> int:
+        with self._lock:
+            return sum(1 for ln in self.lines if ln.startswith(prefix))
+
+    def wait_for(self, pred: Callable[[str], bool], timeout_s: float, start: int = 0) -> str:
+        def seen() -> str | None:
+            with self._lock:
+                return next((ln for ln in self.lines[start:] if pred(ln)), None)
+
+        return wait_until(seen, timeout_s, "a line", interval_s=0.05)
