@@ -115,6 +115,18 @@ def cmd_connect(args: argparse.Namespace) -> int:
     return int(run_dashboard(session, profile=profile, theme=args.theme, on_connect=on_connect))
 
 
+def cmd_connect_nodes(args: argparse.Namespace) -> int:
+    """The dashboard of one run across several nodes: every node's link is its own, shown on its line."""
+    from tui.dashboard.nodes_app import run_nodes_dashboard
+    from tui.profiles import ProfileError, resolve_profile
+
+    try:
+        profile = resolve_profile(args.profile, args.config)
+    except ProfileError as exc:
+        raise UsageError(str(exc)) from None
+    return run_nodes_dashboard(nodes.nodes_of(args, profile, connect_options(args)), theme=args.theme)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     opts, command = split_command(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -124,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command = command
     try:
         if choose_targets(args):
+            if args.func is None:
+                return cmd_connect_nodes(args)
             return run_async(nodes.run_nodes(args))
         if args.func is None:
             return cmd_connect(args)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import protocol
-from tui.link.session import ConnectError, ConnectOptions, Session, open_session
+from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
 from tui.profiles import Node as ProfileNode
 from tui.profiles import Profile
 from tui.relaunch import launch_spec
@@ -170,6 +170,27 @@ def node_spec(
     return spec
 
 
+async def _stop_one(node: Node, grace_s: float) -> tuple[bool, str]:
+    """Stop ``node``'s current run: (stopped, what was said). A run that already ended there counts as stopped
+    (a rank's death ends its peers' runs too); a node with no run at all has nothing to stop."""
+    session = _session(node)
+    try:
+        run = (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0)).run
+        if run.state not in ("starting", "running"):
+            return True, f"run {run.run_id} had ended already ({run.state})"
+        res = await session.ask(
+            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0
+        )
+    except CommandFailed as exc:
+        return False, exc.message
+    return res.stopped, "; ".join(res.steps[-1:]) if res.steps else ("stopped" if res.stopped else "not stopped")
+
+
+async def stop_nodes(nodes: list[Node], grace_s: float) -> list[tuple[Node, bool, str]]:
+    said = await asyncio.gather(*(_stop_one(n, grace_s) for n in nodes))
+    return [(n, ok, text) for n, (ok, text) in zip(nodes, said, strict=True)]
+
+
 @dataclass
 class NodeRun:
     """One node's part of the run, as its ``status`` says (None: the node could not be asked, ``error`` why)."""
@@ -183,10 +204,13 @@ def _is_peer_echo(cause: str | None) -> bool:
     return cause is not None and PEER_LEFT in cause
 
 
-def combined_run(parts: list[NodeRun]) -> dict[str, Any]:
+def combined_run(parts: list[NodeRun], rank_nodes: dict[int, str] | None = None) -> dict[str, Any]:
     """The run over every node as one: ``state`` (failed when any node's part failed; unreachable when a node
     could not be asked; running when every part runs; else starting, or ended), the run id(s), and for a failure
-    the node, the rank and the cause at its root (a node whose own rank failed, before one that saw a peer go)."""
+    the node, the rank and the cause at its root (a node whose own rank failed, before one that saw a peer go).
+
+    ``rank_nodes`` (global rank -> node label, when known): while only a survivor has said that a peer rank went
+    away, the failure is placed on the node of that rank, in the survivor's words, until that node says more."""
     ids = sorted({p.run.run_id for p in parts if p.run is not None})
     failed = [p for p in parts if p.run is not None and p.run.state in ("failed", "vanished", "rebooted")]
     unreachable = [p for p in parts if p.error is not None]
@@ -206,6 +230,12 @@ def combined_run(parts: list[NodeRun]) -> dict[str, Any]:
         assert root.run is not None
         out.update(state="failed", failed_node=root.label, failed_rank=root.run.failed_rank)
         out["cause"] = f"node {root.label}: {root.run.cause or root.run.state}"
+        peer = (rank_nodes or {}).get(root.run.failed_rank) if root.run.failed_rank is not None else None
+        if _is_peer_echo(root.run.cause) and peer is not None and peer != root.label:
+            out["failed_node"] = peer
+            out["cause"] = (
+                f"node {peer}: rank {root.run.failed_rank} {PEER_LEFT} (node {root.label} saw it go: {root.run.cause})"
+            )
     elif unreachable:
         out["state"] = "unreachable"
         out["cause"] = "; ".join(f"node {p.label} unreachable: {p.error}" for p in unreachable)

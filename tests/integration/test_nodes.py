@@ -9,6 +9,7 @@ either node; a node that cannot be reached at launch is named and nothing starts
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -339,3 +340,75 @@ class Lines:
                 return next((ln for ln in self.lines[start:] if pred(ln)), None)
 
         return wait_until(seen, timeout_s, "a line", interval_s=0.05)
+
+
+def pane_text(widget: Any) -> str:
+    rendered = widget.render()
+    return str(getattr(rendered, "plain", rendered))
+
+
+@pytest.mark.timeout(900)
+async def test_the_dashboard_shows_both_nodes_and_names_a_killed_rank_with_node_and_rank_within_5_s(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    from support.pilot import wait_until as pilot_wait
+
+    from tui.dashboard.nodes_app import NodesApp
+    from tui.dashboard.widgets.gpu_bars import GpuBars
+    from tui.dashboard.widgets.proc_tree import ProcTree
+    from tui.dashboard.widgets.text_line import TextLine
+    from tui.link.session import ConnectOptions
+    from tui.nodes import resolve_nodes
+    from tui.profiles import resolve_profile
+
+    run = await asyncio.to_thread(launch_two, sshd_pair, tmp_path, cli)
+    labels = run.labels
+    nodes = resolve_nodes([], resolve_profile("two", str(run.cfg)), ConnectOptions(simulate_gpus=2))
+    app = NodesApp(nodes, flush_interval_s=0.05, gpu_interval_s=0.25, procs_interval_s=0.5)
+    try:
+        async with app.run_test(size=(160, 60)) as pilot:
+            screen = app.screen_of_nodes
+            for i, label in enumerate(labels):
+                bars = screen.query_one(f"#gpus-{i}", GpuBars)
+                assert label in str(bars.border_title)
+                await pilot_wait(pilot, lambda bars=bars: len(bars.gpus) == 2, 30, f"node {i}'s two GPUs")
+                tree = screen.query_one(f"#procs-{i}", ProcTree)
+                rank = next(iter(run.pids[i]))
+                await pilot_wait(
+                    pilot, lambda tree=tree, rank=rank: f"rank {rank}" in pane_text(tree), 30, f"rank {rank} on {label}"
+                )
+            log = app.state.log
+            await pilot_wait(
+                pilot, lambda: all(any(ln.startswith(f"[{lb}") for ln in log.lines) for lb in labels), 30, "both tags"
+            )
+            failure = screen.query_one("#failure-line", TextLine)
+            assert not failure.text.plain.strip(), failure.text.plain
+
+            rank_of_node1 = next(iter(run.pids[1]))
+            os.kill(run.pids[1][rank_of_node1], signal.SIGKILL)
+            t_kill = time.monotonic()
+            named = f"FAILED rank {rank_of_node1}: node {labels[1]}: "
+            await pilot_wait(pilot, lambda: named in failure.text.plain, 30, "the failure on the screen")
+            on_screen_s = time.monotonic() - t_kill
+            first_said = failure.text.plain
+            assert on_screen_s < 5.0, f"the killed rank reached the screen {on_screen_s:.2f} s after the kill"
+            # Then the node's own words: its rank's signal (before, maybe, the survivor's "failed or left").
+            await pilot_wait(pilot, lambda: "SIGKILL" in failure.text.plain, 30, "the killed node's own cause")
+            root_s = time.monotonic() - t_kill
+            said = failure.text.plain
+            assert said.startswith(f" {named}rank {rank_of_node1} (node ") and "killed by SIGKILL" in said, said
+
+            await pilot.press("s")
+            await pilot.press("y")
+            await pilot_wait(
+                pilot, lambda: not [p for p in run.all_pids() if procs.process_alive(p, None)], 60, "every rank gone"
+            )
+            await pilot.press("q")
+    finally:
+        await asyncio.to_thread(stop_both, cli, run.cfg)
+    assert_nothing_left(run, "after the dashboard's stop")
+    print(
+        f"dashboard over two ssh nodes: a rank killed on node 1 named on the screen {on_screen_s:.2f} s later "
+        f"({first_said.strip()[:100]}), its own cause {root_s:.2f} s later: {said.strip()}"
+    )
+

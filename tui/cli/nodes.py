@@ -42,6 +42,7 @@ from tui.nodes import (
     node_spec,
     rendezvous_endpoint,
     resolve_nodes,
+    stop_nodes,
     tag_line,
 )
 from tui.profiles import Profile
@@ -64,27 +65,6 @@ def _first_line(message: str) -> str:
 
 def _unreachable(failed: dict[str, ConnectError]) -> str:
     return "; ".join(f"node {label} unreachable: {_first_line(e.message)}" for label, e in failed.items())
-
-
-async def _stop_one(node: Node, grace_s: float) -> tuple[bool, str]:
-    """Stop ``node``'s current run: (stopped, what was said). A run that already ended there counts as stopped
-    (a rank's death ends its peers' runs too); a node with no run at all has nothing to stop."""
-    assert node.session is not None
-    try:
-        run = (await node.session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0)).run
-        if run.state not in ("starting", "running"):
-            return True, f"run {run.run_id} had ended already ({run.state})"
-        res = await node.session.ask(
-            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0
-        )
-    except CommandFailed as exc:
-        return False, exc.message
-    return res.stopped, "; ".join(res.steps[-1:]) if res.steps else ("stopped" if res.stopped else "not stopped")
-
-
-async def stop_nodes(nodes: list[Node], grace_s: float) -> list[tuple[Node, bool, str]]:
-    said = await asyncio.gather(*(_stop_one(n, grace_s) for n in nodes))
-    return [(n, ok, text) for n, (ok, text) in zip(nodes, said, strict=True)]
 
 
 class _NodeMilestones:
@@ -464,7 +444,7 @@ def check_multi(verb: str) -> None:
         raise UsageError(f"{verb} takes one TARGET; several nodes are for {', '.join(sorted(MULTI_VERBS))}")
 
 
-MULTI_VERBS = frozenset({"launch", "status", "stop", "logs"})
+MULTI_VERBS = frozenset({"connect", "launch", "status", "stop", "logs"})
 
 
 def _cwd_for(args: argparse.Namespace, profile: Profile) -> Callable[[Node], str | None]:

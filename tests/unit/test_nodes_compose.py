@@ -106,6 +106,15 @@ def test_the_combined_state_names_the_node_whose_own_rank_failed_not_the_peer_th
     assert combined_run([NodeRun("a", None), NodeRun("b", None)])["state"] == "none"
 
 
+def test_while_only_the_survivor_has_spoken_the_failure_sits_on_the_node_of_the_rank_that_went() -> None:
+    echo = "rank 1 (node 1) failed or left the run; rank 0 (node 0) said: PeerFailure"
+    parts = [NodeRun("a", run("failed", echo, 1, 10.0)), NodeRun("b", run("running"))]
+    combined = combined_run(parts, rank_nodes={0: "a", 1: "b"})
+    assert (combined["failed_node"], combined["failed_rank"]) == ("b", 1), combined
+    assert combined["cause"].startswith("node b: rank 1 failed or left the run (node a saw it go: "), combined
+    assert combined_run(parts)["failed_node"] == "a"  # no rank map: the survivor, in its words
+
+
 def test_log_lines_are_tagged_by_node_and_a_further_ranks_by_node_and_rank() -> None:
     assert tag_line("gpu-a", "step=3 loss=1") == "[gpu-a] step=3 loss=1"
     assert tag_line("gpu-b", "[rank 1] step=3") == "[gpu-b/rank 1] step=3"
@@ -126,7 +135,7 @@ def test_the_agent_probe_picks_a_free_port_and_routes_loopback_from_loopback() -
     assert net.ssh_address({}) is None
 
 
-@pytest.mark.parametrize("argv", [["status"], ["doctor", "a", "b"], ["connect", "a", "b"]])
+@pytest.mark.parametrize("argv", [["status"], ["doctor", "a", "b"], ["kill-stale", "a", "b", "--dry-run"]])
 def test_bad_targets_on_the_command_line_exit_2_with_one_error_line(argv: list[str], tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tui", *argv, "--config", str(tmp_path / "none.toml")],

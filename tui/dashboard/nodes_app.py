@@ -1,0 +1,208 @@
+"""The dashboard of one run across several nodes: ``specdec-tui connect gpu-a gpu-b`` (or ``--profile`` with nodes).
+
+One session per node, each connected, streamed and reconnected on its own (a node whose link drops shows it on
+its line while the others keep streaming). Events go into ``NodesState`` as they arrive and the screen draws
+what changed every ``flush_interval_s``. ``s`` stops every node after a confirmation; ``/`` filters the merged
+log (a node's label shows only that node); ``q`` leaves every run going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from functools import partial
+from typing import Any, ClassVar
+
+from textual.app import App
+from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
+from textual.notifications import SeverityLevel
+from textual.screen import Screen
+
+from tui.dashboard import theming
+from tui.dashboard.screens.confirm import Choice, ConfirmScreen
+from tui.dashboard.screens.nodes import NodesScreen, NodesState
+from tui.hosttext import printable, printable_lines
+from tui.link.events import ClientEvent, ConnectionEvent
+from tui.link.session import ConnectError
+from tui.nodes import Node, close_all, stop_nodes
+
+FLUSH_INTERVAL_S = 0.1
+STOP_GRACE_S = 30.0
+
+__all__ = ["NodesApp", "run_nodes_dashboard"]
+
+
+class NodesApp(App[int]):
+    """Live view of every node of one run."""
+
+    TITLE = "specdec-tui"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("s", "stop_all", "Stop every node"),
+        Binding("slash", "filter", "Filter"),
+        Binding("f", "follow", "Follow"),
+        Binding("t", "next_theme", "Theme"),
+        Binding("q", "quit_nodes", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        nodes: list[Node],
+        *,
+        theme: str | None = None,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+        gpu_interval_s: float = 0.5,
+        procs_interval_s: float = 1.0,
+        max_log_lines: int = 20_000,
+    ) -> None:
+        super().__init__()
+        self.nodes = nodes
+        for node in nodes:
+            if node.session is None:
+                node.open()
+        self.state = NodesState([n.label for n in nodes], max_log_lines=max_log_lines)
+        self.flush_interval_s = flush_interval_s
+        self.gpu_interval_s = gpu_interval_s
+        self.procs_interval_s = procs_interval_s
+        self._requested_theme = theme
+        self._unsubscribe: list[Any] = []
+        self.theme_names: list[str] = []
+
+    def get_default_screen(self) -> Screen[Any]:
+        return NodesScreen(self.state)
+
+    @property
+    def screen_of_nodes(self) -> NodesScreen:
+        screen = self.screen_stack[0]
+        assert isinstance(screen, NodesScreen)
+        return screen
+
+    def on_mount(self) -> None:
+        loaded = theming.load_themes()
+        for item in loaded.themes.values():
+            self.register_theme(item)
+        self.theme_names = list(loaded.themes)
+        wanted = self._requested_theme or theming.saved_theme() or theming.DEFAULT_THEME
+        self.theme = wanted if wanted in self.available_themes else theming.DEFAULT_THEME
+        for node in self.nodes:
+            assert node.session is not None
+            self._unsubscribe.append(node.session.add_event_listener(partial(self._on_event, node.label)))
+            self.run_worker(self._connect(node), name=f"connect-{node.rank}", group="connect", exit_on_error=False)
+        self.set_interval(self.flush_interval_s, self.flush, name="flush")
+
+    async def _connect(self, node: Node) -> None:
+        session = node.session
+        assert session is not None
+        try:
+            await session.connect(retry=True)
+            if session.agent:
+                self.state.ingest(node.label, session.agent)
+            await session.start_streams(self.gpu_interval_s, self.procs_interval_s)
+        except ConnectError as exc:  # shown on the node's line; the other nodes keep streaming
+            self.state.ingest(node.label, ConnectionEvent("failed", exc.message, None))
+
+    def _on_event(self, label: str, ev: ClientEvent) -> None:
+        self.state.ingest(label, ev)
+
+    def flush(self) -> None:
+        if not self.screen_stack or not self.screen_of_nodes.ready:
+            return
+        for node in self.nodes:
+            assert node.session is not None
+            header = self.state.nodes[node.label].header
+            if header.rtt_ms != node.session.rtt_ms:
+                header.rtt_ms = node.session.rtt_ms
+                self.state.dirty.add("header")
+            if node.session.state and header.state != node.session.state:
+                header.state = node.session.state
+                self.state.dirty.add("header")
+        if not self.state.dirty:
+            return
+        try:
+            with self.batch_update():
+                self.screen_of_nodes.apply()
+        except NoMatches:
+            return  # being torn down
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """Plain text only: the words are often the hosts'."""
+        del markup
+        super().notify(
+            printable_lines(message), title=printable(title), severity=severity, timeout=timeout, markup=False
+        )
+
+    # -- keys ----------------------------------------------------------------------------------------
+
+    def action_filter(self) -> None:
+        self.screen_of_nodes.log_pane.open_filter()
+
+    def action_follow(self) -> None:
+        self.screen_of_nodes.log_pane.tail.action_follow()
+
+    def action_next_theme(self) -> None:
+        if self.theme_names:
+            at = self.theme_names.index(self.theme) if self.theme in self.theme_names else -1
+            self.theme = self.theme_names[(at + 1) % len(self.theme_names)]
+
+    def action_stop_all(self) -> None:
+        body = "SIGTERM to the run's processes on every node, then SIGKILL after the grace:\n" + "\n".join(
+            f"  node {n.rank}: {n.label}" for n in self.nodes
+        )
+
+        def done(choice: str | None) -> None:
+            if choice == "yes":
+                self.run_worker(self._stop_all(), group="command", exit_on_error=False)
+            else:
+                self.notify("stop every node: cancelled", timeout=3)
+
+        self.push_screen(
+            ConfirmScreen(
+                "Stop the run on every node?",
+                printable_lines(body),
+                [Choice("yes", "Stop all", "error", "y"), Choice("no", "Cancel", "default", "n")],
+            ),
+            done,
+        )
+
+    async def _stop_all(self) -> None:
+        self.notify(f"stopping {len(self.nodes)} nodes…", timeout=3)
+        reached = [n for n in self.nodes if n.session is not None and n.session.state == "connected"]
+        for node in self.nodes:
+            if node not in reached:
+                self.notify(f"node {node.label}: not connected; not stopped", severity="error", timeout=12)
+        for node, ok, text in await stop_nodes(reached, STOP_GRACE_S):
+            self.notify(
+                f"node {node.label}: {'stopped' if ok else 'not stopped'}: {text}",
+                severity="information" if ok else "error",
+                timeout=8,
+            )
+
+    async def action_quit_nodes(self) -> None:
+        """Leave every node's run as it is; only the connections close."""
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe.clear()
+        with contextlib.suppress(asyncio.TimeoutError, OSError, ConnectionError):
+            await asyncio.wait_for(close_all(self.nodes), 5.0)
+        running = self.state.combined()["running"]
+        message = (
+            f"Left the dashboard; the run keeps running on {running} of {len(self.nodes)} nodes."
+            if running
+            else "Left the dashboard; nothing was stopped on any node."
+        )
+        self.exit(0, return_code=0, message=message)
+
+
+def run_nodes_dashboard(nodes: list[Node], *, theme: str | None = None) -> int:
+    """Run the dashboard of ``nodes`` on this terminal until the user quits; returns the exit status."""
+    app = NodesApp(nodes, theme=theme)
+    app.run()
+    return app.return_code if app.return_code is not None else 0
