@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine import protocol
@@ -26,7 +27,8 @@ from tui.relaunch import launch_spec
 ENV_NNODES = "SPECDEC_NNODES"
 ENV_NODE_RANK = "SPECDEC_NODE_RANK"
 ENV_RDZV_ENDPOINT = "SPECDEC_RDZV_ENDPOINT"
-PEER_LEFT = "failed or left the run"  # how a surviving rank's cause names a peer that went away
+PEER_LEFT = "failed or left the run"
+LOST_NODE = "lost the node"  # how a surviving rank's cause names a peer that went away
 RENDEZVOUS_TIMEOUT_S = 30.0
 
 
@@ -170,12 +172,18 @@ def node_spec(
     return spec
 
 
-async def _stop_one(node: Node, grace_s: float) -> tuple[bool, str]:
+async def _stop_one(node: Node, grace_s: float, missing_ok: bool) -> tuple[bool, str]:
     """Stop ``node``'s current run: (stopped, what was said). A run that already ended there counts as stopped
-    (a rank's death ends its peers' runs too); a node with no run at all has nothing to stop."""
+    (a rank's death ends its peers' runs too); a node with no run at all has nothing to stop (fine when
+    ``missing_ok``: a restart)."""
     session = _session(node)
     try:
-        run = (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0)).run
+        try:
+            run = (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0)).run
+        except CommandFailed as exc:
+            if missing_ok and not exc.lost:
+                return True, f"nothing to stop ({exc.message})"
+            raise
         if run.state not in ("starting", "running"):
             return True, f"run {run.run_id} had ended already ({run.state})"
         res = await session.ask(
@@ -186,9 +194,166 @@ async def _stop_one(node: Node, grace_s: float) -> tuple[bool, str]:
     return res.stopped, "; ".join(res.steps[-1:]) if res.steps else ("stopped" if res.stopped else "not stopped")
 
 
-async def stop_nodes(nodes: list[Node], grace_s: float) -> list[tuple[Node, bool, str]]:
-    said = await asyncio.gather(*(_stop_one(n, grace_s) for n in nodes))
+async def stop_nodes(nodes: list[Node], grace_s: float, *, missing_ok: bool = False) -> list[tuple[Node, bool, str]]:
+    """Stop every node's current run at once: (node, stopped, what was said) for each."""
+    said = await asyncio.gather(*(_stop_one(n, grace_s, missing_ok) for n in nodes))
     return [(n, ok, text) for n, (ok, text) in zip(nodes, said, strict=True)]
+
+
+STOP_GRACE_ON_FAILURE_S = 10.0  # a launch that failed somewhere stops the other nodes with this grace
+AFTER_STOP_WAIT_S = 60.0  # how long the other nodes' waits may take to end once every node was told to stop
+_REPLY_MARGIN_S = 30.0
+
+
+@dataclass
+class Launched:
+    """What one launch over every node came to (``launch_run``)."""
+
+    ok: bool
+    run_id: str | None = None
+    endpoint: str | None = None
+    cause: str | None = None  # "node LABEL: ..." when not ok
+    failed_node: str | None = None
+    failed_rank: int | None = None
+    hung: bool = False  # the failing node's deadline passed with its process alive
+    lost: bool = False  # a node's link was lost
+    stopped: list[str] = field(default_factory=list)  # the nodes stopped because of the failure
+    results: dict[str, protocol.WaitResult] = field(default_factory=dict)  # each node's wait, by label
+    last_lines: list[str] = field(default_factory=list)  # the failing node's
+
+
+async def _wait_one(
+    node: Node, run_id: str, milestone: str, timeout_s: float | None, deadlines: dict[str, float]
+) -> protocol.WaitResult:
+    bound = timeout_s if timeout_s is not None else max(deadlines.values(), default=3600.0)
+    try:
+        return await _session(node).ask(
+            protocol.WaitResult,
+            "wait",
+            timeout_s=bound + _REPLY_MARGIN_S,
+            params={"run_id": run_id, "milestone": milestone, "timeout_s": timeout_s, "deadlines_s": deadlines},
+        )
+    except CommandFailed as exc:
+        return protocol.WaitResult(
+            ok=False,
+            milestone=milestone,
+            stage="unknown",
+            cause=f"{LOST_NODE}: {exc.message}",
+            exit_code=None,
+            signal=None,
+            elapsed_s=0.0,
+        )
+
+
+def _root_failure(order: list[str], results: dict[str, protocol.WaitResult]) -> str:
+    """The node at the root of a failed wait: the first to fail whose cause is its own (not a peer gone)."""
+    failed = [label for label in order if not results[label].ok]
+    own = [label for label in failed if PEER_LEFT not in (results[label].cause or "")]
+    return (own or failed)[0]
+
+
+def _failed_rank(res: protocol.WaitResult) -> int | None:
+    """The global rank a torchrun cause names first ("rank 1 (node 1) ..."), None when it names none."""
+    cause = res.cause or ""
+    if cause.startswith("rank "):
+        word = cause[5:].split(" ", 1)[0]
+        if word.isdigit():
+            return int(word)
+    return None
+
+
+async def launch_run(
+    nodes: list[Node],
+    profile: Profile,
+    *,
+    command: list[str] | None,
+    cwd: Callable[[Node], str | None],
+    wait: str | None,
+    timeout_s: float | None,
+    on_launched: Callable[[Node, str, str], None] | None = None,
+) -> Launched:
+    """Launch one run over ``nodes`` (every one connected): the rendezvous on the first, node 0 first and the
+    others under its run id, then (``wait``) wait for the milestone on every node. A refused launch or the first
+    failed wait stops every node started; the cause at the root is named (``_root_failure``). ``on_launched``
+    hears each node started (node, run id, endpoint)."""
+    try:
+        endpoint = await rendezvous_endpoint(nodes, profile)
+    except RendezvousError as exc:
+        return Launched(False, cause=f"{exc}; nothing was started")
+    except CommandFailed as exc:
+        return Launched(False, cause=f"rendezvous: {exc.message}; nothing was started", lost=exc.lost)
+    started: list[Node] = []
+    run_id: str | None = None
+    for node in nodes:
+        spec = node_spec(
+            profile, node, nnodes=len(nodes), endpoint=endpoint, run_id=run_id, command=command, cwd=cwd(node)
+        )
+        try:
+            reply = await _session(node).request("launch", timeout_s=60.0, **protocol.to_jsonable(spec))
+        except CommandFailed as exc:
+            stopped = await stop_nodes(started, STOP_GRACE_ON_FAILURE_S)
+            then = f"stopped {', '.join(n.label for n, _, _ in stopped)}" if stopped else "nothing was started"
+            return Launched(
+                False,
+                run_id=run_id,
+                endpoint=endpoint,
+                cause=f"node {node.label}: launch refused: {exc.message}; {then}",
+                failed_node=node.label,
+                lost=exc.lost,
+                stopped=[n.label for n, _, _ in stopped],
+            )
+        run_id = run_id or str(reply["run_id"])
+        started.append(node)
+        if on_launched is not None:
+            on_launched(node, run_id, endpoint)
+    assert run_id is not None
+    if wait is None:
+        return Launched(True, run_id=run_id, endpoint=endpoint)
+    return await _wait_every_node(nodes, run_id, endpoint, wait, timeout_s, dict(profile.deadlines_s))
+
+
+async def _wait_every_node(
+    nodes: list[Node], run_id: str, endpoint: str, wait: str, timeout_s: float | None, deadlines: dict[str, float]
+) -> Launched:
+    tasks = {asyncio.create_task(_wait_one(n, run_id, wait, timeout_s, deadlines)): n for n in nodes}
+    results: dict[str, protocol.WaitResult] = {}
+    order: list[str] = []  # labels in the order their waits ended
+    pending: set[asyncio.Task[protocol.WaitResult]] = set(tasks)
+    stopped: list[tuple[Node, bool, str]] = []
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            results[tasks[task].label] = task.result()
+            order.append(tasks[task].label)
+        if pending and any(not r.ok for r in results.values()):
+            # Nothing left running half-launched: every node is told to stop; their waits then end in their words.
+            stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
+            done, pending = await asyncio.wait(pending, timeout=AFTER_STOP_WAIT_S)
+            for task in done:
+                results[tasks[task].label] = task.result()
+                order.append(tasks[task].label)
+            for task in pending:
+                task.cancel()
+            pending = set()
+    if all(r.ok for r in results.values()) and len(results) == len(nodes):
+        return Launched(True, run_id=run_id, endpoint=endpoint, results=results)
+    root = _root_failure(order, results)
+    res = results[root]
+    if not stopped:
+        stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
+    return Launched(
+        False,
+        run_id=run_id,
+        endpoint=endpoint,
+        cause=f"node {root}: {res.cause}",
+        failed_node=root,
+        failed_rank=_failed_rank(res),
+        hung=res.hung,
+        lost=(res.cause or "").startswith(LOST_NODE),
+        stopped=[n.label for n, _, _ in stopped],
+        results=results,
+        last_lines=list(res.last_lines),
+    )
 
 
 @dataclass

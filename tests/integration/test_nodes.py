@@ -145,7 +145,7 @@ def assert_nothing_left(run: TwoNodeRun, said: str) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_one_launch_reaches_first_step_on_both_nodes_status_and_logs_cover_both_and_one_stop_ends_both(
+def test_one_launch_reaches_first_step_on_both_nodes_status_logs_and_restart_cover_both_and_one_stop_ends_both(
     sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
     run = launch_two(sshd_pair, tmp_path, cli)
@@ -166,13 +166,25 @@ def test_one_launch_reaches_first_step_on_both_nodes_status_and_logs_cover_both_
         tagged = f"[{labels[1]}/rank {rank_of_node1}] " if rank_of_node1 > 0 else f"[{labels[1]}] "
         assert any(ln.startswith(tagged) and "step=" in ln for ln in lines), logs.stdout[-2000:]
 
+        # One restart: every node stopped, then one new run over both, stepping on both.
+        again = cli("restart", "--profile", "two", "--config", str(cfg), "--grace", "20", "--wait", "first-step",
+                    "--json", timeout_s=START_TIMEOUT_S + 60)  # fmt: skip
+        assert again.returncode == 0, again.output
+        relaunched = json.loads(again.stdout)
+        assert relaunched["ok"] and relaunched["run_id"] != run.run_id, relaunched
+        assert_nothing_left(run, again.output)  # the first run's ranks, on both nodes
+        ends = [[e for e in events(d / "events.jsonl") if e["kind"] == "run_end"] for d in run.dirs]
+        assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends), ends  # both ranks stopped cleanly
+        second = TwoNodeRun(cfg, labels, relaunched["run_id"], [], [], 0.0)
+        second.dirs = [records.run_dir_for(d.parent.parent, second.run_id) for d in run.dirs]
+        second.pids = [rank_pids(d) for d in second.dirs]
+        assert sorted([*second.pids[0], *second.pids[1]]) == [0, 1], second.pids
+
         t0 = time.monotonic()
         stop = cli("stop", "--profile", "two", "--config", str(cfg), "--grace", "20", timeout_s=120)
         stop_s = time.monotonic() - t0
         assert stop.returncode == 0, stop.output
-        assert_nothing_left(run, stop.output)
-        ends = [[e for e in events(d / "events.jsonl") if e["kind"] == "run_end"] for d in run.dirs]
-        assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends), ends  # both ranks stopped cleanly
+        assert_nothing_left(second, stop.output)
     finally:
         stop_both(cli, cfg)
     print(f"two ssh nodes: launch to first-step on both {run.launch_s:.1f} s; one stop ended both in {stop_s:.1f} s")

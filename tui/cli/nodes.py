@@ -31,25 +31,19 @@ from tui.hosttext import printable
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session
 from tui.nodes import (
-    PEER_LEFT,
+    Launched,
     Node,
     NodeRun,
     NodesError,
-    RendezvousError,
     close_all,
     combined_run,
     connect_all,
-    node_spec,
-    rendezvous_endpoint,
+    launch_run,
     resolve_nodes,
     stop_nodes,
     tag_line,
 )
 from tui.profiles import Profile
-
-STOP_GRACE_ON_FAILURE_S = 10.0  # a launch that failed somewhere stops the other nodes with this grace
-AFTER_STOP_WAIT_S = 60.0  # how long the other nodes' waits may take to end once every node was told to stop
-_REPLY_MARGIN_S = 30.0
 
 
 def nodes_of(args: argparse.Namespace, profile: Profile, base: ConnectOptions) -> list[Node]:
@@ -101,183 +95,101 @@ def _node_object(node: Node, **fields: Any) -> dict[str, Any]:
     return {"node": node.label, "target": node.target, "node_rank": node.rank, **fields}
 
 
-async def _wait_one(
-    node: Node, run_id: str, milestone: str, timeout_s: float | None, deadlines: dict[str, float]
-) -> protocol.WaitResult:
-    assert node.session is not None
-    bound = timeout_s if timeout_s is not None else max(deadlines.values(), default=3600.0)
-    try:
-        return await node.session.ask(
-            protocol.WaitResult,
-            "wait",
-            timeout_s=bound + _REPLY_MARGIN_S,
-            params={"run_id": run_id, "milestone": milestone, "timeout_s": timeout_s, "deadlines_s": deadlines},
-        )
-    except CommandFailed as exc:
-        return protocol.WaitResult(
-            ok=False,
-            milestone=milestone,
-            stage="unknown",
-            cause=f"lost the node: {exc.message}",
-            exit_code=None,
-            signal=None,
-            elapsed_s=0.0,
-        )
-
-
-def _root_failure(order: list[str], results: dict[str, protocol.WaitResult]) -> str:
-    """The node at the root of a failed wait: the first to fail whose cause is its own (not a peer gone)."""
-    failed = [label for label in order if not results[label].ok]
-    own = [label for label in failed if PEER_LEFT not in (results[label].cause or "")]
-    return (own or failed)[0]
-
-
 async def launch_nodes(
-    args: argparse.Namespace, nodes: list[Node], profile: Profile, cwd: Callable[[Node], str | None]
+    args: argparse.Namespace,
+    nodes: list[Node],
+    profile: Profile,
+    cwd: Callable[[Node], str | None],
+    *,
+    restart: bool = False,
 ) -> int:
-    """``launch`` over ``nodes`` (exit codes as ``launch``: 0 reached, 1 failed, 3 a node unreachable, 4 hung)."""
+    """``launch`` over ``nodes`` (exit codes as ``launch``: 0 reached, 1 failed, 3 a node unreachable, 4 hung);
+    ``restart``: every node's run is stopped first (each must be reached, and stop), then the profile launched."""
     t0 = time.monotonic()
     as_json = bool(args.json)
     milestone = args.wait or "submitted"
-
-    def fail(cause: str, code: int, run_id: str | None = None, **extra: Any) -> int:
-        if as_json:
-            print_json(_launch_object(False, milestone, run_id, cause, t0, **extra))
-        else:
-            err(f"FAILED: {cause}")
-        return code
-
     failed = await connect_all(nodes)
     try:
         if failed:
-            return fail(f"{_unreachable(failed)}; nothing was started", EXIT_CONNECTION, unreachable=sorted(failed))
-        try:
-            endpoint = await rendezvous_endpoint(nodes, profile)
-        except RendezvousError as exc:
-            return fail(f"{exc}; nothing was started", EXIT_FAILED)
-        if not as_json:
-            say(f"rendezvous at {endpoint} on {nodes[0].label}; {len(nodes)} nodes")
-        command = list(getattr(args, "command", None) or []) or None
+            cause = f"{_unreachable(failed)}; nothing was {'stopped or ' if restart else ''}started"
+            if as_json:
+                print_json(_launch_object(False, milestone, None, cause, t0, unreachable=sorted(failed)))
+            else:
+                err(f"FAILED: {cause}")
+            return EXIT_CONNECTION
+        if restart:
+            stopped = await stop_nodes(nodes, args.grace, missing_ok=True)
+            for node, ok, text in stopped:
+                if not as_json:
+                    say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
+            if not all(ok for _, ok, _ in stopped):
+                err("a node's run did not stop; not starting a new one")
+                return EXIT_FAILED
         printers = [_NodeMilestones(n, t0) for n in nodes]
         if not as_json:
             for n, pr in zip(nodes, printers, strict=True):
                 assert n.session is not None
                 n.session.add_event_listener(pr)
-        started: list[Node] = []
-        run_id: str | None = None
-        for node in nodes:
-            assert node.session is not None
-            spec = node_spec(
-                profile, node, nnodes=len(nodes), endpoint=endpoint, run_id=run_id, command=command, cwd=cwd(node)
-            )
-            try:
-                launched = await node.session.request("launch", timeout_s=60.0, **protocol.to_jsonable(spec))
-            except CommandFailed as exc:
-                stopped = await stop_nodes(started, STOP_GRACE_ON_FAILURE_S)
-                then = f"stopped {', '.join(n.label for n, _, _ in stopped)}" if stopped else "nothing was started"
-                code = EXIT_CONNECTION if exc.lost else EXIT_FAILED
-                return fail(
-                    f"node {node.label}: launch refused: {exc.message}; {then}", code, run_id, failed_node=node.label
-                )
-            run_id = run_id or str(launched["run_id"])
-            started.append(node)
+
+        def launched(node: Node, run_id: str, endpoint: str) -> None:
             printers[node.rank].run_id = run_id
             if not as_json:
+                if node.rank == 0:
+                    say(f"rendezvous at {endpoint} on {node.label}; {len(nodes)} nodes")
                 say(f"launched run {run_id} on {node.label} (node {node.rank} of {len(nodes)})")
-        assert run_id is not None
-        if args.wait is None:
-            if as_json:
-                print_json(
-                    _launch_object(
-                        True, "submitted", run_id, None, t0, rendezvous=endpoint, nodes=[_node_object(n) for n in nodes]
-                    )
-                )
-            return EXIT_OK
-        return await _wait_nodes(args, nodes, run_id, endpoint, dict(profile.deadlines_s), t0)
+
+        command = list(getattr(args, "command", None) or []) or None
+        done = await launch_run(
+            nodes, profile, command=command, cwd=cwd, wait=args.wait, timeout_s=args.timeout, on_launched=launched
+        )
     finally:
         await close_all(nodes)
+    return _report_launch(args, nodes, done, t0)
 
 
-async def _wait_nodes(
-    args: argparse.Namespace, nodes: list[Node], run_id: str, endpoint: str, deadlines: dict[str, float], t0: float
-) -> int:
-    tasks = {asyncio.create_task(_wait_one(n, run_id, args.wait, args.timeout, deadlines)): n for n in nodes}
-    results: dict[str, protocol.WaitResult] = {}
-    order: list[str] = []  # labels in the order their waits ended
-    pending: set[asyncio.Task[protocol.WaitResult]] = set(tasks)
-    stopped: list[tuple[Node, bool, str]] = []
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            results[tasks[task].label] = task.result()
-            order.append(tasks[task].label)
-        if pending and any(not r.ok for r in results.values()):
-            # Nothing left running half-launched: every node is told to stop; their waits then end in their words.
-            stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
-            done, pending = await asyncio.wait(pending, timeout=AFTER_STOP_WAIT_S)
-            for task in done:
-                results[tasks[task].label] = task.result()
-                order.append(tasks[task].label)
-            for task in pending:
-                task.cancel()
-            pending = set()
-    ok = all(r.ok for r in results.values()) and len(results) == len(nodes)
+def _report_launch(args: argparse.Namespace, nodes: list[Node], done: Launched, t0: float) -> int:
+    milestone = args.wait or "submitted"
     per_node = [
         _node_object(
             n,
             **(
-                {k: v for k, v in protocol.to_jsonable(results[n.label]).items() if k != "hung"}
-                if n.label in results
-                else {"ok": False, "cause": "no answer"}
+                {k: v for k, v in protocol.to_jsonable(done.results[n.label]).items() if k != "hung"}
+                if n.label in done.results
+                else {}
             ),
         )
         for n in nodes
     ]
-    if ok:
+    if done.ok:
         if args.json:
-            print_json(_launch_object(True, args.wait, run_id, None, t0, rendezvous=endpoint, nodes=per_node))
-        else:
+            print_json(_launch_object(True, milestone, done.run_id, None, t0, rendezvous=done.endpoint, nodes=per_node))
+        elif args.wait:
             say(f"reached {args.wait} on all {len(nodes)} nodes in {time.monotonic() - t0:.2f} s")
         return EXIT_OK
-    root = _root_failure(order, results)
-    res = results[root]
-    if not stopped:
-        stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
-    cause = f"node {root}: {res.cause}"
-    rank = _failed_rank(res)
     if args.json:
         print_json(
             _launch_object(
                 False,
-                args.wait,
-                run_id,
-                cause,
+                milestone,
+                done.run_id,
+                done.cause,
                 t0,
-                failed_node=root,
-                failed_rank=rank,
-                rendezvous=endpoint,
-                stopped=[n.label for n, _, _ in stopped],
+                failed_node=done.failed_node,
+                failed_rank=done.failed_rank,
+                rendezvous=done.endpoint,
+                stopped=done.stopped,
                 nodes=per_node,
             )
         )
     else:
-        say(f"{'HUNG' if res.hung else 'FAILED'}: {printable(cause)}")
-        say(f"  stopped every node: {', '.join(n.label + ('' if s else ' (' + t + ')') for n, s, t in stopped)}")
-        for line in res.last_lines:
-            say("    " + tag_line(root, str(line).rstrip("\n")))
-    if res.hung:
+        say(f"{'HUNG' if done.hung else 'FAILED'}: {printable(done.cause or '')}")
+        if done.stopped:
+            say(f"  stopped: {', '.join(done.stopped)}")
+        for line in done.last_lines:
+            say("    " + tag_line(done.failed_node or "?", str(line).rstrip("\n")))
+    if done.hung:
         return EXIT_HUNG
-    return EXIT_CONNECTION if (res.cause or "").startswith("lost the node") else EXIT_FAILED
-
-
-def _failed_rank(res: protocol.WaitResult) -> int | None:
-    """The global rank a torchrun cause names first ("rank 1 (node 1) ..."), None when it names none."""
-    cause = res.cause or ""
-    if cause.startswith("rank "):
-        word = cause[5:].split(" ", 1)[0]
-        if word.isdigit():
-            return int(word)
-    return None
+    return EXIT_CONNECTION if done.lost else EXIT_FAILED
 
 
 async def status_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
@@ -444,7 +356,7 @@ def check_multi(verb: str) -> None:
         raise UsageError(f"{verb} takes one TARGET; several nodes are for {', '.join(sorted(MULTI_VERBS))}")
 
 
-MULTI_VERBS = frozenset({"connect", "launch", "status", "stop", "logs"})
+MULTI_VERBS = frozenset({"connect", "launch", "status", "stop", "restart", "logs"})
 
 
 def _cwd_for(args: argparse.Namespace, profile: Profile) -> Callable[[Node], str | None]:
@@ -482,4 +394,8 @@ async def run_nodes(args: argparse.Namespace) -> int:
         return await status_nodes(args, nodes)
     if args.subcommand == "stop":
         return await stop_all_nodes(args, nodes)
+    if args.subcommand == "restart":
+        if args.command:
+            raise UsageError("restart over several nodes launches the profile again; `-- COMMAND` is for launch")
+        return await launch_nodes(args, nodes, profile, _cwd_for(args, profile), restart=True)
     return await logs_nodes(args, nodes)
