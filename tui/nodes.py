@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,17 @@ async def rendezvous_endpoint(nodes: list[Node], profile: Profile) -> str:
         address = next((a for a in routed if a), None) or here.ssh_address or "127.0.0.1"
     host = f"[{address}]" if ":" in address else address
     return f"{host}:{here.port}"
+
+
+def node_cwd(node: Node, profile: Profile, given: str | None = None) -> str | None:
+    """Where a node's job starts: ``given`` (--cwd), else the profile's cwd, else (a ``local`` node) the directory
+    the command was typed in; None lets the node use its home."""
+    local = node.target == "local" and node.opts.pct is None
+    if given:
+        return os.path.abspath(os.path.expanduser(given)) if local else given
+    if profile.cwd:
+        return profile.cwd
+    return os.getcwd() if local else None
 
 
 def node_spec(

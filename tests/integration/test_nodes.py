@@ -124,15 +124,22 @@ def launch_two(sshds: list[Any], tmp: Path, cli: Callable[..., Any]) -> TwoNodeR
         assert launched["ok"] and [n["node"] for n in launched["nodes"]] == labels, launched
         assert all(n["ok"] and n["milestone"] == "first-step" for n in launched["nodes"]), launched
         assert launched["rendezvous"].startswith("127.0.0.1:"), launched
-        dirs = [records.run_dir_for(root, launched["run_id"]) for root in roots]
-        for d in dirs:  # the same run on both nodes, each with its own run root
-            assert (d / records.LAUNCH_JSON).exists(), d
-        pids = [rank_pids(d) for d in dirs]
-        assert sorted([*pids[0], *pids[1]]) == [0, 1], pids  # one rank per node, a world of two
+        run = run_of(cfg, labels, roots, launched["run_id"])
     except BaseException:
         stop_both(cli, cfg)
         raise
-    return TwoNodeRun(cfg, labels, launched["run_id"], dirs, pids, r.elapsed_s)
+    run.launch_s = r.elapsed_s
+    return run
+
+
+def run_of(cfg: Path, labels: list[str], roots: list[Path], run_id: str) -> TwoNodeRun:
+    """Run ``run_id`` on both nodes' run roots, with each node's ranks (one rank per node, a world of two)."""
+    dirs = [records.run_dir_for(root, run_id) for root in roots]
+    for d in dirs:  # the same run on both nodes, each with its own run root
+        assert (d / records.LAUNCH_JSON).exists(), d
+    pids = [rank_pids(d) for d in dirs]
+    assert sorted([*pids[0], *pids[1]]) == [0, 1], pids
+    return TwoNodeRun(cfg, labels, run_id, dirs, pids, 0.0)
 
 
 def assert_nothing_left(run: TwoNodeRun, said: str) -> None:
@@ -175,10 +182,7 @@ def test_one_launch_reaches_first_step_on_both_nodes_status_logs_and_restart_cov
         assert_nothing_left(run, again.output)  # the first run's ranks, on both nodes
         ends = [[e for e in events(d / "events.jsonl") if e["kind"] == "run_end"] for d in run.dirs]
         assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends), ends  # both ranks stopped cleanly
-        second = TwoNodeRun(cfg, labels, relaunched["run_id"], [], [], 0.0)
-        second.dirs = [records.run_dir_for(d.parent.parent, second.run_id) for d in run.dirs]
-        second.pids = [rank_pids(d) for d in second.dirs]
-        assert sorted([*second.pids[0], *second.pids[1]]) == [0, 1], second.pids
+        second = run_of(cfg, labels, [d.parent.parent for d in run.dirs], relaunched["run_id"])
 
         t0 = time.monotonic()
         stop = cli("stop", "--profile", "two", "--config", str(cfg), "--grace", "20", timeout_s=120)
@@ -360,7 +364,7 @@ def pane_text(widget: Any) -> str:
 
 
 @pytest.mark.timeout(900)
-async def test_the_dashboard_shows_both_nodes_and_names_a_killed_rank_with_node_and_rank_within_5_s(
+async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_names_a_killed_rank_within_5_s(
     sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
     from support.pilot import wait_until as pilot_wait
@@ -370,16 +374,35 @@ async def test_the_dashboard_shows_both_nodes_and_names_a_killed_rank_with_node_
     from tui.dashboard.widgets.proc_tree import ProcTree
     from tui.dashboard.widgets.text_line import TextLine
     from tui.link.session import ConnectOptions
-    from tui.nodes import resolve_nodes
+    from tui.nodes import Launched, resolve_nodes
     from tui.profiles import resolve_profile
 
-    run = await asyncio.to_thread(launch_two, sshd_pair, tmp_path, cli)
-    labels = run.labels
-    nodes = resolve_nodes([], resolve_profile("two", str(run.cfg)), ConnectOptions(simulate_gpus=2))
-    app = NodesApp(nodes, flush_interval_s=0.05, gpu_interval_s=0.25, procs_interval_s=0.5)
+    cfg, roots, labels = two_node_profile(sshd_pair, tmp_path)
+    profile = resolve_profile("two", str(cfg))
+    nodes = resolve_nodes([], profile, ConnectOptions(simulate_gpus=2))
+    app = NodesApp(nodes, profile=profile, flush_interval_s=0.05, gpu_interval_s=0.25, procs_interval_s=0.5)
+
+    async def launch_with(pilot: Any, key: str) -> tuple[Launched, float]:
+        app.last_launch = None
+        t0 = time.monotonic()
+        await pilot.press(key)
+        await pilot.press("y")
+        done: Launched = await pilot_wait(pilot, lambda: app.last_launch, START_TIMEOUT_S, f"{key}'s launch")
+        assert done.ok and done.run_id, done.cause
+        return done, time.monotonic() - t0
+
     try:
         async with app.run_test(size=(160, 60)) as pilot:
             screen = app.screen_of_nodes
+            await pilot_wait(pilot, lambda: all(n.session and n.session.state == "connected" for n in nodes), 30)
+            first, launch_s = await launch_with(pilot, "l")
+            assert first.run_id is not None
+            run = run_of(cfg, labels, roots, first.run_id)
+            again, restart_s = await launch_with(pilot, "r")
+            assert again.run_id is not None and again.run_id != first.run_id
+            assert_nothing_left(run, "after the dashboard's restart")
+            run = run_of(cfg, labels, roots, again.run_id)
+
             for i, label in enumerate(labels):
                 bars = screen.query_one(f"#gpus-{i}", GpuBars)
                 assert label in str(bars.border_title)
@@ -417,10 +440,10 @@ async def test_the_dashboard_shows_both_nodes_and_names_a_killed_rank_with_node_
             )
             await pilot.press("q")
     finally:
-        await asyncio.to_thread(stop_both, cli, run.cfg)
+        await asyncio.to_thread(stop_both, cli, cfg)
     assert_nothing_left(run, "after the dashboard's stop")
     print(
-        f"dashboard over two ssh nodes: a rank killed on node 1 named on the screen {on_screen_s:.2f} s later "
-        f"({first_said.strip()[:100]}), its own cause {root_s:.2f} s later: {said.strip()}"
+        f"dashboard over two ssh nodes: l to first step on both {launch_s:.1f} s, r {restart_s:.1f} s; a rank killed "
+        f"on node 1 named on the screen {on_screen_s:.2f} s later ({first_said.strip()[:100]}), its own cause "
+        f"{root_s:.2f} s later: {said.strip()}"
     )
-

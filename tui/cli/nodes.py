@@ -39,6 +39,7 @@ from tui.nodes import (
     combined_run,
     connect_all,
     launch_run,
+    node_cwd,
     resolve_nodes,
     stop_nodes,
     tag_line,
@@ -360,20 +361,8 @@ MULTI_VERBS = frozenset({"connect", "launch", "status", "stop", "restart", "logs
 
 
 def _cwd_for(args: argparse.Namespace, profile: Profile) -> Callable[[Node], str | None]:
-    """Where each node's job starts: --cwd, else the profile's cwd, else (a ``local`` node) the directory the
-    command was typed in; None lets the node use its home."""
-    import os
-
-    def cwd(node: Node) -> str | None:
-        local = node.target == "local" and node.opts.pct is None
-        given = getattr(args, "cwd", None)
-        if given:
-            return os.path.abspath(os.path.expanduser(given)) if local else str(given)
-        if profile.cwd:
-            return profile.cwd
-        return os.getcwd() if local else None
-
-    return cwd
+    given = getattr(args, "cwd", None)  # `restart` has no --cwd: it starts where the profile says
+    return lambda node: node_cwd(node, profile, given)
 
 
 async def run_nodes(args: argparse.Namespace) -> int:

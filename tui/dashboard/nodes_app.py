@@ -3,13 +3,16 @@
 One session per node, each connected, streamed and reconnected on its own (a node whose link drops shows it on
 its line while the others keep streaming). Events go into ``NodesState`` as they arrive and the screen draws
 what changed every ``flush_interval_s``. ``s`` stops every node after a confirmation; ``/`` filters the merged
-log (a node's label shows only that node); ``q`` leaves every run going.
+log (a node's label shows only that node); ``l`` launches the profile over every node and ``r`` restarts it
+(each after a confirmation, waiting for the first step on every node); ``q`` leaves every run going.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any, ClassVar
 
@@ -25,7 +28,8 @@ from tui.dashboard.screens.nodes import NodesScreen, NodesState
 from tui.hosttext import printable, printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import ConnectError
-from tui.nodes import Node, close_all, stop_nodes
+from tui.nodes import Launched, Node, close_all, launch_run, node_cwd, stop_nodes
+from tui.profiles import DEFAULT_PROFILE, Profile
 
 FLUSH_INTERVAL_S = 0.1
 STOP_GRACE_S = 30.0
@@ -38,6 +42,8 @@ class NodesApp(App[int]):
 
     TITLE = "specdec-tui"
     BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("l", "launch_all", "Launch on every node"),
+        Binding("r", "restart_all", "Restart on every node"),
         Binding("s", "stop_all", "Stop every node"),
         Binding("slash", "filter", "Filter"),
         Binding("f", "follow", "Follow"),
@@ -49,6 +55,7 @@ class NodesApp(App[int]):
         self,
         nodes: list[Node],
         *,
+        profile: Profile | None = None,
         theme: str | None = None,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         gpu_interval_s: float = 0.5,
@@ -57,6 +64,7 @@ class NodesApp(App[int]):
     ) -> None:
         super().__init__()
         self.nodes = nodes
+        self.profile = profile or Profile(name=DEFAULT_PROFILE)
         for node in nodes:
             if node.session is None:
                 node.open()
@@ -67,6 +75,7 @@ class NodesApp(App[int]):
         self._requested_theme = theme
         self._unsubscribe: list[Any] = []
         self.theme_names: list[str] = []
+        self.last_launch: Launched | None = None  # what the last l or r came to
 
     def get_default_screen(self) -> Screen[Any]:
         return NodesScreen(self.state)
@@ -153,24 +162,71 @@ class NodesApp(App[int]):
             self.theme = self.theme_names[(at + 1) % len(self.theme_names)]
 
     def action_stop_all(self) -> None:
-        body = "SIGTERM to the run's processes on every node, then SIGKILL after the grace:\n" + "\n".join(
-            f"  node {n.rank}: {n.label}" for n in self.nodes
-        )
+        body = "SIGTERM to the run's processes on every node, then SIGKILL after the grace:\n" + self._node_list()
+        self._ask("Stop the run on every node?", body, "Stop all", self._stop_all)
 
+    def _ask(self, title: str, body: str, yes: str, then: Callable[[], Coroutine[Any, Any, None]]) -> None:
         def done(choice: str | None) -> None:
             if choice == "yes":
-                self.run_worker(self._stop_all(), group="command", exit_on_error=False)
+                self.run_worker(then(), group="command", exit_on_error=False)
             else:
-                self.notify("stop every node: cancelled", timeout=3)
+                self.notify(f"{title.rstrip('?')}: cancelled", timeout=3)
 
-        self.push_screen(
-            ConfirmScreen(
-                "Stop the run on every node?",
-                printable_lines(body),
-                [Choice("yes", "Stop all", "error", "y"), Choice("no", "Cancel", "default", "n")],
-            ),
-            done,
+        choices = [Choice("yes", yes, "error", "y"), Choice("no", "Cancel", "default", "n")]
+        self.push_screen(ConfirmScreen(title, printable_lines(body), choices), done)
+
+    def _node_list(self) -> str:
+        return "\n".join(f"  node {n.rank}: {n.label}" for n in self.nodes)
+
+    def _all_connected(self, what: str) -> bool:
+        down = [n.label for n in self.nodes if n.session is None or n.session.state != "connected"]
+        if down:
+            self.notify(f"{what}: not connected to {', '.join(down)}; nothing was done", severity="error", timeout=12)
+        return not down
+
+    def action_launch_all(self) -> None:
+        running = self.state.combined()["running"]
+        if running:
+            self.notify(f"the run is running on {running} nodes: r restarts it, s stops it", timeout=6)
+            return
+        body = f"Start profile {self.profile.name} as one run over every node (the first hosts the rendezvous):\n"
+        self._ask("Launch on every node?", body + self._node_list(), "Launch", self._launch_all)
+
+    def action_restart_all(self) -> None:
+        body = f"Stop the run on every node, then start profile {self.profile.name} over every node again:\n"
+        self._ask("Restart on every node?", body + self._node_list(), "Restart", self._restart_all)
+
+    async def _launch_all(self) -> None:
+        if not self._all_connected("launch"):
+            return
+        t0 = time.monotonic()
+        self.notify(f"launching profile {self.profile.name} on {len(self.nodes)} nodes…", timeout=4)
+        done = await launch_run(
+            self.nodes,
+            self.profile,
+            command=None,
+            cwd=lambda node: node_cwd(node, self.profile),
+            wait="first-step",
+            timeout_s=None,
         )
+        self._said_launch(done, time.monotonic() - t0)
+
+    def _said_launch(self, done: Launched, took_s: float) -> None:
+        self.last_launch = done
+        if done.ok:
+            self.notify(f"run {done.run_id}: first step on all {len(self.nodes)} nodes in {took_s:.1f} s", timeout=8)
+            return
+        stopped = f"; stopped {', '.join(done.stopped)}" if done.stopped else ""
+        self.notify(f"launch failed: {done.cause}{stopped}", severity="error", timeout=20)
+
+    async def _restart_all(self) -> None:
+        if not self._all_connected("restart"):
+            return
+        for node, ok, text in await stop_nodes(self.nodes, STOP_GRACE_S, missing_ok=True):
+            if not ok:
+                self.notify(f"node {node.label} did not stop ({text}); not starting a new run", severity="error")
+                return
+        await self._launch_all()
 
     async def _stop_all(self) -> None:
         self.notify(f"stopping {len(self.nodes)} nodes…", timeout=3)
@@ -201,8 +257,8 @@ class NodesApp(App[int]):
         self.exit(0, return_code=0, message=message)
 
 
-def run_nodes_dashboard(nodes: list[Node], *, theme: str | None = None) -> int:
+def run_nodes_dashboard(nodes: list[Node], *, profile: Profile | None = None, theme: str | None = None) -> int:
     """Run the dashboard of ``nodes`` on this terminal until the user quits; returns the exit status."""
-    app = NodesApp(nodes, theme=theme)
+    app = NodesApp(nodes, profile=profile, theme=theme)
     app.run()
     return app.return_code if app.return_code is not None else 0
