@@ -365,8 +365,9 @@ def pane_text(widget: Any) -> str:
 
 @pytest.mark.timeout(900)
 async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_names_a_killed_rank_within_5_s(
-    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("TMUX", raising=False)  # attach hands this terminal over, as outside tmux
     from support.pilot import wait_until as pilot_wait
 
     from tui.dashboard.nodes_app import NodesApp
@@ -380,7 +381,11 @@ async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_
     cfg, roots, labels = two_node_profile(sshd_pair, tmp_path)
     profile = resolve_profile("two", str(cfg))
     nodes = resolve_nodes([], profile, ConnectOptions(simulate_gpus=2))
-    app = NodesApp(nodes, profile=profile, flush_interval_s=0.05, gpu_interval_s=0.25, procs_interval_s=0.5)
+    attached: list[list[str]] = []
+    app = NodesApp(
+        nodes, profile=profile, flush_interval_s=0.05, gpu_interval_s=0.25, procs_interval_s=0.5,
+        external_runner=lambda argv: attached.append(argv) or 0,
+    )  # fmt: skip
 
     async def launch_with(pilot: Any, key: str) -> tuple[Launched, float]:
         app.last_launch = None
@@ -402,6 +407,18 @@ async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_
             assert again.run_id is not None and again.run_id != first.run_id
             assert_nothing_left(run, "after the dashboard's restart")
             run = run_of(cfg, labels, roots, again.run_id)
+
+            # a, then a node: that node's tmux session, reached through that node's own connection.
+            await pilot.press("a")
+            await pilot.press("1")
+            control = app.controls[labels[1]]
+            await pilot_wait(pilot, lambda: control.attach_history, 10, "node 1's attach")
+            attach = " ".join(control.attach_history[-1])
+            tmux_session = (records.read_json(run.dirs[1] / records.LAUNCH_JSON) or {})["tmux_session"]
+            assert str(sshd_pair[1].port) in attach and tmux_session in attach, attach
+            assert str(sshd_pair[0].port) not in attach, attach
+            while len(app.screen_stack) > 1:  # headless: the attach offers its command to run elsewhere
+                app.pop_screen()
 
             for i, label in enumerate(labels):
                 bars = screen.query_one(f"#gpus-{i}", GpuBars)

@@ -23,6 +23,7 @@ from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
 from tui.dashboard import theming
+from tui.dashboard.controls import RunControl, run_external
 from tui.dashboard.screens.confirm import Choice, ConfirmScreen
 from tui.dashboard.screens.nodes import NodesScreen, NodesState
 from tui.hosttext import printable, printable_lines
@@ -45,6 +46,9 @@ class NodesApp(App[int]):
         Binding("l", "launch_all", "Launch on every node"),
         Binding("r", "restart_all", "Restart on every node"),
         Binding("s", "stop_all", "Stop every node"),
+        Binding("a", "on_node('attach')", "Attach to a node's tmux"),
+        Binding("k", "on_node('kill_stale')", "Kill stale GPU holders on a node"),
+        Binding("d", "on_node('stacks')", "Stacks of a node's run"),
         Binding("slash", "filter", "Filter"),
         Binding("f", "follow", "Follow"),
         Binding("t", "next_theme", "Theme"),
@@ -61,7 +65,9 @@ class NodesApp(App[int]):
         gpu_interval_s: float = 0.5,
         procs_interval_s: float = 1.0,
         max_log_lines: int = 20_000,
+        external_runner: Callable[[list[str]], int] = run_external,
     ) -> None:
+        """``external_runner`` is handed the terminal for an attach (tmux attach, ssh -t ...)."""
         super().__init__()
         self.nodes = nodes
         self.profile = profile or Profile(name=DEFAULT_PROFILE)
@@ -69,6 +75,12 @@ class NodesApp(App[int]):
             if node.session is None:
                 node.open()
         self.state = NodesState([n.label for n in nodes], max_log_lines=max_log_lines)
+        # Each node's own verbs (attach, kill stale with its confirmation, stacks), as the one-node dashboard has.
+        self.controls = {
+            n.label: RunControl(self, n.session, self.state.nodes[n.label], lambda: self.profile, external_runner)
+            for n in nodes
+            if n.session is not None
+        }
         self.flush_interval_s = flush_interval_s
         self.gpu_interval_s = gpu_interval_s
         self.procs_interval_s = procs_interval_s
@@ -160,6 +172,29 @@ class NodesApp(App[int]):
         if self.theme_names:
             at = self.theme_names.index(self.theme) if self.theme in self.theme_names else -1
             self.theme = self.theme_names[(at + 1) % len(self.theme_names)]
+
+    NODE_VERBS: ClassVar[dict[str, str]] = {
+        "attach": "Attach to which node's run?",
+        "kill_stale": "Kill stale GPU holders on which node?",
+        "stacks": "Every thread's stack on which node?",
+    }
+
+    def action_on_node(self, verb: str) -> None:
+        """Ask which node, then run that node's own ``verb`` (its RunControl asks again where it signals)."""
+        if verb not in self.NODE_VERBS:
+            return
+        choices = [Choice(str(n.rank), f"{n.rank}: {n.label}", "primary", str(n.rank)) for n in self.nodes[:10]]
+
+        def picked(choice: str | None) -> None:
+            node = next((n for n in self.nodes if str(n.rank) == choice), None)
+            if node is None:
+                return
+            getattr(self.controls[node.label], verb)()
+
+        body = "\n".join(f"  {n.rank}: {n.label}" for n in self.nodes)
+        self.push_screen(
+            ConfirmScreen(self.NODE_VERBS[verb], printable_lines(body), [*choices, Choice("no", "Cancel")]), picked
+        )
 
     def action_stop_all(self) -> None:
         body = "SIGTERM to the run's processes on every node, then SIGKILL after the grace:\n" + self._node_list()

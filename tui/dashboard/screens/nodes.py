@@ -27,7 +27,10 @@ from tui.link.events import ClientEvent, ConnectionEvent
 from tui.nodes import NodeRun, combined_run, tag_line
 
 LINK_UP = "connected"
-NODES_KEYS = " l Launch  r Restart  s Stop (every node)  / Filter (a node's label)  f Follow  t Theme  q Quit"
+NODES_KEYS = (
+    " l Launch  r Restart  s Stop (every node)  a Attach  k Kill stale  d Stacks (a node)  / Filter  f Follow"
+    "  t Theme  q Quit"
+)
 
 
 class NodesState:
