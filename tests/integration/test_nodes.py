@@ -464,3 +464,38 @@ async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_
         f"on node 1 named on the screen {on_screen_s:.2f} s later ({first_said.strip()[:100]}), its own cause "
         f"{root_s:.2f} s later: {said.strip()}"
     )
+
+
+async def test_the_dashboard_names_a_node_it_cannot_reach_while_the_other_streams(
+    sshd_pair: list[Any], tmp_path: Path
+) -> None:
+    from support.pilot import wait_until as pilot_wait
+
+    from tui.dashboard.nodes_app import NodesApp
+    from tui.dashboard.widgets.gpu_bars import GpuBars
+    from tui.dashboard.widgets.text_line import TextLine
+    from tui.link.session import ConnectOptions
+    from tui.nodes import resolve_nodes
+    from tui.profiles import resolve_profile
+
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = int(probe.getsockname()[1])
+    cfg = write_profile(tmp_path, [node_table(sshd_pair[0], roots[0]), node_table(sshd_pair[1], roots[1], closed)])
+    nodes = resolve_nodes([], resolve_profile("two", str(cfg)), ConnectOptions(simulate_gpus=2))
+    app = NodesApp(nodes, flush_interval_s=0.05, gpu_interval_s=0.25)
+    async with app.run_test(size=(160, 50)) as pilot:
+        screen = app.screen_of_nodes
+        failure = screen.query_one("#failure-line", TextLine)
+        t0 = time.monotonic()
+        label = f"{sshd_pair[1].target}:{closed}"
+        await pilot_wait(pilot, lambda: f"UNREACHABLE: node {label} unreachable" in failure.text.plain, 30)
+        named_s = time.monotonic() - t0
+        bars = screen.query_one("#gpus-0", GpuBars)
+        await pilot_wait(pilot, lambda: len(bars.gpus) == 2, 30, "node 0's GPUs")
+        line = screen.query_one("#link-1", TextLine).text.plain
+        assert label in line and ("reconnecting" in line or "failed" in line), line
+        assert "connected" in screen.query_one("#link-0", TextLine).text.plain
+        await pilot.press("q")
+    print(f"a node that cannot be reached: named on the screen {named_s:.2f} s after the dashboard started")

@@ -27,6 +27,7 @@ from tui.link.events import ClientEvent, ConnectionEvent
 from tui.nodes import NodeRun, combined_run, tag_line
 
 LINK_UP = "connected"
+LINK_DOWN = ("reconnecting", "failed", "disconnected")  # a node's link in these counts as unreachable
 NODES_KEYS = (
     " l Launch  r Restart  s Stop (every node)  a Attach  k Kill stale  d Stacks (a node)  / Filter  f Follow"
     "  t Theme  q Quit"
@@ -63,7 +64,7 @@ class NodesState:
         out = []
         for label in self.labels:
             header = self.nodes[label].header
-            down = None if header.state == LINK_UP else f"link {header.state or 'not connected'}"
+            down = f"link {header.state}" if header.state in LINK_DOWN else None
             if down and header.detail:
                 down += f": {header.detail}"
             out.append(NodeRun(label, self.nodes[label].run, down))
@@ -157,7 +158,8 @@ class NodesScreen(Screen[None]):
         if combined["state"] in ("failed", "unreachable"):
             rank = combined.get("failed_rank")
             where = f" rank {rank}" if rank is not None else ""
-            failure.set_text(Text(printable(f" FAILED{where}: {combined['cause']}")))
+            word = "FAILED" if combined["state"] == "failed" else "UNREACHABLE"
+            failure.set_text(Text(printable(f" {word}{where}: {combined['cause']}")))
             failure.add_class("-failed")
             if state.failure_seen_at is None:
                 state.failure_seen_at = time.monotonic()
