@@ -435,6 +435,8 @@ async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_
             )
             failure = screen.query_one("#failure-line", TextLine)
             assert not failure.text.plain.strip(), failure.text.plain
+            top = screen.query_one("#run-line", TextLine).text.plain  # the milestones over both nodes
+            assert f"run {again.run_id} running" in top and "first-step ✓" in top, top
 
             rank_of_node1 = next(iter(run.pids[1]))
             os.kill(run.pids[1][rank_of_node1], signal.SIGKILL)

@@ -74,6 +74,11 @@ class NodesState:
         """Global rank -> the node whose events file it writes (each node's own ranks only)."""
         return {rank: label for label in self.labels for rank in self.nodes[label].health.ranks()}
 
+    def milestones(self) -> list[tuple[str, int]]:
+        """Each launch milestone and on how many nodes the current runs reached it (the timeline over all nodes)."""
+        runs = [self.nodes[label].run for label in self.labels]
+        return [(m, sum(1 for r in runs if r is not None and r.milestones.get(m))) for m in protocol.MILESTONES]
+
     def combined(self) -> dict[str, object]:
         return combined_run(self.parts(), self.rank_nodes())
 
@@ -153,6 +158,11 @@ class NodesScreen(Screen[None]):
                 f" · {combined['running']}/{len(state.labels)} running"
             )
         )
+        reached = [
+            f"{m} {'✓' if n == len(state.labels) else f'{n}/{len(state.labels)}'}" for m, n in state.milestones() if n
+        ]
+        if reached:
+            text.append(printable("   " + " → ".join(reached)))
         self.query_one("#run-line", TextLine).set_text(text)
         failure = self.query_one("#failure-line", TextLine)
         if combined["state"] in ("failed", "unreachable"):
