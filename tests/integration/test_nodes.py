@@ -501,3 +501,33 @@ async def test_the_dashboard_names_a_node_it_cannot_reach_while_the_other_stream
         assert "connected" in screen.query_one("#link-0", TextLine).text.plain
         await pilot.press("q")
     print(f"a node that cannot be reached: named on the screen {named_s:.2f} s after the dashboard started")
+
+
+def test_kill_stale_lists_and_signals_each_nodes_own_stale_holders(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    cfg, _roots, labels = two_node_profile(sshd_pair, tmp_path)
+    device = sshd_pair[1].dev_dir / "nvidia0"  # node 1's stand-in GPU (its agent scans SPECDEC_DEV_DIR)
+    device.write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(600)",
+                               str(device)])  # fmt: skip
+    try:
+        fds = Path(f"/proc/{holder.pid}/fd")
+        wait_until(lambda: any(os.readlink(fd) == str(device) for fd in fds.iterdir()), 10, "the holder's device")
+        listed = cli("kill-stale", "--profile", "two", "--config", str(cfg), "--dry-run", "--json")
+        assert listed.returncode == 0, listed.output
+        by_node = {n["node"]: n for n in json.loads(listed.stdout)["nodes"]}
+        assert [c["pid"] for c in by_node[labels[1]]["candidates"]] == [holder.pid], by_node
+        assert holder.pid not in [c["pid"] for c in by_node[labels[0]]["candidates"]], by_node
+        assert holder.poll() is None  # a dry run signals nothing
+
+        done = cli("kill-stale", "--profile", "two", "--config", str(cfg), "--yes", "--grace", "2", "--json")
+        assert done.returncode == 0, done.output
+        signalled = {n["node"]: n["signalled"] for n in json.loads(done.stdout)["nodes"]}
+        assert len(signalled[labels[1]]) == 1 and not signalled[labels[0]], signalled
+        assert holder.wait(timeout=30) is not None
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        device.unlink(missing_ok=True)

@@ -135,12 +135,15 @@ def test_the_agent_probe_picks_a_free_port_and_routes_loopback_from_loopback() -
     assert net.ssh_address({}) is None
 
 
-@pytest.mark.parametrize("argv", [["status"], ["doctor", "a", "b"], ["kill-stale", "a", "b", "--dry-run"]])
+@pytest.mark.parametrize("argv", [["status"], ["doctor", "a", "b"], ["runs", "a", "b"]])
 def test_bad_targets_on_the_command_line_exit_2_with_one_error_line(argv: list[str], tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[profiles.one]\n", encoding="utf-8")  # a profile with no nodes
     done = subprocess.run(
-        [sys.executable, "-m", "tui", *argv, "--config", str(tmp_path / "none.toml")],
+        [sys.executable, "-m", "tui", *argv, "--config", str(config), "--profile", "one"],
         capture_output=True, text=True, timeout=60, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     errors = [ln for ln in done.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "TARGET" in errors[0], errors

@@ -27,6 +27,7 @@ from tui.cli.common import (
     print_json,
     say,
 )
+from tui.cli.run import kill_stale_on
 from tui.hosttext import printable
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session
@@ -261,6 +262,36 @@ async def stop_all_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
     return EXIT_OK if all(ok for _, ok, _ in done) else EXIT_FAILED
 
 
+async def kill_stale_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
+    """``kill-stale`` on every node, one after the other, each its own list (and with --yes its own signals)."""
+    failed = await connect_all(nodes)
+    objs: list[dict[str, Any]] = []
+    code = EXIT_OK
+    try:
+        for node in nodes:
+            if node.label in failed:
+                problem = _first_line(failed[node.label].message)
+                err(f"[{node.label}] unreachable: {problem}")
+                objs.append(_node_object(node, error=problem))
+                code = EXIT_CONNECTION
+                continue
+            assert node.session is not None
+            try:
+                rc, obj = await kill_stale_on(node.session, args, f"node {node.rank} {node.label}")
+            except CommandFailed as exc:
+                err(f"[{node.label}] {exc.message}")
+                objs.append(_node_object(node, error=exc.message))
+                code = max(code, EXIT_CONNECTION if exc.lost else EXIT_FAILED)
+                continue
+            objs.append(_node_object(node, **obj))
+            code = max(code, rc)
+    finally:
+        await close_all(nodes)
+    if args.json:
+        print_json({"nodes": objs})
+    return code
+
+
 class _TaggedLines:
     """One node's log bytes cut into lines, each written tagged (tui/nodes.tag_line); a partial line waits."""
 
@@ -357,7 +388,7 @@ def check_multi(verb: str) -> None:
         raise UsageError(f"{verb} takes one TARGET; several nodes are for {', '.join(sorted(MULTI_VERBS))}")
 
 
-MULTI_VERBS = frozenset({"connect", "launch", "status", "stop", "restart", "logs"})
+MULTI_VERBS = frozenset({"connect", "launch", "status", "stop", "restart", "logs", "kill-stale"})
 
 
 def _cwd_for(args: argparse.Namespace, profile: Profile) -> Callable[[Node], str | None]:
@@ -383,6 +414,8 @@ async def run_nodes(args: argparse.Namespace) -> int:
         return await status_nodes(args, nodes)
     if args.subcommand == "stop":
         return await stop_all_nodes(args, nodes)
+    if args.subcommand == "kill-stale":
+        return await kill_stale_nodes(args, nodes)
     if args.subcommand == "restart":
         if args.command:
             raise UsageError("restart over several nodes launches the profile again; `-- COMMAND` is for launch")
