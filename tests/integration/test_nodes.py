@@ -371,6 +371,7 @@ async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_
     from support.pilot import wait_until as pilot_wait
 
     from tui.dashboard.nodes_app import NodesApp
+    from tui.dashboard.widgets.charts import Charts
     from tui.dashboard.widgets.gpu_bars import GpuBars
     from tui.dashboard.widgets.proc_tree import ProcTree
     from tui.dashboard.widgets.text_line import TextLine
@@ -435,6 +436,9 @@ async def test_the_dashboard_launches_and_restarts_on_both_nodes_shows_both_and_
             )
             failure = screen.query_one("#failure-line", TextLine)
             assert not failure.text.plain.strip(), failure.text.plain
+            for i in (0, 1):  # each node's training chart: its own rank's steps
+                chart = screen.query_one(f"#charts-{i}", Charts)
+                await pilot_wait(pilot, lambda chart=chart: "step" in pane_text(chart), 30, f"node {i}'s chart")
             top = screen.query_one("#run-line", TextLine).text.plain  # the milestones over both nodes
             assert f"run {again.run_id} running" in top and "first-step ✓" in top, top
 

@@ -33,6 +33,7 @@ from tui.nodes import Launched, Node, close_all, launch_run, node_cwd, stop_node
 from tui.profiles import DEFAULT_PROFILE, Profile
 
 FLUSH_INTERVAL_S = 0.1
+CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second
 STOP_GRACE_S = 30.0
 
 __all__ = ["NodesApp", "run_nodes_dashboard"]
@@ -88,6 +89,7 @@ class NodesApp(App[int]):
         self._unsubscribe: list[Any] = []
         self.theme_names: list[str] = []
         self.last_launch: Launched | None = None  # what the last l or r came to
+        self._last_chart_draw = 0.0
 
     def get_default_screen(self) -> Screen[Any]:
         return NodesScreen(self.state)
@@ -139,9 +141,13 @@ class NodesApp(App[int]):
                 self.state.dirty.add("header")
         if not self.state.dirty:
             return
+        now = time.monotonic()
+        charts_allowed = now - self._last_chart_draw >= CHART_INTERVAL_S
+        if charts_allowed:
+            self._last_chart_draw = now
         try:
             with self.batch_update():
-                self.screen_of_nodes.apply()
+                self.screen_of_nodes.apply(charts_allowed=charts_allowed)
         except NoMatches:
             return  # being torn down
 

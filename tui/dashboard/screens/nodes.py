@@ -1,4 +1,5 @@
-"""One screen for a run across several nodes: each node's GPUs and processes grouped under its label, one log
+"""One screen for a run across several nodes: each node's GPUs, training charts (its ranks' series) and processes
+grouped under its label, one log
 of every node's lines tagged ``[node]`` / ``[node/rank R]``, and a failure anywhere named at the top.
 
 Each node keeps its own ``DashboardState`` (the one-node dashboard's models, fed that node's events only, so a
@@ -14,10 +15,12 @@ from collections.abc import Callable
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.markup import escape
 from textual.screen import Screen
 
 from engine import protocol
 from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.widgets.charts import Charts
 from tui.dashboard.widgets.gpu_bars import GpuBars
 from tui.dashboard.widgets.log_tail import LogModel, LogPane
 from tui.dashboard.widgets.proc_tree import ProcTree
@@ -92,7 +95,8 @@ class NodesScreen(Screen[None]):
     NodesScreen > #nodes-header > TextLine.-failed { color: $error; text-style: bold; }
     NodesScreen > #nodes-upper { height: auto; max-height: 60%; }
     NodesScreen .node-row { height: auto; }
-    NodesScreen .node-row > GpuBars { width: 3fr; }
+    NodesScreen .node-row > .node-left { width: 3fr; height: auto; }
+    NodesScreen .node-left > Charts { max-height: 10; border: round $panel-lighten-2; border-title-color: $text-muted; }
     NodesScreen .node-row > ProcTree { width: 2fr; height: auto; }
     NodesScreen > #log { height: 1fr; min-height: 6; }
     """
@@ -112,16 +116,20 @@ class NodesScreen(Screen[None]):
             for i, label in enumerate(self.state.labels):
                 node = self.state.nodes[label]
                 with Horizontal(classes="node-row", id=f"node-{i}"):
-                    yield GpuBars(id=f"gpus-{i}")
+                    with Vertical(classes="node-left"):
+                        yield GpuBars(id=f"gpus-{i}")
+                        yield Charts(node.charts, id=f"charts-{i}")
                     yield ProcTree(node.health, node.clock, id=f"procs-{i}")
         yield LogPane(self.state.log, id="log")
         yield TextLine(NODES_KEYS, id="footer")
 
     def on_mount(self) -> None:
         for i, label in enumerate(self.state.labels):
-            self.query_one(f"#gpus-{i}", GpuBars).border_title = f"GPUs · node {i} · {printable(label)}"
-            self.query_one(f"#procs-{i}", ProcTree).border_title = f"processes · {printable(label)}"
-        self.query_one(LogPane).border_title = "log · every node ([node] / [node/rank R]; / filters, e.g. a node)"
+            name = escape(printable(label))  # a border title is markup: a label's brackets stay text
+            self.query_one(f"#gpus-{i}", GpuBars).border_title = f"GPUs · node {i} · {name}"
+            self.query_one(f"#procs-{i}", ProcTree).border_title = f"processes · node {i} · {name}"
+            self.query_one(f"#charts-{i}", Charts).border_title = f"training · node {i} · {name}"
+        self.query_one(LogPane).border_title = escape("log · every node, tagged [node] or [node/rank R] (/ filters)")
         self.ready = True
         self.state.dirty.add("header")
         self.apply()
@@ -130,7 +138,8 @@ class NodesScreen(Screen[None]):
     def log_pane(self) -> LogPane:
         return self.query_one(LogPane)
 
-    def apply(self) -> None:
+    def apply(self, *, charts_allowed: bool = True) -> None:
+        """Draw what changed; charts only when ``charts_allowed`` (they redraw a few times a second at most)."""
         state = self.state
         dirty = set(state.dirty)
         state.dirty.clear()
@@ -145,6 +154,11 @@ class NodesScreen(Screen[None]):
                 bars.update_anomalies(node.anomalies)
             if f"procs:{label}" in dirty:
                 self.query_one(f"#procs-{i}", ProcTree).update_procs(node.procs)
+            if f"charts:{label}" in dirty or node.charts.dirty:
+                if charts_allowed:
+                    self.query_one(f"#charts-{i}", Charts).redraw()
+                else:
+                    state.dirty.add(f"charts:{label}")
         if "log" in dirty:
             self.log_pane.flush()
 
