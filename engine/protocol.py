@@ -906,6 +906,7 @@ class RendezvousReply:
 
     hostname: str = ""
     ssh_address: str | None = None  # the address the client's SSH reached this node at; None outside SSH
+    ssh_client: str | None = None  # the address that SSH client came from (this node's view of the client)
     routes: dict[str, str | None] = field(default_factory=dict)  # peer -> this node's source address towards it
     port: int | None = None  # with pick_port: the port asked for when free here, else one the kernel gave
 

@@ -28,8 +28,8 @@ from tui.relaunch import launch_spec
 ENV_NNODES = "SPECDEC_NNODES"
 ENV_NODE_RANK = "SPECDEC_NODE_RANK"
 ENV_RDZV_ENDPOINT = "SPECDEC_RDZV_ENDPOINT"
-PEER_LEFT = "failed or left the run"
-LOST_NODE = "lost the node"  # how a surviving rank's cause names a peer that went away
+PEER_LEFT = "failed or left the run"  # how a surviving rank's cause names a peer that went away
+LOST_NODE = "lost the node"  # how a node's wait says its link was lost
 RENDEZVOUS_TIMEOUT_S = 30.0
 
 
@@ -122,12 +122,16 @@ def _session(node: Node) -> Session:
 
 async def rendezvous_endpoint(nodes: list[Node], profile: Profile) -> str:
     """``ADDR:PORT`` of the c10d rendezvous on the first node: the profile's address, else the first node's route
-    to the others; the profile's port when free there, else 29500 when free, else one the kernel gives."""
-    first, others = nodes[0], nodes[1:]
+    to the others; the profile's port (RendezvousError when it is taken there), else 29500 when free there, else
+    one the kernel gives."""
+    first = nodes[0]
     asked = await asyncio.gather(
-        *(_session(n).ask(protocol.RendezvousReply, "rendezvous", timeout_s=RENDEZVOUS_TIMEOUT_S) for n in others)
+        *(_session(n).ask(protocol.RendezvousReply, "rendezvous", timeout_s=RENDEZVOUS_TIMEOUT_S) for n in nodes)
     )
-    peers = [r.ssh_address or "127.0.0.1" for r in asked]  # a node reached without SSH is the client's machine
+    # A node reached without SSH is the client's machine: the first node sees it as its SSH client (loopback when
+    # the first node is this machine too).
+    client = asked[0].ssh_client or "127.0.0.1"
+    peers = [r.ssh_address or client for r in asked[1:]]
     here = await _session(first).ask(
         protocol.RendezvousReply,
         "rendezvous",

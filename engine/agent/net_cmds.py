@@ -27,6 +27,7 @@ def _rendezvous(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
     return {
         "hostname": socket.gethostname(),
         "ssh_address": net.ssh_address(),
+        "ssh_client": net.ssh_client(),
         "routes": routes,
         "port": net.pick_port(port) if args.get("pick_port") else None,
     }

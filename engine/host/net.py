@@ -55,3 +55,9 @@ def ssh_address(env: dict[str, str] | None = None) -> str | None:
     SSH."""
     words = (os.environ if env is None else env).get("SSH_CONNECTION", "").split()
     return words[2] if len(words) == 4 else None
+
+
+def ssh_client(env: dict[str, str] | None = None) -> str | None:
+    """The address the SSH client came from (the first word of ``SSH_CONNECTION``), None outside SSH."""
+    words = (os.environ if env is None else env).get("SSH_CONNECTION", "").split()
+    return words[0] if len(words) == 4 else None

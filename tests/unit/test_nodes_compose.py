@@ -132,6 +132,7 @@ def test_the_agent_probe_picks_a_free_port_and_routes_loopback_from_loopback() -
         other = net.pick_port(taken)
         assert other != taken and net.port_free(other)
     assert net.ssh_address({"SSH_CONNECTION": "10.0.0.9 5555 10.0.0.1 22"}) == "10.0.0.1"
+    assert net.ssh_client({"SSH_CONNECTION": "10.0.0.9 5555 10.0.0.1 22"}) == "10.0.0.9"
     assert net.ssh_address({}) is None
 
 
