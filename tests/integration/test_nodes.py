@@ -536,3 +536,40 @@ def test_kill_stale_lists_and_signals_each_nodes_own_stale_holders(
             holder.kill()
             holder.wait()
         device.unlink(missing_ok=True)
+
+
+async def test_in_the_dashboard_one_nodes_lost_link_reconnects_on_its_own_while_the_other_keeps_streaming(
+    sshd_pair: list[Any], tmp_path: Path
+) -> None:
+    from support.pilot import wait_until as pilot_wait
+
+    from tui.dashboard.nodes_app import NodesApp
+    from tui.link.events import ConnectionEvent
+    from tui.link.session import ConnectOptions
+    from tui.nodes import resolve_nodes
+    from tui.profiles import resolve_profile
+
+    cfg, roots, labels = two_node_profile(sshd_pair, tmp_path)
+    nodes = resolve_nodes([], resolve_profile("two", str(cfg)), ConnectOptions(simulate_gpus=2))
+    app = NodesApp(nodes, flush_interval_s=0.05, gpu_interval_s=0.2)
+    states: list[list[str]] = [[], []]
+    async with app.run_test(size=(160, 50)) as pilot:
+        for i, node in enumerate(nodes):
+            assert node.session is not None
+            node.session.add_event_listener(
+                lambda ev, i=i: states[i].append(ev.state) if isinstance(ev, ConnectionEvent) else None
+            )
+        sampled = [app.state.nodes[label] for label in labels]
+        await pilot_wait(pilot, lambda: all(s.gpus is not None for s in sampled), 30, "both nodes' GPU samples")
+        killed = agent_pids(roots[1])
+        assert killed, "node 1's agent not found"
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        await pilot_wait(pilot, lambda: "reconnecting" in states[1], 30, "node 1's link to drop")
+        node0_t = sampled[0].gpus.t if sampled[0].gpus else 0.0
+        await pilot_wait(pilot, lambda: states[1][-1:] == ["connected"], 60, "node 1's link back")
+        t1 = sampled[1].gpus.t if sampled[1].gpus else 0.0
+        await pilot_wait(pilot, lambda: sampled[1].gpus is not None and sampled[1].gpus.t > t1, 30, "node 1 streams")
+        assert sampled[0].gpus is not None and sampled[0].gpus.t > node0_t  # node 0 kept streaming meanwhile
+        assert "reconnecting" not in states[0], states[0]
+        await pilot.press("q")
