@@ -214,6 +214,12 @@ def test_a_rank_killed_on_one_node_is_named_with_node_and_rank_and_stop_then_lea
         named_s = time.monotonic() - t_kill
         assert failed["failed_node"] == labels[1] and failed["failed_rank"] == rank_of_node1, failed
         assert f"rank {rank_of_node1}" in failed["cause"] and "SIGKILL" in failed["cause"], failed
+        human = cli("status", "--profile", "two", "--config", str(cfg))
+        assert human.returncode == 0, human.output
+        lines = human.stdout.splitlines()
+        assert lines[0].startswith(f"run {run.run_id}  state failed"), human.stdout
+        assert any(ln.startswith(f"  cause node {labels[1]}: rank {rank_of_node1}") for ln in lines), human.stdout
+        assert [ln.split("]")[0] for ln in lines if ln.startswith("  [")] == [f"  [{label}" for label in labels]
 
         stop = cli("stop", "--profile", "two", "--config", str(cfg), "--grace", "10", timeout_s=120)
         assert stop.returncode == 0, stop.output
