@@ -406,6 +406,13 @@ async def run_nodes(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         raise UsageError(str(exc)) from None
     nodes = nodes_of(args, profile, connect_options(args))
+    try:
+        return await _run_verb(args, nodes, profile)
+    except NodesError as exc:  # a malformed TARGET, found before any node is connected
+        raise UsageError(str(exc)) from None
+
+
+async def _run_verb(args: argparse.Namespace, nodes: list[Node], profile: Profile) -> int:
     if args.subcommand == "launch":
         return await launch_nodes(args, nodes, profile, _cwd_for(args, profile))
     if args.subcommand == "status":
