@@ -124,7 +124,13 @@ def cmd_connect_nodes(args: argparse.Namespace) -> int:
         profile = resolve_profile(args.profile, args.config)
     except ProfileError as exc:
         raise UsageError(str(exc)) from None
-    return run_nodes_dashboard(nodes.nodes_of(args, profile, connect_options(args)), profile=profile, theme=args.theme)
+    chosen = nodes.nodes_of(args, profile, connect_options(args))
+    try:
+        for node in chosen:
+            node.open()
+    except ValueError as exc:  # a malformed TARGET, before the screen is drawn
+        raise UsageError(str(exc)) from None
+    return run_nodes_dashboard(chosen, profile=profile, theme=args.theme)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -136,7 +136,9 @@ def test_the_agent_probe_picks_a_free_port_and_routes_loopback_from_loopback() -
     assert net.ssh_address({}) is None
 
 
-@pytest.mark.parametrize("argv", [["status"], ["doctor", "a", "b"], ["runs", "a", "b"], ["stop", "a b", "c"]])
+@pytest.mark.parametrize(
+    "argv", [["status"], ["doctor", "a", "b"], ["runs", "a", "b"], ["stop", "a b", "c"], ["connect", "a b", "c"]]
+)
 def test_bad_targets_on_the_command_line_exit_2_with_one_error_line(argv: list[str], tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[profiles.one]\n", encoding="utf-8")  # a profile with no nodes
