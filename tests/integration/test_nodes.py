@@ -51,7 +51,7 @@ def node_table(s: Any, run_root: Path, port: int | None = None) -> str:
     )
 
 
-def write_profile(tmp: Path, nodes: list[str]) -> Path:
+def write_profile(tmp: Path, nodes: list[str], extra: str = "") -> Path:
     engine = tmp / "engine.toml"
     engine.write_text(ENGINE_TOML, encoding="utf-8")
     cfg = tmp / "config.toml"
@@ -61,6 +61,7 @@ def write_profile(tmp: Path, nodes: list[str]) -> Path:
         f'cwd = "{REPO}"\n'
         'env = { OMP_NUM_THREADS = "1" }\n'
         f"deadlines_s = {{ first-step = {START_TIMEOUT_S} }}\n"
+        f"{extra}"
         "[profiles.two.engine]\n"
         f'config = "{engine}"\n',
         encoding="utf-8",
@@ -579,3 +580,44 @@ async def test_in_the_dashboard_one_nodes_lost_link_reconnects_on_its_own_while_
         assert sampled[0].gpus is not None and sampled[0].gpus.t > node0_t  # node 0 kept streaming meanwhile
         assert "reconnecting" not in states[0], states[0]
         await pilot.press("q")
+
+
+@pytest.mark.timeout(900)
+def test_under_a_restart_policy_a_rank_killed_on_one_node_restarts_the_run_on_both_nodes_which_step_again(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    policy = 'restart = { on = ["crash"], max = 1, backoff_s = 1 }\n'
+    cfg = write_profile(tmp_path, [node_table(s, r) for s, r in zip(sshd_pair, roots, strict=True)], policy)
+    labels = [f"{s.target}:{s.port}" for s in sshd_pair]
+    r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--json",
+            timeout_s=START_TIMEOUT_S + 60)  # fmt: skip
+    try:
+        assert r.returncode == 0, r.output
+        run = run_of(cfg, labels, roots, json.loads(r.stdout)["run_id"])
+        rank_of_node1 = next(iter(run.pids[1]))
+        os.kill(run.pids[1][rank_of_node1], signal.SIGKILL)
+        t_kill = time.monotonic()
+
+        def both_restarted() -> bool:
+            return all(records.read_json(d / records.RESTARTS_JSON) for d in run.dirs)
+
+        wait_until(both_restarted, 120, "a restart on both nodes", interval_s=0.5)
+
+        def stepping_again() -> dict[str, Any] | None:
+            st = status_json(cli, cfg)
+            runs = [n["status"]["run"] for n in st["nodes"]]
+            again = all(
+                r and r["state"] == "running" and len(r["restarts"]) == 1 and r["restarts"][0].get("restarted_at")
+                and (r.get("last_step_at") or 0) > r["restarts"][0]["restarted_at"]  # a step of the new attempt
+                for r in runs
+            )  # fmt: skip
+            return st if again and st["run"]["state"] == "running" else None
+
+        st = wait_until(stepping_again, START_TIMEOUT_S, "both nodes stepping in attempt 2", interval_s=1.0)
+        back_s = time.monotonic() - t_kill
+        assert st["run"]["run_id"] == run.run_id, st["run"]
+    finally:
+        stop_both(cli, cfg)
+    assert_nothing_left(run, "after the stop")
+    print(f"restart policy over two nodes: a rank killed on node 1, both nodes stepping again {back_s:.1f} s later")
