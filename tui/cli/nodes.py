@@ -1,4 +1,5 @@
-"""The headless commands over several nodes: one launch, one status, one stop, one merged log (tui/nodes.py).
+"""The headless commands over several nodes (tui/nodes.py): one launch, status, stop and restart, a merged log,
+and kill-stale node by node.
 
 A launch connects to every node before it starts anything: a node that cannot be reached is named and nothing
 starts. It then launches node 0 (the rendezvous host) and the others under node 0's run id; a node whose launch
