@@ -70,6 +70,8 @@ doctor      {}                                          -> {"checks": [{"name", 
 sim         {gpu, util_pct, mem_used_mib, holder_pid}   -> {}   only with --simulate-gpus: script an anomalous state
 host_map    {ctid}                                      -> HostMap fields; run on a Proxmox host: NVML's processes
                                                            there, each mapped to its container and its PID inside it
+rendezvous  {peers?: [str], port?: int, pick_port?: bool} -> RendezvousReply fields: where a multi-node run's c10d
+                                                           store can live here (the route to each peer, a free port)
 host_holders {map: HostMap fields | None, error: str | None}
                                                         -> {"accepted", "holders"}; the client hands the host's map to
                                                            the container's agent, whose holders are then exact
@@ -943,6 +945,17 @@ class LaunchReply:
     submitted_at: float | None = None
     note: str | None = None
     command: list[str] | None = None
+
+
+@dataclass
+class RendezvousReply:
+    """``rendezvous``: where a multi-node run's c10d store can live on this node (engine/agent/net_cmds.py)."""
+
+    hostname: str = ""
+    ssh_address: str | None = None  # the address the client's SSH reached this node at; None outside SSH
+    ssh_client: str | None = None  # the address that SSH client came from (this node's view of the client)
+    routes: dict[str, str | None] = field(default_factory=dict)  # peer -> this node's source address towards it
+    port: int | None = None  # with pick_port: the port asked for when free here, else one the kernel gave
 
 
 @dataclass

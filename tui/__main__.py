@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tui.cli import monitor, run
+from tui.cli import monitor, nodes, run
 from tui.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -53,6 +53,29 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def choose_targets(args: argparse.Namespace) -> bool:
+    """Set ``args.target`` (the first TARGET, else the profile's first node); True when the command spans several
+    nodes (several TARGETs, or none and a ``--profile`` with ``nodes``). Raises UsageError."""
+    from tui.profiles import ProfileError, resolve_profile
+
+    targets = list(args.targets)
+    if not targets:
+        try:
+            profile = resolve_profile(args.profile, args.config)
+        except ProfileError as exc:
+            raise UsageError(str(exc)) from None
+        if not profile.nodes:
+            raise UsageError("a TARGET is needed (or --profile NAME of a profile with nodes)")
+        targets = [n.target for n in profile.nodes]
+        if len(targets) == 1:
+            args.targets = targets
+    args.target = targets[0]
+    if len(targets) > 1 or not args.targets:
+        nodes.check_multi(args.subcommand)
+        return True
+    return False
+
+
 def cmd_connect(args: argparse.Namespace) -> int:
     from tui.link.session import ConnectError, open_session
     from tui.profiles import ProfileError, resolve_profile
@@ -92,6 +115,24 @@ def cmd_connect(args: argparse.Namespace) -> int:
     return int(run_dashboard(session, profile=profile, theme=args.theme, on_connect=on_connect))
 
 
+def cmd_connect_nodes(args: argparse.Namespace) -> int:
+    """The dashboard of one run across several nodes: every node's link is its own, shown on its line."""
+    from tui.dashboard.nodes_app import run_nodes_dashboard
+    from tui.profiles import ProfileError, resolve_profile
+
+    try:
+        profile = resolve_profile(args.profile, args.config)
+    except ProfileError as exc:
+        raise UsageError(str(exc)) from None
+    chosen = nodes.nodes_of(args, profile, connect_options(args))
+    try:
+        for node in chosen:
+            node.open()
+    except ValueError as exc:  # a malformed TARGET, before the screen is drawn
+        raise UsageError(str(exc)) from None
+    return run_nodes_dashboard(chosen, profile=profile, theme=args.theme)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     opts, command = split_command(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -100,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"`-- COMMAND` is only for launch and restart, not {args.subcommand}")
     args.command = command
     try:
+        if choose_targets(args):
+            if args.func is None:
+                return cmd_connect_nodes(args)
+            return run_async(nodes.run_nodes(args))
         if args.func is None:
             return cmd_connect(args)
         return run_async(args.func(args))

@@ -19,6 +19,10 @@ The config file (``--config FILE``, default ``<user config dir>/specdec-tui/conf
     preset = "cpu-demo"                # or: config = "/root/work/train.toml" (a path on the host)
     args = []                          # extra trainer arguments
 
+    [profiles.two-nodes]               # one run over several machines: the engine as torchrun on each
+    nodes = ["gpu-a", { target = "root@gpu-b", pct = 200, port = 2222 }]   # the first hosts the rendezvous
+    rendezvous = { address = "10.0.0.1", port = 29500 }   # optional: default the first node's route, a free port
+
 Without any file, the built-in profile ``default`` starts the engine's ``cpu-demo`` preset.
 Every error names the file, the key and what is allowed.
 """
@@ -46,7 +50,9 @@ DEFAULT_STEP_PATTERN = r"step=\d+"
 DEFAULT_DEADLINES_S: dict[str, float] = {"submitted": 10.0, "started": 15.0, "output": 60.0, "first-step": 900.0}
 ENGINE_PRESET_DEFAULT = "cpu-demo"
 
-_PROFILE_KEYS = {"command", "cwd", "env", "step_pattern", "deadlines_s", "engine", "restart"}
+_PROFILE_KEYS = {"command", "cwd", "env", "step_pattern", "deadlines_s", "engine", "restart", "nodes", "rendezvous"}
+_NODE_KEYS = {"target", "pct", "port", "identity", "known_hosts", "python", "run_root"}
+_RENDEZVOUS_KEYS = {"address", "port"}
 _ENGINE_KEYS = {"preset", "config", "args"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -71,6 +77,29 @@ class EngineConfig:
         return out + list(self.args)
 
 
+@dataclass(frozen=True)
+class Node:
+    """One machine of a multi-node profile: an SSH target and its own connection options (None: the command
+    line's, else ``~/.ssh/config``'s)."""
+
+    target: str
+    pct: int | None = None
+    port: int | None = None
+    identity: str | None = None
+    known_hosts: str | None = None
+    python: str | None = None
+    run_root: str | None = None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the c10d rendezvous of a multi-node run listens: None picks the first node's route to the others
+    (the address) and a port checked free there (29500 when it is)."""
+
+    address: str | None = None
+    port: int | None = None
+
+
 @dataclass
 class Profile:
     name: str
@@ -81,6 +110,8 @@ class Profile:
     deadlines_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DEADLINES_S))
     engine: EngineConfig = field(default_factory=EngineConfig)
     restart: dict[str, Any] | None = None  # protocol.parse_policy's table, as a dict; None: never restarted
+    nodes: list[Node] = field(default_factory=list)  # several: one run across them (the first: rendezvous host)
+    rendezvous: Rendezvous = field(default_factory=Rendezvous)
     source: str = "built-in"
 
     def as_dict(self) -> dict[str, Any]:
@@ -93,6 +124,8 @@ class Profile:
             "deadlines_s": dict(self.deadlines_s),
             "engine": {"preset": self.engine.preset, "config": self.engine.config, "args": list(self.engine.args)},
             "restart": dict(self.restart) if self.restart is not None else None,
+            "nodes": [{k: v for k, v in vars(n).items() if v is not None} for n in self.nodes],
+            "rendezvous": {"address": self.rendezvous.address, "port": self.rendezvous.port},
             "source": self.source,
         }
 
@@ -190,6 +223,10 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
         except protocol.PolicyError as exc:
             key = f"{where}.restart" + (f".{exc.key}" if exc.key else "")
             raise _err(path, key, exc.problem) from None
+    if "nodes" in raw:
+        prof.nodes = _parse_nodes(path, f"{where}.nodes", raw["nodes"])
+    if "rendezvous" in raw:
+        prof.rendezvous = _parse_rendezvous(path, f"{where}.rendezvous", raw["rendezvous"])
     if "engine" in raw:
         eng = raw["engine"]
         if not isinstance(eng, dict):
@@ -208,6 +245,63 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
             args=_str_list(path, f"{where}.engine.args", eng["args"]) if "args" in eng else [],
         )
     return prof
+
+
+def _parse_node(path: Path, key: str, raw: Any) -> Node:
+    if isinstance(raw, str):
+        raw = {"target": raw}
+    if not isinstance(raw, dict):
+        raise _err(path, key, 'a node is an SSH target ("gpu-a") or a table { target = "gpu-a", pct = 200, ... }')
+    unknown = sorted(set(raw) - _NODE_KEYS)
+    if unknown:
+        raise _err(path, f"{key}.{unknown[0]}", f"unknown key; allowed: {', '.join(sorted(_NODE_KEYS))}")
+    target = raw.get("target")
+    if not isinstance(target, str) or not target:
+        raise _err(path, f"{key}.target", "must be an SSH target: [user@]host[:port] or a Host alias, or 'local'")
+    if any(c.isspace() for c in target) or target.startswith("-"):
+        raise _err(path, f"{key}.target", f"not an SSH target: {target!r}")
+    ints: dict[str, int] = {}
+    for k, top in (("pct", 999_999_999), ("port", 65535)):
+        if k in raw:
+            v = raw[k]
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= top:
+                raise _err(path, f"{key}.{k}", f"must be an integer 1..{top}, got {v!r}")
+            ints[k] = v
+    strs: dict[str, str] = {}
+    for k in ("identity", "known_hosts", "python", "run_root"):
+        if k in raw:
+            if not isinstance(raw[k], str) or not raw[k]:
+                raise _err(path, f"{key}.{k}", "must be a non-empty string")
+            strs[k] = raw[k]
+    return Node(target=target, pct=ints.get("pct"), port=ints.get("port"), **strs)
+
+
+def _parse_nodes(path: Path, key: str, raw: Any) -> list[Node]:
+    if not isinstance(raw, list) or not raw:
+        raise _err(path, key, 'must be a non-empty list of SSH targets, e.g. nodes = ["gpu-a", "gpu-b"]')
+    nodes = [_parse_node(path, f"{key}[{i}]", item) for i, item in enumerate(raw)]
+    seen: set[tuple[str, int | None, int | None, str | None]] = set()
+    for i, n in enumerate(nodes):
+        ident = (n.target, n.port, n.pct, n.run_root)
+        if ident in seen:
+            raise _err(path, f"{key}[{i}]", f"names {n.target} twice (same port, container and run root)")
+        seen.add(ident)
+    return nodes
+
+
+def _parse_rendezvous(path: Path, key: str, raw: Any) -> Rendezvous:
+    if not isinstance(raw, dict):
+        raise _err(path, key, 'must be a table, e.g. rendezvous = { address = "10.0.0.1", port = 29500 }')
+    unknown = sorted(set(raw) - _RENDEZVOUS_KEYS)
+    if unknown:
+        raise _err(path, f"{key}.{unknown[0]}", f"unknown key; allowed: {', '.join(sorted(_RENDEZVOUS_KEYS))}")
+    address = raw.get("address")
+    if address is not None and (not isinstance(address, str) or not address or any(c.isspace() for c in address)):
+        raise _err(path, f"{key}.address", "must be a host name or address the other nodes reach the first at")
+    port = raw.get("port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise _err(path, f"{key}.port", f"must be a port 1..65535, got {port!r}")
+    return Rendezvous(address=address, port=port)
 
 
 def load_profiles(config: str | None) -> tuple[dict[str, Profile], str | None, Path | None]:

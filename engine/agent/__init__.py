@@ -4,7 +4,8 @@ One process per client connection (``python3 -m engine.agent.main``): commands i
 lines on stdio (engine.protocol). The arrows inside point one way, without a circle:
 
 * ``main`` imports the command modules (``monitor_cmds``: status, subscribe, logs, doctor, host map;
-  ``run_cmds``: launch, wait, stop, restart, kill-stale, stacks), whose ``@handler`` registrations fill
+  ``run_cmds``: launch, wait, stop, restart, kill-stale, stacks; ``net_cmds``: a multi-node run's
+  rendezvous), whose ``@handler`` registrations fill
   the table in ``commands``, and hands that table to the ``server`` (``Agent``: dispatch, one thread per
   command, replies);
 * ``commands`` and the command modules import ``server`` for ``Agent`` and ``CommandError``; ``server``

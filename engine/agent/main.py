@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from engine.agent import monitor_cmds, run_cmds
+from engine.agent import monitor_cmds, net_cmds, run_cmds
 from engine.agent.commands import HANDLERS, handler
 from engine.agent.server import Agent
 
-COMMAND_MODULES = (monitor_cmds, run_cmds)  # imported for their @handler registrations
+COMMAND_MODULES = (monitor_cmds, run_cmds, net_cmds)  # imported for their @handler registrations
 
 
 def default_run_root() -> Path:

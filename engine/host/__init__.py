@@ -19,6 +19,7 @@ Here:
   ``host_map``: the Proxmox host's NVML view mapped into a container.
 * ``gpus`` (NVML) and ``simulate`` (``--simulate-gpus``) are GPU sources; ``gpu_source`` picks one, so neither
   source imports the other. ``nvml_binding`` finds pynvml; ``capabilities`` says what the host can do.
+* ``net``: the route to a peer, a free TCP port, the address SSH reached us at (a rendezvous's place).
 * ``appended``: the one reader of files that only grow (offset, identity, carried partial line) and the one
   "last lines of a file"; the agent's log follower and events reader and the supervisor's run scanner use it.
 

@@ -250,6 +250,24 @@ def sshd(tmp_path_factory: pytest.TempPathFactory, tmux_socket: str) -> Iterator
         pytest.skip(str(exc))
 
 
+@pytest.fixture(scope="module")
+def sshd_pair(tmp_path_factory: pytest.TempPathFactory, tmux_socket: str) -> Iterator[list[Sshd]]:
+    """Two sshd on 127.0.0.1 (two ports, two host keys) as two machines, the second with a tmux server of its own
+    (a run id names its tmux session, and one run spans both)."""
+    second_socket = f"{tmux_socket}-node1"
+    try:
+        with (
+            running_sshd(tmp_path_factory.mktemp("sshd-node0"), tmux_socket) as first,
+            running_sshd(tmp_path_factory.mktemp("sshd-node1"), second_socket) as second,
+        ):
+            yield [first, second]
+    except SshdUnavailable as exc:
+        pytest.skip(str(exc))
+    finally:
+        if shutil.which("tmux"):
+            subprocess.run(["tmux", "-L", second_socket, "kill-server"], capture_output=True, timeout=10, check=False)
+
+
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[AgentPool]:
     """Agents on a fresh run root; every run they launched is ended at teardown."""

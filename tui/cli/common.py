@@ -67,7 +67,13 @@ def positive_float(text: str) -> float:
 def common_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("connection")
-    g.add_argument("target", metavar="TARGET", help="local, [user@]host[:port], or a Host alias of ~/.ssh/config")
+    g.add_argument(
+        "targets",
+        metavar="TARGET",
+        nargs="*",
+        help="local, [user@]host[:port], or a Host alias of ~/.ssh/config; several (or --profile NAME with nodes) "
+        "for one run across them (launch, status, stop, logs)",
+    )
     g.add_argument("--pct", type=_ctid, metavar="CTID", help="run everything inside Proxmox container CTID (pct exec)")
     g.add_argument("-i", "--identity", metavar="FILE", help="SSH private key")
     g.add_argument("-p", "--port", type=_port, metavar="N", help="SSH port")

@@ -326,43 +326,49 @@ def _holder_rows(items: list[protocol.HolderInfo]) -> list[str]:
     return out
 
 
+async def kill_stale_on(session: Session, args: argparse.Namespace, where: str) -> tuple[int, dict[str, Any]]:
+    """``kill-stale`` on one host: lists its stale GPU holders (human output unless --json, headed ``where``),
+    with --yes signals exactly those; returns the exit code and the ``--json`` object."""
+    listed = await session.request("kill_stale", timeout_s=60.0, dry_run=True, targets=None, grace_s=args.grace)
+    candidates = typed_reply(protocol.KillStaleReply, "kill_stale", listed).candidates
+    raw_candidates = listed.get("candidates") or []  # what --json prints: the holders as the agent sent them
+    if not args.json:
+        say(f"stale GPU holders on {where}{simulated_label(session)}: {len(candidates)}")
+        for line in _holder_rows(candidates):
+            say(line)
+    if args.dry_run or not candidates:
+        if not args.json and args.dry_run and candidates:
+            say("dry run: nothing signalled (use --yes to signal exactly these)")
+        return EXIT_OK, {"dry_run": bool(args.dry_run), "candidates": raw_candidates, "signalled": [], "failed": []}
+    targets = [[c.pid, c.create_time] for c in candidates]
+    unsubscribe = session.add_event_listener(_on_progress if not args.json else _quiet)
+    try:
+        done = await session.ask(
+            protocol.KillStaleReply,
+            "kill_stale",
+            timeout_s=args.grace + 120.0,
+            dry_run=False,
+            targets=targets,
+            grace_s=args.grace,
+        )
+    finally:
+        unsubscribe()
+    signalled, failed = done.signalled, done.failed
+    if not args.json:
+        for s in signalled:
+            say(f"  signalled {s}")
+        for f in failed:
+            say(f"  could not kill {f}")
+    obj = {"dry_run": False, "candidates": raw_candidates, "signalled": signalled, "failed": failed}
+    return (EXIT_OK if not failed else EXIT_FAILED), obj
+
+
 async def cmd_kill_stale(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        listed = await session.request("kill_stale", timeout_s=60.0, dry_run=True, targets=None, grace_s=args.grace)
-        candidates = typed_reply(protocol.KillStaleReply, "kill_stale", listed).candidates
-        raw_candidates = listed.get("candidates") or []  # what --json prints: the holders as the agent sent them
-        if not args.json:
-            say(f"stale GPU holders on {session.target_display}{simulated_label(session)}: {len(candidates)}")
-            for line in _holder_rows(candidates):
-                say(line)
-        if args.dry_run or not candidates:
-            if args.json:
-                print_json({"dry_run": bool(args.dry_run), "candidates": raw_candidates, "signalled": [], "failed": []})
-            elif args.dry_run and candidates:
-                say("dry run: nothing signalled (use --yes to signal exactly these)")
-            return EXIT_OK
-        targets = [[c.pid, c.create_time] for c in candidates]
-        unsubscribe = session.add_event_listener(_on_progress if not args.json else _quiet)
-        try:
-            done = await session.ask(
-                protocol.KillStaleReply,
-                "kill_stale",
-                timeout_s=args.grace + 120.0,
-                dry_run=False,
-                targets=targets,
-                grace_s=args.grace,
-            )
-        finally:
-            unsubscribe()
-        signalled, failed = done.signalled, done.failed
+        code, obj = await kill_stale_on(session, args, session.target_display)
         if args.json:
-            print_json({"dry_run": False, "candidates": raw_candidates, "signalled": signalled, "failed": failed})
-        else:
-            for s in signalled:
-                say(f"  signalled {s}")
-            for f in failed:
-                say(f"  could not kill {f}")
-        return EXIT_OK if not failed else EXIT_FAILED
+            print_json(obj)
+        return code
 
     return await with_session(args, body)
 
@@ -416,4 +422,4 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_kill_stale)
 
 
-__all__ = ["add_parsers", "launch_and_wait"]
+__all__ = ["add_parsers", "kill_stale_on", "launch_and_wait"]

@@ -139,6 +139,10 @@ class LogModel:
             self.unflushed_overflow += min(overflow, len(self._unflushed))
         self._unflushed.extend(lines)
 
+    def add_lines(self, lines: list[str]) -> None:
+        """Take whole lines another model already cut and cleaned (the merged log of several nodes)."""
+        self._take(lines)
+
     def take_unflushed(self) -> list[str]:
         out = list(self._unflushed)
         self._unflushed.clear()
