@@ -9,23 +9,26 @@
 #     mkdir -p .devcache/specdec-tui/targets && cp -r ~/.cache/specdec-tui/targets/<hash> .devcache/specdec-tui/targets/
 #     cp ~/.cache/specdec-tui/bench/regen-greedy.jsonl .devcache/
 # Usage (repo root, results under $OUT): sh tests/device/served_tau.sh [STEPS ...]
+#   DATA=shipped REGEN=0 sh tests/device/served_tau.sh 1500   # the "before": the same recipe on the shipped corpus
 set -u
 OUT=${OUT:-/tmp/out}
 W=/tmp/served_tau
 mkdir -p "$OUT" "$W"
 export SPECDEC_CACHE_DIR="$PWD/.devcache/specdec-tui" PYTHONUNBUFFERED=1
 steps=${*:-1500 4500 9000}
+data=${DATA:-$PWD/.devcache/regen-greedy.jsonl}
+regen=${REGEN:-1}
 t0=$(date +%s)
 for n in $steps; do
     timeout 420 python3 -m engine.trainer --preset cpu-demo --output-dir "$W/run$n" \
         --set 'target="tiny-trained"' --set 'target_devices=["cuda:0"]' --set 'drafter_devices=["cuda:0"]' \
         --set 'drafter_lrs=[2e-3]' --set step_delay_s=0 --set "steps=$n" --set "checkpoint_every=$n" \
-        --set log_every=500 --set "data=\"$PWD/.devcache/regen-greedy.jsonl\"" > "$W/run$n.log" 2>&1 &
+        --set log_every=500 --set "data=\"$data\"" > "$W/run$n.log" 2>&1 &
 done
-timeout 400 python3 -m engine.trainer regenerate --target tiny-trained --device cuda --batch-size 256 \
+[ "$regen" = 1 ] && timeout 400 python3 -m engine.trainer regenerate --target tiny-trained --device cuda --batch-size 256 \
     --max-new-tokens 128 --out "$W/regen-cuda.jsonl" --json > "$W/regen.json" 2> "$W/regen.log"
-echo "regenerate on cuda: exit $? in $(( $(date +%s) - t0 )) s: $(cat "$W/regen.json")"
-python3 - "$PWD/.devcache/regen-greedy.jsonl" "$W/regen-cuda.jsonl" <<'PY'
+[ "$regen" = 1 ] && echo "regenerate on cuda: exit $? in $(( $(date +%s) - t0 )) s: $(cat "$W/regen.json")"
+[ "$regen" = 1 ] && python3 - "$PWD/.devcache/regen-greedy.jsonl" "$W/regen-cuda.jsonl" <<'PY'
 import json, sys
 def replies(path):
     out = []
