@@ -67,6 +67,10 @@ class TrainerConfig:
     strict_data: bool = False
     buckets: list[int] = field(default_factory=lambda: [256])
     batch_size: int = 1
+    # Sequence packing: each row of a bucket holds several whole conversations, kept apart by a document mask
+    # (attention, positions and TTT targets stay inside each; engine/trainer/data/packing.py); off by default
+    # until measured on the device. Conversations only: random rows are full already.
+    packing: bool = False
     draft_vocab_size: int = 128
     # Ignored (still accepted so old configs load): the draft vocabulary now counts every training conversation.
     vocab_sample_batches: int | None = None
@@ -184,6 +188,7 @@ class TrainerConfig:
                 f"one positive learning rate per drafter device ({len(self.drafter_devices)})",
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
+        need(not (self.packing and self.data == DATA_RANDOM), "packing", "needs conversations (random rows are full)")
         need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
         need(self.eval_every >= 0, "eval_every", "an integer >= 0 (0: no evaluation during training)")
         need(

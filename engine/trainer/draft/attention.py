@@ -4,6 +4,9 @@ flex_attention skips the fully masked blocks (all off-diagonal blocks after the 
 speed comes from at long sequences. On the CPU flex_attention has no backward (torch 2.13 raises
 NotImplementedError), so CPU training uses scaled-dot-product attention with the same mask materialised;
 a test checks that the two forwards agree.
+
+Packed rows (``documents`` given) get a per-batch mask that keeps every conversation to itself (masks.py):
+a BlockMask made for the batch, or the dense ``(B, 1, T, K)`` mask.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.trainer.draft.masks import BlockMaskCache, dense_ttt_mask
+from engine.trainer.draft.masks import (
+    BlockMaskCache,
+    dense_document_ttt_mask,
+    dense_ttt_mask,
+    document_ttt_mask_mod,
+)
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
 IMPLS: tuple[str, ...] = ("flex", "sdpa")
@@ -61,8 +69,29 @@ class TTTAttention:
                 self._dense[key] = mask
         return mask
 
-    def prepare(self, device: torch.device, seq_len: int, step: int) -> Any:
-        """The mask argument for ``apply`` at this step: a flex BlockMask or the dense bool mask."""
+    def document_mask(self, documents: torch.Tensor, step: int) -> Any:
+        """The mask of a packed batch at this step (``documents`` ``(B, T)``): made for this batch, not cached."""
+        if self.impl != "flex":
+            return dense_document_ttt_mask(documents, step)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, t = documents.shape
+        with compile_guard():  # mask creation can trace (vmap over the mask_mod)
+            return create_block_mask(
+                document_ttt_mask_mod(documents),
+                B=b,
+                H=None,
+                Q_LEN=t,
+                KV_LEN=(step + 1) * t,
+                device=str(documents.device),
+            )
+
+    def prepare(self, device: torch.device, seq_len: int, step: int, documents: torch.Tensor | None = None) -> Any:
+        """The mask argument for ``apply`` at this step: a flex BlockMask or the dense bool mask.
+
+        ``documents`` (``(B, T)``, packed rows): the per-batch mask that keeps each conversation to itself."""
+        if documents is not None:
+            return self.document_mask(documents, step)
         if self.impl == "flex":
             return self.block_mask(device, seq_len, step)
         return self.dense_mask(device, seq_len, step)

@@ -3,6 +3,10 @@
 At TTT step ``i`` the queries are the ``T`` positions of this step and the keys are the K/V of steps
 ``0..i`` laid side by side (length ``(i + 1) * T``). Query ``q`` sees block 0 causally (``kv <= q``) and,
 in every later block ``j``, only its own position (the diagonal: ``kv - j * T == q``).
+
+Packed rows (data/packing.py) add one condition to block 0: the key is in the query's document
+(``documents[b, kv] == documents[b, q]``), so no token attends across conversations; the diagonals are a
+token's own position and need none. That mask depends on the batch, so it is made per batch, not cached.
 """
 
 from __future__ import annotations
@@ -34,6 +38,29 @@ def dense_ttt_mask(seq_len: int, step: int, device: torch.device | str = "cpu") 
 def unmasked_pairs(seq_len: int, step: int) -> int:
     """How many (query, key) pairs the mask allows at one step: causal block plus ``step`` diagonals."""
     return seq_len * (seq_len + 1) // 2 + step * seq_len
+
+
+def document_ttt_mask_mod(documents: torch.Tensor) -> Callable[[Any, Any, Any, Any], Any]:
+    """flex_attention mask_mod for packed rows: ``documents`` ``(B, T)`` numbers each row's conversations."""
+    seq_len = documents.shape[-1]
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        block = kv_idx // seq_len
+        pos = kv_idx % seq_len
+        same = documents[b, pos] == documents[b, q_idx]
+        return ((block == 0) & (pos <= q_idx) & same) | (pos == q_idx)
+
+    return mask_mod
+
+
+def dense_document_ttt_mask(documents: torch.Tensor, step: int) -> torch.Tensor:
+    """The packed mask materialised: bool ``(B, 1, T, (step + 1) * T)``, True where attention is allowed."""
+    seq_len = documents.shape[-1]
+    base = dense_ttt_mask(seq_len, step, documents.device)  # (T, K)
+    pos = torch.arange((step + 1) * seq_len, device=documents.device) % seq_len
+    first_block = torch.arange((step + 1) * seq_len, device=documents.device) < seq_len
+    same = documents[:, :, None] == documents[:, None, pos]  # (B, T, K)
+    return (base & (same | ~first_block))[:, None]
 
 
 class BlockMaskCache:
