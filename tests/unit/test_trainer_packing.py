@@ -127,6 +127,18 @@ def test_flex_document_mask_forward_equals_sdpa_path() -> None:
     torch.testing.assert_close(out_flex, direct[0] if isinstance(direct, tuple) else direct)
 
 
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_extended_block_mask_equals_the_block_mask_of_the_whole_step(step: int) -> None:
+    t = 256
+    docs = torch.tensor([[0] * 100 + [1] * 60 + [2] * 96, [0] * 200 + [1] * 56])
+    whole = create_block_mask(document_ttt_mask_mod(docs), 2, None, t, (step + 1) * t, device="cpu")
+    made = TTTAttention("flex", compiled=False).prepare(docs.device, t, step, docs)
+    assert torch.equal(made.to_dense(), whole.to_dense())
+    torch.manual_seed(step)
+    q, k, v = torch.randn(2, 2, t, 16), torch.randn(2, 2, (step + 1) * t, 16), torch.randn(2, 2, (step + 1) * t, 16)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=made), flex_attention(q, k, v, block_mask=whole))
+
+
 def test_target_mask_is_causal_inside_documents() -> None:
     docs = torch.tensor([[0, 0, 1, 1, 1]])
     m = document_causal_mask(docs)[0, 0].int().tolist()
