@@ -144,7 +144,10 @@ def run_mode(mode: str, args: argparse.Namespace, parts: dict[str, Any]) -> dict
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     step_s, target_ms, useful, total = [], [], 0, 0
+    compiles: list[Any] = parts["compiles"]
     for i, (ids_h, mask_h, docs_h, bucket, n_useful) in enumerate(batches):
+        if i == args.warm:
+            compiles_before = len(compiles)
         if cuda:
             torch.cuda.synchronize(dev)
         w0 = time.perf_counter()
@@ -178,6 +181,7 @@ def run_mode(mode: str, args: argparse.Namespace, parts: dict[str, Any]) -> dict
         "warmup_s": warm_s,
         "mode_s": time.perf_counter() - t0,
         "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+        "graphs_compiled_in_timed_steps": len(compiles) - compiles_before,  # 0: no recompile per packed batch
     }
 
 
@@ -207,10 +211,16 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         drafter = Drafter(dcfg, target.embed_weight(), vocab.draft_to_target.to(dev))
     cuda = dev.type == "cuda"
     compiled = cuda and not args.no_compile
+    attention = TTTAttention("flex" if cuda else "sdpa", compiled=compiled)
+    step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
+    compiles: list[Any] = []  # the guard's events: a graph compiled once a thread is warm
+    for fn in [step_fn, *attention.compiled_functions()]:
+        fn.listeners.append(compiles.append)
     return {
         "dev": dev,
-        "attention": TTTAttention("flex" if cuda else "sdpa", compiled=compiled),
-        "step_fn": GuardedFunction(ttt_step, compiled=compiled, name="ttt_step"),
+        "attention": attention,
+        "step_fn": step_fn,
+        "compiles": compiles,
         "target": target,
         "drafter": drafter,
         "initial": {k: v.clone() for k, v in drafter.state_dict().items()},
@@ -254,7 +264,8 @@ def main() -> int:
         print(
             f"{mode:7s} useful {res['useful_tok_s']:9.1f} tok/s  all {res['all_tok_s']:9.1f} tok/s  "
             f"padding {100 * res['padding_share']:5.1f} %  step {res['step_ms']:8.1f} ms "
-            f"(target {res['target_ms']:.1f})  buckets {res['buckets']}  warm-up {res['warmup_s']:.1f} s"
+            f"(target {res['target_ms']:.1f})  buckets {res['buckets']}  warm-up {res['warmup_s']:.1f} s  "
+            f"graphs compiled while timed {res['graphs_compiled_in_timed_steps']}"
             + (f"  peak {res['peak_gib']:.1f} GiB" if res["peak_gib"] is not None else ""),
             flush=True,
         )

@@ -34,6 +34,7 @@ from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.run.loop import TrainingRun
 from engine.trainer.target.model import FrozenTarget, load_target
 from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
+from engine.trainer.threads.compile import _signature
 from engine.trainer.threads.metrics import EventLog
 
 TTT_STEPS = 4
@@ -137,6 +138,17 @@ def test_extended_block_mask_equals_the_block_mask_of_the_whole_step(step: int) 
     torch.manual_seed(step)
     q, k, v = torch.randn(2, 2, t, 16), torch.randn(2, 2, (step + 1) * t, 16), torch.randn(2, 2, (step + 1) * t, 16)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=made), flex_attention(q, k, v, block_mask=whole))
+
+
+def test_masks_of_two_packed_batches_share_one_compile_signature() -> None:
+    """A compiled TTT step sees a new mask every packed batch; the guard lets them share the step's graphs."""
+    t = 256
+    attention = TTTAttention("flex", compiled=False)
+    one = attention.prepare(torch.device("cpu"), t, 2, torch.tensor([[0] * 100 + [1] * 156]))
+    two = attention.prepare(torch.device("cpu"), t, 2, torch.tensor([[0] * 30 + [1] * 200 + [2] * 26]))
+    assert one is not two
+    assert _signature(one) == _signature(two)
+    assert _signature(one) != _signature(attention.prepare(torch.device("cpu"), t, 1, torch.zeros(1, t).long()))
 
 
 def test_target_mask_is_causal_inside_documents() -> None:
