@@ -69,7 +69,9 @@ class TrainerConfig:
     batch_size: int = 1
     # Sequence packing: each row of a bucket holds several whole conversations, kept apart by a document mask
     # (attention, positions and TTT targets stay inside each; engine/trainer/data/packing.py); off by default
-    # until measured on the device. Conversations only: random rows are full already.
+    # until measured on the device. Conversations only: random rows are full already. With loss_mean =
+    # "all_positions" the loss divides by the batch's B*T positions, so a packed batch (more trained positions
+    # a row) takes larger steps at the same lr than padded rows did; "masked_positions" does not change.
     packing: bool = False
     draft_vocab_size: int = 128
     # Ignored (still accepted so old configs load): the draft vocabulary now counts every training conversation.
