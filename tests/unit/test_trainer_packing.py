@@ -30,11 +30,11 @@ from engine.trainer.data.sources import ConversationSource
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import soft_cross_entropy, total_loss
 from engine.trainer.draft.masks import dense_document_ttt_mask, document_ttt_mask_mod
-from engine.trainer.draft.model import DraftConfig, Drafter
+from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.loop import TrainingRun
 from engine.trainer.target.model import FrozenTarget, load_target
 from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
-from engine.trainer.threads.compile import _signature
+from engine.trainer.threads.compile import GuardedFunction, _signature, apply_dynamo_config, compile_guard
 from engine.trainer.threads.metrics import EventLog
 
 TTT_STEPS = 4
@@ -295,3 +295,45 @@ def test_a_packed_run_trains_packed_batches_end_to_end(tmp_path: Path, corpus_he
 def test_packing_random_tokens_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="packing"):
         from_dict({"data": "random", "packing": True})
+
+
+def test_a_compiled_ttt_step_compiles_nothing_new_for_later_packed_batches(target: FrozenTarget) -> None:
+    """Dynamo (eager backend, flex forward on the CPU) keeps one graph per TTT step across packed batches, each
+    with its own documents, BlockMasks and rotary tables: packing does not recompile per batch."""
+    apply_dynamo_config()
+    drafter = make_drafter(target)
+    step_fn = GuardedFunction(ttt_step, compiled=True, name="ttt_step", backend="eager")
+    compiles: list[Any] = []
+    step_fn.listeners.append(compiles.append)
+    attention = TTTAttention("flex", compiled=False)
+    t, steps = 256, 2
+
+    def forward(documents: list[list[int]]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(len(compiles))
+        docs = torch.tensor(documents)
+        ids = torch.randint(3, 250, (2, t), generator=g)
+        out = target.run(ids, torch.ones(2, t), torch.arange(DRAFT_VOCAB), drafter.t2d, documents=docs)
+        losses, _, _ = drafter(
+            out.hidden3,
+            ids,
+            out.target_p,
+            out.position_mask,
+            ttt_steps=steps,
+            attention=attention,
+            loss_fn=soft_cross_entropy,
+            step_fn=step_fn,
+            loss_mask=out.loss_mask,
+            documents=docs,
+        )
+        return losses
+
+    with torch.no_grad():
+        with compile_guard():
+            forward([[0] * 128 + [1] * 128, [0] * 256])
+        step_fn.mark_warm()
+        graphs = step_fn.graph_count()
+        assert graphs is not None and graphs >= steps
+        forward([[0] * 30 + [1] * 200 + [2] * 26, [0] * 7 + [1] * 249])
+        losses = forward([[0] * 5 + [1] * 5 + [2] * 246, [0] * 255 + [1]])
+    assert torch.isfinite(losses).all()
+    assert compiles == [] and step_fn.graph_count() == graphs
