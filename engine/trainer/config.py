@@ -27,6 +27,7 @@ else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work with
         tomllib = None
 
 BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape", "tiny-trained")
+TOKENIZERLESS_TARGETS: tuple[str, ...] = ("llama3-8b-shape",)  # random weights, random token data (no chat template)
 DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
@@ -191,6 +192,11 @@ class TrainerConfig:
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
         need(not (self.packing and self.data == DATA_RANDOM), "packing", "needs conversations (random rows are full)")
+        need(
+            not (self.packing and self.target in TOKENIZERLESS_TARGETS),
+            "packing",
+            f"needs conversations; target {self.target!r} has no tokenizer (it trains on random tokens)",
+        )
         need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
         need(self.eval_every >= 0, "eval_every", "an integer >= 0 (0: no evaluation during training)")
         need(

@@ -295,6 +295,8 @@ def test_a_packed_run_trains_packed_batches_end_to_end(tmp_path: Path, corpus_he
 def test_packing_random_tokens_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="packing"):
         from_dict({"data": "random", "packing": True})
+    with pytest.raises(ConfigError, match="no tokenizer"):  # found before an 8B target is loaded
+        from_dict({"target": "llama3-8b-shape", "packing": True})
 
 
 def test_a_compiled_ttt_step_compiles_nothing_new_for_later_packed_batches(target: FrozenTarget) -> None:
