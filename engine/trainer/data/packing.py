@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import random
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,9 @@ class PackingPlan:
     capacity: int
     batch_size: int
     seed: int
+    # The current epoch's row order, made once an epoch (a shuffle of every row is too slow for each batch).
+    _order: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @classmethod
     def build(cls, lengths: list[int], *, capacity: int, batch_size: int, seed: int) -> PackingPlan:
@@ -54,8 +58,13 @@ class PackingPlan:
     def batch_rows(self, index: int) -> list[list[int]]:
         """The rows of batch ``index`` (``batch_size`` of them; empty lists are rows of padding)."""
         epoch, offset = divmod(index, self.batches_per_epoch)
-        order = list(range(len(self.rows)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        with self._lock:
+            order = self._order.get(epoch)
+            if order is None:
+                order = list(range(len(self.rows)))
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+                self._order.clear()  # keep only the current epoch's
+                self._order[epoch] = order
         picked = order[offset * self.batch_size : (offset + 1) * self.batch_size]
         return [self.rows[r] for r in picked] + [[] for _ in range(self.batch_size - len(picked))]
 
