@@ -14,7 +14,8 @@ Its rooms, from the top floor down (each imports only rooms below it):
   ``target.fp8``, ``target.builtin`` (the ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``.
 * ``draft/``: the drafter (``model``, TTT ``masks``, compiled flex ``attention``) and its ``loss``.
 * ``data/``: conversations tokenized with the target's chat template (``sources``, cached by ``cache``), the
-  held-out split (``holdout``), which batch index each producer computes next (``dispatch``), the draft
+  held-out split (``holdout``), several conversations a row with their document masks (``packing``), which
+  batch index each producer computes next (``dispatch``), the draft
   vocabulary with EAGLE-3's d2t/t2d (``vocab``), the shipped ``corpus/``.
 * ``threads/``: ``control`` (``ThreadControl``) / ``health`` / ``compile``: stop requests and thread errors,
   heartbeats, the compile guard (torch.compile is not thread-safe); ``queue``; ``metrics`` writes events.jsonl

@@ -27,6 +27,7 @@ else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work with
         tomllib = None
 
 BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape", "tiny-trained")
+TOKENIZERLESS_TARGETS: tuple[str, ...] = ("llama3-8b-shape",)  # random weights, random token data (no chat template)
 DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
@@ -67,6 +68,12 @@ class TrainerConfig:
     strict_data: bool = False
     buckets: list[int] = field(default_factory=lambda: [256])
     batch_size: int = 1
+    # Sequence packing: each row of a bucket holds several whole conversations, kept apart by a document mask
+    # (attention, positions and TTT targets stay inside each; engine/trainer/data/packing.py); off by default
+    # until measured on the device. Conversations only: random rows are full already. With loss_mean =
+    # "all_positions" the loss divides by the batch's B*T positions, so a packed batch (more trained positions
+    # a row) takes larger steps at the same lr than padded rows did; "masked_positions" does not change.
+    packing: bool = False
     draft_vocab_size: int = 128
     # Ignored (still accepted so old configs load): the draft vocabulary now counts every training conversation.
     vocab_sample_batches: int | None = None
@@ -184,6 +191,12 @@ class TrainerConfig:
                 f"one positive learning rate per drafter device ({len(self.drafter_devices)})",
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
+        need(not (self.packing and self.data == DATA_RANDOM), "packing", "needs conversations (random rows are full)")
+        need(
+            not (self.packing and self.target in TOKENIZERLESS_TARGETS),
+            "packing",
+            f"needs conversations; target {self.target!r} has no tokenizer (it trains on random tokens)",
+        )
         need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
         need(self.eval_every >= 0, "eval_every", "an integer >= 0 (0: no evaluation during training)")
         need(

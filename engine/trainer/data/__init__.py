@@ -1,1 +1,2 @@
-"""Training data: tokenized conversations and their cache, the held-out split, batch dispatch, the draft vocabulary."""
+"""Training data: tokenized conversations and their cache, the held-out split, sequence packing, batch dispatch,
+the draft vocabulary."""

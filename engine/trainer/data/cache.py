@@ -44,6 +44,10 @@ class TokenizedCorpus:
     def examples(self) -> int:
         return int(self.offsets.numel()) - 1
 
+    def lengths(self) -> list[int]:
+        """Each example's token count."""
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
 
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()

@@ -3,6 +3,7 @@
 A batch is a pure function of its index (epoch permutation seeded by ``seed + epoch``), so a checkpoint's data
 position is the set of indices trained (dispatch.IndexLedger) and a resumed run reads exactly the batches it had
 not trained. Nothing is dropped silently: every conversation not trained on is counted with its reason.
+With ``packing`` a row of a bucket holds several conversations (data/packing.py) instead of one and padding.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from engine.trainer.config import ConfigError
 from engine.trainer.data.cache import TokenizedCorpus, load_or_build
 from engine.trainer.data.holdout import heldout_indices
+from engine.trainer.data.packing import PackingPlan, pack_rows
 
 ROLE_ALIASES: dict[str, str] = {
     "human": "user",
@@ -47,10 +49,18 @@ class HostBatch:
     input_ids: torch.Tensor  # (B, T) long
     loss_mask: torch.Tensor  # (B, T) float32
     bucket: int
+    # (B, T) int64, packed rows only: each row's conversations numbered from 0, the padding after them one more
+    documents: torch.Tensor | None = None
+    conversation_tokens: int | None = None  # tokens inside conversations (None: every token is)
 
     @property
     def tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def useful_tokens(self) -> int:
+        """Tokens inside conversations, padding left out."""
+        return self.tokens if self.conversation_tokens is None else self.conversation_tokens
 
 
 class BatchSource(Protocol):
@@ -362,7 +372,8 @@ class ConversationSource:
     The ``eval_holdout`` conversations chosen by ``holdout.heldout_indices`` are never trained on;
     ``heldout_conversations()`` returns them for measuring acceptance. With a ``cache_dir`` the tokenized
     corpus (and its token counts) is kept on disk, keyed by everything it depends on, so a restart does not
-    tokenize again.
+    tokenize again. ``packing``: rows of the longest bucket filled with several conversations (``PackingPlan``),
+    each batch in the smallest bucket its fullest row fits.
     """
 
     def __init__(
@@ -378,9 +389,11 @@ class ConversationSource:
         cache_dir: str | Path | None = None,
         progress: Callable[[str], None] | None = None,
         strict: bool = False,
+        packing: bool = False,
     ) -> None:
         self.buckets = list(buckets)
         self.batch_size = batch_size
+        self.packing = packing
         self.seed = seed
         self.path = Path(path)
         self.eval_holdout = eval_holdout
@@ -422,6 +435,12 @@ class ConversationSource:
         if n < batch_size:
             raise ValueError(f"{path}: {n} usable conversations, fewer than batch_size {batch_size}")
         self.batches_per_epoch = n // batch_size
+        self.plan: PackingPlan | None = None
+        if packing:
+            self.plan = PackingPlan.build(
+                self.corpus.lengths(), capacity=self.buckets[-1], batch_size=batch_size, seed=seed
+            )
+            self.batches_per_epoch = self.plan.batches_per_epoch
         self._perm_lock = threading.Lock()
         self._perms: dict[int, list[int]] = {}
 
@@ -456,6 +475,8 @@ class ConversationSource:
         return self.corpus.ids[lo:hi], self.corpus.mask[lo:hi]
 
     def batch(self, index: int) -> HostBatch:
+        if self.plan is not None:
+            return self.packed_batch(index)
         epoch, offset = divmod(index, self.batches_per_epoch)
         perm = self._perm(epoch)
         rows = [self.example(perm[offset * self.batch_size + j]) for j in range(self.batch_size)]
@@ -466,11 +487,34 @@ class ConversationSource:
             n = min(int(ids.numel()), bucket)
             ids_t[j, :n] = ids[:n].long()
             mask_t[j, :n] = mask[:n].float()
-        return HostBatch(index=index, input_ids=ids_t, loss_mask=mask_t, bucket=bucket)
+        useful = sum(min(int(ids.numel()), bucket) for ids, _ in rows)
+        return HostBatch(index=index, input_ids=ids_t, loss_mask=mask_t, bucket=bucket, conversation_tokens=useful)
+
+    def packed_batch(self, index: int) -> HostBatch:
+        """Batch ``index`` of the packing plan: ``batch_size`` rows, each several whole conversations."""
+        assert self.plan is not None
+        rows = [[self.example(i) for i in row] for row in self.plan.batch_rows(index)]
+        filled = [sum(int(ids.numel()) for ids, _ in row) for row in rows]
+        bucket = pick_bucket(max(filled), self.buckets)
+        ids_t, mask_t, docs_t = pack_rows(rows, bucket, self.pad_id)
+        return HostBatch(
+            index=index,
+            input_ids=ids_t,
+            loss_mask=mask_t,
+            bucket=bucket,
+            documents=docs_t,
+            conversation_tokens=sum(filled),
+        )
 
     def describe(self) -> str:
         held = f", {len(self.heldout_indices)} held out" if self.heldout_indices else ""
-        return f"{self.corpus.examples} conversations from {self.path}{held} ({self.batches_per_epoch} batches/epoch)"
+        packed = ""
+        if self.plan is not None:
+            packed = f", packed {self.corpus.examples / max(1, len(self.plan.rows)):.1f} a row"
+        return (
+            f"{self.corpus.examples} conversations from {self.path}{held} "
+            f"({self.batches_per_epoch} batches/epoch{packed})"
+        )
 
 
 class RandomTokenSource:

@@ -4,6 +4,9 @@ flex_attention skips the fully masked blocks (all off-diagonal blocks after the 
 speed comes from at long sequences. On the CPU flex_attention has no backward (torch 2.13 raises
 NotImplementedError), so CPU training uses scaled-dot-product attention with the same mask materialised;
 a test checks that the two forwards agree.
+
+Packed rows (``documents`` given) get a per-batch mask that keeps every conversation to itself (masks.py):
+a BlockMask made for the batch, or the dense ``(B, 1, T, K)`` mask.
 """
 
 from __future__ import annotations
@@ -14,10 +17,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.trainer.draft.masks import BlockMaskCache, dense_ttt_mask
+from engine.trainer.draft.masks import (
+    FLEX_TILE,
+    BlockMaskCache,
+    dense_document_ttt_mask,
+    dense_ttt_mask,
+    document_ttt_mask_mod,
+    extend_document_block_mask,
+)
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
 IMPLS: tuple[str, ...] = ("flex", "sdpa")
+DOCUMENT_MASKS_KEPT = 4  # packed batches whose step-0 BlockMask is kept (one a worker in flight)
 
 
 class TTTAttention:
@@ -31,6 +42,8 @@ class TTTAttention:
         self._block_masks = BlockMaskCache()
         self._dense: dict[tuple[str, int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
+        # Packed batches' step-0 BlockMasks by the documents tensor (held, so its id is not reused meanwhile).
+        self._document_first: dict[int, tuple[torch.Tensor, Any]] = {}
         self._flex: GuardedFunction | None = None
         if impl == "flex":
             from torch.nn.attention.flex_attention import flex_attention
@@ -61,8 +74,52 @@ class TTTAttention:
                 self._dense[key] = mask
         return mask
 
-    def prepare(self, device: torch.device, seq_len: int, step: int) -> Any:
-        """The mask argument for ``apply`` at this step: a flex BlockMask or the dense bool mask."""
+    def document_mask(self, documents: torch.Tensor, step: int) -> Any:
+        """The mask of a packed batch at this step (``documents`` ``(B, T)``): made for this batch.
+
+        flex: step 0's tiles once a batch (kept for its later steps), each later step's extended from them."""
+        if self.impl != "flex":
+            return dense_document_ttt_mask(documents, step)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, t = documents.shape
+        if t % FLEX_TILE:  # diagonals would straddle tiles: evaluate the whole mask
+            with compile_guard():  # mask creation can trace (vmap over the mask_mod)
+                return create_block_mask(
+                    document_ttt_mask_mod(documents),
+                    B=b,
+                    H=None,
+                    Q_LEN=t,
+                    KV_LEN=(step + 1) * t,
+                    device=str(documents.device),
+                    BLOCK_SIZE=FLEX_TILE,
+                )
+        with self._lock:
+            held = self._document_first.get(id(documents))
+        if held is None or held[0] is not documents:
+            with compile_guard():
+                first = create_block_mask(
+                    document_ttt_mask_mod(documents),
+                    B=b,
+                    H=None,
+                    Q_LEN=t,
+                    KV_LEN=t,
+                    device=str(documents.device),
+                    BLOCK_SIZE=FLEX_TILE,
+                )
+            with self._lock:
+                while len(self._document_first) >= DOCUMENT_MASKS_KEPT:
+                    self._document_first.pop(next(iter(self._document_first)))
+                self._document_first[id(documents)] = (documents, first)
+            held = (documents, first)
+        return extend_document_block_mask(held[1], documents, step)
+
+    def prepare(self, device: torch.device, seq_len: int, step: int, documents: torch.Tensor | None = None) -> Any:
+        """The mask argument for ``apply`` at this step: a flex BlockMask or the dense bool mask.
+
+        ``documents`` (``(B, T)``, packed rows): the per-batch mask that keeps each conversation to itself."""
+        if documents is not None:
+            return self.document_mask(documents, step)
         if self.impl == "flex":
             return self.block_mask(device, seq_len, step)
         return self.dense_mask(device, seq_len, step)

@@ -10,6 +10,11 @@ SpecForge does the same (its attention adds ``lck``, the number of cached steps,
 vLLM and SGLang advance the position by one for every drafted token. ``ttt_rope_offset=False`` gives
 every step positions ``arange(T)`` (this trainer's first behaviour), kept only to compare acceptance.
 
+Packed rows (``documents``, data/packing.py): positions restart at 0 in every conversation (the rotary tables
+are gathered per token, ``(B, 1, T, D)``), the attention mask keeps each conversation to itself, and the
+shifted targets of step ``i`` count only where token ``t + 1 + i`` is in ``t``'s conversation, so a packed
+row trains exactly what its conversations would train unpacked.
+
 Weights start as Hugging Face initialises a Llama (and as SpecForge's draft model does through
 ``post_init``): every Linear ``normal(0, initializer_range)`` with zero bias, every RMSNorm weight one.
 The token embeddings are the target's, frozen: a buffer, never a parameter.
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
 
 # (logits, target_p, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator); see loss.py.
@@ -99,8 +105,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(
     x: torch.Tensor,  # (B, heads, T, D)
-    cos: torch.Tensor,  # (T, D)
-    sin: torch.Tensor,  # (T, D)
+    cos: torch.Tensor,  # (T, D), or (B, 1, T, D) for packed rows
+    sin: torch.Tensor,  # (T, D), or (B, 1, T, D)
 ) -> torch.Tensor:  # (B, heads, T, D)
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
 
@@ -181,20 +187,27 @@ def ttt_step(
     shift: int,  # i + 1: positions to shift the targets by
     loss_fn: LossFn,
     loss_mask: torch.Tensor | None = None,  # (B, T), unshifted
+    documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers (data/packing.py)
 ) -> tuple[torch.Tensor, ...]:  # hidden (B, T, H), k_all, v_all (B, Hkv, (i+1)*T, D), loss, correct, count ()
     """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
 
     ``cos``/``sin`` are this step's rotary tables (``Drafter.step_rotary``). ``loss_mask``, when given, is
-    the accuracy's denominator (see loss.py). Compiled as one graph on CUDA (norms, rotary, flex attention,
-    MLP, head and loss fused where they can be).
+    the accuracy's denominator (see loss.py). ``documents``: a shifted target counts only inside the
+    position's own conversation (never across a packed row's boundary). Compiled as one graph on CUDA
+    (norms, rotary, flex attention, MLP, head and loss fused where they can be).
     """
     hidden, k_all, v_all = layer(hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
     logits = lm_head(norm(hidden))
     target_i, mask_i = shift_left(target_p, shift), shift_left(position_mask, shift)
-    if loss_mask is None:
+    loss_mask_i = shift_left(loss_mask, shift) if loss_mask is not None else None
+    if documents is not None:
+        inside = same_document_after(documents, shift)
+        mask_i = mask_i * inside.to(mask_i.dtype)
+        loss_mask_i = loss_mask_i * inside.to(loss_mask_i.dtype) if loss_mask_i is not None else None
+    if loss_mask_i is None:
         loss, correct, count = loss_fn(logits, target_i, mask_i)
     else:
-        loss, correct, count = loss_fn(logits, target_i, mask_i, shift_left(loss_mask, shift))
+        loss, correct, count = loss_fn(logits, target_i, mask_i, loss_mask_i)
     return hidden, k_all, v_all, loss, correct, count
 
 
@@ -275,6 +288,14 @@ class Drafter(nn.Module):
             self._rotary[key] = tables
         return tables
 
+    @torch.no_grad()
+    def document_rotary(self, documents: torch.Tensor, ttt_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin per TTT step for packed rows, each ``(B, 1, T, D)``: positions restart per conversation."""
+        positions = document_positions(documents)
+        cos, sin = self.rotary(documents.shape[-1] + ttt_steps, documents.device)
+        offsets = range(ttt_steps) if self.ttt_rope_offset else [0] * ttt_steps
+        return [(cos[positions + i][:, None], sin[positions + i][:, None]) for i in offsets]
+
     def forward(
         self,
         hidden3: torch.Tensor,  # (B, T, 3H): the target's three captured layers
@@ -288,16 +309,21 @@ class Drafter(nn.Module):
         grad_checkpointing: bool = False,
         step_fn: Callable[..., Any] | None = None,
         loss_mask: torch.Tensor | None = None,  # (B, T)
+        documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, counts: each (ttt_steps,)
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
         Position ``t`` of step ``i`` reads token ``t + 1 + i`` at rotary position ``t + i`` and predicts the
         target's distribution at position ``t + 1 + i``; step 0's hidden state is the fused target state at
         ``t``. ``loss_mask`` (the data's, before the draft-vocabulary filter) makes the counted positions
-        SpecForge's accuracy denominator; without it they are the ``position_mask`` positions.
+        SpecForge's accuracy denominator; without it they are the ``position_mask`` positions. ``documents``
+        (packed rows): positions, attention and shifted targets stay inside each conversation.
         """
         seq_len = input_ids.shape[1]
-        rotary = self.step_rotary(seq_len, ttt_steps, input_ids.device)
+        if documents is None:
+            rotary = self.step_rotary(seq_len, ttt_steps, input_ids.device)
+        else:
+            rotary = self.document_rotary(documents, ttt_steps)
         hidden = self.fc(hidden3)
         prior_k: torch.Tensor | None = None
         prior_v: torch.Tensor | None = None
@@ -306,10 +332,10 @@ class Drafter(nn.Module):
         for i in range(ttt_steps):
             with torch.no_grad():
                 emb = F.embedding(shift_left(input_ids, i + 1), self.embed_table)
-            mask = attention.prepare(input_ids.device, seq_len, i)  # outside any compiled region
+            mask = attention.prepare(input_ids.device, seq_len, i, documents)  # outside any compiled region
             cos, sin = rotary[i]
             args = (self.layer, self.norm, self.lm_head, hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
-            tail = (target_p, position_mask, i + 1, loss_fn, loss_mask)
+            tail = (target_p, position_mask, i + 1, loss_fn, loss_mask, documents)
             if grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(step, *args, *tail, use_reentrant=False)
             else:

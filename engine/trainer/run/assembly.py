@@ -144,6 +144,8 @@ def data_source(
 ) -> BatchSource:
     """The training batches: random token ids, or the configured conversations tokenized (through the cache)."""
     if cfg.data == DATA_RANDOM or tokenizer is None:
+        if cfg.packing:
+            raise ConfigError(f"packing: needs conversations; target {cfg.target!r} has no tokenizer (random tokens)")
         return RandomTokenSource(target_vocab_size, buckets=cfg.buckets, batch_size=cfg.batch_size, seed=cfg.seed)
     path = shipped_corpus_path() if cfg.data == DATA_SHIPPED else Path(cfg.data).expanduser()
     cache_dir = Path(cfg.data_cache_dir).expanduser() if cfg.data_cache_dir else output_dir / "data_cache"
@@ -157,6 +159,7 @@ def data_source(
         cache_dir=cache_dir,
         progress=lambda text: events.stage("data", text),
         strict=cfg.strict_data,
+        packing=cfg.packing,
     )
     report_data(source, events)
     return source

@@ -39,6 +39,8 @@ class DeviceBatch:
     ready: Any = None  # torch.cuda.Event recorded after the tensors were written, or None on the CPU
     target_ms: float = 0.0
     loss_mask: torch.Tensor | None = None  # (B, T) the data's loss mask: the accuracy's denominator (loss.py)
+    documents: torch.Tensor | None = None  # (B, T) packed rows' conversation numbers (data/packing.py), or None
+    useful_tokens: int | None = None  # tokens inside conversations (None: every token is)
 
     @property
     def tokens(self) -> int:
@@ -48,7 +50,7 @@ class DeviceBatch:
         if self.ready is not None:
             stream = torch.cuda.current_stream()
             stream.wait_event(self.ready)
-            for t in (self.input_ids, self.hidden3, self.target_p, self.position_mask, self.loss_mask):
+            for t in (self.input_ids, self.hidden3, self.target_p, self.position_mask, self.loss_mask, self.documents):
                 if t is not None:
                     t.record_stream(stream)
 
@@ -65,6 +67,7 @@ class TargetBatch:
 
     host: HostBatch
     input_ids: torch.Tensor  # (B, T) long
+    documents: torch.Tensor | None  # (B, T) packed rows' conversation numbers on the target device, or None
     target: TargetOutput  # hidden states, target distribution and masks of those ids
     ready: Any  # torch.cuda.Event recorded after the target's forward, or None on the CPU
     target_ms: float
@@ -112,25 +115,37 @@ class Producer:
         hb = self.source.batch(index)
         ids = hb.input_ids.to(dev, non_blocking=True)
         mask = hb.loss_mask.to(dev, non_blocking=True)
-        out = self.target.run(ids, mask, self.draft_ids, self.t2d)  # in the dtype the target was loaded in
+        docs = hb.documents.to(dev, non_blocking=True) if hb.documents is not None else None
+        # In the dtype the target was loaded in; packed rows: no token attends across a conversation.
+        out = self.target.run(ids, mask, self.draft_ids, self.t2d, documents=docs)
         ready = None
         if dev.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         ms = (time.perf_counter() - t0) * 1000.0
-        return TargetBatch(hb, ids, out, ready, ms)
+        return TargetBatch(hb, ids, docs, out, ready, ms)
 
     def _batch_for(self, route: Route, out: TargetBatch) -> DeviceBatch:
         got = out.target
         tensors = [out.input_ids, got.hidden3, got.target_p, got.position_mask, got.loss_mask]
+        documents = out.documents
         if route.device != self.target.device:
             tensors = [t.to(route.device, non_blocking=True) for t in tensors]
+            documents = documents.to(route.device, non_blocking=True) if documents is not None else None
         ready = out.ready
         if route.device != self.target.device and self.target.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         batch = DeviceBatch(
-            out.host.index, out.host.bucket, tensors[0], tensors[1], tensors[2], tensors[3], loss_mask=tensors[4]
+            out.host.index,
+            out.host.bucket,
+            tensors[0],
+            tensors[1],
+            tensors[2],
+            tensors[3],
+            loss_mask=tensors[4],
+            documents=documents,
+            useful_tokens=out.host.useful_tokens,
         )
         batch.ready = ready
         batch.target_ms = out.target_ms

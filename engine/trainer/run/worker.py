@@ -257,6 +257,7 @@ class WorkerSettings:
     checkpoint_every: int = 0  # 0: no periodic checkpoint (only at the end and on a stop)
     step_delay_s: float = 0.0
     loss_fn: Callable[..., Any] = soft_cross_entropy  # loss.soft_cross_entropy or its masked-mean variant
+    packing: bool = False  # batches carry documents (packed rows): the warm-up batches do too
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> WorkerSettings:
@@ -272,6 +273,7 @@ class WorkerSettings:
             checkpoint_every=cfg.checkpoint_every,
             step_delay_s=cfg.step_delay_s,
             loss_fn=loss_function(cfg.loss_mean),
+            packing=cfg.packing,
         )
 
 
@@ -320,6 +322,7 @@ class DrafterWorker:
         self.buckets = list(settings.buckets)
         self.batch_size = settings.batch_size
         self.loss_fn = settings.loss_fn
+        self.packing = settings.packing
         self.grad_checkpointing = settings.grad_checkpointing
         self.max_grad_norm = settings.max_grad_norm
         self.nonfinite_grad_limit = settings.nonfinite_grad_limit
@@ -366,6 +369,7 @@ class DrafterWorker:
                 grad_checkpointing=self.grad_checkpointing,
                 step_fn=self.step_fn,
                 loss_mask=batch.loss_mask,
+                documents=batch.documents,
             )
         return out
 
@@ -383,8 +387,20 @@ class DrafterWorker:
         hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(self.device, self.hidden_dtype)
         target_p = torch.softmax(torch.randn(b, bucket, cfg.draft_vocab_size, generator=g), -1).to(self.device)
         mask = torch.ones(b, bucket).to(self.device)
+        # Packed runs warm up on packed rows (two conversations a row), so the first real batch compiles nothing.
+        halves = (torch.arange(bucket) >= bucket // 2).long().expand(b, bucket).contiguous()
+        documents = halves if self.packing else None
         # A loss mask as trained on, and a tensor of its own: dynamo guards on two arguments being one tensor.
-        return DeviceBatch(-1, bucket, ids, hidden3, target_p, mask, loss_mask=mask.clone())
+        return DeviceBatch(
+            -1,
+            bucket,
+            ids,
+            hidden3,
+            target_p,
+            mask,
+            loss_mask=mask.clone(),
+            documents=documents.to(self.device) if documents is not None else None,
+        )
 
     def warm_up(self) -> float:
         """Forward and backward of every bucket under the compile guard (first compiles and block masks)."""

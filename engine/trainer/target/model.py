@@ -12,6 +12,10 @@ rule (fewer than 7 layers) use ``0, (L-1)//2, L-1``; a server would need those i
 Built-in random presets need no download: ``tiny`` (an 8-layer Llama with a byte-level tokenizer, for the
 CPU) and ``llama3-8b-shape`` (Llama-3.1-8B's shapes with random weights, for GPU throughput work).
 ``tiny-trained`` is trained on the shipped corpus on first use and cached (engine/trainer/target/builtin.py).
+
+Packed rows (``documents``, data/packing.py): the forward gets a 4-D boolean mask (causal, inside each
+conversation) and per-conversation ``position_ids``, so every conversation's hidden states and distribution
+are those it would have alone in a row (a test compares them).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.trainer.data.packing import document_causal_mask, document_positions
 from engine.trainer.target.builtin import ensure_built
 from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
 from engine.trainer.threads.compile import GuardedFunction
@@ -130,16 +135,24 @@ class FrozenTarget:
 
     @torch.no_grad()
     def logits_and_hidden3(
-        self, input_ids: torch.Tensor, *, eager: bool = False  # input_ids (B, T) long
+        self,
+        input_ids: torch.Tensor,  # (B, T) long
+        *,
+        eager: bool = False,
+        documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's logits ``(B, T, V)`` and the three captured layers side by side ``(B, T, 3H)``.
 
         ``eager``: the uncompiled model, for calls whose lengths vary (evaluation), which would otherwise compile
-        one graph per length while holding the target and the compile guard."""
+        one graph per length while holding the target and the compile guard. ``documents``: no token attends
+        across a conversation and positions restart in each (a 4-D mask and ``position_ids``)."""
+        packed: dict[str, torch.Tensor] = {}
+        if documents is not None:
+            packed = {"attention_mask": document_causal_mask(documents), "position_ids": document_positions(documents)}
         with self.lock:
             self._captured.clear()
             forward = self.model if eager else self._forward
-            logits = forward(input_ids=input_ids, use_cache=False).logits
+            logits = forward(input_ids=input_ids, use_cache=False, **packed).logits
             hidden3 = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
             self._captured.clear()
         return logits, hidden3
@@ -151,8 +164,9 @@ class FrozenTarget:
         loss_mask: torch.Tensor,  # (B, T): the data's
         draft_ids: torch.Tensor,  # (Vd,) long: the target id of each draft token
         t2d: torch.Tensor,  # (V,) bool: the target ids in the draft vocabulary
+        documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> TargetOutput:
-        logits, hidden3 = self.logits_and_hidden3(input_ids)
+        logits, hidden3 = self.logits_and_hidden3(input_ids, documents=documents)
         in_draft = t2d[logits.argmax(dim=-1)]
         target_p = torch.softmax(logits.index_select(-1, draft_ids).float(), dim=-1)
         position_mask = loss_mask * in_draft.to(loss_mask.dtype)

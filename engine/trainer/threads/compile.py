@@ -256,7 +256,10 @@ def _signature(value: Any) -> Any:
         return value
     seq = getattr(value, "seq_lengths", None)  # flex BlockMask
     if seq is not None:
-        return ("BlockMask", tuple(seq), id(value))
+        # By shape and mask code, not identity: packed batches bring a new mask per batch (draft/masks.py); a
+        # mask dynamo's guards reject is refused under the shared lock and retried alone, as any other.
+        code = getattr(getattr(value, "mask_mod", None), "__code__", None)
+        return ("BlockMask", tuple(seq), _signature(getattr(value, "kv_indices", None)), id(code))
     return type(value).__name__
 
 
