@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from textual import actions
-from textual.app import App, SystemCommand
+from textual.app import SystemCommand
 from textual.css.query import NoMatches
 from textual.dom import DOMNode
-from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Input
@@ -32,8 +31,8 @@ from textual.worker import Worker, WorkerCancelled, WorkerFailed
 from tui.dashboard import keys, live_reload, theming
 from tui.dashboard.controls import Handler, RunControl, ViewControl, action_table, run_external
 from tui.dashboard.messages import ConnectionChanged
+from tui.dashboard.plain import PlainNotices
 from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
-from tui.hosttext import printable, printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import AgentSession
 from tui.profiles import Profile, ProfileError, default_config_path, resolve_profile
@@ -47,7 +46,7 @@ ON_CONNECT = ("none", "offer", "launch")
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython's default is 700)
 
 
-class DashboardApp(App[int]):
+class DashboardApp(PlainNotices):
     """Live view of one target; keys drive the run (launch, restart, stop, kill stale, attach).
 
     The app draws and routes: each key's action goes to the object that owns it (tui/dashboard/controls.py).
@@ -295,22 +294,6 @@ class DashboardApp(App[int]):
 
     def _record_sample_latency(self, sampled_t: float) -> None:
         self.sample_latency_ms.append((time.time() - sampled_t) * 1000.0)
-
-    def notify(
-        self,
-        message: str,
-        *,
-        title: str = "",
-        severity: SeverityLevel = "information",
-        timeout: float | None = None,
-        markup: bool = False,
-    ) -> None:
-        """Every notice is plain text: its words are often the host's (a thread's exception, a run's cause), and as
-        markup ``[/data]`` would crash the app and ``[@click=...]`` become a live action. ``markup`` is accepted
-        only to keep App's signature; it is never turned on."""
-        del markup
-        text, heading = printable_lines(message), printable(title)
-        super().notify(text, title=heading, severity=severity, timeout=timeout, markup=False)
 
     async def quit_dashboard(self) -> None:
         run = self.state.run

@@ -16,17 +16,16 @@ from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any, ClassVar
 
-from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
-from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
 from tui.dashboard import theming
 from tui.dashboard.controls import RunControl, run_external
+from tui.dashboard.plain import PlainNotices
 from tui.dashboard.screens.confirm import Choice, ConfirmScreen
 from tui.dashboard.screens.nodes import NodesScreen, NodesState
-from tui.hosttext import printable, printable_lines
+from tui.hosttext import printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import ConnectError
 from tui.nodes import Launched, Node, close_all, launch_run, node_cwd, stop_nodes
@@ -39,7 +38,7 @@ STOP_GRACE_S = 30.0
 __all__ = ["NodesApp", "run_nodes_dashboard"]
 
 
-class NodesApp(App[int]):
+class NodesApp(PlainNotices):
     """Live view of every node of one run."""
 
     TITLE = "specdec-tui"
@@ -150,21 +149,6 @@ class NodesApp(App[int]):
                 self.screen_of_nodes.apply(charts_allowed=charts_allowed)
         except NoMatches:
             return  # being torn down
-
-    def notify(
-        self,
-        message: str,
-        *,
-        title: str = "",
-        severity: SeverityLevel = "information",
-        timeout: float | None = None,
-        markup: bool = False,
-    ) -> None:
-        """Plain text only: the words are often the hosts'."""
-        del markup
-        super().notify(
-            printable_lines(message), title=printable(title), severity=severity, timeout=timeout, markup=False
-        )
 
     # -- keys ----------------------------------------------------------------------------------------
 
