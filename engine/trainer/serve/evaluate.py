@@ -224,11 +224,16 @@ class DrafterProposer:
 
 
 def target_forward(target: Any) -> TargetForward:
-    """A ``TargetForward`` over a ``FrozenTarget`` (its hooks give hidden3; its lock keeps other threads out)."""
+    """A ``TargetForward`` over a ``FrozenTarget`` (its hooks give hidden3; its lock keeps other threads out).
+
+    Always the exact target: an FP8 one (``target_fp8``) runs its Linears with their kept exact weights, as the
+    bf16 target a server verifies with; the FP8 forward would agree with an FP8-trained drafter more often and
+    overstate τ."""
 
     def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.tensor([ids], device=target.device)
-        logits, hidden3 = target.logits_and_hidden3(x, eager=True)  # a new length every round: never compile
+        # eager: a new length every round, never compile
+        logits, hidden3 = target.logits_and_hidden3(x, eager=True, exact=True)
         return logits[0], hidden3
 
     return forward
