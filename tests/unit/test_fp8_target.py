@@ -208,3 +208,25 @@ def test_a_real_qwen2_moe_target_quantises_with_its_routers_left_exact() -> None
     with torch.no_grad():
         got = model(input_ids=ids).logits
     assert ((got - exact).norm() / exact.norm()).item() < 0.2
+
+
+def test_on_llama_3_1_8b_shapes_the_kept_exact_weights_cost_14_gb_beside_7_gb_of_e4m3() -> None:
+    from transformers import LlamaForCausalLM
+
+    from engine.trainer.target.model_configs import llama3_8b_config
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):  # shapes and dtypes only: no memory
+            model = LlamaForCausalLM(llama3_8b_config())
+    finally:
+        torch.set_default_dtype(before)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert quantize_linears(model, keep_exact=True) == 7 * 32
+    e4m3_bytes = sum(m.weight_fp8.numel() + 4 * m.weight_scale.numel() for m in fp8_linears(model))
+    rest_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # embeddings, norms, lm_head
+    assert exact_bytes(model) == 13_958_643_712 and round(e4m3_bytes / 1e9, 2) == 6.98
+    # bf16 run 16.06 GB; FP8 with the exact weights kept 23.05 GB; FP8 once they are released 9.09 GB.
+    assert [round(b / 1e9, 2) for b in (bf16_bytes, rest_bytes + e4m3_bytes + exact_bytes(model))] == [16.06, 23.05]
+    assert round((bf16_bytes - exact_bytes(model) + e4m3_bytes) / 1e9, 2) == 9.09

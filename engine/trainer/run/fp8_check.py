@@ -23,6 +23,10 @@ CHECK_SEQ = 512  # tokens per row of the check (capped at the longest bucket)
 STAGE = "fp8_agreement"
 
 
+def size_text(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 100e6 else f"{n_bytes / 1e6:.2f} MB"
+
+
 def keeps_exact_weights(cfg: TrainerConfig) -> bool:
     """Whether the FP8 target must keep its exact weights: for the check at the start, or to evaluate τ."""
     return cfg.target_fp8 and (cfg.fp8_check_batches > 0 or cfg.eval_every > 0)
@@ -78,7 +82,7 @@ def check_fp8_targets(cfg: TrainerConfig, targets: list[FrozenTarget], vocab: Dr
                 f"produce (target_fp8 = false trains on the exact target)"
             )
     if cfg.eval_every > 0:
-        events.say(f"fp8: exact target weights kept for the evaluation: {kept / 1e9:.2f} GB beside the e4m3 ones")
+        events.say(f"fp8: exact target weights kept for the evaluation: {size_text(kept)} beside the e4m3 ones")
     elif kept:
         freed = sum(release_exact(t.model) for t in targets)
-        events.say(f"fp8: exact target weights released after the check: {freed / 1e9:.2f} GB")
+        events.say(f"fp8: exact target weights released after the check: {size_text(freed)}")
