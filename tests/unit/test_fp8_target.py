@@ -83,6 +83,16 @@ def test_target_fp8_is_a_config_key_of_type_bool() -> None:
         from_dict({"target_fp8": "yes"}, preset("cpu-demo"))
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("fp8_min_top1", 1.5), ("fp8_min_top1", -0.1), ("fp8_check_batches", -1), ("fp8_check_batches", 0.5)],
+)
+def test_the_fp8_check_keys_refuse_values_out_of_range(key: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=key):
+        from_dict({"target_fp8": True, key: value}, preset("cpu-demo"))
+    assert from_dict({"fp8_min_top1": 1, "fp8_check_batches": 0}, preset("cpu-demo")).fp8_min_top1 == 1.0
+
+
 def tiny_pair(*, keep_exact: bool = True) -> tuple[FrozenTarget, FrozenTarget]:
     """The tiny target exact, and the same seeded weights loaded as an FP8 target."""
     tok = load_tokenizer("tiny")
