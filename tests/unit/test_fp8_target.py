@@ -12,6 +12,7 @@ from engine.trainer.target.fp8 import (
     E4M3_MAX,
     Fp8Linear,
     exact_bytes,
+    exact_linears,
     fp8_linears,
     fp8_unsupported_reason,
     quantize_linears,
@@ -240,3 +241,20 @@ def test_on_llama_3_1_8b_shapes_the_kept_exact_weights_cost_14_gb_beside_7_gb_of
     # bf16 run 16.06 GB; FP8 with the exact weights kept 23.05 GB; FP8 once they are released 9.09 GB.
     assert [round(b / 1e9, 2) for b in (bf16_bytes, rest_bytes + e4m3_bytes + exact_bytes(model))] == [16.06, 23.05]
     assert round((bf16_bytes - exact_bytes(model) + e4m3_bytes) / 1e9, 2) == 9.09
+
+
+def test_an_exact_forward_between_compiled_fp8_calls_recompiles_nothing() -> None:
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    quantize_linears(model, keep_exact=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")  # dynamo's guards, which a compiled target checks every call
+    x = torch.randn(4, 32)
+    first = compiled(x)
+    with exact_linears(model):  # the evaluation's forward, eager, between two of the producer's
+        exact = model(x)
+    assert torch.equal(compiled(x), first) and not torch.allclose(exact, first, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] == 1
