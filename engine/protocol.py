@@ -446,8 +446,9 @@ def decode_log_data(text: str) -> bytes:
 @dataclass
 class StageEvent:
     """stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping" | "done" |
-    "distributed" (a torchrun rank joined: its pid, local rank, local world size and collective backend). The "data"
-    stage's summary adds skipped ({reason: conversations not trained on}), heldout, truncated, bad_lines and cached."""
+    "distributed" (a torchrun rank joined: its pid, local rank, local world size and collective backend) |
+    "fp8_agreement" (an FP8 target against the exact one, in its detail). The "data" stage's summary adds skipped
+    ({reason: conversations not trained on}), heldout, truncated, bad_lines and cached."""
 
     KIND: ClassVar[str] = "stage"
     stage: str

@@ -8,10 +8,12 @@ Its rooms, from the top floor down (each imports only rooms below it):
 * ``run/``: ``run.assembly`` (one small factory per part) -> ``run.loop`` (``TrainingRun``: builds the parts in
   the order every rank follows, runs them, writes checkpoints); ``run.producer`` threads run the frozen target
   and put ``DeviceBatch``es on a bounded queue; ``run.worker`` threads train the drafter; replicas average gradients
-  inside the process and, under torchrun (``run.torchrun``, ``run.distributed``), across ranks.
+  inside the process and, under torchrun (``run.torchrun``, ``run.distributed``), across ranks; ``run.fp8_check``
+  measures an FP8 target against its exact weights at the start.
 * ``serve/``: ``serve.evaluate`` (acceptance length τ) and ``serve.export`` (the draft model vLLM and SGLang load).
 * ``target/``: ``target.model`` (``FrozenTarget``: a Hugging Face causal LM with hooks on three layers),
-  ``target.fp8``, ``target.builtin`` (the ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``.
+  ``target.fp8`` (and ``target.agreement``: how far it moves the training targets), ``target.builtin`` (the
+  ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``.
 * ``draft/``: the drafter (``model``, TTT ``masks``, compiled flex ``attention``) and its ``loss``.
 * ``data/``: conversations tokenized with the target's chat template (``sources``, cached by ``cache``), the
   held-out split (``holdout``), several conversations a row with their document masks (``packing``), which

@@ -108,8 +108,13 @@ class TrainerConfig:
     compile_guard: bool = True  # False only for the control experiment that shows why the guard exists
     compile_target: bool = False
     # The target's decoder Linears as e4m3 matmuls with row-wise scales (engine/trainer/target/fp8.py): faster on
-    # FP8 tensor cores, measured against bf16 by tests/bench/bench_fp8_target.py; lm_head stays exact.
+    # FP8 tensor cores, measured against bf16 by tests/bench/bench_fp8_target.py; lm_head and MoE routers stay
+    # exact, and so does the target acceptance length is measured with (its exact weights are kept for it).
     target_fp8: bool = False
+    # At the start of an FP8 run: top-1 agreement and KL of the FP8 target against the exact one on this many
+    # held-out batches (an fp8_agreement stage; 0: not measured), and a warning below fp8_min_top1.
+    fp8_check_batches: int = 4
+    fp8_min_top1: float = 0.98
     attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU
     # CUDA streams of co-located threads: "per_thread" (target and drafters overlap on the GPU) or
     # "per_device" (one stream per GPU: kernels queue in order, only the CPU work of the threads overlaps).
@@ -206,6 +211,8 @@ class TrainerConfig:
         )
         for key in ("eval_k", "eval_conversations", "eval_max_new_tokens"):
             need(getattr(self, key) >= 1, key, "an integer >= 1")
+        need(self.fp8_check_batches >= 0, "fp8_check_batches", "an integer >= 0 (0: no agreement check)")
+        need(0 <= self.fp8_min_top1 <= 1, "fp8_min_top1", "a share between 0 and 1")
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")

@@ -23,6 +23,7 @@ from engine.trainer.data.vocab import DraftVocab
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.distributed import map_devices
+from engine.trainer.run.fp8_check import keeps_exact_weights
 from engine.trainer.run.producer import Producer, Route
 from engine.trainer.run.torchrun import RankInfo
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker
@@ -125,6 +126,7 @@ def load_targets(
             tiny_hidden=cfg.tiny_hidden,
             tiny_layers=cfg.tiny_layers,
             fp8=cfg.target_fp8,
+            keep_exact=keeps_exact_weights(cfg),
         )
         if cfg.compile and cfg.compile_target and dev.type == "cuda":
             target.compile()

@@ -46,6 +46,7 @@ from engine.trainer.run.assembly import (
 )
 from engine.trainer.run.distributed import AGENT_DEATH_SIGNAL, CrossRank, ShardedSource, reshard, weights_digest
 from engine.trainer.run.distributed import start as start_distributed
+from engine.trainer.run.fp8_check import check_fp8_targets
 from engine.trainer.run.producer import DeviceBatch, Producer, Route
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
@@ -139,6 +140,7 @@ class TrainingRun:
         if cfg.cuda_streams == "per_device":
             share_streams(self.producers, self.workers)
         self._report_lost_steps()
+        check_fp8_targets(cfg, self.targets, self.vocab, self.events)  # before the evaluation, which may keep them
         self._install_evaluation()
         self._report_built(attn_impl)
 

@@ -13,7 +13,9 @@ greedily; every round the drafter proposes ``k`` tokens as a chain and the targe
 * accepted = the longest prefix of the proposals equal to the target's greedy tokens; the round commits
   those and the target's next greedy token, so it yields ``accepted + 1`` tokens. τ = mean over rounds.
 
-That is how vLLM and SGLang chain-draft an EAGLE-3 head. Two countings of the last round, which differ only when a
+That is how vLLM and SGLang chain-draft an EAGLE-3 head. The target is always the exact one: an FP8 target
+(``target_fp8``) runs its kept exact weights here (``target_forward``), as the bf16 model a server verifies with.
+Two countings of the last round, which differ only when a
 prompt ends at the stop token (``eos``; with ``--ignore-eos`` they are the same numbers):
 
 * ``stop`` (the default): a round's accepted drafts end before the stop token, which the target's own token of the
@@ -224,11 +226,16 @@ class DrafterProposer:
 
 
 def target_forward(target: Any) -> TargetForward:
-    """A ``TargetForward`` over a ``FrozenTarget`` (its hooks give hidden3; its lock keeps other threads out)."""
+    """A ``TargetForward`` over a ``FrozenTarget`` (its hooks give hidden3; its lock keeps other threads out).
+
+    Always the exact target: an FP8 one (``target_fp8``) runs its Linears with their kept exact weights, as the
+    bf16 target a server verifies with; the FP8 forward would agree with an FP8-trained drafter more often and
+    overstate τ."""
 
     def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.tensor([ids], device=target.device)
-        logits, hidden3 = target.logits_and_hidden3(x, eager=True)  # a new length every round: never compile
+        # eager: a new length every round, never compile
+        logits, hidden3 = target.logits_and_hidden3(x, eager=True, exact=True)
         return logits[0], hidden3
 
     return forward

@@ -1,1 +1,2 @@
-"""The frozen target: loading it with layer hooks, FP8, the built-in targets, their tokenizer and model configs."""
+"""The frozen target: loading it with layer hooks, FP8 (and its agreement with the exact target), the built-in
+targets, their tokenizer and model configs."""

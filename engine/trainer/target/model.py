@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.trainer.data.packing import document_causal_mask, document_positions
 from engine.trainer.target.builtin import ensure_built
+from engine.trainer.target.fp8 import exact_linears, fp8_unsupported_reason, quantize_linears
 from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
 from engine.trainer.threads.compile import GuardedFunction
 
@@ -139,19 +140,21 @@ class FrozenTarget:
         input_ids: torch.Tensor,  # (B, T) long
         *,
         eager: bool = False,
+        exact: bool = False,
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's logits ``(B, T, V)`` and the three captured layers side by side ``(B, T, 3H)``.
 
         ``eager``: the uncompiled model, for calls whose lengths vary (evaluation), which would otherwise compile
-        one graph per length while holding the target and the compile guard. ``documents``: no token attends
-        across a conversation and positions restart in each (a 4-D mask and ``position_ids``)."""
+        one graph per length while holding the target and the compile guard. ``exact``: an FP8 target's Linears
+        run with their kept exact weights (fp8.exact_linears; eager), as the target a server runs. ``documents``:
+        no token attends across a conversation and positions restart in each (a 4-D mask and ``position_ids``)."""
         packed: dict[str, torch.Tensor] = {}
         if documents is not None:
             packed = {"attention_mask": document_causal_mask(documents), "position_ids": document_positions(documents)}
-        with self.lock:
+        with self.lock, exact_linears(self.model) if exact else contextlib.nullcontext():
             self._captured.clear()
-            forward = self.model if eager else self._forward
+            forward = self.model if eager or exact else self._forward
             logits = forward(input_ids=input_ids, use_cache=False, **packed).logits
             hidden3 = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
             self._captured.clear()
@@ -167,10 +170,18 @@ class FrozenTarget:
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> TargetOutput:
         logits, hidden3 = self.logits_and_hidden3(input_ids, documents=documents)
-        in_draft = t2d[logits.argmax(dim=-1)]
-        target_p = torch.softmax(logits.index_select(-1, draft_ids).float(), dim=-1)
-        position_mask = loss_mask * in_draft.to(loss_mask.dtype)
+        target_p, position_mask = training_targets(logits, loss_mask, draft_ids, t2d)
         return TargetOutput(hidden3=hidden3, target_p=target_p, position_mask=position_mask, loss_mask=loss_mask)
+
+
+def training_targets(
+    logits: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the drafter learns from the target's logits ``(B, T, V)``: ``target_p`` (softmax over the draft
+    vocabulary, float32) and the position mask (the loss mask where the target's top token is in the draft vocab)."""
+    in_draft = t2d[logits.argmax(dim=-1)]
+    target_p = torch.softmax(logits.index_select(-1, draft_ids).float(), dim=-1)
+    return target_p, loss_mask * in_draft.to(loss_mask.dtype)
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -196,15 +207,14 @@ def load_target(
     tiny_hidden: int = 64,
     tiny_layers: int = 8,
     fp8: bool = False,
+    keep_exact: bool = False,
 ) -> FrozenTarget:
     """Builds (random presets, seeded) or loads (local directory) the target on ``device``.
 
     ``fp8``: its decoder's Linear layers become FP8 matmuls (see fp8.py); a device without FP8 tensor cores is
-    a named error.
+    a named error. ``keep_exact``: they keep their exact weights too, for ``logits_and_hidden3(exact=True)``.
     """
     if fp8:
-        from engine.trainer.target.fp8 import fp8_unsupported_reason
-
         reason = fp8_unsupported_reason(device)
         if reason is not None:
             raise RuntimeError(reason)
@@ -233,7 +243,5 @@ def load_target(
         model = loaded.to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     if fp8:
-        from engine.trainer.target.fp8 import quantize_linears
-
-        quantize_linears(model)
+        quantize_linears(model, keep_exact=keep_exact)
     return FrozenTarget(model, tokenizer, ids, device)

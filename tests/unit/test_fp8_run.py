@@ -1,0 +1,168 @@
+"""An FP8 run (target_fp8): τ is measured against the exact target, and the run starts by measuring how far the
+FP8 target is from it (the fp8_agreement stage, a warning below fp8_min_top1)."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.trainer.config import TrainerConfig, from_dict
+from engine.trainer.data.sources import shipped_corpus_path
+from engine.trainer.run.fp8_check import check_prompts
+from engine.trainer.serve.evaluate import DrafterProposer, evaluate, heldout_prompts, target_forward
+from engine.trainer.target.agreement import compare_forwards, token_batches
+from engine.trainer.target.fp8 import exact_bytes
+from engine.trainer.target.model import FrozenTarget, load_target, load_tokenizer
+from engine.trainer.threads.metrics import EventLog
+
+K = 3
+MAX_NEW = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Many tiny forwards on a shared CPU: a second thread only adds waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(*, fp8: bool, keep_exact: bool = False) -> FrozenTarget:
+    tok = load_tokenizer("tiny")
+    return load_target(
+        "tiny", torch.device("cpu"), tokenizer=tok, layer_ids=None, seed=0, dtype=torch.float32, tiny_layers=4,
+        fp8=fp8, keep_exact=keep_exact,
+    )
+
+
+class Fp8Oracle:
+    """A drafter that learned the FP8 target perfectly: it proposes the FP8 forward's own greedy tokens."""
+
+    def __init__(self, target: FrozenTarget) -> None:
+        self.target = target
+
+    def propose(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(k):
+            logits, _h = self.target.logits_and_hidden3(torch.tensor([seq + out]), eager=True)
+            out.append(int(logits[0, -1].argmax()))
+        return out
+
+
+def fp8_forward(target: FrozenTarget) -> Any:
+    """What the evaluation ran before: the FP8 forward itself verifying the drafts."""
+
+    def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden3 = target.logits_and_hidden3(torch.tensor([ids]), eager=True)
+        return logits[0], hidden3
+
+    return forward
+
+
+def test_the_evaluation_of_an_fp8_target_verifies_with_the_exact_target_and_does_not_overstate_tau() -> None:
+    exact, fp8 = tiny(fp8=False), tiny(fp8=True, keep_exact=True)
+    prompts = heldout_prompts(exact.tokenizer, "shipped", holdout=32, seed=0, count=2)
+    oracle = Fp8Oracle(fp8)
+    outs_kept: list[list[int]] = []
+    outs_exact: list[list[int]] = []
+    outs_fp8: list[list[int]] = []
+    kept = evaluate(target_forward(fp8), oracle, prompts, k=K, max_new_tokens=MAX_NEW, eos_id=None, outputs=outs_kept)
+    ref = evaluate(target_forward(exact), oracle, prompts, k=K, max_new_tokens=MAX_NEW, eos_id=None, outputs=outs_exact)
+    own = evaluate(fp8_forward(fp8), oracle, prompts, k=K, max_new_tokens=MAX_NEW, eos_id=None, outputs=outs_fp8)
+    # The same text and counts as the unquantised target: the exact target decodes and verifies.
+    assert outs_kept == outs_exact and kept.hist == ref.hist
+    # Verified by the FP8 forward it learned, the drafter would score a perfect τ and the text would be the FP8's.
+    assert own.tau == K + 1 and kept.tau < K + 1 and outs_fp8 != outs_exact
+
+
+def run_config(tmp_path: Path, **overrides: Any) -> TrainerConfig:
+    corpus = tmp_path / "small.jsonl"  # tokenizing the whole shipped corpus would be most of the test's time
+    corpus.write_text("\n".join(shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:64]) + "\n")
+    return from_dict(
+        {
+            "target": "tiny",
+            "tiny_layers": 4,
+            "target_fp8": True,
+            "data": str(corpus),
+            "buckets": [128],
+            "batch_size": 1,
+            "ttt_steps": 2,
+            "draft_vocab_size": 96,
+            "steps": 2,
+            "output_dir": str(tmp_path / "out"),
+            "torch_threads": 1,
+            **overrides,
+        }
+    )
+
+
+def built_run(cfg: TrainerConfig) -> tuple[Any, list[dict[str, Any]], io.StringIO]:
+    from engine.trainer.run.loop import TrainingRun
+
+    stdout = io.StringIO()
+    events = EventLog(Path(cfg.output_dir) / "events.jsonl", stdout=stdout)
+    seen: list[dict[str, Any]] = []
+    events.listeners.append(seen.append)
+    engine = TrainingRun(cfg, events)
+    engine.build()
+    return engine, seen, stdout
+
+
+def test_an_fp8_run_reports_its_agreement_with_the_exact_target_warns_below_the_threshold_and_evaluates_exactly(
+    tmp_path: Path,
+) -> None:
+    cfg = run_config(tmp_path, fp8_check_batches=2, fp8_min_top1=1.0, eval_every=2, eval_k=K,
+                     eval_conversations=1, eval_max_new_tokens=8)
+    engine, seen, stdout = built_run(cfg)
+    stages = [e for e in seen if e["kind"] == "stage" and e["stage"] == "fp8_agreement"]
+    assert len(stages) == 1
+    detail = stages[0]["detail"]
+    assert "FP8 target vs exact on 2 held-out rows of 128 tokens" in detail and "below fp8_min_top1 = 1.0" in detail
+    top1 = float(re.search(r"top-1 agreement ([0-9.]+)", detail).group(1))  # type: ignore[union-attr]
+    kl = float(re.search(r"KL\(target_p\) ([0-9.e+-]+) nats", detail).group(1))  # type: ignore[union-attr]
+
+    # The same figures as the bench's way: a separately loaded exact target against an FP8 copy.
+    exact, fp8 = tiny(fp8=False), tiny(fp8=True)
+    assert engine.vocab is not None
+    batches = token_batches(check_prompts(cfg, exact.tokenizer, 2), exact.vocab_size, 1, 128, 2, seed=0)
+    vocab = engine.vocab
+    offline = compare_forwards(
+        exact.logits_and_hidden3, fp8.logits_and_hidden3, batches, vocab.draft_to_target, vocab.t2d(exact.vocab_size)
+    )
+    assert 0.5 < offline.top1_agree < 1.0 and top1 == pytest.approx(offline.top1_agree, abs=1e-4)
+    assert kl > 0 and kl == pytest.approx(offline.kl_target_p, rel=0.01)
+    lines = stdout.getvalue()
+    assert "stage=fp8_agreement FP8 target vs exact" in lines
+    assert f"warning: the FP8 target agrees with the exact one on {offline.top1_agree:.2%} of top-1 tokens" in lines
+    assert "exact target weights kept for the evaluation" in lines and exact_bytes(engine.targets[0].model) > 0
+
+    assert engine.run() == 0
+    evals = [e for e in seen if e["kind"] == "eval"]
+    assert [(e["step"], e.get("error")) for e in evals] == [(2, None)]
+    # The drafter as evaluated at its last step, now against the unquantised target: the same counts.
+    drafter = engine.workers[0].drafter
+    prompts = heldout_prompts(exact.tokenizer, cfg.data, cfg.eval_holdout, cfg.seed, 1)
+    again = evaluate(target_forward(exact), DrafterProposer(drafter, rope_offset=True), prompts, k=K,
+                     max_new_tokens=8, eos_id=getattr(exact.tokenizer, "eos_token_id", None))
+    assert evals[0]["accepted_hist"] == again.hist
+
+
+def test_an_fp8_run_without_evaluation_releases_the_exact_weights_after_the_check(tmp_path: Path) -> None:
+    engine, seen, stdout = built_run(run_config(tmp_path, fp8_check_batches=1, fp8_min_top1=0.0))
+    assert [e["stage"] for e in seen if e["kind"] == "stage" and e["stage"] == "fp8_agreement"] == ["fp8_agreement"]
+    assert "warning: the FP8 target" not in stdout.getvalue()
+    assert "exact target weights released after the check" in stdout.getvalue()
+    assert exact_bytes(engine.targets[0].model) == 0
+
+
+def test_an_fp8_run_with_no_check_and_no_evaluation_never_keeps_the_exact_weights(tmp_path: Path) -> None:
+    engine, seen, stdout = built_run(run_config(tmp_path, fp8_check_batches=0))
+    assert not [e for e in seen if e["kind"] == "stage" and e["stage"] == "fp8_agreement"]
+    assert "exact target weights" not in stdout.getvalue() and exact_bytes(engine.targets[0].model) == 0
