@@ -161,7 +161,7 @@ async def test_a_pool_of_identical_worker_processes_is_one_row_and_native_thread
     workers = [p for p in tree if p.ppid not in (child.pid, 1) and p.pid != child.pid]
     assert len(workers) == 6
     folded = [line for line in lines if "×6" in line]
-    assert len(folded) == 1 and str(min(w.pid for w in workers)) in folded[0], text
+    assert len(folded) == 1 and f"{min(w.pid for w in workers)} ×6 python" in folded[0], text
     assert not any(str(w.pid) in line for w in workers for line in lines if line is not folded[0]), text
     assert sum("drafter0" in line for line in lines) == 1 and sum("target0" in line for line in lines) == 1
     assert len(lines) <= 8, text  # run, engine pid, 2 threads, pool, workers, stale title, none

@@ -270,8 +270,10 @@ class ProcTree(RowTracking):
             """One process row; ``like`` are its siblings with the same command, folded into it with a count."""
             group = [proc, *like]
             out.append(f"\n{indent}{proc.pid} ", style=self._style("muted"))
+            if like:  # the count before the command, which a narrow pane cuts
+                out.append(f"×{len(group)} ", style=self._style("title"))
             out.append(printable(short_cmd(proc.cmd)[:60]), style=self._style("proc"))
-            details = [f"×{len(group)}"] if like else []
+            details = []
             cpu = [p.cpu_pct for p in group if p.cpu_pct is not None]
             rss = [p.rss_mib for p in group if p.rss_mib is not None]
             if cpu:
