@@ -29,6 +29,7 @@ from tui.cli.common import (
 from tui.hosttext import TerminalFilter, printable, printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 from tui.link.session import CommandFailed, Session, typed_reply
+from tui.timewords import duration, when
 
 # -- status ----------------------------------------------------------------------------------------
 
@@ -212,17 +213,6 @@ async def cmd_status(args: argparse.Namespace) -> int:
 # -- runs ------------------------------------------------------------------------------------------
 
 
-def _when(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "-"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 def format_runs(runs: list[protocol.ListedRun], total: int) -> str:
     rows = [["id", "state", "started", "duration", "last step", "exit", "cause"]]
     for r in runs:
@@ -233,8 +223,8 @@ def format_runs(runs: list[protocol.ListedRun], total: int) -> str:
             [
                 r.run_id + (" *" if r.current else ""),
                 r.state,
-                _when(r.started_at),
-                _duration(r.duration_s),
+                when(r.started_at),
+                duration(r.duration_s),
                 str(r.last_step) if r.last_step is not None else "-",
                 exit_txt,
                 (r.cause or "")[:100],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
@@ -15,20 +14,10 @@ from textual.widgets.option_list import Option
 
 from engine import protocol
 from tui.hosttext import printable
+from tui.timewords import duration, when
 
 RUN_TAIL_LINES = 200
 TailFetcher = Callable[[str], Awaitable[protocol.TailReply | None]]
-
-
-def _when(t: float | None) -> str:
-    return time.strftime("%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "-"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def run_row(run: protocol.ListedRun) -> str:
@@ -38,8 +27,8 @@ def run_row(run: protocol.ListedRun) -> str:
     ended = f"signal {sig}" if sig is not None else f"exit {code}" if code is not None else ""
     mark = "*" if run.current else " "
     return printable(
-        f"{mark} {run.run_id}  {run.state:<9} {_when(run.started_at)}  "
-        f"{_duration(run.duration_s):>7}  step {step if step is not None else '-':<7} {ended}"
+        f"{mark} {run.run_id}  {run.state:<9} {when(run.started_at, year=False)}  "
+        f"{duration(run.duration_s):>7}  step {step if step is not None else '-':<7} {ended}"
     )
 
 
