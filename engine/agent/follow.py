@@ -59,9 +59,14 @@ class LogFollower(_AppendedFileUser):
         chunk_bytes: int = CHUNK_BYTES,
         poll_bytes: int = POLL_BYTES,
         announce_open: bool = False,
+        start_tail_bytes: int | None = None,
     ) -> None:
-        """``announce_open``: emit ``log_reset`` "created" on the first open too (a newly followed run)."""
+        """``announce_open``: emit ``log_reset`` "created" on the first open too (a newly followed run).
+        ``start_tail_bytes``: with no offset given, a file larger than this starts at the first line of its last
+        ``start_tail_bytes`` (``skipped_head`` then says how many bytes before it were not sent)."""
         self.path = os.fspath(path)
+        self.start_tail_bytes = start_tail_bytes if offset is None else None
+        self.skipped_head = 0
         self.chunk_bytes = max(1, chunk_bytes)
         self.poll_bytes = max(self.chunk_bytes, poll_bytes)
         self._want_offset = max(0, offset or 0)
@@ -94,7 +99,10 @@ class LogFollower(_AppendedFileUser):
                 self.file.restart(0)
                 out.append(event("log_reset", inode=st.st_ino, offset=0, reason="truncated"))
             else:
-                self.file.restart(self._want_offset)
+                start = self._want_offset
+                if self.start_tail_bytes is not None and st.st_size > self.start_tail_bytes:
+                    start = self.skipped_head = self._line_start(st.st_size - self.start_tail_bytes)
+                self.file.restart(start)
                 if self._seen_missing:
                     out.append(event("log_reset", inode=st.st_ino, offset=self.offset, reason="created"))
         else:
@@ -103,6 +111,16 @@ class LogFollower(_AppendedFileUser):
             out.append(event("log_reset", inode=st.st_ino, offset=0, reason=reason))
         self._seen_missing = False
         return True
+
+    def _line_start(self, offset: int) -> int:
+        """The first line start at or after ``offset`` (within 64 KiB; else ``offset`` itself)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(offset - 1)
+                cut = fh.read(1 << 16).find(b"\n")
+        except OSError:
+            return offset
+        return offset + cut if cut >= 0 else offset
 
     def _read(self, out: list[dict[str, Any]], budget: int) -> int:
         """Read from the offset towards EOF, up to ``budget`` bytes; sets ``more`` when the budget ran out."""

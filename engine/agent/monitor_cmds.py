@@ -33,6 +33,7 @@ from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
 from engine.supervisor import records
 
 GPU_INTERVAL_DEFAULT_S = 0.5
+LOG_START_BYTES = 1 << 20  # a client with no position in a run's output.log gets its last MiB first, not all of it
 PROCS_INTERVAL_DEFAULT_S = 1.0
 MIN_INTERVAL_S = 0.1
 RUN_CHECK_INTERVAL_S = 0.25  # how often the follower looks at <run_root>/current
@@ -486,7 +487,7 @@ class Subscription:
         self._resumed_run = resume and same_run and bool(self.engine_offset)  # the client has this run's history
         log_path = run_dir / records.OUTPUT_LOG
         if resume and same_run:
-            log = LogFollower(log_path, offset=self.log_offset, inode=self.log_inode)
+            log = LogFollower(log_path, offset=self.log_offset, inode=self.log_inode, start_tail_bytes=LOG_START_BYTES)
             engine_offset = self.engine_offset or 0
             if self.log_inode is not None and self.resume_run_id is None:
                 # Without a run id, the log's inode tells whether the offsets belong to this run's files.
@@ -504,17 +505,24 @@ class Subscription:
                     engine = _events_reader(run_dir / records.EVENTS_JSONL, offset=0)
         else:
             # A run the client has not seen: announce it and stream both files from their start.
-            log = LogFollower(log_path, announce_open=True)
+            log = LogFollower(log_path, announce_open=True, start_tail_bytes=LOG_START_BYTES)
             engine = _events_reader(run_dir / records.EVENTS_JSONL, offset=0)
         return log, engine
 
     def _pump(self, log: LogFollower, engine: JsonlReader | None, run_dir: Path) -> bool:
         """Forward what is new; True when the log follower stopped at its budget (more is waiting)."""
         run_id = run_dir.name
+        skipped_head = log.skipped_head
         for ev in log.poll():
             if ev["ev"] == "log_reset":
                 ev["run_id"] = run_id
             self._emit(ev)
+        if log.skipped_head and not skipped_head:
+            mib = log.skipped_head / (1 << 20)
+            self._emit(protocol.event("warning", message=(
+                f"output.log of {run_id}: its first {mib:.0f} MiB not sent, the log starts at its last "
+                f"{LOG_START_BYTES >> 20} MiB (specdec-tui logs -n N shows more)"
+            )))  # fmt: skip
         more = log.more
         if engine is not None:
             skipped = engine.skipped_bytes

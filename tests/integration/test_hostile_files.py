@@ -96,3 +96,36 @@ def test_a_subscribed_agent_streams_the_newest_events_of_64_mib_first_and_stays_
         assert peak is not None and peak <= AGENT_PEAK_MIB, peak
     finally:
         assert agent.close() == 0
+
+
+LOG_MIB = 64
+
+
+def test_a_new_subscriber_gets_the_last_mib_of_a_64_mib_log_then_what_is_appended(huge_run: hostile.HugeRun) -> None:
+    """The dashboard subscribes with no position in output.log: a long run's whole log (hundreds of MiB over SSH)
+    used to come first, the newest line last. It now gets the log's last MiB, from a line start, and a warning that
+    says what was not sent; lines appended afterwards follow as always."""
+    log = huge_run.run_dir / "output.log"
+    line = b"step=%08d thread=drafter0 loss=1.2345 acc0=0.5000 tok/s=81234\n"
+    width = len(line % 0)
+    with log.open("wb") as fh:
+        for block in range((LOG_MIB << 20) // (width * 10_000)):
+            fh.write(b"".join(line % (block * 10_000 + i) for i in range(10_000)))
+    size = log.stat().st_size
+    skipped_mib = round((size - (1 << 20)) / (1 << 20))
+    agent = AgentClient(huge_run.run_root, simulate_gpus=2)
+    try:
+        agent.ok("subscribe")
+        warning = agent.next_event(lambda e: e["ev"] == "warning" and "output.log" in e["message"], what="a warning")
+        assert f"output.log of {hostile.RUN_ID}: its first {skipped_mib} MiB not sent" in warning["message"], warning
+        logs = [e for e in agent.events if e["ev"] == "log"]
+        first = logs[0]
+        assert size - (1 << 20) <= first["offset"] <= size - (1 << 20) + width, (first["offset"], size)
+        sent = sum(len(e["data"]) for e in logs)
+        assert sent <= (1 << 20) + width, sent
+        assert first["data"].startswith("step="), first["data"][:40]  # a whole line, not the middle of one
+        with log.open("ab") as fh:
+            fh.write(b"step=99999999 thread=drafter0 the newest line\n")
+        agent.next_event(lambda e: e["ev"] == "log" and "the newest line" in e["data"], what="the appended line")
+    finally:
+        assert agent.close() == 0
