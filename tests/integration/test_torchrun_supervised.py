@@ -1,8 +1,9 @@
 """torchrun under the supervisor (real tmux on the test socket, real gloo ranks of the tiny engine on the CPU).
 
 Pinned: first-step waits for every rank of the node; `stacks` dumps every rank, labelled; `stop` reaches every
-rank although torchrun starts each in a session of its own; a rank that dies is named by `launch --wait` (exit 1,
-the rank and its signal in `cause`, that rank's own last lines) and by `status`.
+rank although torchrun starts each in a session of its own, and the run then reads as stopped, not failed (torchrun
+exits 1 on SIGTERM); a rank that dies is named by `launch --wait` (exit 1, the rank and its signal in `cause`, that
+rank's own last lines) and by `status`.
 """
 
 from __future__ import annotations
@@ -123,6 +124,14 @@ def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(
         assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends.values()), ends
         assert ends["events.jsonl"][-1]["step"] == ends["events.rank1.jsonl"][-1]["step"]
         assert "SIGKILL" not in stop.stdout, stop.stdout
+        # torchrun itself exits 1 on SIGTERM (SignalException), yet nothing failed: the run reads as stopped.
+        ended = wait_exit_record(rd, 10)
+        assert ended["exit_code"] == 1 and ended["stopped"] is True and ended["stop_requested"] == "stop", ended
+        assert ended["cause"] == "stopped (SIGTERM), torchrun exited with code 1; every rank ended cleanly", ended
+        run = json.loads(cli("status", "local", "--run-root", str(root), "--json", timeout_s=60).stdout)["run"]
+        assert (run["state"], run["cause"], run["failed_rank"]) == ("stopped", ended["cause"], None), run
+        said = cli("status", "local", "--run-root", str(root), timeout_s=60)
+        assert "stopped" in said.stdout and "fail" not in said.output.lower(), said.output
     finally:
         cli("stop", "local", "--run-root", str(root), "--grace", "2", timeout_s=60)
     print(f"torchrun 2 ranks: first-step {r.elapsed_s:.1f} s, stacks {stacks_s:.2f} s, stop {stop_s:.1f} s")
