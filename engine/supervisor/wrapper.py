@@ -328,7 +328,8 @@ class Wrapper:
             cause = restart.restart_cause(ending, self.policy)
             why_not = self.cancelled()
             if cause is None or why_not is not None:
-                self.restart_state = "cancelled" if why_not is not None and cause is not None else "done"
+                cancels = cause is not None or ending.stopped is not None  # a stopped attempt is never restarted
+                self.restart_state = "cancelled" if why_not is not None and cancels else "done"
                 self.write_restarts()
                 return self.finish_attempt(ending, self._ending_text(ending))
             assert self.launch.job_pgid is not None  # the job started: its group was recorded
