@@ -3,7 +3,7 @@
 Pinned: first-step waits for every rank of the node; `stacks` dumps every rank, labelled; `stop` reaches every
 rank although torchrun starts each in a session of its own, and the run then reads as stopped, not failed (torchrun
 exits 1 on SIGTERM); a rank that dies is named by `launch --wait` (exit 1, the rank and its signal in `cause`, that
-rank's own last lines) and by `status`.
+rank's own last lines) and by `status`; two loopback nodes stopped together read as stopped on each.
 """
 
 from __future__ import annotations
@@ -192,32 +192,38 @@ def wait_exit_record(run_dir: Path, timeout_s: float) -> dict[str, Any]:
     return wait_until(lambda: records.read_json(exit_json), timeout_s, f"{run_dir.name}'s exit record")
 
 
+def launch_two_nodes(tmp_path: Path, roots: list[Path], waits: list[subprocess.Popen[str]]) -> list[Path]:
+    """Two loopback nodes of one rank each, each under its own supervisor (run root), until both stepped: their run
+    directories. ``waits`` gets each node's `launch --wait` as it starts, for the caller to clean up."""
+    port = free_port()
+    config = write_config(tmp_path)
+    for n in (0, 1):
+        cmd = job_command(
+            "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            *engine_args(config, tmp_path / f"out{n}"),
+        )  # fmt: skip
+        waits.append(
+            subprocess.Popen(
+                launch_cli(roots[n], cmd, "--wait", "first-step", "--json"),
+                cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+        )
+        if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does: the one kept
+            wait_listening(port, START_TIMEOUT_S)
+    for n, w in enumerate(waits):  # each node's supervisor saw its rank step, together with the other node
+        out, err = w.communicate(timeout=START_TIMEOUT_S)
+        assert w.returncode == 0, f"node {n}: {out}{err}"
+    return [current_run_dir(r) for r in roots]
+
+
 def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_the_other_naming_it(
     tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
-    port = free_port()
-    config = write_config(tmp_path)
     roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
     waits: list[subprocess.Popen[str]] = []
     try:
-        for n in (0, 1):
-            cmd = job_command(
-                "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                *engine_args(config, tmp_path / f"out{n}"),
-            )  # fmt: skip
-            waits.append(
-                subprocess.Popen(
-                    launch_cli(roots[n], cmd, "--wait", "first-step", "--json"),
-                    cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                )
-            )
-            if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does: the one kept
-                wait_listening(port, START_TIMEOUT_S)
-        for n, w in enumerate(waits):  # each node's supervisor saw its rank step, together with the other node
-            out, err = w.communicate(timeout=START_TIMEOUT_S)
-            assert w.returncode == 0, f"node {n}: {out}{err}"
-        dirs = [current_run_dir(r) for r in roots]
+        dirs = launch_two_nodes(tmp_path, roots, waits)
         # c10d's rendezvous numbers the nodes in the order they join (not by --node-rank): ask the events.
         killed = next(e for e in events(dirs[1] / "events.jsonl") if e.get("stage") == "distributed")
         survivor = next(e for e in events(dirs[0] / "events.jsonl") if e.get("stage") == "distributed")
@@ -268,3 +274,32 @@ def test_a_rank_that_raises_is_named_with_its_exception_and_its_own_last_lines(
     finally:
         cli("stop", "local", "--run-root", str(root), "--grace", "2", timeout_s=60)
     print(f"rank 1 raised: launch --wait answered in {took:.1f} s: {result['cause'][:160]}")
+
+
+def test_a_stop_of_both_loopback_nodes_reads_stopped_on_each(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    waits: list[subprocess.Popen[str]] = []
+    try:
+        dirs = launch_two_nodes(tmp_path, roots, waits)
+        stops = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tui", "stop", "local", "--run-root", str(r), "--grace", "20"],
+                cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for r in roots
+        ]
+        said = [s.communicate(timeout=90)[0] for s in stops]
+        assert [s.returncode for s in stops] == [0, 0], said
+        ended = [wait_exit_record(d, 10) for d in dirs]
+        runs = [json.loads(cli("status", "local", "--run-root", str(r), "--json").stdout)["run"] for r in roots]
+    finally:
+        for w in waits:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+        for r in roots:
+            cli("stop", "local", "--run-root", str(r), "--grace", "2", timeout_s=60)
+    for n, (run, rec) in enumerate(zip(runs, ended, strict=True)):
+        assert run["state"] == "stopped" and run["failed_rank"] is None, f"node {n}: {run}\n{said[n]}"
+        assert rec["cause"].startswith("stopped (SIGTERM), torchrun "), rec
+    print(f"two loopback nodes stopped: {ended[0]['cause']} | {ended[1]['cause']}")
