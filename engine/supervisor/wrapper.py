@@ -48,6 +48,7 @@ from engine.supervisor.records import ExitRecord, LaunchRecord
 POLL_S = 0.05  # milestone timing and exit detection resolution
 ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_REQUEST_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # forwarded on a person's request: the run was stopped
 CANCEL_SIGNAL = signal.SIGUSR2  # from `stop`: cancel the restart policy (never forwarded to the job)
 HANG_DUMP_TIMEOUT_S = 5.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long the ended attempt's processes may take to leave the table
@@ -108,11 +109,13 @@ class Wrapper:
 
     def stop_request(self) -> tuple[str, str] | None:
         """(who asked, the signal the job got) once the run was asked to stop: `stop` (which then sends SIGTERM to
-        the job's processes itself), or a signal to the wrapper that it forwarded; None while nobody asked."""
+        the job's processes itself), or a SIGTERM or SIGINT to the wrapper that it forwarded (a SIGHUP is a closed
+        terminal, not a request); None while nobody asked."""
         if self.cancel_reason == "stop":
             return "stop", "SIGTERM"
-        if self.signals_seen:
-            name = records.signal_name(self.signals_seen[0])
+        asked = [s for s in self.signals_seen if s in STOP_REQUEST_SIGNALS]
+        if asked:
+            name = records.signal_name(asked[0])
             return f"{name} to the wrapper", name
         return None
 

@@ -72,6 +72,26 @@ def test_stop_of_a_cooperative_job_needs_no_sigkill(agent: AgentClient) -> None:
     assert result["exit"]["stop_requested"] == "stop" and result["exit"]["stopped"] is True
 
 
+@pytest.mark.parametrize(("sig", "state"), [(signal.SIGTERM, "stopped"), (signal.SIGHUP, "failed")])
+def test_a_sigterm_the_wrapper_forwards_is_a_stop_but_a_sighup_is_not(
+    agent: AgentClient, sig: signal.Signals, state: str
+) -> None:
+    launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
+    run_dir = Path(launched["run_dir"])
+    wrapper_pid = (records.read_launch(run_dir) or records.LaunchRecord()).wrapper_pid
+    assert wrapper_pid is not None
+    os.kill(wrapper_pid, sig)
+    ended = wait_until(lambda: records.read_exit(run_dir), 10, "the exit record")
+    info = records.read_run(run_dir, procs.read_boot_id())
+    assert (info.state, ended.signal) == (state, sig), info
+    if state == "stopped":
+        assert ended.stop_requested == "SIGTERM to the wrapper" and info.cause == (
+            "stopped (SIGTERM): killed by signal 15 (SIGTERM)"
+        )
+    else:
+        assert ended.stop_requested is None and "killed by signal 1 (SIGHUP)" in str(info.cause)
+
+
 def test_stop_when_nothing_runs_is_a_clear_error(agent: AgentClient) -> None:
     reply = agent.request("stop", grace_s=1)
     assert reply["ok"] is False and reply["error"].startswith("no run under ")
