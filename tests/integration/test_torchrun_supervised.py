@@ -303,3 +303,26 @@ def test_a_stop_of_both_loopback_nodes_reads_stopped_on_each(tmp_path: Path, cli
         assert run["state"] == "stopped" and run["failed_rank"] is None, f"node {n}: {run}\n{said[n]}"
         assert rec["cause"].startswith("stopped (SIGTERM), torchrun "), rec
     print(f"two loopback nodes stopped: {ended[0]['cause']} | {ended[1]['cause']}")
+
+
+def test_a_rank_that_raises_on_its_way_out_of_a_stop_fails_the_run_named(
+    tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    root = tmp_path / "root"
+    fault = ["env", "SPECDEC_TEST_FAULT_RANK=1", "SPECDEC_TEST_FAULT_ON_STOP=1"]
+    engine = [str(REPO / "tests" / "integration" / "rank_fault.py"), "--config", str(write_config(tmp_path))]
+    cmd = fault + job_command("--standalone", "--nproc-per-node", "2", *engine, "--output-dir", str(tmp_path / "out"))
+    r = cli(*launch_cli(root, cmd, "--wait", "first-step", "--json")[3:], timeout_s=START_TIMEOUT_S)
+    try:
+        assert r.returncode == 0, r.output
+        stop = cli("stop", "local", "--run-root", str(root), "--grace", "20", timeout_s=90)
+        assert stop.returncode == 0, stop.output
+        ended = wait_exit_record(current_run_dir(root), 10)
+        run = json.loads(cli("status", "local", "--run-root", str(root), "--json").stdout)["run"]
+    finally:
+        cli("stop", "local", "--run-root", str(root), "--grace", "2", timeout_s=60)
+    # The stop was asked for, but rank 1 crashed on its own: its exception is the cause, not the stop.
+    assert ended["stop_requested"] == "stop" and "stopped" not in ended, ended
+    assert run["state"] == "failed" and (run["failed_rank"], run["failed_node"]) == (1, 0), run
+    assert run["cause"].startswith("rank 1 (node 0): thread "), run["cause"]
+    assert "RuntimeError: injected fault on rank 1 while stopping" in run["cause"], run["cause"]
