@@ -128,6 +128,7 @@ RUN_STATES: tuple[str, ...] = (
     "running",  # pid alive
     "exited",  # exit.json says code 0
     "failed",  # exit.json says non-zero code or a signal
+    "stopped",  # exit.json says it ended because it was asked to stop, cleanly (torchrun's exit 1 on SIGTERM too)
     "vanished",  # pid gone, no exit.json (killed -9 wrapper, tmux server killed, ...)
     "rebooted",  # launch.json's boot id differs from the host's: ended by reboot
 )

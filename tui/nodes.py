@@ -429,6 +429,8 @@ def combined_run(parts: list[NodeRun], rank_nodes: dict[int, str] | None = None)
         out["state"] = "running"
     elif any(s in ("starting", "running") for s in states):
         out["state"] = "starting" if all(s in ("starting", "running") for s in states) else "partial"
+    elif all(s == "stopped" for s in states):
+        out["state"] = "stopped"  # every node's part ended on the stop, cleanly
     else:
         out["state"] = "exited"
     if len(ids) > 1 and out["state"] != "failed":

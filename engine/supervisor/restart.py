@@ -66,6 +66,7 @@ class Ending:
     stacks: str | None = None  # where the hang's stack dump went, or why there is none
     reason: str | None = None  # the attempt's own root cause, in its words (records.root_cause), or a full disk
     ended_at: float = 0.0  # when the wrapper reaped it (unix time)
+    stopped: str | None = None  # it ended because a stop asked it to (records.stopped_cause): never restarted
 
     @property
     def ok(self) -> bool:
@@ -74,6 +75,8 @@ class Ending:
 
 def restart_cause(ending: Ending, policy: Policy) -> str | None:
     """The cause to restart for (one of CAUSES), or None when the policy does not restart this ending."""
+    if ending.stopped is not None:
+        return None  # the user asked for this end
     if ending.hang is not None:
         return "hang" if "hang" in policy.on else None
     if ending.ok:

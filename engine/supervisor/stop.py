@@ -59,7 +59,9 @@ def stop(
         step(f"the job ended ({info.state}) but {len(members)} of its process(es) remain")
     wrapper_pid = launch_rec.wrapper_pid or 0
     wrapper_ticks = launch_rec.wrapper_start_ticks
-    if _cancel_restarts(launch_rec, wrapper_pid, wrapper_ticks):
+    # Before any SIGTERM: the wrapper then knows the job's end was asked for (its exit record says "stopped", not
+    # torchrun's exit 1 as a failure) and restarts nothing.
+    if _tell_wrapper(launch_rec, wrapper_pid, wrapper_ticks) and (launch_rec.spec or {}).get("restart") is not None:
         step("restart policy cancelled: nothing is restarted after this stop")
 
     def alive_members() -> list[int]:
@@ -140,12 +142,12 @@ def stop(
     }
 
 
-def _cancel_restarts(launch_rec: LaunchRecord, wrapper_pid: int, wrapper_ticks: int | None) -> bool:
-    """Tell a wrapper that runs a restart policy to restart nothing more (before its job is signalled)."""
-    spec = launch_rec.spec
+def _tell_wrapper(launch_rec: LaunchRecord, wrapper_pid: int, wrapper_ticks: int | None) -> bool:
+    """Tell the wrapper that a stop is coming (before its job is signalled): it restarts nothing more and records
+    the end as stopped. False when it could not be told."""
     name = launch_rec.cancel_signal
-    if spec is None or spec.get("restart") is None or name is None:
-        return False  # no policy, or a wrapper from before restart policies: it would not know the signal
+    if name is None:
+        return False  # a wrapper from before the stop signal: it would not know it
     try:
         sig = signal.Signals[name]
     except KeyError:

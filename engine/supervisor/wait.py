@@ -140,7 +140,7 @@ def wait_for(
                     on_milestone(m, t_m)
         if info.milestones.get(milestone) is not None:
             return result(True, info, None, info.state == "running")
-        if info.state in ("exited", "failed", "vanished", "rebooted"):
+        if info.state in ("exited", "failed", "stopped", "vanished", "rebooted"):
             return result(False, info, _end_cause(rd, info, milestone), False)
         if info.state == "running":
             launch_rec = records.read_launch(rd)

@@ -14,7 +14,9 @@ tmux session leaves the run without its exit record. It never uses nohup.
 Under a restart policy (the spec's ``restart``, engine/supervisor/restart.py) it starts the job again
 after a crash, a hang (stacks dumped, then stopped) or a CUDA OOM, as attempt 2, 3, ... of the same
 run (SPECDEC_ATTEMPT), recording each restart in ``restarts.json``; exit.json is written once, at the
-very end. SIGUSR2 from ``stop`` (and any signal it forwards) cancels the policy.
+very end. SIGUSR2 from ``stop`` (and any signal it forwards) cancels the policy and marks the run as asked to
+stop: when it then ends cleanly (torchrun: every rank's run_end ok, though torchrun itself exits 1 on SIGTERM),
+exit.json says ``stopped`` and the run reads as stopped, not failed.
 
 Stdlib only.
 """
@@ -46,6 +48,7 @@ from engine.supervisor.records import ExitRecord, LaunchRecord
 POLL_S = 0.05  # milestone timing and exit detection resolution
 ECHO_POLL_S = 0.1  # once every milestone is timed: only the pane echo is left
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_REQUEST_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # forwarded on a person's request: the run was stopped
 CANCEL_SIGNAL = signal.SIGUSR2  # from `stop`: cancel the restart policy (never forwarded to the job)
 HANG_DUMP_TIMEOUT_S = 5.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long the ended attempt's processes may take to leave the table
@@ -104,6 +107,18 @@ class Wrapper:
     def on_cancel(self, signum: int, frame: FrameType | None) -> None:
         self.cancel_reason = "stop"
 
+    def stop_request(self) -> tuple[str, str] | None:
+        """(who asked, the signal the job got) once the run was asked to stop: `stop` (which then sends SIGTERM to
+        the job's processes itself), or a SIGTERM or SIGINT to the wrapper that it forwarded (a SIGHUP is a closed
+        terminal, not a request); None while nobody asked."""
+        if self.cancel_reason == "stop":
+            return "stop", "SIGTERM"
+        asked = [s for s in self.signals_seen if s in STOP_REQUEST_SIGNALS]
+        if asked:
+            name = records.signal_name(asked[0])
+            return f"{name} to the wrapper", name
+        return None
+
     def cancelled(self) -> str | None:
         """Why the restart policy no longer applies (a stop, or a signal to the wrapper); None while it does."""
         if self.cancel_reason is not None:
@@ -131,8 +146,12 @@ class Wrapper:
     def write_launch(self) -> None:
         records.write_json_atomic(self.run_dir / records.LAUNCH_JSON, self.launch.to_json(), mode=0o600)
 
-    def write_exit(self, exit_code: int | None, sig: int | None, cause: str, root: str | None = None) -> None:
-        """exit.json; ``root``: the last attempt's own root cause (records.ROOT_CAUSE_KEY), when one is known."""
+    def write_exit(
+        self, exit_code: int | None, sig: int | None, cause: str, root: str | None = None, stopped: bool = False
+    ) -> None:
+        """exit.json; ``root``: the last attempt's own root cause (records.ROOT_CAUSE_KEY), when one is known;
+        ``stopped``: the job ended because it was asked to stop, cleanly."""
+        asked = self.stop_request()
         rec = ExitRecord(
             run_id=self.run_id,
             exit_code=exit_code,
@@ -141,6 +160,8 @@ class Wrapper:
             ended_at=time.time(),
             cause=cause,
             forwarded_signals=self.forwarded,
+            stop_requested=asked[0] if asked is not None else None,
+            stopped=True if stopped else None,
         )
         if self.policy is not None:
             rec.attempts, rec.restarts, rec.restart_state = self.attempt, self.restarts, self.restart_state
@@ -231,7 +252,7 @@ class Wrapper:
             spec=self.spec,
             output_offset_at_start=out_size,
             python=sys.executable,
-            cancel_signal=records.signal_name(CANCEL_SIGNAL),  # `stop` sends it to cancel the restart policy
+            cancel_signal=records.signal_name(CANCEL_SIGNAL),  # `stop` sends it first: a stop is coming
         )
         self.write_launch()
         if not records.reserve_exit_record(self.run_dir):
@@ -306,13 +327,14 @@ class Wrapper:
             self.pending.clear()
             ending = self.supervise(started, out_base)
             if self.policy is None:
-                return self.finish(ending.exit_code, ending.signal, ending.detail, ending.reason)
+                return self.finish_attempt(ending, ending.detail)
             cause = restart.restart_cause(ending, self.policy)
             why_not = self.cancelled()
             if cause is None or why_not is not None:
-                self.restart_state = "cancelled" if why_not is not None and cause is not None else "done"
+                cancels = cause is not None or ending.stopped is not None  # a stopped attempt is never restarted
+                self.restart_state = "cancelled" if why_not is not None and cancels else "done"
                 self.write_restarts()
-                return self.finish(ending.exit_code, ending.signal, self._ending_text(ending), ending.reason)
+                return self.finish_attempt(ending, self._ending_text(ending))
             assert self.launch.job_pgid is not None  # the job started: its group was recorded
             self.clear_leftovers(self.launch.job_pgid, self.launch.job_start_ticks)
             if len(self.restarts) >= self.policy.max:
@@ -420,8 +442,16 @@ class Wrapper:
             if stuck:  # uninterruptible sleep in the driver: the next attempt may find its GPU memory still held
                 say(f"[specdec] pid(s) {', '.join(map(str, stuck))} still there {KILL_WAIT_S:g} s after SIGKILL")
 
-    def finish(self, exit_code: int | None, sig: int | None, cause: str, root: str | None = None) -> int:
-        self.write_exit(exit_code, sig, cause, root)
+    def finish_attempt(self, ending: restart.Ending, cause: str) -> int:
+        """The end of the run with its last attempt: a stopped one says so, not "exited with code 1"."""
+        if ending.stopped is not None:
+            return self.finish(ending.exit_code, ending.signal, ending.stopped, stopped=True)
+        return self.finish(ending.exit_code, ending.signal, cause, ending.reason)
+
+    def finish(
+        self, exit_code: int | None, sig: int | None, cause: str, root: str | None = None, stopped: bool = False
+    ) -> int:
+        self.write_exit(exit_code, sig, cause, root, stopped)
         self.echo_offset = self.echo(self.echo_offset)
         after = f" (after {len(self.restarts)} restarts: {restart.summary(self.restarts)})" if self.restarts else ""
         self.echo_status(f"[specdec] run {self.run_id} {cause}{after}")
@@ -502,9 +532,12 @@ class Wrapper:
         ending.hang = hang
         ending.stacks = stacks_path
         ending.ended_at = ended_at
-        if not ending.ok and hang is None:
+        asked = self.stop_request()
+        if asked is not None and hang is None:
+            ending.stopped = records.stopped_cause(scanner.catch_up(), ending.exit_code, ending.signal, asked[1])
+        if not ending.ok and hang is None and ending.stopped is None:
             ending.oom = restart.find_oom(self.run_dir / records.OUTPUT_LOG, out_base)
-        if not ending.ok:
+        if not ending.ok and ending.stopped is None:
             ending.reason = f"hung ({ending.hang})" if ending.hang is not None else self.attempt_reason(scanner)
         self.echo_offset = self.echo(self.echo_offset)
         return ending

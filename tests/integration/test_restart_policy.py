@@ -84,7 +84,7 @@ def launch(agent: AgentClient, code: str, deadlines_s: dict[str, float] | None =
 def ended(run_dir: Path, timeout_s: float = END_WITHIN_S) -> protocol.RunInfo:
     def done() -> protocol.RunInfo | None:
         info = records.read_run(run_dir, procs.read_boot_id())
-        return info if info.state in ("exited", "failed") else None
+        return info if info.state in ("exited", "failed", "stopped") else None
 
     info: protocol.RunInfo = wait_until(done, timeout_s, f"run {run_dir.name} to end")
     return info
@@ -249,7 +249,7 @@ def test_stop_of_a_running_attempt_cancels_the_policy(agent: AgentClient) -> Non
     assert "restart policy cancelled: nothing is restarted after this stop" in result["steps"]
     assert result["exit"]["signal"] == signal.SIGTERM
     info = records.read_run(run_dir, procs.read_boot_id())
-    assert info.state == "failed" and info.restarts == [] and info.restart_state == "cancelled"
+    assert info.state == "stopped" and info.restarts == [] and info.restart_state == "cancelled"  # asked for
     launch_rec = records.read_json(run_dir / records.LAUNCH_JSON) or {}
     assert launch_rec["attempt"] == 1
     wait_until(lambda: not pid_alive(launch_rec["wrapper_pid"]), 5, "the wrapper to exit")

@@ -54,7 +54,8 @@ def test_stop_of_a_group_that_ignores_sigterm_escalates_to_sigkill_after_the_gra
     assert progress == steps  # each step was reported as it happened
     assert 1.0 <= elapsed < 4.0, f"stop took {elapsed:.2f} s"
     assert not pid_alive(info.pid)
-    assert records.read_run(run_dir, procs.read_boot_id()).state == "failed"
+    ended = records.read_run(run_dir, procs.read_boot_id())
+    assert (ended.state, ended.cause) == ("stopped", "stopped (SIGTERM): killed by signal 9 (SIGKILL)")
 
 
 def test_stop_of_a_cooperative_job_needs_no_sigkill(agent: AgentClient) -> None:
@@ -67,7 +68,28 @@ def test_stop_of_a_cooperative_job_needs_no_sigkill(agent: AgentClient) -> None:
     assert result["exit"]["signal"] == signal.SIGTERM
     assert result["gpu_released"] is True
     info = records.read_run(Path(launched["run_dir"]), procs.read_boot_id())
-    assert info.state == "failed" and info.signal == signal.SIGTERM
+    assert info.state == "stopped" and info.signal == signal.SIGTERM  # asked for: not a failure
+    assert result["exit"]["stop_requested"] == "stop" and result["exit"]["stopped"] is True
+
+
+@pytest.mark.parametrize(("sig", "state"), [(signal.SIGTERM, "stopped"), (signal.SIGHUP, "failed")])
+def test_a_sigterm_the_wrapper_forwards_is_a_stop_but_a_sighup_is_not(
+    agent: AgentClient, sig: signal.Signals, state: str
+) -> None:
+    launched, _, _ = launch_and_wait(agent, ["sleep", "600"], "started", 20)
+    run_dir = Path(launched["run_dir"])
+    wrapper_pid = (records.read_launch(run_dir) or records.LaunchRecord()).wrapper_pid
+    assert wrapper_pid is not None
+    os.kill(wrapper_pid, sig)
+    ended = wait_until(lambda: records.read_exit(run_dir), 10, "the exit record")
+    info = records.read_run(run_dir, procs.read_boot_id())
+    assert (info.state, ended.signal) == (state, sig), info
+    if state == "stopped":
+        assert ended.stop_requested == "SIGTERM to the wrapper" and info.cause == (
+            "stopped (SIGTERM): killed by signal 15 (SIGTERM)"
+        )
+    else:
+        assert ended.stop_requested is None and "killed by signal 1 (SIGHUP)" in str(info.cause)
 
 
 def test_stop_when_nothing_runs_is_a_clear_error(agent: AgentClient) -> None:
@@ -91,7 +113,7 @@ def test_restart_stops_the_run_and_launches_the_same_spec_again(pool: AgentPool)
     launch = records.read_json(Path(second["run_dir"]) / records.LAUNCH_JSON) or {}
     assert launch["command"] == ["sleep", "600"]
     assert launch["spec"]["env"] == {"MARK": "one"} and launch["step_pattern"] == r"it=\d+"
-    assert records.read_run(Path(first["run_dir"]), procs.read_boot_id()).state == "failed"
+    assert records.read_run(Path(first["run_dir"]), procs.read_boot_id()).state == "stopped"
 
 
 HOLD = "import sys, time; f = open(sys.argv[1]); print('holding', sys.argv[1], flush=True); time.sleep(600)"

@@ -1,8 +1,9 @@
 """torchrun under the supervisor (real tmux on the test socket, real gloo ranks of the tiny engine on the CPU).
 
 Pinned: first-step waits for every rank of the node; `stacks` dumps every rank, labelled; `stop` reaches every
-rank although torchrun starts each in a session of its own; a rank that dies is named by `launch --wait` (exit 1,
-the rank and its signal in `cause`, that rank's own last lines) and by `status`.
+rank although torchrun starts each in a session of its own, and the run then reads as stopped, not failed (torchrun
+exits 1 on SIGTERM); a rank that dies is named by `launch --wait` (exit 1, the rank and its signal in `cause`, that
+rank's own last lines) and by `status`; two loopback nodes stopped together read as stopped on each.
 """
 
 from __future__ import annotations
@@ -123,6 +124,14 @@ def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(
         assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends.values()), ends
         assert ends["events.jsonl"][-1]["step"] == ends["events.rank1.jsonl"][-1]["step"]
         assert "SIGKILL" not in stop.stdout, stop.stdout
+        # torchrun itself exits 1 on SIGTERM (SignalException), yet nothing failed: the run reads as stopped.
+        ended = wait_exit_record(rd, 10)
+        assert ended["exit_code"] == 1 and ended["stopped"] is True and ended["stop_requested"] == "stop", ended
+        assert ended["cause"] == "stopped (SIGTERM), torchrun exited with code 1; every rank ended cleanly", ended
+        run = json.loads(cli("status", "local", "--run-root", str(root), "--json", timeout_s=60).stdout)["run"]
+        assert (run["state"], run["cause"], run["failed_rank"]) == ("stopped", ended["cause"], None), run
+        said = cli("status", "local", "--run-root", str(root), timeout_s=60)
+        assert "stopped" in said.stdout and "fail" not in said.output.lower(), said.output
     finally:
         cli("stop", "local", "--run-root", str(root), "--grace", "2", timeout_s=60)
     print(f"torchrun 2 ranks: first-step {r.elapsed_s:.1f} s, stacks {stacks_s:.2f} s, stop {stop_s:.1f} s")
@@ -183,32 +192,38 @@ def wait_exit_record(run_dir: Path, timeout_s: float) -> dict[str, Any]:
     return wait_until(lambda: records.read_json(exit_json), timeout_s, f"{run_dir.name}'s exit record")
 
 
+def launch_two_nodes(tmp_path: Path, roots: list[Path], waits: list[subprocess.Popen[str]]) -> list[Path]:
+    """Two loopback nodes of one rank each, each under its own supervisor (run root), until both stepped: their run
+    directories. ``waits`` gets each node's `launch --wait` as it starts, for the caller to clean up."""
+    port = free_port()
+    config = write_config(tmp_path)
+    for n in (0, 1):
+        cmd = job_command(
+            "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            *engine_args(config, tmp_path / f"out{n}"),
+        )  # fmt: skip
+        waits.append(
+            subprocess.Popen(
+                launch_cli(roots[n], cmd, "--wait", "first-step", "--json"),
+                cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+        )
+        if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does: the one kept
+            wait_listening(port, START_TIMEOUT_S)
+    for n, w in enumerate(waits):  # each node's supervisor saw its rank step, together with the other node
+        out, err = w.communicate(timeout=START_TIMEOUT_S)
+        assert w.returncode == 0, f"node {n}: {out}{err}"
+    return [current_run_dir(r) for r in roots]
+
+
 def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_the_other_naming_it(
     tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
-    port = free_port()
-    config = write_config(tmp_path)
     roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
     waits: list[subprocess.Popen[str]] = []
     try:
-        for n in (0, 1):
-            cmd = job_command(
-                "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                *engine_args(config, tmp_path / f"out{n}"),
-            )  # fmt: skip
-            waits.append(
-                subprocess.Popen(
-                    launch_cli(roots[n], cmd, "--wait", "first-step", "--json"),
-                    cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                )
-            )
-            if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does: the one kept
-                wait_listening(port, START_TIMEOUT_S)
-        for n, w in enumerate(waits):  # each node's supervisor saw its rank step, together with the other node
-            out, err = w.communicate(timeout=START_TIMEOUT_S)
-            assert w.returncode == 0, f"node {n}: {out}{err}"
-        dirs = [current_run_dir(r) for r in roots]
+        dirs = launch_two_nodes(tmp_path, roots, waits)
         # c10d's rendezvous numbers the nodes in the order they join (not by --node-rank): ask the events.
         killed = next(e for e in events(dirs[1] / "events.jsonl") if e.get("stage") == "distributed")
         survivor = next(e for e in events(dirs[0] / "events.jsonl") if e.get("stage") == "distributed")
@@ -259,3 +274,55 @@ def test_a_rank_that_raises_is_named_with_its_exception_and_its_own_last_lines(
     finally:
         cli("stop", "local", "--run-root", str(root), "--grace", "2", timeout_s=60)
     print(f"rank 1 raised: launch --wait answered in {took:.1f} s: {result['cause'][:160]}")
+
+
+def test_a_stop_of_both_loopback_nodes_reads_stopped_on_each(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    waits: list[subprocess.Popen[str]] = []
+    try:
+        dirs = launch_two_nodes(tmp_path, roots, waits)
+        stops = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tui", "stop", "local", "--run-root", str(r), "--grace", "20"],
+                cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for r in roots
+        ]
+        said = [s.communicate(timeout=90)[0] for s in stops]
+        assert [s.returncode for s in stops] == [0, 0], said
+        ended = [wait_exit_record(d, 10) for d in dirs]
+        runs = [json.loads(cli("status", "local", "--run-root", str(r), "--json").stdout)["run"] for r in roots]
+    finally:
+        for w in waits:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+        for r in roots:
+            cli("stop", "local", "--run-root", str(r), "--grace", "2", timeout_s=60)
+    for n, (run, rec) in enumerate(zip(runs, ended, strict=True)):
+        assert run["state"] == "stopped" and run["failed_rank"] is None, f"node {n}: {run}\n{said[n]}"
+        assert rec["cause"].startswith("stopped (SIGTERM), torchrun "), rec
+    print(f"two loopback nodes stopped: {ended[0]['cause']} | {ended[1]['cause']}")
+
+
+def test_a_rank_that_raises_on_its_way_out_of_a_stop_fails_the_run_named(
+    tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    root = tmp_path / "root"
+    fault = ["env", "SPECDEC_TEST_FAULT_RANK=1", "SPECDEC_TEST_FAULT_ON_STOP=1"]
+    engine = [str(REPO / "tests" / "integration" / "rank_fault.py"), "--config", str(write_config(tmp_path))]
+    cmd = fault + job_command("--standalone", "--nproc-per-node", "2", *engine, "--output-dir", str(tmp_path / "out"))
+    r = cli(*launch_cli(root, cmd, "--wait", "first-step", "--json")[3:], timeout_s=START_TIMEOUT_S)
+    try:
+        assert r.returncode == 0, r.output
+        stop = cli("stop", "local", "--run-root", str(root), "--grace", "20", timeout_s=90)
+        assert stop.returncode == 0, stop.output
+        ended = wait_exit_record(current_run_dir(root), 10)
+        run = json.loads(cli("status", "local", "--run-root", str(root), "--json").stdout)["run"]
+    finally:
+        cli("stop", "local", "--run-root", str(root), "--grace", "2", timeout_s=60)
+    # The stop was asked for, but rank 1 crashed on its own: its exception is the cause, not the stop.
+    assert ended["stop_requested"] == "stop" and "stopped" not in ended, ended
+    assert run["state"] == "failed" and (run["failed_rank"], run["failed_node"]) == (1, 0), run
+    assert run["cause"].startswith("rank 1 (node 0): thread "), run["cause"]
+    assert "RuntimeError: injected fault on rank 1 while stopping" in run["cause"], run["cause"]

@@ -82,3 +82,17 @@ def test_a_run_without_a_restart_policy_says_nothing_of_restarts() -> None:
     assert state.header.restarts is None
     snap = {"host": {}, "gpus": [], "processes": {}, "anomalies": [], "run": plain}
     assert "restart" not in format_status(protocol.from_json(protocol.StatusReply, snap), None, "local")
+
+
+async def test_a_stopped_run_reads_stopped_in_the_header_and_timeline_with_no_failure_cause() -> None:
+    said = "stopped (SIGTERM), torchrun exited with code 1; every rank ended cleanly"
+    state = DashboardState("root@gpu-box")
+    state.ingest(decode({"ev": "run", "run": {**run(), "state": "stopped", "exit_code": 1, "cause": said}}))
+    assert state.header.failed_rank is None
+    app = _Top(state)
+    async with app.run_test(size=(160, 12)) as pilot:
+        await pilot.pause()
+        header = app.query_one(RunHeader).render().plain  # type: ignore[union-attr]
+        timeline = app.query_one(RunTimeline).render().plain  # type: ignore[union-attr]
+    assert "run r1 stopped" in header and "fail" not in header.lower()
+    assert f"run {said}" in timeline and "cause:" not in timeline and "failed" not in timeline

@@ -106,6 +106,14 @@ def test_the_combined_state_names_the_node_whose_own_rank_failed_not_the_peer_th
     assert combined_run([NodeRun("a", None), NodeRun("b", None)])["state"] == "none"
 
 
+def test_a_run_stopped_on_every_node_is_stopped_and_one_that_failed_anywhere_is_failed() -> None:
+    said = "stopped (SIGTERM), torchrun exited with code 1; every rank ended cleanly"
+    both = combined_run([NodeRun("a", run("stopped", said)), NodeRun("b", run("stopped", said))])
+    assert (both["state"], both["cause"], both["failed_node"]) == ("stopped", None, None)
+    one = combined_run([NodeRun("a", run("stopped", said)), NodeRun("b", run("failed", "rank 1 (node 1): boom", 1))])
+    assert (one["state"], one["failed_node"]) == ("failed", "b")
+
+
 def test_while_only_the_survivor_has_spoken_the_failure_sits_on_the_node_of_the_rank_that_went() -> None:
     echo = "rank 1 (node 1) failed or left the run; rank 0 (node 0) said: PeerFailure"
     parts = [NodeRun("a", run("failed", echo, 1, 10.0)), NodeRun("b", run("running"))]

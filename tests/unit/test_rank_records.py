@@ -140,3 +140,52 @@ def test_a_run_killed_by_a_signal_says_so_once() -> None:
     cause = records.failure_cause(None, ExitRecord(signal=11, cause="killed by signal 11 (SIGSEGV)"), 80)
     assert cause == "killed by signal 11 (SIGSEGV); last step 80"
     assert cause.count("SIGSEGV") == 1
+
+
+# torchrun's own words when it gets SIGTERM (its elastic agent raises SignalException, then it exits 1).
+TORCHRUN_SIGTERM = b"""W1202 01:40:03.154000 4732 torch/distributed/elastic/agent/server/api.py:719] Received 15 \
+death signal, shutting down workers
+Traceback (most recent call last):
+  File "torch/distributed/elastic/multiprocessing/api.py", line 84, in _terminate_process_handler
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 4732 got signal: 15
+"""
+
+
+def stopped_ranks(tmp_path: Path, rank1_end: dict[str, Any] | None) -> records.ScanState:
+    write_events(
+        tmp_path / "events.jsonl",
+        distributed(0),
+        {"kind": "run_end", "ok": True, "reason": "SIGTERM", "step": 40, **tags(0)},
+    )
+    write_events(tmp_path / "events.rank1.jsonl", distributed(1), *([rank1_end] if rank1_end else []))
+    (tmp_path / records.OUTPUT_LOG).write_bytes(b"step=40 loss=1.0\n" + TORCHRUN_SIGTERM)
+    return records.RunScanner(tmp_path, r"step=\d+").catch_up()
+
+
+def test_a_stopped_torchrun_run_whose_ranks_all_ended_cleanly_is_stopped_not_torchruns_exit_1(tmp_path: Path) -> None:
+    st = stopped_ranks(tmp_path, {"kind": "run_end", "ok": True, "reason": "SIGTERM", "step": 40, **tags(1)})
+    said = records.stopped_cause(st, 1, None, "SIGTERM")
+    assert said == "stopped (SIGTERM), torchrun exited with code 1; every rank ended cleanly"
+    records.write_exit_record(tmp_path, ExitRecord(exit_code=1, cause=said, stop_requested="stop", stopped=True))
+    info = records.read_run(tmp_path, "boot")
+    assert info.state == "stopped" and info.cause == said and info.failed_rank is None
+
+
+def test_a_rank_that_raised_after_the_stop_keeps_the_run_failed_with_its_exception(tmp_path: Path) -> None:
+    boom = {"kind": "thread_error", "thread": "drafter0", "exc_type": "RuntimeError", "message": "boom", **tags(1)}
+    write_events(tmp_path / "events.rank1.jsonl", boom)
+    st = stopped_ranks(tmp_path, {"kind": "run_end", "ok": False, "reason": "boom", "step": 39, **tags(1)})
+    assert records.stopped_cause(st, 1, None, "SIGTERM") is None
+    assert records.failure_cause(st, ExitRecord(exit_code=1), 40).startswith("rank 1 (node 0): thread drafter0: ")
+
+
+def test_a_rank_that_never_said_how_it_ended_leaves_the_stop_unproven(tmp_path: Path) -> None:
+    assert records.stopped_cause(stopped_ranks(tmp_path, None), 1, None, "SIGTERM") is None
+
+
+def test_a_plain_job_killed_by_the_stops_sigterm_is_stopped_but_one_that_exits_1_is_not(tmp_path: Path) -> None:
+    st = records.RunScanner(tmp_path, r"step=\d+").catch_up()
+    assert records.stopped_cause(st, None, 15, "SIGTERM") == "stopped (SIGTERM): killed by signal 15 (SIGTERM)"
+    assert records.stopped_cause(st, 1, None, "SIGTERM") is None
+    assert records.stopped_cause(st, 0, None, "SIGTERM") is None  # a clean end is "exited"

@@ -32,6 +32,7 @@ from engine.supervisor.records.cause import (
     rank_failure,
     root_cause,
     signal_name,
+    stopped_cause,
 )
 from engine.supervisor.records.documents import (
     ExitRecord,
@@ -138,6 +139,7 @@ __all__ = [
     "runs_dir",
     "set_current",
     "signal_name",
+    "stopped_cause",
     "write_exit_record",
     "write_json_atomic",
 ]

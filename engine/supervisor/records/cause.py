@@ -95,6 +95,33 @@ def root_cause(scan: ScanState, since: float | None = None) -> str | None:
     return None
 
 
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})  # what a stop ends a job with
+
+
+def stopped_cause(scan: ScanState, exit_code: int | None, signum: int | None, asked: str) -> str | None:
+    """The cause line of a job that ended because it was asked to stop (``asked``: the signal the stop sent, e.g.
+    SIGTERM), or None when it ended some other way. torchrun exits 1 on a SIGTERM (its agent raises SignalException)
+    although every rank stopped cleanly: then each rank of this node must have ended ok, none with its own error. A
+    job killed by the stop's signal (or the SIGKILL after its grace) counts as stopped unless its log names a cause."""
+    if exit_code == 0 and signum is None:
+        return None  # an ordinary clean end: "exited"
+    if scan.distributed():
+        ranks = [r for r in scan.ranks.values() if r.rank is not None]
+        expected = max((r.local_world_size or 0 for r in ranks), default=0)
+        clean = all(r.run_end is not None and r.run_end.ok and _own_error(r) is None for r in ranks)
+        if not ranks or len(ranks) < expected or not clean:
+            return None
+        how = (
+            f"killed by signal {signum} ({signal_name(signum)})"
+            if signum is not None
+            else f"exited with code {exit_code}"
+        )
+        return f"stopped ({asked}), torchrun {how}; every rank ended cleanly"
+    if signum is None or signum not in STOP_SIGNALS or root_cause(scan) is not None:
+        return None
+    return f"stopped ({asked}): killed by signal {signum} ({signal_name(signum)})"
+
+
 def failure_cause(scan: ScanState | None, exit_rec: ExitRecord, last_step: int | None) -> str:
     """A failed run's cause: the root exception (torchrun: the failing rank and its exception), else what the wrapper
     recorded; then how the job ended and its last step. After restarts the wrapper's record of the last attempt's

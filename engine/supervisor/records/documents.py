@@ -123,7 +123,7 @@ class LaunchRecord(Record):
     spec: dict[str, Any] | None = None
     output_offset_at_start: int = 0
     python: str | None = None
-    cancel_signal: str | None = None  # `stop` sends it to the wrapper to cancel a restart policy
+    cancel_signal: str | None = None  # `stop` sends it to the wrapper first: a stop is coming
     job_pid: int | None = None
     job_pgid: int | None = None
     job_start_ticks: int | None = None
@@ -143,7 +143,9 @@ class LaunchRecord(Record):
 class ExitRecord(Record):
     """exit.json: how the job ended, written once by the wrapper (into reserved blocks when the disk is full)."""
 
-    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"attempts", "restarts", "restart_state"})
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"attempts", "restarts", "restart_state", "stop_requested", "stopped"}
+    )
 
     run_id: str | None = None
     exit_code: int | None = None
@@ -155,6 +157,8 @@ class ExitRecord(Record):
     attempts: int | None = None  # under a restart policy
     restarts: list[dict[str, Any]] | None = None
     restart_state: str | None = None
+    stop_requested: str | None = None  # what asked the run to stop ("stop", "SIGTERM to the wrapper"), when asked
+    stopped: bool | None = None  # True: it ended because it was stopped, cleanly (the state reads "stopped")
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -90,6 +90,10 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
         info.signal = exit_rec.signal
         info.ended_at = exit_rec.ended_at
         info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
+        if exit_rec.stopped and info.state == "failed":
+            info.state = "stopped"  # asked to stop and every rank ended cleanly: no failure to name
+            info.cause = exit_rec.cause
+            info.failed_rank = info.failed_node = None
         if info.state == "failed" and info.cause is None:
             info.cause = failure_cause(scan, exit_rec, info.last_step)
     info.milestones = read_milestones(rd, launch, scan)

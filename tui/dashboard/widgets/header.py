@@ -23,6 +23,7 @@ RUN_STATE_CLASS = {
     "running": "ok",
     "starting": "warn",
     "exited": "muted",
+    "stopped": "muted",
     "failed": "bad",
     "vanished": "bad",
     "rebooted": "bad",

@@ -29,6 +29,7 @@ class TimelineModel:
     stage: str | None = None
     run_state: str | None = None
     exit_cause: str | None = None
+    stopped_as: str | None = None  # a run that ended on a stop, cleanly: how (said muted, not as a cause)
     restarts: list[dict[str, Any]] = field(default_factory=list)  # the run's restarts, oldest first
     restart_max: int | None = None
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` of this run
@@ -40,6 +41,7 @@ class TimelineModel:
         self.stage = None
         self.run_state = None
         self.exit_cause = None
+        self.stopped_as = None
         self.restarts = []
         self.restart_max = None
         self.last_export = None
@@ -70,6 +72,8 @@ class TimelineModel:
                 self.exit_cause = f"exited with code {run.exit_code}"
             else:
                 self.exit_cause = self.run_state
+        elif self.run_state == "stopped":
+            self.exit_cause, self.stopped_as = None, run.cause or "stopped"
 
     def from_milestone(self, event: MilestoneEvent) -> None:
         if event.run_id is not None and event.run_id != self.run_id:
@@ -141,4 +145,6 @@ class RunTimeline(RowTracking):
             out.append(f"\n  ↻ {printable(restarts.line(i, item, model.restart_max))}", style=cause_style)
         for cause in causes:
             out.append(f"\n  cause: {cause}", style=cause_style)
+        if model.stopped_as and not causes:
+            out.append(f"\n  run {printable(model.stopped_as)}", style=pending)
         return self.track_rows(printable_rendered(out))
