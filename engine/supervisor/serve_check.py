@@ -86,7 +86,8 @@ def start(run_dir: Path, vllm_python: str | None = None) -> dict[str, object]:
     inherited = os.environ.get("PYTHONPATH")
     env = {**os.environ, protocol.ENV_EVENTS_PATH: str(events)}
     env["PYTHONPATH"] = engine_root + (os.pathsep + inherited if inherited else "")
-    argv = [sys.executable, "-m", "engine.trainer", "serve-check", str(checkpoint), "--vllm-python", python]
+    # "--" first: the checkpoint's path comes from the job's own events and must never read as an option
+    argv = [sys.executable, "-m", "engine.trainer", "serve-check", "--vllm-python", python, "--", str(checkpoint)]
     log_path = run_dir / CHECK_LOG
     with log_path.open("ab") as log:
         child = subprocess.Popen(

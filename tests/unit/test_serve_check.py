@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from engine.protocol import ServedEvent, decode_engine_line
 from engine.trainer.config import from_dict
 from engine.trainer.run.loop import TrainingRun
 from engine.trainer.serve.serve_check import EXIT_NO_VLLM, EXIT_USAGE
@@ -71,3 +72,19 @@ def test_help_states_the_exit_codes() -> None:
     proc = serve_check("--help")
     assert proc.returncode == 0
     assert "3 vLLM is not installed for --vllm-python" in " ".join(proc.stdout.split())
+
+
+def test_started_for_a_run_a_refusal_lands_in_the_runs_events_too(tmp_path: Path) -> None:
+    """Started by the agent (the dashboard's v), the check's refusal is a served event the dashboard shows; started by
+    hand it only prints, and writes nothing into the directory it was given."""
+    events = tmp_path / "run" / "events.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECDEC_EVENTS": str(events)}
+    cmd = [sys.executable, "-m", "engine.trainer", "serve-check", "--", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == EXIT_USAGE
+    (line,) = events.read_bytes().splitlines()
+    served = decode_engine_line(line)
+    assert isinstance(served, ServedEvent) and served.tau is None
+    assert served.error is not None and "neither a checkpoint" in served.error
+    by_hand = serve_check(str(tmp_path))
+    assert by_hand.returncode == EXIT_USAGE and not (tmp_path / "events.jsonl").exists()

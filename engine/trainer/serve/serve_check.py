@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.protocol import ServedEvent
+from engine.protocol import ENV_EVENTS_PATH, ServedEvent
 from engine.trainer.checkpoint import STEP_DIR
 from engine.trainer.threads.metrics import EventLog, events_path_for
 
@@ -396,11 +396,18 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(f"serve-check: {line}", file=sys.stderr, flush=True)
 
+    supervised = bool(os.environ.get(ENV_EVENTS_PATH))  # started for a run (the dashboard's v): it waits for a word
     try:
         code, report = check(args, say)
     except CheckError as exc:
         print(f"specdec-train serve-check: {exc}", file=sys.stderr)
+        if supervised:
+            record_served(Path(args.run), {"error": str(exc)})
         return EXIT_USAGE
+    except Exception as exc:
+        if supervised:
+            record_served(Path(args.run), {"error": f"serve-check failed: {type(exc).__name__}: {exc}"})
+        raise
     if code == EXIT_NO_VLLM:
         print(f"specdec-train serve-check: {report['error']}", file=sys.stderr)
         record_served(Path(report["output_dir"]), {"error": report["error"]})

@@ -286,7 +286,7 @@ class Charts(RowTracking):
             return
         out.append(f"τ {served.tau:.2f}", style=value_style)
         where = f" @{served.step}" if served.step is not None else ""
-        out.append(f"{where} k {served.k}", style=label_style)
+        out.append(where + (f" k {served.k}" if served.k is not None else ""), style=label_style)
         if served.tau_ours is not None:
             out.append(f"  ours {served.tau_ours:.2f}", style=label_style)
         rates = [x for x in served.per_position if x is not None]
