@@ -188,14 +188,15 @@ def node_spec(
     return spec
 
 
-async def _stop_one(node: Node, grace_s: float, missing_ok: bool) -> tuple[bool, str]:
-    """Stop ``node``'s current run: (stopped, what was said). A run that already ended there counts as stopped
-    (a rank's death ends its peers' runs too); a node with no run at all has nothing to stop (fine when
-    ``missing_ok``: a restart)."""
+async def _stop_one(node: Node, grace_s: float, missing_ok: bool, run_id: str | None) -> tuple[bool, str]:
+    """Stop ``node``'s run ``run_id`` (None: its current run): (stopped, what was said). A run that already ended
+    there counts as stopped (a rank's death ends its peers' runs too); a node with no run at all has nothing to
+    stop (fine when ``missing_ok``: a restart)."""
     session = _session(node)
+    which: dict[str, Any] = {"run_id": run_id} if run_id is not None else {}
     try:
         try:
-            run = (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0)).run
+            run = (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0, **which)).run
         except CommandFailed as exc:
             if missing_ok and not exc.lost:
                 return True, f"nothing to stop ({exc.message})"
@@ -203,16 +204,18 @@ async def _stop_one(node: Node, grace_s: float, missing_ok: bool) -> tuple[bool,
         if run.state not in ("starting", "running"):
             return True, f"run {run.run_id} had ended already ({run.state})"
         res = await session.ask(
-            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0
+            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0, **which
         )
     except CommandFailed as exc:
         return False, exc.message
     return res.stopped, "; ".join(res.steps[-1:]) if res.steps else ("stopped" if res.stopped else "not stopped")
 
 
-async def stop_nodes(nodes: list[Node], grace_s: float, *, missing_ok: bool = False) -> list[tuple[Node, bool, str]]:
+async def stop_nodes(
+    nodes: list[Node], grace_s: float, *, missing_ok: bool = False, run_id: str | None = None
+) -> list[tuple[Node, bool, str]]:
     """Stop every node's current run at once: (node, stopped, what was said) for each."""
-    said = await asyncio.gather(*(_stop_one(n, grace_s, missing_ok) for n in nodes))
+    said = await asyncio.gather(*(_stop_one(n, grace_s, missing_ok, run_id) for n in nodes))
     return [(n, ok, text) for n, (ok, text) in zip(nodes, said, strict=True)]
 
 
@@ -307,7 +310,7 @@ async def launch_run(
         try:
             reply = await _session(node).request("launch", timeout_s=60.0, **protocol.to_jsonable(spec))
         except CommandFailed as exc:
-            stopped = await stop_nodes(started, STOP_GRACE_ON_FAILURE_S)
+            stopped = await stop_nodes(started, STOP_GRACE_ON_FAILURE_S, run_id=run_id)
             then = f"stopped {', '.join(n.label for n, _, _ in stopped)}" if stopped else "nothing was started"
             return Launched(
                 False,
@@ -343,7 +346,7 @@ async def _wait_every_node(
             order.append(tasks[task].label)
         if pending and any(not r.ok for r in results.values()):
             # Nothing left running half-launched: every node is told to stop; their waits then end in their words.
-            stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
+            stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S, run_id=run_id)
             done, pending = await asyncio.wait(pending, timeout=AFTER_STOP_WAIT_S)
             for task in done:
                 results[tasks[task].label] = task.result()
@@ -356,7 +359,7 @@ async def _wait_every_node(
     root = _root_failure(order, results)
     res = results[root]
     if not stopped:
-        stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S)
+        stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S, run_id=run_id)
     return Launched(
         False,
         run_id=run_id,

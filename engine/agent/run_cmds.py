@@ -174,8 +174,11 @@ def _serve_check(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict
     vllm_python = args.get("vllm_python")
     if vllm_python is not None and not isinstance(vllm_python, str):
         raise CommandError("vllm_python must be a string")
+    run_live = args.get("run_live", False)
+    if not isinstance(run_live, bool):
+        raise CommandError("run_live must be true or false")
     with _user_errors():
-        return serve_check.start(rd, vllm_python)
+        return serve_check.start(rd, vllm_python, run_live=run_live)
 
 
 RUNS_DEFAULT_LIMIT = 20

@@ -10,6 +10,7 @@ on the host, else the agent's own; without vLLM the check ends at once with a ``
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -20,11 +21,13 @@ from pathlib import Path
 import engine
 from engine import protocol
 from engine.host import procs
+from engine.supervisor import records
 from engine.supervisor.common import SupervisorError
 from engine.supervisor.records.layout import EVENTS_JSONL
 
 CHECK_LOG = "serve_check.log"
 CHECK_PID = "serve_check.pid"
+CHECK_LOCK = "serve_check.lock"
 ENV_VLLM_PYTHON = "SPECDEC_VLLM_PYTHON"
 TAIL_CHUNK = 1 << 20
 TAIL_MAX_BYTES = 32 << 20  # how far back from the end of events.jsonl a checkpoint is looked for
@@ -69,12 +72,28 @@ def running_check(run_dir: Path) -> int | None:
     return pid if procs.process_alive(pid, ticks) else None
 
 
-def start(run_dir: Path, vllm_python: str | None = None) -> dict[str, object]:
+def start(run_dir: Path, vllm_python: str | None = None, *, run_live: bool = False) -> dict[str, object]:
     """Start the check for ``run_dir``'s newest checkpoint; returns pid, checkpoint, log and the vLLM interpreter.
-    Raises SupervisorError (a sentence for the user) when one runs already or the run has no checkpoint yet."""
+    Raises SupervisorError (a sentence for the user) when one runs already, the run has no checkpoint yet, or the
+    run is live and ``run_live`` was not said: vLLM takes most of a GPU's memory for itself and would load the
+    target beside the training, which can run out of memory. One agent at a time decides (a lock in the run dir)."""
+    with (run_dir / CHECK_LOCK).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two presses of v, or two dashboards: one check
+        return _start_locked(run_dir, vllm_python, run_live)
+
+
+def _start_locked(run_dir: Path, vllm_python: str | None, run_live: bool) -> dict[str, object]:
     busy = running_check(run_dir)
     if busy is not None:
         raise SupervisorError(f"a serve-check of this run is running already (pid {busy}; {run_dir / CHECK_LOG})")
+    launch = records.read_launch(run_dir)
+    # the job is what holds the GPUs (its wrapper outlives it by a moment, writing the exit record)
+    live = launch is not None and (launch.job_alive() or (launch.job_pid is None and launch.wrapper_alive()))
+    if not run_live and live:
+        raise SupervisorError(
+            "the run is live: vLLM would load its target beside the training on the same GPUs (it takes most of a "
+            "GPU's memory); check after the run, or say so (the dashboard asks)"
+        )
     events = run_dir / EVENTS_JSONL
     checkpoint = latest_checkpoint(events)
     if checkpoint is None:
@@ -90,12 +109,13 @@ def start(run_dir: Path, vllm_python: str | None = None) -> dict[str, object]:
     argv = [sys.executable, "-m", "engine.trainer", "serve-check", "--vllm-python", python, "--", str(checkpoint)]
     log_path = run_dir / CHECK_LOG
     with log_path.open("ab") as log:
+        # cwd: the engine's own tree, since ``-m`` puts the working directory first on sys.path (not the run dir)
         child = subprocess.Popen(
-            argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            argv, cwd=engine_root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
         )  # fmt: skip
     threading.Thread(target=child.wait, name="serve-check-reaper", daemon=True).start()
     ticks = procs.start_ticks_of(child.pid)
     record = {"pid": child.pid, "start_ticks": ticks, "checkpoint": str(checkpoint)}
-    (run_dir / CHECK_PID).write_text(json.dumps(record), encoding="utf-8")
+    records.write_json_atomic(run_dir / CHECK_PID, record)
     return {"pid": child.pid, "checkpoint": str(checkpoint), "log": str(log_path), "vllm_python": python}

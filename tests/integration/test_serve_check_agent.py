@@ -96,3 +96,35 @@ def test_the_newest_checkpoint_is_found_from_the_end_of_a_large_events_file(tmp_
     with events.open("a") as fh:
         fh.write(export)
     assert serve_check.latest_checkpoint(events) == Path("/x/checkpoints/step_00000012")
+
+
+def test_a_live_run_is_refused_unless_asked_for_and_one_agent_at_a_time_decides(tmp_path: Path) -> None:
+    """vLLM takes most of a GPU's memory: during a live run the check starts only when the user said so (the
+    dashboard asks first)."""
+    from support import hostile
+
+    run = hostile.running_run(tmp_path / "root")
+    try:
+        (run.run_dir / "events.jsonl").write_text('{"kind":"checkpoint","step":5,"path":"/nowhere/step_00000005"}\n')
+        with pytest.raises(SupervisorError, match="the run is live"):
+            serve_check.start(run.run_dir, sys.executable)
+        started = serve_check.start(run.run_dir, sys.executable, run_live=True)
+        assert started["checkpoint"] == "/nowhere/step_00000005"
+        record = json.loads((run.run_dir / serve_check.CHECK_PID).read_text())
+        assert record["pid"] == started["pid"]
+        wait_until(lambda: serve_check.running_check(run.run_dir) is None, timeout_s=60, what="the check to end")
+    finally:
+        run.close()
+
+
+def test_a_checkpoint_line_across_a_chunk_boundary_is_found(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    line = b'{"kind":"checkpoint","step":3,"path":"/x/step_00000003"}\n'
+    filler = b'{"kind":"step","thread":"drafter0","step":7,"t":2.0}\n'
+    for shift in range(0, len(line) + 1, 7):
+        tail = (serve_check.TAIL_CHUNK - shift) // len(filler) + 1
+        events.write_bytes(line + filler * 3 + line.replace(b"00000003", b"00000004") + filler * tail)
+        size = events.stat().st_size
+        boundary = size - serve_check.TAIL_CHUNK
+        start = len(line) + 3 * len(filler)
+        assert serve_check.latest_checkpoint(events) == Path("/x/step_00000004"), (shift, boundary - start)

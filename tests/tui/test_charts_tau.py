@@ -105,3 +105,11 @@ async def test_a_check_without_vllm_says_why_literally() -> None:
     async with app.run_test(size=(120, 10)):
         lines = str(app.query_one(Charts).render()).splitlines()
     assert any(line.startswith("served") and "not installed for /usr/bin/python3 [/data]" in line for line in lines)
+
+
+def test_a_new_run_does_not_keep_the_last_runs_served_row() -> None:
+    state = DashboardState(target="local")
+    state.ingest(decode(wire(100, served_event(step=1500, k=3, tau=2.05, tau_ours=2.05))))
+    assert state.charts.served is not None
+    state.charts.clear()
+    assert state.charts.served is None

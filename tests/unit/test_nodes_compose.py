@@ -158,3 +158,18 @@ def test_bad_targets_on_the_command_line_exit_2_with_one_error_line(argv: list[s
     errors = [ln for ln in done.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "TARGET" in errors[0], errors
+
+
+def test_a_node_log_line_that_never_ends_is_cut_not_kept() -> None:
+    """A progress bar redrawn with \\r never sends a newline: the merged log cuts it at 64 KiB instead of holding
+    (and re-copying) all of it."""
+    from tui.cli.nodes import HELD_MAX_BYTES, _TaggedLines
+
+    written: list[str] = []
+    lines = _TaggedLines("gpu-a", written.append)
+    for _ in range(100):
+        lines.feed(b"\r 42%|####      | 420/1000 " * 40)
+    assert len(lines.held) <= HELD_MAX_BYTES
+    assert written and all(w.startswith("[gpu-a]") for w in written)
+    lines.feed(b" done\nstep=1\n")
+    assert written[-1].endswith("step=1")

@@ -293,6 +293,9 @@ async def kill_stale_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
     return code
 
 
+HELD_MAX_BYTES = 64 * 1024  # the longest partial line a node's log may keep waiting for its end
+
+
 class _TaggedLines:
     """One node's log bytes cut into lines, each written tagged (tui/nodes.tag_line); a partial line waits."""
 
@@ -302,6 +305,9 @@ class _TaggedLines:
 
     def feed(self, data: bytes) -> None:
         *lines, self.held = (self.held + data).split(b"\n")
+        if len(self.held) > HELD_MAX_BYTES:  # a line that never ends (a progress bar redrawn with \r) is cut, not kept
+            lines.append(self.held)
+            self.held = b""
         for line in lines:
             self.write(tag_line(self.label, printable(line.decode("utf-8", "replace").rstrip("\r"))))
 

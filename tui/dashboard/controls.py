@@ -233,10 +233,20 @@ class RunControl:
         screen.show(stacks.method, stacks.text)
 
     def serve_check(self) -> None:
+        run = self.state.run
+        if run is not None and run.state in ("starting", "running"):
+            self._confirm(
+                "Serve check during the run?",
+                "vLLM loads the run's target on this host beside the training and takes most of a GPU's memory: "
+                "the run can run out of memory. The check is safe once the run has ended.",
+                lambda: self.app.run_worker(self._serve_check(run_live=True), group="command", exit_on_error=False),
+                "Check now",
+            )
+            return
         self.app.run_worker(self._serve_check(), group="command", exit_on_error=False)
 
-    async def _serve_check(self) -> None:
-        started = await self._request(protocol.ServeCheckReply, "serve_check", timeout_s=30.0)
+    async def _serve_check(self, run_live: bool = False) -> None:
+        started = await self._request(protocol.ServeCheckReply, "serve_check", timeout_s=30.0, run_live=run_live)
         if started is not None:
             self.app.notify(
                 f"serve-check of {printable(Path(started.checkpoint).name)} started (pid {started.pid}); vLLM's τ "

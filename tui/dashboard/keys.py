@@ -40,7 +40,8 @@ KEY_TABLE: tuple[KeySpec, ...] = (
         "serve_check",
         "Serve check",
         "Serve the run's newest checkpoint through vLLM with its target on the held-out prompts; vLLM's τ shows "
-        "beside the trained one when it is done ($SPECDEC_VLLM_PYTHON on the host names vLLM's interpreter)",
+        "beside the trained one when it is done; during a live run it asks first ($SPECDEC_VLLM_PYTHON on the host "
+        "names vLLM's interpreter)",
         show=False,
     ),
     KeySpec(

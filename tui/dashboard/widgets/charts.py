@@ -191,6 +191,7 @@ class ChartModel:
         self.acc_latest.clear()
         self.accept_latest.clear()
         self.eval_steps.clear()
+        self.served = None
         self.engine_offset = -1
         self.dirty = True
 
