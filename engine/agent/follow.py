@@ -113,13 +113,10 @@ class LogFollower(_AppendedFileUser):
         return True
 
     def _line_start(self, offset: int) -> int:
-        """The first line start at or after ``offset`` (within 64 KiB; else ``offset`` itself)."""
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(offset - 1)
-                cut = fh.read(1 << 16).find(b"\n")
-        except OSError:
-            return offset
+        """The first line start at or after ``offset`` (within 64 KiB; else ``offset`` itself), read through the
+        open file: the path may name another one by now."""
+        self.file.restart(offset - 1)
+        cut = self.file.read(1 << 16).find(b"\n")
         return offset + cut if cut >= 0 else offset
 
     def _read(self, out: list[dict[str, Any]], budget: int) -> int:

@@ -29,12 +29,12 @@ def test_a_profile_names_its_nodes_as_targets_or_tables_and_a_rendezvous(tmp_pat
     cfg = write(
         tmp_path,
         '[profiles.two]\nnodes = ["gpu-a", { target = "root@gpu-b", pct = 200, port = 2222, run_root = "/r" }]\n'
-        'rendezvous = { address = "10.0.0.1", port = 29511 }\n',
+        'rendezvous = { address = "127.0.0.1", port = 29511 }\n',
     )
     prof = resolve_profile("two", cfg)
     assert [n.target for n in prof.nodes] == ["gpu-a", "root@gpu-b"]
     assert (prof.nodes[1].pct, prof.nodes[1].port, prof.nodes[1].run_root) == (200, 2222, "/r")
-    assert (prof.rendezvous.address, prof.rendezvous.port) == ("10.0.0.1", 29511)
+    assert (prof.rendezvous.address, prof.rendezvous.port) == ("127.0.0.1", 29511)
 
 
 @pytest.mark.parametrize(
@@ -77,11 +77,11 @@ def test_each_node_runs_the_engine_as_torchrun_with_its_rank_and_the_shared_endp
     nodes = resolve_nodes(["local", "local"], Profile(name="p"), ConnectOptions(python="/usr/bin/python3"))
     for n in nodes:
         n.open()
-    specs = [node_spec(Profile(name="p"), n, nnodes=2, endpoint="10.0.0.1:29500", run_id="r1") for n in nodes]
+    specs = [node_spec(Profile(name="p"), n, nnodes=2, endpoint="127.0.0.1:29500", run_id="r1") for n in nodes]
     for rank, spec in enumerate(specs):
         assert spec.command[:3] == ["/usr/bin/python3", "-m", "engine.trainer"]
         assert spec.command[3:11] == ["--torchrun", "--nnodes", "2", "--node-rank", str(rank),
-                                      "--rdzv-endpoint", "10.0.0.1:29500", "--preset"]  # fmt: skip
+                                      "--rdzv-endpoint", "127.0.0.1:29500", "--preset"]  # fmt: skip
         assert spec.run_id == "r1" and spec.env["SPECDEC_NODE_RANK"] == str(rank)
     foreign = node_spec(Profile(name="p"), nodes[1], nnodes=2, endpoint="h:1", run_id=None, command=["bash", "x"])
     assert foreign.command == ["bash", "x"]  # a foreign command is told in its environment, never rewritten
@@ -139,8 +139,8 @@ def test_the_agent_probe_picks_a_free_port_and_routes_loopback_from_loopback() -
         assert not net.port_free(taken)
         other = net.pick_port(taken)
         assert other != taken and net.port_free(other)
-    assert net.ssh_address({"SSH_CONNECTION": "10.0.0.9 5555 10.0.0.1 22"}) == "10.0.0.1"
-    assert net.ssh_client({"SSH_CONNECTION": "10.0.0.9 5555 10.0.0.1 22"}) == "10.0.0.9"
+    assert net.ssh_address({"SSH_CONNECTION": "::1 5555 127.0.0.1 22"}) == "127.0.0.1"
+    assert net.ssh_client({"SSH_CONNECTION": "::1 5555 127.0.0.1 22"}) == "::1"
     assert net.ssh_address({}) is None
 
 
