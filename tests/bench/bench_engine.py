@@ -9,6 +9,10 @@ TTT 7, draft vocab 32k, batch 1. Each mode runs in its own subprocess (fresh mem
             mask, compiled loss) on a fixed batch -> per-GPU rates and the suggested target/drafter split.
   engine    the engine itself (producer thread + drafter thread, own CUDA streams, compile guard, warm-up);
             with --set drafter_devices/target_devices over two GPUs: the threaded single-process layout.
+  profile   where the time goes: the target forward and the drafter step (the engine's worker step) each
+            alone under torch.profiler, every CUDA kernel put in a category (GEMM, flex attention forward and
+            backward, Triton fusions: norms/rotary/loss, optimizer, copies, other ATen) with its share; the
+            drafter's forward per TTT step and backward between TTT steps by CUDA events.
   ranks     the engine as torchrun ranks (--nproc N, one rank per GPU, NCCL; N = 1 is the NCCL code path with
             world size 1): tok/s summed over the ranks, and whether the drafter weights are equal on every
             rank at the end (each rank's digest in <output_dir>/ranks/).
@@ -62,6 +66,9 @@ def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, flo
     return {"target": target, "drafter": 3 * fwd * batch}
 
 
+DRY = False  # --dry-run: the profile mode on the CPU with the tiny target (the code path, not a figure)
+
+
 def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
     import torch
 
@@ -71,10 +78,18 @@ def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
     from engine.trainer.draft.model import DraftConfig, Drafter
     from engine.trainer.target.model import load_target
 
-    dev = torch.device("cuda:0")
+    dev = torch.device("cpu" if DRY else "cuda:0")
     t0 = time.perf_counter()
-    target = load_target("llama3-8b-shape", dev, tokenizer=None, layer_ids=None, seed=0, dtype=torch.bfloat16)
-    torch.cuda.synchronize()
+    if DRY:
+        from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
+
+        target = load_target(
+            "tiny", dev, tokenizer=build_tiny_tokenizer(), layer_ids=None, seed=0, dtype=torch.bfloat16
+        )
+    else:
+        target = load_target("llama3-8b-shape", dev, tokenizer=None, layer_ids=None, seed=0, dtype=torch.bfloat16)
+    if not DRY:
+        torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     source = RandomTokenSource(target.vocab_size, buckets=[SEQ], batch_size=BATCH, seed=0)
     vocab = build_draft_vocab(source, target.vocab_size, DRAFT_VOCAB)
@@ -242,6 +257,232 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     }
 
 
+KERNEL_CATEGORIES = (
+    ("attention_bwd", ("flex_attention_backward", "flex_backward", "attention_backward", "flash_bwd")),
+    ("attention_fwd", ("flex_attention", "tem_fused", "flash_fwd", "fmha", "attention")),
+    ("comm", ("nccl",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "fused_sgd")),
+    ("gemm", ("gemm", "sm90_", "sm100_", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "splitk", "matmul")),
+    ("triton_fused", ("triton_",)),
+    ("memory", ("memcpy", "memset")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The category of one CUDA kernel by its name (first match in KERNEL_CATEGORIES; else ``other_aten``)."""
+    n = name.lower()
+    for category, needles in KERNEL_CATEGORIES:
+        if any(needle in n for needle in needles):
+            return category
+    return "other_aten"
+
+
+def kernel_times(prof: Any, calls: int, main_range: str | None = None) -> dict[str, Any]:
+    """Per-call GPU time of a profile's kernels: by category (ms and share) and the 15 longest kernels.
+
+    ``main_range``: a record_function range the calling thread opened around each call; kernels launched
+    from that thread are ``forward`` (forward and optimizer), from any other (autograd's) ``backward``.
+    """
+    import torch
+
+    cpu, want = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    if DRY:  # the dry run counts CPU ops (nested ones twice): it checks the code path, not a breakdown
+        want = cpu
+    events = list(prof.profiler.kineto_results.events())
+    launcher: dict[int, int] = {}  # correlation id -> the launching thread
+    main_tid = None
+    for ev in events:
+        if ev.device_type() == cpu:
+            launcher[ev.correlation_id()] = ev.start_thread_id()
+            if main_range is not None and ev.name() == main_range:
+                main_tid = ev.start_thread_id()
+    by_name: dict[str, list[float]] = {}
+    by_phase: dict[str, dict[str, float]] = {}
+    for ev in events:
+        if ev.device_type() != want or getattr(ev, "is_user_annotation", lambda: False)():
+            continue
+        ms = ev.duration_ns() / 1e6 / calls
+        slot = by_name.setdefault(ev.name(), [0.0, 0.0])
+        slot[0] += ms
+        slot[1] += 1.0 / calls
+        if main_tid is not None and not DRY:
+            tid = launcher.get(ev.linked_correlation_id(), launcher.get(ev.correlation_id()))
+            phase = "unknown" if tid is None else "forward" if tid == main_tid else "backward"
+            cat = by_phase.setdefault(phase, {})
+            cat[kernel_category(ev.name())] = cat.get(kernel_category(ev.name()), 0.0) + ms
+    cats: dict[str, float] = {}
+    for name, (ms, _n) in by_name.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
+    total = sum(cats.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    order = sorted(cats.items(), key=lambda kv: -kv[1])
+    return {
+        "kernel_ms": total,
+        "by_category_ms": {k: round(v, 2) for k, v in order},
+        "by_category_share": {k: round(v / total, 3) for k, v in order} if total else {},
+        "by_launching_thread_ms": {
+            phase: {k: round(v, 2) for k, v in sorted(cat.items(), key=lambda kv: -kv[1])}
+            for phase, cat in by_phase.items()
+        },
+        "top_kernels": [
+            {"name": name[:110], "ms": round(ms, 2), "per_call": round(n, 1), "category": kernel_category(name)}
+            for name, (ms, n) in top
+        ],
+    }
+
+
+class TimedStep:
+    """A TTT step function wrapped with CUDA events: each call's forward time, and the backward between steps
+    (a hook on each step's hidden-state output fires when the backward reaches that step)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.fwd: list[Any] = []  # (start, end) event pairs, one per TTT step, this step
+        self.bwd: list[Any] = []  # one event per hidden-state gradient, in backward order
+        self.active = False
+
+    def __getattr__(self, name: str) -> Any:  # mark_warm, compiled, ... of the wrapped GuardedFunction
+        return getattr(self.fn, name)
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.active:
+            return self.fn(*args)
+        start, end = timing_event(), timing_event()
+        start.record()
+        out = self.fn(*args)
+        end.record()
+        self.fwd.append((start, end))
+        hidden = out[0]
+        if hidden.requires_grad:
+
+            def hook(grad: Any) -> None:
+                ev = timing_event()
+                ev.record()
+                self.bwd.append(ev)
+
+            hidden.register_hook(hook)
+        return out
+
+
+class _WallEvent:
+    """torch.cuda.Event's record/elapsed_time on the host clock (the CPU dry run)."""
+
+    t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: _WallEvent) -> float:
+        return (other.t - self.t) * 1000.0
+
+
+def timing_event() -> Any:
+    import torch
+
+    return _WallEvent() if DRY else torch.cuda.Event(enable_timing=True)
+
+
+def mode_profile(steps: int, warm: int) -> dict[str, Any]:
+    """Kernel categories of the target forward and of the drafter step, each alone; TTT-step timings."""
+    parts = build_parts(compiled=not DRY, attn="sdpa" if DRY else "flex")  # flex has no CPU backward
+    torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.trainer.data.dispatch import IndexLedger
+    from engine.trainer.draft.model import ttt_step
+    from engine.trainer.run.producer import DeviceBatch
+    from engine.trainer.run.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
+    from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config
+    from engine.trainer.threads.control import ThreadControl
+    from engine.trainer.threads.health import HealthBoard
+    from engine.trainer.threads.metrics import EventLog
+    from engine.trainer.threads.queue import BoundedQueue
+
+    apply_dynamo_config()
+    draft_ids = parts["vocab"].draft_to_target.to(dev)
+    t2d = parts["vocab"].t2d(target.vocab_size).to(dev)
+    sync = (lambda: None) if DRY else torch.cuda.synchronize
+    activity = ProfilerActivity.CPU if DRY else ProfilerActivity.CUDA
+    if not DRY:
+        target.compile()
+    hb = parts["source"].batch(0)
+    ids, mask = hb.input_ids.to(dev), hb.loss_mask.to(dev)
+    for _ in range(max(2, warm)):
+        out = target.run(ids, mask, draft_ids, t2d)
+    sync()
+    calls = max(1, min(steps, 5))
+    with profile(activities=[activity]) as prof_t:
+        for _ in range(calls):
+            target.run(ids, mask, draft_ids, t2d)
+        sync()
+    target_kernels = kernel_times(prof_t, calls)
+    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
+    control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
+    params = drafter.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    timed = TimedStep(GuardedFunction(ttt_step, compiled=not DRY, name="ttt_step"))
+    training = DrafterTraining(
+        drafter,
+        dev,
+        opt,
+        sched,
+        parts["attention"],
+        timed,  # type: ignore[arg-type]  # a GuardedFunction with CUDA events around each call
+        hidden_dtype=torch.bfloat16,
+        autocast_dtype=torch.bfloat16,
+    )
+    settings = WorkerSettings(ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH)
+    worker = DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
+    worker.warm_up()
+    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
+    for _ in range(warm):
+        worker.train_step(batch, 0.0)
+    sync()
+    # TTT-step timings (no profiler): forward per step, backward from each step's gradient to the previous one.
+    fwd_ms = [0.0] * TTT
+    bwd_ms = [0.0] * TTT
+    phase = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
+    timed.active = True
+    for _ in range(calls):
+        timed.fwd.clear()
+        timed.bwd.clear()
+        res, _ = worker.train_step(batch, 0.0)
+        sync()
+        for k in phase:
+            phase[k] += res.ms[k] / calls
+        for i, (a, b) in enumerate(timed.fwd):
+            fwd_ms[i] += a.elapsed_time(b) / calls
+        # The last step's hidden output feeds nothing; marks[j] fires when step TTT-2-j's output has its
+        # gradient, i.e. when step TTT-1-j's backward is done: marks[j-1] -> marks[j] is step TTT-1-j's.
+        marks = timed.bwd
+        for j in range(1, len(marks)):
+            bwd_ms[TTT - 1 - j] += marks[j - 1].elapsed_time(marks[j]) / calls
+    timed.active = False
+    with profile(activities=sorted({ProfilerActivity.CPU, activity}, key=str)) as prof_d:
+        for _ in range(calls):
+            with torch.profiler.record_function("bench::train_step"):
+                worker.train_step(batch, 0.0)
+        sync()
+    drafter_kernels = kernel_times(prof_d, calls, main_range="bench::train_step")
+    f = flops(target.config, parts["dcfg"], SEQ, TTT, BATCH)
+    return {
+        "mode": f"profile batch_size={BATCH}",
+        "target": target_kernels,
+        "target_mfu_kernels": f["target"] / (target_kernels["kernel_ms"] / 1000) / (PEAK_TFLOPS * 1e12),
+        "drafter": drafter_kernels,
+        "drafter_mfu_kernels": f["drafter"] / (drafter_kernels["kernel_ms"] / 1000) / (PEAK_TFLOPS * 1e12),
+        "drafter_phase_ms": phase,
+        "ttt_forward_ms": [round(v, 2) for v in fwd_ms],
+        # Steps 1..TTT-2's backward (layer, head and loss) by the hooks; the last step's and step 0's (with
+        # the fc) are the rest of the backward phase.
+        "ttt_backward_ms": {str(i): round(bwd_ms[i], 2) for i in range(1, TTT - 1)},
+        "backward_first_and_last_ms": round(phase["bwd"] - sum(bwd_ms[1 : TTT - 1]), 2),
+        "dry_run_cpu": DRY,
+        "peak_gib": 0.0 if DRY else torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
 def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     import torch
 
@@ -362,7 +603,7 @@ def mode_ranks(steps: int, warm: int, extra: list[str], nproc: int, timeout_s: f
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["all", "baseline", "sides", "engine", "ranks"])
+    ap.add_argument("mode", choices=["all", "baseline", "sides", "engine", "ranks", "profile"])
     ap.add_argument("--nproc", type=int, default=2, help="ranks: torchrun ranks on this node (one GPU each)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warm", type=int, default=5)
@@ -372,9 +613,12 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--plan", default="baseline;sides;engine")
     ap.add_argument("--batch", type=int, default=1, help="batch size of every mode (the engine: --set batch_size)")
+    ap.add_argument("--dry-run", action="store_true", help="profile: the code path on the CPU (tiny target, seq 128)")
     a = ap.parse_args()
-    global BATCH
+    global BATCH, DRY, SEQ, DRAFT_VOCAB
     BATCH = a.batch
+    if a.dry_run:
+        DRY, SEQ, DRAFT_VOCAB = True, 128, 256
     if not any(s.startswith("batch_size=") for s in a.set):
         a.set.append(f"batch_size={a.batch}")
     if a.mode != "all":
@@ -382,6 +626,8 @@ def main() -> int:
             res = mode_baseline(a.steps, a.warm)
         elif a.mode == "sides":
             res = mode_sides(a.steps, a.warm, a.compile_target)
+        elif a.mode == "profile":
+            res = mode_profile(a.steps, a.warm)
         elif a.mode == "ranks":
             res = mode_ranks(a.steps, a.warm, a.set, a.nproc, a.timeout_s)
         else:
