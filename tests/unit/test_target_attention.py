@@ -111,3 +111,20 @@ def test_sliding_window_models_are_left_alone() -> None:
     model = MistralForCausalLM(cfg)
     assert not use_causal_fast_path(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_packed_flex_block_mask_gives_what_the_dense_document_mask_gives(target: FrozenTarget) -> None:
+    """The compiled CUDA forward's packed mask (a flex BlockMask), here eager on the CPU: the same numbers."""
+    from engine.trainer.target.model import document_block_mask
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 200, (2, 256), generator=g)
+    docs = torch.zeros(2, 256, dtype=torch.long)
+    docs[0, 100:] = 1
+    docs[0, 230:] = 2
+    docs[1, 17:] = 1  # a boundary inside the first tile
+    positions = document_positions(docs)
+    with torch.no_grad():
+        dense = target.model(input_ids=ids, attention_mask=document_causal_mask(docs), position_ids=positions)
+        flex = target.model(input_ids=ids, attention_mask=document_block_mask(docs), position_ids=positions)
+    torch.testing.assert_close(flex.logits, dense.logits, atol=1e-5, rtol=1e-5)

@@ -24,6 +24,9 @@ materialised a (B, 1, T, T) mask and SDPA ran the masked cuDNN kernel over every
 the 8B shape, batch 4 x 2048, that attention took 32 ms of the target's 227 ms a step. Right-padded rows need
 no mask either: a causal query never sees the padding after it, and padded positions are out of the loss.
 Anything else (a padding mask, a 4-D mask, sliding windows, a cache) goes to Hugging Face's ``sdpa_mask``.
+Packed rows in the compiled CUDA forward get a flex ``BlockMask`` instead of the 4-D mask (causal inside each
+conversation, ``document_block_mask``): flex skips the tiles across conversations, where SDPA would run the
+masked kernel over every pair.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from engine.trainer.data.packing import document_causal_mask, document_positions
 from engine.trainer.target.builtin import ensure_built
 from engine.trainer.target.fp8 import exact_linears, fp8_unsupported_reason, quantize_linears
 from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
-from engine.trainer.threads.compile import GuardedFunction
+from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
 CAUSAL_SDPA = "specdec_causal_sdpa"
 
@@ -78,6 +81,44 @@ def _causal_or_sdpa_mask(
     )
 
 
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,  # (B, Hq, T, D)
+    key: torch.Tensor,  # (B, Hkv, T, D)
+    value: torch.Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # (B, T, Hq, D), as Hugging Face's attention functions return it
+    """Hugging Face's SDPA attention, or flex attention for a ``BlockMask`` (packed rows, compiled on CUDA)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if isinstance(attention_mask, BlockMask):
+        out: Any = flex_attention(
+            query,
+            key,
+            value,
+            block_mask=attention_mask,
+            scale=kwargs.get("scaling"),
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    result: tuple[torch.Tensor, None] = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return result
+
+
+def document_block_mask(documents: torch.Tensor) -> Any:  # (B, T) -> flex BlockMask (B, 1, T, T)
+    """The packed target's attention as a flex BlockMask: causal, inside the query's conversation."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx) & (documents[b, kv_idx] == documents[b, q_idx])
+
+    b, t = documents.shape
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=str(documents.device))
+
+
 def _sliding(config: Any) -> bool:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return True
@@ -93,11 +134,11 @@ def use_causal_fast_path(model: nn.Module) -> bool:
         return False
     try:
         from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         return False
-    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionInterface.register(CAUSAL_SDPA, _attention)
     AttentionMaskInterface.register(CAUSAL_SDPA, _causal_or_sdpa_mask)
     setter: Any = getattr(model, "set_attn_implementation", None)
     try:
@@ -222,16 +263,25 @@ class FrozenTarget:
         one graph per length while holding the target and the compile guard. ``exact``: an FP8 target's Linears
         run with their kept exact weights (fp8.exact_linears; eager), as the target a server runs. ``documents``:
         no token attends across a conversation and positions restart in each (a 4-D mask and ``position_ids``)."""
-        packed: dict[str, torch.Tensor] = {}
+        forward = self.model if eager or exact else self._forward
+        packed: dict[str, Any] = {}
         if documents is not None:
-            packed = {"attention_mask": document_causal_mask(documents), "position_ids": document_positions(documents)}
+            packed = {"attention_mask": self._document_mask(documents, compiled=forward is not self.model)}
+            packed["position_ids"] = document_positions(documents)
         with self.lock, exact_linears(self.model) if exact else contextlib.nullcontext():
             self._captured.clear()
-            forward = self.model if eager or exact else self._forward
             logits = forward(input_ids=input_ids, use_cache=False, **packed).logits
             hidden3 = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
             self._captured.clear()
         return logits, hidden3
+
+    def _document_mask(self, documents: torch.Tensor, *, compiled: bool) -> Any:
+        """A packed batch's attention mask: a flex BlockMask for the compiled CUDA forward under
+        ``specdec_causal_sdpa``, the 4-D boolean mask otherwise (eager flex would compile outside the guard)."""
+        if compiled and documents.is_cuda and self.config._attn_implementation == CAUSAL_SDPA:
+            with compile_guard():  # mask creation can trace (vmap over the mask_mod); taken before self.lock
+                return document_block_mask(documents)
+        return document_causal_mask(documents)
 
     @torch.no_grad()
     def run(
