@@ -66,6 +66,7 @@ def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, flo
     return {"target": target, "drafter": 3 * fwd * batch}
 
 
+TARGET_ONLY = False  # profile --target-only: the target forward alone (no drafter compile)
 DRY = False  # --dry-run: the profile mode on the CPU with the tiny target (the code path, not a figure)
 
 
@@ -416,6 +417,16 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
             target.run(ids, mask, draft_ids, t2d)
         sync()
     target_kernels = kernel_times(prof_t, calls)
+    f = flops(target.config, parts["dcfg"], SEQ, TTT, BATCH)
+    target_mfu = f["target"] / (target_kernels["kernel_ms"] / 1000) / (PEAK_TFLOPS * 1e12)
+    if TARGET_ONLY:
+        return {
+            "mode": f"profile --target-only batch_size={BATCH}",
+            "target": target_kernels,
+            "target_mfu_kernels": target_mfu,
+            "attention_impl": target.config._attn_implementation,
+            "peak_gib": 0.0 if DRY else torch.cuda.max_memory_allocated() / 2**30,
+        }
     events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
     control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
     params = drafter.trainable_parameters()
@@ -465,11 +476,11 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
                 worker.train_step(batch, 0.0)
         sync()
     drafter_kernels = kernel_times(prof_d, calls, main_range="bench::train_step")
-    f = flops(target.config, parts["dcfg"], SEQ, TTT, BATCH)
     return {
         "mode": f"profile batch_size={BATCH}",
         "target": target_kernels,
-        "target_mfu_kernels": f["target"] / (target_kernels["kernel_ms"] / 1000) / (PEAK_TFLOPS * 1e12),
+        "target_mfu_kernels": target_mfu,
+        "attention_impl": target.config._attn_implementation,
         "drafter": drafter_kernels,
         "drafter_mfu_kernels": f["drafter"] / (drafter_kernels["kernel_ms"] / 1000) / (PEAK_TFLOPS * 1e12),
         "drafter_phase_ms": phase,
@@ -614,9 +625,11 @@ def main() -> int:
     ap.add_argument("--plan", default="baseline;sides;engine")
     ap.add_argument("--batch", type=int, default=1, help="batch size of every mode (the engine: --set batch_size)")
     ap.add_argument("--dry-run", action="store_true", help="profile: the code path on the CPU (tiny target, seq 128)")
+    ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()
-    global BATCH, DRY, SEQ, DRAFT_VOCAB
+    global BATCH, DRY, SEQ, DRAFT_VOCAB, TARGET_ONLY
     BATCH = a.batch
+    TARGET_ONLY = a.target_only
     if a.dry_run:
         DRY, SEQ, DRAFT_VOCAB = True, 128, 256
     if not any(s.startswith("batch_size=") for s in a.set):

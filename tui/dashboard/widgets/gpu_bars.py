@@ -130,6 +130,7 @@ class GpuBars(Vertical):
         self.simulated = False
         self.nvml_error: str | None = None
         self.anomalies: list[Anomaly] = []
+        self._rows: dict[int, GpuRow] = {}  # by GPU index, mounted once
 
     def compose(self) -> ComposeResult:
         yield Static(" SIMULATED GPUs (--simulate-gpus): not real hardware ", id="gpu-simulated", markup=False)
@@ -162,23 +163,22 @@ class GpuBars(Vertical):
             )
         else:
             empty.display = False
+        # A row of a GPU missing from this sample is hidden, not removed: removal waits for the next frame, and a
+        # sample with the GPU again in the same frame would update the leaving row (seen on an H200: the pane
+        # one blank row after an empty sample and a full one arrived together) or mount a second row of its id.
         wanted = {g.index for g in self.gpus}
-        existing: dict[int, GpuRow] = {}
-        for old in list(self.query(GpuRow)):
-            if old.index not in wanted:
-                old.remove()
-            else:
-                existing[old.index] = old
+        for index, kept in self._rows.items():
+            kept.display = index in wanted
         explain = self.query_one("#gpu-explain")
         first_index = self.gpus[0].index if self.gpus else None
         for gpu in self.gpus:
             index = gpu.index
             badges = self._anomalies_for(index, index == first_index)
-            row = existing.get(index)
+            row = self._rows.get(index)
             if row is None:
                 fresh = GpuRow(index, self.format_gpu(gpu), badges)
                 self.mount(fresh, before=explain)
-                existing[index] = fresh
+                self._rows[index] = fresh
             elif row.children:
                 row.query_one(".gpu-line", TextLine).set_text(self.format_gpu(gpu))
                 row.set_badges(badges)

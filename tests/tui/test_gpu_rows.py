@@ -1,0 +1,58 @@
+"""The GPUs pane keeps one row per GPU through samples that arrive together, with or without that GPU.
+
+Seen on an H200: a sample without GPUs and one with them landed in one frame; the row removed for the first was
+the row the second updated, and the pane showed one blank line until the run ended.
+"""
+
+from __future__ import annotations
+
+from textual.app import App, ComposeResult
+
+from engine.protocol import Anomaly, GpuInfo, GpusEvent
+from tui.dashboard.widgets.gpu_bars import GpuBars
+from tui.dashboard.widgets.text_line import TextLine
+
+
+class Bars(App[None]):
+    def compose(self) -> ComposeResult:
+        yield GpuBars(id="gpus")
+
+
+def sample(t: float, *indices: int) -> GpusEvent:
+    gpus = [GpuInfo(i, "NVIDIA H200", f"GPU-{i}", 10.0 * t, 1500.0, 143771.0, 40.0, 120.0) for i in indices]
+    return GpusEvent(t, gpus, False)
+
+
+def shown(app: Bars) -> list[str]:
+    """The GPU lines on screen (visible rows only)."""
+    return [line.text.plain for line in app.query(TextLine) if line.parent is not None and line.parent.display]
+
+
+async def test_an_empty_sample_and_a_full_one_in_one_frame_leave_the_row() -> None:
+    app = Bars()
+    async with app.run_test(size=(120, 12)) as pilot:
+        bars = app.query_one(GpuBars)
+        bars.update_sample(sample(1, 0))
+        await pilot.pause()
+        bars.update_sample(sample(2))  # no GPU in this one (an NVML hiccup, a status before the first sample)
+        bars.update_sample(sample(3, 0))  # and the GPU again, before the next frame
+        await pilot.pause()
+        lines = shown(app)
+        assert len(lines) == 1 and lines[0].startswith("0 H200") and " 30%" in lines[0], lines
+        assert len(app.query("#gpu-row-0")) == 1
+
+
+async def test_a_gpu_gone_from_the_samples_is_not_shown_and_comes_back_in_place() -> None:
+    app = Bars()
+    async with app.run_test(size=(120, 12)) as pilot:
+        bars = app.query_one(GpuBars)
+        bars.update_sample(sample(1, 0, 1))
+        await pilot.pause()
+        bars.update_sample(sample(2, 0))
+        await pilot.pause()
+        assert [line[:6] for line in shown(app)] == ["0 H200"]
+        bars.update_sample(sample(3, 0, 1))
+        bars.update_anomalies([Anomaly("phantom_utilization", "busy, no process", gpu=1)])
+        await pilot.pause()
+        assert [line[:6] for line in shown(app)] == ["0 H200", "1 H200"]
+        assert len(app.query("#gpu-row-1")) == 1
