@@ -259,8 +259,9 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
 
 
 KERNEL_CATEGORIES = (
-    ("attention_bwd", ("flex_attention_backward", "flex_backward", "attention_backward", "flash_bwd")),
-    ("attention_fwd", ("flex_attention", "tem_fused", "flash_fwd", "fmha", "attention")),
+    ("attention_bwd", ("flex_attention_backward", "flex_backward", "attention_backward", "flash_bwd", "bprop")),
+    # cuDNN's SDPA kernels carry sm90/wgmma in their names too: matched here, before the GEMMs
+    ("attention_fwd", ("flex_attention", "tem_fused", "flash_fwd", "fmha", "sdpa", "fprop", "attention")),
     ("comm", ("nccl",)),
     ("optimizer", ("adam", "multi_tensor", "foreach", "fused_sgd")),
     ("gemm", ("gemm", "sm90_", "sm100_", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "splitk", "matmul")),

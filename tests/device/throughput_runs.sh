@@ -1,18 +1,54 @@
 #!/bin/sh
-# Issue 12's one-H200 throughput candidates in one device call (run from the repo root; results under $OUT):
-#   1. the FP8 target against bf16 on the 8B shape: agreement, KL of target_p, hidden-state error, eager forward time
-#   2. the engine at batch B (default 4): bf16 target, then FP8 target (tests/bench/bench_engine.py, same call)
-# Usage: sh tests/device/throughput_runs.sh [BATCH] [EXTRA_PLAN_ITEMS]
+# One-H200 throughput, one device call per part (run from the repo root; results and logs under $OUT):
+#
+#   sh tests/device/throughput_runs.sh table [BATCH]   SpecForge 0.2.0's trainer step (../shared/peer/specforge,
+#       copied into the ignored .peer/ and carried) and, in the same call, the engine with the bf16 target, then
+#       with target_fp8 = true (tests/bench/bench_engine.py). ~410 s: the peer ~110 s, the bf16 engine ~145 s
+#       (cold compile), the FP8 engine ~130 s. Ratios are quoted only within one call.
+#   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
+#       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
+#       (where the time goes). ~330 s.
+#   sh tests/device/throughput_runs.sh fp8 [BATCH]     the FP8 target against bf16 at the 8B shape (agreement, KL,
+#       forward time: tests/bench/bench_fp8_target.py), then the engine bf16 and FP8 (~450 s).
 set -u
 OUT=${OUT:-/tmp/out}
-B=${1:-4}
-PLAN=${2:-"engine;engine --set target_fp8=true"}
+PART=${1:-table}
+B=${2:-4}
 mkdir -p "$OUT"
-timeout 120 python3 tests/bench/bench_fp8_target.py --targets llama3-8b-shape --device cuda:0 --batch "$B" --seq 2048 \
-    --batches 2 --out "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.txt" 2>&1
-echo "fp8 accuracy exit $?" >> "$OUT/fp8_accuracy.txt"
-timeout 460 python3 tests/bench/bench_engine.py all --batch "$B" --steps 20 --warm 5 --timeout-s 225 --plan "$PLAN" \
-    --out "$OUT" > "$OUT/engine.txt" 2>&1
-echo "engine exit $?" >> "$OUT/engine.txt"
-tail -n 3 "$OUT"/fp8_accuracy.txt
-grep -E '"mode"|"tok_s"|mfu|"error"|phase|producer_target_ms|peak_gib' "$OUT/engine.txt"
+engine() {  # $1: the plan, $2: the seconds it may take in all
+    timeout "$2" python3 tests/bench/bench_engine.py all --batch "$B" --steps 20 --warm 5 --timeout-s 220 --plan "$1" \
+        --out "$OUT" > "$OUT/engine.txt" 2>&1
+    echo "engine exit $?" >> "$OUT/engine.txt"
+    grep -E '"mode"|"tok_s"|mfu|"error"|phase|"fwd"|"bwd"|"opt"|producer_target_ms|peak_gib|wall_s' "$OUT/engine.txt"
+}
+case "$PART" in
+    table)
+        if [ ! -f .peer/specforge/run.sh ]; then
+            echo "no .peer/specforge/run.sh: cp -r ../shared/peer .peer in the checkout, and carry .peer"; exit 2
+        fi
+        timeout 160 bash .peer/specforge/run.sh > "$OUT/specforge.log" 2>&1
+        echo "specforge exit $?"
+        grep -o '"tok_s": [0-9.]*\|"step_ms": [0-9.]*\|"target_forward_ms": [0-9.]*\|"peak_gib": [0-9.]*' \
+            "$OUT/specforge_peer.json" | tr '\n' ' '; echo
+        engine "engine;engine --set target_fp8=true" 420
+        ;;
+    lengths)
+        timeout 230 python3 tests/bench/bench_packing.py --device cuda --modes full,packed --steps 8 --warm 2 \
+            --out "$OUT" > "$OUT/packing.txt" 2>&1
+        echo "packing exit $?" >> "$OUT/packing.txt"
+        tail -n 4 "$OUT/packing.txt"
+        timeout 200 python3 tests/bench/bench_engine.py profile --batch "$B" --steps 5 --warm 3 > "$OUT/profile.txt" 2>&1
+        echo "profile exit $?"
+        grep RESULT "$OUT/profile.txt" | cut -c1-4000
+        ;;
+    fp8)
+        timeout 120 python3 tests/bench/bench_fp8_target.py --targets llama3-8b-shape --device cuda:0 --batch "$B" \
+            --seq 2048 --batches 2 --out "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.txt" 2>&1
+        echo "fp8 accuracy exit $?" >> "$OUT/fp8_accuracy.txt"
+        tail -n 3 "$OUT/fp8_accuracy.txt"
+        engine "engine;engine --set target_fp8=true" 330
+        ;;
+    *)
+        echo "usage: sh tests/device/throughput_runs.sh table|lengths|fp8 [BATCH]"; exit 2
+        ;;
+esac

@@ -128,3 +128,32 @@ def test_packed_flex_block_mask_gives_what_the_dense_document_mask_gives(target:
         dense = target.model(input_ids=ids, attention_mask=document_causal_mask(docs), position_ids=positions)
         flex = target.model(input_ids=ids, attention_mask=document_block_mask(docs), position_ids=positions)
     torch.testing.assert_close(flex.logits, dense.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_target_takes_packed_block_masks_without_a_graph_per_batch(target: FrozenTarget) -> None:
+    """The compiled CUDA forward's packed path, traced by dynamo on the CPU: flex in the graph, the numbers of
+    the dense mask, and one graph for two batches whose conversations split differently."""
+    from engine.trainer.target.model import document_block_mask
+
+    graphs: list[Any] = []
+
+    def backend(gm: Any, _example: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(target.model, backend=backend, dynamic=False)
+    g = torch.Generator().manual_seed(4)
+    for cut in (60, 170):
+        ids = torch.randint(0, 200, (2, 256), generator=g)
+        docs = (torch.arange(256) >= cut).long().expand(2, 256).contiguous()
+        positions = document_positions(docs)
+        with torch.no_grad():
+            mask = document_block_mask(docs)
+            flex = compiled(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+            dense = target.model(
+                input_ids=ids, attention_mask=document_causal_mask(docs), position_ids=positions, use_cache=False
+            )
+        torch.testing.assert_close(flex.logits, dense.logits, atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 1  # no graph break (flex stays in the target's graph) and no graph per batch
+    assert "flex_attention" in graphs[0].code
