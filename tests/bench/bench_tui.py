@@ -67,7 +67,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def frame_after(app: DashboardApp) -> None:
     done = asyncio.get_running_loop().create_future()
-    app.call_after_refresh(lambda: done.done() or done.set_result(None))
+    app.call_after_refresh(lambda: None if done.done() else done.set_result(None))
     await done
 
 
@@ -389,7 +389,7 @@ def terminal_child(report: Path, rate: int, burst_s: float, run_root: Path) -> N
 async def bench_ssh() -> None:
     """First frame and GPU sample latency through a real sshd on 127.0.0.1 (tests/integration/conftest.py)."""
     sys.path.insert(0, str(REPO / "tests" / "integration"))
-    from conftest import running_sshd  # type: ignore[import-not-found]
+    from conftest import running_sshd
 
     from tui.link.session import open_session
     from tui.link.transport import ConnectOptions

@@ -185,10 +185,10 @@ def main() -> int:
             check(m.ns_pid == view["nspid"][-1], f"ns pid {m.ns_pid} == the namespace's own NSpid {view['nspid']}")
             check(m.ns_pid in view["proc"], "that pid is in the namespace's own /proc")
             check(m.host_gpu == 0, f"on GPU 0 only (got host GPU {m.host_gpu})")
-            smi = apps.get(host_pid)
-            check(smi is not None and smi["gpu_uuid"] == m.gpu_uuid, "nvidia-smi names the same GPU uuid")
-            if smi is not None and m.used_mib is not None:
-                check(abs(float(smi["used_memory"]) - m.used_mib) <= 2.0, f"MiB equal to nvidia-smi's ({smi})")
+            app = apps.get(host_pid)
+            check(app is not None and app["gpu_uuid"] == m.gpu_uuid, "nvidia-smi names the same GPU uuid")
+            if app is not None and m.used_mib is not None:
+                check(abs(float(app["used_memory"]) - m.used_mib) <= 2.0, f"MiB equal to nvidia-smi's ({app})")
             check(m.used_mib is not None and m.used_mib >= ns.gib * 1024 - 1.0, f"at least {ns.gib} GiB charged")
             if cg_top is not None:
                 check(m.container == ns.ctid, f"container {m.container} from the cgroup {m.cgroup}")
