@@ -502,6 +502,8 @@ class StepEvent:
     acc: list[float | None] = field(default_factory=list)
     loss_total: float | None = None  # sum_i 0.8**i * loss_i: the loss trained on
     tok_s: float | None = None
+    # Tokens inside conversations a second, padding left out; None when the batch had no padding (== tok_s).
+    useful_tok_s: float | None = None
     ms: dict[str, float | None] = field(default_factory=dict)
     grad_norm: float | None = None  # before clipping; None when the step was skipped (not finite)
     skipped: bool = False  # non-finite gradients: the optimizer did not step

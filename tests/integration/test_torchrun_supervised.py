@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from support.agent import checkout_env
 from support.waiting import wait_until
-from torchrun_support import TINY_ENGINE_TOML
+from torchrun_support import TINY_ENGINE_TOML, wait_listening
 
 from engine.host import procs
 from engine.supervisor import records
@@ -175,16 +175,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_listening(port: int, timeout_s: float) -> None:
-    import socket
-
-    def listening() -> bool:
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_until(listening, timeout_s, f"a listener on 127.0.0.1:{port}", interval_s=0.1)
 
 
 def wait_exit_record(run_dir: Path, timeout_s: float) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from support.waiting import wait_until
-from torchrun_support import TINY_ENGINE_TOML
+from torchrun_support import TINY_ENGINE_TOML, wait_listening
 
 from engine.trainer.data.sources import shipped_corpus_path
 
@@ -214,6 +214,8 @@ def test_killing_one_node_agent_stops_the_other_node_naming_the_peer_rank(tmp_pa
                 cmd, cwd=tmp_path, env=env(), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
             )
             procs.append(node)
+            if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does
+                wait_listening(port, RUN_TIMEOUT_S)
         for n in (0, 1):  # both nodes train together: each rank has stepped
             wait_for_step_then_pid(outs[n] / "events.jsonl", step=3, timeout_s=RUN_TIMEOUT_S)
         t0 = time.monotonic()

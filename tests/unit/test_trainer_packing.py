@@ -290,6 +290,10 @@ def test_a_packed_run_trains_packed_batches_end_to_end(tmp_path: Path, corpus_he
     assert run.run() == 0
     assert [e["step"] for e in steps] == [1, 2, 3]
     assert all(math.isfinite(v) for e in steps for v in e["loss"])
+    # Rows with padding after their conversations: the step says the rate of tokens inside them too.
+    rated = [e for e in steps if e["tok_s"] > 0 and e.get("useful_tok_s") is not None]
+    assert rated, steps
+    assert all(0.5 * e["tok_s"] < e["useful_tok_s"] < e["tok_s"] for e in rated)
 
 
 def test_packing_random_tokens_is_a_config_error() -> None:

@@ -240,6 +240,7 @@ class StepResult:
     tok_s: float
     ms: dict[str, float]
     skipped: bool = False  # non-finite gradients: the optimizer did not step
+    useful_tok_s: float | None = None  # tokens inside conversations a second; None: the batch had no padding
 
 
 @dataclass(frozen=True)
@@ -462,6 +463,8 @@ class DrafterWorker:
         dt = now - self._last_done if self._last_done is not None else None
         self._last_done = now
         tok_s = batch.tokens / dt if dt else 0.0
+        useful = batch.useful_tokens
+        useful_tok_s = (useful / dt if dt else 0.0) if useful is not None and useful < batch.tokens else None
         result = StepResult(
             step=step,
             loss=values[:n],
@@ -470,6 +473,7 @@ class DrafterWorker:
             tok_s=tok_s,
             ms={"fetch": fetch_ms, "fwd": ms[0], "bwd": ms[1], "opt": ms[2]},
             skipped=skipped,
+            useful_tok_s=useful_tok_s,
         )
         if not all(math.isfinite(v) for v in result.loss):
             raise NonFiniteLoss(f"non-finite loss {result.loss} at step {step} in thread {self.name}")
@@ -614,6 +618,7 @@ class DrafterWorker:
                         loss_total=loss_total,
                         acc=list(result.acc),
                         tok_s=result.tok_s,
+                        useful_tok_s=result.useful_tok_s,
                         ms=dict(result.ms),
                         grad_norm=None if result.skipped else result.grad_norm,
                         skipped=result.skipped,
@@ -622,7 +627,9 @@ class DrafterWorker:
                         target_ms=batch.target_ms,
                     )
                 )
-                line = step_line(self.name, self.step, result.loss, loss_total, result.acc, result.tok_s)
+                line = step_line(
+                    self.name, self.step, result.loss, loss_total, result.acc, result.tok_s, result.useful_tok_s
+                )
                 self.control.events.say(line)
             # One state per model: the first live replica's (independent drafters are models of their own).
             leader = self.group is None or self.group.mode != "replicas" or self.rank == min(self.group.live)

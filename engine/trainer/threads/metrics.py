@@ -132,12 +132,20 @@ def fmt(x: float) -> str:
 
 
 def step_line(
-    thread: str, step: int, loss: list[float], loss_total: float, acc: list[float], tok_s: float
+    thread: str,
+    step: int,
+    loss: list[float],
+    loss_total: float,
+    acc: list[float],
+    tok_s: float,
+    useful_tok_s: float | None = None,
 ) -> str:
-    """The human step line; ``loss_total`` is the weighted total trained on (``draft.loss.weighted_total``)."""
+    """The human step line; ``loss_total`` is the weighted total trained on (``draft.loss.weighted_total``);
+    ``useful_tok_s`` (the tokens inside conversations, for a batch with padding) follows ``tok/s`` when given."""
+    useful = f" useful_tok/s={useful_tok_s:.0f}" if useful_tok_s is not None else ""
     return (
         f"step={step} thread={thread} loss={fmt(loss_total)} loss0={fmt(loss[0])} acc0={fmt(acc[0])} "
-        f"acc_last={fmt(acc[-1])} tok/s={tok_s:.0f}"
+        f"acc_last={fmt(acc[-1])} tok/s={tok_s:.0f}{useful}"
     )
 
 

@@ -150,8 +150,10 @@ class ChartModel:
         thread = event.thread or "engine"
         t = event.t or 0.0
         self._add("step", thread, t, float(event.step))
-        if event.tok_s is not None:
-            self._add("tok/s", thread, t, event.tok_s)
+        # Tokens inside conversations when the batch had padding: what was trained, not what was computed.
+        rate = event.useful_tok_s if event.useful_tok_s is not None else event.tok_s
+        if rate is not None:
+            self._add("tok/s", thread, t, rate)
         if event.loss_total is not None:
             self._add("loss", thread, t, event.loss_total)  # the number the engine's log line calls loss=
         elif event.loss:
