@@ -23,7 +23,8 @@ function that, for a plain causal forward (no padding mask, no offsets), makes n
 materialised a (B, 1, T, T) mask and SDPA ran the masked cuDNN kernel over every pair: measured on an H200 at
 the 8B shape, batch 4 x 2048, that attention took 32 ms of the target's 227 ms a step. Right-padded rows need
 no mask either: a causal query never sees the padding after it, and padded positions are out of the loss.
-Anything else (a padding mask, a 4-D mask, sliding windows, a cache) goes to Hugging Face's ``sdpa_mask``.
+Anything else (a padding mask, a 4-D mask, a cache) goes to Hugging Face's ``sdpa_mask``; a model with sliding
+windows keeps Hugging Face's ``sdpa`` as it is.
 Packed rows in the compiled CUDA forward get a flex ``BlockMask`` instead of the 4-D mask (causal inside each
 conversation, ``document_block_mask``): flex skips the tiles across conversations, where SDPA would run the
 masked kernel over every pair.
