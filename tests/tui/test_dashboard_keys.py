@@ -263,6 +263,31 @@ async def test_log_stops_following_when_scrolled_up_and_counts_pending(
         assert tail.following and tail.pending == 0 and tail.scroll_y == tail.max_scroll_y
 
 
+async def test_log_keeps_following_when_its_pane_grows(recorded_app: Callable[..., DashboardApp]) -> None:
+    """The panes above the log change height as the first samples arrive (GPU rows, processes), and the terminal
+    may be resized: a follower stays at the end, and a pane that grows (the scroll position pulled up to the new
+    end) is not the reader scrolling up. Seen at 80x24 on the CPU demo: 'paused' from the first second."""
+    session = RecordingSession()
+    app = recorded_app(session)
+    async with app.run_test(size=(80, 24)) as pilot:
+        events, _ = log_events([f"line {i}" for i in range(200)])
+        session.emit(*events)
+        app.flush_events()
+        await pilot.pause()
+        tail = app.query_one(LogTail)
+        session.emit(*healthy_events())  # GPU rows and the processes pane: the log pane shrinks
+        app.flush_events()
+
+        def at_end() -> bool:
+            return tail.following and tail.scroll_y == tail.max_scroll_y > 0
+
+        await wait_until(pilot, at_end, 5.0, "the log at its end after the first samples")
+        for rows in (40, 24, 50):  # taller, shorter, taller again
+            await pilot.resize_terminal(80, rows)
+            await wait_until(pilot, at_end, 5.0, f"the log following at its end after a resize to 80x{rows}")
+        assert "following" in str(app.query_one("#log-status").render())
+
+
 async def test_theme_switch_changes_and_persists(recorded_app: Callable[..., DashboardApp]) -> None:
     app = recorded_app(RecordingSession())
     async with app.run_test(size=SIZE) as pilot:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from rich.highlighter import Highlighter
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
@@ -267,11 +268,17 @@ class LogTail(Log):
     def stop_following(self) -> None:
         self.following = False
 
+    def on_resize(self, _event: events.Resize) -> None:
+        """A pane that changed height (the panes above it grew or shrank) keeps a follower at the end."""
+        if self.following:
+            self.call_after_refresh(self._scroll_to_end)
+
     def watch_scroll_y(self, old_value: float, new_value: float) -> None:
         super().watch_scroll_y(old_value, new_value)
         if self._programmatic:
             return
-        if new_value < old_value:
+        # Up, and short of the end: the reader scrolled. A taller pane pulls the position up to the new end.
+        if new_value < old_value and new_value < self.max_scroll_y:
             self.following = False
         elif self.max_scroll_y > 0 and new_value >= self.max_scroll_y:
             self.following = True
