@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
                 again = tmux.screen(session)
                 (out / f"dashboard_screen_gpu_{second}s.txt").write_text(again)
-                if gpu_rows_vs_nvidia_smi(samples[-1], again, sim)[0] == "PASS":
+                if not rows_not_shown(samples[-1], again):  # the screen alone: nvidia-smi was compared already
                     later.append(second)
                     break
             when = f"shown {later[0]} s later" if later else "still missing 10 s later"
@@ -187,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{verdict} {text}", flush=True)
     print(f"(screen: {out / 'dashboard_screen.txt'})")
     return 0 if all(v != "FAIL" for v, _ in results) else 1
+
+
+def rows_not_shown(status: dict[str, Any], screen: str) -> list[str]:
+    """The status's GPUs whose row is not on the screen (the row drops the vendor: "NVIDIA H200" reads "H200")."""
+    missing = []
+    for gpu in status.get("gpus", []):
+        index, name = gpu.get("index"), str(gpu.get("name"))
+        shown = short_gpu_name(name)
+        if not re.search(rf"\b{index} {re.escape(shown)}\s", screen):
+            missing.append(f"GPU {index}: {shown!r} ({name!r}) not on the screen")
+    return missing
 
 
 def gpu_rows_vs_nvidia_smi(status: dict[str, Any], screen: str, sim: int | None) -> tuple[str, str]:
@@ -210,9 +221,7 @@ def gpu_rows_vs_nvidia_smi(status: dict[str, Any], screen: str, sim: int | None)
             problems.append(f"GPU {index}: total {gpu.get('mem_total_mib')} vs {total} MiB")
         if abs(float(gpu.get("mem_used_mib") or 0) - used) > MEM_USED_TOLERANCE_MIB:
             problems.append(f"GPU {index}: used {gpu.get('mem_used_mib')} vs {used} MiB")
-        shown = short_gpu_name(name)  # the row drops the vendor: "NVIDIA H200" reads "H200"
-        if not re.search(rf"\b{index} {re.escape(shown)}\s", screen):
-            problems.append(f"GPU {index}: {shown!r} ({name!r}) not on the screen")
+    problems += rows_not_shown(status, screen)
     detail = "; ".join(problems) if problems else f"{len(ours)} GPU(s) equal (name, total, used within 512 MiB)"
     return ("FAIL" if problems else "PASS", f"GPU rows vs nvidia-smi: {detail}")
 

@@ -157,3 +157,29 @@ def test_compiled_target_takes_packed_block_masks_without_a_graph_per_batch(targ
         torch.testing.assert_close(flex.logits, dense.logits, atol=1e-5, rtol=1e-5)
     assert len(graphs) == 1  # no graph break (flex stays in the target's graph) and no graph per batch
     assert "flex_attention" in graphs[0].code
+
+
+def test_a_transformers_with_the_old_mask_api_keeps_hf_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 4.53 to 5.5 call mask functions with ``cache_position`` and no ``q_length``: the fast path's mask
+    function would raise on every forward there, so it is not installed."""
+    import transformers.masking_utils as masking
+
+    def old_sdpa_mask(batch_size: int, cache_position: torch.Tensor, kv_length: int, **kwargs: Any) -> None:
+        return None
+
+    monkeypatch.setattr(masking, "sdpa_mask", old_sdpa_mask)
+    model = load_target(
+        "tiny", torch.device("cpu"), tokenizer=build_tiny_tokenizer(), layer_ids=None, seed=0, dtype=torch.float32
+    ).model
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_chunked_attention_models_are_left_alone() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    cfg.attention_chunk_size = 8  # Llama 4's chunked attention: more than causal
+    assert not use_causal_fast_path(LlamaForCausalLM(cfg))

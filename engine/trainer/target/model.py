@@ -24,7 +24,8 @@ materialised a (B, 1, T, T) mask and SDPA ran the masked cuDNN kernel over every
 the 8B shape, batch 4 x 2048, that attention took 32 ms of the target's 227 ms a step. Right-padded rows need
 no mask either: a causal query never sees the padding after it, and padded positions are out of the loss.
 Anything else (a padding mask, a 4-D mask, a cache) goes to Hugging Face's ``sdpa_mask``; a model with sliding
-windows keeps Hugging Face's ``sdpa`` as it is.
+windows or chunked attention, a multimodal one, and a transformers whose mask API takes no ``q_length`` keep
+Hugging Face's ``sdpa`` as it is.
 Packed rows in the compiled CUDA forward get a flex ``BlockMask`` instead of the 4-D mask (causal inside each
 conversation, ``document_block_mask``): flex skips the tiles across conversations, where SDPA would run the
 masked kernel over every pair.
@@ -69,7 +70,8 @@ def _causal_or_sdpa_mask(
     their 4-D mask, which Hugging Face passes through before asking here."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+    plain = kwargs.get("local_size") is None  # chunked attention is more than causal
+    if plain and attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
         return None
     return sdpa_mask(
         batch_size=batch_size,
@@ -126,18 +128,39 @@ def _sliding(config: Any) -> bool:
     return any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or []))
 
 
+def _masks_beyond_causal(config: Any) -> bool:
+    """Models whose masks can be more than causal without a padding mask: sliding windows, chunked attention,
+    and multimodal configs (image tokens attend both ways through or/and mask functions)."""
+    if _sliding(config) or getattr(config, "attention_chunk_size", None):
+        return True
+    return any(getattr(config, key, None) is not None for key in ("text_config", "vision_config", "audio_config"))
+
+
+def _mask_api_has_lengths() -> bool:
+    """Hugging Face calls mask functions with ``q_length``/``q_offset`` (5.17 and 5.24 do); earlier versions from
+    4.53 (through 5.5 at least) passed ``cache_position`` instead, which this mask function does not take."""
+    import inspect
+
+    from transformers.masking_utils import sdpa_mask
+
+    return "q_length" in inspect.signature(sdpa_mask).parameters
+
+
 def use_causal_fast_path(model: nn.Module) -> bool:
-    """Switch an SDPA model without sliding windows to ``specdec_causal_sdpa`` (see the module docstring); False
-    where this transformers has no attention and mask registries (before 4.53), or the model runs another
-    attention or slides: it stays as it was."""
+    """Switch an SDPA model whose masks are causal to ``specdec_causal_sdpa`` (see the module docstring); False
+    where this transformers has no attention and mask registries (before 4.53) or calls mask functions the old
+    way (``cache_position``), or the model runs another attention, slides, chunks or is multimodal:
+    it stays as it was."""
     config: Any = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or _sliding(config):
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or _masks_beyond_causal(config):
         return False
     try:
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
+        return False
+    if not _mask_api_has_lengths():
         return False
     AttentionInterface.register(CAUSAL_SDPA, _attention)
     AttentionMaskInterface.register(CAUSAL_SDPA, _causal_or_sdpa_mask)
