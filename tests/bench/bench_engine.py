@@ -165,18 +165,42 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
     }
 
 
-def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
-    parts = build_parts(compiled=True, attn="flex")
-    torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
+def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
+    """The engine's DrafterWorker on ``parts``' drafter alone: fused AdamW, bf16 autocast, one bucket, no queue."""
+    import torch
+
     from engine.trainer.data.dispatch import IndexLedger
-    from engine.trainer.draft.model import ttt_step
-    from engine.trainer.run.producer import DeviceBatch
     from engine.trainer.run.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
-    from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config
     from engine.trainer.threads.control import ThreadControl
     from engine.trainer.threads.health import HealthBoard
-    from engine.trainer.threads.metrics import EventLog, suggest_split
+    from engine.trainer.threads.metrics import EventLog
     from engine.trainer.threads.queue import BoundedQueue
+
+    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
+    control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
+    opt = torch.optim.AdamW(parts["drafter"].trainable_parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    training = DrafterTraining(
+        parts["drafter"],
+        parts["dev"],
+        opt,
+        sched,
+        parts["attention"],
+        step_fn,
+        hidden_dtype=torch.bfloat16,
+        autocast_dtype=torch.bfloat16,
+    )
+    settings = WorkerSettings(ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH)
+    return DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
+
+
+def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
+    parts = build_parts(compiled=True, attn="flex")
+    torch, dev, target = parts["torch"], parts["dev"], parts["target"]
+    from engine.trainer.draft.model import ttt_step
+    from engine.trainer.run.producer import DeviceBatch
+    from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config
+    from engine.trainer.threads.metrics import suggest_split
 
     apply_dynamo_config()
     draft_ids = parts["vocab"].draft_to_target.to(dev)
@@ -200,23 +224,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     target_ms = 1000 * (time.perf_counter() - t0) / steps
     target_gib = torch.cuda.max_memory_allocated() / 2**30  # the target's weights and one batch's activations
     # Drafter side alone, through the engine's worker step (compiled flex + loss).
-    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
-    control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
-    params = drafter.trainable_parameters()
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    training = DrafterTraining(
-        drafter,
-        dev,
-        opt,
-        sched,
-        parts["attention"],
-        GuardedFunction(ttt_step, compiled=True, name="ttt_step"),
-        hidden_dtype=torch.bfloat16,
-        autocast_dtype=torch.bfloat16,
-    )
-    settings = WorkerSettings(ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH)
-    worker = DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
+    worker = bench_worker(parts, GuardedFunction(ttt_step, compiled=True, name="ttt_step"))
     warm_s = worker.warm_up()
     batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
     for _ in range(warm):
@@ -387,18 +395,12 @@ def timing_event() -> Any:
 def mode_profile(steps: int, warm: int) -> dict[str, Any]:
     """Kernel categories of the target forward and of the drafter step, each alone; TTT-step timings."""
     parts = build_parts(compiled=not DRY, attn="sdpa" if DRY else "flex")  # flex has no CPU backward
-    torch, dev, target, drafter = parts["torch"], parts["dev"], parts["target"], parts["drafter"]
+    torch, dev, target = parts["torch"], parts["dev"], parts["target"]
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.trainer.data.dispatch import IndexLedger
     from engine.trainer.draft.model import ttt_step
     from engine.trainer.run.producer import DeviceBatch
-    from engine.trainer.run.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
     from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config
-    from engine.trainer.threads.control import ThreadControl
-    from engine.trainer.threads.health import HealthBoard
-    from engine.trainer.threads.metrics import EventLog
-    from engine.trainer.threads.queue import BoundedQueue
 
     apply_dynamo_config()
     draft_ids = parts["vocab"].draft_to_target.to(dev)
@@ -428,24 +430,8 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
             "attention_impl": target.config._attn_implementation,
             "peak_gib": 0.0 if DRY else torch.cuda.max_memory_allocated() / 2**30,
         }
-    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
-    control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
-    params = drafter.trainable_parameters()
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     timed = TimedStep(GuardedFunction(ttt_step, compiled=not DRY, name="ttt_step"))
-    training = DrafterTraining(
-        drafter,
-        dev,
-        opt,
-        sched,
-        parts["attention"],
-        timed,  # type: ignore[arg-type]  # a GuardedFunction with CUDA events around each call
-        hidden_dtype=torch.bfloat16,
-        autocast_dtype=torch.bfloat16,
-    )
-    settings = WorkerSettings(ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH)
-    worker = DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
+    worker = bench_worker(parts, timed)  # a GuardedFunction with CUDA events around each call
     worker.warm_up()
     batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
     for _ in range(warm):
