@@ -120,6 +120,10 @@ class TrainerConfig:
     # "per_device" (one stream per GPU: kernels queue in order, only the CPU work of the threads overlaps).
     cuda_streams: str = "per_thread"
     grad_checkpointing: bool = False
+    # Under bf16 autocast: cast the drafter's Linear weights once a training step, not in every TTT step, so the
+    # steps' gradients sum in bf16 at the cast and reach the fp32 .grad once (SpecForge's bf16 parameters with
+    # fp32 masters sum theirs in bf16 too). No effect in float32. Measured by tests/bench/bench_engine.py.
+    cast_weights_once: bool = False
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU
     seed: int = 0
     output_dir: str = "runs/specdec-engine"

@@ -68,6 +68,7 @@ def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, flo
 
 TARGET_ONLY = False  # profile --target-only: the target forward alone (no drafter compile)
 DRY = False  # --dry-run: the profile mode on the CPU with the tiny target (the code path, not a figure)
+CAST_ONCE = False  # --set cast_weights_once=true: the sides' and the profile's drafter worker cast its weights once
 
 
 def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
@@ -190,7 +191,9 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
         hidden_dtype=torch.bfloat16,
         autocast_dtype=torch.bfloat16,
     )
-    settings = WorkerSettings(ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH)
+    settings = WorkerSettings(
+        ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH, cast_weights_once=CAST_ONCE
+    )
     return DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
 
 
@@ -464,7 +467,7 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
         sync()
     drafter_kernels = kernel_times(prof_d, calls, main_range="bench::train_step")
     return {
-        "mode": f"profile batch_size={BATCH}",
+        "mode": f"profile batch_size={BATCH}" + (" cast_weights_once=true" if CAST_ONCE else ""),
         "target": target_kernels,
         "target_mfu_kernels": target_mfu,
         "attention_impl": target.config._attn_implementation,
@@ -614,8 +617,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="profile: the code path on the CPU (tiny target, seq 128)")
     ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()
-    global BATCH, DRY, SEQ, DRAFT_VOCAB, TARGET_ONLY
+    global BATCH, CAST_ONCE, DRY, SEQ, DRAFT_VOCAB, TARGET_ONLY
     BATCH = a.batch
+    CAST_ONCE = "cast_weights_once=true" in a.set
     TARGET_ONLY = a.target_only
     if a.dry_run:
         DRY, SEQ, DRAFT_VOCAB = True, 128, 256

@@ -77,6 +77,11 @@ class DraftConfig:
         return asdict(self)
 
 
+# The Linears every TTT step runs (the decoder layer's and the head), the weights Drafter.cast_weights casts.
+LAYER_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEAD = "lm_head"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -139,13 +144,19 @@ class DraftDecoderLayer(nn.Module):
         prior_v: torch.Tensor | None,  # (B, Hkv, i*T, D)
         mask: Any,  # a flex BlockMask or a dense bool (T, (i+1)*T)
         attention: TTTAttention,
+        weights: dict[str, torch.Tensor] | None = None,  # Drafter.cast_weights: the Linears' weights, cast once
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden (B, T, H), k_all and v_all (B, Hkv, (i+1)*T, D)
         b, t, _ = hidden.shape
         d = self.cfg.head_dim
+
+        def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+            weight = weights[name] if weights is not None else getattr(self, name).weight
+            return F.linear(x, weight)
+
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
-        q = self.q_proj(x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
+        q = linear("q_proj", x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
+        k = linear("k_proj", x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
+        v = linear("v_proj", x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         if prior_k is not None and prior_v is not None:
@@ -155,9 +166,9 @@ class DraftDecoderLayer(nn.Module):
             k_all, v_all = k, v
         attn = attention.apply(q, k_all, v_all, mask)
         attn = attn.transpose(1, 2).reshape(b, t, self.cfg.num_heads * d)
-        h = hidden + self.o_proj(attn)
+        h = hidden + linear("o_proj", attn)
         m = self.post_attention_layernorm(h)
-        h = h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        h = h + linear("down_proj", F.silu(linear("gate_proj", m)) * linear("up_proj", m))
         return h, k_all, v_all
 
 
@@ -188,16 +199,19 @@ def ttt_step(
     loss_fn: LossFn,
     loss_mask: torch.Tensor | None = None,  # (B, T), unshifted
     documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers (data/packing.py)
+    weights: dict[str, torch.Tensor] | None = None,  # Drafter.cast_weights: the Linears' weights, cast once
 ) -> tuple[torch.Tensor, ...]:  # hidden (B, T, H), k_all, v_all (B, Hkv, (i+1)*T, D), loss, correct, count ()
     """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
 
     ``cos``/``sin`` are this step's rotary tables (``Drafter.step_rotary``). ``loss_mask``, when given, is
     the accuracy's denominator (see loss.py). ``documents``: a shifted target counts only inside the
     position's own conversation (never across a packed row's boundary). Compiled as one graph on CUDA
-    (norms, rotary, flex attention, MLP, head and loss fused where they can be).
+    (norms, rotary, flex attention, MLP, head and loss fused where they can be). ``weights``: the layer's and
+    the head's Linear weights to use instead of the modules' own (see ``Drafter.cast_weights``).
     """
-    hidden, k_all, v_all = layer(hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
-    logits = lm_head(norm(hidden))
+    hidden, k_all, v_all = layer(hidden, emb, cos, sin, prior_k, prior_v, mask, attention, weights)
+    head = weights[HEAD] if weights is not None else lm_head.weight
+    logits = F.linear(norm(hidden), head)
     target_i, mask_i = shift_left(target_p, shift), shift_left(position_mask, shift)
     loss_mask_i = shift_left(loss_mask, shift) if loss_mask is not None else None
     if documents is not None:
@@ -310,6 +324,7 @@ class Drafter(nn.Module):
         step_fn: Callable[..., Any] | None = None,
         loss_mask: torch.Tensor | None = None,  # (B, T)
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
+        weight_dtype: torch.dtype | None = None,  # cast the TTT steps' Linear weights once (cast_weights)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, counts: each (ttt_steps,)
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
@@ -317,9 +332,11 @@ class Drafter(nn.Module):
         target's distribution at position ``t + 1 + i``; step 0's hidden state is the fused target state at
         ``t``. ``loss_mask`` (the data's, before the draft-vocabulary filter) makes the counted positions
         SpecForge's accuracy denominator; without it they are the ``position_mask`` positions. ``documents``
-        (packed rows): positions, attention and shifted targets stay inside each conversation.
+        (packed rows): positions, attention and shifted targets stay inside each conversation. ``weight_dtype``:
+        the steps run on ``cast_weights(weight_dtype)`` instead of the parameters themselves.
         """
         seq_len = input_ids.shape[1]
+        weights = self.cast_weights(weight_dtype) if weight_dtype is not None else None
         if documents is None:
             rotary = self.step_rotary(seq_len, ttt_steps, input_ids.device)
         else:
@@ -335,7 +352,7 @@ class Drafter(nn.Module):
             mask = attention.prepare(input_ids.device, seq_len, i, documents)  # outside any compiled region
             cos, sin = rotary[i]
             args = (self.layer, self.norm, self.lm_head, hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
-            tail = (target_p, position_mask, i + 1, loss_fn, loss_mask, documents)
+            tail = (target_p, position_mask, i + 1, loss_fn, loss_mask, documents, weights)
             if grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(step, *args, *tail, use_reentrant=False)
             else:
@@ -345,6 +362,18 @@ class Drafter(nn.Module):
             correct.append(correct_i)
             counts.append(count_i)
         return torch.stack(losses), torch.stack(correct), torch.stack(counts)
+
+    def cast_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The TTT steps' Linear weights cast to ``dtype`` once, for every step of an unroll (differentiable).
+
+        Under autocast each step casts the fp32 parameters again, and autograd adds each step's gradient into the
+        fp32 ``.grad``: ``ttt_steps`` casts and ``ttt_steps - 1`` fp32 additions per weight a training step.
+        Cast once, the steps' gradients meet at the cast in ``dtype`` and reach ``.grad`` once: the numerics of
+        SpecForge's bf16 parameters with fp32 master weights (its gradients also sum in bf16 across steps).
+        """
+        weights = {name: getattr(self.layer, name).weight.to(dtype) for name in LAYER_LINEARS}
+        weights[HEAD] = self.lm_head.weight.to(dtype)
+        return weights
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

@@ -252,6 +252,7 @@ class WorkerSettings:
     buckets: tuple[int, ...]  # the sequence lengths warmed up (compiled) before the first step
     batch_size: int
     grad_checkpointing: bool = False
+    cast_weights_once: bool = False  # under autocast: the TTT steps share one cast of the weights (Drafter.forward)
     max_grad_norm: float = 1.0
     nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
     log_every: int = 1  # a step event every log_every steps (and at step 1)
@@ -268,6 +269,7 @@ class WorkerSettings:
             buckets=tuple(cfg.buckets),
             batch_size=cfg.batch_size,
             grad_checkpointing=cfg.grad_checkpointing,
+            cast_weights_once=cfg.cast_weights_once,
             max_grad_norm=cfg.max_grad_norm,
             nonfinite_grad_limit=cfg.nonfinite_grad_limit,
             log_every=cfg.log_every,
@@ -325,6 +327,7 @@ class DrafterWorker:
         self.loss_fn = settings.loss_fn
         self.packing = settings.packing
         self.grad_checkpointing = settings.grad_checkpointing
+        self.weight_dtype = training.autocast_dtype if settings.cast_weights_once else None
         self.max_grad_norm = settings.max_grad_norm
         self.nonfinite_grad_limit = settings.nonfinite_grad_limit
         self.nonfinite_in_a_row = 0
@@ -371,6 +374,7 @@ class DrafterWorker:
                 step_fn=self.step_fn,
                 loss_mask=batch.loss_mask,
                 documents=batch.documents,
+                weight_dtype=self.weight_dtype,
             )
         return out
 
