@@ -68,7 +68,7 @@ def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, flo
 
 TARGET_ONLY = False  # profile --target-only: the target forward alone (no drafter compile)
 DRY = False  # --dry-run: the profile mode on the CPU with the tiny target (the code path, not a figure)
-CAST_ONCE = False  # --set cast_weights_once=true: the sides' and the profile's drafter worker cast its weights once
+CAST_ONCE = True  # the sides' and profile's drafter worker casts its weights once (--set cast_weights_once=false)
 
 
 def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
@@ -467,7 +467,7 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
         sync()
     drafter_kernels = kernel_times(prof_d, calls, main_range="bench::train_step")
     return {
-        "mode": f"profile batch_size={BATCH}" + (" cast_weights_once=true" if CAST_ONCE else ""),
+        "mode": f"profile batch_size={BATCH}" + ("" if CAST_ONCE else " cast_weights_once=false"),
         "target": target_kernels,
         "target_mfu_kernels": target_mfu,
         "attention_impl": target.config._attn_implementation,
@@ -619,7 +619,7 @@ def main() -> int:
     a = ap.parse_args()
     global BATCH, CAST_ONCE, DRY, SEQ, DRAFT_VOCAB, TARGET_ONLY
     BATCH = a.batch
-    CAST_ONCE = "cast_weights_once=true" in a.set
+    CAST_ONCE = "cast_weights_once=false" not in a.set
     TARGET_ONLY = a.target_only
     if a.dry_run:
         DRY, SEQ, DRAFT_VOCAB = True, 128, 256

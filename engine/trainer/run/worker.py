@@ -252,7 +252,7 @@ class WorkerSettings:
     buckets: tuple[int, ...]  # the sequence lengths warmed up (compiled) before the first step
     batch_size: int
     grad_checkpointing: bool = False
-    cast_weights_once: bool = False  # under autocast: the TTT steps share one cast of the weights (Drafter.forward)
+    cast_weights_once: bool = True  # under autocast: the TTT steps share one cast of the weights (Drafter.forward)
     max_grad_norm: float = 1.0
     nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
     log_every: int = 1  # a step event every log_every steps (and at step 1)
