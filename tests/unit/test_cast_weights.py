@@ -72,7 +72,10 @@ def gradient_edges(model: Drafter, root: torch.Tensor) -> dict[str, int]:
 
 
 def losses_and_grads(
-    model: Drafter, weight_dtype: torch.dtype | None, step_fn: GuardedFunction | None = None
+    model: Drafter,
+    weight_dtype: torch.dtype | None,
+    step_fn: GuardedFunction | None = None,
+    grad_checkpointing: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
     ids, hidden3, target_p, mask = batch()
     model.zero_grad(set_to_none=True)
@@ -87,6 +90,7 @@ def losses_and_grads(
             loss_fn=soft_cross_entropy,
             step_fn=step_fn,
             loss_mask=mask,
+            grad_checkpointing=grad_checkpointing,
             weight_dtype=weight_dtype,
         )
     total = total_loss(losses)
@@ -163,6 +167,18 @@ def test_a_compiled_step_takes_the_cast_weights_with_one_graph_per_step_shape() 
         losses_and_grads(model, torch.bfloat16, step_fn)
     assert step_fn.graph_count() == graphs
     assert compiles == []  # no recompile event after warm-up
+
+
+def test_checkpointed_steps_recompute_on_the_same_cast_weights() -> None:
+    """grad_checkpointing recomputes each step in the backward, after the forward returned: it gets the cast
+    weights as arguments, so the recomputed steps' gradients reach the same cast (and equal the stored run's)."""
+    model = drafter()
+    stored, grads_stored, _ = losses_and_grads(model, torch.bfloat16)
+    recomputed, grads_recomputed, edges = losses_and_grads(model, torch.bfloat16, grad_checkpointing=True)
+    assert torch.equal(stored, recomputed)
+    for name in linear_names():
+        torch.testing.assert_close(grads_recomputed[name], grads_stored[name], rtol=0, atol=0)
+        assert edges[name] == 1
 
 
 @pytest.mark.parametrize("value", [False, True])
