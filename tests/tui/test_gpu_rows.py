@@ -9,7 +9,7 @@ from __future__ import annotations
 from textual.app import App, ComposeResult
 
 from engine.protocol import Anomaly, GpuInfo, GpusEvent
-from tui.dashboard.widgets.gpu_bars import GpuBars
+from tui.dashboard.widgets.gpu_bars import GpuBars, GpuRow
 from tui.dashboard.widgets.text_line import TextLine
 
 
@@ -56,3 +56,32 @@ async def test_a_gpu_gone_from_the_samples_is_not_shown_and_comes_back_in_place(
         await pilot.pause()
         assert [line[:6] for line in shown(app)] == ["0 H200", "1 H200"]
         assert len(app.query("#gpu-row-1")) == 1
+
+
+def painted(app: Bars) -> list[str]:
+    """The screen as the compositor last drew it, one string a line."""
+    return ["".join(seg.text for seg in strip).rstrip() for strip in app.screen._compositor.render_strips()]
+
+
+async def test_a_new_row_is_shown_only_once_its_line_is_mounted() -> None:
+    """Seen on an H200 (the dashboard's first screen, and by capturing a CPU dashboard every 0.1 s): a row mounted
+    in one frame is composed in a later one, and the frame between painted the GPUs pane as one blank line."""
+    app = Bars()
+    async with app.run_test(size=(120, 12)) as pilot:
+        bars = app.query_one(GpuBars)
+        bars.update_sample(sample(1, 0))
+        row = app.query_one("#gpu-row-0", GpuRow)
+        assert not row.children  # mounted, not composed yet
+        assert not row.display  # so no blank line for it
+        assert app.query_one("#gpu-empty").display  # the placeholder keeps the pane's line meanwhile
+        await pilot.pause()
+        assert row.children and row.display
+        assert not app.query_one("#gpu-empty").display
+        lines = painted(app)
+        assert lines[1].startswith("│ 0 H200") and " 10%" in lines[1], lines[:3]
+        bars.update_sample(sample(2))  # the GPU gone from a sample: its row hidden, the placeholder says why
+        await pilot.pause()
+        assert not row.display and "waiting for the first GPU sample" in painted(app)[1]
+        bars.update_sample(sample(3, 0))
+        await pilot.pause()
+        assert row.display and painted(app)[1].startswith("│ 0 H200")

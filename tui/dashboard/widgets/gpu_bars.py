@@ -36,10 +36,10 @@ def bar(fraction: float | None, width: int) -> str:
     return "█" * full + "░" * (width - full)
 
 
-
 def short_gpu_name(name: str) -> str:
     """A GPU's name as its row shows it: the vendor dropped, 10 columns (``NVIDIA H200`` -> ``H200``)."""
     return name.replace("NVIDIA ", "")[:10]
+
 
 class AnomalyBadge(Static, can_focus=True):
     DEFAULT_CSS = """
@@ -77,11 +77,29 @@ class GpuRow(Horizontal):
         self._line = line
         self._initial = anomalies
         self._badges_key: tuple[str, ...] = tuple(f"{a.kind}|{a.message}" for a in anomalies)
+        # Shown once its line is mounted: a row mounted in one frame is composed in a later one, and the frame
+        # between painted it as a blank line (seen on an H200: the dashboard's first screen, GPUs pane one blank row).
+        self.ready = False
+        self._wanted = True
+        self.display = False
 
     def compose(self) -> ComposeResult:
         yield TextLine(self._line, classes="gpu-line")
         for anomaly in self._initial:
             yield AnomalyBadge(anomaly)
+
+    def on_mount(self) -> None:  # after compose: the line and the badges are mounted
+        self.ready = True
+        self.display = self._wanted
+        for pane in self.ancestors:
+            if isinstance(pane, GpuBars):
+                pane.update_placeholder()
+                break
+
+    def want(self, shown: bool) -> None:
+        """Show the row (once its line is mounted) or hide it (its GPU is missing from the sample)."""
+        self._wanted = shown
+        self.display = shown and self.ready
 
     def pending(self, line: Text, anomalies: list[Anomaly]) -> None:
         self._line = line
@@ -153,22 +171,26 @@ class GpuBars(Vertical):
         self.anomalies = items
         self._render_rows()
 
-    def _render_rows(self) -> None:
-        self.query_one("#gpu-simulated").set_class(self.simulated, "-on")
+    def update_placeholder(self) -> None:
+        """The line in place of the rows while none is shown: why there are none, or that they are coming."""
         empty = self.query_one("#gpu-empty", Static)
         if not self.gpus:
             empty.display = True
             empty.update(
                 f"no GPU data: {printable(self.nvml_error)}" if self.nvml_error else "waiting for the first GPU sample…"
             )
-        else:
-            empty.display = False
+        else:  # rows of this sample that are still mounting keep it one more frame
+            wanted = {g.index for g in self.gpus}
+            empty.display = not any(row.ready for index, row in self._rows.items() if index in wanted)
+
+    def _render_rows(self) -> None:
+        self.query_one("#gpu-simulated").set_class(self.simulated, "-on")
         # A row of a GPU missing from this sample is hidden, not removed: removal waits for the next frame, and a
         # sample with the GPU again in the same frame would update the leaving row (seen on an H200: the pane
         # one blank row after an empty sample and a full one arrived together) or mount a second row of its id.
         wanted = {g.index for g in self.gpus}
         for index, kept in self._rows.items():
-            kept.display = index in wanted
+            kept.want(index in wanted)
         explain = self.query_one("#gpu-explain")
         first_index = self.gpus[0].index if self.gpus else None
         for gpu in self.gpus:
@@ -184,6 +206,7 @@ class GpuBars(Vertical):
                 row.set_badges(badges)
             else:  # mounted this frame, not composed yet: compose will use these
                 row.pending(self.format_gpu(gpu), badges)
+        self.update_placeholder()
 
     def _anomalies_for(self, index: int, include_unplaced: bool) -> list[Anomaly]:
         """GPU anomalies of this GPU; those naming no GPU go on the first row."""
