@@ -120,10 +120,11 @@ class TrainerConfig:
     # "per_device" (one stream per GPU: kernels queue in order, only the CPU work of the threads overlaps).
     cuda_streams: str = "per_thread"
     grad_checkpointing: bool = False
-    # Under bf16 autocast: cast the drafter's Linear weights once a training step, not in every TTT step, so the
-    # steps' gradients sum in bf16 at the cast and reach the fp32 .grad once (SpecForge's bf16 parameters with
-    # fp32 masters sum theirs in bf16 too). No effect in float32. On one H200 at the 8B shape, batch 4, in one
-    # run: 17.75k -> 18.0k tok/s, peak 49.5 -> 44.9 GiB (tests/bench/bench_engine.py). False: a cast per step.
+    # Under bf16 autocast: cast the drafter's Linear weights once a training step, not in every compiled TTT step,
+    # so the steps' gradients sum in bf16 at the cast and reach the fp32 .grad once, as eager autocast's cached cast
+    # does (uncompiled, this changes nothing) and as SpecForge's bf16 parameters with fp32 masters do. No effect in
+    # float32. On one H200 at the 8B shape, batch 4, in one run: 17.75k -> 18.0k tok/s, peak 49.5 -> 44.9 GiB
+    # (tests/bench/bench_engine.py). False: each compiled step casts its own.
     cast_weights_once: bool = True
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU
     seed: int = 0

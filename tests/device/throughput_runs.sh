@@ -4,7 +4,7 @@
 #   sh tests/device/throughput_runs.sh table [BATCH]   SpecForge 0.2.0's trainer step (../shared/peer/specforge,
 #       copied into the ignored .peer/ and carried) and, in the same call, the engine with the bf16 target, then
 #       with target_fp8 = true (tests/bench/bench_engine.py). ~450 s, at most 585: the peer ~100-130 s, the bf16
-#       engine 140-190 s (cold compile), the FP8 engine ~130 s. Ratios are quoted only within one call.
+#       engine 140-190 s (cold compile), the FP8 engine 130-170 s. Ratios are quoted only within one call.
 #   sh tests/device/throughput_runs.sh cast [BATCH]    the engine bf16 with cast_weights_once = false, then with the
 #       default (true): the candidate's A/B (~330 s, at most 480).
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target

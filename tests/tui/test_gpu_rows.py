@@ -7,6 +7,7 @@ the row the second updated, and the pane showed one blank line until the run end
 from __future__ import annotations
 
 from textual.app import App, ComposeResult
+from textual.widgets import Static
 
 from engine.protocol import Anomaly, GpuInfo, GpusEvent
 from tui.dashboard.widgets.gpu_bars import GpuBars, GpuRow
@@ -73,7 +74,9 @@ async def test_a_new_row_is_shown_only_once_its_line_is_mounted() -> None:
         row = app.query_one("#gpu-row-0", GpuRow)
         assert not row.children  # mounted, not composed yet
         assert not row.display  # so no blank line for it
-        assert app.query_one("#gpu-empty").display  # the placeholder keeps the pane's line meanwhile
+        placeholder = app.query_one("#gpu-empty", Static)
+        assert placeholder.display  # the placeholder keeps the pane's line meanwhile, saying what is happening
+        assert "reading the GPU sample" in str(placeholder.render())
         await pilot.pause()
         assert row.children and row.display
         assert not app.query_one("#gpu-empty").display
@@ -81,7 +84,7 @@ async def test_a_new_row_is_shown_only_once_its_line_is_mounted() -> None:
         assert lines[1].startswith("│ 0 H200") and " 10%" in lines[1], lines[:3]
         bars.update_sample(sample(2))  # the GPU gone from a sample: its row hidden, the placeholder says why
         await pilot.pause()
-        assert not row.display and "waiting for the first GPU sample" in painted(app)[1]
+        assert not row.display and "no GPUs in the latest sample" in painted(app)[1]
         bars.update_sample(sample(3, 0))
         await pilot.pause()
         assert row.display and painted(app)[1].startswith("│ 0 H200")

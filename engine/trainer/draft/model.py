@@ -150,8 +150,8 @@ class DraftDecoderLayer(nn.Module):
         d = self.cfg.head_dim
 
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
-            weight = weights[name] if weights is not None else getattr(self, name).weight
-            return F.linear(x, weight)
+            module = getattr(self, name)
+            return F.linear(x, weights[name] if weights is not None else module.weight, module.bias)
 
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
         q = linear("q_proj", x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
@@ -210,8 +210,7 @@ def ttt_step(
     the head's Linear weights to use instead of the modules' own (see ``Drafter.cast_weights``).
     """
     hidden, k_all, v_all = layer(hidden, emb, cos, sin, prior_k, prior_v, mask, attention, weights)
-    head = weights[HEAD] if weights is not None else lm_head.weight
-    logits = F.linear(norm(hidden), head)
+    logits = F.linear(norm(hidden), weights[HEAD] if weights is not None else lm_head.weight, lm_head.bias)
     target_i, mask_i = shift_left(target_p, shift), shift_left(position_mask, shift)
     loss_mask_i = shift_left(loss_mask, shift) if loss_mask is not None else None
     if documents is not None:
@@ -366,10 +365,12 @@ class Drafter(nn.Module):
     def cast_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The TTT steps' Linear weights cast to ``dtype`` once, for every step of an unroll (differentiable).
 
-        Under autocast each step casts the fp32 parameters again, and autograd adds each step's gradient into the
-        fp32 ``.grad``: ``ttt_steps`` casts and ``ttt_steps - 1`` fp32 additions per weight a training step.
-        Cast once, the steps' gradients meet at the cast in ``dtype`` and reach ``.grad`` once: the numerics of
-        SpecForge's bf16 parameters with fp32 master weights (its gradients also sum in bf16 across steps).
+        Under autocast a compiled TTT step casts the fp32 parameters inside its graph, and autograd adds each
+        step's fp32 gradient into ``.grad``: ``ttt_steps`` casts and ``ttt_steps - 1`` fp32 additions per weight a
+        training step. Cast once, the steps' gradients meet at the cast in ``dtype`` and reach ``.grad`` once:
+        what eager autocast does anyway (it caches the cast; there this changes nothing, bit for bit), and the
+        numerics of SpecForge's bf16 parameters with fp32 masters (its gradients also sum in bf16 across steps).
+        For an unroll under autocast to ``dtype`` (the inputs of the steps are then in ``dtype`` too).
         """
         weights = {name: getattr(self.layer, name).weight.to(dtype) for name in LAYER_LINEARS}
         weights[HEAD] = self.lm_head.weight.to(dtype)

@@ -149,6 +149,7 @@ class GpuBars(Vertical):
         self.nvml_error: str | None = None
         self.anomalies: list[Anomaly] = []
         self._rows: dict[int, GpuRow] = {}  # by GPU index, mounted once
+        self._sampled = False  # a GPU sample has arrived (the placeholder stops saying it waits for one)
 
     def compose(self) -> ComposeResult:
         yield Static(" SIMULATED GPUs (--simulate-gpus): not real hardware ", id="gpu-simulated", markup=False)
@@ -162,6 +163,7 @@ class GpuBars(Vertical):
         box.add_class("-on")
 
     def update_sample(self, event: GpusEvent) -> None:
+        self._sampled = True
         self.gpus = event.gpus
         self.simulated = event.simulated or any(g.simulated for g in self.gpus)
         self.nvml_error = event.nvml_error
@@ -176,12 +178,16 @@ class GpuBars(Vertical):
         empty = self.query_one("#gpu-empty", Static)
         if not self.gpus:
             empty.display = True
-            empty.update(
-                f"no GPU data: {printable(self.nvml_error)}" if self.nvml_error else "waiting for the first GPU sample…"
-            )
-        else:  # rows of this sample that are still mounting keep it one more frame
-            wanted = {g.index for g in self.gpus}
-            empty.display = not any(row.ready for index, row in self._rows.items() if index in wanted)
+            if self.nvml_error:
+                empty.update(f"no GPU data: {printable(self.nvml_error)}")
+            else:
+                empty.update("no GPUs in the latest sample" if self._sampled else "waiting for the first GPU sample…")
+            return
+        wanted = {g.index for g in self.gpus}
+        mounting = not any(row.ready for index, row in self._rows.items() if index in wanted)
+        if mounting:  # this sample's rows are still mounting: one more frame
+            empty.update("reading the GPU sample…")
+        empty.display = mounting
 
     def _render_rows(self) -> None:
         self.query_one("#gpu-simulated").set_class(self.simulated, "-on")
