@@ -10,6 +10,8 @@
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
 #       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
 #       (where the time goes). ~350 s, at most 500 (the packed rows compile a second target graph).
+#   sh tests/device/throughput_runs.sh kernels         the next candidates alone (tests/bench/bench_kernels.py): the
+#       drafter's loss in one pass against the engine's, the target's gate/up and q/k/v GEMMs merged (at most 240 s).
 #   sh tests/device/throughput_runs.sh fp8 [BATCH]     the FP8 target against bf16 at the 8B shape (agreement, KL,
 #       forward time: tests/bench/bench_fp8_target.py), then the engine bf16 and FP8 (~450 s).
 set -u
@@ -46,6 +48,11 @@ case "$PART" in
         echo "profile exit $?"
         grep RESULT "$OUT/profile.txt" | cut -c1-4000
         ;;
+    kernels)
+        timeout 240 python3 tests/bench/bench_kernels.py --out "$OUT" > "$OUT/kernels.txt" 2>&1
+        echo "kernels exit $?"
+        grep RESULT "$OUT/kernels.txt"
+        ;;
     fp8)
         timeout 120 python3 tests/bench/bench_fp8_target.py --targets llama3-8b-shape --device cuda:0 --batch "$B" \
             --seq 2048 --batches 2 --out "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.txt" 2>&1
@@ -54,6 +61,6 @@ case "$PART" in
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|cast|lengths|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|cast|lengths|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac

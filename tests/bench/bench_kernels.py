@@ -1,0 +1,197 @@
+"""The two candidates issue 25's profile leaves, timed alone before either goes into the engine (run on demand).
+
+After the single weight cast the drafter's step and the target's forward are 78 % GEMMs, the drafter's at 95 % of
+the measured peak and the target's at 87 %; what is left is the loss, attention and norms. Each part times the
+engine's way against the candidate on the engine's shapes and prints both, with how far their results are apart:
+
+  loss    the drafter's loss of one TTT step, compiled, forward and backward: the engine's
+          ``loss._soft_cross_entropy`` (log_softmax, then the target-weighted sum: two passes over the logits)
+          against one pass: ``lse(z) * sum(p) - sum(p * z)`` per position, the same quantity (p sums to 1 up to
+          rounding; both keep the accuracy counts). Shape (batch, seq, draft vocab), bf16 logits, fp32 target.
+  mlp     the target's MLP and attention input projections at its shape, bf16: gate and up as two GEMMs (Hugging
+          Face's Llama) against one GEMM over the two weights concatenated (as vLLM merges them), and q, k, v as
+          three against one. The frozen target could hold merged copies; this says what they would save.
+
+Figures are CUDA-event times, median of ``--iters`` after ``--warm``; TFLOP/s for the GEMMs against 794 (bf16
+8192^3 measured on the H200). ``--dry-run``: the CPU at small shapes (checks the code path and the agreement,
+not a figure).
+
+    python3 tests/bench/bench_kernels.py --out $OUT              (the H200: batch 4, seq 2048, 8B shapes)
+    python3 tests/bench/bench_kernels.py --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from engine.trainer.config import LOSS_MEAN_ALL  # noqa: E402
+from engine.trainer.draft.loss import _soft_cross_entropy  # noqa: E402
+
+PEAK_TFLOPS = 794.0
+
+
+def one_pass_loss(
+    logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None, mean: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidate: ``-sum_v p_v log_softmax(z)_v = lse(z) * sum_v p_v - sum_v p_v z_v``, reductions that one
+    pass over the row can make together (no log-probabilities tensor between them)."""
+    z = logits.float()
+    p = target_p.float()
+    m = mask.to(torch.float32)
+    per_position = torch.logsumexp(z, dim=-1) * p.sum(dim=-1) - (p * z).sum(dim=-1)
+    summed = (per_position * m).sum()
+    denominator = float(m.numel()) if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
+    hits = (logits.argmax(dim=-1) == target_p.argmax(dim=-1)).to(torch.float32) * m
+    count = (loss_mask.to(torch.float32) if loss_mask is not None else m).sum()
+    return summed / denominator, hits.sum(), count
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:
+    def run(fn: Callable[[], Any], warm: int, iters: int) -> float:
+        for _ in range(warm):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1000.0)
+        return statistics.median(times)
+
+    return run
+
+
+def part_loss(device: torch.device, b: int, t: int, v: int, warm: int, iters: int, compiled: bool) -> dict[str, Any]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits0 = (torch.randn(b, t, v, generator=g) * 2).to(device, torch.bfloat16)
+    target_p = torch.softmax(torch.randn(b, t, v, generator=g) * 3, dim=-1).to(device)
+    mask = (torch.rand(b, t, generator=g) > 0.1).float().to(device)
+    run = timer(device)
+    out: dict[str, Any] = {"part": "loss", "shape": [b, t, v], "compiled": compiled}
+    results: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, fn in (("engine", _soft_cross_entropy), ("one_pass", one_pass_loss)):
+        step = torch.compile(fn) if compiled else fn
+        logits = logits0.clone().requires_grad_(True)
+
+        def fwd_bwd(step: Any = step, logits: torch.Tensor = logits) -> None:
+            logits.grad = None
+            loss, _, _ = step(logits, target_p, mask, mask, LOSS_MEAN_ALL)
+            loss.backward()
+
+        def fwd(step: Any = step, logits: torch.Tensor = logits) -> None:
+            with torch.no_grad():
+                step(logits, target_p, mask, mask, LOSS_MEAN_ALL)
+
+        out[f"{name}_fwd_ms"] = run(fwd, warm, iters)
+        out[f"{name}_fwd_bwd_ms"] = run(fwd_bwd, warm, iters)
+        logits.grad = None
+        loss, hits, count = step(logits, target_p, mask, mask, LOSS_MEAN_ALL)
+        loss.backward()
+        assert logits.grad is not None
+        results[name] = (loss.detach(), hits.detach(), count.detach(), logits.grad.detach().float())
+    (l0, h0, c0, g0), (l1, h1, c1, g1) = results["engine"], results["one_pass"]
+    out["loss_rel_diff"] = abs(float(l1) - float(l0)) / max(abs(float(l0)), 1e-30)
+    out["grad_rel_diff"] = float((g1 - g0).norm() / g0.norm())
+    out["counts_equal"] = bool(torch.equal(h0, h1)) and bool(torch.equal(c0, c1))
+    out["fwd_bwd_saved_ms_per_ttt_step"] = out["engine_fwd_bwd_ms"] - out["one_pass_fwd_bwd_ms"]
+    return out
+
+
+def part_mlp(device: torch.device, tokens: int, h: int, inter: int, q: int, kv: int, warm: int, iters: int) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * 0.02).to(device, dtype)
+
+    x = (torch.randn(tokens, h, generator=g)).to(device, dtype)
+    gate, up = w(inter, h), w(inter, h)
+    wq, wk, wv = w(q, h), w(kv, h), w(kv, h)
+    gate_up = torch.cat((gate, up))
+    qkv = torch.cat((wq, wk, wv))
+    run = timer(device)
+    F = torch.nn.functional
+    out: dict[str, Any] = {"part": "mlp", "tokens": tokens, "hidden": h, "intermediate": inter, "q": q, "kv": kv}
+    pairs = {
+        "gate_up": (lambda: (F.linear(x, gate), F.linear(x, up)), lambda: F.linear(x, gate_up).chunk(2, dim=-1)),
+        "qkv": (
+            lambda: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)),
+            lambda: F.linear(x, qkv).split([q, kv, kv], dim=-1),
+        ),
+    }
+    flops = {"gate_up": 2 * tokens * h * 2 * inter, "qkv": 2 * tokens * h * (q + 2 * kv)}
+    for name, (separate, merged) in pairs.items():
+        a = run(separate, warm, iters)
+        m = run(merged, warm, iters)
+        out[f"{name}_separate_ms"], out[f"{name}_merged_ms"] = a, m
+        out[f"{name}_separate_tflops"] = flops[name] / a / 1e9
+        out[f"{name}_merged_tflops"] = flops[name] / m / 1e9
+        diff = max(
+            float((t.float() - s.float()).norm() / s.float().norm()) for s, t in zip(separate(), merged(), strict=True)
+        )
+        out[f"{name}_rel_diff"] = diff  # another GEMM kernel may sum in another order: not always bit for bit
+    # The target's 32 layers, one forward: what merging both would save a step.
+    out["saved_ms_per_forward_32_layers"] = 32 * (
+        out["gate_up_separate_ms"] - out["gate_up_merged_ms"] + out["qkv_separate_ms"] - out["qkv_merged_ms"]
+    )
+    out["peak_tflops"] = PEAK_TFLOPS
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="loss,mlp")
+    ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true", help="the CPU at small shapes: the code path, not a figure")
+    ap.add_argument("--out", type=Path, default=None, help="write kernels.json here")
+    a = ap.parse_args()
+    if a.dry_run:
+        device, b, t, v, tokens, h, inter, q, kv = torch.device("cpu"), 2, 64, 512, 128, 64, 176, 64, 16
+        compiled = False
+    else:
+        if not torch.cuda.is_available():
+            print("bench_kernels: no CUDA device (use --dry-run on the CPU)", file=sys.stderr)
+            return 2
+        device, b, t, v, tokens, h, inter, q, kv = torch.device("cuda"), 4, 2048, 32000, 8192, 4096, 14336, 4096, 1024
+        compiled = True
+    results = []
+    for part in a.parts.split(","):
+        if part == "loss":
+            res = part_loss(device, b, t, v, a.warm, a.iters, compiled)
+        elif part == "mlp":
+            res = part_mlp(device, tokens, h, inter, q, kv, a.warm, a.iters)
+        else:
+            print(f"bench_kernels: unknown part {part!r} (loss, mlp)", file=sys.stderr)
+            return 2
+        res["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        res["dry_run"] = a.dry_run
+        print("RESULT " + json.dumps(res), flush=True)
+        results.append(res)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "kernels.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
