@@ -38,8 +38,12 @@ def _soft_cross_entropy(
     mean: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, count: each ()
     m = mask.to(torch.float32)
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    summed = (-(target_p.float() * logp).sum(dim=-1) * m).sum()
+    z = logits.float()
+    p = target_p.float()
+    # -sum_v p_v log_softmax(z)_v = lse(z) * sum_v p_v - sum_v p_v z_v: reductions one pass over a row makes
+    # together, with no log-probabilities tensor between them (sum_v p_v is 1 up to rounding, 0 past the tail).
+    per_position = torch.logsumexp(z, dim=-1) * p.sum(dim=-1) - (p * z).sum(dim=-1)
+    summed = (per_position * m).sum()
     denominator = float(m.numel()) if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
     loss = summed / denominator
     hits = (logits.argmax(dim=-1) == target_p.argmax(dim=-1)).to(torch.float32) * m
