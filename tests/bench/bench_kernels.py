@@ -8,6 +8,11 @@ engine's way against the candidate on the engine's shapes and prints both, with 
           ``loss._soft_cross_entropy`` (log_softmax, then the target-weighted sum: two passes over the logits)
           against one pass: ``lse(z) * sum(p) - sum(p * z)`` per position, the same quantity (p sums to 1 up to
           rounding; both keep the accuracy counts). Shape (batch, seq, draft vocab), bf16 logits, fp32 target.
+  attention  the drafter's TTT attention at step i (keys of steps 0..i side by side), compiled, forward and
+          backward: the engine's one flex call over the whole TTT mask (block 0 causal, a partial diagonal tile per
+          later block and query tile) against flex over block 0 alone (causal, with its log-sum-exp, whose gradient
+          flex carries) and the i diagonal keys merged in by their log-sum-exp: the same softmax over the same
+          keys, no diagonal tiles. Per step figures and the output's and gradients' agreement.
   mlp     the target's MLP and attention input projections at its shape, bf16: gate and up as two GEMMs (Hugging
           Face's Llama) against one GEMM over the two weights concatenated (as vLLM merges them), and q, k, v as
           three against one. The frozen target could hold merged copies; this says what they would save.
@@ -114,6 +119,76 @@ def part_loss(device: torch.device, b: int, t: int, v: int, warm: int, iters: in
     return out
 
 
+def merged_ttt_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, causal: Any) -> torch.Tensor:
+    """The candidate: flex over block 0 (causal BlockMask ``causal``) with its log-sum-exp, then each later block's
+    one allowed key (the query's own position) merged in: ``out = sum_j exp(s_j - lse) v_j`` over block 0's
+    output and the diagonals, ``lse`` the log-sum-exp of them all."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    b, hq, t, d = q.shape
+    hkv = k_all.shape[1]
+    g = hq // hkv
+    blocks = k_all.shape[2] // t
+    o0, aux = flex_attention(
+        q, k_all[:, :, :t], v_all[:, :, :t], block_mask=causal, enable_gqa=hq != hkv, return_aux=AuxRequest(lse=True)
+    )
+    if blocks == 1:
+        return o0
+    qf = q.float().view(b, hkv, g, t, d)
+    scores = [aux.lse.float().view(b, hkv, g, t)]
+    for j in range(1, blocks):
+        kj = k_all[:, :, j * t : (j + 1) * t].float().unsqueeze(2)
+        scores.append((qf * kj).sum(-1) * d**-0.5)
+    s = torch.stack(scores)
+    w = torch.exp(s - torch.logsumexp(s, dim=0))
+    out = w[0].unsqueeze(-1) * o0.float().view(b, hkv, g, t, d)
+    for j in range(1, blocks):
+        out = out + w[j].unsqueeze(-1) * v_all[:, :, j * t : (j + 1) * t].float().unsqueeze(2)
+    return out.view(b, hq, t, d).to(q.dtype)
+
+
+def part_attention(
+    device: torch.device, b: int, t: int, hq: int, hkv: int, d: int, steps: list[int], warm: int, iters: int
+) -> dict[str, Any]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from engine.trainer.draft.masks import ttt_mask_mod
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    run = timer(device)
+    causal = create_block_mask(ttt_mask_mod(t), B=None, H=None, Q_LEN=t, KV_LEN=t, device=str(device))
+    engine = torch.compile(lambda q, k, v, m: flex_attention(q, k, v, block_mask=m, enable_gqa=hq != hkv))
+    merged = torch.compile(merged_ttt_attention)
+    out: dict[str, Any] = {"part": "attention", "shape": [b, hq, hkv, t, d], "steps": {}}
+    for i in steps:
+        full = create_block_mask(ttt_mask_mod(t), B=None, H=None, Q_LEN=t, KV_LEN=(i + 1) * t, device=str(device))
+        q0 = torch.randn(b, hq, t, d, generator=g).to(device, dtype)
+        k0 = torch.randn(b, hkv, (i + 1) * t, d, generator=g).to(device, dtype)
+        v0 = torch.randn(b, hkv, (i + 1) * t, d, generator=g).to(device, dtype)
+        dout = torch.randn(b, hq, t, d, generator=g).to(device, dtype)
+        row: dict[str, Any] = {}
+        grads: dict[str, list[torch.Tensor]] = {}
+        for name, fn, mask in (("engine", engine, full), ("merged", merged, causal)):
+            q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
+
+            def fwd_bwd(fn: Any = fn, mask: Any = mask, q: Any = q, k: Any = k, v: Any = v, dout: Any = dout) -> None:
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v, mask).backward(dout)
+
+            row[f"{name}_fwd_bwd_ms"] = run(fwd_bwd, warm, iters)
+            q.grad = k.grad = v.grad = None
+            o = fn(q, k, v, mask)
+            o.backward(dout)
+            grads[name] = [o.detach().float()] + [x.grad.detach().float() for x in (q, k, v) if x.grad is not None]
+        row["rel_diff_out_dq_dk_dv"] = [
+            float((m - e).norm() / e.norm()) for e, m in zip(grads["engine"], grads["merged"], strict=True)
+        ]
+        row["saved_ms"] = row["engine_fwd_bwd_ms"] - row["merged_fwd_bwd_ms"]
+        out["steps"][str(i)] = row
+    return out
+
+
 def part_mlp(device: torch.device, tokens: int, h: int, inter: int, q: int, kv: int, warm: int, iters: int) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -157,7 +232,7 @@ def part_mlp(device: torch.device, tokens: int, h: int, inter: int, q: int, kv: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="loss,mlp")
+    ap.add_argument("--parts", default="loss,attention,mlp")
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true", help="the CPU at small shapes: the code path, not a figure")
@@ -176,10 +251,16 @@ def main() -> int:
     for part in a.parts.split(","):
         if part == "loss":
             res = part_loss(device, b, t, v, a.warm, a.iters, compiled)
+        elif part == "attention":
+            # torch.compile'd flex on the CPU: the forward only (no backward there), so the dry run skips it
+            if device.type != "cuda":
+                print("bench_kernels: attention needs CUDA (flex has no CPU backward); skipped", file=sys.stderr)
+                continue
+            res = part_attention(device, b, t, 32, 8, 128, [1, 3, 6], a.warm, a.iters)
         elif part == "mlp":
             res = part_mlp(device, tokens, h, inter, q, kv, a.warm, a.iters)
         else:
-            print(f"bench_kernels: unknown part {part!r} (loss, mlp)", file=sys.stderr)
+            print(f"bench_kernels: unknown part {part!r} (loss, attention, mlp)", file=sys.stderr)
             return 2
         res["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         res["dry_run"] = a.dry_run

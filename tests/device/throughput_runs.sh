@@ -11,7 +11,7 @@
 #       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
 #       (where the time goes). ~350 s, at most 500 (the packed rows compile a second target graph).
 #   sh tests/device/throughput_runs.sh kernels         the next candidates alone (tests/bench/bench_kernels.py): the
-#       drafter's loss in one pass against the engine's, the target's gate/up and q/k/v GEMMs merged (at most 240 s).
+#       drafter's loss in one pass against the engine's, the TTT attention as flex over block 0 plus its diagonals merged by log-sum-exp, the target's gate/up and q/k/v GEMMs merged (at most 300 s).
 #   sh tests/device/throughput_runs.sh fp8 [BATCH]     the FP8 target against bf16 at the 8B shape (agreement, KL,
 #       forward time: tests/bench/bench_fp8_target.py), then the engine bf16 and FP8 (~450 s).
 set -u
@@ -49,7 +49,7 @@ case "$PART" in
         grep RESULT "$OUT/profile.txt" | cut -c1-4000
         ;;
     kernels)
-        timeout 240 python3 tests/bench/bench_kernels.py --out "$OUT" > "$OUT/kernels.txt" 2>&1
+        timeout 300 python3 tests/bench/bench_kernels.py --out "$OUT" > "$OUT/kernels.txt" 2>&1
         echo "kernels exit $?"
         grep RESULT "$OUT/kernels.txt"
         ;;
