@@ -10,8 +10,9 @@
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
 #       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
 #       (where the time goes). ~350 s, at most 500 (the packed rows compile a second target graph).
-#   sh tests/device/throughput_runs.sh kernels         the next candidates alone (tests/bench/bench_kernels.py): the
-#       drafter's loss in one pass against the engine's, the TTT attention as flex over block 0 plus its diagonals merged by log-sum-exp, the target's gate/up and q/k/v GEMMs merged (at most 300 s).
+#   sh tests/device/throughput_runs.sh kernels         candidates alone (tests/bench/bench_kernels.py): the drafter's
+#       loss in one pass (the engine's now) against the two-pass form, the TTT attention as flex over block 0 with
+#       its diagonals merged by log-sum-exp against one flex call, the target's gate/up and q/k/v GEMMs merged (<= 300 s).
 #   sh tests/device/throughput_runs.sh fp8 [BATCH]     the FP8 target against bf16 at the 8B shape (agreement, KL,
 #       forward time: tests/bench/bench_fp8_target.py), then the engine bf16 and FP8 (~450 s).
 set -u
