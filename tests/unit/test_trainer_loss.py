@@ -60,3 +60,23 @@ def test_total_loss_weights_steps_by_point_eight_to_the_i() -> None:
     assert math.isclose(float(total_loss(losses)), 1.0 + 0.8 * 2.0 + 0.64 * 4.0, rel_tol=1e-6)
     acc = accuracies(torch.tensor([3.0, 0.0]), torch.tensor([4.0, 0.0]))
     assert acc.tolist() == [0.75, 0.0]
+
+
+def test_one_pass_loss_and_gradient_equal_log_softmax_then_weighted_sum() -> None:
+    # The loss is computed as lse(z) * sum p - sum p*z; against -sum p * log_softmax(z) on random rows, with
+    # zero rows (the shifted tail) and a masked position. The reference is float64; the loss computes in float32
+    # (as on the GPU, from bf16 logits), so both agree to float32 rounding: 1e-6 relative.
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 11, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    target_p = torch.softmax(torch.randn(2, 5, 11, generator=g, dtype=torch.float64), dim=-1)
+    target_p[:, -2:] = 0.0  # shifted past the end of the row
+    mask = torch.ones(2, 5, dtype=torch.float64)
+    mask[0, 1] = 0.0
+    for fn in (soft_cross_entropy, soft_cross_entropy_masked_mean):
+        loss, _, _ = fn(logits, target_p, mask)
+        (grad,) = torch.autograd.grad(loss, logits)
+        denominator = mask.numel() if fn is soft_cross_entropy else float(mask.sum())
+        ref = (-(target_p * torch.log_softmax(logits, dim=-1)).sum(-1) * mask).sum() / denominator
+        (ref_grad,) = torch.autograd.grad(ref, logits)
+        assert abs(float(loss) - float(ref)) <= 1e-6 * abs(float(ref))
+        assert float((grad - ref_grad).abs().max()) <= 1e-6 * float(ref_grad.abs().max())
