@@ -1,21 +1,24 @@
-"""The two candidates issue 25's profile leaves, timed alone before either goes into the engine (run on demand).
+"""Candidates issue 25's profile leaves, each timed alone against the engine's way (run on demand).
 
 After the single weight cast the drafter's step and the target's forward are 78 % GEMMs, the drafter's at 95 % of
-the measured peak and the target's at 87 %; what is left is the loss, attention and norms. Each part times the
-engine's way against the candidate on the engine's shapes and prints both, with how far their results are apart:
+the measured peak and the target's at 87 %; what is left is the loss, attention and norms. Each part times two
+ways on the engine's shapes and prints both, with how far their results are apart:
 
-  loss    the drafter's loss of one TTT step, compiled, forward and backward: the engine's
-          ``loss._soft_cross_entropy`` (log_softmax, then the target-weighted sum: two passes over the logits)
-          against one pass: ``lse(z) * sum(p) - sum(p * z)`` per position, the same quantity (p sums to 1 up to
-          rounding; both keep the accuracy counts). Shape (batch, seq, draft vocab), bf16 logits, fp32 target.
+  loss    the drafter's loss of one TTT step, compiled, forward and backward: the two-pass form the engine had
+          (log_softmax, then the target-weighted sum) against the engine's ``loss._soft_cross_entropy`` now, one
+          pass: ``lse(z) * sum(p) - sum(p * z)`` per position, the same quantity (p sums to 1 up to rounding; both
+          keep the accuracy counts). Shape (batch, seq, draft vocab), bf16 logits, fp32 target. Kept: on an H200
+          1.929 -> 1.497 ms a TTT step (tests/bench/results/throughput_h200_issue25.txt, session 4).
   attention  the drafter's TTT attention at step i (keys of steps 0..i side by side), compiled, forward and
           backward: the engine's one flex call over the whole TTT mask (block 0 causal, a partial diagonal tile per
           later block and query tile) against flex over block 0 alone (causal, with its log-sum-exp, whose gradient
           flex carries) and the i diagonal keys merged in by their log-sum-exp: the same softmax over the same
-          keys, no diagonal tiles. Per step figures and the output's and gradients' agreement.
+          keys, no diagonal tiles. Per step figures and the output's and gradients' agreement. Dropped:
+          it saved -0.52 / 0.66 / 0.55 ms at steps 1 / 3 / 6 on an H200 (slower at step 1).
   mlp     the target's MLP and attention input projections at its shape, bf16: gate and up as two GEMMs (Hugging
           Face's Llama) against one GEMM over the two weights concatenated (as vLLM merges them), and q, k, v as
-          three against one. The frozen target could hold merged copies; this says what they would save.
+          three against one. The frozen target could hold merged copies; this says what they would save. Dropped:
+          gate/up merged ran slower (759 -> 694 TFLOP/s), q/k/v 0.02 ms faster a layer.
 
 Figures are CUDA-event times, median of ``--iters`` after ``--warm``; TFLOP/s for the GEMMs against 794 (bf16
 8192^3 measured on the H200). ``--dry-run``: the CPU at small shapes (checks the code path and the agreement,
