@@ -153,19 +153,20 @@ def merged_ttt_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tens
 def part_attention(
     device: torch.device, b: int, t: int, hq: int, hkv: int, d: int, steps: list[int], warm: int, iters: int
 ) -> dict[str, Any]:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    from engine.trainer.draft.masks import ttt_mask_mod
+    from engine.trainer.draft.masks import BlockMaskCache
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     run = timer(device)
-    causal = create_block_mask(ttt_mask_mod(t), B=None, H=None, Q_LEN=t, KV_LEN=t, device=str(device))
+    masks = BlockMaskCache()  # the engine's TTT masks: step 0's is block 0 alone (causal)
+    causal = masks.get(device, t, 0)
     engine = torch.compile(lambda q, k, v, m: flex_attention(q, k, v, block_mask=m, enable_gqa=hq != hkv))
     merged = torch.compile(merged_ttt_attention)
     out: dict[str, Any] = {"part": "attention", "shape": [b, hq, hkv, t, d], "steps": {}}
     for i in steps:
-        full = create_block_mask(ttt_mask_mod(t), B=None, H=None, Q_LEN=t, KV_LEN=(i + 1) * t, device=str(device))
+        full = masks.get(device, t, i)
         q0 = torch.randn(b, hq, t, d, generator=g).to(device, dtype)
         k0 = torch.randn(b, hkv, (i + 1) * t, d, generator=g).to(device, dtype)
         v0 = torch.randn(b, hkv, (i + 1) * t, d, generator=g).to(device, dtype)
