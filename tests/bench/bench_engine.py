@@ -198,7 +198,7 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
 
 
 def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
-    parts = build_parts(compiled=True, attn="flex")
+    parts = build_parts(compiled=True, attn="merged")
     torch, dev, target = parts["torch"], parts["dev"], parts["target"]
     from engine.trainer.draft.model import ttt_step
     from engine.trainer.run.producer import DeviceBatch
@@ -397,7 +397,7 @@ def timing_event() -> Any:
 
 def mode_profile(steps: int, warm: int) -> dict[str, Any]:
     """Kernel categories of the target forward and of the drafter step, each alone; TTT-step timings."""
-    parts = build_parts(compiled=not DRY, attn="sdpa" if DRY else "flex")  # flex has no CPU backward
+    parts = build_parts(compiled=not DRY, attn="sdpa" if DRY else "merged")  # the engine's on CUDA
     torch, dev, target = parts["torch"], parts["dev"], parts["target"]
     from torch.profiler import ProfilerActivity, profile
 

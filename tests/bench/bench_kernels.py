@@ -10,11 +10,12 @@ ways on the engine's shapes and prints both, with how far their results are apar
           keep the accuracy counts). Shape (batch, seq, draft vocab), bf16 logits, fp32 target. Kept: on an H200
           1.929 -> 1.497 ms a TTT step (tests/bench/results/throughput_h200_issue25.txt, session 4).
   attention  the drafter's TTT attention at step i (keys of steps 0..i side by side), compiled, forward and
-          backward: the engine's one flex call over the whole TTT mask (block 0 causal, a partial diagonal tile per
-          later block and query tile) against flex over block 0 alone (causal, with its log-sum-exp, whose gradient
-          flex carries) and the i diagonal keys merged in by their log-sum-exp: the same softmax over the same
-          keys, no diagonal tiles. Per step figures and the output's and gradients' agreement. Dropped:
-          it saved -0.52 / 0.66 / 0.55 ms at steps 1 / 3 / 6 on an H200 (slower at step 1).
+          backward: one flex call over the whole TTT mask (block 0 causal, a partial diagonal tile per later block
+          and query tile) against the engine's ``merged`` attention (draft/merged.py: block 0 in cuDNN's or
+          FlashAttention-2's fused causal kernel, the i diagonal keys merged in by log-sum-exp, the backward
+          through the kernel's own with the merged lse), per step, each against a float32 dense-masked reference.
+          (Session 4 timed flex over block 0 with its lse plus the merge: -0.52 / 0.66 / 0.55 ms at steps
+          1 / 3 / 6, dropped; the kernel, not the diagonals, was the cost.)
   mlp     the target's MLP and attention input projections at its shape, bf16: gate and up as two GEMMs (Hugging
           Face's Llama) against one GEMM over the two weights concatenated (as vLLM merges them), and q, k, v as
           three against one. The frozen target could hold merged copies; this says what they would save. Dropped:
@@ -122,74 +123,96 @@ def part_loss(device: torch.device, b: int, t: int, v: int, warm: int, iters: in
     return out
 
 
-def merged_ttt_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, causal: Any) -> torch.Tensor:
-    """The candidate: flex over block 0 (causal BlockMask ``causal``) with its log-sum-exp, then each later block's
-    one allowed key (the query's own position) merged in: ``out = sum_j exp(s_j - lse) v_j`` over block 0's
-    output and the diagonals, ``lse`` the log-sum-exp of them all."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
-
-    b, hq, t, d = q.shape
-    hkv = k_all.shape[1]
-    g = hq // hkv
-    blocks = k_all.shape[2] // t
-    o0, aux = flex_attention(
-        q, k_all[:, :, :t], v_all[:, :, :t], block_mask=causal, enable_gqa=hq != hkv, return_aux=AuxRequest(lse=True)
-    )
-    if blocks == 1:
-        return o0
-    qf = q.float().view(b, hkv, g, t, d)
-    scores = [aux.lse.float().view(b, hkv, g, t)]
-    for j in range(1, blocks):
-        kj = k_all[:, :, j * t : (j + 1) * t].float().unsqueeze(2)
-        scores.append((qf * kj).sum(-1) * d**-0.5)
-    s = torch.stack(scores)
-    w = torch.exp(s - torch.logsumexp(s, dim=0))
-    out = w[0].unsqueeze(-1) * o0.float().view(b, hkv, g, t, d)
-    for j in range(1, blocks):
-        out = out + w[j].unsqueeze(-1) * v_all[:, :, j * t : (j + 1) * t].float().unsqueeze(2)
-    return out.view(b, hq, t, d).to(q.dtype)
-
-
 def part_attention(
-    device: torch.device, b: int, t: int, hq: int, hkv: int, d: int, steps: list[int], warm: int, iters: int
+    device: torch.device,
+    b: int,
+    t: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    steps: list[int],
+    warm: int,
+    iters: int,
+    only: list[str] | None = None,
 ) -> dict[str, Any]:
+    """Each TTT step's attention, forward and backward, compiled as the engine compiles (static shapes): flex over
+    the whole mask (the engine's before ``merged``) against ``merged`` with each fused kernel (on the CPU, the dry
+    run: dense SDPA against merged, eager). Every candidate's output and gradients are compared with a float32
+    reference (dense-masked SDPA on the same inputs upcast), so a wrong candidate shows whichever one it is."""
+    import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    from engine.trainer.draft.masks import BlockMaskCache
+    from engine.trainer.draft.masks import BlockMaskCache, dense_ttt_mask
+    from engine.trainer.draft.merged import merged_ttt_attention
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     run = timer(device)
-    masks = BlockMaskCache()  # the engine's TTT masks: step 0's is block 0 alone (causal)
-    causal = masks.get(device, t, 0)
-    engine = torch.compile(lambda q, k, v, m: flex_attention(q, k, v, block_mask=m, enable_gqa=hq != hkv))
-    merged = torch.compile(merged_ttt_attention)
-    out: dict[str, Any] = {"part": "attention", "shape": [b, hq, hkv, t, d], "steps": {}}
+    masks = BlockMaskCache()
+    gqa = hq != hkv
+
+    def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int) -> torch.Tensor:
+        rep = hq // hkv  # keys repeated to the query heads, so SDPA keeps a fused kernel for the mask
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=dense_ttt_mask(t, i, device)
+        )
+
+    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    def merged(backend: str) -> Callable[..., torch.Tensor]:
+        return lambda q, k, v, mask: merged_ttt_attention(q, k, v, backend)
+
+    if cuda:
+        fns: dict[str, Any] = {
+            "flex": torch.compile(flex, dynamic=False),
+            "merged_cudnn": torch.compile(merged("cudnn"), dynamic=False),
+            "merged_flash": torch.compile(merged("flash"), dynamic=False),
+            "merged_cudnn_eager": merged("cudnn"),
+        }
+        baseline = "flex"
+    else:
+        fns = {"sdpa": lambda q, k, v, mask: dense(q, k, v, mask), "merged_cpu": merged("cpu")}
+        baseline = "sdpa"
+    if only:
+        fns = {name: fn for name, fn in fns.items() if name in only}
+    out: dict[str, Any] = {"part": "attention", "shape": [b, hq, hkv, t, d], "baseline": baseline, "steps": {}}
     for i in steps:
-        full = masks.get(device, t, i)
-        q0 = torch.randn(b, hq, t, d, generator=g).to(device, dtype)
+        q0 = torch.randn(b, t, hq, d, generator=g).to(device, dtype).transpose(1, 2)  # the projections' layout
         k0 = torch.randn(b, hkv, (i + 1) * t, d, generator=g).to(device, dtype)
         v0 = torch.randn(b, hkv, (i + 1) * t, d, generator=g).to(device, dtype)
-        dout = torch.randn(b, hq, t, d, generator=g).to(device, dtype)
+        dout = torch.randn(b, t, hq, d, generator=g).to(device, dtype).transpose(1, 2)
+        q, k, v = (x.detach().float().requires_grad_(True) for x in (q0, k0, v0))
+        o = dense(q, k, v, i)
+        o.backward(dout.float())
+        reference = [o.detach(), *(x.grad.detach() for x in (q, k, v) if x.grad is not None)]
+        del q, k, v, o
         row: dict[str, Any] = {}
-        grads: dict[str, list[torch.Tensor]] = {}
-        for name, fn, mask in (("engine", engine, full), ("merged", merged, causal)):
-            q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
+        for name, fn in fns.items():
+            q, k, v = (x.detach().clone().requires_grad_(True) for x in (q0, k0, v0))
+            mask = masks.get(device, t, i) if name == "flex" else i  # made outside the compiled call, as the engine
 
-            def fwd_bwd(fn: Any = fn, mask: Any = mask, q: Any = q, k: Any = k, v: Any = v, dout: Any = dout) -> None:
+            def fwd_bwd(fn: Any = fn, q: Any = q, k: Any = k, v: Any = v, mask: Any = mask, dout: Any = dout) -> None:
                 q.grad = k.grad = v.grad = None
                 fn(q, k, v, mask).backward(dout)
 
-            row[f"{name}_fwd_bwd_ms"] = run(fwd_bwd, warm, iters)
-            q.grad = k.grad = v.grad = None
-            o = fn(q, k, v, mask)
-            o.backward(dout)
-            grads[name] = [o.detach().float()] + [x.grad.detach().float() for x in (q, k, v) if x.grad is not None]
-        row["rel_diff_out_dq_dk_dv"] = [
-            float((m - e).norm() / e.norm()) for e, m in zip(grads["engine"], grads["merged"], strict=True)
-        ]
-        row["saved_ms"] = row["engine_fwd_bwd_ms"] - row["merged_fwd_bwd_ms"]
+            try:
+                row[f"{name}_fwd_bwd_ms"] = run(fwd_bwd, warm, iters)
+                q.grad = k.grad = v.grad = None
+                o = fn(q, k, v, mask)
+                o.backward(dout)
+            except Exception as exc:  # a kernel this build or GPU lacks: recorded, the other candidates still run
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            got = [o.detach().float()] + [x.grad.detach().float() for x in (q, k, v) if x.grad is not None]
+            row[f"{name}_rel_err_out_dq_dk_dv"] = [
+                float((m - e).norm() / e.norm()) for e, m in zip(reference, got, strict=True)
+            ]
+            if name != baseline and f"{baseline}_fwd_bwd_ms" in row:
+                row[f"{name}_saved_ms"] = row[f"{baseline}_fwd_bwd_ms"] - row[f"{name}_fwd_bwd_ms"]
         out["steps"][str(i)] = row
+        print(f"attention step {i}: {json.dumps(row)}", file=sys.stderr, flush=True)
     return out
 
 
@@ -239,6 +262,9 @@ def main() -> int:
     ap.add_argument("--parts", default="loss,attention,mlp")
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--attention-shape", default="", help="attention: B,HQ,HKV,T,D instead of the 8B drafter's")
+    ap.add_argument("--attention-steps", default="0,1,6", help="attention: the TTT steps timed")
+    ap.add_argument("--attention-only", default="", help="attention: these candidates only (comma-separated)")
     ap.add_argument("--dry-run", action="store_true", help="the CPU at small shapes: the code path, not a figure")
     ap.add_argument("--out", type=Path, default=None, help="write kernels.json here")
     a = ap.parse_args()
@@ -256,11 +282,12 @@ def main() -> int:
         if part == "loss":
             res = part_loss(device, b, t, v, a.warm, a.iters, compiled)
         elif part == "attention":
-            # torch.compile'd flex on the CPU: the forward only (no backward there), so the dry run skips it
-            if device.type != "cuda":
-                print("bench_kernels: attention needs CUDA (flex has no CPU backward); skipped", file=sys.stderr)
-                continue
-            res = part_attention(device, b, t, 32, 8, 128, [1, 3, 6], a.warm, a.iters)
+            shape = [b, 32, 8, t, 128] if device.type == "cuda" else [b, 8, 2, t, 16]
+            if a.attention_shape:
+                shape = [int(x) for x in a.attention_shape.split(",")]
+            steps = [int(x) for x in a.attention_steps.split(",")]
+            only = [x for x in a.attention_only.split(",") if x]
+            res = part_attention(device, shape[0], shape[3], shape[1], shape[2], shape[4], steps, a.warm, a.iters, only)
         elif part == "mlp":
             res = part_mlp(device, tokens, h, inter, q, kv, a.warm, a.iters)
         else:

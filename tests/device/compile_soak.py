@@ -2,7 +2,8 @@
 without a recompile forced mid-run. One PASS/FAIL line per check.
 
 The layout (issue: target "tiny", tiny_hidden 256, three independent drafters on cuda:0, bucket 512, batch 2,
-3 TTT steps, compile on, flex attention). Each run is a fresh ``python3 tests/device/compile_soak.py --one``
+3 TTT steps, compile on; the seed died with flex attention, the soak runs the engine's CUDA default now, merged;
+``--attention flex`` puts flex back). Each run is a fresh ``python3 tests/device/compile_soak.py --one``
 process running the engine in-process, so the run can count its TTT step's retries and graphs at exit. With
 ``--force-at K`` the process changes torch's intra-op thread count when drafter1 reaches its K-th TTT step
 call: a global state every compiled graph guards on, so every thread's next call must recompile while the
@@ -48,7 +49,6 @@ GPU_LAYOUT = [
     "batch_size=2",
     "ttt_steps=3",
     "compile=true",
-    'attention="flex"',
 ]
 CPU_LAYOUT = [
     'target="tiny"',
@@ -121,7 +121,7 @@ def one_run(args: argparse.Namespace, engine_argv: list[str]) -> int:
 
 
 def launch(args: argparse.Namespace, out: Path, label: str, force_at: int) -> dict[str, Any]:
-    layout = CPU_LAYOUT if args.cpu else GPU_LAYOUT
+    layout = CPU_LAYOUT if args.cpu else [*GPU_LAYOUT, f'attention="{args.attention}"']
     run_dir = out / label
     engine_argv = ["--preset", "cpu-demo", "--output-dir", str(run_dir)]
     for item in [*layout, *COMMON, f"steps={args.steps}"]:
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S, help="seconds before one run counts as hung")
     ap.add_argument("--force-at", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cpu", action="store_true", help="dry run without a GPU (aot_eager on the CPU)")
+    ap.add_argument("--attention", choices=["merged", "flex"], default="merged", help="the GPU layout's attention")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs' logs here")
     ap.add_argument("rest", nargs=argparse.REMAINDER)

@@ -11,8 +11,13 @@
 #       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
 #       (where the time goes). ~350 s, at most 500 (the packed rows compile a second target graph).
 #   sh tests/device/throughput_runs.sh kernels         candidates alone (tests/bench/bench_kernels.py): the drafter's
-#       loss in one pass (the engine's now) against the two-pass form, the TTT attention as flex over block 0 with
-#       its diagonals merged by log-sum-exp against one flex call, the target's gate/up and q/k/v GEMMs merged (<= 300 s).
+#       loss in one pass (the engine's now) against the two-pass form, the TTT attention merged (cuDNN, flash)
+#       against one flex call, the target's gate/up and q/k/v GEMMs merged (<= 300 s).
+#   sh tests/device/throughput_runs.sh checked [BATCH]  the merged attention's gradients against a float32 reference
+#       at TTT steps 1 and 6 (compiled and eager), then the table; if they are off (> 2 %), the table runs the engine
+#       with attention = "flex" and says so (<= 595 s).
+#   sh tests/device/throughput_runs.sh attention [BATCH]  the TTT attention alone per step (bench_kernels.py
+#       --parts attention), then the engine bf16 with attention = "flex" and with the preset's ("merged") (<= 575 s).
 #   sh tests/device/throughput_runs.sh fp8 [BATCH]     the FP8 target against bf16 at the 8B shape (agreement, KL,
 #       forward time: tests/bench/bench_fp8_target.py), then the engine bf16 and FP8 (~450 s).
 set -u
@@ -26,16 +31,33 @@ engine() {  # $1: the plan, $2: the seconds it may take in all, $3: the seconds 
     echo "engine exit $?" >> "$OUT/engine.txt"
     grep -E '"mode"|"tok_s"|mfu|"error"|phase|"fwd"|"bwd"|"opt"|producer_target_ms|peak_gib|wall_s' "$OUT/engine.txt"
 }
+table() {  # $1: extra engine --set arguments
+    if [ ! -f .peer/specforge/run.sh ]; then
+        echo "no .peer/specforge/run.sh: cp -r ../shared/peer .peer in the checkout, and carry .peer"; exit 2
+    fi
+    timeout 140 bash .peer/specforge/run.sh > "$OUT/specforge.log" 2>&1
+    echo "specforge exit $? (124 after the record: its teardown outlasts the timeout)"
+    grep -o '"tok_s": [0-9.]*\|"step_ms": [0-9.]*\|"target_forward_ms": [0-9.]*\|"peak_gib": [0-9.]*' \
+        "$OUT/specforge_peer.json" | tr '\n' ' '; echo
+    engine "engine $1;engine $1 --set target_fp8=true" "${3:-445}" "${2:-230}"  # bf16's cold compile took 143-186 s
+}
 case "$PART" in
+    checked)
+        timeout 70 python3 tests/bench/bench_kernels.py --parts attention --attention-steps 1,6 --warm 2 --iters 5 \
+            --attention-only merged_cudnn,merged_cudnn_eager --out "$OUT" > "$OUT/kernels.txt" 2>&1
+        echo "kernels exit $?"
+        grep "^attention step" "$OUT/kernels.txt" | cut -c1-900
+        extra=$(python3 -c "
+import json, sys
+rows = json.load(open('$OUT/kernels.json'))[0]['steps'].values()
+errs = [e for r in rows for e in r.get('merged_cudnn_rel_err_out_dq_dk_dv', [1.0])]
+print('' if errs and max(errs) < 0.02 else '--set attention=\"flex\"')
+" 2>/dev/null || echo '--set attention="flex"')
+        echo "engine modes with: ${extra:-the preset's attention (merged)}"
+        table "$extra" 215 385
+        ;;
     table)
-        if [ ! -f .peer/specforge/run.sh ]; then
-            echo "no .peer/specforge/run.sh: cp -r ../shared/peer .peer in the checkout, and carry .peer"; exit 2
-        fi
-        timeout 140 bash .peer/specforge/run.sh > "$OUT/specforge.log" 2>&1
-        echo "specforge exit $?"
-        grep -o '"tok_s": [0-9.]*\|"step_ms": [0-9.]*\|"target_forward_ms": [0-9.]*\|"peak_gib": [0-9.]*' \
-            "$OUT/specforge_peer.json" | tr '\n' ' '; echo
-        engine "engine;engine --set target_fp8=true" 445 230  # the bf16 mode's cold compile took 143-186 s
+        table ""
         ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
@@ -48,6 +70,12 @@ case "$PART" in
         timeout 200 python3 tests/bench/bench_engine.py profile --batch "$B" --steps 5 --warm 3 > "$OUT/profile.txt" 2>&1
         echo "profile exit $?"
         grep RESULT "$OUT/profile.txt" | cut -c1-4000
+        ;;
+    attention)
+        timeout 140 python3 tests/bench/bench_kernels.py --parts attention --out "$OUT" > "$OUT/kernels.txt" 2>&1
+        echo "kernels exit $?"
+        grep "^attention step\|Error\|error" "$OUT/kernels.txt" | cut -c1-1500
+        engine 'engine --set attention="flex";engine' 430 215
         ;;
     kernels)
         timeout 300 python3 tests/bench/bench_kernels.py --out "$OUT" > "$OUT/kernels.txt" 2>&1
@@ -62,6 +90,6 @@ case "$PART" in
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|cast|lengths|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|cast|lengths|attention|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac

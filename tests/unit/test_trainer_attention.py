@@ -1,9 +1,10 @@
-"""The TTT mask and the two attention paths (flex eager on the CPU, SDPA with the materialised mask)."""
+"""The TTT mask and the attention paths (flex eager on the CPU, SDPA with the materialised mask, merged)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from engine.trainer.draft.attention import TTTAttention
@@ -60,3 +61,45 @@ def test_flex_forward_equals_sdpa_path(step: int) -> None:
     direct = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     assert isinstance(direct, torch.Tensor)
     torch.testing.assert_close(flex, direct, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("step", [0, 1, 3, 6])
+def test_merged_attention_and_its_gradients_equal_the_masked_softmax(step: int) -> None:
+    """Block 0 in ATen's flash kernel plus the diagonals merged by log-sum-exp, against dense masked SDPA.
+
+    float64 throughout, so the merge's algebra (and the backward through the kernel with the merged lse) is
+    checked to rounding: 1e-12 relative. Grouped-query heads (4 query heads a key head) included."""
+    torch.manual_seed(100 + step)
+    b, hq, hkv, seq_len, d = 2, 8, 2, 48, 16
+    q = torch.randn(b, hq, seq_len, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, hkv, (step + 1) * seq_len, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, hkv, (step + 1) * seq_len, d, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(b, hq, seq_len, d, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_ttt_mask(seq_len, step), enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    merged = TTTAttention("merged")(q, k, v, step)
+    grads = torch.autograd.grad(merged, (q, k, v), dout)
+    torch.testing.assert_close(merged, ref, rtol=1e-12, atol=1e-12)
+    for got, want, name in zip(grads, ref_grads, ("dq", "dk", "dv"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_merged_attention_in_float32_on_transposed_projections() -> None:
+    """The layout the drafter hands over: q and step 0's k/v are (B, T, H, D) projections transposed."""
+    torch.manual_seed(7)
+    b, hq, hkv, seq_len, d, step = 2, 4, 2, 32, 16, 2
+    q = torch.randn(b, seq_len, hq, d).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, hkv, (step + 1) * seq_len, d, requires_grad=True)
+    v = torch.randn(b, hkv, (step + 1) * seq_len, d, requires_grad=True)
+    ref = TTTAttention("sdpa")(q, k, v, step)
+    merged = TTTAttention("merged")(q, k, v, step)
+    torch.testing.assert_close(merged, ref, rtol=1e-5, atol=1e-5)
+    got, want = torch.autograd.grad(merged.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_merged_attention_of_packed_rows_on_the_cpu_uses_the_document_mask() -> None:
+    documents = torch.tensor([[0] * 20 + [1] * 12, [0] * 32])
+    made = TTTAttention("merged").prepare(documents.device, 32, 2, documents)
+    assert isinstance(made, torch.Tensor) and made.shape == (2, 1, 32, 96)

@@ -37,7 +37,9 @@ def tiny_drafter(seed: int = 0) -> Drafter:
     return Drafter(cfg, embed, torch.arange(0, 40, 2))
 
 
-def grads_of(drafter: Drafter, grad_checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grads_of(
+    drafter: Drafter, grad_checkpointing: bool, attention: str = "sdpa"
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     b, t = 2, 24
     hidden3 = torch.randn(b, t, 96, generator=g)
@@ -51,7 +53,7 @@ def grads_of(drafter: Drafter, grad_checkpointing: bool) -> tuple[torch.Tensor, 
         target_p,
         mask,
         ttt_steps=4,
-        attention=TTTAttention("sdpa"),
+        attention=TTTAttention(attention),
         loss_fn=soft_cross_entropy,
         grad_checkpointing=grad_checkpointing,
     )
@@ -68,6 +70,17 @@ def test_gradient_checkpointing_with_prior_kv_inputs_gives_the_same_grads() -> N
     assert plain.keys() == ckpt.keys() and len(plain) == len(list(drafter.parameters()))
     for name in plain:
         torch.testing.assert_close(plain[name], ckpt[name], rtol=0, atol=0, msg=name)
+
+
+def test_the_merged_attention_trains_the_drafter_as_the_masked_softmax_does() -> None:
+    """Four TTT steps through the whole drafter: the loss and every parameter's gradient, merged against SDPA."""
+    drafter = tiny_drafter()
+    loss_sdpa, sdpa = grads_of(drafter, grad_checkpointing=False)
+    loss_merged, merged = grads_of(drafter, grad_checkpointing=False, attention="merged")
+    torch.testing.assert_close(loss_merged, loss_sdpa, rtol=1e-6, atol=0)
+    assert merged.keys() == sdpa.keys()
+    for name in sdpa:
+        torch.testing.assert_close(merged[name], sdpa[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_config_errors_name_the_key_and_the_allowed_values(tmp_path: Any) -> None:
@@ -89,7 +102,7 @@ def test_config_errors_name_the_key_and_the_allowed_values(tmp_path: Any) -> Non
     toml.write_text('preset = "cpu-demo"\nsteps = 7\n[engine]\nttt_steps = 2\n')
     cfg = load_toml(toml)
     assert (cfg.steps, cfg.ttt_steps, cfg.target) == (7, 2, "tiny")
-    assert preset("h200-single").attention == "flex"
+    assert preset("h200-single").attention == "merged"
 
 
 def test_queue_blocks_closes_and_propagates_producer_errors() -> None:

@@ -1,17 +1,19 @@
-"""Attention over the TTT key/value blocks: flex_attention with a block-sparse mask, or SDPA with the same mask.
+"""Attention over the TTT key/value blocks: merged, flex_attention with a block-sparse mask, or SDPA with the mask.
 
-flex_attention skips the fully masked blocks (all off-diagonal blocks after the first), which is where the
-speed comes from at long sequences. On the CPU flex_attention has no backward (torch 2.13 raises
-NotImplementedError), so CPU training uses scaled-dot-product attention with the same mask materialised;
-a test checks that the two forwards agree.
+``merged`` (merged.py) runs block 0 in a fused causal kernel (cuDNN on the H200) and merges the diagonals by
+log-sum-exp: no tile is computed for a diagonal. flex_attention skips the fully masked blocks (all
+off-diagonal blocks after the first) but computes each diagonal as whole tiles. On the CPU flex_attention has no
+backward (torch 2.13 raises NotImplementedError), so CPU training uses scaled-dot-product attention with the same
+mask materialised; tests check that the paths agree.
 
 Packed rows (``documents`` given) get a per-batch mask that keeps every conversation to itself (masks.py):
-a BlockMask made for the batch, or the dense ``(B, 1, T, K)`` mask.
+a BlockMask made for the batch (flex, and merged on CUDA), or the dense ``(B, 1, T, K)`` mask.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +27,18 @@ from engine.trainer.draft.masks import (
     document_ttt_mask_mod,
     extend_document_block_mask,
 )
+from engine.trainer.draft.merged import default_backend, merged_ttt_attention
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
-IMPLS: tuple[str, ...] = ("flex", "sdpa")
+IMPLS: tuple[str, ...] = ("merged", "flex", "sdpa")
 DOCUMENT_MASKS_KEPT = 4  # packed batches whose step-0 BlockMask is kept (one a worker in flight)
+
+
+@dataclass(frozen=True)
+class MergedMask:
+    """The mask argument of the merged attention: the TTT mask is implied, only the kernel is chosen."""
+
+    backend: str
 
 
 class TTTAttention:
@@ -45,7 +55,7 @@ class TTTAttention:
         # Packed batches' step-0 BlockMasks by the documents tensor (held, so its id is not reused meanwhile).
         self._document_first: dict[int, tuple[torch.Tensor, Any]] = {}
         self._flex: GuardedFunction | None = None
-        if impl == "flex":
+        if impl in ("flex", "merged"):  # merged: flex for packed rows on CUDA
             from torch.nn.attention.flex_attention import flex_attention
 
             self._flex = GuardedFunction(flex_attention, compiled=compiled, name="flex_attention")
@@ -78,7 +88,7 @@ class TTTAttention:
         """The mask of a packed batch at this step (``documents`` ``(B, T)``): made for this batch.
 
         flex: step 0's tiles once a batch (kept for its later steps), each later step's extended from them."""
-        if self.impl != "flex":
+        if self.impl == "sdpa" or (self.impl == "merged" and documents.device.type != "cuda"):
             return dense_document_ttt_mask(documents, step)
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -120,13 +130,17 @@ class TTTAttention:
         ``documents`` (``(B, T)``, packed rows): the per-batch mask that keeps each conversation to itself."""
         if documents is not None:
             return self.document_mask(documents, step)
+        if self.impl == "merged":
+            return MergedMask(default_backend(device))
         if self.impl == "flex":
             return self.block_mask(device, seq_len, step)
         return self.dense_mask(device, seq_len, step)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        if isinstance(mask, MergedMask):
+            return merged_ttt_attention(q, k, v, mask.backend)
         gqa = q.shape[1] != k.shape[1]
-        if self._flex is not None:
+        if not isinstance(mask, torch.Tensor) and self._flex is not None:
             if torch.compiler.is_compiling():  # inside a compiled TTT step: flex is fused into that graph
                 from torch.nn.attention.flex_attention import flex_attention
 

@@ -94,10 +94,15 @@ def devices_for(cfg: TrainerConfig, info: RankInfo) -> tuple[list[torch.device],
 
 
 def attention_impl(cfg: TrainerConfig, ddevs: list[torch.device]) -> str:
-    """The drafters' attention kernel: the configured one, or for "auto" flex on CUDA and sdpa on the CPU."""
-    impl = cfg.attention if cfg.attention != "auto" else ("flex" if ddevs[0].type == "cuda" else "sdpa")
+    """The drafters' attention kernel: the configured one, or for "auto" merged on CUDA and sdpa on the CPU."""
+    impl = cfg.attention if cfg.attention != "auto" else ("merged" if ddevs[0].type == "cuda" else "sdpa")
     if impl == "flex" and any(d.type == "cpu" for d in ddevs):
         raise ConfigError("attention: 'flex' needs CUDA drafters (flex_attention has no CPU backward); use 'sdpa'")
+    old = [d for d in ddevs if d.type == "cuda" and torch.cuda.get_device_capability(d)[0] < 8]
+    if impl == "merged" and old:  # its fused kernels (cuDNN, FlashAttention-2) need sm80 or later
+        if cfg.attention == "auto":
+            return "flex"
+        raise ConfigError(f"attention: 'merged' needs sm80 or later GPUs; {old[0]} is older: use 'flex'")
     return impl
 
 
