@@ -14,7 +14,7 @@ Its rooms, from the top floor down (each imports only rooms below it):
 * ``target/``: ``target.model`` (``FrozenTarget``: a Hugging Face causal LM with hooks on three layers),
   ``target.fp8`` (and ``target.agreement``: how far it moves the training targets), ``target.builtin`` (the
   ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``.
-* ``draft/``: the drafter (``model``, TTT ``masks``, compiled flex ``attention``) and its ``loss``.
+* ``draft/``: the drafter (``model``, TTT ``masks``, the TTT ``attention``: merged on CUDA, flex, SDPA), its ``loss``.
 * ``data/``: conversations tokenized with the target's chat template (``sources``, cached by ``cache``), the
   held-out split (``holdout``), several conversations a row with their document masks (``packing``), which
   batch index each producer computes next (``dispatch``), the draft
