@@ -9,6 +9,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask, fl
 
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.masks import dense_ttt_mask, ttt_mask_mod, unmasked_pairs
+from engine.trainer.draft.merged import _in_layout_of, kernel_for
 
 TTT_STEPS = 7
 
@@ -103,3 +104,21 @@ def test_merged_attention_of_packed_rows_on_the_cpu_uses_the_document_mask() -> 
     documents = torch.tensor([[0] * 20 + [1] * 12, [0] * 32])
     made = TTTAttention("merged").prepare(documents.device, 32, 2, documents)
     assert isinstance(made, torch.Tensor) and made.shape == (2, 1, 32, 96)
+
+
+def test_merged_kernel_choice_follows_the_head_size_and_refuses_what_no_kernel_takes() -> None:
+    assert kernel_for("cudnn", 128) == "cudnn" and kernel_for("cudnn", 256) == "flash"
+    assert kernel_for("flash", 64) == "flash" and kernel_for("cpu", 12) == "cpu"
+    with pytest.raises(ValueError, match=r"no fused CUDA kernel for 12-wide heads; use attention = 'flex'"):
+        kernel_for("cudnn", 12)
+    with pytest.raises(ValueError, match=r"backend 'tpu'"):
+        kernel_for("tpu", 64)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_dout_is_handed_to_the_kernel_in_the_layout_of_its_output(transposed: bool) -> None:
+    ref = torch.randn(2, 5, 4, 8).transpose(1, 2) if transposed else torch.randn(2, 4, 5, 8)
+    dout = torch.randn(2, 4, 5, 8) if transposed else torch.randn(2, 5, 4, 8).transpose(1, 2)  # the other layout
+    assert dout.stride() != ref.stride()
+    got = _in_layout_of(dout, ref)
+    assert got.stride() == ref.stride() and torch.equal(got, dout)

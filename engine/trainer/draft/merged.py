@@ -56,9 +56,11 @@ def _in_layout_of(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``x`` with ``ref``'s memory layout: (B, H, T, D) contiguous, or (B, T, H, D) seen transposed."""
     if x.stride() == ref.stride():
         return x
+    if ref.is_contiguous():
+        return x.contiguous()
     if ref.transpose(1, 2).is_contiguous():
         return x.transpose(1, 2).contiguous().transpose(1, 2)
-    return x.contiguous()
+    return torch.empty_strided(ref.shape, ref.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _causal_forward(
@@ -165,8 +167,18 @@ class _MergedTTTAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def merged_ttt_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, backend: str) -> torch.Tensor:
-    """Step ``i``'s TTT attention: q ``(B, Hq, T, D)``, k/v ``(B, Hkv, (i + 1) T, D)`` -> ``(B, Hq, T, D)``."""
+def kernel_for(backend: str, head_dim: int) -> str:
+    """The backend that takes this head size: cuDNN's up to 128 wide, FlashAttention-2's up to 256, multiples of 8."""
     if backend not in BACKENDS:
         raise ValueError(f"merged attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if backend == "cpu":
+        return backend
+    if head_dim % 8 or head_dim > 256:
+        raise ValueError(f"merged attention: no fused CUDA kernel for {head_dim}-wide heads; use attention = 'flex'")
+    return "flash" if backend == "cudnn" and head_dim > 128 else backend
+
+
+def merged_ttt_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, backend: str) -> torch.Tensor:
+    """Step ``i``'s TTT attention: q ``(B, Hq, T, D)``, k/v ``(B, Hkv, (i + 1) T, D)`` -> ``(B, Hq, T, D)``."""
+    backend = kernel_for(backend, q.shape[-1])
     return _MergedTTTAttention.apply(q, k_all, v_all, backend)
