@@ -26,16 +26,20 @@ import torch
 BACKENDS: tuple[str, ...] = ("cudnn", "flash", "cpu")
 
 
-def default_backend(device: torch.device) -> str:
-    """cuDNN's fused attention on Hopper and later, FlashAttention-2 on Ampere, ATen's flash kernel on the CPU."""
+def device_backend(device: torch.device) -> str | None:
+    """cuDNN's fused attention on Hopper and later, FlashAttention-2 on Ampere, ATen's flash kernel on the CPU;
+    None for a GPU older than sm80 (no fused kernel with a log-sum-exp there)."""
     if device.type == "cpu":
         return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major >= 9:
-        return "cudnn"
-    if major >= 8:
-        return "flash"
-    raise ValueError(f"merged attention needs an sm80 or later GPU; {device} is sm{major}{minor}: use flex")
+    major = torch.cuda.get_device_capability(device)[0]
+    return "cudnn" if major >= 9 else "flash" if major >= 8 else None
+
+
+def default_backend(device: torch.device) -> str:
+    backend = device_backend(device)
+    if backend is None:
+        raise ValueError(f"merged attention needs an sm80 or later GPU; {device} is older: use flex")
+    return backend
 
 
 def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:  # (B, Hkv, T, D) -> (B, Hkv * group, T, D)

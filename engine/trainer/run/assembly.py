@@ -21,6 +21,7 @@ from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.data.vocab import DraftVocab
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.merged import device_backend
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.distributed import map_devices
 from engine.trainer.run.fp8_check import keeps_exact_weights
@@ -98,7 +99,7 @@ def attention_impl(cfg: TrainerConfig, ddevs: list[torch.device]) -> str:
     impl = cfg.attention if cfg.attention != "auto" else ("merged" if ddevs[0].type == "cuda" else "sdpa")
     if impl == "flex" and any(d.type == "cpu" for d in ddevs):
         raise ConfigError("attention: 'flex' needs CUDA drafters (flex_attention has no CPU backward); use 'sdpa'")
-    old = [d for d in ddevs if d.type == "cuda" and torch.cuda.get_device_capability(d)[0] < 8]
+    old = [d for d in ddevs if device_backend(d) is None]
     if impl == "merged" and old:  # its fused kernels (cuDNN, FlashAttention-2) need sm80 or later
         if cfg.attention == "auto":
             return "flex"
