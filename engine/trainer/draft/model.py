@@ -15,6 +15,12 @@ are gathered per token, ``(B, 1, T, D)``), the attention mask keeps each convers
 shifted targets of step ``i`` count only where token ``t + 1 + i`` is in ``t``'s conversation, so a packed
 row trains exactly what its conversations would train unpacked.
 
+q, k and v are one matmul over their weights stacked (``qkv_proj``). Its embedding half, ``norm(emb) @ W[:, :H]^T``,
+depends only on the token a position reads, and step ``i`` reads the tokens step 0 reads moved ``i`` places, so an
+unroll makes it once (``DraftDecoderLayer.embedding_qkv``) and every step takes it shifted (``shift_rows``): of
+``ttt_steps`` embedding-half matmuls (forward, weight and input-norm gradients) one runs. The same function, summed
+in another order (a float64 test holds it to 1e-10 against every step projecting its own tokens).
+
 Weights start as Hugging Face initialises a Llama (and as SpecForge's draft model does through
 ``post_init``): every Linear ``normal(0, initializer_range)`` with zero bias, every RMSNorm weight one.
 The token embeddings are the target's, frozen: a buffer, never a parameter.
@@ -77,9 +83,14 @@ class DraftConfig:
         return asdict(self)
 
 
-# The Linears every TTT step runs (the decoder layer's and the head), the weights Drafter.cast_weights casts.
+# The decoder layer's Linears and the head: the parameters an unroll's matmuls read.
 LAYER_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HEAD = "lm_head"
+# q, k and v run as one matmul over their weights stacked, [W_q; W_k; W_v] ((nh + 2 nkv) d x 2H): "qkv_proj".
+QKV_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+QKV = "qkv_proj"
+# The weights Drafter.cast_weights casts once an unroll: the stacked q/k/v, the rest of the layer's, the head.
+CAST_WEIGHTS: tuple[str, ...] = (QKV, "o_proj", "gate_proj", "up_proj", "down_proj", HEAD)
 
 
 class RMSNorm(nn.Module):
@@ -117,7 +128,7 @@ def apply_rotary(
 
 
 class DraftDecoderLayer(nn.Module):
-    """EAGLE-3's decoder layer: attention input is [norm(embedding), norm(hidden)] (2H wide)."""
+    """EAGLE-3's decoder layer: attention input is [norm(embedding), norm(hidden)] (2H wide), q/k/v one matmul."""
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -134,10 +145,25 @@ class DraftDecoderLayer(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
+    def qkv_weight(self, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """``[W_q; W_k; W_v]``, ``((nh + 2 nkv) d, 2H)``: ``weights[QKV]`` when cast once, else stacked here."""
+        if weights is not None:
+            return weights[QKV]
+        return torch.cat([getattr(self, name).weight for name in QKV_LINEARS])
+
+    def embedding_qkv(self, emb: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The embedding half of q, k and v side by side, ``(B, T, (nh + 2 nkv) d)``: ``norm(emb) @ W[:, :H]^T``.
+
+        It depends on the token a position reads and nothing else, so an unroll computes it once and every TTT step
+        takes it shifted (``shift_rows``): step ``i`` reads token ``t + 1 + i`` where step 0 reads ``t + 1``.
+        """
+        h = self.cfg.hidden_size
+        return F.linear(self.input_layernorm(emb), self.qkv_weight(weights)[:, :h])
+
     def forward(
         self,
         hidden: torch.Tensor,  # (B, T, H): the step's hidden state
-        emb: torch.Tensor,  # (B, T, H): embeddings of the tokens it reads
+        emb: torch.Tensor | None,  # (B, T, H): embeddings of the tokens it reads; None when emb_qkv is given
         cos: torch.Tensor,  # (T, D): this step's rotary tables
         sin: torch.Tensor,  # (T, D)
         prior_k: torch.Tensor | None,  # (B, Hkv, i*T, D): the keys of steps 0..i-1; None at step 0
@@ -145,31 +171,36 @@ class DraftDecoderLayer(nn.Module):
         mask: Any,  # a flex BlockMask or a dense bool (T, (i+1)*T)
         attention: TTTAttention,
         weights: dict[str, torch.Tensor] | None = None,  # Drafter.cast_weights: the Linears' weights, cast once
+        emb_qkv: torch.Tensor | None = None,  # (B, T, (nh + 2 nkv) d): embedding_qkv of those tokens, made already
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden (B, T, H), k_all and v_all (B, Hkv, (i+1)*T, D)
-        b, t, _ = hidden.shape
-        d = self.cfg.head_dim
+        b, t, h = hidden.shape
+        d, nh, nkv = self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads
 
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
             module = getattr(self, name)
             return F.linear(x, weights[name] if weights is not None else module.weight, module.bias)
 
-        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
-        q = linear("q_proj", x).view(b, t, self.cfg.num_heads, d).transpose(1, 2)
-        k = linear("k_proj", x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
-        v = linear("v_proj", x).view(b, t, self.cfg.num_kv_heads, d).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if emb_qkv is None:
+            if emb is None:
+                raise ValueError("the decoder layer needs the embeddings or their q/k/v half (emb_qkv)")
+            emb_qkv = self.embedding_qkv(emb, weights)
+        # q, k, v = [norm(emb), norm(hidden)] @ W^T, the embedding half made by embedding_qkv.
+        qkv = F.linear(self.hidden_norm(hidden), self.qkv_weight(weights)[:, h:]) + emb_qkv
+        q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
+        q = apply_rotary(q.reshape(b, t, nh, d).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.reshape(b, t, nkv, d).transpose(1, 2), cos, sin)
+        v = v.reshape(b, t, nkv, d).transpose(1, 2)
         if prior_k is not None and prior_v is not None:
             k_all = torch.cat((prior_k, k), dim=2)
             v_all = torch.cat((prior_v, v), dim=2)
         else:
             k_all, v_all = k, v
         attn = attention.apply(q, k_all, v_all, mask)
-        attn = attn.transpose(1, 2).reshape(b, t, self.cfg.num_heads * d)
-        h = hidden + linear("o_proj", attn)
-        m = self.post_attention_layernorm(h)
-        h = h + linear("down_proj", F.silu(linear("gate_proj", m)) * linear("up_proj", m))
-        return h, k_all, v_all
+        attn = attn.transpose(1, 2).reshape(b, t, nh * d)
+        h_out = hidden + linear("o_proj", attn)
+        m = self.post_attention_layernorm(h_out)
+        h_out = h_out + linear("down_proj", F.silu(linear("gate_proj", m)) * linear("up_proj", m))
+        return h_out, k_all, v_all
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:  # x (B, T, ...) -> (B, T, ...)
@@ -181,12 +212,24 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:  # x (B, T, ...) -> (B,
     return torch.cat((x[:, n:], torch.zeros_like(x[:, :n])), dim=1)
 
 
+def shift_rows(x: torch.Tensor, n: int) -> torch.Tensor:  # x (B, T, C) -> (B, T, C)
+    """Drop the first ``n`` positions (dim 1) and repeat the last one ``n`` times at the end (shape kept).
+
+    Over ``embedding_qkv`` of the tokens step 0 reads (the last is the padding token ``shift_left`` puts there),
+    this gives what step ``n`` reads: token ``t + 1 + n`` at ``t``, the padding token past the end.
+    """
+    if n == 0:
+        return x
+    n = min(n, x.shape[1] - 1)
+    return torch.cat((x[:, n:], x[:, -1:].expand(-1, n, -1)), dim=1)
+
+
 def ttt_step(
     layer: DraftDecoderLayer,
     norm: RMSNorm,
     lm_head: nn.Linear,
     hidden: torch.Tensor,  # (B, T, H)
-    emb: torch.Tensor,  # (B, T, H)
+    emb_qkv: torch.Tensor,  # (B, T, (nh + 2 nkv) d): layer.embedding_qkv of the tokens step 0 reads
     cos: torch.Tensor,  # (T, D)
     sin: torch.Tensor,  # (T, D)
     prior_k: torch.Tensor | None,  # (B, Hkv, i*T, D); None at step 0
@@ -203,13 +246,15 @@ def ttt_step(
 ) -> tuple[torch.Tensor, ...]:  # hidden (B, T, H), k_all, v_all (B, Hkv, (i+1)*T, D), loss, correct, count ()
     """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
 
-    ``cos``/``sin`` are this step's rotary tables (``Drafter.step_rotary``). ``loss_mask``, when given, is
-    the accuracy's denominator (see loss.py). ``documents``: a shifted target counts only inside the
+    ``emb_qkv``: the embedding half of q/k/v, made once for the unroll; this step takes it shifted by ``shift - 1``
+    (the tokens it reads). ``cos``/``sin`` are this step's rotary tables (``Drafter.step_rotary``). ``loss_mask``,
+    when given, is the accuracy's denominator (see loss.py). ``documents``: a shifted target counts only inside the
     position's own conversation (never across a packed row's boundary). Compiled as one graph on CUDA
     (norms, rotary, flex attention, MLP, head and loss fused where they can be). ``weights``: the layer's and
     the head's Linear weights to use instead of the modules' own (see ``Drafter.cast_weights``).
     """
-    hidden, k_all, v_all = layer(hidden, emb, cos, sin, prior_k, prior_v, mask, attention, weights)
+    step_qkv = shift_rows(emb_qkv, shift - 1)
+    hidden, k_all, v_all = layer(hidden, None, cos, sin, prior_k, prior_v, mask, attention, weights, step_qkv)
     logits = F.linear(norm(hidden), weights[HEAD] if weights is not None else lm_head.weight, lm_head.bias)
     target_i, mask_i = shift_left(target_p, shift), shift_left(position_mask, shift)
     loss_mask_i = shift_left(loss_mask, shift) if loss_mask is not None else None
@@ -341,16 +386,18 @@ class Drafter(nn.Module):
         else:
             rotary = self.document_rotary(documents, ttt_steps)
         hidden = self.fc(hidden3)
+        with torch.no_grad():
+            emb = F.embedding(shift_left(input_ids, 1), self.embed_table)  # the tokens step 0 reads
+        # The embedding half of q/k/v once for the unroll: every step reads the same tokens, shifted (shift_rows).
+        emb_qkv = self.layer.embedding_qkv(emb, weights)
         prior_k: torch.Tensor | None = None
         prior_v: torch.Tensor | None = None
         losses, correct, counts = [], [], []
         step = step_fn if step_fn is not None else ttt_step
         for i in range(ttt_steps):
-            with torch.no_grad():
-                emb = F.embedding(shift_left(input_ids, i + 1), self.embed_table)
             mask = attention.prepare(input_ids.device, seq_len, i, documents)  # outside any compiled region
             cos, sin = rotary[i]
-            args = (self.layer, self.norm, self.lm_head, hidden, emb, cos, sin, prior_k, prior_v, mask, attention)
+            args = (self.layer, self.norm, self.lm_head, hidden, emb_qkv, cos, sin, prior_k, prior_v, mask, attention)
             tail = (target_p, position_mask, i + 1, loss_fn, loss_mask, documents, weights)
             if grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(step, *args, *tail, use_reentrant=False)
@@ -370,10 +417,11 @@ class Drafter(nn.Module):
         training step. Cast once, the steps' gradients meet at the cast in ``dtype`` and reach ``.grad`` once:
         what eager autocast does anyway (it caches the cast; there this changes nothing, bit for bit), and the
         numerics of SpecForge's bf16 parameters with fp32 masters (its gradients also sum in bf16 across steps).
-        For an unroll under autocast to ``dtype`` (the inputs of the steps are then in ``dtype`` too).
+        For an unroll under autocast to ``dtype`` (the inputs of the steps are then in ``dtype`` too). The keys are
+        CAST_WEIGHTS: q, k and v stacked as one (``QKV``), then the layer's other Linears and the head.
         """
-        weights = {name: getattr(self.layer, name).weight.to(dtype) for name in LAYER_LINEARS}
-        weights[HEAD] = self.lm_head.weight.to(dtype)
+        weights = {QKV: self.layer.qkv_weight().to(dtype), HEAD: self.lm_head.weight.to(dtype)}
+        weights.update({n: getattr(self.layer, n).weight.to(dtype) for n in LAYER_LINEARS if n not in QKV_LINEARS})
         return weights
 
     def trainable_parameters(self) -> list[nn.Parameter]:
