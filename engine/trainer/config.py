@@ -34,6 +34,7 @@ THREAD_ERROR_POLICIES: tuple[str, ...] = ("stop", "continue")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "merged", "flex", "sdpa")
 CUDA_STREAMS: tuple[str, ...] = ("per_thread", "per_device")
+OVERLAP_STEPS: tuple[str, ...] = ("auto", "on", "off")
 DISTRIBUTED: tuple[str, ...] = ("auto", "off")
 LOCAL_DEVICE = "cuda:local"  # cuda:<LOCAL_RANK> of a torchrun rank (engine/trainer/run/distributed.py)
 DATA_RANDOM = "random"
@@ -127,6 +128,11 @@ class TrainerConfig:
     # float32. On one H200 at the 8B shape, batch 4, in one run: 17.75k -> 18.0k tok/s, peak 49.5 -> 44.9 GiB
     # (tests/bench/bench_engine.py). False: each compiled step casts its own.
     cast_weights_once: bool = True
+    # A drafter launches its next batch's forward before it reads the step just launched (losses, accuracies,
+    # gradient norm), so the host never leaves the GPU idle between two steps; a non-finite step is skipped on the
+    # device (the fused optimizer's found_inf), not by a host check. A step's event comes once the next forward
+    # is queued. auto: on for CUDA drafters (on the CPU every launch runs at once: nothing to overlap); on, off.
+    overlap_steps: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU
     seed: int = 0
     output_dir: str = "runs/specdec-engine"
@@ -176,6 +182,7 @@ class TrainerConfig:
         one_of("dtype", self.dtype, DTYPES)
         one_of("attention", self.attention, ATTENTION_IMPLS)
         one_of("cuda_streams", self.cuda_streams, CUDA_STREAMS)
+        one_of("overlap_steps", self.overlap_steps, OVERLAP_STEPS)
         one_of("loss_mean", self.loss_mean, LOSS_MEANS)
         for key in ("target_devices", "drafter_devices"):
             devs = getattr(self, key)

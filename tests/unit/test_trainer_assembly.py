@@ -130,7 +130,7 @@ def test_drafters_start_equal_as_replicas_and_from_their_own_seeds_when_independ
     shapes = assembly.gradient_shapes(cfg, [first, second])
     assert len(shapes) == (1 if mode == "replicas" else 2)
     assert shapes[0] == [p.shape for p in first.trainable_parameters()]
-    optimizer, scheduler = assembly.build_optimizer(cfg, second, 1, ddevs[1])
+    optimizer, scheduler = assembly.build_optimizer(cfg, second, 1)
     assert optimizer.param_groups[0]["lr"] == (2e-3 if mode == "independent" else cfg.lr)
     assert scheduler.get_last_lr() == [optimizer.param_groups[0]["lr"]]
 

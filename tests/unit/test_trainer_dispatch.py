@@ -39,14 +39,14 @@ def record_trained(monkeypatch: pytest.MonkeyPatch, engine: TrainingRun) -> list
     trained: list[int] = []
     lock = threading.Lock()
     for worker in engine.workers:
-        original = worker.train_step
+        original = worker.begin
 
         def step(batch: Any, fetch_ms: float, _original: Any = original) -> Any:
             with lock:
                 trained.append(batch.index)
             return _original(batch, fetch_ms)
 
-        monkeypatch.setattr(worker, "train_step", step)
+        monkeypatch.setattr(worker, "begin", step)
     return trained
 
 
@@ -67,9 +67,9 @@ def position(out: Path) -> dict[str, Any]:
     return pos
 
 
-@pytest.mark.parametrize("drafters", [1, 2])
+@pytest.mark.parametrize(("drafters", "overlap"), [(1, "off"), (2, "off"), (2, "on")])
 def test_two_producers_train_every_index_exactly_once_across_a_resume(
-    tmp_path: Path, small_corpus: Path, monkeypatch: pytest.MonkeyPatch, drafters: int
+    tmp_path: Path, small_corpus: Path, monkeypatch: pytest.MonkeyPatch, drafters: int, overlap: str
 ) -> None:
     out = tmp_path / "run"
     common: dict[str, Any] = {
@@ -77,6 +77,7 @@ def test_two_producers_train_every_index_exactly_once_across_a_resume(
         "drafter_devices": ["cpu"] * drafters,
         "queue_size": QUEUE_SIZE,
         "batch_size": 1,
+        "overlap_steps": overlap,  # on: each drafter takes its next batch before it reads the step before
     }
     first, _ = build(make_config(out, small_corpus, steps=10, **common), out)
     trained = record_trained(monkeypatch, first)
@@ -122,7 +123,7 @@ def test_survivors_of_a_dead_drafter_keep_training_at_full_rate(
 
     def kill_drafter1(ev: dict[str, Any]) -> None:
         if ev["kind"] == "step" and ev["thread"] == "drafter1" and ev["step"] == 2:
-            raise_on_call(monkeypatch, engine.workers[1], "train_step", RuntimeError("drafter1 lost its GPU"))
+            raise_on_call(monkeypatch, engine.workers[1], "begin", RuntimeError("drafter1 lost its GPU"))
 
     rec.actions.append(kill_drafter1)
     assert run_bounded(engine) == 0, rec.of("run_end")

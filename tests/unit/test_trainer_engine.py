@@ -143,7 +143,7 @@ def test_injected_drafter_exception_is_reported_within_a_second_and_policy_appli
 
     def inject(ev: dict[str, Any]) -> None:
         if ev["kind"] == "step" and ev["thread"] == "drafter1" and ev["step"] == 2 and not injected_at:
-            raise_on_call(monkeypatch, engine.workers[1], "train_step", RuntimeError("injected failure"))
+            raise_on_call(monkeypatch, engine.workers[1], "begin", RuntimeError("injected failure"))
             injected_at.append(time.monotonic())
 
     rec.actions.append(inject)
@@ -293,14 +293,14 @@ def test_a_replica_waiting_for_a_slow_peer_beats_as_syncing_and_is_not_flagged(
     cfg = make_config(tmp_path, small_corpus, drafter_devices=["cpu", "cpu"], steps=3, stall_after_s=1.0)
     engine, rec = build(cfg, tmp_path)
     slow = engine.workers[0]
-    step = slow.train_step
+    step = slow.begin
 
     def slow_second_step(*args: Any, **kwargs: Any) -> Any:
         if slow.step == 1:
             time.sleep(2.5)  # as long as an evaluation between two steps: its peer waits at the gradient barrier
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(slow, "train_step", slow_second_step)
+    monkeypatch.setattr(slow, "begin", slow_second_step)
     assert engine.run() == 0
     waiting = [e for e in rec.of("heartbeat") if e["thread"] == "drafter1" and e["state"] == "syncing"]
     assert len(waiting) >= 3, [(e["thread"], e["state"]) for e in rec.of("heartbeat")]

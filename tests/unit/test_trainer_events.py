@@ -110,7 +110,7 @@ def test_a_run_that_skips_a_gradient_and_loses_a_drafter_writes_only_whole_engin
             def boom(*_args: Any, **_kwargs: Any) -> Any:
                 raise RuntimeError("injected failure")
 
-            monkeypatch.setattr(engine.workers[1], "train_step", boom)
+            monkeypatch.setattr(engine.workers[1], "begin", boom)
 
     events.listeners.append(kill_drafter1)
     assert engine.run() == 0

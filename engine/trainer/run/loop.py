@@ -439,8 +439,8 @@ class TrainingRun:
         if self.cfg.drafter_mode == "replicas":
             for batch in left:
                 self.dispatcher.release(batch.index)
-            if dead.current_index is not None:
-                self.dispatcher.release(dead.current_index)
+            for index in dead.held_indices():
+                self.dispatcher.release(index)
         else:
             self._rounds.drop(failure.thread)
         alive = [w.name for w in self.workers if not w.failed and w.name != failure.thread]

@@ -231,6 +231,71 @@ def average_gradients(grads: list[list[torch.Tensor]], devices: list[torch.devic
     set_gradients(total, grads, devices)
 
 
+CLIP_EPS = 1e-6  # clip_grad_norm_'s: the clip factor is max_norm / (norm + CLIP_EPS)
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The optimizer's step on the gradients clipped to ``max_norm`` (as ``clip_grad_norm_`` clips), none when their
+    norm is not finite; returns that norm (before clipping).
+
+    A fused optimizer does both in its kernel with no host sync: the clip as its ``grad_scale`` (it divides each
+    gradient by ``(norm + eps) / max_norm`` when that exceeds 1) and the skip as its ``found_inf`` (weights, moments
+    and step count stay as they were), the way GradScaler hands them over. Others: clip in place, then a host check.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+    if optimizer.defaults.get("fused"):
+        scaled: Any = optimizer  # the attributes GradScaler sets for a fused step
+        scaled.grad_scale = torch.clamp((norm + CLIP_EPS) / max_norm, min=1.0)
+        scaled.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del scaled.grad_scale, scaled.found_inf
+    else:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
+        if bool(torch.isfinite(norm)):
+            optimizer.step()
+    return norm
+
+
+class LaunchedStep:
+    """A batch whose forward is launched: its per-TTT-position tensors and the step's timing marks so far."""
+
+    def __init__(self, batch: DeviceBatch, fetch_ms: float, cuda: bool) -> None:
+        self.batch = batch
+        self.fetch_ms = fetch_ms
+        self.cuda = cuda
+        self.marks: list[Any] = []  # CUDA events (or host clocks on the CPU): forward, backward, optimizer
+        self.losses: torch.Tensor | None = None
+        self.correct: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+
+class PendingStep:
+    """A finished step whose numbers (losses, accuracies, gradient norm) are on their way to the host."""
+
+    def __init__(self, launched: LaunchedStep, values: torch.Tensor) -> None:
+        self.launched = launched
+        self._values = values.to("cpu", non_blocking=True) if launched.cuda else values
+        self._copied = torch.cuda.Event() if launched.cuda else None
+        if self._copied is not None:
+            self._copied.record()
+
+    def values(self) -> list[float]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return [float(v) for v in self._values.tolist()]
+
+
 @dataclass
 class StepResult:
     step: int
@@ -253,6 +318,7 @@ class WorkerSettings:
     batch_size: int
     grad_checkpointing: bool = False
     cast_weights_once: bool = True  # under autocast: the TTT steps share one cast of the weights (Drafter.forward)
+    overlap_steps: str = "auto"  # the next forward launched before a step's numbers are read (config.py); auto: CUDA
     max_grad_norm: float = 1.0
     nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
     log_every: int = 1  # a step event every log_every steps (and at step 1)
@@ -270,6 +336,7 @@ class WorkerSettings:
             batch_size=cfg.batch_size,
             grad_checkpointing=cfg.grad_checkpointing,
             cast_weights_once=cfg.cast_weights_once,
+            overlap_steps=cfg.overlap_steps,
             max_grad_norm=cfg.max_grad_norm,
             nonfinite_grad_limit=cfg.nonfinite_grad_limit,
             log_every=cfg.log_every,
@@ -328,6 +395,8 @@ class DrafterWorker:
         self.packing = settings.packing
         self.grad_checkpointing = settings.grad_checkpointing
         self.weight_dtype = training.autocast_dtype if settings.cast_weights_once else None
+        auto_overlap = settings.overlap_steps == "auto" and self.device.type == "cuda"
+        self.overlap = settings.overlap_steps == "on" or auto_overlap
         self.max_grad_norm = settings.max_grad_norm
         self.nonfinite_grad_limit = settings.nonfinite_grad_limit
         self.nonfinite_in_a_row = 0
@@ -340,6 +409,7 @@ class DrafterWorker:
         self.ledger = links.ledger
         self.submit_checkpoint = links.submit_checkpoint
         self.current_index: int | None = None  # the batch being trained, not yet recorded in the ledger
+        self.next_index: int | None = None  # the batch whose forward is launched ahead (overlap), not yet trained
         self.step = 0  # restore_state sets a resumed step
         self.params = self.drafter.trainable_parameters()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -420,50 +490,54 @@ class DrafterWorker:
         self.attention.mark_warm()
         return time.perf_counter() - t0
 
-    def train_step(self, batch: DeviceBatch, fetch_ms: float) -> tuple[StepResult, bool]:
-        cuda = self.device.type == "cuda"
-        marks: list[Any] = []
-
-        def mark() -> None:
-            if cuda:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                marks.append(ev)
-            else:
-                marks.append(time.perf_counter())
-
+    def begin(self, batch: DeviceBatch, fetch_ms: float) -> LaunchedStep:
+        """Launches the forward of one batch (the TTT unroll through its losses); nothing waits for the GPU."""
+        launched = LaunchedStep(batch, fetch_ms, self.device.type == "cuda")
         batch.wait_ready()
-        mark()
-        losses, correct, counts = self.forward(batch)
-        loss = total_loss(losses)
-        mark()
-        loss.backward()
+        launched.mark()
+        launched.losses, launched.correct, launched.counts = self.forward(batch)
+        launched.mark()
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> tuple[PendingStep, bool]:
+        """Launches the backward, the replicas' gradient exchange and the optimizer step of a launched forward, and
+        the copy of its numbers to the host: (the step to ``report``, whether every replica stops after it).
+
+        The gradients are clipped inside the fused optimizer (its ``grad_scale``: one pass over them, not two) and a
+        non-finite norm skips the update there (its ``found_inf``), so no host check waits for the backward."""
+        assert launched.losses is not None and launched.correct is not None and launched.counts is not None
+        total_loss(launched.losses).backward()
         stop_after = False
         if self.group is not None:
             for p in self.params if self.group.crosses_ranks else []:
                 if p.grad is None:  # every replica and rank exchanges the same tensors, in the same order
                     p.grad = torch.zeros_like(p)
             grads = [p.grad for p in self.params if p.grad is not None]
-            stop_after = self.group.all_reduce(self.rank, grads, batch.index, self.step + 1)
-        mark()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        # Checked after the reduce: every replica (and rank) sees the same sum, so all skip the same step. One
-        # scalar read a step; an update with NaN in it would reach every replica and every later checkpoint.
-        skipped = not bool(torch.isfinite(grad_norm))
-        if not skipped:
-            self.optimizer.step()
-            self.scheduler.step()
+            stop_after = self.group.all_reduce(self.rank, grads, launched.batch.index, self.step + 1)
+        launched.mark()
+        # Checked after the reduce: every replica (and rank) sees the same sum, so all skip the same step. An update
+        # with NaN in it would reach every replica and every later checkpoint.
+        grad_norm = clipped_step(self.optimizer, self.params, self.max_grad_norm)
+        self.scheduler.step()  # the schedule follows the step count, skipped steps included
         self.optimizer.zero_grad(set_to_none=True)
-        mark()
-        acc = accuracies(correct.detach(), counts.detach())
-        values = torch.cat([losses.detach().float(), acc.float(), grad_norm.detach().float().reshape(1)]).tolist()
+        launched.mark()
+        acc = accuracies(launched.correct.detach(), launched.counts.detach())
+        values = torch.cat([launched.losses.detach().float(), acc.float(), grad_norm.detach().float().reshape(1)])
+        return PendingStep(launched, values), stop_after
+
+    def report(self, pending: PendingStep) -> StepResult:
+        """Waits for a finished step's numbers and makes its result; raises on a non-finite loss, and stops the run
+        when non-finite gradients keep coming."""
+        values = pending.values()
         now = time.perf_counter()
-        if cuda:
+        marks = pending.launched.marks
+        if pending.launched.cuda:
             ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(3)]
         else:
             ms = [(marks[i + 1] - marks[i]) * 1000.0 for i in range(3)]
         n = self.ttt_steps
         step = self.step + 1
+        batch = pending.launched.batch
         dt = now - self._last_done if self._last_done is not None else None
         self._last_done = now
         tok_s = batch.tokens / dt if dt else 0.0
@@ -475,17 +549,22 @@ class DrafterWorker:
             acc=values[n : 2 * n],
             grad_norm=values[-1],
             tok_s=tok_s,
-            ms={"fetch": fetch_ms, "fwd": ms[0], "bwd": ms[1], "opt": ms[2]},
-            skipped=skipped,
+            ms={"fetch": pending.launched.fetch_ms, "fwd": ms[0], "bwd": ms[1], "opt": ms[2]},
+            skipped=not math.isfinite(values[-1]),
             useful_tok_s=useful_tok_s,
         )
         if not all(math.isfinite(v) for v in result.loss):
             raise NonFiniteLoss(f"non-finite loss {result.loss} at step {step} in thread {self.name}")
-        if skipped:
+        if result.skipped:
             self._skip_nonfinite(step, result.grad_norm)
         else:
             self.nonfinite_in_a_row = 0
-        return result, stop_after
+        return result
+
+    def train_step(self, batch: DeviceBatch, fetch_ms: float) -> tuple[StepResult, bool]:
+        """One whole step, launched and read back: (its result, whether every replica stops after it)."""
+        pending, stop_after = self.finish(self.begin(batch, fetch_ms))
+        return self.report(pending), stop_after
 
     def _skip_nonfinite(self, step: int, grad_norm: float) -> None:
         """Say the skipped step (an event the agent turns into an anomaly); stop once it keeps happening."""
@@ -531,12 +610,15 @@ class DrafterWorker:
     def start(self) -> None:
         self.thread.start()
 
-    def _fetch(self) -> DeviceBatch | None:
+    def _fetch(self, *, block: bool = True) -> DeviceBatch | None:
+        """The next batch to train; None when the run ends first (or, ``block=False``, when none is queued now)."""
         t0 = time.perf_counter()
         while not self.control.should_exit:
             try:
-                batch = self.queue.get(timeout_s=GET_POLL_S)
+                batch = self.queue.get(timeout_s=GET_POLL_S if block else 0.0)
             except QueueTimeout:
+                if not block:
+                    return None
                 self.control.health.beat(self.name, state="waiting", queue_depth=0)
                 if self.group is None and self.control.stop_requested.is_set():
                     return None
@@ -548,6 +630,10 @@ class DrafterWorker:
             self._fetch_ms = (time.perf_counter() - t0) * 1000.0
             return batch
         return None
+
+    def held_indices(self) -> list[int]:
+        """The batches this worker took and has not recorded as trained (the one in training, one launched ahead)."""
+        return [i for i in (self.current_index, self.next_index) if i is not None]
 
     _fetch_ms = 0.0
 
@@ -593,17 +679,44 @@ class DrafterWorker:
             self.finished.set()
             self.control.wake.set()
 
+    def _launch_next(self) -> LaunchedStep | None:
+        """With ``overlap``: the next step's forward, launched while the GPU still runs this one's, when a batch is
+        queued and a next step will run (steps remain, no stop asked for, no checkpoint due at this step: a state
+        is captured with nothing launched after it)."""
+        step = self.step + 1  # the step finishing now
+        if not self.overlap or step >= self.total_steps or self.control.should_exit:
+            return None
+        if self.group is None and self.control.stop_requested.is_set():
+            return None
+        if self.checkpoint_every and step % self.checkpoint_every == 0:
+            return None
+        batch = self._fetch(block=False)
+        if batch is None:
+            return None
+        self.next_index = batch.index
+        return self.begin(batch, self._fetch_ms)
+
     def _loop(self) -> None:
+        ahead: LaunchedStep | None = None  # the next batch's forward, launched before this step's numbers were read
         while self.step < self.total_steps and not self.control.should_exit:
             if self.group is None and self.control.stop_requested.is_set():
-                break
-            self.control.health.beat(self.name, state="waiting", queue_depth=self.queue.depth())
-            batch = self._fetch()
-            if batch is None:
-                break
-            self.current_index = batch.index
-            self.control.health.beat(self.name, state="training", queue_depth=self.queue.depth())
-            result, stop_after = self.train_step(batch, self._fetch_ms)
+                break  # a forward launched ahead is dropped: its batch stays untrained, to be trained on resume
+            if ahead is None:
+                self.control.health.beat(self.name, state="waiting", queue_depth=self.queue.depth())
+                batch = self._fetch()
+                if batch is None:
+                    break
+                self.current_index = batch.index
+                self.control.health.beat(self.name, state="training", queue_depth=self.queue.depth())
+                launched = self.begin(batch, self._fetch_ms)
+            else:
+                launched, ahead = ahead, None
+                self.current_index, self.next_index = self.next_index, None
+            batch = launched.batch
+            pending, stop_after = self.finish(launched)
+            if not stop_after:
+                ahead = self._launch_next()
+            result = self.report(pending)
             self.step = result.step
             if self.group is None:
                 self.ledger.mark(batch.index)
@@ -649,5 +762,6 @@ class DrafterWorker:
                 break
             if self.step_delay_s:
                 self.control.stop_requested.wait(self.step_delay_s)
+        self.next_index = None  # a forward launched ahead and dropped: nothing of it was trained
         if not self.control.should_exit:
             self.final_state = self.capture_state()
