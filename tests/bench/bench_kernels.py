@@ -21,6 +21,14 @@ ways on the engine's shapes and prints both, with how far their results are apar
           three against one. The frozen target could hold merged copies; this says what they would save. Dropped:
           gate/up merged ran slower (759 -> 694 TFLOP/s), q/k/v 0.02 ms faster a layer.
 
+  unroll  the drafter's whole TTT unroll (7 steps, forward and backward, bf16 cast once, compiled as the engine
+          compiles it, merged attention): the engine's (q/k/v one matmul over the stacked weights, their embedding
+          half made once and shifted per step) against every step projecting its own tokens through whole q, k
+          and v (tests/support/drafter_reference.py, three matmuls a step, as the engine ran until session 6),
+          both on the same batch, and each against a float32 eager reference (dense-mask SDPA): the worst
+          relative error of the per-step losses and of any parameter's gradient. tests/device/run checks the
+          engine's within 3 %.
+
 Figures are CUDA-event times, median of ``--iters`` after ``--warm``; TFLOP/s for the GEMMs against 794 (bf16
 8192^3 measured on the H200). ``--dry-run``: the CPU at small shapes (checks the code path and the agreement,
 not a figure).
@@ -42,6 +50,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # support.drafter_reference
 
 import torch  # noqa: E402
 
@@ -257,9 +266,77 @@ def part_mlp(device: torch.device, tokens: int, h: int, inter: int, q: int, kv: 
     return out
 
 
+def part_unroll(
+    device: torch.device, b: int, t: int, shape: dict[str, int], steps: int, warm: int, iters: int, compiled: bool
+) -> dict[str, Any]:
+    from support.drafter_reference import own_tokens_step, step_embeddings
+
+    from engine.trainer.draft.attention import TTTAttention
+    from engine.trainer.draft.loss import soft_cross_entropy, total_loss
+    from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
+    from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
+
+    apply_dynamo_config()
+    cfg = DraftConfig(**shape)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.device(device):
+        torch.manual_seed(0)
+        drafter = Drafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size), torch.arange(cfg.draft_vocab_size) * 3)
+    ids = torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(device)
+    hidden3 = torch.randn(b, t, 3 * cfg.hidden_size, generator=g).to(device)
+    target_p = torch.softmax(torch.randn(b, t, cfg.draft_vocab_size, generator=g) * 3, dim=-1).to(device)
+    mask = (torch.rand(b, t, generator=g) > 0.1).float().to(device)
+    embeddings = step_embeddings(ids, drafter.embed_table, steps)
+    fast = TTTAttention("merged" if device.type == "cuda" else "sdpa", compiled=compiled)
+    ways = {
+        "engine": GuardedFunction(ttt_step, compiled=compiled, name="ttt_step"),
+        "own_tokens": GuardedFunction(own_tokens_step(embeddings), compiled=compiled, name="own_tokens_step"),
+    }
+
+    def unroll(step_fn: Any, attention: TTTAttention, bf16: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        drafter.zero_grad(set_to_none=True)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        with autocast:
+            losses, _, _ = drafter(
+                hidden3.to(torch.bfloat16) if bf16 else hidden3,
+                ids,
+                target_p,
+                mask,
+                ttt_steps=steps,
+                attention=attention,
+                loss_fn=soft_cross_entropy,
+                step_fn=step_fn,
+                loss_mask=mask,
+                weight_dtype=torch.bfloat16 if bf16 else None,
+            )
+        total_loss(losses).backward()
+        return losses.detach().float(), {n: p.grad.float() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    out: dict[str, Any] = {"part": "unroll", "batch": b, "seq": t, "ttt_steps": steps, "shape": shape}
+    run = timer(device)
+    got = {}
+    for name, fn in ways.items():
+        with compile_guard():
+            got[name] = unroll(fn, fast, bf16=True)
+        out[f"{name}_fwd_bwd_ms"] = run(lambda fn=fn: unroll(fn, fast, bf16=True), warm, iters)
+    ref_losses, ref_grads = unroll(None, TTTAttention("sdpa"), bf16=False)
+    for name, (losses, grads) in got.items():
+        out[f"{name}_loss_rel_err"] = float(((losses - ref_losses).abs() / ref_losses.abs().clamp_min(1e-30)).max())
+        errs = {n: float((grads[n] - r).norm() / r.norm().clamp_min(1e-30)) for n, r in ref_grads.items()}
+        worst = max(errs, key=lambda n: errs[n])
+        out[f"{name}_grad_rel_err_worst"] = [worst, errs[worst]]
+        out[f"{name}_params_with_grads"] = len(grads)
+    out["params_with_grads_reference"] = len(ref_grads)
+    out["saved_ms"] = out["own_tokens_fwd_bwd_ms"] - out["engine_fwd_bwd_ms"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="loss,attention,mlp")
+    ap.add_argument("--parts", default="loss,attention,mlp,unroll")
+    ap.add_argument(
+        "--unroll-batch", type=int, default=2, help="unroll: sequences a step (the reference's dense masks)"
+    )
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--attention-shape", default="", help="attention: B,HQ,HKV,T,D instead of the 8B drafter's")
@@ -290,8 +367,20 @@ def main() -> int:
             res = part_attention(device, shape[0], shape[3], shape[1], shape[2], shape[4], steps, a.warm, a.iters, only)
         elif part == "mlp":
             res = part_mlp(device, tokens, h, inter, q, kv, a.warm, a.iters)
+        elif part == "unroll":
+            heads = (32, 8, 128) if device.type == "cuda" else (4, 2, 16)
+            shape = {
+                "hidden_size": h,
+                "num_heads": heads[0],
+                "num_kv_heads": heads[1],
+                "head_dim": heads[2],
+                "intermediate_size": inter,
+                "vocab_size": 128256 if device.type == "cuda" else 4 * v,
+                "draft_vocab_size": v,
+            }
+            res = part_unroll(device, a.unroll_batch, t, shape, 7, a.warm, a.iters, compiled)
         else:
-            print(f"bench_kernels: unknown part {part!r} (loss, attention, mlp)", file=sys.stderr)
+            print(f"bench_kernels: unknown part {part!r} (loss, attention, mlp, unroll)", file=sys.stderr)
             return 2
         res["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         res["dry_run"] = a.dry_run
