@@ -5,6 +5,8 @@
 #       copied into the ignored .peer/ and carried) and, in the same call, the engine with the bf16 target, then
 #       with target_fp8 = true (tests/bench/bench_engine.py). ~450 s, at most 585: the peer ~100-130 s, the bf16
 #       engine 140-190 s (cold compile), the FP8 engine 130-170 s. Ratios are quoted only within one call.
+#   sh tests/device/throughput_runs.sh overlap [BATCH]  the table with a third engine row in the same call: bf16 with
+#       overlap_steps = "off" (each step read back before the next is launched), the candidate's A/B (<= 585 s).
 #   sh tests/device/throughput_runs.sh cast [BATCH]    the engine bf16 with cast_weights_once = false, then with the
 #       default (true): the candidate's A/B (~330 s, at most 480).
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
@@ -31,14 +33,17 @@ engine() {  # $1: the plan, $2: the seconds it may take in all, $3: the seconds 
     echo "engine exit $?" >> "$OUT/engine.txt"
     grep -E '"mode"|"tok_s"|mfu|"error"|phase|"fwd"|"bwd"|"opt"|producer_target_ms|peak_gib|wall_s' "$OUT/engine.txt"
 }
-table() {  # $1: extra engine --set arguments
+peer() {  # $1: the seconds SpecForge's step may take
     if [ ! -f .peer/specforge/run.sh ]; then
         echo "no .peer/specforge/run.sh: cp -r ../shared/peer .peer in the checkout, and carry .peer"; exit 2
     fi
-    timeout 140 bash .peer/specforge/run.sh > "$OUT/specforge.log" 2>&1
+    timeout "$1" bash .peer/specforge/run.sh > "$OUT/specforge.log" 2>&1
     echo "specforge exit $? (124 after the record: its teardown outlasts the timeout)"
     grep -o '"tok_s": [0-9.]*\|"step_ms": [0-9.]*\|"target_forward_ms": [0-9.]*\|"peak_gib": [0-9.]*' \
         "$OUT/specforge_peer.json" | tr '\n' ' '; echo
+}
+table() {  # $1: extra engine --set arguments
+    peer 140
     engine "engine $1;engine $1 --set target_fp8=true" "${3:-445}" "${2:-230}"  # bf16's cold compile took 143-186 s
 }
 case "$PART" in
@@ -58,6 +63,10 @@ print('' if errs and max(errs) < 0.02 else '--set attention=\"flex\"')
         ;;
     table)
         table ""
+        ;;
+    overlap)
+        peer 130
+        engine 'engine;engine --set overlap_steps="off";engine --set target_fp8=true' 450 200
         ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
@@ -90,6 +99,6 @@ print('' if errs and max(errs) < 0.02 else '--set attention=\"flex\"')
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|cast|lengths|attention|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|checked|cast|lengths|attention|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac

@@ -244,13 +244,17 @@ class FrozenTarget:
         for lid in self.layer_ids:
             layers[lid].register_forward_hook(self._hook(lid))
         self._forward: Any = model
+        self._targets: Any = training_targets
 
     def compile(self) -> None:
+        """The forward and ``training_targets`` compiled (the latter: argmax, gather and softmax in two fused
+        kernels instead of four eager passes over the logits)."""
         self._forward = GuardedFunction(self.model, compiled=True, name="target")
+        self._targets = GuardedFunction(training_targets, compiled=True, name="training_targets")
 
     def compiled_functions(self) -> list[GuardedFunction]:
-        """The compiled forward, once ``compile`` was called (for compile-event listeners)."""
-        return [self._forward] if isinstance(self._forward, GuardedFunction) else []
+        """The compiled functions, once ``compile`` was called (for compile-event listeners)."""
+        return [fn for fn in (self._forward, self._targets) if isinstance(fn, GuardedFunction)]
 
     def _hook(self, lid: int) -> Any:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
@@ -317,7 +321,7 @@ class FrozenTarget:
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> TargetOutput:
         logits, hidden3 = self.logits_and_hidden3(input_ids, documents=documents)
-        target_p, position_mask = training_targets(logits, loss_mask, draft_ids, t2d)
+        target_p, position_mask = self._targets(logits, loss_mask, draft_ids, t2d)
         return TargetOutput(hidden3=hidden3, target_p=target_p, position_mask=position_mask, loss_mask=loss_mask)
 
 
