@@ -132,7 +132,11 @@ def test_packed_flex_block_mask_gives_what_the_dense_document_mask_gives(target:
 
 def test_compiled_target_takes_packed_block_masks_without_a_graph_per_batch(target: FrozenTarget) -> None:
     """The compiled CUDA forward's packed path, traced by dynamo on the CPU: flex in the graph, the numbers of
-    the dense mask, and one graph for two batches whose conversations split differently."""
+    the dense mask, and no graph for a batch whose conversations split differently.
+
+    The first call makes one graph (no graph break). A second call may make one more whatever the batch: with
+    transformers 5.25 the ``kernels`` package's context variable is None before the first call and set after it
+    (a guard dynamo checks), so the count is taken from the second call on."""
     from engine.trainer.target.model import document_block_mask
 
     graphs: list[Any] = []
@@ -144,19 +148,23 @@ def test_compiled_target_takes_packed_block_masks_without_a_graph_per_batch(targ
     torch._dynamo.reset()
     compiled = torch.compile(target.model, backend=backend, dynamic=False)
     g = torch.Generator().manual_seed(4)
-    for cut in (60, 170):
+    counts = []
+    for cut in (60, 60, 170):
         ids = torch.randint(0, 200, (2, 256), generator=g)
         docs = (torch.arange(256) >= cut).long().expand(2, 256).contiguous()
         positions = document_positions(docs)
         with torch.no_grad():
             mask = document_block_mask(docs)
+            target._captured.clear()  # as FrozenTarget.logits_and_hidden3 calls it (dynamo guards on the hooks' dict)
             flex = compiled(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
             dense = target.model(
                 input_ids=ids, attention_mask=document_causal_mask(docs), position_ids=positions, use_cache=False
             )
         torch.testing.assert_close(flex.logits, dense.logits, atol=1e-5, rtol=1e-5)
-    assert len(graphs) == 1  # no graph break (flex stays in the target's graph) and no graph per batch
-    assert "flex_attention" in graphs[0].code
+        counts.append(len(graphs))
+    assert counts[0] == 1  # no graph break: flex stays in the target's graph
+    assert counts[2] == counts[1] <= 2  # the other split of conversations compiled nothing
+    assert all("flex_attention" in gm.code for gm in graphs)
 
 
 def test_a_transformers_with_the_old_mask_api_keeps_hf_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
