@@ -116,7 +116,8 @@ class TrainerConfig:
     # held-out batches (an fp8_agreement stage; 0: not measured), and a warning below fp8_min_top1.
     fp8_check_batches: int = 4
     fp8_min_top1: float = 0.98
-    # auto: merged on CUDA (block 0 in cuDNN's fused kernel, the TTT diagonals merged by log-sum-exp), sdpa on CPU
+    # auto: flex on CUDA, sdpa on the CPU. merged (block 0 in a fused causal kernel, the TTT diagonals merged by
+    # log-sum-exp) runs on the CPU only: its CUDA gradients were measured wrong (run/assembly.py).
     attention: str = "auto"
     # CUDA streams of co-located threads: "per_thread" (target and drafters overlap on the GPU) or
     # "per_device" (one stream per GPU: kernels queue in order, only the CPU work of the threads overlaps).
@@ -462,7 +463,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "torch_threads": 1,
         "output_dir": "runs/cpu-demo",
     },
-    # One H200: target and drafter co-located, compiled TTT steps with the merged attention, bf16.
+    # One H200: target and drafter co-located, compiled TTT steps with flex attention, bf16.
     "h200-single": {
         "target": "llama3-8b-shape",
         "target_devices": ["cuda:0"],
@@ -481,7 +482,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compile": True,
         "compile_target": True,
         "cuda_streams": "per_device",  # measured: 15.0k tok/s vs 14.4k per-thread with the fused TTT step
-        "attention": "merged",
+        "attention": "flex",
         "queue_size": 2,
         "log_every": 10,
         "stall_after_s": 300.0,

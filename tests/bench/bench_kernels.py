@@ -22,7 +22,7 @@ ways on the engine's shapes and prints both, with how far their results are apar
           gate/up merged ran slower (759 -> 694 TFLOP/s), q/k/v 0.02 ms faster a layer.
 
   unroll  the drafter's whole TTT unroll (7 steps, forward and backward, bf16 cast once, compiled as the engine
-          compiles it, merged attention): the engine's (q/k/v one matmul over the stacked weights, their embedding
+          compiles it, flex attention): the engine's (q/k/v one matmul over the stacked weights, their embedding
           half made once and shifted per step) against every step projecting its own tokens through whole q, k
           and v (tests/support/drafter_reference.py, three matmuls a step, as the engine ran until session 6),
           both on the same batch, and each against a float32 eager reference (dense-mask SDPA): the worst
@@ -267,7 +267,15 @@ def part_mlp(device: torch.device, tokens: int, h: int, inter: int, q: int, kv: 
 
 
 def part_unroll(
-    device: torch.device, b: int, t: int, shape: dict[str, int], steps: int, warm: int, iters: int, compiled: bool
+    device: torch.device,
+    b: int,
+    t: int,
+    shape: dict[str, int],
+    steps: int,
+    warm: int,
+    iters: int,
+    compiled: bool,
+    variants: list[tuple[str, bool]],
 ) -> dict[str, Any]:
     from support.drafter_reference import own_tokens_step, step_embeddings
 
@@ -287,7 +295,7 @@ def part_unroll(
     target_p = torch.softmax(torch.randn(b, t, cfg.draft_vocab_size, generator=g) * 3, dim=-1).to(device)
     mask = (torch.rand(b, t, generator=g) > 0.1).float().to(device)
     embeddings = step_embeddings(ids, drafter.embed_table, steps)
-    fast = TTTAttention("merged" if device.type == "cuda" else "sdpa", compiled=compiled)
+    fast = TTTAttention("flex" if device.type == "cuda" else "sdpa", compiled=compiled)
     ways = {
         "engine": GuardedFunction(ttt_step, compiled=compiled, name="ttt_step"),
         "own_tokens": GuardedFunction(own_tokens_step(embeddings), compiled=compiled, name="own_tokens_step"),
@@ -319,12 +327,18 @@ def part_unroll(
         with compile_guard():
             got[name] = unroll(fn, fast, bf16=True)
         out[f"{name}_fwd_bwd_ms"] = run(lambda fn=fn: unroll(fn, fast, bf16=True), warm, iters)
+    for impl, compiled_step in variants:  # diagnosis: the engine's step with another attention, or eager
+        attention = TTTAttention(impl, compiled=compiled_step)
+        fn = GuardedFunction(ttt_step, compiled=compiled_step, name=f"ttt_step_{impl}")
+        with compile_guard():
+            got[f"{impl}_{'compiled' if compiled_step else 'eager'}"] = unroll(fn, attention, bf16=True)
     ref_losses, ref_grads = unroll(None, TTTAttention("sdpa"), bf16=False)
     for name, (losses, grads) in got.items():
         out[f"{name}_loss_rel_err"] = float(((losses - ref_losses).abs() / ref_losses.abs().clamp_min(1e-30)).max())
         errs = {n: float((grads[n] - r).norm() / r.norm().clamp_min(1e-30)) for n, r in ref_grads.items()}
         worst = max(errs, key=lambda n: errs[n])
         out[f"{name}_grad_rel_err_worst"] = [worst, errs[worst]]
+        out[f"{name}_grad_rel_err"] = {n: round(e, 5) for n, e in errs.items()}
         out[f"{name}_params_with_grads"] = len(grads)
     out["params_with_grads_reference"] = len(ref_grads)
     out["saved_ms"] = out["own_tokens_fwd_bwd_ms"] - out["engine_fwd_bwd_ms"]
@@ -336,6 +350,9 @@ def main() -> int:
     ap.add_argument("--parts", default="loss,attention,mlp,unroll")
     ap.add_argument(
         "--unroll-batch", type=int, default=2, help="unroll: sequences a step (the reference's dense masks)"
+    )
+    ap.add_argument(
+        "--unroll-variants", default="", help="unroll: also the engine's step with IMPL:compiled|IMPL:eager attention"
     )
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
@@ -378,7 +395,8 @@ def main() -> int:
                 "vocab_size": 128256 if device.type == "cuda" else 4 * v,
                 "draft_vocab_size": v,
             }
-            res = part_unroll(device, a.unroll_batch, t, shape, 7, a.warm, a.iters, compiled)
+            variants = [(x.split(":")[0], x.endswith(":compiled")) for x in a.unroll_variants.split(",") if x]
+            res = part_unroll(device, a.unroll_batch, t, shape, 7, a.warm, a.iters, compiled, variants)
         else:
             print(f"bench_kernels: unknown part {part!r} (loss, attention, mlp, unroll)", file=sys.stderr)
             return 2

@@ -2,8 +2,9 @@
 without a recompile forced mid-run. One PASS/FAIL line per check.
 
 The layout (issue: target "tiny", tiny_hidden 256, three independent drafters on cuda:0, bucket 512, batch 2,
-3 TTT steps, compile on; the seed died with flex attention, the soak runs the engine's CUDA default now, merged;
-``--attention flex`` puts flex back). Each run is a fresh ``python3 tests/device/compile_soak.py --one``
+3 TTT steps, compile on; the seed died with flex attention, which is the engine's CUDA default again: the merged
+attention's CUDA gradients were measured wrong and it is refused there).
+Each run is a fresh ``python3 tests/device/compile_soak.py --one``
 process running the engine in-process, so the run can count its TTT step's retries and graphs at exit. With
 ``--force-at K`` the process changes torch's intra-op thread count when drafter1 reaches its K-th TTT step
 call: a global state every compiled graph guards on, so every thread's next call must recompile while the
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S, help="seconds before one run counts as hung")
     ap.add_argument("--force-at", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cpu", action="store_true", help="dry run without a GPU (aot_eager on the CPU)")
-    ap.add_argument("--attention", choices=["merged", "flex"], default="merged", help="the GPU layout's attention")
+    ap.add_argument("--attention", choices=["flex"], default="flex", help="the GPU layout's attention")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs' logs here")
     ap.add_argument("rest", nargs=argparse.REMAINDER)

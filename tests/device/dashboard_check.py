@@ -44,7 +44,7 @@ GPU_LAYOUT = [
     "drafter_lrs=[1e-3,1e-3,1e-3]",
     "buckets=[512]",
     "compile=true",
-    'attention="merged"',
+    'attention="flex"',
 ]
 CPU_LAYOUT = ['target="tiny"', 'drafter_devices=["cpu","cpu","cpu"]', "drafter_lrs=[1e-3,1e-3,1e-3]", "buckets=[128]"]
 COMMON = ["steps=100000", "step_delay_s=0.0", "log_every=10", "resume=false", "checkpoint_every=0"]

@@ -73,15 +73,17 @@ def test_cpu_devices_map_one_to_one_and_auto_attention_is_sdpa_there() -> None:
         assembly.attention_impl(config(attention="flex"), ddevs)
 
 
-def test_auto_attention_is_merged_on_sm80_and_later_and_flex_on_older_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    cuda = [torch.device("cuda", 0)]  # no GPU is touched: the capability is what the choice reads
-    monkeypatch.setattr(assembly.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert assembly.attention_impl(config(), cuda) == "merged"
-    monkeypatch.setattr(assembly.torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+def test_auto_attention_is_flex_on_cuda_and_merged_is_refused_there_naming_the_measured_bug() -> None:
+    cuda = [torch.device("cuda", 0)]  # no GPU is touched: the choice reads the device type only
     assert assembly.attention_impl(config(), cuda) == "flex"
     assert assembly.attention_impl(config(attention="flex"), cuda) == "flex"
-    with pytest.raises(ConfigError, match=r"^attention: 'merged' needs sm80 or later GPUs; cuda:0 is older"):
+    with pytest.raises(ConfigError, match=r"^attention: 'merged' gives wrong gradients on CUDA .* use 'flex'"):
         assembly.attention_impl(config(attention="merged"), cuda)
+    with pytest.raises(ConfigError, match=r"^attention: 'merged' gives wrong gradients on CUDA"):
+        assembly.attention_impl(
+            config(attention="merged", drafter_devices=["cpu", "cuda:0"]), [torch.device("cpu"), *cuda]
+        )
+    assert assembly.attention_impl(config(attention="merged"), [torch.device("cpu")]) == "merged"  # exact there
 
 
 def test_dtypes_are_float32_on_the_cpu_and_bfloat16_autocast_on_cuda_unless_float32_is_asked() -> None:
