@@ -1,10 +1,10 @@
 """Attention over the TTT key/value blocks: merged, flex_attention with a block-sparse mask, or SDPA with the mask.
 
-``merged`` (merged.py) runs block 0 in a fused causal kernel (cuDNN on the H200) and merges the diagonals by
-log-sum-exp: no tile is computed for a diagonal. flex_attention skips the fully masked blocks (all
-off-diagonal blocks after the first) but computes each diagonal as whole tiles. On the CPU flex_attention has no
-backward (torch 2.13 raises NotImplementedError), so CPU training uses scaled-dot-product attention with the same
-mask materialised; tests check that the paths agree.
+``merged`` (merged.py) runs block 0 in a fused causal kernel and merges the diagonals by log-sum-exp: no tile is
+computed for a diagonal (on the CPU only: its CUDA gradients were measured wrong, see merged.py). flex_attention
+skips the fully masked blocks (all off-diagonal blocks after the first) but computes each diagonal as whole tiles.
+On the CPU flex_attention has no backward (torch 2.13 raises NotImplementedError), so CPU training uses
+scaled-dot-product attention with the same mask materialised; tests check that the paths agree.
 
 Packed rows (``documents`` given) get a per-batch mask that keeps every conversation to itself (masks.py):
 a BlockMask made for the batch (flex, and merged on CUDA), or the dense ``(B, 1, T, K)`` mask.

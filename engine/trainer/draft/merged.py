@@ -15,6 +15,13 @@ the merged ``lse``: it forms ``P = exp(S - lse)`` (the full softmax's probabilit
 
 Grouped-query heads: the kernels get block 0's keys and values repeated to the query heads, and their gradients
 are summed back over each group.
+
+On CUDA it is refused (run/assembly.py): inside the whole drafter on an H200 (8B shape, batch 2, TTT 7, bf16) the
+gradients of everything before the attention came out 120-190 % off a float32 reference, eager or compiled, while
+the kernel alone on random inputs agrees to 3e-3 (tests/bench/bench_kernels.py, parts ``unroll`` and ``attention``).
+The inputs differ in layout: in the drafter q and k come from the rotary of a transposed projection, and at later
+TTT steps ``out`` is made here in another layout than cuDNN's own; which of cuDNN's backward's layout assumptions
+this breaks is not found yet. The CPU path (ATen's flash kernel) is exact (float64 tests).
 """
 
 from __future__ import annotations
