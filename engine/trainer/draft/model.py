@@ -415,7 +415,8 @@ class Drafter(nn.Module):
         Under autocast a compiled TTT step casts the fp32 parameters inside its graph, and autograd adds each
         step's fp32 gradient into ``.grad``: ``ttt_steps`` casts and ``ttt_steps - 1`` fp32 additions per weight a
         training step. Cast once, the steps' gradients meet at the cast in ``dtype`` and reach ``.grad`` once:
-        what eager autocast does anyway (it caches the cast; there this changes nothing, bit for bit), and the
+        what eager autocast does anyway for a parameter (it caches the cast; there this changes nothing, bit for
+        bit, except for the stacked q/k/v, which is no parameter and is cast at every use without it), and the
         numerics of SpecForge's bf16 parameters with fp32 masters (its gradients also sum in bf16 across steps).
         For an unroll under autocast to ``dtype`` (the inputs of the steps are then in ``dtype`` too). The keys are
         CAST_WEIGHTS: q, k and v stacked as one (``QKV``), then the layer's other Linears and the head.
