@@ -347,7 +347,7 @@ def part_unroll(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="loss,attention,mlp,unroll")
+    ap.add_argument("--parts", default="loss,attention,mlp", help="also: unroll (a whole compiled unroll: minutes)")
     ap.add_argument(
         "--unroll-batch", type=int, default=2, help="unroll: sequences a step (the reference's dense masks)"
     )
