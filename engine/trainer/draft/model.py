@@ -421,9 +421,13 @@ class Drafter(nn.Module):
         For an unroll under autocast to ``dtype`` (the inputs of the steps are then in ``dtype`` too). The keys are
         CAST_WEIGHTS: q, k and v stacked as one (``QKV``), then the layer's other Linears and the head.
         """
-        weights = {QKV: self.layer.qkv_weight().to(dtype), HEAD: self.lm_head.weight.to(dtype)}
-        weights.update({n: getattr(self.layer, n).weight.to(dtype) for n in LAYER_LINEARS if n not in QKV_LINEARS})
-        return weights
+
+        def weight(name: str) -> torch.Tensor:
+            if name == QKV:
+                return self.layer.qkv_weight()
+            return self.lm_head.weight if name == HEAD else getattr(self.layer, name).weight
+
+        return {name: weight(name).to(dtype) for name in CAST_WEIGHTS}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

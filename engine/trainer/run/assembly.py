@@ -93,9 +93,7 @@ def devices_for(cfg: TrainerConfig, info: RankInfo) -> tuple[list[torch.device],
     return tdevs, ddevs
 
 
-# Why merged is refused on CUDA (bench_kernels.py --parts unroll on an H200, 8B drafter, batch 2, TTT 7, bf16): through
-# cuDNN's backward the gradients of everything before the attention (q/k/v, fc, the norms) were 120-190 % off a
-# float32 reference, eager or compiled, where flex and SDPA were 2-3 % off; the CPU's kernel path is exact (tests).
+# Measured by tests/bench/bench_kernels.py --parts unroll (8B drafter, bf16; flex and SDPA 2-3 % off float32 there).
 MERGED_ON_CUDA = (
     "attention: 'merged' gives wrong gradients on CUDA (q/k/v, fc and norm gradients 120-190 % off float32 "
     "through cuDNN's backward, measured on an H200): use 'flex' (the default there)"
