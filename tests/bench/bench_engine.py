@@ -198,7 +198,7 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
 
 
 def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
-    parts = build_parts(compiled=True, attn="merged")
+    parts = build_parts(compiled=True, attn="flex")
     torch, dev, target = parts["torch"], parts["dev"], parts["target"]
     from engine.trainer.draft.model import ttt_step
     from engine.trainer.run.producer import DeviceBatch
@@ -327,7 +327,9 @@ def kernel_times(prof: Any, calls: int, main_range: str | None = None) -> dict[s
     for name, (ms, _n) in by_name.items():
         cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
     total = sum(cats.values())
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    top = ranked[:15]
+    top_other = [kv for kv in ranked if kernel_category(kv[0]) != "gemm"][:25]
     order = sorted(cats.items(), key=lambda kv: -kv[1])
     return {
         "kernel_ms": total,
@@ -340,6 +342,10 @@ def kernel_times(prof: Any, calls: int, main_range: str | None = None) -> dict[s
         "top_kernels": [
             {"name": name[:110], "ms": round(ms, 2), "per_call": round(n, 1), "category": kernel_category(name)}
             for name, (ms, n) in top
+        ],
+        "top_non_gemm_kernels": [
+            {"name": name[:110], "ms": round(ms, 2), "per_call": round(n, 1), "category": kernel_category(name)}
+            for name, (ms, n) in top_other
         ],
     }
 
@@ -397,7 +403,7 @@ def timing_event() -> Any:
 
 def mode_profile(steps: int, warm: int) -> dict[str, Any]:
     """Kernel categories of the target forward and of the drafter step, each alone; TTT-step timings."""
-    parts = build_parts(compiled=not DRY, attn="sdpa" if DRY else "merged")  # the engine's on CUDA
+    parts = build_parts(compiled=not DRY, attn="sdpa" if DRY else "flex")  # the engine's on CUDA
     torch, dev, target = parts["torch"], parts["dev"], parts["target"]
     from torch.profiler import ProfilerActivity, profile
 
