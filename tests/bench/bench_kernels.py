@@ -4,11 +4,13 @@ After the single weight cast the drafter's step and the target's forward are 78 
 the measured peak and the target's at 87 %; what is left is the loss, attention and norms. Each part times two
 ways on the engine's shapes and prints both, with how far their results are apart:
 
-  loss    the drafter's loss of one TTT step, compiled, forward and backward: the two-pass form the engine had
-          (log_softmax, then the target-weighted sum) against the engine's ``loss._soft_cross_entropy`` now, one
-          pass: ``lse(z) * sum(p) - sum(p * z)`` per position, the same quantity (p sums to 1 up to rounding; both
-          keep the accuracy counts). Shape (batch, seq, draft vocab), bf16 logits, fp32 target. Kept: on an H200
-          1.929 -> 1.497 ms a TTT step (tests/bench/results/throughput_h200_issue25.txt, session 4).
+  loss    the drafter's loss of one TTT step (targets shifted 3 places, as at TTT step 2), compiled, forward and
+          backward: the engine's (``loss._soft_cross_entropy``, one expression: ``lse(z) * sum(p) - sum(p * z)`` per
+          position, on target_p shifted inside the step) against the two-pass form it had before session 4
+          (log_softmax, then the target-weighted sum: 1.929 -> 1.497 ms, kept then) and the Triton candidates of
+          tests/bench/loss_kernels.py (``--loss-kernels KIND:BLOCK:WARPS``, CUDA only; one pass over each row, p read
+          unshifted). Session 7: the ``block`` candidate 0.857 ms forward against the engine's 0.903 (dropped);
+          ``lanes`` not measured yet. Shape (batch, seq, draft vocab), bf16 logits, fp32 target.
   attention  the drafter's TTT attention at step i (keys of steps 0..i side by side), compiled, forward and
           backward: one flex call over the whole TTT mask (block 0 causal, a partial diagonal tile per later block
           and query tile) against the engine's ``merged`` attention (draft/merged.py: block 0 in cuDNN's or
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,27 +54,57 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # support.drafter_reference
+sys.path.insert(0, str(REPO / "tests" / "bench"))  # loss_kernels
 
 import torch  # noqa: E402
 
 from engine.trainer.config import LOSS_MEAN_ALL  # noqa: E402
 from engine.trainer.draft.loss import _soft_cross_entropy  # noqa: E402
+from engine.trainer.draft.model import shift_left  # noqa: E402
 
 PEAK_TFLOPS = 794.0
+
+
+SHIFT = 3  # the loss part's TTT targets: target_p's rows this many places on (TTT step 2's)
 
 
 def two_pass_loss(
     logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None, mean: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The engine's loss before the one-pass form: log_softmax, then the target-weighted sum (two passes over the
-    logits, a log-probabilities tensor between them)."""
+    """The engine's loss before session 4: log_softmax, then the target-weighted sum (two passes over the logits, a
+    log-probabilities tensor between them), on target_p shifted as the TTT step shifts it."""
     m = mask.to(torch.float32)
+    target_p = shift_left(target_p, SHIFT)
     logp = torch.log_softmax(logits.float(), dim=-1)
     summed = (-(target_p.float() * logp).sum(dim=-1) * m).sum()
     denominator = float(m.numel()) if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
     hits = (logits.argmax(dim=-1) == target_p.argmax(dim=-1)).to(torch.float32) * m
     count = (loss_mask.to(torch.float32) if loss_mask is not None else m).sum()
     return summed / denominator, hits.sum(), count
+
+
+def engine_loss(
+    logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None, mean: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's loss as its TTT step runs it: on target_p shifted inside the compiled step."""
+    return _soft_cross_entropy(logits, shift_left(target_p, SHIFT), mask, loss_mask, mean)
+
+
+def rows_loss(rows: Callable[..., Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The engine's loss made from a candidate's five row values (tests/bench/loss_kernels.py), p read unshifted."""
+
+    def loss(
+        logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None, mean: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = mask.to(torch.float32)
+        lse, p_sum, pz, z_arg, p_arg = rows(logits, target_p, SHIFT)
+        summed = ((lse * p_sum - pz) * m).sum()
+        denominator = float(m.numel()) if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
+        hits = (z_arg == p_arg).to(torch.float32) * m
+        count = (loss_mask.to(torch.float32) if loss_mask is not None else m).sum()
+        return summed / denominator, hits.sum(), count
+
+    return loss
 
 
 def timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:
@@ -96,15 +129,26 @@ def timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float
     return run
 
 
-def part_loss(device: torch.device, b: int, t: int, v: int, warm: int, iters: int, compiled: bool) -> dict[str, Any]:
+def part_loss(
+    device: torch.device, b: int, t: int, v: int, warm: int, iters: int, compiled: bool, kernels: list[str]
+) -> dict[str, Any]:
+    import loss_kernels
+
     g = torch.Generator(device="cpu").manual_seed(0)
     logits0 = (torch.randn(b, t, v, generator=g) * 2).to(device, torch.bfloat16)
     target_p = torch.softmax(torch.randn(b, t, v, generator=g) * 3, dim=-1).to(device)
     mask = (torch.rand(b, t, generator=g) > 0.1).float().to(device)
     run = timer(device)
-    out: dict[str, Any] = {"part": "loss", "shape": [b, t, v], "compiled": compiled}
+    out: dict[str, Any] = {"part": "loss", "shape": [b, t, v], "shift": SHIFT, "compiled": compiled}
+    ways: dict[str, Callable[..., Any]] = {"two_pass": two_pass_loss, "engine": engine_loss}
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the dry run can check the candidates' code path
+    if (device.type == "cuda" or interpreted) and loss_kernels.KERNELS:
+        for spec in kernels:  # kind:block:warps
+            kind, block, warps = spec.split(":")
+            rows = loss_kernels.candidate_rows(kind, int(block), int(warps))
+            ways[f"kernel_{kind}_{block}_{warps}"] = rows_loss(rows)
     results: dict[str, tuple[torch.Tensor, ...]] = {}
-    for name, fn in (("two_pass", two_pass_loss), ("engine", _soft_cross_entropy)):
+    for name, fn in ways.items():
         step = torch.compile(fn) if compiled else fn
         logits = logits0.clone().requires_grad_(True)
 
@@ -124,11 +168,14 @@ def part_loss(device: torch.device, b: int, t: int, v: int, warm: int, iters: in
         loss.backward()
         assert logits.grad is not None
         results[name] = (loss.detach(), hits.detach(), count.detach(), logits.grad.detach().float())
-    (l0, h0, c0, g0), (l1, h1, c1, g1) = results["two_pass"], results["engine"]
-    out["loss_rel_diff"] = abs(float(l1) - float(l0)) / max(abs(float(l0)), 1e-30)
-    out["grad_rel_diff"] = float((g1 - g0).norm() / g0.norm())
-    out["counts_equal"] = bool(torch.equal(h0, h1)) and bool(torch.equal(c0, c1))
-    out["fwd_bwd_saved_ms_per_ttt_step"] = out["two_pass_fwd_bwd_ms"] - out["engine_fwd_bwd_ms"]
+    l0, h0, c0, g0 = results["engine"]
+    for name, (l1, h1, c1, g1) in results.items():
+        if name == "engine":
+            continue
+        out[f"{name}_loss_rel_diff"] = abs(float(l1) - float(l0)) / max(abs(float(l0)), 1e-30)
+        out[f"{name}_grad_rel_diff"] = float((g1 - g0).norm() / g0.norm())
+        out[f"{name}_counts_equal"] = bool(torch.equal(h0, h1)) and bool(torch.equal(c0, c1))
+        out[f"{name}_fwd_bwd_saved_ms_per_ttt_step"] = out["engine_fwd_bwd_ms"] - out[f"{name}_fwd_bwd_ms"]
     return out
 
 
@@ -352,6 +399,11 @@ def main() -> int:
         "--unroll-batch", type=int, default=2, help="unroll: sequences a step (the reference's dense masks)"
     )
     ap.add_argument(
+        "--loss-kernels",
+        default="block:2048:8,lanes:1024:4,lanes:2048:8,lanes:1024:8",
+        help="loss: the Triton candidates of tests/bench/loss_kernels.py as KIND:BLOCK:WARPS (CUDA only)",
+    )
+    ap.add_argument(
         "--unroll-variants", default="", help="unroll: also the engine's step with IMPL:compiled|IMPL:eager attention"
     )
     ap.add_argument("--warm", type=int, default=5)
@@ -374,7 +426,8 @@ def main() -> int:
     results = []
     for part in a.parts.split(","):
         if part == "loss":
-            res = part_loss(device, b, t, v, a.warm, a.iters, compiled)
+            kernels = a.loss_kernels.split(",") if a.loss_kernels else []
+            res = part_loss(device, b, t, v, a.warm, a.iters, compiled, kernels)
         elif part == "attention":
             shape = [b, 32, 8, t, 128] if device.type == "cuda" else [b, 8, 2, t, 16]
             if a.attention_shape:

@@ -13,8 +13,9 @@
 #       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
 #       (where the time goes). ~350 s, at most 500 (the packed rows compile a second target graph).
 #   sh tests/device/throughput_runs.sh kernels         candidates alone (tests/bench/bench_kernels.py): the drafter's
-#       loss in one pass (the engine's now) against the two-pass form, the TTT attention merged (cuDNN, flash)
-#       against one flex call, the target's gate/up and q/k/v GEMMs merged (<= 300 s).
+#       loss (the engine's expression) against the two-pass form and the one-pass Triton candidates of
+#       tests/bench/loss_kernels.py, the TTT attention merged (cuDNN, flash) against one flex call, the target's
+#       gate/up and q/k/v GEMMs merged (<= 300 s).
 #   sh tests/device/throughput_runs.sh attention       the TTT attention alone per step (bench_kernels.py --parts
 #       attention), then the drafter's whole unroll with flex and with merged against float32 (--parts unroll):
 #       merged is refused on CUDA since its gradients there came out wrong in the whole unroll (<= 400 s).
