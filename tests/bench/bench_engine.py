@@ -69,6 +69,7 @@ def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, flo
 TARGET_ONLY = False  # profile --target-only: the target forward alone (no drafter compile)
 DRY = False  # --dry-run: the profile mode on the CPU with the tiny target (the code path, not a figure)
 CAST_ONCE = True  # the sides' and profile's drafter worker casts its weights once (--set cast_weights_once=false)
+FP8 = False  # the sides' and profile's target with FP8 decoder Linears (--set target_fp8=true; CUDA with FP8 only)
 
 
 def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
@@ -89,7 +90,9 @@ def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
             "tiny", dev, tokenizer=build_tiny_tokenizer(), layer_ids=None, seed=0, dtype=torch.bfloat16
         )
     else:
-        target = load_target("llama3-8b-shape", dev, tokenizer=None, layer_ids=None, seed=0, dtype=torch.bfloat16)
+        target = load_target(
+            "llama3-8b-shape", dev, tokenizer=None, layer_ids=None, seed=0, dtype=torch.bfloat16, fp8=FP8
+        )
     if not DRY:
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
@@ -433,7 +436,7 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
     target_mfu = f["target"] / (target_kernels["kernel_ms"] / 1000) / (PEAK_TFLOPS * 1e12)
     if TARGET_ONLY:
         return {
-            "mode": f"profile --target-only batch_size={BATCH}",
+            "mode": f"profile --target-only batch_size={BATCH}" + (" target_fp8=true" if FP8 else ""),
             "target": target_kernels,
             "target_mfu_kernels": target_mfu,
             "attention_impl": target.config._attn_implementation,
@@ -473,7 +476,9 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
         sync()
     drafter_kernels = kernel_times(prof_d, calls, main_range="bench::train_step")
     return {
-        "mode": f"profile batch_size={BATCH}" + ("" if CAST_ONCE else " cast_weights_once=false"),
+        "mode": f"profile batch_size={BATCH}"
+        + ("" if CAST_ONCE else " cast_weights_once=false")
+        + (" target_fp8=true" if FP8 else ""),
         "target": target_kernels,
         "target_mfu_kernels": target_mfu,
         "attention_impl": target.config._attn_implementation,
@@ -623,9 +628,13 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="profile: the code path on the CPU (tiny target, seq 128)")
     ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()
-    global BATCH, CAST_ONCE, DRY, SEQ, DRAFT_VOCAB, TARGET_ONLY
+    global BATCH, CAST_ONCE, DRY, FP8, SEQ, DRAFT_VOCAB, TARGET_ONLY
     BATCH = a.batch
     CAST_ONCE = "cast_weights_once=false" not in a.set
+    FP8 = "target_fp8=true" in a.set
+    if FP8 and a.dry_run:
+        print("bench_engine.py: --set target_fp8=true needs an FP8 GPU; the dry run has none", file=sys.stderr)
+        return 2
     TARGET_ONLY = a.target_only
     if a.dry_run:
         DRY, SEQ, DRAFT_VOCAB = True, 128, 256

@@ -12,6 +12,9 @@
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
 #       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
 #       (where the time goes). ~350 s, at most 500 (the packed rows compile a second target graph).
+#   sh tests/device/throughput_runs.sh profile [BATCH] where the time goes (bench_engine.py profile: every CUDA kernel
+#       of the target's forward and of the drafter's step, each side alone, the 25 longest non-GEMM ones listed), then
+#       the FP8 target's forward alone the same way (--set target_fp8=true --target-only) (<= 400 s).
 #   sh tests/device/throughput_runs.sh kernels         candidates alone (tests/bench/bench_kernels.py): the drafter's
 #       loss (the engine's expression) against the two-pass form and the one-pass Triton candidates of
 #       tests/bench/loss_kernels.py, the TTT attention merged (cuDNN, flash) against one flex call, the target's
@@ -74,6 +77,15 @@ case "$PART" in
         echo "unroll exit $?"
         grep RESULT "$OUT/unroll.txt" | cut -c1-3000
         ;;
+    profile)
+        timeout 240 python3 tests/bench/bench_engine.py profile --batch "$B" --steps 5 --warm 3 > "$OUT/profile.txt" 2>&1
+        echo "profile exit $?"
+        grep RESULT "$OUT/profile.txt" | cut -c1-6000
+        timeout 150 python3 tests/bench/bench_engine.py profile --target-only --set target_fp8=true --batch "$B" \
+            --steps 5 --warm 3 > "$OUT/profile_fp8.txt" 2>&1
+        echo "profile fp8 exit $?"
+        grep RESULT "$OUT/profile_fp8.txt" | cut -c1-4000
+        ;;
     kernels)
         timeout 300 python3 tests/bench/bench_kernels.py --out "$OUT" > "$OUT/kernels.txt" 2>&1
         echo "kernels exit $?"
@@ -87,6 +99,6 @@ case "$PART" in
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|cast|lengths|attention|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac
