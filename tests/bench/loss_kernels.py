@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from engine.trainer.draft.model import shift_left  # row t + n at t, zeros past the end: the TTT step's shift
+
 try:
     import triton
     import triton.language as tl
@@ -33,19 +35,10 @@ except ImportError:  # CPU builds of torch: the bench's dry run skips these cand
 Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def shift_rows_zero(x: torch.Tensor, shift: int) -> torch.Tensor:  # (B, T, ...) -> (B, T, ...)
-    """Row ``t + shift`` at ``t`` within each sequence (dim 1), zeros past the end."""
-    if shift == 0:
-        return x
-    if shift >= x.shape[1]:
-        return torch.zeros_like(x)
-    return torch.cat((x[:, shift:], torch.zeros_like(x[:, :shift])), dim=1)
-
-
 def reference_rows(z: torch.Tensor, p: torch.Tensor, shift: int) -> Rows:
     """The five row values from the PyTorch expression (the engine's loss computes these)."""
     zf = z.float()
-    pf = shift_rows_zero(p, shift).float()
+    pf = shift_left(p, shift).float()
     return torch.logsumexp(zf, dim=-1), pf.sum(-1), (pf * zf).sum(-1), z.argmax(-1), pf.argmax(-1)
 
 
@@ -162,7 +155,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
 def _backward(ctx: Any, g_lse: Any, _g_ps: Any, g_pz: Any, _g_za: Any, _g_pa: Any) -> tuple[Any, ...]:
     z, p, lse = ctx.saved_tensors
     dz = torch.exp(z.float() - lse.unsqueeze(-1)) * g_lse.unsqueeze(-1)
-    dz = dz + shift_rows_zero(p, ctx.shift).float() * g_pz.unsqueeze(-1)
+    dz = dz + shift_left(p, ctx.shift).float() * g_pz.unsqueeze(-1)
     return dz.to(z.dtype), None, None, None, None, None
 
 
