@@ -15,11 +15,13 @@ a host then needs only python3 and the driver for GPU data (engine/host/nvml_bin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import io
 import json
 import os
+import time
 import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
@@ -241,13 +243,42 @@ def _sources_key(root: Path) -> str:
     return h.hexdigest()[:32]
 
 
+CACHE_KEEP = 8  # bundles kept in the client's cache, the most recently used first (~390 KB each)
+_STRAY_TMP_S = 3600.0  # a .tmp- file this old is a writer that died mid-write
+
+
+def prune_cache(directory: Path, keep: int = CACHE_KEEP) -> list[Path]:
+    """Remove all but the ``keep`` most recently used bundles of the cache (a read touches its file) and stray
+    temporary files an hour old; returns what was removed. Every install and every edit of the engine's sources
+    makes a new key, so without this the cache only grows. A removed bundle costs one rebuild (~40 ms)."""
+    try:
+        entries = [(p, p.stat().st_mtime) for p in directory.iterdir() if p.is_file()]
+    except OSError:
+        return []
+    bundles = sorted(((p, t) for p, t in entries if p.name.endswith(".pyz")), key=lambda e: e[1], reverse=True)
+    now = time.time()
+    stale = [p for p, _ in bundles[keep:]]
+    stale += [p for p, t in entries if ".pyz.tmp-" in p.name and now - t > _STRAY_TMP_S]
+    removed = []
+    for path in stale:
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass  # another client's prune got there first, or the cache is read-only
+    return removed
+
+
 @lru_cache(maxsize=1)
 def agent_bundle() -> Bundle:
-    """The bundle of the engine this client was installed with (built once, then cached on disk by source stats)."""
+    """The bundle of the engine this client was installed with (built once, then cached on disk by source stats;
+    the cache keeps the CACHE_KEEP most recently used)."""
     root = _package_root()
     cached = _cache_dir() / f"{_sources_key(root)}.pyz"
     try:
         data = cached.read_bytes()
+        with contextlib.suppress(OSError):
+            os.utime(cached)  # used now: the prune keeps the most recently used
     except OSError:
         data = build_bundle_bytes(root)
         try:  # a cache that cannot be written only costs the ~40 ms of building the zip next time
@@ -257,6 +288,8 @@ def agent_bundle() -> Bundle:
             tmp.replace(cached)
         except OSError:
             pass
+        else:
+            prune_cache(cached.parent)
     return Bundle(data=data, sha256=hashlib.sha256(data).hexdigest(), version=protocol.AGENT_VERSION)
 
 
