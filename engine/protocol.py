@@ -509,7 +509,9 @@ class StepEvent:
     skipped: bool = False  # non-finite gradients: the optimizer did not step
     lr: float | None = None
     bucket: int | None = None  # the padded sequence length of the batch
-    target_ms: float | None = None  # the target forward that produced the batch
+    # The producer's host time for the batch that was trained: reading it, moving it and the target's forward. On
+    # CUDA that is mostly the time to queue the forward's kernels, not their run time (bench_engine's profile has that).
+    target_ms: float | None = None
     t: float | None = None
     rank: int | None = None
     node: int | None = None

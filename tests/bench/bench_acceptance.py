@@ -1,6 +1,7 @@
 """Acceptance length τ of drafters trained by the engine on the built-in trained target (CPU).
 
-    python3 tests/bench/bench_acceptance.py [--steps 300] [--variants rope0-old,rope1-new] [--k 5] [--out FILE]
+    python3 tests/bench/bench_acceptance.py [--steps 300] [--variants rope0-old,rope1-new] [--k 5] [--seeds 0,1]
+        [--out FILE]
 
 For each variant the engine (``python3 -m engine.trainer --preset cpu-demo --set ...``) trains one drafter
 on ``tiny-trained`` for ``--steps`` steps, and ``specdec-train eval`` measures τ on the held-out prompts;
@@ -13,12 +14,17 @@ Variants toggle the two serve-time conventions: ``rope0``/``rope1`` = ``ttt_rope
 key), ``old``/``new`` = ``target_layers`` (2, L/2, L-3) vs (1, L/2-1, L-4) (outputs captured). A third part
 ``-fp8`` trains against the FP8 target (``target_fp8``); its τ is still measured with the exact target, as a
 server runs it, so ``rope1-new`` vs ``rope1-new-fp8`` is what training on the FP8 target costs when served.
+``--seeds`` trains each variant once per seed (the drafter's initial weights and the data order): the spread
+between seeds of one variant is the noise a difference between variants is judged against. Each τ is printed
+with its standard error over rounds (from the accepted-length histogram), and each ``-fp8`` variant is put beside
+its exact-target twin, seed by seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,7 +54,7 @@ TTT_STEPS: int | None = None  # --ttt-steps: training depth (default: the eval k
 TORCH_THREADS = 1  # --torch-threads: per training and per evaluation process
 
 
-def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
+def overrides(variant: str, steps: int, out: Path, lr: float, seed: int = 0) -> list[str]:
     rope, layers, *rest = variant.split("-")
     if rest not in ([], ["fp8"]):
         raise SystemExit(f"variant {variant!r}: ROPE-LAYERS[-fp8], e.g. rope1-new or rope1-new-fp8")
@@ -65,6 +71,7 @@ def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
         f'output_dir="{out}"',
         "resume=false",
         f"torch_threads={TORCH_THREADS}",
+        f"seed={seed}",
     ]
     if TTT_STEPS is not None:
         sets.append(f"ttt_steps={TTT_STEPS}")
@@ -75,8 +82,8 @@ def overrides(variant: str, steps: int, out: Path, lr: float) -> list[str]:
     return [arg for s in sets for arg in ("--set", s)]
 
 
-def train(variant: str, steps: int, out: Path, lr: float) -> float:
-    cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", *overrides(variant, steps, out, lr)]
+def train(variant: str, steps: int, out: Path, lr: float, seed: int = 0) -> float:
+    cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", *overrides(variant, steps, out, lr, seed)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("SPECDEC_EVENTS", None)
     t0 = time.perf_counter()
@@ -100,6 +107,44 @@ def measure(out: Path, k: int, conversations: int, max_new: int, *, as_served: b
     return {**drafter, "ttt_rope_offset": report["ttt_rope_offset"], "target_layers": report["target_layers"]}
 
 
+def tau_se(hist: list[int]) -> float:
+    """The standard error of τ over rounds: the spread of one round's tokens (accepted + 1) over sqrt(rounds)."""
+    n = sum(hist)
+    if n < 2:
+        return float("nan")
+    mean = sum((a + 1) * c for a, c in enumerate(hist)) / n
+    var = sum(c * (a + 1 - mean) ** 2 for a, c in enumerate(hist)) / (n - 1)
+    return math.sqrt(var / n)
+
+
+def fp8_pairs(variants: dict[str, Any]) -> list[str]:
+    """Each ``-fp8`` run beside its exact-target twin of the same seed: τ of both as served by the exact target,
+    the difference, and the spread of the exact twin across seeds (the noise)."""
+    lines = []
+    for name, run in variants.items():
+        base, _, seed = name.partition("@")
+        if not base.endswith("-fp8"):
+            continue
+        twin = variants.get(f"{base[: -len('-fp8')]}@{seed}" if seed else base[: -len("-fp8")])
+        if twin is None:
+            continue
+        a, b = run["trained"], twin["trained"]
+        sa, sb = tau_se(a["accepted_hist"]), tau_se(b["accepted_hist"])
+        lines.append(
+            f"{name}: tau {a['tau']:.3f} +- {sa:.3f} against {b['tau']:.3f} +- {sb:.3f} trained on the exact target: "
+            f"difference {a['tau'] - b['tau']:+.3f} (combined standard error {math.hypot(sa, sb):.3f})"
+        )
+    exact = [r["trained"]["tau"] for n, r in variants.items() if not n.partition("@")[0].endswith("-fp8")]
+    fp8 = [r["trained"]["tau"] for n, r in variants.items() if n.partition("@")[0].endswith("-fp8")]
+    if lines and len(exact) > 1 and len(fp8) == len(exact):
+        lines.append(
+            f"over {len(exact)} seeds: exact-target drafters tau {sum(exact) / len(exact):.3f} "
+            f"(range {min(exact):.3f}-{max(exact):.3f}), FP8-target drafters {sum(fp8) / len(fp8):.3f} "
+            f"(range {min(fp8):.3f}-{max(fp8):.3f})"
+        )
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -112,7 +157,12 @@ def main() -> int:
     ap.add_argument("--out", help="also write the results as JSON here")
     ap.add_argument("--ttt-steps", type=int, help="training depth (default: --k)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads of each training and evaluation")
+    ap.add_argument("--seeds", default="0", help="train each variant once per seed (comma-separated)")
     args = ap.parse_args()
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        raise SystemExit(f"--seeds: comma-separated integers, not {args.seeds!r}") from None
     global TTT_STEPS, TORCH_THREADS
     TTT_STEPS = args.ttt_steps if args.ttt_steps is not None else args.k
     TORCH_THREADS = args.torch_threads
@@ -137,26 +187,32 @@ def main() -> int:
         if variant.startswith("rope1") and not has_key("ttt_rope_offset"):
             print(f"{variant}: skipped (this tree's config has no ttt_rope_offset key)", flush=True)
             continue
-        work = Path(args.work) / variant
-        train(variant, 1, work / "untrained", lr=1e-30)
-        before = measure(work / "untrained", args.k, args.conversations, args.max_new_tokens)
-        train_s = train(variant, args.steps, work / "trained", lr=args.lr)
-        after = measure(work / "trained", args.k, args.conversations, args.max_new_tokens)
-        served = measure(work / "trained", args.k, args.conversations, args.max_new_tokens, as_served=True)
-        results["variants"][variant] = {
-            "untrained": before,
-            "trained": after,
-            "trained_as_served": served,
-            "train_s": round(train_s, 1),
-        }
-        per = " ".join(f"{p:.2f}" for p in after["per_position_conditional"])
-        print(
-            f"{variant}: layers {after['target_layers']} rope_offset {after['ttt_rope_offset']}: "
-            f"tau untrained {before['tau']:.3f} -> {after['tau']:.3f} after {args.steps} steps (ttt {TTT_STEPS}) "
-            f"({train_s:.0f} s); accept_j|j-1 {per}; rounds {after['rounds']}; "
-            f"as served (layers {served['target_layers']}, rope offset on): tau {served['tau']:.3f}",
-            flush=True,
-        )
+        for seed in seeds:
+            name = f"{variant}@{seed}" if len(seeds) > 1 else variant
+            work = Path(args.work) / name
+            train(variant, 1, work / "untrained", lr=1e-30, seed=seed)
+            before = measure(work / "untrained", args.k, args.conversations, args.max_new_tokens)
+            train_s = train(variant, args.steps, work / "trained", lr=args.lr, seed=seed)
+            after = measure(work / "trained", args.k, args.conversations, args.max_new_tokens)
+            served = measure(work / "trained", args.k, args.conversations, args.max_new_tokens, as_served=True)
+            results["variants"][name] = {
+                "seed": seed,
+                "untrained": before,
+                "trained": after,
+                "trained_as_served": served,
+                "train_s": round(train_s, 1),
+            }
+            per = " ".join(f"{p:.2f}" for p in after["per_position_conditional"])
+            print(
+                f"{name}: layers {after['target_layers']} rope_offset {after['ttt_rope_offset']}: "
+                f"tau untrained {before['tau']:.3f} -> {after['tau']:.3f} +- {tau_se(after['accepted_hist']):.3f} "
+                f"after {args.steps} steps (ttt {TTT_STEPS}) ({train_s:.0f} s); accept_j|j-1 {per}; "
+                f"rounds {after['rounds']}; as served (layers {served['target_layers']}, rope offset on): "
+                f"tau {served['tau']:.3f}",
+                flush=True,
+            )
+    for line in fp8_pairs(results["variants"]):
+        print(line, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1), encoding="utf-8")
     return 0

@@ -17,7 +17,8 @@ ways on the engine's shapes and prints both, with how far their results are apar
           FlashAttention-2's fused causal kernel, the i diagonal keys merged in by log-sum-exp, the backward
           through the kernel's own with the merged lse), per step, each against a float32 dense-masked reference.
           (Session 4 timed flex over block 0 with its lse plus the merge: -0.52 / 0.66 / 0.55 ms at steps
-          1 / 3 / 6, dropped; the kernel, not the diagonals, was the cost.)
+          1 / 3 / 6, dropped; the kernel, not the diagonals, was the cost.) Flex is timed again with each of
+          ``--flex-options`` (its Triton kernels' tiles, stages and TMA loads against inductor's defaults).
   mlp     the target's MLP and attention input projections at its shape, bf16: gate and up as two GEMMs (Hugging
           Face's Llama) against one GEMM over the two weights concatenated (as vLLM merges them), and q, k, v as
           three against one. The frozen target could hold merged copies; this says what they would save. Dropped:
@@ -190,11 +191,13 @@ def part_attention(
     warm: int,
     iters: int,
     only: list[str] | None = None,
+    flex_options: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Each TTT step's attention, forward and backward, compiled as the engine compiles (static shapes): flex over
-    the whole mask (the engine's before ``merged``) against ``merged`` with each fused kernel (on the CPU, the dry
-    run: dense SDPA against merged, eager). Every candidate's output and gradients are compared with a float32
-    reference (dense-masked SDPA on the same inputs upcast), so a wrong candidate shows whichever one it is."""
+    the whole mask (the engine's) against ``merged`` with each fused kernel (on the CPU, the dry run: dense SDPA
+    against merged, eager), and flex with each of ``flex_options`` (name -> flex's ``kernel_options``: Triton tile
+    sizes, stages, TMA; CUDA only). Every candidate's output and gradients are compared with a float32 reference
+    (dense-masked SDPA on the same inputs upcast), so a wrong candidate shows whichever one it is."""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -217,6 +220,9 @@ def part_attention(
     def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
+    def flex_with(options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+        return lambda q, k, v, mask: flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
+
     def merged(backend: str) -> Callable[..., torch.Tensor]:
         return lambda q, k, v, mask: merged_ttt_attention(q, k, v, backend)
 
@@ -227,6 +233,8 @@ def part_attention(
             "merged_flash": torch.compile(merged("flash"), dynamic=False),
             "merged_cudnn_eager": merged("cudnn"),
         }
+        for name, options in (flex_options or {}).items():
+            fns[f"flex_{name}"] = torch.compile(flex_with(options), dynamic=False)
         baseline = "flex"
     else:
         fns = {"sdpa": lambda q, k, v, mask: dense(q, k, v, mask), "merged_cpu": merged("cpu")}
@@ -247,7 +255,7 @@ def part_attention(
         row: dict[str, Any] = {}
         for name, fn in fns.items():
             q, k, v = (x.detach().clone().requires_grad_(True) for x in (q0, k0, v0))
-            mask = masks.get(device, t, i) if name == "flex" else i  # made outside the compiled call, as the engine
+            mask = masks.get(device, t, i) if name.startswith("flex") else i  # made outside the compiled call
 
             def fwd_bwd(fn: Any = fn, q: Any = q, k: Any = k, v: Any = v, mask: Any = mask, dout: Any = dout) -> None:
                 q.grad = k.grad = v.grad = None
@@ -392,6 +400,35 @@ def part_unroll(
     return out
 
 
+# flex's Triton kernels with other settings than inductor's defaults for the H200 at head dim 128, bf16 (torch 2.11:
+# forward tiles 128 x 64, 3 stages, 8 warps; backward 64/128/128/64, 3 stages, 8 warps; no TMA on CUDA). The
+# drafter's flex backward is its longest non-GEMM kernel (14.3 ms of a 428 ms step, forward 5.2 ms: session 7).
+FLEX_OPTIONS: dict[str, dict[str, Any]] = {
+    "tma": {"USE_TMA": True},  # tensor-memory-accelerator loads (Hopper); inductor turns them on for XPU only
+    "fwd_n128": {"fwd_BLOCK_N": 128, "fwd_num_stages": 2},  # 3 stages of 128 x 128 K, V tiles: ~224 KB shared
+    "bwd_stages2": {"bwd_num_stages": 2},
+    "tma_bwd_stages2": {"USE_TMA": True, "bwd_num_stages": 2},
+}
+
+
+def parse_flex_options(text: str) -> dict[str, dict[str, Any]]:
+    """``NAME=JSON;NAME=JSON`` -> {name: kernel_options}; SystemExit(2) naming the bad entry."""
+    out: dict[str, dict[str, Any]] = {}
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry:
+            continue
+        name, sep, body = entry.partition("=")
+        try:
+            options = json.loads(body) if sep and name.isidentifier() else None
+        except json.JSONDecodeError:
+            options = None
+        if not isinstance(options, dict):
+            print(f"bench_kernels: --flex-options entry {entry!r} is not NAME={{json object}}", file=sys.stderr)
+            raise SystemExit(2)
+        out[name] = options
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="loss,attention,mlp", help="also: unroll (a whole compiled unroll: minutes)")
@@ -411,6 +448,11 @@ def main() -> int:
     ap.add_argument("--attention-shape", default="", help="attention: B,HQ,HKV,T,D instead of the 8B drafter's")
     ap.add_argument("--attention-steps", default="0,1,6", help="attention: the TTT steps timed")
     ap.add_argument("--attention-only", default="", help="attention: these candidates only (comma-separated)")
+    ap.add_argument(
+        "--flex-options",
+        default=";".join(f"{n}={json.dumps(o, separators=(',', ':'))}" for n, o in FLEX_OPTIONS.items()),
+        help="attention: flex again with each NAME=JSON kernel_options (';'-separated; CUDA only)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="the CPU at small shapes: the code path, not a figure")
     ap.add_argument("--out", type=Path, default=None, help="write kernels.json here")
     a = ap.parse_args()
@@ -434,7 +476,10 @@ def main() -> int:
                 shape = [int(x) for x in a.attention_shape.split(",")]
             steps = [int(x) for x in a.attention_steps.split(",")]
             only = [x for x in a.attention_only.split(",") if x]
-            res = part_attention(device, shape[0], shape[3], shape[1], shape[2], shape[4], steps, a.warm, a.iters, only)
+            options = parse_flex_options(a.flex_options)
+            res = part_attention(
+                device, shape[0], shape[3], shape[1], shape[2], shape[4], steps, a.warm, a.iters, only, options
+            )
         elif part == "mlp":
             res = part_mlp(device, tokens, h, inter, q, kv, a.warm, a.iters)
         elif part == "unroll":

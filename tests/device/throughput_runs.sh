@@ -17,8 +17,9 @@
 #       the FP8 target's forward alone the same way (--set target_fp8=true --target-only) (<= 400 s).
 #   sh tests/device/throughput_runs.sh kernels         candidates alone (tests/bench/bench_kernels.py): the drafter's
 #       loss (the engine's expression) against the two-pass form and the one-pass Triton candidates of
-#       tests/bench/loss_kernels.py, the TTT attention merged (cuDNN, flash) against one flex call, the target's
-#       gate/up and q/k/v GEMMs merged (<= 300 s).
+#       tests/bench/loss_kernels.py (<= 170 s), then the TTT attention's flex call at steps 1 and 6 with inductor's
+#       default kernels against flex with other kernel_options (TMA loads, wider forward tiles, 2-stage backward;
+#       bench_kernels.FLEX_OPTIONS) (<= 330 s).
 #   sh tests/device/throughput_runs.sh attention       the TTT attention alone per step (bench_kernels.py --parts
 #       attention), then the drafter's whole unroll with flex and with merged against float32 (--parts unroll):
 #       merged is refused on CUDA since its gradients there came out wrong in the whole unroll (<= 400 s).
@@ -87,9 +88,14 @@ case "$PART" in
         grep RESULT "$OUT/profile_fp8.txt" | cut -c1-4000
         ;;
     kernels)
-        timeout 300 python3 tests/bench/bench_kernels.py --out "$OUT" > "$OUT/kernels.txt" 2>&1
-        echo "kernels exit $?"
-        grep RESULT "$OUT/kernels.txt"
+        timeout 170 python3 tests/bench/bench_kernels.py --parts loss --out "$OUT/loss" > "$OUT/kernels.txt" 2>&1
+        echo "kernels loss exit $?"
+        grep RESULT "$OUT/kernels.txt" | cut -c1-3000
+        timeout 330 python3 tests/bench/bench_kernels.py --parts attention --attention-steps 1,6 \
+            --attention-only flex,flex_tma,flex_fwd_n128,flex_bwd_stages2,flex_tma_bwd_stages2 \
+            --out "$OUT/attention" > "$OUT/flex_options.txt" 2>&1
+        echo "kernels flex options exit $?"
+        grep "^attention step\|RESULT" "$OUT/flex_options.txt" | cut -c1-3000
         ;;
     fp8)
         timeout 120 python3 tests/bench/bench_fp8_target.py --targets llama3-8b-shape --device cuda:0 --batch "$B" \
