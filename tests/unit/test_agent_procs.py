@@ -19,6 +19,17 @@ from engine.host import holders, procs
 NO_SUCH_PID = 2**22 + 1  # above the kernel's largest pid_max: never a live process
 
 
+def after_boot(create_time: float) -> float:
+    """Seconds from boot to a create time of ours: the part no wall-clock step moves (btime is wall time)."""
+    return create_time - procs.boot_time()
+
+
+def psutil_after_boot(pid: int) -> float:
+    """psutil's view of the same: its create time less its boot time, both read now. Comparing wall times
+    instead fails whenever the clock steps between our cached btime and psutil's fresh one (17 s once)."""
+    return psutil.Process(pid).create_time() - psutil.boot_time()
+
+
 @pytest.fixture
 def dev_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     d = tmp_path / "dev"
@@ -77,7 +88,7 @@ def test_fd_holders_are_found_with_their_gpu_indices(
     assert h.user == pwd.getpwuid(os.getuid()).pw_name
     assert h.state == "sleeping"
     assert h.age_s is not None and 0 <= h.age_s < 60
-    assert h.create_time == pytest.approx(psutil.Process(a.pid).create_time(), abs=0.02)
+    assert after_boot(h.create_time) == pytest.approx(psutil_after_boot(a.pid), abs=0.02)
 
 
 def test_default_dev_dir_comes_from_the_environment(
@@ -125,7 +136,7 @@ def test_identity_changes_with_the_process_and_vanishes_with_it(spawn: Callable[
     p = spawn()
     ident = procs.proc_identity(p.pid)
     assert ident is not None and ident[0] == p.pid
-    assert ident[1] == pytest.approx(psutil.Process(p.pid).create_time(), abs=0.02)
+    assert after_boot(ident[1]) == pytest.approx(psutil_after_boot(p.pid), abs=0.02)
     assert procs.same_process(p.pid, ident[1])
     assert procs.same_process(p.pid, float(json.loads(json.dumps(ident[1]))))  # through the wire, exactly
     assert not procs.same_process(p.pid, ident[1] - 10.0)
@@ -169,7 +180,7 @@ def test_process_tree_with_threads_cpu_and_rss(spawn: Callable[..., subprocess.P
     assert top.threads[0].tid == root.pid
     assert all(t.name for t in top.threads)
     assert top.rss_mib is not None and top.rss_mib > 1
-    assert top.create_time == pytest.approx(psutil.Process(root.pid).create_time(), abs=0.02)
+    assert after_boot(top.create_time) == pytest.approx(psutil_after_boot(root.pid), abs=0.02)
 
     wait_until(lambda: (procs.process_tree(root.pid, tracker)[0].cpu_pct or 0.0) > 5.0, 10, "cpu% of a busy loop")
     assert procs.process_tree(NO_SUCH_PID) == []

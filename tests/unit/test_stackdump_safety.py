@@ -57,6 +57,7 @@ def test_hundreds_of_dumps_of_threads_churning_their_frames_never_crash_the_proc
         assert procs.catches_signal(child.pid, stackdump.SIGNAL)
         assert procs.catches_signal(child.pid, stackdump.FALLBACK_SIGNAL)
         last_inode: int | None = None
+        deep_seen = 0
         for i in range(DUMPS):
             os.kill(child.pid, stackdump.SIGNAL)
 
@@ -70,8 +71,12 @@ def test_hundreds_of_dumps_of_threads_churning_their_frames_never_crash_the_proc
                 return st.st_ino if st.st_ino != before and done else None
 
             last_inode = wait_until(new_dump, timeout_s=10, what=f"named dump {i + 1}")
+            deep_seen += "in deep" in files.text.read_text(encoding="utf-8")
         text = files.text.read_text(encoding="utf-8")
-        assert all(f"Thread drafter{i} (" in text for i in range(3)) and "in deep" in text
+        assert all(f"Thread drafter{i} (" in text for i in range(3))
+        # Any one dump can catch all three churners between two calls of deep (CI saw it once; 16 of 150 here
+        # with a busy loop beside): a quarter of them must show those frames.
+        assert deep_seen >= DUMPS // 4, f"the recursing frames were in {deep_seen} of {DUMPS} dumps"
         assert child.poll() is None
         assert files.raw.read_bytes() == b""  # SIGUSR1 never ran faulthandler's walk
         # FALLBACK_SIGNAL is registered (asserted above) but never sent here: faulthandler's walk over threads that
