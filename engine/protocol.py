@@ -1331,9 +1331,7 @@ def parse_policy(raw: Any) -> Policy:
     if isinstance(raw, Policy):
         return raw
     if not isinstance(raw, dict):
-        raise PolicyError(
-            None, f"must be a table such as {{ on = [\"crash\", \"hang\", \"oom\"], max = 3 }}, got {raw!r}"
-        )
+        raise PolicyError(None, f'must be a table such as {{ on = ["crash", "hang", "oom"], max = 3 }}, got {raw!r}')
     unknown = sorted(str(k) for k in raw if k not in POLICY_KEYS)
     if unknown:
         raise PolicyError(unknown[0], f"unknown key; allowed: {', '.join(POLICY_KEYS)}")

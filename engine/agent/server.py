@@ -39,8 +39,6 @@ FINISH_ON_EOF_S = 30.0
 REPLY_ON_EOF_S = 5.0
 
 
-
-
 class Agent:
     """Shared state of one agent process. Handlers get it as their first argument."""
 

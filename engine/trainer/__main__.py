@@ -147,6 +147,7 @@ def link_checkpoints(cfg: TrainerConfig, run_dir: str | None) -> None:
 def export_main(argv: list[str]) -> int:
     """``specdec-train export``: a checkpoint as the EAGLE-3 draft model vLLM / SGLang load (see export.py)."""
     from engine.trainer.serve import export
+
     ap = argparse.ArgumentParser(
         prog="specdec-train export", description="Export a trained drafter for vLLM / SGLang (EAGLE-3)"
     )

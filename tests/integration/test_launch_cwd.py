@@ -28,6 +28,7 @@ def _launch(where: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
 
 def _tmux_jobs_running() -> list[int]:
     """Children of the private tmux server that are not its panes' processes (its #() and run-shell jobs)."""
+
     def ask(fmt: str, *args: str) -> str:
         argv = ["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], *args, fmt]
         return subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout

@@ -24,7 +24,9 @@ Cli = Callable[..., Any]
 
 # Two "ranks" that step to 30, then rank 1 raises, rank 0 dies of the broken peer, and the launcher prints
 # torchrun's ChildFailedError summary (its real layout) naming rank 1 as the root cause; exit code 1.
-FAKE_TORCHRUN = f"SUMMARY = {TORCHRUN_FAILURE_SUMMARY!r}\n" + r'''
+FAKE_TORCHRUN = (
+    f"SUMMARY = {TORCHRUN_FAILURE_SUMMARY!r}\n"
+    + r'''
 import sys
 steps = int(sys.argv[1])
 for step in range(1, steps + 1):
@@ -45,6 +47,7 @@ Traceback (most recent call last):
 print(SUMMARY, end="", flush=True)
 sys.exit(1)
 '''
+)
 ROOT_CAUSE = "torchrun: rank 1 (local_rank 1) exited with code 1: RuntimeError: rank 1 exploded at step 30"
 
 

@@ -32,11 +32,14 @@ pytestmark = [pytest.mark.tmux, pytest.mark.slow, pytest.mark.skipif(shutil.whic
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 150.0
 
-TINY_TOML = TINY_ENGINE_TOML + """data = "random"
+TINY_TOML = (
+    TINY_ENGINE_TOML
+    + """data = "random"
 steps = 100000
 step_delay_s = 0.05
 stop_grace_s = 10
 """
+)
 
 
 def write_config(tmp: Path) -> Path:
@@ -196,7 +199,11 @@ def launch_two_nodes(tmp_path: Path, roots: list[Path], waits: list[subprocess.P
         waits.append(
             subprocess.Popen(
                 launch_cli(roots[n], cmd, "--wait", "first-step", "--json"),
-                cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cwd=REPO,
+                env=checkout_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
         )
         if n == 0:  # node 0's agent hosts the rendezvous store, as the endpoint's machine does: the one kept
@@ -274,7 +281,11 @@ def test_a_stop_of_both_loopback_nodes_reads_stopped_on_each(tmp_path: Path, cli
         stops = [
             subprocess.Popen(
                 [sys.executable, "-m", "tui", "stop", "local", "--run-root", str(r), "--grace", "20"],
-                cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                cwd=REPO,
+                env=checkout_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             for r in roots
         ]

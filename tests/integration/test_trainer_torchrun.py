@@ -128,9 +128,7 @@ def test_two_ranks_of_two_replicas_keep_equal_weights_and_train_every_index_once
     first = events(out / "events.jsonl")
     conversations = next(int(e["detail"].split()[0]) for e in first if "to train on" in e.get("detail", ""))
     batches_per_epoch = conversations // 2
-    trained = sorted(
-        g for rank, r in records.items() for g in trained_global(r["data_position"]["replicas"], rank, 2)
-    )
+    trained = sorted(g for rank, r in records.items() for g in trained_global(r["data_position"]["replicas"], rank, 2))
     assert trained == list(range(40)), trained  # each global index exactly once: no gaps, no repeats
     for epoch in range(40 // batches_per_epoch):
         in_epoch = [g for g in trained if g // batches_per_epoch == epoch]

@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
     theirs, model = speculators_logits(export_dir, hidden3, input_ids)
 
     from engine.trainer.serve import export
+
     drafter = export.drafter_from_export(export_dir, embed)
     both_ours = export.drafter_logits(drafter, hidden3, input_ids, ttt_steps=2)
     ours, theirs_all = both_ours[0], theirs

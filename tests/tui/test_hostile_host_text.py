@@ -109,6 +109,7 @@ def hostile_run(run_root: Path, tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def clipboard_server() -> Iterator[None]:
     tmux("kill-server")
+
     def started() -> bool:
         # A server still exiting from the kill above answers "server exited unexpectedly": ask again.
         made = tmux("new-session", "-d", "-s", "specdec-control", "-x", "80", "-y", "10", "sleep 600")

@@ -13,7 +13,7 @@ from tui.dashboard.app import DashboardApp
 from tui.dashboard.screens.stacks import StacksScreen
 
 SIZE = (120, 40)
-DUMP = "Thread drafter0 (native id 7), most recent call last:\n  File \"worker.py\", line 3, in _loop"
+DUMP = 'Thread drafter0 (native id 7), most recent call last:\n  File "worker.py", line 3, in _loop'
 
 
 class GatedSession(RecordingSession):

@@ -18,7 +18,7 @@ def test_a_partial_line_is_carried_until_its_end_arrives(tmp_path: Path) -> None
     start, complete = f.take_complete(f.read_path(1024))
     assert (start, complete, f.carry, f.offset, f.position) == (0, b'{"a": 1}\n', b'{"b"', 9, 13)
     with open(p, "ab") as fh:
-        fh.write(b': 2}\n')
+        fh.write(b": 2}\n")
     f.check()
     assert split_lines(*f.take_complete(f.read_path(1024))) == [(18, b'{"b": 2}')]
     assert f.carry == b"" and f.offset == 18

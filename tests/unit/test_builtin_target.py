@@ -62,9 +62,7 @@ def test_the_held_out_conversations_are_not_trained_on() -> None:
     assert not {repr(c) for c in held} & {repr(c) for c in train}
 
 
-def test_tiny_trained_is_a_target_name_the_engine_loads(
-    small_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tiny_trained_is_a_target_name_the_engine_loads(small_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builtin_target, "DEFAULT_RECIPE", SMALL)
     monkeypatch.setattr(builtin_target, "cache_root", lambda: small_root)
     assert from_dict({"target": "tiny-trained"}).target == "tiny-trained"

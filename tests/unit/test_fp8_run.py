@@ -37,8 +37,15 @@ def one_torch_thread() -> Iterator[None]:
 def tiny(*, fp8: bool, keep_exact: bool = False) -> FrozenTarget:
     tok = load_tokenizer("tiny")
     return load_target(
-        "tiny", torch.device("cpu"), tokenizer=tok, layer_ids=None, seed=0, dtype=torch.float32, tiny_layers=4,
-        fp8=fp8, keep_exact=keep_exact,
+        "tiny",
+        torch.device("cpu"),
+        tokenizer=tok,
+        layer_ids=None,
+        seed=0,
+        dtype=torch.float32,
+        tiny_layers=4,
+        fp8=fp8,
+        keep_exact=keep_exact,
     )
 
 
@@ -118,8 +125,15 @@ def built_run(cfg: TrainerConfig) -> tuple[Any, list[dict[str, Any]], io.StringI
 def test_an_fp8_run_reports_its_agreement_with_the_exact_target_warns_below_the_threshold_and_evaluates_exactly(
     tmp_path: Path,
 ) -> None:
-    cfg = run_config(tmp_path, fp8_check_batches=2, fp8_min_top1=1.0, eval_every=2, eval_k=K,
-                     eval_conversations=1, eval_max_new_tokens=8)
+    cfg = run_config(
+        tmp_path,
+        fp8_check_batches=2,
+        fp8_min_top1=1.0,
+        eval_every=2,
+        eval_k=K,
+        eval_conversations=1,
+        eval_max_new_tokens=8,
+    )
     engine, seen, stdout = built_run(cfg)
     stages = [e for e in seen if e["kind"] == "stage" and e["stage"] == "fp8_agreement"]
     assert len(stages) == 1
@@ -149,8 +163,14 @@ def test_an_fp8_run_reports_its_agreement_with_the_exact_target_warns_below_the_
     # The drafter as evaluated at its last step, now against the unquantised target: the same counts.
     drafter = engine.workers[0].drafter
     prompts = heldout_prompts(exact.tokenizer, cfg.data, cfg.eval_holdout, cfg.seed, 1)
-    again = evaluate(target_forward(exact), DrafterProposer(drafter, rope_offset=True), prompts, k=K,
-                     max_new_tokens=8, eos_id=getattr(exact.tokenizer, "eos_token_id", None))
+    again = evaluate(
+        target_forward(exact),
+        DrafterProposer(drafter, rope_offset=True),
+        prompts,
+        k=K,
+        max_new_tokens=8,
+        eos_id=getattr(exact.tokenizer, "eos_token_id", None),
+    )
     assert evals[0]["accepted_hist"] == again.hist
 
 

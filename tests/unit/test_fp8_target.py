@@ -49,9 +49,7 @@ def test_fp8_linear_scales_each_row_and_token_separately() -> None:
 def test_quantize_linears_replaces_the_decoder_and_keeps_lm_head_exact() -> None:
     tok = load_tokenizer("tiny")
     ref = load_target("tiny", torch.device("cpu"), tokenizer=tok, layer_ids=None, seed=0, dtype=torch.float32)
-    fp8 = load_target(
-        "tiny", torch.device("cpu"), tokenizer=tok, layer_ids=None, seed=0, dtype=torch.float32, fp8=True
-    )
+    fp8 = load_target("tiny", torch.device("cpu"), tokenizer=tok, layer_ids=None, seed=0, dtype=torch.float32, fp8=True)
     assert isinstance(fp8.model.lm_head, nn.Linear)
     kinds = [type(m) for m in fp8.model.model.layers.modules()]
     assert nn.Linear not in kinds and kinds.count(Fp8Linear) == 7 * len(fp8.model.model.layers)
@@ -68,8 +66,15 @@ def test_fp8_on_a_device_without_fp8_tensor_cores_is_a_named_error() -> None:
     reason = fp8_unsupported_reason(torch.device("meta"))
     assert reason is not None and "CUDA or CPU" in reason
     with pytest.raises(RuntimeError, match="target_fp8 needs"):
-        load_target("tiny", torch.device("meta"), tokenizer=load_tokenizer("tiny"), layer_ids=None, seed=0,
-                    dtype=torch.float32, fp8=True)
+        load_target(
+            "tiny",
+            torch.device("meta"),
+            tokenizer=load_tokenizer("tiny"),
+            layer_ids=None,
+            seed=0,
+            dtype=torch.float32,
+            fp8=True,
+        )
 
 
 def test_fp8_linear_rejects_sizes_the_fp8_matmul_cannot_take() -> None:
@@ -192,7 +197,11 @@ def test_quantize_linears_leaves_moe_routers_exact_and_quantises_experts_and_den
     replaced = quantize_linears(tree)
     kept = sorted(name for name, m in tree.named_modules() if isinstance(m, nn.Linear))
     assert kept == [
-        "block_sparse_moe.gate", "feed_forward.router", "lm_head", "mlp.gate", "mlp.shared_expert_gate",
+        "block_sparse_moe.gate",
+        "feed_forward.router",
+        "lm_head",
+        "mlp.gate",
+        "mlp.shared_expert_gate",
     ]
     quantised = [name for name, m in tree.named_modules() if isinstance(m, Fp8Linear)]
     assert "dense.gate_proj" in quantised and "mlp.shared_expert.gate_proj" in quantised
@@ -204,9 +213,16 @@ def test_a_real_qwen2_moe_target_quantises_with_its_routers_left_exact() -> None
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        num_experts=4, num_experts_per_tok=2,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
     )
     torch.manual_seed(0)
     model = Qwen2MoeForCausalLM(cfg).eval()

@@ -24,8 +24,13 @@ def test_a_profile_restart_table_becomes_the_launch_specs_policy(tmp_path: Path)
     path = profile_with(tmp_path, '{ on = ["oom", "crash", "hang"], max = 3, backoff_s = 30 }')
     profiles, _, _ = load_profiles(str(path))
     spec = profiles["big"].launch_spec(None, python="python3", engine_pythonpath=None)
-    assert spec.restart == {"on": ["crash", "hang", "oom"], "max": 3, "backoff_s": 30.0, "stall_s": 1800.0,
-                            "grace_s": 30.0}
+    assert spec.restart == {
+        "on": ["crash", "hang", "oom"],
+        "max": 3,
+        "backoff_s": 30.0,
+        "stall_s": 1800.0,
+        "grace_s": 30.0,
+    }
     assert profiles["big"].as_dict()["restart"] == spec.restart
 
 

@@ -14,8 +14,16 @@ from engine.supervisor.records import ExitRecord, LaunchRecord, SubmittedRecord
 
 
 def test_a_launch_record_reads_back_the_keys_it_wrote_and_keeps_unknown_ones() -> None:
-    doc = {"run_id": "r1", "command": ["python3", "-c", "pass"], "wrapper_pid": 7, "wrapper_start_ticks": 9,
-           "attachable": True, "deadlines_s": {"output": 5}, "output_offset_at_start": 12, "from_a_newer_wrapper": 1}
+    doc = {
+        "run_id": "r1",
+        "command": ["python3", "-c", "pass"],
+        "wrapper_pid": 7,
+        "wrapper_start_ticks": 9,
+        "attachable": True,
+        "deadlines_s": {"output": 5},
+        "output_offset_at_start": 12,
+        "from_a_newer_wrapper": 1,
+    }
     rec = LaunchRecord.from_json(doc)
     assert (rec.wrapper_pid, rec.job_pid, rec.deadlines_s) == (7, None, {"output": 5})
     assert rec.extra == {"from_a_newer_wrapper": 1}
@@ -52,8 +60,16 @@ def test_reading_a_run_twice_without_a_cache_gives_the_same_answer_and_a_cache_k
 ) -> None:
     rd = tmp_path / "runs" / "r1"
     rd.mkdir(parents=True)
-    launch = LaunchRecord(run_id="r1", command=["job"], wrapper_pid=os.getpid(), boot_id=procs.read_boot_id(),
-                          started_at=1.0, step_pattern=r"step=\d+", job_pid=os.getpid(), job_started_at=2.0)
+    launch = LaunchRecord(
+        run_id="r1",
+        command=["job"],
+        wrapper_pid=os.getpid(),
+        boot_id=procs.read_boot_id(),
+        started_at=1.0,
+        step_pattern=r"step=\d+",
+        job_pid=os.getpid(),
+        job_started_at=2.0,
+    )
     records.write_json_atomic(rd / records.LAUNCH_JSON, launch.to_json())
     (rd / records.OUTPUT_LOG).write_bytes(b"step=3\n")
     first = records.read_run(rd, procs.read_boot_id())
@@ -72,8 +88,15 @@ def test_an_event_line_without_end_is_skipped_and_counted_never_held_whole(tmp_p
 
     rd = tmp_path / "runs" / "r1"
     rd.mkdir(parents=True)
-    launch = LaunchRecord(run_id="r1", command=["job"], wrapper_pid=os.getpid(), boot_id=procs.read_boot_id(),
-                          started_at=1.0, job_pid=os.getpid(), job_started_at=2.0)
+    launch = LaunchRecord(
+        run_id="r1",
+        command=["job"],
+        wrapper_pid=os.getpid(),
+        boot_id=procs.read_boot_id(),
+        started_at=1.0,
+        job_pid=os.getpid(),
+        job_started_at=2.0,
+    )
     events = rd / records.EVENTS_JSONL
     with events.open("wb") as fh:
         fh.write(b'{"kind": "stage", "stage": "data"}\n')

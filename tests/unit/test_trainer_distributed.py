@@ -211,7 +211,12 @@ def test_gradients_are_averaged_over_every_replica_of_every_rank_in_one_collecti
     other = OtherRank([torch.full((2,), 6.0)], count=1, stop=True)
     ledger = IndexLedger()
     group = ReplicaGroup(
-        [0, 1], [torch.device("cpu")] * 2, lambda: False, ledger, cross=other, shapes=[[torch.Size([2])]]  # type: ignore[arg-type]
+        [0, 1],
+        [torch.device("cpu")] * 2,
+        lambda: False,
+        ledger,
+        cross=other,
+        shapes=[[torch.Size([2])]],  # type: ignore[arg-type]
     )
     grads = [[torch.full((2,), 1.0)], [torch.full((2,), 2.0)]]
     assert run_replicas(group, grads) == [True, True]
@@ -223,7 +228,12 @@ def test_gradients_are_averaged_over_every_replica_of_every_rank_in_one_collecti
 def test_a_peer_that_failed_is_named_by_every_thread_of_the_rank() -> None:
     other = OtherRank([torch.zeros(2)], count=1, failing=True)
     group = ReplicaGroup(
-        [0, 1], [torch.device("cpu")] * 2, lambda: False, IndexLedger(), cross=other, shapes=[[torch.Size([2])]]  # type: ignore[arg-type]
+        [0, 1],
+        [torch.device("cpu")] * 2,
+        lambda: False,
+        IndexLedger(),
+        cross=other,
+        shapes=[[torch.Size([2])]],  # type: ignore[arg-type]
     )
     results = run_replicas(group, [[torch.ones(2)], [torch.ones(2)]])
     assert all(isinstance(r, PeerFailure) and "peer rank 1 (node 1" in str(r) for r in results), results

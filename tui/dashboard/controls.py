@@ -154,10 +154,7 @@ class RunControl:
         if not run:
             self.app.notify("nothing to restart: no run yet (l launches the profile)", severity="warning")
             return
-        body = (
-            f"Stop {self._run_label()}, then launch its recorded command again:\n"
-            f"  {shlex.join(run.command)}"
-        )
+        body = f"Stop {self._run_label()}, then launch its recorded command again:\n  {shlex.join(run.command)}"
         self._confirm("Restart the run?", body, self._start_restart, "Restart")
 
     def _start_restart(self) -> None:

@@ -47,4 +47,3 @@ def decode(obj: dict[str, Any]) -> protocol.Event | Undecodable:
     except protocol.ProtocolError as exc:
         kind = obj.get("ev")
         return Undecodable(kind if isinstance(kind, str) else None, str(exc))
-

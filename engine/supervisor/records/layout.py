@@ -101,8 +101,6 @@ def current_refusal(run_root: Path | str) -> str | None:
     return _current_target(run_root)[1]
 
 
-
-
 def set_current(run_root: Path | str, run_dir: Path) -> None:
     """Point <run_root>/current at run_dir, atomically (a new symlink renamed over the old one)."""
     root = Path(run_root)

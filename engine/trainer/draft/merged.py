@@ -122,9 +122,7 @@ def _causal_backward(
 
 class _MergedTTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, backend: str
-    ) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, backend: str) -> torch.Tensor:
         b, hq, t, d = q.shape
         hkv = k_all.shape[1]
         group, blocks = hq // hkv, k_all.shape[2] // t

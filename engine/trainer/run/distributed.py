@@ -324,7 +324,6 @@ def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-
 def reshard(positions: dict[int, dict[str, Any]], old_world: int, rank: int, world_size: int) -> dict[str, Any]:
     """Rank ``rank``'s ledger state in a world of ``world_size`` from the ledgers of a world of ``old_world``
     (each in its local indices, global = local * world + rank): resuming with another number of ranks trains

@@ -159,9 +159,7 @@ class Proposer(Protocol):
 class DrafterProposer:
     """The EAGLE-3 drafter proposing a chain (see the module docstring for the exact inputs of each step)."""
 
-    def __init__(
-        self, drafter: Drafter, *, rope_offset: bool, autocast_dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, drafter: Drafter, *, rope_offset: bool, autocast_dtype: torch.dtype | None = None) -> None:
         self.drafter = drafter
         self.rope_offset = rope_offset
         self.autocast_dtype = autocast_dtype

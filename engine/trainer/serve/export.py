@@ -480,7 +480,12 @@ def drafter_logits(drafter: Any, hidden3: torch.Tensor, input_ids: torch.Tensor,
     target_p = torch.zeros(b, t, drafter.cfg.draft_vocab_size)
     with torch.no_grad():
         drafter(
-            hidden3, input_ids, target_p, torch.zeros(b, t), ttt_steps=ttt_steps, attention=TTTAttention("sdpa"),
+            hidden3,
+            input_ids,
+            target_p,
+            torch.zeros(b, t),
+            ttt_steps=ttt_steps,
+            attention=TTTAttention("sdpa"),
             loss_fn=capture,
         )
     return torch.stack(captured)

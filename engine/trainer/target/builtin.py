@@ -105,9 +105,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def ensure_built(
-    recipe: Recipe | None = None, *, root: Path | None = None, progress: Progress | None = None
-) -> Path:
+def ensure_built(recipe: Recipe | None = None, *, root: Path | None = None, progress: Progress | None = None) -> Path:
     """The directory of the trained target for ``recipe`` (default: ``DEFAULT_RECIPE``), training it if absent."""
     recipe = recipe if recipe is not None else DEFAULT_RECIPE
     say = progress if progress is not None else _stderr_progress

@@ -35,7 +35,7 @@ LOSS_HELP = (
     "loss = sum_i 0.8^i * loss_i over the TTT steps i. loss_i = soft cross-entropy of the drafter against the "
     "target's distribution on the draft vocabulary, summed over the positions trained on (data loss mask and "
     "target's top token in the draft vocab) and divided by ALL B x T positions of the batch (SpecForge's "
-    "normalisation; config loss_mean = \"masked_positions\" divides by the positions trained on instead)."
+    'normalisation; config loss_mean = "masked_positions" divides by the positions trained on instead).'
 )
 ACC_HELP = (
     "acc_i = positions where the drafter's top token at TTT step i equals the target's top token, divided by the "
@@ -171,9 +171,7 @@ class ChartModel:
         thread = event.thread or "engine"
         self._add("tau", thread, event.t or 0.0, event.tau)
         if event.per_position_conditional:
-            self.accept_latest[thread] = [
-                x if x is not None else float("nan") for x in event.per_position_conditional
-            ]
+            self.accept_latest[thread] = [x if x is not None else float("nan") for x in event.per_position_conditional]
         self.eval_steps[thread] = event.step
 
     def add_log_line(self, line: str, t: float) -> bool:
