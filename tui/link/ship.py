@@ -2,11 +2,12 @@
 
 The bundle is built in memory, byte-for-byte reproducible (sorted entries, fixed timestamps), and
 named ``<AGENT_VERSION>-<sha256[:16]>.pyz`` so a host keeps one file per content. On the host it
-lives at ``<run_root>/agent/<name>``; the bootstrap scripts below run with ``python3 -c`` and touch
+lives at ``<run_root>/agent/<name>``; the bootstrap scripts below run with ``python3 -c`` and write
 nothing but ``<run_root>/agent/``: ``CHECK`` verifies the file (sha256), keeps a verified extracted
 copy beside it and execs the agent from that copy; ``INSTALL`` reads the bundle from stdin into a
-temporary file, verifies its hash, renames. ``PYTHONPATH=<pyz> python3 -m engine.agent.main`` works
-too; the client uses the extracted tree as ``PYTHONPATH`` for ``python3 -m engine.trainer``.
+temporary file, verifies its hash, renames, then removes old bundles no process and no recorded run
+uses (``HOST_KEEP``). ``PYTHONPATH=<pyz> python3 -m engine.agent.main`` works too; the client uses the
+extracted tree as ``PYTHONPATH`` for ``python3 -m engine.trainer``.
 
 Besides ``engine`` the bundle carries ``_vendor/pynvml.py``, NVIDIA's single-file NVML binding taken from
 the client's nvidia-ml-py, with its BSD licence (``pynvml.LICENSE``) and a manifest (version, sha256):
@@ -62,6 +63,10 @@ except OSError:
 if h is None or h.hexdigest() != sha:
     say(bootstrap="upload", path=path)
     sys.exit(17)
+try:
+    os.utime(path)  # started now: INSTALL's prune keeps the most recently started bundles
+except OSError:
+    pass
 def same(zf, info):
     try:
         with open(os.path.join(tree, info.filename), "rb") as f:
@@ -87,8 +92,19 @@ boot = "import sys; sys.path.insert(0, sys.argv.pop(1)); from engine.agent.main 
 os.execv(sys.executable, [sys.executable, "-c", boot, tree, "--run-root", root] + sys.argv[4:])  # with site
 """
 
-# argv: RUN_ROOT NAME SHA256; stdin: the bundle. Writes tmp, verifies, renames; prints the path.
-INSTALL_SCRIPT = r"""
+# Bundles INSTALL keeps on the host besides the one it installs (the most recently started: CHECK touches each
+# bundle it verifies), and how long an older one must have gone unstarted before it goes. A bundle (~3 MB with its
+# extracted tree) arrives with every client version and every edit of the engine's sources.
+HOST_KEEP = 4
+HOST_IDLE_S = 86400.0
+
+# argv: RUN_ROOT NAME SHA256; stdin: the bundle. Writes tmp, verifies, renames; prints the path. Then prunes:
+# bundles beyond the HOST_KEEP most recently started, unstarted for HOST_IDLE_S, whose extracted tree no live
+# process runs from (cwd, argv or environment naming it), go with their trees; so do temporaries of writers and
+# extractors that died (an hour old). It prints what it removed.
+INSTALL_SCRIPT = (
+    f"KEEP, IDLE_S, STRAY_S = {HOST_KEEP}, {HOST_IDLE_S}, 3600.0\n"
+    + r"""
 import hashlib, json, os, sys
 root, name, sha = sys.argv[1], sys.argv[2], sys.argv[3]
 root = os.path.expanduser(root or os.environ.get("SPECDEC_RUN_ROOT") or "~/.specdec")
@@ -106,8 +122,67 @@ with open(tmp, "wb") as f:
     f.flush()
     os.fsync(f.fileno())
 os.replace(tmp, path)
-sys.stdout.write(json.dumps({"bootstrap": "installed", "path": path, "bytes": len(data)}) + "\n")
+import shutil, time
+def in_use(trees):
+    # The trees a live process runs from (its cwd, argv or environment names the tree: the agent, a run's
+    # supervisor, the engine by PYTHONPATH) or a recorded run would start again (`restart` relaunches its spec).
+    forms = lambda t: {t.encode(), json.dumps(t)[1:-1].encode(), os.path.realpath(t).encode()}  # cwd: resolved
+    marks = [(t, forms(t)) for t in trees]
+    seen = []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if pid.isdigit():
+            try:
+                seen.append(os.readlink("/proc/%s/cwd" % pid).encode())
+            except OSError:
+                pass
+            seen += ["/proc/%s/cmdline" % pid, "/proc/%s/environ" % pid]
+    runs = os.path.join(os.path.abspath(root), "runs")
+    for run in os.listdir(runs) if os.path.isdir(runs) else []:
+        seen += [os.path.join(runs, run, f) for f in ("launch.json", "submitted.json", "spec.json")]
+    used = set()
+    for item in seen:
+        if isinstance(item, str):
+            try:
+                with open(item, "rb") as f:
+                    item = f.read()
+            except OSError:
+                continue
+        used.update(t for t, forms in marks if any(m in item for m in forms))
+    return used
+def prune():
+    now, others, pruned = time.time(), [], []
+    for entry in os.listdir(adir):
+        full = os.path.join(adir, entry)
+        try:
+            age = now - os.lstat(full).st_mtime
+            if entry.endswith(".pyz") and entry != name:
+                others.append((age, full))
+            elif (".tmp-" in entry or ".old-" in entry) and age > STRAY_S:  # a writer or extractor that died
+                shutil.rmtree(full) if os.path.isdir(full) else os.unlink(full)
+        except OSError:
+            continue
+    others.sort()
+    stale = [full for age, full in others[KEEP:] if age > IDLE_S]
+    busy = in_use([full[: -len(".pyz")] for full in stale]) if stale else set()
+    for full in stale:
+        tree = full[: -len(".pyz")]
+        if tree in busy:
+            continue
+        try:
+            os.unlink(full)
+        except OSError:
+            continue
+        shutil.rmtree(tree, ignore_errors=True)
+        pruned.append(os.path.basename(full))
+    return pruned
+try:
+    pruned = prune()
+except Exception as exc:  # the bundle is installed: a prune that fails must not fail the install
+    pruned = []
+    sys.stderr.write("agent bundle prune skipped: %s\n" % exc)
+sys.stdout.write(json.dumps({"bootstrap": "installed", "path": path, "bytes": len(data), "pruned": pruned}) + "\n")
 """
+)
 
 
 @dataclass(frozen=True)
