@@ -7,6 +7,9 @@
 #       engine 140-190 s (cold compile), the FP8 engine 130-170 s. Ratios are quoted only within one call.
 #   sh tests/device/throughput_runs.sh overlap [BATCH]  the table with a third engine row in the same call: bf16 with
 #       overlap_steps = "off" (each step read back before the next is launched), the candidate's A/B (<= 585 s).
+#   sh tests/device/throughput_runs.sh batch           SpecForge's step (batch 4) and, in the same call, the engine bf16
+#       at batch 4 and at batch 8 (twice the tokens a step: the optimizer, the gradient casts and other per-step
+#       kernels spread over more tokens; ~90 GiB by the 47 GiB of batch 4): the "larger batch" candidate (<= 585 s).
 #   sh tests/device/throughput_runs.sh cast [BATCH]    the engine bf16 with cast_weights_once = false, then with the
 #       default (true): the candidate's A/B (~330 s, at most 480).
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
@@ -57,6 +60,10 @@ case "$PART" in
         peer 130
         engine 'engine;engine --set overlap_steps="off";engine --set target_fp8=true' 450 200
         ;;
+    batch)
+        peer 130
+        engine 'engine;engine --set batch_size=8' 450 215
+        ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
         ;;
@@ -105,6 +112,6 @@ case "$PART" in
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac
