@@ -100,8 +100,9 @@ HOST_IDLE_S = 86400.0
 
 # argv: RUN_ROOT NAME SHA256; stdin: the bundle. Writes tmp, verifies, renames; prints the path. Then prunes:
 # bundles beyond the HOST_KEEP most recently started, unstarted for HOST_IDLE_S, whose extracted tree no live
-# process runs from (cwd, argv or environment naming it), go with their trees; so do temporaries of writers and
-# extractors that died (an hour old). It prints what it removed.
+# process runs from (cwd, argv or environment naming it) and no recorded run names (restart relaunches its spec),
+# go with their trees; so do temporaries of writers and extractors that died (an hour old). It prints what it
+# removed; a prune that fails never fails the install.
 INSTALL_SCRIPT = (
     f"KEEP, IDLE_S, STRAY_S = {HOST_KEEP}, {HOST_IDLE_S}, 3600.0\n"
     + r"""
@@ -126,8 +127,8 @@ import shutil, time
 def in_use(trees):
     # The trees a live process runs from (its cwd, argv or environment names the tree: the agent, a run's
     # supervisor, the engine by PYTHONPATH) or a recorded run would start again (`restart` relaunches its spec).
-    forms = lambda t: {t.encode(), json.dumps(t)[1:-1].encode(), os.path.realpath(t).encode()}  # cwd: resolved
-    marks = [(t, forms(t)) for t in trees]
+    # Each tree as written, as JSON writes it, and resolved (a cwd link names the real path).
+    marks = [(t, {t.encode(), json.dumps(t)[1:-1].encode(), os.path.realpath(t).encode()}) for t in trees]
     seen = []
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if pid.isdigit():
@@ -147,7 +148,7 @@ def in_use(trees):
                     item = f.read()
             except OSError:
                 continue
-        used.update(t for t, forms in marks if any(m in item for m in forms))
+        used.update(t for t, forms in marks if any(form in item for form in forms))
     return used
 def prune():
     now, others, pruned = time.time(), [], []
