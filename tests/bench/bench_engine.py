@@ -137,7 +137,8 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
             losses, _, _ = drafter(
                 out.hidden3,
                 ids,
-                out.target_p,
+                out.target_logits,
+                out.target_lse,
                 out.position_mask,
                 ttt_steps=TTT,
                 attention=parts["attention"],
@@ -232,7 +233,9 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
     # Drafter side alone, through the engine's worker step (compiled flex + loss).
     worker = bench_worker(parts, GuardedFunction(ttt_step, compiled=True, name="ttt_step"))
     warm_s = worker.warm_up()
-    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
+    batch = DeviceBatch(
+        0, SEQ, ids, out.hidden3, out.target_logits, out.target_lse, out.position_mask, loss_mask=out.loss_mask
+    )
     for _ in range(warm):
         worker.train_step(batch, 0.0)
     torch.cuda.synchronize()
@@ -445,7 +448,9 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
     timed = TimedStep(GuardedFunction(ttt_step, compiled=not DRY, name="ttt_step"))
     worker = bench_worker(parts, timed)  # a GuardedFunction with CUDA events around each call
     worker.warm_up()
-    batch = DeviceBatch(0, SEQ, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask)
+    batch = DeviceBatch(
+        0, SEQ, ids, out.hidden3, out.target_logits, out.target_lse, out.position_mask, loss_mask=out.loss_mask
+    )
     for _ in range(warm):
         worker.train_step(batch, 0.0)
     sync()

@@ -6,11 +6,14 @@ ways on the engine's shapes and prints both, with how far their results are apar
 
   loss    the drafter's loss of one TTT step (targets shifted 3 places, as at TTT step 2), compiled, forward and
           backward: the engine's (``loss._soft_cross_entropy``, one expression: ``lse(z) * sum(p) - sum(p * z)`` per
-          position, on target_p shifted inside the step) against the two-pass form it had before session 4
-          (log_softmax, then the target-weighted sum: 1.929 -> 1.497 ms, kept then) and the Triton candidates of
-          tests/bench/loss_kernels.py (``--loss-kernels KIND:BLOCK:WARPS``, CUDA only; one pass over each row, p read
-          unshifted). Session 7: the ``block`` candidate 0.857 ms forward against the engine's 0.903 (dropped);
-          ``lanes`` not measured yet. Shape (batch, seq, draft vocab), bf16 logits, fp32 target.
+          position, p = exp(z_t - lse_t) from the target's bf16 logits and their fp32 lse, shifted inside the step)
+          against the same on a float32 ``target_p`` (the engine's until session 10: 2.335 -> 1.896 ms on an H100),
+          the two-pass form it had before session 4 (log_softmax, then the target-weighted sum: 1.929 -> 1.497 ms,
+          kept then) and the Triton candidates of tests/bench/loss_kernels.py on the float32 target
+          (``--loss-kernels KIND:BLOCK:WARPS``, CUDA only; one pass over each row, p read unshifted). Session 7:
+          the ``block`` candidate 0.857 ms forward against 0.903 (dropped); session 10 (H100): ``lanes:1024:8``
+          0.688 ms forward against 1.020, forward and backward 2.276 against 2.335 (dropped: the backward is the
+          cost). Shape (batch, seq, draft vocab), bf16 logits.
   attention  the drafter's TTT attention at step i (keys of steps 0..i side by side), compiled, forward and
           backward: one flex call over the whole TTT mask (block 0 causal, a partial diagonal tile per later block
           and query tile) against the engine's ``merged`` attention (draft/merged.py: block 0 in cuDNN's or
@@ -85,10 +88,35 @@ def two_pass_loss(
 
 
 def engine_loss(
+    target_z: torch.Tensor, target_lse: torch.Tensor
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The engine's loss as its TTT step runs it: on the target's bf16 logits over the draft vocabulary and their
+    fp32 log-sum-exp, shifted inside the compiled step (lse +inf past the end: p = 0 there)."""
+
+    def loss(
+        logits: torch.Tensor, _target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None, mean: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        z_t, lse_t = shift_left(target_z, SHIFT), shift_left(target_lse, SHIFT, float("inf"))
+        return _soft_cross_entropy(logits, z_t, lse_t, mask, loss_mask, mean)
+
+    return loss
+
+
+def fp32_target_loss(
     logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None, mean: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The engine's loss as its TTT step runs it: on target_p shifted inside the compiled step."""
-    return _soft_cross_entropy(logits, shift_left(target_p, SHIFT), mask, loss_mask, mean)
+    """The engine's loss until session 10: the same expression on a float32 ``target_p`` (twice the bytes a TTT step
+    reads, forward and backward), shifted inside the step. H100, session 10: 2.335 ms forward and backward against
+    1.896 for the bf16 logits with their lse (``bf16_target`` then, the engine's now)."""
+    m = mask.to(torch.float32)
+    z = logits.float()
+    p = shift_left(target_p, SHIFT).float()
+    per_position = torch.logsumexp(z, dim=-1) * p.sum(dim=-1) - (p * z).sum(dim=-1)
+    summed = (per_position * m).sum()
+    denominator = float(m.numel()) if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
+    hits = (logits.argmax(dim=-1) == p.argmax(dim=-1)).to(torch.float32) * m
+    count = (loss_mask.to(torch.float32) if loss_mask is not None else m).sum()
+    return summed / denominator, hits.sum(), count
 
 
 def rows_loss(rows: Callable[..., Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -137,11 +165,17 @@ def part_loss(
 
     g = torch.Generator(device="cpu").manual_seed(0)
     logits0 = (torch.randn(b, t, v, generator=g) * 2).to(device, torch.bfloat16)
-    target_p = torch.softmax(torch.randn(b, t, v, generator=g) * 3, dim=-1).to(device)
+    target_z = (torch.randn(b, t, v, generator=g) * 3).to(device, torch.bfloat16)  # the target's bf16 logits
+    target_p = torch.softmax(target_z.float(), dim=-1)  # fp32 (B, T, V): what the engine kept until session 10
+    target_lse = torch.logsumexp(target_z.float(), dim=-1)  # the engine keeps the logits and this: (B, T)
     mask = (torch.rand(b, t, generator=g) > 0.1).float().to(device)
     run = timer(device)
     out: dict[str, Any] = {"part": "loss", "shape": [b, t, v], "shift": SHIFT, "compiled": compiled}
-    ways: dict[str, Callable[..., Any]] = {"two_pass": two_pass_loss, "engine": engine_loss}
+    ways: dict[str, Callable[..., Any]] = {
+        "two_pass": two_pass_loss,
+        "engine": engine_loss(target_z, target_lse),
+        "fp32_target": fp32_target_loss,
+    }
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the dry run can check the candidates' code path
     if (device.type == "cuda" or interpreted) and loss_kernels.KERNELS:
         for spec in kernels:  # kind:block:warps
@@ -347,7 +381,9 @@ def part_unroll(
         drafter = Drafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size), torch.arange(cfg.draft_vocab_size) * 3)
     ids = torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(device)
     hidden3 = torch.randn(b, t, 3 * cfg.hidden_size, generator=g).to(device)
-    target_p = torch.softmax(torch.randn(b, t, cfg.draft_vocab_size, generator=g) * 3, dim=-1).to(device)
+    target_z = torch.randn(b, t, cfg.draft_vocab_size, generator=g) * 3
+    target_lse = torch.logsumexp(target_z, dim=-1).to(device)
+    target_z = target_z.to(device)
     mask = (torch.rand(b, t, generator=g) > 0.1).float().to(device)
     embeddings = step_embeddings(ids, drafter.embed_table, steps)
     fast = TTTAttention("flex" if device.type == "cuda" else "sdpa", compiled=compiled)
@@ -363,7 +399,8 @@ def part_unroll(
             losses, _, _ = drafter(
                 hidden3.to(torch.bfloat16) if bf16 else hidden3,
                 ids,
-                target_p,
+                target_z,
+                target_lse,
                 mask,
                 ttt_steps=steps,
                 attention=attention,

@@ -163,7 +163,15 @@ def run_mode(mode: str, args: argparse.Namespace, parts: dict[str, Any]) -> dict
             torch.cuda.synchronize(dev)
         w1 = time.perf_counter()
         batch = DeviceBatch(
-            i, bucket, ids, out.hidden3, out.target_p, out.position_mask, loss_mask=out.loss_mask, documents=docs
+            i,
+            bucket,
+            ids,
+            out.hidden3,
+            out.target_logits,
+            out.target_lse,
+            out.position_mask,
+            loss_mask=out.loss_mask,
+            documents=docs,
         )
         worker.train_step(batch, 0.0)
         if cuda:

@@ -86,7 +86,7 @@ def own_tokens_step(embeddings: Sequence[torch.Tensor]) -> Callable[..., Any]:
     ``embeddings[i]`` (``step_embeddings`` of the batch being trained)."""
 
     def step(layer: DraftDecoderLayer, norm: Any, head: Any, hidden: Any, emb_qkv: Any, *rest: Any) -> Any:
-        shift = rest[8]  # cos, sin, prior_k, prior_v, mask, attention, target_p, position_mask, shift, ...
+        shift = rest[9]  # cos, sin, prior_k, prior_v, mask, attention, target_logits, target_lse, position_mask, shift
         return ttt_step(OwnTokensLayer(layer, embeddings[shift - 1]), norm, head, hidden, emb_qkv, *rest)
 
     return step

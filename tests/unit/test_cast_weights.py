@@ -62,9 +62,9 @@ def batch() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     hidden3 = torch.randn(2, SEQ, 3 * 64, generator=g).to(torch.bfloat16)
-    target_p = torch.softmax(torch.randn(2, SEQ, DRAFT_VOCAB, generator=g) * 3, -1)
+    target_z = torch.randn(2, SEQ, DRAFT_VOCAB, generator=g) * 3
     mask = (torch.rand(2, SEQ, generator=g) > 0.2).float()
-    return ids, hidden3, target_p, mask
+    return ids, hidden3, target_z, torch.logsumexp(target_z, -1), mask
 
 
 def gradient_edges(model: Drafter, root: torch.Tensor) -> dict[str, int]:
@@ -94,13 +94,14 @@ def losses_and_grads(
     step_fn: GuardedFunction | None = None,
     grad_checkpointing: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
-    ids, hidden3, target_p, mask = batch()
+    ids, hidden3, target_z, target_lse, mask = batch()
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         losses, _, _ = model(
             hidden3,
             ids,
-            target_p,
+            target_z,
+            target_lse,
             mask,
             ttt_steps=TTT_STEPS,
             attention=TTTAttention("sdpa", compiled=False),

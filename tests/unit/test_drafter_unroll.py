@@ -40,14 +40,15 @@ def unroll(model: Drafter, reference: bool, steps: int) -> tuple[torch.Tensor, d
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (2, T), generator=g)
     hidden3 = torch.randn(2, T, 96, generator=g, dtype=torch.float64)
-    target_p = torch.softmax(torch.randn(2, T, 24, generator=g, dtype=torch.float64) * 2, -1)
+    target_z = torch.randn(2, T, 24, generator=g, dtype=torch.float64) * 2
     mask = (torch.rand(2, T, generator=g) > 0.2).double()
     model.zero_grad(set_to_none=True)
     step_fn = own_tokens_step(step_embeddings(ids, model.embed_table, steps)) if reference else None
     losses, _, _ = model(
         hidden3,
         ids,
-        target_p,
+        target_z,
+        torch.logsumexp(target_z, -1),
         mask,
         ttt_steps=steps,
         attention=TTTAttention("sdpa"),

@@ -71,7 +71,7 @@ def test_chain_drafting_reproduces_the_training_time_test_at_the_last_position(r
 
     captured: list[torch.Tensor] = []
 
-    def keep_logits(logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor) -> Any:
+    def keep_logits(logits: torch.Tensor, _z: torch.Tensor, _lse: torch.Tensor, _m: torch.Tensor) -> Any:
         captured.append(logits.detach())
         zero = logits.sum() * 0
         return zero, zero, zero
@@ -82,6 +82,7 @@ def test_chain_drafting_reproduces_the_training_time_test_at_the_last_position(r
             hidden3,
             ids,
             torch.zeros(1, n + k, 48),
+            torch.zeros(1, n + k),
             torch.ones(1, n + k),
             ttt_steps=k,
             attention=TTTAttention("sdpa"),

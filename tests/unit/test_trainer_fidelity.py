@@ -46,12 +46,13 @@ def run_ttt(drafter: Drafter, steps: int, t: int = 12) -> tuple[torch.Tensor, to
     g = torch.Generator().manual_seed(1)
     hidden3 = torch.randn(2, t, 96, generator=g)
     ids = torch.randint(0, VOCAB, (2, t), generator=g)
-    target_p = torch.softmax(torch.randn(2, t, 20, generator=g), -1)
+    target_z = torch.randn(2, t, 20, generator=g)
     with torch.no_grad():
         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = drafter(
             hidden3,
             ids,
-            target_p,
+            target_z,
+            torch.logsumexp(target_z, -1),
             torch.ones(2, t),
             ttt_steps=steps,
             attention=TTTAttention("sdpa"),
@@ -319,10 +320,11 @@ def test_compiled_ttt_step_keeps_one_graph_per_step_and_bucket_with_per_step_rop
     def train(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         h, ids = torch.randn(2, t, 96, generator=g), torch.randint(0, VOCAB, (2, t), generator=g)
-        tp, m = torch.softmax(torch.randn(2, t, 20, generator=g), -1), torch.ones(2, t)
+        tz, m = torch.randn(2, t, 20, generator=g), torch.ones(2, t)
+        lse = torch.logsumexp(tz, -1)
         kw: dict[str, Any] = {"ttt_steps": 2, "attention": attention, "loss_fn": soft_cross_entropy, "loss_mask": m}
-        eager = drafter(h, ids, tp, m, **kw)[0]
-        compiled = drafter(h, ids, tp, m, step_fn=fn, **kw)[0]
+        eager = drafter(h, ids, tz, lse, m, **kw)[0]
+        compiled = drafter(h, ids, tz, lse, m, step_fn=fn, **kw)[0]
         total_loss(compiled).backward()
         return eager.detach(), compiled.detach()
 

@@ -185,7 +185,8 @@ def drafter_losses(
     losses, correct, counts = drafter(
         out.hidden3,
         ids,
-        out.target_p,
+        out.target_logits,
+        out.target_lse,
         out.position_mask,
         ttt_steps=TTT_STEPS,
         attention=TTTAttention("sdpa"),
@@ -224,7 +225,8 @@ def test_ttt_targets_never_cross_a_document_boundary(target: FrozenTarget) -> No
         _, _, counts = drafter(
             out.hidden3,
             ids,
-            out.target_p,
+            out.target_logits,
+            out.target_lse,
             out.position_mask,
             ttt_steps=TTT_STEPS,
             attention=TTTAttention("sdpa"),
@@ -322,7 +324,8 @@ def test_a_compiled_ttt_step_compiles_nothing_new_for_later_packed_batches(targe
         losses, _, _ = drafter(
             out.hidden3,
             ids,
-            out.target_p,
+            out.target_logits,
+            out.target_lse,
             out.position_mask,
             ttt_steps=steps,
             attention=attention,

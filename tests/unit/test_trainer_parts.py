@@ -44,13 +44,14 @@ def grads_of(
     b, t = 2, 24
     hidden3 = torch.randn(b, t, 96, generator=g)
     ids = torch.randint(0, 50, (b, t), generator=g)
-    target_p = torch.softmax(torch.randn(b, t, 20, generator=g), -1)
+    target_z = torch.randn(b, t, 20, generator=g)
     mask = torch.ones(b, t)
     drafter.zero_grad(set_to_none=True)
     losses, _, _ = drafter(
         hidden3,
         ids,
-        target_p,
+        target_z,
+        torch.logsumexp(target_z, -1),
         mask,
         ttt_steps=4,
         attention=TTTAttention(attention),

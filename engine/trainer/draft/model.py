@@ -40,7 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
 
-# (logits, target_p, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator); see loss.py.
+# (logits, target_logits, target_lse, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator);
+# see loss.py.
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -203,13 +204,13 @@ class DraftDecoderLayer(nn.Module):
         return h_out, k_all, v_all
 
 
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:  # x (B, T, ...) -> (B, T, ...)
-    """Drop the first ``n`` positions (dim 1) and pad the end with zeros: keeps the bucket's shape fixed."""
+def shift_left(x: torch.Tensor, n: int, fill: float = 0.0) -> torch.Tensor:  # x (B, T, ...) -> (B, T, ...)
+    """Drop the first ``n`` positions (dim 1) and pad the end with ``fill``: keeps the bucket's shape fixed."""
     if n == 0:
         return x
     if n >= x.shape[1]:
-        return torch.zeros_like(x)
-    return torch.cat((x[:, n:], torch.zeros_like(x[:, :n])), dim=1)
+        return torch.full_like(x, fill)
+    return torch.cat((x[:, n:], torch.full_like(x[:, :n], fill)), dim=1)
 
 
 def shift_rows(x: torch.Tensor, n: int) -> torch.Tensor:  # x (B, T, C) -> (B, T, C)
@@ -236,7 +237,8 @@ def ttt_step(
     prior_v: torch.Tensor | None,  # (B, Hkv, i*T, D)
     mask: Any,  # a flex BlockMask or a dense bool (T, (i+1)*T)
     attention: TTTAttention,
-    target_p: torch.Tensor,  # (B, T, Vd) float32: the target's distribution, unshifted
+    target_logits: torch.Tensor,  # (B, T, Vd): the target's over the draft vocabulary, unshifted (loss.py)
+    target_lse: torch.Tensor,  # (B, T) float32: their log-sum-exp, unshifted
     position_mask: torch.Tensor,  # (B, T) float32, unshifted
     shift: int,  # i + 1: positions to shift the targets by
     loss_fn: LossFn,
@@ -256,16 +258,17 @@ def ttt_step(
     step_qkv = shift_rows(emb_qkv, shift - 1)
     hidden, k_all, v_all = layer(hidden, None, cos, sin, prior_k, prior_v, mask, attention, weights, step_qkv)
     logits = F.linear(norm(hidden), weights[HEAD] if weights is not None else lm_head.weight, lm_head.bias)
-    target_i, mask_i = shift_left(target_p, shift), shift_left(position_mask, shift)
+    target_i, mask_i = shift_left(target_logits, shift), shift_left(position_mask, shift)
+    lse_i = shift_left(target_lse, shift, float("inf"))  # p = 0 past the end
     loss_mask_i = shift_left(loss_mask, shift) if loss_mask is not None else None
     if documents is not None:
         inside = same_document_after(documents, shift)
         mask_i = mask_i * inside.to(mask_i.dtype)
         loss_mask_i = loss_mask_i * inside.to(loss_mask_i.dtype) if loss_mask_i is not None else None
     if loss_mask_i is None:
-        loss, correct, count = loss_fn(logits, target_i, mask_i)
+        loss, correct, count = loss_fn(logits, target_i, lse_i, mask_i)
     else:
-        loss, correct, count = loss_fn(logits, target_i, mask_i, loss_mask_i)
+        loss, correct, count = loss_fn(logits, target_i, lse_i, mask_i, loss_mask_i)
     return hidden, k_all, v_all, loss, correct, count
 
 
@@ -358,7 +361,8 @@ class Drafter(nn.Module):
         self,
         hidden3: torch.Tensor,  # (B, T, 3H): the target's three captured layers
         input_ids: torch.Tensor,  # (B, T) long
-        target_p: torch.Tensor,  # (B, T, Vd) float32
+        target_logits: torch.Tensor,  # (B, T, Vd): the target's over the draft vocabulary (loss.py)
+        target_lse: torch.Tensor,  # (B, T) float32: their log-sum-exp
         position_mask: torch.Tensor,  # (B, T) float32
         *,
         ttt_steps: int,
@@ -398,7 +402,7 @@ class Drafter(nn.Module):
             mask = attention.prepare(input_ids.device, seq_len, i, documents)  # outside any compiled region
             cos, sin = rotary[i]
             args = (self.layer, self.norm, self.lm_head, hidden, emb_qkv, cos, sin, prior_k, prior_v, mask, attention)
-            tail = (target_p, position_mask, i + 1, loss_fn, loss_mask, documents, weights)
+            tail = (target_logits, target_lse, position_mask, i + 1, loss_fn, loss_mask, documents, weights)
             if grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(step, *args, *tail, use_reentrant=False)
             else:

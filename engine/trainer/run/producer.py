@@ -34,7 +34,8 @@ class DeviceBatch:
     bucket: int
     input_ids: torch.Tensor  # (B, T) long
     hidden3: torch.Tensor  # (B, T, 3H)
-    target_p: torch.Tensor  # (B, T, Vd) float32
+    target_logits: torch.Tensor  # (B, T, Vd): the target's over the draft vocabulary (draft/loss.py)
+    target_lse: torch.Tensor  # (B, T) float32: their log-sum-exp
     position_mask: torch.Tensor  # (B, T) float32
     ready: Any = None  # torch.cuda.Event recorded after the tensors were written, or None on the CPU
     target_ms: float = 0.0
@@ -50,7 +51,8 @@ class DeviceBatch:
         if self.ready is not None:
             stream = torch.cuda.current_stream()
             stream.wait_event(self.ready)
-            for t in (self.input_ids, self.hidden3, self.target_p, self.position_mask, self.loss_mask, self.documents):
+            tensors = (self.input_ids, self.hidden3, self.target_logits, self.target_lse, self.position_mask)
+            for t in (*tensors, self.loss_mask, self.documents):
                 if t is not None:
                     t.record_stream(stream)
 
@@ -127,7 +129,7 @@ class Producer:
 
     def _batch_for(self, route: Route, out: TargetBatch) -> DeviceBatch:
         got = out.target
-        tensors = [out.input_ids, got.hidden3, got.target_p, got.position_mask, got.loss_mask]
+        tensors = [out.input_ids, got.hidden3, got.target_logits, got.target_lse, got.position_mask, got.loss_mask]
         documents = out.documents
         if route.device != self.target.device:
             tensors = [t.to(route.device, non_blocking=True) for t in tensors]
@@ -143,7 +145,8 @@ class Producer:
             tensors[1],
             tensors[2],
             tensors[3],
-            loss_mask=tensors[4],
+            tensors[4],
+            loss_mask=tensors[5],
             documents=documents,
             useful_tokens=out.host.useful_tokens,
         )

@@ -435,7 +435,8 @@ class DrafterWorker:
             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.drafter(
                 batch.hidden3,
                 batch.input_ids,
-                batch.target_p,
+                batch.target_logits,
+                batch.target_lse,
                 batch.position_mask,
                 ttt_steps=self.ttt_steps,
                 attention=self.attention,
@@ -460,7 +461,9 @@ class DrafterWorker:
         b = self.batch_size
         ids = torch.randint(0, cfg.vocab_size, (b, bucket), generator=g).to(self.device)
         hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(self.device, self.hidden_dtype)
-        target_p = torch.softmax(torch.randn(b, bucket, cfg.draft_vocab_size, generator=g), -1).to(self.device)
+        # The target's logits in its dtype, as the producer hands them, with their float32 log-sum-exp.
+        target_logits = torch.randn(b, bucket, cfg.draft_vocab_size, generator=g).to(self.device, self.hidden_dtype)
+        target_lse = torch.logsumexp(target_logits.float(), dim=-1)
         mask = torch.ones(b, bucket).to(self.device)
         # Packed runs warm up on packed rows (two conversations a row), so the first real batch compiles nothing.
         halves = (torch.arange(bucket) >= bucket // 2).long().expand(b, bucket).contiguous()
@@ -471,7 +474,8 @@ class DrafterWorker:
             bucket,
             ids,
             hidden3,
-            target_p,
+            target_logits,
+            target_lse,
             mask,
             loss_mask=mask.clone(),
             documents=documents.to(self.device) if documents is not None else None,

@@ -471,18 +471,20 @@ def drafter_logits(drafter: Any, hidden3: torch.Tensor, input_ids: torch.Tensor,
 
     captured: list[torch.Tensor] = []
 
-    def capture(logits: torch.Tensor, _p: torch.Tensor, _m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def capture(
+        logits: torch.Tensor, _z: torch.Tensor, _lse: torch.Tensor, _m: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         captured.append(logits.detach().float())
         zero = logits.new_zeros(())
         return zero, zero, zero
 
     b, t = input_ids.shape
-    target_p = torch.zeros(b, t, drafter.cfg.draft_vocab_size)
     with torch.no_grad():
         drafter(
             hidden3,
             input_ids,
-            target_p,
+            torch.zeros(b, t, drafter.cfg.draft_vocab_size),
+            torch.zeros(b, t),
             torch.zeros(b, t),
             ttt_steps=ttt_steps,
             attention=TTTAttention("sdpa"),

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine.trainer.draft.loss import target_probabilities
 from engine.trainer.target.model import training_targets
 
 Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # ids (B, T) -> (logits, hidden3)
@@ -61,9 +62,9 @@ def compare_forwards(
         ones = torch.ones(ids.shape, device=ids.device)
         lo_a, h_a = exact(ids)
         lo_b, h_b = approx(ids)
-        pa, mask_a = training_targets(lo_a, ones, draft_ids, t2d)
-        pb, mask_b = training_targets(lo_b, ones, draft_ids, t2d)
-        pa, pb = pa.double(), pb.double()
+        za, lse_a, mask_a = training_targets(lo_a, ones, draft_ids, t2d)
+        zb, lse_b, mask_b = training_targets(lo_b, ones, draft_ids, t2d)
+        pa, pb = target_probabilities(za, lse_a).double(), target_probabilities(zb, lse_b).double()
         top1 += (lo_a.argmax(-1) == lo_b.argmax(-1)).double().sum().item()
         mask += (mask_a == mask_b).double().sum().item()
         kl += (pa * (pa.clamp_min(PROB_FLOOR).log() - pb.clamp_min(PROB_FLOOR).log())).sum(-1).sum().item()

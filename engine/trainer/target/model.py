@@ -225,7 +225,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 @dataclass
 class TargetOutput:
     hidden3: torch.Tensor  # (B, T, 3H): the three captured layers side by side
-    target_p: torch.Tensor  # (B, T, Vd) float32: softmax of the target's logits over the draft vocabulary
+    target_logits: torch.Tensor  # (B, T, Vd): the target's logits over the draft vocabulary, in its dtype
+    target_lse: torch.Tensor  # (B, T) float32: their log-sum-exp (p = exp(logits - lse): draft/loss.py)
     position_mask: torch.Tensor  # (B, T) float32: loss mask and the target's top token is in the draft vocab
     loss_mask: torch.Tensor  # (B, T): the data's loss mask as given (the accuracy's denominator, see loss.py)
 
@@ -321,18 +322,27 @@ class FrozenTarget:
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> TargetOutput:
         logits, hidden3 = self.logits_and_hidden3(input_ids, documents=documents)
-        target_p, position_mask = self._targets(logits, loss_mask, draft_ids, t2d)
-        return TargetOutput(hidden3=hidden3, target_p=target_p, position_mask=position_mask, loss_mask=loss_mask)
+        target_logits, target_lse, position_mask = self._targets(logits, loss_mask, draft_ids, t2d)
+        return TargetOutput(
+            hidden3=hidden3,
+            target_logits=target_logits,
+            target_lse=target_lse,
+            position_mask=position_mask,
+            loss_mask=loss_mask,
+        )
 
 
 def training_targets(
     logits: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the drafter learns from the target's logits ``(B, T, V)``: ``target_p`` (softmax over the draft
-    vocabulary, float32) and the position mask (the loss mask where the target's top token is in the draft vocab)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the drafter learns from the target's logits ``(B, T, V)``: the logits over the draft vocabulary (in
+    their dtype, ``(B, T, Vd)``), their float32 log-sum-exp ``(B, T)`` (the target's distribution is
+    ``exp(logits - lse)``, made in the loss: half the bytes of a float32 softmax) and the position mask (the loss
+    mask where the target's top token is in the draft vocab)."""
     in_draft = t2d[logits.argmax(dim=-1)]
-    target_p = torch.softmax(logits.index_select(-1, draft_ids).float(), dim=-1)
-    return target_p, loss_mask * in_draft.to(loss_mask.dtype)
+    draft_logits = logits.index_select(-1, draft_ids)
+    lse = torch.logsumexp(draft_logits.float(), dim=-1)
+    return draft_logits, lse, loss_mask * in_draft.to(loss_mask.dtype)
 
 
 def load_tokenizer(spec: str) -> Any:
