@@ -9,7 +9,11 @@
 #       overlap_steps = "off" (each step read back before the next is launched), the candidate's A/B (<= 585 s).
 #   sh tests/device/throughput_runs.sh batch           SpecForge's step (batch 4) and, in the same call, the engine bf16
 #       at batch 4 and at batch 8 (twice the tokens a step: the optimizer, the gradient casts and other per-step
-#       kernels spread over more tokens; ~90 GiB by the 47 GiB of batch 4): the "larger batch" candidate (<= 585 s).
+#       kernels spread over more tokens; about 60 GiB estimated from batch 4's 41.5, so an H100 holds it too): the
+#       "larger batch" candidate (<= 585 s).
+#   sh tests/device/throughput_runs.sh ab [BATCH]      the engine bf16 on another tree (.peer/base.tar: `git archive
+#       COMMIT -o .peer/base.tar`, carried with .peer), then on this one, in one call: a change's A/B in the whole
+#       engine (<= 560 s).
 #   sh tests/device/throughput_runs.sh cast [BATCH]    the engine bf16 with cast_weights_once = false, then with the
 #       default (true): the candidate's A/B (~330 s, at most 480).
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
@@ -64,6 +68,12 @@ case "$PART" in
         peer 130
         engine 'engine;engine --set batch_size=8' 450 215
         ;;
+    ab)
+        if [ ! -f .peer/base.tar ]; then echo "no .peer/base.tar: git archive COMMIT -o .peer/base.tar, carry .peer"; exit 2; fi
+        rm -rf /tmp/base && mkdir -p /tmp/base "$OUT/base" && tar -xf .peer/base.tar -C /tmp/base
+        (cd /tmp/base && OUT="$OUT/base" && engine "engine" 275 265)
+        engine "engine" 275 265
+        ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
         ;;
@@ -112,6 +122,6 @@ case "$PART" in
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|ab|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac
