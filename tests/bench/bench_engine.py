@@ -67,7 +67,7 @@ def flops(tcfg: Any, dcfg: Any, seq: int, ttt: int, batch: int) -> dict[str, flo
 
 
 TARGET_ONLY = False  # profile --target-only: the target forward alone (no drafter compile)
-DRY = False  # --dry-run: the profile mode on the CPU with the tiny target (the code path, not a figure)
+DRY = False  # --dry-run: the baseline and profile modes on the CPU with the tiny target (the code path, not a figure)
 CAST_ONCE = True  # the sides' and profile's drafter worker casts its weights once (--set cast_weights_once=false)
 FP8 = False  # the sides' and profile's target with FP8 decoder Linears (--set target_fp8=true; CUDA with FP8 only)
 
@@ -128,12 +128,12 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
     for i in range(warm + steps):
         hb = parts["source"].batch(i)
         ids, mask = hb.input_ids.to(dev), hb.loss_mask.to(dev)
-        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        e0, e1, e2 = (timing_event() for _ in range(3))
         w0 = time.perf_counter()
         e0.record()
         out = target.run(ids, mask, draft_ids, t2d)
         e1.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             losses, _, _ = drafter(
                 out.hidden3,
                 ids,
@@ -149,7 +149,8 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         e2.record()
-        torch.cuda.synchronize()
+        if not DRY:
+            torch.cuda.synchronize()
         if i >= warm:
             rows.append((time.perf_counter() - w0, e0.elapsed_time(e1), e1.elapsed_time(e2)))
     n = len(rows)
@@ -163,7 +164,7 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
         "drafter_ms": sum(r[2] for r in rows) / n,
         "tok_s": SEQ * BATCH / (step_ms / 1000),
         "mfu": (f["target"] + f["drafter"]) / (step_ms / 1000) / (PEAK_TFLOPS * 1e12),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": None if DRY else torch.cuda.max_memory_allocated() / 2**30,
         "drafter_params_m": sum(p.numel() for p in params) / 1e6,
         "flops": f,
         "target_load_s": parts["load_s"],
@@ -630,7 +631,9 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--plan", default="baseline;sides;engine")
     ap.add_argument("--batch", type=int, default=1, help="batch size of every mode (the engine: --set batch_size)")
-    ap.add_argument("--dry-run", action="store_true", help="profile: the code path on the CPU (tiny target, seq 128)")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="baseline, profile: the code path on the CPU (tiny target, seq 128)"
+    )
     ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()
     global BATCH, CAST_ONCE, DRY, FP8, SEQ, DRAFT_VOCAB, TARGET_ONLY

@@ -1,0 +1,67 @@
+"""The benchmarks' CPU dry runs still drive the engine's current API, and their numbers still agree.
+
+The benchmarks under tests/bench/ run on demand on a GPU, where a bench that calls an engine function with an old
+signature is found only after a paid device start (session 10: the unroll part passed the float32 ``target_p``
+the drafter no longer takes). Each bench has a ``--dry-run`` on the CPU with tiny shapes; this runs those and
+checks their results, not their timings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "tests" / "bench"
+
+
+def results(argv: list[str]) -> list[dict[str, Any]]:
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert found, f"no RESULT line: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+    return found
+
+
+@pytest.mark.slow
+def test_bench_kernels_parts_run_on_the_cpu_and_agree_with_their_references(tmp_path: Path) -> None:
+    argv = [str(BENCH / "bench_kernels.py"), "--parts", "loss,attention,mlp,unroll", "--dry-run"]
+    by_part = {r["part"]: r for r in results([*argv, "--out", str(tmp_path)])}
+    assert set(by_part) == {"loss", "attention", "mlp", "unroll"}
+    loss = by_part["loss"]
+    # the engine's loss from (logits, lse) against the two-pass form and the float32-target form: same numbers
+    for key in ("two_pass_loss_rel_diff", "two_pass_grad_rel_diff", "fp32_target_loss_rel_diff"):
+        assert loss[key] < 1e-4, (key, loss[key])
+    assert loss["fp32_target_grad_rel_diff"] < 1e-4
+    steps = by_part["attention"]["steps"]
+    assert len(steps) >= 2
+    for step, row in steps.items():
+        errs = [max(v) for k, v in row.items() if k.endswith("_rel_err_out_dq_dk_dv")]
+        assert errs and max(errs) < 0.02, (step, row)
+    mlp = by_part["mlp"]
+    assert mlp["gate_up_rel_diff"] < 1e-2 and mlp["gate_up_merged_ms"] > 0
+    unroll = by_part["unroll"]
+    # the bf16 unroll against float32 through 7 TTT steps: tests/device/run's own bounds
+    assert unroll["engine_params_with_grads"] == unroll["params_with_grads_reference"]
+    assert unroll["engine_loss_rel_err"] < 0.05
+    assert unroll["engine_grad_rel_err_worst"][1] < 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["baseline", "profile"])
+def test_bench_engine_modes_run_on_the_cpu(mode: str, tmp_path: Path) -> None:
+    argv = [str(BENCH / "bench_engine.py"), mode, "--dry-run", "--steps", "1", "--warm", "1"]
+    (res,) = results([*argv, "--out", str(tmp_path)])
+    assert res["mode"] == f"{mode} batch_size=1"
+    if mode == "baseline":
+        assert res["step_ms"] > 0 and res["target_ms"] > 0 and res["drafter_ms"] > 0
+        assert res["flops"]["target"] > 0 and res["flops"]["drafter"] > 0
+    else:
+        assert res["target"]["kernel_ms"] > 0 and res["drafter"]["kernel_ms"] > 0
+        assert res["target"]["by_category_ms"] and res["drafter"]["by_category_ms"]
+        assert len(res["ttt_forward_ms"]) == 7  # one forward timing per TTT step
