@@ -119,6 +119,11 @@ class TrainerConfig:
     # auto: flex on CUDA, sdpa on the CPU. merged (block 0 in a fused causal kernel, the TTT diagonals merged by
     # log-sum-exp) runs on the CPU only: its CUDA gradients were measured wrong (run/assembly.py).
     attention: str = "auto"
+    # The flex attention backward's software-pipelining stages (flex's kernel_options bwd_num_stages); 0 leaves
+    # inductor's choice. Kernel alone on one H100, 8B drafter shape, batch 4: 2 stages took TTT step 1's fwd+bwd
+    # 2.326 -> 2.253 ms and step 6's 3.527 -> 3.316 ms (tests/bench/bench_kernels.py); not yet measured in the
+    # whole engine (tests/device/throughput_runs.sh stages). Only the drafters' flex on CUDA reads it.
+    flex_bwd_num_stages: int = 0
     # CUDA streams of co-located threads: "per_thread" (target and drafters overlap on the GPU) or
     # "per_device" (one stream per GPU: kernels queue in order, only the CPU work of the threads overlaps).
     cuda_streams: str = "per_thread"
@@ -228,6 +233,11 @@ class TrainerConfig:
             need(getattr(self, key) >= 1, key, "an integer >= 1")
         need(self.fp8_check_batches >= 0, "fp8_check_batches", "an integer >= 0 (0: no agreement check)")
         need(0 <= self.fp8_min_top1 <= 1, "fp8_min_top1", "a share between 0 and 1")
+        need(
+            isinstance(self.flex_bwd_num_stages, int) and 0 <= self.flex_bwd_num_stages <= 8,
+            "flex_bwd_num_stages",
+            "an integer from 0 (inductor's choice) to 8",
+        )
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")

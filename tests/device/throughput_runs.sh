@@ -11,6 +11,9 @@
 #       at batch 4 and at batch 8 (twice the tokens a step: the optimizer, the gradient casts and other per-step
 #       kernels spread over more tokens; about 60 GiB estimated from batch 4's 41.5, so an H100 holds it too): the
 #       "larger batch" candidate (<= 585 s).
+#   sh tests/device/throughput_runs.sh stages [BATCH]  SpecForge's step and, in the same call, the engine bf16 with
+#       inductor's flex backward, then with flex_bwd_num_stages = 2 (the kernels part's lead on an H100: 0.07-0.21 ms
+#       a TTT step): the candidate's A/B in the whole engine (<= 585 s).
 #   sh tests/device/throughput_runs.sh ab [BATCH]      the engine bf16 on another tree (.peer/base.tar: `git archive
 #       COMMIT -o .peer/base.tar`, carried with .peer), then on this one, in one call: a change's A/B in the whole
 #       engine (<= 560 s).
@@ -68,6 +71,10 @@ case "$PART" in
         peer 130
         engine 'engine;engine --set batch_size=8' 450 215
         ;;
+    stages)
+        peer 130
+        engine 'engine;engine --set flex_bwd_num_stages=2' 450 215
+        ;;
     ab)
         if [ ! -f .peer/base.tar ]; then echo "no .peer/base.tar: git archive COMMIT -o .peer/base.tar, carry .peer"; exit 2; fi
         rm -rf /tmp/base && mkdir -p /tmp/base "$OUT/base" && tar -xf .peer/base.tar -C /tmp/base
@@ -122,6 +129,6 @@ case "$PART" in
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|ab|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|ab|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac

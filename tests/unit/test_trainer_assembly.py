@@ -86,6 +86,23 @@ def test_auto_attention_is_flex_on_cuda_and_merged_is_refused_there_naming_the_m
     assert assembly.attention_impl(config(attention="merged"), [torch.device("cpu")]) == "merged"  # exact there
 
 
+def test_flex_bwd_num_stages_reaches_the_flex_call_as_kernel_options_on_cuda_only() -> None:
+    dev = torch.device("cpu")
+    default, _ = assembly.shared_step(config(), [dev], "flex", lambda _event: None)
+    staged, _ = assembly.shared_step(config(flex_bwd_num_stages=2), [dev], "flex", lambda _event: None)
+    assert default.flex_options == {} and staged.flex_options == {"bwd_num_stages": 2}
+    seen: list[Any] = []
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs.get("kernel_options"))
+        return args[0]
+
+    staged._flex = spy  # type: ignore[assignment]  # the call's arguments, not a kernel: the CPU has no Triton
+    q = torch.zeros(1, 2, 16, 8)
+    staged.apply(q, q, q, mask=object())
+    assert seen == [None]  # the CPU's flex gets no Triton options; a CUDA tensor gets {"bwd_num_stages": 2}
+
+
 def test_dtypes_are_float32_on_the_cpu_and_bfloat16_autocast_on_cuda_unless_float32_is_asked() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert assembly.dtypes_for(config(), cpu) == (torch.float32, None)

@@ -76,6 +76,8 @@ def test_every_field_type_is_understood_and_every_preset_round_trips() -> None:
         ("stall_after_s", 0, "stall_after_s: a positive number of seconds"),
         ("stop_grace_s", -1, "stop_grace_s: a positive number of seconds"),
         ("torch_threads", -1, "torch_threads: an integer >= 0"),
+        ("flex_bwd_num_stages", -1, "flex_bwd_num_stages: an integer from 0"),
+        ("flex_bwd_num_stages", 9, "flex_bwd_num_stages: an integer from 0"),
     ],
 )
 def test_numbers_that_were_not_range_checked_are_now(key: str, value: Any, fragment: str) -> None:

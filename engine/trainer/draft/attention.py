@@ -44,11 +44,13 @@ class MergedMask:
 class TTTAttention:
     """Callable ``(q, k_all, v_all, step) -> out`` with q ``(B, Hq, T, D)`` and k/v ``(B, Hkv, (step+1)T, D)``."""
 
-    def __init__(self, impl: str, *, compiled: bool = False) -> None:
+    def __init__(self, impl: str, *, compiled: bool = False, flex_bwd_num_stages: int = 0) -> None:
         if impl not in IMPLS:
             raise ValueError(f"attention impl {impl!r}; allowed: {', '.join(IMPLS)}")
         self.impl = impl
         self.compiled = compiled
+        # flex's Triton kernel options (CUDA): the backward's pipelining stages when set, else inductor's choice
+        self.flex_options: dict[str, Any] = {"bwd_num_stages": flex_bwd_num_stages} if flex_bwd_num_stages else {}
         self._block_masks = BlockMaskCache()
         self._dense: dict[tuple[str, int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -141,12 +143,13 @@ class TTTAttention:
             return merged_ttt_attention(q, k, v, mask.backend)
         gqa = q.shape[1] != k.shape[1]
         if not isinstance(mask, torch.Tensor) and self._flex is not None:
+            options: Any = self.flex_options if q.is_cuda and self.flex_options else None  # a FlexKernelOptions
             if torch.compiler.is_compiling():  # inside a compiled TTT step: flex is fused into that graph
                 from torch.nn.attention.flex_attention import flex_attention
 
-                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
             else:
-                out = self._flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+                out = self._flex(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
             return out[0] if isinstance(out, tuple) else out
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 

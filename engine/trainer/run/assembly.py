@@ -213,7 +213,7 @@ def shared_step(
 ) -> tuple[TTTAttention, GuardedFunction]:
     """The attention and TTT step all workers share: compiled once (under the guard) on CUDA, then reused."""
     compiled = cfg.compile and ddevs[0].type == "cuda"
-    attention = TTTAttention(impl, compiled=compiled)
+    attention = TTTAttention(impl, compiled=compiled, flex_bwd_num_stages=cfg.flex_bwd_num_stages)
     step_fn = GuardedFunction(ttt_step, compiled=compiled, name="ttt_step")
     for fn in [step_fn, *attention.compiled_functions()]:
         fn.listeners.append(on_compile)
