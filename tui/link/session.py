@@ -196,12 +196,24 @@ class Session:
     async def _open(self) -> None:
         stream = await self.transport.open()
         try:
+            agent = await self._read_hello(stream)
+        except BaseException:
+            # A refused hello, or a cancel (the user quits, close() ends a reconnect, a caller's deadline): the
+            # agent just started must not outlive the attempt, nor its pipes the event loop.
+            await stream.close()
+            raise
+        self.agent = agent
+        self._stream = stream
+        self._reader = asyncio.ensure_future(self._read_loop(stream))
+        self._dispatch(agent)
+
+    async def _read_hello(self, stream: AgentStream) -> protocol.HelloEvent:
+        """The agent's first line, checked; raises ConnectError (the caller closes the stream)."""
+        try:
             line = await asyncio.wait_for(stream.readline(), HELLO_TIMEOUT_S)
         except asyncio.TimeoutError:
-            await stream.close()
             raise ConnectError(f"{self.target_display}: the agent sent no hello within {HELLO_TIMEOUT_S:g} s") from None
         except ConnectionError as exc:
-            await stream.close()
             raise ConnectError(f"{self.target_display}: the agent connection broke at start: {exc}") from None
         hello: dict[str, Any] | None = None
         if line:
@@ -212,27 +224,20 @@ class Session:
             await stream.stderr_settled()
             err = "\n".join(stream.stderr_text().splitlines()[-15:])
             got = line[:200].decode("utf-8", "replace").strip()
-            await stream.close()
             raise ConnectError(
                 f"{self.target_display}: the agent did not start (exit {rc}); "
                 + (f"first line: {got!r}; " if got else "")
                 + (f"its stderr:\n{err}" if err else "no stderr")
             )
         if hello.get("protocol") != protocol.PROTOCOL_VERSION:
-            await stream.close()
             raise ConnectError(
                 f"{self.target_display}: agent speaks protocol {hello.get('protocol')}, "
                 f"this client {protocol.PROTOCOL_VERSION}"
             )
         try:
-            agent = protocol.from_json(protocol.HelloEvent, hello, "hello")
+            return protocol.from_json(protocol.HelloEvent, hello, "hello")
         except protocol.ProtocolError as exc:
-            await stream.close()
             raise ConnectError(f"{self.target_display}: the agent's hello is not understood: {exc}") from None
-        self.agent = agent
-        self._stream = stream
-        self._reader = asyncio.ensure_future(self._read_loop(stream))
-        self._dispatch(agent)
 
     async def _read_loop(self, stream: AgentStream) -> None:
         reason = "the agent closed the connection"

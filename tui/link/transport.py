@@ -359,10 +359,18 @@ class Transport(ABC):
         return stream
 
     async def _first_line(self, stream: AgentStream) -> dict[str, Any]:
+        """The bootstrap's first line as a dict with "bootstrap"; on any failure, a cancel included, the stream is
+        closed (nothing started for an attempt outlives it) and ConnectError (or the cancel) raised."""
+        try:
+            return await self._read_first_line(stream)
+        except BaseException:
+            await stream.close()
+            raise
+
+    async def _read_first_line(self, stream: AgentStream) -> dict[str, Any]:
         try:
             line = await asyncio.wait_for(stream.readline(), self.opts.connect_timeout_s + 20.0)
         except asyncio.TimeoutError:
-            await stream.close()
             raise ConnectError(
                 f"{self.display}: the agent bootstrap did not answer within {self.opts.connect_timeout_s + 20.0:.0f} s"
             ) from None
@@ -379,7 +387,6 @@ class Transport(ABC):
         err = stream.stderr_text()
         if line:
             err = (line.decode("utf-8", "replace") + "\n" + err).strip()
-        await stream.close()
         raise self._classify_failure(rc, err, "starting the agent")
 
     def _classify_failure(self, rc: int | None, stderr: str, what: str) -> ConnectError:
@@ -439,10 +446,13 @@ class LocalTransport(Transport):
             return _Completed(127, b"", f"{argv[0]}: not found ({exc})".encode())
         try:
             out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
-        except asyncio.TimeoutError:
-            proc.kill()
+        except BaseException as exc:  # its deadline, or a cancel of the connect: the command must not outlive it
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
             await proc.wait()
-            return _Completed(None, b"", f"timed out after {timeout_s:.0f} s".encode())
+            if isinstance(exc, asyncio.TimeoutError):
+                return _Completed(None, b"", f"timed out after {timeout_s:.0f} s".encode())
+            raise
         return _Completed(proc.returncode, out, err)
 
     @property
