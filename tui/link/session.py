@@ -195,13 +195,8 @@ class Session:
 
     async def _open(self) -> None:
         stream = await self.transport.open()
-        try:
+        async with stream.closed_on_failure():
             agent = await self._read_hello(stream)
-        except BaseException:
-            # A refused hello, or a cancel (the user quits, close() ends a reconnect, a caller's deadline): the
-            # agent just started must not outlive the attempt, nor its pipes the event loop.
-            await stream.close()
-            raise
         self.agent = agent
         self._stream = stream
         self._reader = asyncio.ensure_future(self._read_loop(stream))

@@ -17,6 +17,7 @@ import re
 import shlex
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,16 @@ class AgentStream(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Close stdin (the agent exits on EOF), wait a bounded time, then make sure it is gone."""
+
+    @contextlib.asynccontextmanager
+    async def closed_on_failure(self) -> AsyncIterator[AgentStream]:
+        """This stream, closed if the block raises: its own error, or a cancel (the user quits, close() ends a
+        reconnect, a caller's deadline). An agent started for an attempt never outlives it, nor its pipes the loop."""
+        try:
+            yield self
+        except BaseException:
+            await self.close()
+            raise
 
     @property
     @abstractmethod
@@ -359,13 +370,9 @@ class Transport(ABC):
         return stream
 
     async def _first_line(self, stream: AgentStream) -> dict[str, Any]:
-        """The bootstrap's first line as a dict with "bootstrap"; on any failure, a cancel included, the stream is
-        closed (nothing started for an attempt outlives it) and ConnectError (or the cancel) raised."""
-        try:
+        """The bootstrap's first line as a dict with "bootstrap"; else ConnectError, the stream closed."""
+        async with stream.closed_on_failure():
             return await self._read_first_line(stream)
-        except BaseException:
-            await stream.close()
-            raise
 
     async def _read_first_line(self, stream: AgentStream) -> dict[str, Any]:
         try:
