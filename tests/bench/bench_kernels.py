@@ -355,6 +355,13 @@ def part_mlp(device: torch.device, tokens: int, h: int, inter: int, q: int, kv: 
     return out
 
 
+def unroll_batch_for(device: torch.device) -> int:
+    """The unroll's batch that fits the card: its float32 reference keeps ~26 GiB of dense attention a sequence."""
+    if device.type != "cuda":
+        return 2
+    return 2 if torch.cuda.get_device_properties(device).total_memory >= 120 * 2**30 else 1
+
+
 def part_unroll(
     device: torch.device,
     b: int,
@@ -470,7 +477,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="loss,attention,mlp", help="also: unroll (a whole compiled unroll: minutes)")
     ap.add_argument(
-        "--unroll-batch", type=int, default=2, help="unroll: sequences a step (the reference's dense masks)"
+        "--unroll-batch",
+        type=int,
+        default=0,
+        help="unroll: sequences a step (the float32 reference's dense masks); 0: sized to the card (2 from 120 GiB, "
+        "else 1: batch 2 ran out of memory on an 80 GB H100)",
     )
     ap.add_argument(
         "--loss-kernels",
@@ -531,7 +542,9 @@ def main() -> int:
                 "draft_vocab_size": v,
             }
             variants = [(x.split(":")[0], x.endswith(":compiled")) for x in a.unroll_variants.split(",") if x]
-            res = part_unroll(device, a.unroll_batch, t, shape, 7, a.warm, a.iters, compiled, variants)
+            res = part_unroll(
+                device, a.unroll_batch or unroll_batch_for(device), t, shape, 7, a.warm, a.iters, compiled, variants
+            )
         else:
             print(f"bench_kernels: unknown part {part!r} (loss, attention, mlp, unroll)", file=sys.stderr)
             return 2

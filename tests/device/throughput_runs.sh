@@ -19,6 +19,10 @@
 #       engine (<= 560 s).
 #   sh tests/device/throughput_runs.sh cast [BATCH]    the engine bf16 with cast_weights_once = false, then with the
 #       default (true): the candidate's A/B (~330 s, at most 480).
+#   sh tests/device/throughput_runs.sh chat [BATCH]    real chat lengths in one call: SpecForge's step with --lengths chat
+#       (the same log-normal conversation lengths as tests/bench/bench_packing.py, each batch padded to its longest
+#       as its own collator does; useful tok/s and padding share), then bench_packing.py's full and packed rows of
+#       the engine at batch 4 (<= 480 s). The figure users get on real data: useful tok/s packed against SpecForge's.
 #   sh tests/device/throughput_runs.sh lengths         tests/bench/bench_packing.py full and packed rows, the target
 #       compiled as the preset runs it, then bench_engine.py's kernel profile of the target and the drafter step
 #       (where the time goes). ~350 s, at most 500 (the packed rows compile a second target graph).
@@ -46,13 +50,13 @@ engine() {  # $1: the plan, $2: the seconds it may take in all, $3: the seconds 
     echo "engine exit $?" >> "$OUT/engine.txt"
     grep -E '"mode"|"tok_s"|mfu|"error"|phase|"fwd"|"bwd"|"opt"|producer_target_ms|peak_gib|wall_s' "$OUT/engine.txt"
 }
-peer() {  # $1: the seconds SpecForge's step may take
+peer() {  # $1: the seconds SpecForge's step may take; SF_ARGS passes through to its sf_peer.py
     if [ ! -f .peer/specforge/run.sh ]; then
         echo "no .peer/specforge/run.sh: cp -r ../shared/peer .peer in the checkout, and carry .peer"; exit 2
     fi
     timeout "$1" bash .peer/specforge/run.sh > "$OUT/specforge.log" 2>&1
     echo "specforge exit $? (124 after the record: its teardown outlasts the timeout)"
-    grep -o '"tok_s": [0-9.]*\|"step_ms": [0-9.]*\|"target_forward_ms": [0-9.]*\|"peak_gib": [0-9.]*' \
+    grep -o '"tok_s": [0-9.]*\|"useful_tok_s": [0-9.]*\|"padding_share": [0-9.]*\|"step_ms": [0-9.]*\|"target_forward_ms": [0-9.]*\|"peak_gib": [0-9.]*' \
         "$OUT/specforge_peer.json" | tr '\n' ' '; echo
 }
 table() {  # $1: extra engine --set arguments
@@ -83,6 +87,14 @@ case "$PART" in
         ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
+        ;;
+    chat)
+        export SF_ARGS="--lengths chat --batch $B"
+        peer 170
+        timeout 300 python3 tests/bench/bench_packing.py --device cuda --modes full,packed --batch "$B" --steps 8 \
+            --warm 2 --out "$OUT" > "$OUT/packing.txt" 2>&1
+        echo "packing exit $?" >> "$OUT/packing.txt"
+        tail -n 4 "$OUT/packing.txt"
         ;;
     lengths)
         timeout 300 python3 tests/bench/bench_packing.py --device cuda --modes full,packed --steps 8 --warm 2 \
@@ -129,6 +141,6 @@ case "$PART" in
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|ab|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|chat|ab|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
         ;;
 esac
