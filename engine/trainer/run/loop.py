@@ -298,6 +298,7 @@ class TrainingRun:
     def _install_evaluation(self) -> None:
         """eval_every > 0: acceptance length on held-out prompts every eval_every steps, per drafter (``eval``)."""
         from engine.trainer.serve.evaluate import EvalSubject, PeriodicEvaluation, heldout_prompts, rope_offset_of
+        from engine.trainer.target.stops import target_stop_ids
 
         cfg = self.cfg
         if not cfg.eval_every:
@@ -319,7 +320,7 @@ class TrainingRun:
             every=cfg.eval_every,
             k=cfg.eval_k,
             max_new_tokens=cfg.eval_max_new_tokens,
-            eos_id=getattr(tok, "eos_token_id", None),
+            eos_id=target_stop_ids(cfg.target, tok),
             rope_offset=rope_offset_of(cfg.to_dict()),
             beat=lambda name: self.health.beat(name, state="training"),
         )
