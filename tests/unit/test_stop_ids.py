@@ -17,6 +17,7 @@ import torch
 from support.stop_target import add_second_stop, own_generate, save_tiny_target
 
 from engine.trainer.serve.evaluate import heldout_prompts
+from engine.trainer.target import regenerate as regen
 from engine.trainer.target.stops import stop_ids
 from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
 from engine.trainer.threads.metrics import EventLog
@@ -57,6 +58,44 @@ def test_without_a_generation_config_the_model_configs_eos_ids_count_as_transfor
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": [1, 106]}}))
     assert stop_ids(SimpleNamespace(eos_token_id=1), tmp_path) == {1, 106}
     assert stop_ids(SimpleNamespace(eos_token_id=7), None) == {7}  # a random preset: the tokenizer's alone
+
+
+GOOD = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
+                  {"role": "assistant", "content": "Bye."}]},
+    {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}]},
+]  # fmt: skip
+
+
+def test_regenerated_replies_end_where_the_targets_own_generate_stops_at_its_second_eos(tmp_path: Path) -> None:
+    target = save_tiny_target(tmp_path / "target")
+    tok = build_tiny_tokenizer()
+    first_prompt = tok(
+        tok.apply_chat_template(GOOD[0]["messages"][:2], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
+    second = add_second_stop(target, first_prompt, MAX_NEW)
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in GOOD), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    model, tokenizer = regen.load_model(str(target), torch.device("cpu"))
+    settings = regen.Settings(str(source), str(target), 0.0, seed=0, max_new_tokens=MAX_NEW, max_length=400)
+    replier = regen.Replier(model, tokenizer, torch.device("cpu"), settings)
+    regen.regenerate(replier, source, out, batch_size=2, restart=False, say=lambda _line: None)
+
+    stops = {tok.eos_token_id, second}
+    ended_at_second = 0
+    for row in (json.loads(line) for line in out.read_text().splitlines()):
+        conv = row["messages"]
+        for turn in (i for i, m in enumerate(conv) if m["role"] == "assistant"):
+            reference = own_generate(target, replier.prompt(conv[:turn]), MAX_NEW)
+            cut = next((i for i, t in enumerate(reference) if t in stops), len(reference))
+            ended_at_second += int(cut < len(reference) and reference[cut] == second)
+            assert conv[turn]["content"] == tok.decode(reference[:cut], skip_special_tokens=True)
+    assert ended_at_second >= 1  # the first reply stops at the second eos, with text before it
+    progress = json.loads((tmp_path / "out.jsonl.progress.json").read_text())
+    assert progress["settings"]["generation"]["eos_token_id"] == sorted(stops)
 
 
 @pytest.fixture(scope="module")
