@@ -112,8 +112,9 @@ class TrainerConfig:
     # FP8 tensor cores, measured against bf16 by tests/bench/bench_fp8_target.py; lm_head and MoE routers stay
     # exact, and so does the target acceptance length is measured with (its exact weights are kept for it).
     target_fp8: bool = False
-    # At the start of an FP8 run: top-1 agreement and KL of the FP8 target against the exact one on this many
-    # held-out batches (an fp8_agreement stage; 0: not measured), and a warning below fp8_min_top1.
+    # At the start of an FP8 run: top-1 agreement and KL of the FP8 target against the exact one on the loss-masked
+    # positions of this many first training batches (an fp8_agreement stage; 0: not measured), and a warning below
+    # fp8_min_top1.
     fp8_check_batches: int = 4
     fp8_min_top1: float = 0.98
     # auto: flex on CUDA, sdpa on the CPU. merged (block 0 in a fused causal kernel, the TTT diagonals merged by

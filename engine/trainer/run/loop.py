@@ -140,7 +140,8 @@ class TrainingRun:
         if cfg.cuda_streams == "per_device":
             share_streams(self.producers, self.workers)
         self._report_lost_steps()
-        check_fp8_targets(cfg, self.targets, self.vocab, self.events)  # before the evaluation, which may keep them
+        # before the evaluation, which may keep them
+        check_fp8_targets(cfg, self.targets, self.vocab, self.source, self.events)
         self._install_evaluation()
         self._report_built(attn_impl)
 
