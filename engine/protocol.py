@@ -444,12 +444,17 @@ def decode_log_data(text: str) -> bytes:
 # world_size. ``encode_engine_event`` writes one, ``decode_engine_event`` reads one back.
 
 
+# A draft vocabulary holding less of the trained tokens than this leaves the drafter unable to propose the rest.
+VOCAB_COVERAGE_WARN = 0.90
+
+
 @dataclass
 class StageEvent:
     """stage: "imports" | "target_loaded" | "data" | "warmup" | "training" | "checkpoint" | "stopping" | "done" |
     "distributed" (a torchrun rank joined: its pid, local rank, local world size and collective backend) |
     "fp8_agreement" (an FP8 target against the exact one, in its detail). The "data" stage's summary adds skipped
-    ({reason: conversations not trained on}), heldout, truncated, bad_lines and cached."""
+    ({reason: conversations not trained on}), heldout, truncated, bad_lines and cached; its draft-vocabulary line
+    adds vocab_coverage (below VOCAB_COVERAGE_WARN the engine warns and the dashboard says so)."""
 
     KIND: ClassVar[str] = "stage"
     stage: str
@@ -468,6 +473,7 @@ class StageEvent:
     truncated: int | None = None  # conversations cut to the longest bucket
     bad_lines: list[str] | None = None  # "file:line: reason" of the first malformed lines
     cached: bool | None = None  # the tokenized data came from the cache
+    vocab_coverage: float | None = None  # share of the trained (loss-masked) tokens the draft vocabulary holds
 
 
 @dataclass

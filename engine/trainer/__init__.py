@@ -13,7 +13,8 @@ Its rooms, from the top floor down (each imports only rooms below it):
 * ``serve/``: ``serve.evaluate`` (acceptance length τ) and ``serve.export`` (the draft model vLLM and SGLang load).
 * ``target/``: ``target.model`` (``FrozenTarget``: a Hugging Face causal LM with hooks on three layers),
   ``target.fp8`` (and ``target.agreement``: how far it moves the training targets), ``target.builtin`` (the
-  ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``.
+  ``tiny-trained`` target), ``target.tiny_tokenizer``, ``target.model_configs``, ``target.stops`` (where replies
+  end: one stop set for regenerate, eval, training-time τ and serve-check), ``target.regenerate``.
 * ``draft/``: the drafter (``model``, TTT ``masks``, the TTT ``attention``: merged on CUDA, flex, SDPA), its ``loss``.
 * ``data/``: conversations tokenized with the target's chat template (``sources``, cached by ``cache``), the
   held-out split (``holdout``), several conversations a row with their document masks (``packing``), which

@@ -32,6 +32,7 @@ from pathlib import Path
 from engine import stackdump
 from engine.protocol import ENV_RUN_DIR, RunEndEvent
 from engine.trainer.config import (
+    BUILTIN_TARGETS,
     PRESETS,
     ConfigError,
     TrainerConfig,
@@ -104,18 +105,21 @@ def torchrun_line(cfg: TrainerConfig, argv: list[str]) -> list[str]:
 
 
 def resolve_config(args: argparse.Namespace) -> TrainerConfig:
-    if args.config:
-        cfg = load_toml(args.config)
-    elif args.preset:
-        cfg = preset(args.preset)
-    else:
-        cfg = preset("cpu-demo")
     overrides = dict(parse_override(s) for s in args.set)
     for key in ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
+    if args.config:
+        cfg = load_toml(args.config)
+    elif args.preset:
+        cfg = preset(args.preset)
+    elif str(overrides.get("target", "tiny")) not in BUILTIN_TARGETS:
+        # A Hugging Face target named with --set alone: the defaults that train a drafter for it, not the tiny demo.
+        return place_output_dir(from_dict(overrides), os.environ.get(ENV_RUN_DIR))
+    else:
+        cfg = preset("cpu-demo")
     cfg = from_dict(overrides, cfg) if overrides else cfg
     return place_output_dir(cfg, os.environ.get(ENV_RUN_DIR))
 

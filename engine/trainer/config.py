@@ -5,6 +5,7 @@ Stdlib only (no torch), so the command line can report config errors before the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -97,8 +98,12 @@ class TrainerConfig:
     drafter_lrs: list[float] | None = None  # independent mode: one learning rate per drafter (a sweep)
     schedule: str = "constant"
     warmup_steps: int = 0
+    # Warm-up as a share of steps instead (SpecForge's warmup_ratio: int(warmup_ratio * steps) steps); 0: none.
+    warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # AdamW's (beta1, beta2); SpecForge keeps torch's [0.9, 0.999] (the specforge preset).
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # A step whose gradients are NaN or infinite is skipped (no update, an event and an anomaly); this many in a
     # row stop the run with that cause.
     nonfinite_grad_limit: int = 8
@@ -112,8 +117,9 @@ class TrainerConfig:
     # FP8 tensor cores, measured against bf16 by tests/bench/bench_fp8_target.py; lm_head and MoE routers stay
     # exact, and so does the target acceptance length is measured with (its exact weights are kept for it).
     target_fp8: bool = False
-    # At the start of an FP8 run: top-1 agreement and KL of the FP8 target against the exact one on this many
-    # held-out batches (an fp8_agreement stage; 0: not measured), and a warning below fp8_min_top1.
+    # At the start of an FP8 run: top-1 agreement and KL of the FP8 target against the exact one on the loss-masked
+    # positions of this many first training batches (an fp8_agreement stage; 0: not measured), and a warning below
+    # fp8_min_top1.
     fp8_check_batches: int = 4
     fp8_min_top1: float = 0.98
     # auto: flex on CUDA, sdpa on the CPU. merged (block 0 in a fused causal kernel, the TTT diagonals merged by
@@ -239,6 +245,17 @@ class TrainerConfig:
             "an integer from 0 (inductor's choice) to 8",
         )
         need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
+        need(0 <= self.warmup_ratio < 1, "warmup_ratio", "a share of steps, >= 0 and below 1 (SpecForge's: 0.015)")
+        need(
+            not (self.warmup_ratio and self.warmup_steps),
+            "warmup_ratio",
+            f"set warmup_steps ({self.warmup_steps}) or warmup_ratio ({self.warmup_ratio}), not both",
+        )
+        need(
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            "adam_betas",
+            f"got {self.adam_betas}; two numbers >= 0 and below 1, e.g. [0.9, 0.999]",
+        )
         need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
         need(self.nonfinite_grad_limit >= 1, "nonfinite_grad_limit", "an integer >= 1 (skipped steps in a row)")
@@ -307,6 +324,11 @@ class TrainerConfig:
         return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
 
     @property
+    def warmup(self) -> int:
+        """The warm-up steps: warmup_steps, or warmup_ratio of the steps (rounded down, as SpecForge does)."""
+        return self.warmup_steps or int(self.warmup_ratio * self.steps)
+
+    @property
     def uses_cuda(self) -> bool:
         return any(d.startswith("cuda") for d in self.target_devices + self.drafter_devices)
 
@@ -348,6 +370,7 @@ _TYPE_WORDS: dict[str, str] = {
     "drafter_devices": "a non-empty list of devices, e.g. ['cuda:0']",
     "target_layers": "a list of three integers (low, middle, high)",
     "drafter_lrs": "a list of numbers, one learning rate per drafter",
+    "adam_betas": "a list of two numbers, e.g. [0.9, 0.999]",
 }
 
 
@@ -415,7 +438,37 @@ def from_dict(values: dict[str, Any], base: TrainerConfig | None = None) -> Trai
         if key not in types_by_key:
             raise ConfigError(f"{key}: unknown key; known keys: {', '.join(sorted(types_by_key))}")
         setattr(cfg, key, _coerce(key, types_by_key[key], value))
+    if base is None and cfg.target not in BUILTIN_TARGETS:
+        for key, value in REAL_TARGET_DEFAULTS.items():
+            if key not in flat and not (key == "warmup_ratio" and "warmup_steps" in flat):
+                setattr(cfg, key, copy.deepcopy(value))
     return cfg.validate()
+
+
+# A Hugging Face target (a local directory) gets these where neither a preset nor the config sets the key: a drafter
+# trained to be served (EAGLE-3's 32k draft vocabulary, capped by the target's own; 7 TTT steps; SpecForge's learning
+# rate, 1.5 % warm-up and cosine decay). The built-in targets keep the small defaults above (quick CPU runs).
+REAL_TARGET_DEFAULTS: dict[str, Any] = {
+    "draft_vocab_size": 32000,
+    "ttt_steps": 7,
+    "lr": 1e-4,
+    "schedule": "cosine",
+    "warmup_ratio": 0.015,
+}
+# SpecForge's EAGLE-3 recipe (its TrainingConfig and BF16Optimizer defaults): the specforge preset, for side-by-side
+# runs against it on the same layout as h200-single.
+SPECFORGE_RECIPE: dict[str, Any] = {
+    "lr": 1e-4,
+    "schedule": "cosine",
+    "warmup_steps": 0,
+    "warmup_ratio": 0.015,
+    "max_grad_norm": 0.5,
+    "adam_betas": [0.9, 0.999],
+    "weight_decay": 0.0,
+    "draft_vocab_size": 32000,
+    "ttt_steps": 7,
+    "loss_mean": LOSS_MEAN_ALL,
+}
 
 
 def load_toml(path: str | Path, base: TrainerConfig | None = None) -> TrainerConfig:
@@ -499,6 +552,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "output_dir": "runs/h200-single",
     },
 }
+
+
+PRESETS["specforge"] = {**PRESETS["h200-single"], **SPECFORGE_RECIPE, "output_dir": "runs/specforge"}
 
 
 def preset(name: str) -> TrainerConfig:

@@ -1,7 +1,8 @@
 """How far the FP8 target (``target_fp8``) moves what the drafter trains on, and how much faster its forward is.
 
 For each target the same token batches go through the bf16 target and its FP8 copy (engine/trainer/target/fp8.py),
-and the bench prints (engine/trainer/target/agreement.py measures the first five, as an FP8 run does at its start):
+and the bench prints (engine/trainer/target/agreement.py measures the first five, as an FP8 run does at its start on
+its first training batches' loss-masked positions; here every position of repeated held-out prompts):
 
   top1_agree       share of positions whose full-vocabulary argmax is the same (it sets the position mask)
   mask_agree       share of positions whose position mask (top token in the draft vocabulary) is the same
@@ -31,11 +32,27 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
+def token_batches(
+    prompts: list[list[int]] | None, vocab_size: int, batch: int, seq: int, n: int, *, seed: int = 0
+) -> list[Any]:
+    """``n`` batches of ``batch`` rows of ``seq`` tokens: each prompt repeated up to the length (text at every
+    position, many of them copies: a run measures its own training batches instead), or seeded random ids when there
+    are no prompts (a random-weight target)."""
+    import torch
+
+    if not prompts:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, vocab_size, (batch, seq), generator=g) for _ in range(n)]
+    rows = [torch.tensor((p * (seq // max(1, len(p)) + 1))[:seq]) for p in prompts[: batch * n]]
+    stacked = torch.stack(rows)
+    return [b for b in (stacked[i * batch : (i + 1) * batch] for i in range(n)) if len(b)]
+
+
 def measure(spec: str, device: str, batch: int, seq: int, n: int, compile_: bool, draft_vocab: int) -> dict[str, Any]:
     import torch
 
     from engine.trainer.serve.evaluate import heldout_prompts
-    from engine.trainer.target.agreement import compare_forwards, token_batches
+    from engine.trainer.target.agreement import CheckBatch, compare_forwards
     from engine.trainer.target.fp8 import quantize_linears
     from engine.trainer.target.model import FrozenTarget, load_target, load_tokenizer
 
@@ -58,7 +75,7 @@ def measure(spec: str, device: str, batch: int, seq: int, n: int, compile_: bool
         ref.compile()
         fp8.compile()
     agreement = compare_forwards(
-        ref.logits_and_hidden3, fp8.logits_and_hidden3, [b.to(dev) for b in batches], draft_ids, t2d
+        ref.logits_and_hidden3, fp8.logits_and_hidden3, [CheckBatch(b.to(dev)) for b in batches], draft_ids, t2d
     )
     times: dict[str, float] = {}
     if dev.type == "cuda":

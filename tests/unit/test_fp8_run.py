@@ -14,9 +14,9 @@ import torch
 
 from engine.trainer.config import TrainerConfig, from_dict
 from engine.trainer.data.sources import shipped_corpus_path
-from engine.trainer.run.fp8_check import check_prompts
+from engine.trainer.run.fp8_check import check_batches
 from engine.trainer.serve.evaluate import DrafterProposer, evaluate, heldout_prompts, target_forward
-from engine.trainer.target.agreement import compare_forwards, token_batches
+from engine.trainer.target.agreement import compare_forwards
 from engine.trainer.target.fp8 import exact_bytes
 from engine.trainer.target.model import FrozenTarget, load_target, load_tokenizer
 from engine.trainer.threads.metrics import EventLog
@@ -138,14 +138,18 @@ def test_an_fp8_run_reports_its_agreement_with_the_exact_target_warns_below_the_
     stages = [e for e in seen if e["kind"] == "stage" and e["stage"] == "fp8_agreement"]
     assert len(stages) == 1
     detail = stages[0]["detail"]
-    assert "FP8 target vs exact on 2 held-out rows of 128 tokens" in detail and "below fp8_min_top1 = 1.0" in detail
+    assert "FP8 target vs exact on the loss-masked positions of the first 2 training batches" in detail
+    assert "below fp8_min_top1 = 1.0" in detail
     top1 = float(re.search(r"top-1 agreement ([0-9.]+)", detail).group(1))  # type: ignore[union-attr]
     kl = float(re.search(r"KL\(target_p\) ([0-9.e+-]+) nats", detail).group(1))  # type: ignore[union-attr]
+    # Exactly the trained positions of the batches the run trains first (assistant tokens; no prompt, no padding).
+    masked = sum(int(engine.source.batch(i).loss_mask.sum()) for i in range(2))
+    assert f"over {masked} positions" in detail and 0 < masked < 2 * 128
 
-    # The same figures as the bench's way: a separately loaded exact target against an FP8 copy.
+    # The same figures from a separately loaded exact target against an FP8 copy, on those positions.
     exact, fp8 = tiny(fp8=False), tiny(fp8=True)
     assert engine.vocab is not None
-    batches = token_batches(check_prompts(cfg, exact.tokenizer, 2), exact.vocab_size, 1, 128, 2, seed=0)
+    batches = check_batches(engine.source, 2, torch.device("cpu"))
     vocab = engine.vocab
     offline = compare_forwards(
         exact.logits_and_hidden3, fp8.logits_and_hidden3, batches, vocab.draft_to_target, vocab.t2d(exact.vocab_size)
@@ -186,3 +190,52 @@ def test_an_fp8_run_with_no_check_and_no_evaluation_never_keeps_the_exact_weight
     engine, seen, stdout = built_run(run_config(tmp_path, fp8_check_batches=0))
     assert not [e for e in seen if e["kind"] == "stage" and e["stage"] == "fp8_agreement"]
     assert "exact target weights" not in stdout.getvalue() and exact_bytes(engine.targets[0].model) == 0
+
+
+EVERY = 20  # the perturbed target's top token differs from the exact one's at every EVERY-th chosen position
+
+
+@pytest.mark.parametrize("where, warns", [("trained", True), ("untrained", False)])
+def test_the_agreement_counts_the_first_training_batches_trained_positions_and_warns_below_098(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, warns: bool
+) -> None:
+    """A stand-in FP8 forward: the exact target, its top token moved at every 20th loss-masked position of the run's
+    training batches (a 0.95 agreement there) or at every 20th position outside them. Only the first warns, at
+    the default fp8_min_top1 (0.98)."""
+    from engine.trainer.run.loop import TrainingRun
+
+    cfg = run_config(tmp_path, fp8_check_batches=2)
+    assert cfg.fp8_min_top1 == 0.98
+    stdout = io.StringIO()
+    events = EventLog(Path(cfg.output_dir) / "events.jsonl", stdout=stdout)
+    seen: list[dict[str, Any]] = []
+    events.listeners.append(seen.append)
+    engine = TrainingRun(cfg, events)
+    exact_forward = FrozenTarget.logits_and_hidden3
+    moved: list[int] = []
+
+    def perturbed(self: FrozenTarget, input_ids: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden3 = exact_forward(self, input_ids, **{**kw, "exact": True})
+        if kw.get("exact") or engine.source is None:
+            return logits, hidden3
+        for i in range(cfg.fp8_check_batches):
+            hb = engine.source.batch(i)
+            if torch.equal(hb.input_ids, input_ids):
+                trained = hb.loss_mask > 0
+                chosen = (trained if where == "trained" else ~trained).nonzero()[::EVERY]
+                logits = logits.clone()
+                for b, t in chosen.tolist():
+                    logits[b, t, logits[b, t].argmax()] = logits[b, t].min() - 1.0
+                moved.append(len(chosen))
+        return logits, hidden3
+
+    monkeypatch.setattr(FrozenTarget, "logits_and_hidden3", perturbed)
+    engine.build()
+    (stage,) = [e for e in seen if e["kind"] == "stage" and e["stage"] == "fp8_agreement"]
+    masked = sum(int(engine.source.batch(i).loss_mask.sum()) for i in range(2))
+    top1 = float(re.search(r"top-1 agreement ([0-9.]+)", stage["detail"]).group(1))  # type: ignore[union-attr]
+    assert len(moved) == 2  # both training batches went through the check
+    assert top1 == pytest.approx(1 - sum(moved) / masked if warns else 1.0, abs=1e-4)
+    warning = "warning: the FP8 target agrees with the exact one on"
+    assert (warning in stdout.getvalue()) is warns
+    assert ("below fp8_min_top1 = 0.98" in stage["detail"]) is warns

@@ -131,7 +131,7 @@ def test_a_resume_with_other_settings_is_refused(target_dir: Path, tmp_path: Pat
     source = write_rows(tmp_path / "in.jsonl", GOOD)
     out = tmp_path / "out.jsonl"
     regen.regenerate(replier(target_dir, source), source, out, batch_size=8, restart=False, say=lambda _l: None)
-    with pytest.raises(ValueError, match="other settings \\(temperature\\)"):
+    with pytest.raises(ValueError, match="other settings \\(generation, temperature\\)"):
         regen.regenerate(replier(target_dir, source, 0.5), source, out, batch_size=8, restart=False, say=print)
 
 

@@ -22,6 +22,13 @@ class DraftVocab:
         """EAGLE-3's offsets: target id = draft id + d2t[draft id]."""
         return self.draft_to_target - torch.arange(self.size)
 
+    def coverage(self, counts: torch.Tensor) -> float | None:
+        """The share of the counted tokens (``counts``: per target id) that are in the draft vocabulary; None when
+        nothing was counted."""
+        total = int(counts.sum())
+        ids = self.draft_to_target[self.draft_to_target < counts.numel()]
+        return int(counts[ids].sum()) / total if total else None
+
     def t2d(self, vocab_size: int) -> torch.Tensor:
         """Bool mask over the target vocabulary: True where the token is in the draft vocabulary."""
         mask = torch.zeros(vocab_size, dtype=torch.bool)

@@ -34,19 +34,20 @@ from engine.trainer.threads.metrics import EventLog
 
 # Added to a drafter's seed for its initial weights, so they do not repeat the target's (seeded with the seed).
 DRAFTER_SEED_OFFSET = 7919
-ADAMW_BETAS = (0.9, 0.95)
 
 
 def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
-    """The learning-rate factor per step: linear warm-up, then constant, linear or cosine decay to cfg.steps."""
+    """The learning-rate factor per step: linear warm-up (cfg.warmup steps), then constant, linear or cosine decay
+    to cfg.steps."""
+    warmup = cfg.warmup
 
     def fn(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
+        if warmup and step < warmup:
+            return (step + 1) / warmup
         if cfg.schedule == "constant":
             return 1.0
-        span = max(1, cfg.steps - cfg.warmup_steps)
-        frac = min(1.0, (step - cfg.warmup_steps) / span)
+        span = max(1, cfg.steps - warmup)
+        frac = min(1.0, (step - warmup) / span)
         if cfg.schedule == "linear":
             return max(0.0, 1.0 - frac)
         return 0.5 * (1.0 + math.cos(math.pi * frac))
@@ -257,7 +258,7 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(
         drafter.trainable_parameters(),
         lr=float(cfg.drafter_lrs[rank]) if cfg.drafter_lrs else cfg.lr,
-        betas=ADAMW_BETAS,
+        betas=(cfg.adam_betas[0], cfg.adam_betas[1]),
         weight_decay=cfg.weight_decay,
         fused=True,
     )

@@ -1,10 +1,11 @@
 """The FP8 target at the start of a run (``target_fp8 = true``): how far it is from the exact one, and what it keeps.
 
-Before the first step the run measures the FP8 target against its own exact weights (target/agreement.py) on
-``fp8_check_batches`` held-out rows (random tokens when the data has no text), reports the figures as an
-``fp8_agreement`` stage and a log line, and warns when top-1 agreement is below ``fp8_min_top1``: the drafter would
-learn from targets the served model does not produce. The exact weights stay only while something needs them:
-the check, and the evaluation during training (``eval_every``), which measures τ against the exact target.
+Before the first step the run measures the FP8 target against its own exact weights (target/agreement.py) on the
+loss-masked positions of its first ``fp8_check_batches`` training batches (the tokens the drafter is trained on,
+packed rows kept apart as in training), reports the figures as an ``fp8_agreement`` stage and a log line, and warns
+when top-1 agreement is below ``fp8_min_top1``: the drafter would learn from targets the served model does not
+produce. The exact weights stay only while something needs them: the check, and the evaluation during training
+(``eval_every``), which measures τ against the exact target.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from typing import Any
 
 import torch
 
-from engine.trainer.config import DATA_RANDOM, TrainerConfig
+from engine.trainer.config import TrainerConfig
+from engine.trainer.data.sources import BatchSource
 from engine.trainer.data.vocab import DraftVocab
-from engine.trainer.target.agreement import Agreement, compare_forwards, token_batches
+from engine.trainer.target.agreement import Agreement, CheckBatch, compare_forwards
 from engine.trainer.target.fp8 import exact_bytes, release_exact
 from engine.trainer.target.model import FrozenTarget
 
-CHECK_SEQ = 512  # tokens per row of the check (capped at the longest bucket)
 STAGE = "fp8_agreement"
 
 
@@ -32,43 +33,44 @@ def keeps_exact_weights(cfg: TrainerConfig) -> bool:
     return cfg.target_fp8 and (cfg.fp8_check_batches > 0 or cfg.eval_every > 0)
 
 
-def check_prompts(cfg: TrainerConfig, tokenizer: Any, count: int) -> list[list[int]] | None:
-    """Held-out prompts for the check, or None where the data holds none out (random ids are used instead)."""
-    from engine.trainer.serve.evaluate import heldout_prompts
+def check_batches(source: BatchSource, n: int, device: torch.device) -> list[CheckBatch]:
+    """The first ``n`` training batches, on ``device``, with their loss masks (and packed rows' documents)."""
+    out = []
+    for index in range(n):
+        hb = source.batch(index)
+        docs = hb.documents.to(device) if hb.documents is not None else None
+        out.append(CheckBatch(hb.input_ids.to(device), hb.loss_mask.to(device), docs))
+    return out
 
-    if tokenizer is None or cfg.data == DATA_RANDOM or cfg.eval_holdout == 0:
-        return None
-    return heldout_prompts(tokenizer, cfg.data, cfg.eval_holdout, cfg.seed, count) or None
 
-
-def measure_fp8_target(cfg: TrainerConfig, target: FrozenTarget, vocab: DraftVocab) -> tuple[Agreement, str]:
-    """The FP8 target against its exact weights on the check batches, and where those batches came from."""
-    n = cfg.fp8_check_batches
-    seq = min(CHECK_SEQ, max(cfg.buckets))
-    prompts = check_prompts(cfg, target.tokenizer, n)
-    batches = [b.to(target.device) for b in token_batches(prompts, target.vocab_size, 1, seq, n, seed=cfg.seed)]
+def measure_fp8_target(
+    cfg: TrainerConfig, target: FrozenTarget, vocab: DraftVocab, source: BatchSource
+) -> tuple[Agreement, str]:
+    """The FP8 target against its exact weights on the first training batches, and which those were."""
+    batches = check_batches(source, cfg.fp8_check_batches, target.device)
     draft_ids = vocab.draft_to_target.to(target.device)
     t2d = vocab.t2d(target.vocab_size).to(target.device)
 
-    def exact(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return target.logits_and_hidden3(ids, exact=True)
+    def exact(ids: torch.Tensor, documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return target.logits_and_hidden3(ids, exact=True, documents=documents)
 
-    def fp8(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return target.logits_and_hidden3(ids, eager=True)  # the check's length compiles nothing
+    def fp8(ids: torch.Tensor, documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return target.logits_and_hidden3(ids, eager=True, documents=documents)  # the check compiles nothing
 
     agreement = compare_forwards(exact, fp8, batches, draft_ids, t2d)
-    where = f"{len(batches)} held-out rows" if prompts else f"{len(batches)} rows of random tokens"
-    return agreement, f"{where} of {seq} tokens"
+    return agreement, f"the loss-masked positions of the first {len(batches)} training batches"
 
 
-def check_fp8_targets(cfg: TrainerConfig, targets: list[FrozenTarget], vocab: DraftVocab, events: Any) -> None:
+def check_fp8_targets(
+    cfg: TrainerConfig, targets: list[FrozenTarget], vocab: DraftVocab, source: BatchSource, events: Any
+) -> None:
     """The start of an FP8 run: the agreement stage (and a warning below ``fp8_min_top1``), then the exact weights
     released where no evaluation needs them. Every target is a copy of the first: the first is measured."""
     if not cfg.target_fp8 or not targets:
         return
     kept = sum(exact_bytes(t.model) for t in targets)
     if cfg.fp8_check_batches > 0:
-        agreement, where = measure_fp8_target(cfg, targets[0], vocab)
+        agreement, where = measure_fp8_target(cfg, targets[0], vocab, source)
         low = agreement.top1_agree < cfg.fp8_min_top1
         events.stage(
             STAGE,

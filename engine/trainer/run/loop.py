@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from engine.protocol import CheckpointEvent, RunEndEvent, StageEvent
+from engine.protocol import VOCAB_COVERAGE_WARN, CheckpointEvent, RunEndEvent, StageEvent
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.config import TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
-from engine.trainer.data.sources import BatchSource
+from engine.trainer.data.sources import BatchSource, ConversationSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.run.assembly import (
@@ -140,7 +140,8 @@ class TrainingRun:
         if cfg.cuda_streams == "per_device":
             share_streams(self.producers, self.workers)
         self._report_lost_steps()
-        check_fp8_targets(cfg, self.targets, self.vocab, self.events)  # before the evaluation, which may keep them
+        # before the evaluation, which may keep them
+        check_fp8_targets(cfg, self.targets, self.vocab, self.source, self.events)
         self._install_evaluation()
         self._report_built(attn_impl)
 
@@ -186,10 +187,8 @@ class TrainingRun:
         self.vocab = DraftVocab(resume.vocab)
         if resume.path is not None:
             self.resumed_from = resume.path
-        elif self.info.rank == 0:
-            self.events.stage(
-                "data", f"draft vocabulary: the {self.vocab.size} most frequent token ids over the whole training set"
-            )
+        if self.info.rank == 0:
+            self._report_vocab(target_vocab_size, resume.path)
         if self.cross is not None:
             assert self.source is not None
             self.source = ShardedSource(self.source, self.info.rank, self.info.world_size)
@@ -198,6 +197,29 @@ class TrainingRun:
                 "warning: vocab_sample_batches is ignored: the draft vocabulary counts every training conversation"
             )
         return resume
+
+    def _report_vocab(self, target_vocab_size: int, resumed: Path | None) -> None:
+        """The draft vocabulary at stage ``data``: where it came from and, for conversations, the share of the
+        trained tokens it holds (``vocab_coverage``), with a warning below VOCAB_COVERAGE_WARN."""
+        assert self.vocab is not None and self.source is not None
+        size = self.vocab.size
+        where = (
+            f"draft vocabulary: {size} token ids from {resumed.name}"
+            if resumed is not None
+            else f"draft vocabulary: the {size} most frequent token ids over the whole training set"
+        )
+        coverage = None
+        if isinstance(self.source, ConversationSource):  # random tokens have no frequencies to cover
+            coverage = self.vocab.coverage(self.source.token_counts(target_vocab_size))
+        detail = where + (f"; it holds {coverage:.1%} of the trained tokens" if coverage is not None else "")
+        self.events.emit(StageEvent(stage="data", detail=detail, vocab_coverage=coverage))
+        self.events.say(f"stage=data {detail}")
+        if coverage is not None and coverage < VOCAB_COVERAGE_WARN:
+            self.events.say(
+                f"warning: the draft vocabulary ({size} of the target's {target_vocab_size} ids) holds "
+                f"{coverage:.1%} of the trained tokens, below {VOCAB_COVERAGE_WARN:.0%}: the drafter can never "
+                "propose the rest (a larger draft_vocab_size holds more)"
+            )
 
     def _build_drafters(self, ddevs: list[torch.device]) -> list[Drafter]:
         assert self.vocab is not None
@@ -298,6 +320,7 @@ class TrainingRun:
     def _install_evaluation(self) -> None:
         """eval_every > 0: acceptance length on held-out prompts every eval_every steps, per drafter (``eval``)."""
         from engine.trainer.serve.evaluate import EvalSubject, PeriodicEvaluation, heldout_prompts, rope_offset_of
+        from engine.trainer.target.stops import target_stop_ids
 
         cfg = self.cfg
         if not cfg.eval_every:
@@ -319,7 +342,7 @@ class TrainingRun:
             every=cfg.eval_every,
             k=cfg.eval_k,
             max_new_tokens=cfg.eval_max_new_tokens,
-            eos_id=getattr(tok, "eos_token_id", None),
+            eos_id=target_stop_ids(cfg.target, tok),
             rope_offset=rope_offset_of(cfg.to_dict()),
             beat=lambda name: self.health.beat(name, state="training"),
         )

@@ -16,7 +16,8 @@ greedily; every round the drafter proposes ``k`` tokens as a chain and the targe
 That is how vLLM and SGLang chain-draft an EAGLE-3 head. The target is always the exact one: an FP8 target
 (``target_fp8``) runs its kept exact weights here (``target_forward``), as the bf16 model a server verifies with.
 Two countings of the last round, which differ only when a
-prompt ends at the stop token (``eos``; with ``--ignore-eos`` they are the same numbers):
+prompt ends at a stop token (the tokenizer's eos and the generation config's eos ids, target/stops.py, where vLLM
+stops too; with ``--ignore-eos`` they are the same numbers):
 
 * ``stop`` (the default): a round's accepted drafts end before the stop token, which the target's own token of the
   round then supplies; τ counts the tokens the reader receives;
@@ -54,6 +55,7 @@ from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, rotary_tables
+from engine.trainer.target.stops import StopIds, first_stop, stop_set, target_stop_ids
 
 COUNT_STOP = "stop"
 COUNT_VLLM = "vllm"
@@ -246,30 +248,33 @@ def speculate(
     *,
     k: int,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: StopIds,
     stats: AcceptanceStats,
 ) -> list[int]:
     """Greedy chain speculation on one prompt; adds each round to ``stats`` (counted as ``stats.counting`` says,
-    see the module docstring); returns the generated tokens, up to and including the stop token.
+    see the module docstring); returns the generated tokens, up to and including the first stop token
+    (``eos_id``: one id or a set, target/stops.py; None: none).
 
     The output equals plain greedy decoding by the target (speculation changes speed, never the text).
     """
+    stops = stop_set(eos_id)
     logits, hidden3 = forward(prompt)
     generated = [int(logits[-1].argmax())]
     stats.prompts += 1
     past_stop = stats.counting == COUNT_VLLM
-    while len(generated) < max_new_tokens and eos_id not in generated:
+    while len(generated) < max_new_tokens and first_stop(generated, stops) is None:
         seq = prompt + generated
         draft = proposer.propose(seq, hidden3[:, : len(seq) - 1], k)
         logits, hidden3 = forward(seq + draft)
         greedy = logits[len(seq) - 1 :].argmax(-1).tolist()  # the target's token after seq, seq+d1, ..., (k + 1)
         accepted = 0
-        while accepted < k and draft[accepted] == greedy[accepted] and (past_stop or greedy[accepted] != eos_id):
+        while accepted < k and draft[accepted] == greedy[accepted] and (past_stop or greedy[accepted] not in stops):
             accepted += 1
         stats.add(accepted)
         generated.extend(greedy[: accepted + 1])
-    if eos_id in generated:
-        del generated[generated.index(eos_id) + 1 :]
+    at = first_stop(generated, stops)
+    if at is not None:
+        del generated[at + 1 :]
     del generated[max_new_tokens:]
     stats.new_tokens += len(generated)
     return generated
@@ -326,7 +331,7 @@ def evaluate(
     *,
     k: int,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: StopIds,
     on_prompt: Callable[[int, AcceptanceStats], None] | None = None,
     counting: str = COUNT_STOP,
     outputs: list[list[int]] | None = None,
@@ -388,7 +393,7 @@ class PeriodicEvaluation:
         every: int,
         k: int,
         max_new_tokens: int,
-        eos_id: int | None,
+        eos_id: StopIds,
         rope_offset: bool,
         beat: Callable[[str], None] | None = None,
     ) -> None:
@@ -553,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = args.drafter or list(meta.get("drafters") or [])
     rope_offset = True if args.as_served else rope_offset_of(cfg)
-    eos_id = None if args.ignore_eos else getattr(tokenizer, "eos_token_id", None)
+    eos_id = None if args.ignore_eos else target_stop_ids(spec, tokenizer)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     results: dict[str, Any] = {}
     for name in names:

@@ -36,6 +36,7 @@ from typing import Any
 
 from engine.protocol import ENV_EVENTS_PATH, ServedEvent
 from engine.trainer.checkpoint import STEP_DIR
+from engine.trainer.target.stops import cut_at_stop, stop_ids
 from engine.trainer.threads.metrics import EventLog, events_path_for
 
 EXIT_OK, EXIT_VLLM_FAILED, EXIT_USAGE, EXIT_NO_VLLM = 0, 1, 2, 3
@@ -158,7 +159,7 @@ def our_figures(
         dtype=torch.float32,
     )  # fmt: skip
     drafter = export.drafter_from_export(subject.export_dir, target.embed_weight().detach()).eval()
-    eos_id = None if ignore_eos else getattr(tokenizer, "eos_token_id", None)
+    eos_id = stops_of(subject, tokenizer, ignore_eos)
     out: dict[str, Any] = {"target_layers": target.layer_ids}
     for counting in COUNTINGS:
         outputs: list[list[int]] = []
@@ -230,8 +231,13 @@ def vllm_figures(result: dict[str, Any], k: int) -> dict[str, Any]:
     }
 
 
-def without_stop(ids: list[int], eos_id: int | None) -> list[int]:
-    return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
+def stops_of(subject: Subject, tokenizer: Any, ignore_eos: bool) -> frozenset[int]:
+    """Where both sides stop: the tokenizer's eos and the generation config's eos ids (vLLM stops at both)."""
+    return frozenset() if ignore_eos else stop_ids(tokenizer, subject.target_dir)
+
+
+def without_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
+    return cut_at_stop(ids, stops)
 
 
 def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
@@ -289,9 +295,9 @@ def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
         subject, prompts, k=args.k, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, say=say
     )
     theirs = vllm_figures(served, args.k)
-    eos_id = None if args.ignore_eos else getattr(tokenizer, "eos_token_id", None)
+    stops = stops_of(subject, tokenizer, args.ignore_eos)
     same = sum(
-        without_stop(a, eos_id) == without_stop(b, eos_id)
+        without_stop(a, stops) == without_stop(b, stops)
         for a, b in zip(ours.pop("outputs"), served.get("outputs") or [], strict=False)
     )
     report.update(ours=ours, vllm=theirs, outputs_equal_to_greedy=same)

@@ -18,8 +18,8 @@ trains on. The cost is the exact decoder weights on top of the e4m3 ones: on Lla
 quantising, which otherwise frees each bf16 weight as it goes). ``release_exact`` frees them when nothing evaluates.
 
 How far FP8 moves the target is measured by ``target/agreement.py`` (top-1 agreement, KL of ``target_p``,
-error of the captured hidden states): at the start of an FP8 run on held-out text, and offline by
-``tests/bench/bench_fp8_target.py``; it must be judged per target before a run trusts it.
+error of the captured hidden states): at the start of an FP8 run on its first training batches' trained positions,
+and offline by ``tests/bench/bench_fp8_target.py``; it must be judged per target before a run trusts it.
 """
 
 from __future__ import annotations

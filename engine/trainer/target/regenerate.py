@@ -11,7 +11,11 @@ therefore regenerate the assistant turns with the target before training; this i
 Each conversation keeps its system and user turns word for word and its turn structure; every assistant turn is
 replaced, in order, by the target's reply to the conversation so far (earlier turns already regenerated, as the
 target would have had them). Greedy at ``--temperature 0``, else sampled at that temperature (seeded per batch, so
-a resumed run draws what an uninterrupted one would). Batched across conversations, one turn at a time.
+a resumed run draws what an uninterrupted one would) and nothing else: the target's shipped sampling settings
+(a repetition penalty, top-p, top-k) are not inherited. A reply ends at the target's first stop token (the
+tokenizer's eos and the generation config's eos ids, target/stops.py), where a server ends it. The settings given
+to generate() are in the log and in ``<out>.progress.json``. A target with the harmony chat format (gpt-oss:
+channels in each reply) is refused (exit 2). Batched across conversations, one turn at a time.
 
 The output is chat JSON lines (``{"messages": [{role, content}], "source_line": N}``) in input order, which any
 run takes as ``data = "/path/regen.jsonl"``. Progress goes to stderr. It is resumable: ``<out>.progress.json``
@@ -25,6 +29,7 @@ Exit codes: 0 done, 2 bad arguments or settings that differ from the run being r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,6 +43,7 @@ from typing import Any
 import torch
 
 from engine.trainer.data.sources import ROLE_ALIASES, shipped_corpus_path
+from engine.trainer.target.stops import first_stop, target_stop_ids
 
 SKIP_NOT_JSON = "not JSON"
 SKIP_NO_USER = "no user turn before an assistant turn"
@@ -61,6 +67,8 @@ class Settings:
     seed: int
     max_new_tokens: int
     max_length: int
+    # What generate() is given (Replier.generation): filled by the Replier from the target, recorded in the progress
+    generation: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +78,7 @@ class Settings:
             "seed": self.seed,
             "max_new_tokens": self.max_new_tokens,
             "max_length": self.max_length,
+            **({"generation": dict(self.generation)} if self.generation else {}),
         }
 
 
@@ -159,16 +168,34 @@ def batched(rows: Iterator[tuple[int, str]], size: int) -> Iterator[list[tuple[i
 
 
 class Replier:
-    """The target answering a batch of conversations, left-padded, with its KV cache (transformers' generate)."""
+    """The target answering a batch of conversations, left-padded, with its KV cache (transformers' generate).
+
+    It generates with a generation config of its own: greedy, or sampled at ``temperature`` with nothing else (no
+    top-k, top-p or penalty), stopping at the target's stop ids (target/stops.py). The model's shipped generation
+    config (Qwen2.5-Instruct's ``repetition_penalty`` 1.05, ``top_p`` 0.8, ...) is replaced, not merged:
+    transformers fills every setting a given config leaves unset from the model's own."""
 
     def __init__(self, model: Any, tokenizer: Any, device: torch.device, settings: Settings) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
-        self.settings = settings
-        self.eos_id = int(tokenizer.eos_token_id)
+        self.stop_ids = sorted(target_stop_ids(settings.target, tokenizer))
         pad = tokenizer.pad_token_id
-        self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.pad_id = int(pad) if pad is not None else int(tokenizer.eos_token_id)
+        self.generation = fresh_generation(settings.temperature, settings.max_new_tokens, self.stop_ids, self.pad_id)
+        self.dropped = shipped_sampling(model)
+        self.settings = dataclasses.replace(settings, generation=self.generation)
+        model.generation_config = generation_config(self.generation)
+
+    def describe(self) -> str:
+        """The generation settings in words, for the log."""
+        g = self.generation
+        how = f"sampled at temperature {g['temperature']:g}, no top-k, top-p or penalty" if g["do_sample"] else "greedy"
+        names = [self.tokenizer.convert_ids_to_tokens(i) for i in g["eos_token_id"]]
+        stops = ", ".join(f"{i} {n}" for i, n in zip(g["eos_token_id"], names, strict=True))
+        dropped = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items()))
+        line = f"generation: {how}, up to {g['max_new_tokens']} tokens, stopping at ids [{stops}]"
+        return line + (f"; not inherited from the target's generation_config: {dropped}" if dropped else "")
 
     def prompt(self, messages: list[Message]) -> list[int]:
         text: str = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -183,30 +210,59 @@ class Replier:
         for row, p in enumerate(prompts):
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
-        sampled = self.settings.temperature > 0
-        extra: dict[str, Any] = {"temperature": self.settings.temperature, "top_k": 0} if sampled else {}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                max_new_tokens=self.settings.max_new_tokens,
-                do_sample=sampled,
-                eos_token_id=self.eos_id,
-                pad_token_id=self.pad_id,
-                **extra,
+                generation_config=generation_config(self.generation),
             )
         result = []
         for row in out[:, width:].tolist():
-            if self.eos_id in row:
-                result.append((row[: row.index(self.eos_id)], False))
-            else:
-                result.append((row, True))
+            at = first_stop(row, self.stop_ids)
+            result.append((row, True) if at is None else (row[:at], False))
         return result
 
     def text(self, reply: list[int]) -> str:
         decoded: str = self.tokenizer.decode(reply, skip_special_tokens=True)
         return decoded
+
+
+def fresh_generation(temperature: float, max_new_tokens: int, stops: list[int], pad_id: int) -> dict[str, Any]:
+    """Every setting generate() is given: greedy, or sampled at ``temperature`` alone; the stop ids; the length."""
+    sampled = temperature > 0
+    plain: dict[str, Any] = {"do_sample": sampled, "num_beams": 1, "repetition_penalty": 1.0}
+    if sampled:
+        plain.update(temperature=temperature, top_k=0, top_p=1.0, min_p=None, typical_p=1.0)
+    return {**plain, "max_new_tokens": max_new_tokens, "eos_token_id": list(stops), "pad_token_id": pad_id}
+
+
+def generation_config(settings: dict[str, Any]) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**settings)
+
+
+# Shipped generation settings that change which token comes next; reported when replaced.
+SAMPLING_KEYS = (
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
+    "sequence_bias", "min_new_tokens", "min_length", "num_beams", "exponential_decay_length_penalty",
+)  # fmt: skip
+
+
+def shipped_sampling(model: Any) -> dict[str, Any]:
+    """The target's own generation settings that a default generate() would have applied."""
+    shipped = getattr(model, "generation_config", None)
+    if shipped is None:
+        return {}
+    own = shipped.to_diff_dict() if hasattr(shipped, "to_diff_dict") else {}
+    return {k: v for k, v in own.items() if k in SAMPLING_KEYS and v is not None}
+
+
+def harmony_template(tokenizer: Any) -> bool:
+    """gpt-oss's harmony chat format: a reply is channels (analysis, final) in ``<|channel|>`` markers."""
+    return "<|channel|>" in str(getattr(tokenizer, "chat_template", "") or "")
 
 
 def regenerate_batch(replier: Replier, convs: list[list[Message]], seed: int, progress: Progress) -> list[bool]:
@@ -312,6 +368,11 @@ def load_model(spec: str, device: torch.device) -> tuple[Any, Any]:
     tokenizer = load_tokenizer(spec)
     if tokenizer is None or tokenizer.eos_token_id is None:
         raise ValueError(f"target {spec!r} has no tokenizer with an eos token: replies would never end")
+    if harmony_template(tokenizer):
+        raise ValueError(
+            f"target {spec!r} writes its replies in the harmony format (analysis and final channels, gpt-oss); "
+            "regenerate would flatten the channels into one reply, so it refuses"
+        )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model: Any = AutoModelForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=dtype)
     return model.to(device).eval(), tokenizer
@@ -369,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer = load_model(args.target, device)
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        replier = Replier(model, tokenizer, device, settings)
+        say(replier.describe())
         progress = regenerate(
-            Replier(model, tokenizer, device, settings),
+            replier,
             source,
             args.out,
             batch_size=args.batch_size,

@@ -175,6 +175,11 @@ class DashboardState:
                 self.notices.append(("warning", f"evaluation of {event.thread} failed: {event.error}"))
         elif isinstance(event, protocol.StageEvent):
             self.timeline.stage = event.stage
+            if event.vocab_coverage is not None:
+                self.timeline.vocab_coverage = event.vocab_coverage
+                if event.vocab_coverage < protocol.VOCAB_COVERAGE_WARN:
+                    below = f"below {protocol.VOCAB_COVERAGE_WARN:.0%}: the drafter cannot propose the rest"
+                    self.notices.append(("warning", f"{event.detail} ({below})"))
             self.dirty.add("timeline")
         elif isinstance(event, protocol.ServedEvent):
             self.dirty.add("charts")

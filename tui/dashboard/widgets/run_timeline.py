@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from rich.console import RenderableType
 from rich.text import Text
 
-from engine.protocol import MILESTONES, MilestoneEvent, RunInfo
+from engine.protocol import MILESTONES, VOCAB_COVERAGE_WARN, MilestoneEvent, RunInfo
 from tui import restarts
 from tui.dashboard.widgets.text_line import RowTracking
 from tui.hosttext import printable, printable_rendered
@@ -33,6 +33,7 @@ class TimelineModel:
     restarts: list[dict[str, Any]] = field(default_factory=list)  # the run's restarts, oldest first
     restart_max: int | None = None
     last_export: str | None = None  # OUT_DIR of the newest `specdec-train export` of this run
+    vocab_coverage: float | None = None  # share of the trained tokens the draft vocabulary holds (stage data)
 
     def reset(self, run_id: str | None) -> None:
         self.run_id = run_id
@@ -45,6 +46,7 @@ class TimelineModel:
         self.restarts = []
         self.restart_max = None
         self.last_export = None
+        self.vocab_coverage = None
 
     def from_run(self, run: RunInfo | None) -> None:
         if run is None:
@@ -137,6 +139,12 @@ class RunTimeline(RowTracking):
                     causes.append(f"{name}: {printable(state.cause)}")
         if model.stage:
             out.append(f"   stage {printable(model.stage)}", style=pending)
+        if model.vocab_coverage is not None:
+            low = model.vocab_coverage < VOCAB_COVERAGE_WARN
+            out.append(
+                f"   draft vocab holds {model.vocab_coverage:.1%} of trained tokens{' (low)' if low else ''}",
+                style=cause_style if low else pending,
+            )
         if model.last_export:
             out.append(f"   exported {printable(model.last_export)}", style=pending)
         if not causes and model.exit_cause:
