@@ -13,9 +13,10 @@ Built-in random presets need no download: ``tiny`` (an 8-layer Llama with a byte
 CPU) and ``llama3-8b-shape`` (Llama-3.1-8B's shapes with random weights, for GPU throughput work).
 ``tiny-trained`` is trained on the shipped corpus on first use and cached (engine/trainer/target/builtin.py).
 
-Packed rows (``documents``, data/packing.py): the forward gets a 4-D boolean mask (causal, inside each
-conversation) and per-conversation ``position_ids``, so every conversation's hidden states and distribution
-are those it would have alone in a row (a test compares them).
+Packed rows (``documents``, data/packing.py): the forward gets per-conversation ``position_ids`` and each attention
+kind's 4-D mask inside each conversation (causal; sliding windows and chunks kept: target/packed.py), so every
+conversation's hidden states and distribution are those it would have alone in a row (tests compare them, causal
+and windowed). Targets whose layers carry state along the row (linear attention) are refused before they load.
 
 Attention runs as ``specdec_causal_sdpa`` (``use_causal_fast_path``): Hugging Face's SDPA attention with a mask
 function that, for a plain causal forward (no padding mask, no offsets), makes no mask at all, so SDPA takes its
@@ -43,10 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.trainer.data.packing import document_causal_mask, document_positions
+from engine.trainer.data.packing import document_positions
 from engine.trainer.target.builtin import ensure_built
 from engine.trainer.target.fp8 import exact_linears, fp8_unsupported_reason, quantize_linears
 from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
+from engine.trainer.target.packed import packed_masks
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
 CAUSAL_SDPA = "specdec_causal_sdpa"
@@ -295,7 +297,7 @@ class FrozenTarget:
         forward = self.model if eager or exact else self._forward
         packed: dict[str, Any] = {}
         if documents is not None:
-            packed = {"attention_mask": self._document_mask(documents, compiled=forward is not self.model)}
+            packed = {"attention_mask": self._packed_mask(documents, compiled=forward is not self.model)}
             packed["position_ids"] = document_positions(documents)
         with self.lock, exact_linears(self.model) if exact else contextlib.nullcontext():
             self._captured.clear()
@@ -304,13 +306,14 @@ class FrozenTarget:
             self._captured.clear()
         return logits, hidden3
 
-    def _document_mask(self, documents: torch.Tensor, *, compiled: bool) -> Any:
+    def _packed_mask(self, documents: torch.Tensor, *, compiled: bool) -> Any:
         """A packed batch's attention mask: a flex BlockMask for the compiled CUDA forward under
-        ``specdec_causal_sdpa``, the 4-D boolean mask otherwise (eager flex would compile outside the guard)."""
+        ``specdec_causal_sdpa`` (causal targets only), else each attention kind's 4-D mask (sliding windows and
+        chunks kept, packed.py; eager flex would compile outside the guard)."""
         if compiled and documents.is_cuda and self.config._attn_implementation == CAUSAL_SDPA:
             with compile_guard():  # mask creation can trace (vmap over the mask_mod); taken before self.lock
                 return document_block_mask(documents)
-        return document_causal_mask(documents)
+        return packed_masks(self.config, documents, dtype=self.embed_weight().dtype)
 
     @torch.no_grad()
     def run(
