@@ -48,7 +48,7 @@ from engine.trainer.data.packing import document_positions
 from engine.trainer.target.builtin import ensure_built
 from engine.trainer.target.fp8 import exact_linears, fp8_unsupported_reason, quantize_linears
 from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
-from engine.trainer.target.packed import packed_masks
+from engine.trainer.target.packed import packed_masks, text_config
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
 CAUSAL_SDPA = "specdec_causal_sdpa"
@@ -212,8 +212,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+# Where the decoder layers sit: causal LMs, then multimodal wrappers' text decoders (Gemma-3, Llava-style models).
+DECODER_PATHS: tuple[str, ...] = (
+    "model.layers",
+    "transformer.h",
+    "gpt_neox.layers",
+    "model.decoder.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    for path in DECODER_PATHS:
         obj: Any = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -237,7 +248,7 @@ class FrozenTarget:
     def __init__(self, model: nn.Module, tokenizer: Any, layer_ids: list[int], device: torch.device) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.config: Any = model.config
+        self.config: Any = text_config(model.config)  # a multimodal wrapper's decoder config (sizes, attention)
         self.device = device
         layers = decoder_layers(model)
         self.layer_ids = check_layer_ids(layer_ids, len(layers))
@@ -360,6 +371,21 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(Path(spec).expanduser()))
 
 
+def _load_pretrained(auto: Any, path: str, dtype: torch.dtype) -> Any:
+    """``auto.from_pretrained`` with SDPA attention, or eager where the model has no SDPA path (gpt-oss: its
+    attention sinks)."""
+    for attention in ("sdpa", "eager"):
+        try:
+            try:
+                return auto.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+            except TypeError:  # transformers 4.x spells it torch_dtype
+                return auto.from_pretrained(path, torch_dtype=dtype, attn_implementation=attention)
+        except ValueError as exc:
+            if attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+    raise AssertionError("unreachable: eager attention either loads or raises")
+
+
 def load_target(
     spec: str,
     device: torch.device,
@@ -398,13 +424,7 @@ def load_target(
     else:
         from transformers import AutoModelForCausalLM
 
-        path = str(Path(spec).expanduser())
-        loaded: Any
-        try:
-            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-        except TypeError:  # transformers 4.x spells it torch_dtype
-            loaded = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
-        model = loaded.to(device)
+        model = _load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     use_causal_fast_path(model)
     if fp8:
