@@ -185,6 +185,8 @@ def test_the_trained_export_reads_back_as_trained_and_gives_its_logits(
         ours = export.drafter_logits(loaded, hidden3, ids, ttt_steps=2)
         theirs = export.drafter_logits(trained, hidden3, ids, ttt_steps=2)
         assert (ours - theirs).abs().max().item() < 0.05 * theirs.abs().max().item()  # bfloat16 storage
+    verifier = config["speculators_config"]["verifier"]  # the speculators layout names the target as served
+    assert verifier["architectures"] == [FAMILIES[name].architecture], verifier
     eagle3 = json.loads((tmp_path / "eagle3" / "config.json").read_text())
     assert eagle3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in SERVED_INPUTS]  # SGLang's
 

@@ -236,6 +236,17 @@ def served_settings(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def served_architectures(meta: dict[str, Any]) -> list[str] | None:
+    """The architectures in the target directory's own config.json: what a server loads as the verifier (a
+    multimodal wrapper's, where the checkpoint records only its text decoder's config); None without one."""
+    local = Path(str((meta.get("config") or {}).get("target", ""))).expanduser() / CONFIG_FILE
+    try:
+        found = json.loads(local.read_text(encoding="utf-8")).get("architectures") if local.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(a) for a in found] if isinstance(found, list) and found else None
+
+
 def default_verifier(meta: dict[str, Any]) -> str | None:
     """The target as a loader can find it: its absolute directory; None for a built-in random preset."""
     spec = str((meta.get("config") or {}).get("target", ""))
@@ -288,7 +299,7 @@ def build_config(meta: dict[str, Any], fmt: str, *, verifier: str | None, proven
             "specdec_export": provenance,
         }
     ttt_steps = int((meta.get("config") or {}).get("ttt_steps", 3))
-    architectures = target.get("architectures") or ["LlamaForCausalLM"]
+    architectures = served_architectures(meta) or target.get("architectures") or ["LlamaForCausalLM"]
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
