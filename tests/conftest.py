@@ -12,8 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +60,48 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``family_dir(name)``: the tiny random model of a target family (tests/support/families.py), saved as a Hugging
+    Face directory once a session."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            from support.families import build_family  # torch and transformers: only for the tests that use it
+
+            built[name] = build_family(name, tmp_path_factory.mktemp(f"family-{name}"))
+        return built[name]
+
+    return get
+
+
+FAMILY_CORPUS_CONVERSATIONS = 48
+
+
+@pytest.fixture(scope="session")
+def trained_family(
+    tmp_path_factory: pytest.TempPathFactory, family_dir: Callable[[str], Path]
+) -> Callable[[str], tuple[Path, list[dict[str, Any]]]]:
+    """``trained_family(name)``: (output dir, step events) of 10 engine steps on that family, run once a session."""
+    runs: dict[str, tuple[Path, list[dict[str, Any]]]] = {}
+
+    def get(name: str) -> tuple[Path, list[dict[str, Any]]]:
+        if name not in runs:
+            from support.families import train_family
+
+            from engine.trainer.data.sources import shipped_corpus_path
+
+            data = tmp_path_factory.getbasetemp() / "family-corpus.jsonl"
+            if not data.is_file():
+                lines = shipped_corpus_path().read_text(encoding="utf-8").splitlines()[:FAMILY_CORPUS_CONVERSATIONS]
+                data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            out = tmp_path_factory.mktemp(f"trained-{name}")
+            code, steps = train_family(family_dir(name), data, out)
+            assert code == 0, f"{name}: the engine exited {code}"
+            runs[name] = (out, steps)
+        return runs[name]
+
+    return get

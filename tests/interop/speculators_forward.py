@@ -1,7 +1,9 @@
 """Run inside the speculators venv: load an export with ``speculators``' own EAGLE-3 class and compare its logits with
 our drafter's on the same inputs. Prints one JSON object (max_abs_diff, argmax agreement, what was loaded).
 
-    python speculators_forward.py EXPORT_DIR INPUTS.pt
+    python speculators_forward.py EXPORT_DIR INPUTS.pt [EXPORT_DIR INPUTS.pt ...]
+
+One JSON line per pair, in order (one interpreter for many exports: torch and speculators import once).
 
 INPUTS.pt holds ``hidden3`` (1, T, 3H, the target's captured layers), ``input_ids`` (1, T) and ``embed`` (V, H),
 the target's embedding table. The export stores no embedding: speculators loads it from the verifier directory the
@@ -44,8 +46,17 @@ def speculators_logits(export_dir: Path, hidden3: torch.Tensor, input_ids: torch
     return torch.stack(logits), model
 
 
+SERVED_FIELDS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
+                 "norm_before_fc", "fc_norm", "norm_output")  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
-    export_dir, inputs_path = Path(argv[0]), Path(argv[1])
+    for export_dir, inputs_path in zip(argv[::2], argv[1::2], strict=True):
+        print(json.dumps(compare(Path(export_dir), Path(inputs_path))), flush=True)
+    return 0
+
+
+def compare(export_dir: Path, inputs_path: Path) -> dict[str, Any]:
     data: dict[str, Any] = torch.load(inputs_path, weights_only=True)
     hidden3, input_ids, embed = data["hidden3"].float(), data["input_ids"].long(), data["embed"].float()
     theirs, model = speculators_logits(export_dir, hidden3, input_ids)
@@ -73,9 +84,9 @@ def main(argv: list[str]) -> int:
         "t2d_equal": bool(model.t2d is not None and torch.equal(model.t2d, tensors["t2d"])),
         "embed_from_verifier_equal": bool(torch.equal(model.embed_tokens.weight.float(), embed)),
         "loader": f"{type(model).__module__}.{type(model).__name__}",
+        "config": {name: getattr(model.config, name, "absent") for name in SERVED_FIELDS},  # as speculators read it
     }
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

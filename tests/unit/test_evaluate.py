@@ -182,6 +182,39 @@ def test_speculation_with_a_real_drafter_generates_exactly_the_targets_greedy_te
     assert 1.0 <= stats.tau <= K + 1
 
 
+class PartlyRight(Oracle):
+    """The target's own continuation, wrong from a place that moves with the sequence length: rounds accept 0..k."""
+
+    def propose(self, seq: list[int], hidden3: torch.Tensor, k: int) -> list[int]:
+        right = super().propose(seq, hidden3, k)
+        cut = len(seq) % (k + 1)
+        return right[:cut] + [(t + 1) % 64 for t in right[cut:]]
+
+
+def test_tau_does_not_depend_on_how_many_prompts_are_evaluated_together(tiny_target: FrozenTarget) -> None:
+    """SpecForge's simulated τ moves with its micro-batch size. Here every prompt is decoded alone and τ is the ratio
+    of the summed counts (AcceptanceStats.merge), so 16 prompts in groups of 1, 4 or 16 give the same histogram and
+    τ as one call over all of them: no per-group mean enters it."""
+    prompts16 = heldout_prompts(tiny_target.tokenizer, "shipped", holdout=32, seed=0, count=16)
+    seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    target = target_forward(tiny_target)
+
+    def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # the same target, each sequence run once
+        return seen[tuple(ids)] if tuple(ids) in seen else seen.setdefault(tuple(ids), target(ids))
+
+    proposer = PartlyRight(tiny_target)
+    proposer.forward = forward
+    settings: dict[str, Any] = {"k": 3, "max_new_tokens": 8, "eos_id": tiny_target.tokenizer.eos_token_id}
+    whole = evaluate(forward, proposer, prompts16, **settings)
+    assert whole.prompts == 16 and all(whole.hist)  # every acceptance count 0..3 occurs
+    for size in (1, 4, 16):
+        grouped = AcceptanceStats(3)
+        for lo in range(0, len(prompts16), size):
+            grouped.merge(evaluate(forward, proposer, prompts16[lo : lo + size], **settings))
+        assert (grouped.prompts, grouped.hist, grouped.new_tokens) == (16, whole.hist, whole.new_tokens), size
+        assert grouped.tau == whole.tau, size
+
+
 def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -184,6 +184,72 @@ def test_round_trip_gives_the_checkpointed_drafters_logits(replicas_ckpt: Any, t
     assert (ours - export.drafter_logits(drafter, hidden3, ids, ttt_steps=2)).abs().max().item() < 0.1
 
 
+# --- every field a server reads with a default, written as trained and read back ----------------------------------
+def trained_values(drafter: Drafter) -> dict[str, Any]:
+    """What the checkpointed drafter computes, from its weights and the meta it was trained with (not from the
+    exporter's tables): the flags from draft/model.py's forward, the sizes from the weights' shapes."""
+    return {
+        "norm_before_residual": False,  # DraftDecoderLayer: the residual is fc's output, hidden_norm only feeds q/k/v
+        "norm_before_fc": False,  # Drafter.fc reads the three captured states concatenated, no norm before it
+        "fc_norm": False,  # nor one per state: the drafter has no such weights
+        "norm_output": False,  # the next TTT step reads the layer's output before Drafter.norm
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in TARGET_LAYERS],  # outputs of i = inputs of i + 1
+        "draft_vocab_size": int(drafter.lm_head.weight.shape[0]),
+        "target_hidden_size": int(drafter.fc.weight.shape[1]) // 3,
+    }
+
+
+SERVED_FIELDS = list(trained_values(tiny_drafter()[0]))
+
+
+@pytest.mark.parametrize("fmt", export.FORMATS)
+@pytest.mark.parametrize("field", SERVED_FIELDS)
+def test_each_field_servers_read_with_a_default_is_written_as_trained_and_read_back(
+    replicas_ckpt: Any, tmp_path: Path, field: str, fmt: str
+) -> None:
+    path, drafter, _ = replicas_ckpt
+    out = export.export_checkpoint(path, tmp_path / "served", fmt=fmt).out_dir
+    cfg = json.loads((out / "config.json").read_text())
+    trained = trained_values(drafter)[field]
+    assert cfg.get(field, "absent") == trained  # explicit, at the top level where vLLM and SGLang read it
+    assert export.served_settings(cfg)[field] == trained  # and a server's reading of the file gets that value
+
+
+def test_served_settings_apply_the_servers_defaults_to_absent_flags() -> None:
+    minimal = {"draft_vocab_size": 8, "hidden_size": 16}
+    read = export.served_settings(minimal)
+    assert read["norm_before_residual"] is True  # vLLM's speculators path: absent means true
+    assert (read["norm_before_fc"], read["fc_norm"], read["norm_output"]) == (False, False, False)
+    assert read["target_hidden_size"] == 16 and read["eagle_aux_hidden_state_layer_ids"] == []
+
+
+@pytest.mark.parametrize("flag", SERVED_FIELDS[:4])
+def test_an_export_whose_flags_this_drafter_cannot_compute_is_refused_by_our_loader(
+    replicas_ckpt: Any, tmp_path: Path, flag: str
+) -> None:
+    path, _, embed = replicas_ckpt
+    out = export.export_checkpoint(path, tmp_path / "served").out_dir
+    cfg = json.loads((out / "config.json").read_text())
+    cfg[flag] = not cfg[flag]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(export.ExportError, match=f"{flag} is true; this drafter computes {flag} = false"):
+        export.drafter_from_export(out, embed)
+
+
+def test_an_export_without_norm_before_residual_is_read_as_the_servers_read_it(
+    replicas_ckpt: Any, tmp_path: Path
+) -> None:
+    """An EAGLE-3 config that leaves the flag out (SpecForge's, this exporter's before it wrote it) is served with
+    norm_before_residual true by vLLM's speculators path: not this drafter's computation."""
+    path, _, embed = replicas_ckpt
+    out = export.export_checkpoint(path, tmp_path / "served", fmt="speculators").out_dir
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["norm_before_residual"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(export.ExportError, match=r"norm_before_residual is true \(absent: the servers default\)"):
+        export.drafter_from_export(out, embed)
+
+
 # --- a real run: output dir, latest checkpoint, the export event, status ---------------------------------------------
 def test_engine_output_dir_exports_its_latest_checkpoint_and_records_the_event(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "engine-out"

@@ -1,8 +1,9 @@
 """Sequence packing: a packed row trains exactly what its conversations train unpacked (CPU, fp32).
 
 Tolerances: the target's hidden states and distributions of a packed conversation equal its unpacked ones to
-1e-5 (absolute, fp32); the drafter's per-TTT-step summed losses to 1e-5 relative, the counts exactly, the
-gradients to 1e-4 relative (sums over differently shaped batches reduce in another order).
+1e-5 (absolute, fp32), for causal targets and for sliding-window ones (Mistral, Qwen2's window layers); the
+drafter's per-TTT-step summed losses to 1e-5 relative, the counts exactly, the gradients to 1e-4 relative (sums
+over differently shaped batches reduce in another order).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engine.trainer.draft.masks import dense_document_ttt_mask, document_ttt_mas
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.loop import TrainingRun
 from engine.trainer.target.model import FrozenTarget, load_target
+from engine.trainer.target.packed import packing_refusal
 from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
 from engine.trainer.threads.compile import GuardedFunction, _signature, apply_dynamo_config, compile_guard
 from engine.trainer.threads.metrics import EventLog
@@ -167,6 +169,76 @@ def test_packed_target_states_equal_unpacked(target: FrozenTarget) -> None:
     # Without the documents the second conversation of a row reads the first: the states differ.
     _, hidden_cross = target.logits_and_hidden3(ids_p)
     assert (hidden_cross[0, 37:57] - hidden_u[1, :20]).abs().max() > 1e-2
+
+
+WINDOW = 8  # shorter than every conversation of LENGTHS: the window decides most of their attention
+
+
+def windowed_model(kind: str) -> Any:
+    """A tiny random Mistral (one window on every layer) or Qwen2 with ``use_sliding_window`` (its first two layers
+    full, the rest sliding: a per-layer-type mask), float32."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    sizes: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "initializer_range": 0.1,
+    }
+    torch.manual_seed(0)
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**sizes, sliding_window=WINDOW))
+    config = Qwen2Config(**sizes, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)
+    assert len(set(config.layer_types)) == 2  # full and sliding layers: the forward takes a mapping of masks
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def windowed_target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FrozenTarget:
+    """Saved and loaded back through load_target, as a run loads a local target directory."""
+    directory = tmp_path_factory.mktemp(f"windowed-{request.param}")
+    with torch.random.fork_rng(devices=[]):
+        windowed_model(request.param).save_pretrained(directory)
+    return load_target(str(directory), torch.device("cpu"), tokenizer=None, layer_ids=None, seed=0, dtype=torch.float32)
+
+
+def test_packed_states_of_a_sliding_window_target_equal_unpacked(windowed_target: FrozenTarget) -> None:
+    """Every position of every packed conversation, the window reaching back past the conversation's start or
+    not: the hidden states and logits are those of the conversation alone (1e-5, fp32)."""
+    (ids_u, _, _), (ids_p, _, docs_p) = unpacked_and_packed()
+    logits_u, hidden_u = windowed_target.logits_and_hidden3(ids_u)
+    logits_p, hidden_p = windowed_target.logits_and_hidden3(ids_p, documents=docs_p)
+    for (ru, rp, at), n in zip(PLACES, LENGTHS, strict=True):
+        torch.testing.assert_close(hidden_p[rp, at : at + n], hidden_u[ru, :n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits_p[rp, at : at + n], logits_u[ru, :n], rtol=0, atol=1e-5)
+    # A document mask without the window (what packed rows got before) lets positions >= WINDOW see too far back.
+    model: Any = windowed_target.model
+    plain = model(input_ids=ids_p, attention_mask=document_causal_mask(docs_p), position_ids=document_positions(docs_p))
+    drift = (plain.logits[0, :37] - logits_u[0, :37]).abs().amax(dim=-1)
+    assert drift[:WINDOW].max() < 1e-5 < drift[WINDOW:].max()
+
+
+def test_packing_a_linear_attention_target_is_refused_in_one_line_naming_the_kind() -> None:
+    from transformers import Qwen3NextConfig
+
+    config = Qwen3NextConfig(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    assert packing_refusal(config, 256) == (
+        "packing: target qwen3_next has linear_attention layers (3 of 4 layers), whose recurrent state would run "
+        "from one packed conversation into the next; set packing = false"
+    )
+
+
+def test_packing_llama4_is_refused_once_a_row_reaches_its_temperature_tuning_floor() -> None:
+    from transformers import Llama4TextConfig
+
+    config = Llama4TextConfig(num_hidden_layers=4, floor_scale=8192, attn_temperature_tuning=True)
+    assert packing_refusal(config, 4096) is None
+    refusal = packing_refusal(config, 8192)
+    assert refusal is not None and "\n" not in refusal and "floor_scale 8192" in refusal
 
 
 def make_drafter(target: FrozenTarget) -> Drafter:

@@ -28,6 +28,7 @@ from engine.trainer.run.producer import Producer, Route
 from engine.trainer.run.torchrun import RankInfo
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker
 from engine.trainer.target.model import FrozenTarget, load_target
+from engine.trainer.target.packed import packing_refusal_for
 from engine.trainer.threads.compile import GuardedFunction, set_guard_enabled
 from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.metrics import EventLog
@@ -121,7 +122,12 @@ def load_targets(
     on_compile: Callable[..., None],
     events: EventLog,
 ) -> list[FrozenTarget]:
-    """One target per target device (compiled when asked, on CUDA), each reported as ``target_loaded``."""
+    """One target per target device (compiled when asked, on CUDA), each reported as ``target_loaded``. A target
+    that packed rows cannot keep exact is refused before its weights load (a ConfigError: exit 2, one line)."""
+    if cfg.packing:
+        refusal = packing_refusal_for(cfg.target, cfg.buckets[-1])
+        if refusal is not None:
+            raise ConfigError(refusal)
     targets = []
     for i, dev in enumerate(devices):
         t0 = time.perf_counter()

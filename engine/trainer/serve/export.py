@@ -15,8 +15,16 @@ loader shares the target's embedding, as training did.
 Aux layer ids: a checkpoint's ``target_layers`` are the decoder layers whose OUTPUT the drafter was trained on.
 SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` in that sense (it adds 1 itself); vLLM and
 speculators read a top-level ``eagle_aux_hidden_state_layer_ids`` as layer INPUTS (id j = output of layer j-1,
-0 = the embedding), so that list is ours + 1. Residuals are taken before ``hidden_norm``
-(``norm_before_residual: false``); rope is exactly the drafter's (``rope_theta``, ``rope_scaling``).
+0 = the embedding), so that list is ours + 1. Rope is exactly the drafter's (``rope_theta``, ``rope_scaling``).
+
+Every field a server reads with a default is written, in both layouts at the top level (vLLM's Eagle3 Llama and its
+speculators path read them there, SGLang's llama_eagle3 its sizes): ``draft_vocab_size``, ``target_hidden_size``
+(the width of each captured target state: fc reads three of them), ``eagle_aux_hidden_state_layer_ids`` and the
+architecture flags of ``ARCHITECTURE_FLAGS``, all false for this drafter: ``norm_before_residual`` (its residual is
+fc's output before ``hidden_norm``; vLLM's speculators path assumes true when the key is absent), ``norm_before_fc``
+(no norm over the concatenated states before fc), ``fc_norm`` (no per-state norm, EAGLE 3.1) and ``norm_output``
+(a step feeds the next its pre-norm output). ``served_settings`` reads them back as a server does, with its defaults;
+``drafter_from_export`` refuses an export whose flags this drafter cannot compute.
 
 The output directory appears whole or not at all (written beside it, then renamed); bad input writes nothing.
 When the checkpoint belongs to a run, an ``export`` event goes to that run's events.jsonl (``status`` shows it).
@@ -60,6 +68,16 @@ LAYER_PARAMS: dict[str, str] = {
 }
 TOP_PARAMS: tuple[str, ...] = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 LAYER_PREFIX: dict[str, str] = {"eagle3": "midlayer.", "speculators": "layers.0."}
+# What this drafter computes, in the flags the servers read with a default (the module docstring says each).
+ARCHITECTURE_FLAGS: dict[str, bool] = {
+    "norm_before_residual": False,
+    "norm_before_fc": False,
+    "fc_norm": False,
+    "norm_output": False,
+}
+# The value a server assumes for a flag the config leaves out (vLLM's speculators path: norm_before_residual true).
+SERVER_DEFAULTS: dict[str, bool] = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False,
+                                    "norm_output": False}  # fmt: skip
 
 
 class ExportError(Exception):
@@ -195,6 +213,40 @@ def target_hf_config(meta: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def target_hidden_size(meta: dict[str, Any]) -> int:
+    """The width of one captured target state: the target's (text decoder's) hidden size as recorded, else the
+    drafter's, which training sets equal to it (fc maps 3 x this to the drafter's hidden size)."""
+    target = target_hf_config(meta)
+    text = target.get("text_config") if isinstance(target.get("text_config"), dict) else target
+    size = text.get("hidden_size") if isinstance(text, dict) else None
+    return int(size) if isinstance(size, int) and size > 0 else int(meta["draft_config"]["hidden_size"])
+
+
+def served_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """What a server reads from an export's config.json, with the server's default for an absent key: the sizes,
+    the aux layer ids (vLLM's layer inputs; SGLang's outputs in ``eagle_config``) and the architecture flags."""
+    layer = config.get("transformer_layer_config", config)
+    eagle = config.get("eagle_config") or {}
+    return {
+        "draft_vocab_size": int(config["draft_vocab_size"]),
+        "target_hidden_size": int(config.get("target_hidden_size") or layer["hidden_size"]),
+        "eagle_aux_hidden_state_layer_ids": list(config.get("eagle_aux_hidden_state_layer_ids") or []),
+        "sglang_aux_hidden_state_layer_ids": list(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
+        **{flag: bool(config.get(flag, default)) for flag, default in SERVER_DEFAULTS.items()},
+    }
+
+
+def served_architectures(meta: dict[str, Any]) -> list[str] | None:
+    """The architectures in the target directory's own config.json: what a server loads as the verifier (a
+    multimodal wrapper's, where the checkpoint records only its text decoder's config); None without one."""
+    local = Path(str((meta.get("config") or {}).get("target", ""))).expanduser() / CONFIG_FILE
+    try:
+        found = json.loads(local.read_text(encoding="utf-8")).get("architectures") if local.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(a) for a in found] if isinstance(found, list) and found else None
+
+
 def default_verifier(meta: dict[str, Any]) -> str | None:
     """The target as a loader can find it: its absolute directory; None for a built-in random preset."""
     spec = str((meta.get("config") or {}).get("target", ""))
@@ -234,8 +286,8 @@ def build_config(meta: dict[str, Any], fmt: str, *, verifier: str | None, proven
     aux = aux_layer_ids(meta["target_layers"])
     common = {
         "draft_vocab_size": int(d["draft_vocab_size"]),
-        "target_hidden_size": int(d["hidden_size"]),
-        "norm_before_residual": False,  # our residual is the fused hidden state before hidden_norm
+        "target_hidden_size": target_hidden_size(meta),
+        **ARCHITECTURE_FLAGS,
         "eagle_aux_hidden_state_layer_ids": aux["inputs"],  # vLLM / speculators: layer-input ids
     }
     if fmt == "eagle3":
@@ -247,7 +299,7 @@ def build_config(meta: dict[str, Any], fmt: str, *, verifier: str | None, proven
             "specdec_export": provenance,
         }
     ttt_steps = int((meta.get("config") or {}).get("ttt_steps", 3))
-    architectures = target.get("architectures") or ["LlamaForCausalLM"]
+    architectures = served_architectures(meta) or target.get("architectures") or ["LlamaForCausalLM"]
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -443,6 +495,14 @@ def drafter_from_export(out_dir: Path, embed_weight: torch.Tensor, dtype: torch.
 
     config, tensors = read_export(out_dir)
     layer = config.get("transformer_layer_config", config)
+    settings = served_settings(config)
+    for flag, ours in ARCHITECTURE_FLAGS.items():
+        if settings[flag] != ours:
+            raise ExportError(
+                f"{out_dir}: {flag} is {str(settings[flag]).lower()}"
+                f"{'' if flag in config else ' (absent: the servers default)'}; this drafter computes {flag} = "
+                f"{str(ours).lower()}, so its weights would be read wrong"
+            )
     dcfg = DraftConfig(
         hidden_size=int(layer["hidden_size"]),
         num_heads=int(layer["num_attention_heads"]),

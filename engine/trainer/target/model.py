@@ -13,9 +13,10 @@ Built-in random presets need no download: ``tiny`` (an 8-layer Llama with a byte
 CPU) and ``llama3-8b-shape`` (Llama-3.1-8B's shapes with random weights, for GPU throughput work).
 ``tiny-trained`` is trained on the shipped corpus on first use and cached (engine/trainer/target/builtin.py).
 
-Packed rows (``documents``, data/packing.py): the forward gets a 4-D boolean mask (causal, inside each
-conversation) and per-conversation ``position_ids``, so every conversation's hidden states and distribution
-are those it would have alone in a row (a test compares them).
+Packed rows (``documents``, data/packing.py): the forward gets per-conversation ``position_ids`` and each attention
+kind's 4-D mask inside each conversation (causal; sliding windows and chunks kept: target/packed.py), so every
+conversation's hidden states and distribution are those it would have alone in a row (tests compare them, causal
+and windowed). Targets whose layers carry state along the row (linear attention) are refused before they load.
 
 Attention runs as ``specdec_causal_sdpa`` (``use_causal_fast_path``): Hugging Face's SDPA attention with a mask
 function that, for a plain causal forward (no padding mask, no offsets), makes no mask at all, so SDPA takes its
@@ -43,10 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.trainer.data.packing import document_causal_mask, document_positions
+from engine.trainer.data.packing import document_positions
 from engine.trainer.target.builtin import ensure_built
 from engine.trainer.target.fp8 import exact_linears, fp8_unsupported_reason, quantize_linears
 from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
+from engine.trainer.target.packed import packed_masks, text_config
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 
 CAUSAL_SDPA = "specdec_causal_sdpa"
@@ -210,8 +212,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+# Where the decoder layers sit: causal LMs, then multimodal wrappers' text decoders (Gemma-3, Llava-style models).
+DECODER_PATHS: tuple[str, ...] = (
+    "model.layers",
+    "transformer.h",
+    "gpt_neox.layers",
+    "model.decoder.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    for path in DECODER_PATHS:
         obj: Any = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -235,7 +248,7 @@ class FrozenTarget:
     def __init__(self, model: nn.Module, tokenizer: Any, layer_ids: list[int], device: torch.device) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.config: Any = model.config
+        self.config: Any = text_config(model.config)  # a multimodal wrapper's decoder config (sizes, attention)
         self.device = device
         layers = decoder_layers(model)
         self.layer_ids = check_layer_ids(layer_ids, len(layers))
@@ -295,7 +308,7 @@ class FrozenTarget:
         forward = self.model if eager or exact else self._forward
         packed: dict[str, Any] = {}
         if documents is not None:
-            packed = {"attention_mask": self._document_mask(documents, compiled=forward is not self.model)}
+            packed = {"attention_mask": self._packed_mask(documents, compiled=forward is not self.model)}
             packed["position_ids"] = document_positions(documents)
         with self.lock, exact_linears(self.model) if exact else contextlib.nullcontext():
             self._captured.clear()
@@ -304,13 +317,14 @@ class FrozenTarget:
             self._captured.clear()
         return logits, hidden3
 
-    def _document_mask(self, documents: torch.Tensor, *, compiled: bool) -> Any:
+    def _packed_mask(self, documents: torch.Tensor, *, compiled: bool) -> Any:
         """A packed batch's attention mask: a flex BlockMask for the compiled CUDA forward under
-        ``specdec_causal_sdpa``, the 4-D boolean mask otherwise (eager flex would compile outside the guard)."""
+        ``specdec_causal_sdpa`` (causal targets only), else each attention kind's 4-D mask (sliding windows and
+        chunks kept, packed.py; eager flex would compile outside the guard)."""
         if compiled and documents.is_cuda and self.config._attn_implementation == CAUSAL_SDPA:
             with compile_guard():  # mask creation can trace (vmap over the mask_mod); taken before self.lock
                 return document_block_mask(documents)
-        return document_causal_mask(documents)
+        return packed_masks(self.config, documents, dtype=self.embed_weight().dtype)
 
     @torch.no_grad()
     def run(
@@ -357,6 +371,21 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(Path(spec).expanduser()))
 
 
+def _load_pretrained(auto: Any, path: str, dtype: torch.dtype) -> Any:
+    """``auto.from_pretrained`` with SDPA attention, or eager where the model has no SDPA path (gpt-oss: its
+    attention sinks)."""
+    for attention in ("sdpa", "eager"):
+        try:
+            try:
+                return auto.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+            except TypeError:  # transformers 4.x spells it torch_dtype
+                return auto.from_pretrained(path, torch_dtype=dtype, attn_implementation=attention)
+        except ValueError as exc:
+            if attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+    raise AssertionError("unreachable: eager attention either loads or raises")
+
+
 def load_target(
     spec: str,
     device: torch.device,
@@ -395,13 +424,7 @@ def load_target(
     else:
         from transformers import AutoModelForCausalLM
 
-        path = str(Path(spec).expanduser())
-        loaded: Any
-        try:
-            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-        except TypeError:  # transformers 4.x spells it torch_dtype
-            loaded = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
-        model = loaded.to(device)
+        model = _load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     use_causal_fast_path(model)
     if fp8:
