@@ -14,6 +14,7 @@ from tui.cli import monitor, nodes, run
 from tui.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
+    Parser,
     UsageError,
     common_parser,
     connect_options,
@@ -24,7 +25,7 @@ from tui.link.session import ConnectError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(  # its subcommands' parsers are Parsers too (argparse makes them of the parent's class)
         prog="specdec-tui",
         description="Launch, watch and rescue speculative-decoding drafter training on remote GPU hosts.",
         epilog="Exit codes: 0 ok, 1 failed, 2 usage, 3 connection/auth/host key, 4 hung (launch --wait).",

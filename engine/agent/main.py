@@ -36,7 +36,9 @@ def _ping(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec-agent", description="specdec host agent (JSON lines on stdio)")
+    parser = argparse.ArgumentParser(
+        prog="specdec-agent", description="specdec host agent (JSON lines on stdio)", allow_abbrev=False
+    )
     parser.add_argument("--run-root", type=Path, default=None, help="run root directory (default ~/.specdec)")
     parser.add_argument(
         "--simulate-gpus", type=int, default=0, metavar="N", help="report N simulated GPUs instead of NVML"

@@ -313,3 +313,61 @@ async def test_session_request_reply_ping_and_reconnect_after_the_agent_dies(run
     finally:
         await session.close()
     assert session.state == "disconnected"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["launch", "local", "--run", "20261201-101500-ab12"],  # was read as --run-root 20261201-...
+        ["kill-stale", "local", "--dry-run", "--run", "20261201-101500-ab12"],
+        ["stop", "local", "--run-r", "/tmp/elsewhere"],
+        ["restart", "local", "--grac", "3"],
+        ["status", "local", "--js"],
+        ["logs", "local", "--fol"],
+    ],
+    ids=lambda a: " ".join(a[:1] + a[2:]),
+)
+def test_no_option_is_read_by_a_prefix_of_its_name(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from tui.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {argv[-2] if argv[-1][0] != '-' else argv[-1]}" in capsys.readouterr().err
+
+
+def _job_pid(run_root: Path, run_id: str) -> int:
+    launch = json.loads((run_root / "runs" / run_id / "launch.json").read_text())
+    return int(launch.get("job_pid") or launch["pid"])
+
+
+def test_stop_and_restart_with_run_act_on_that_run_and_leave_the_current_one(cli: Cli, run_root: Path) -> None:
+    from engine.host import procs
+
+    ids = []
+    for _ in range(2):
+        r = cli("launch", "local", "--run-root", str(run_root), "--wait", "started", "--json", "--", "sleep", "300")
+        assert r.returncode == 0, r.output
+        ids.append(json.loads(r.stdout)["run_id"])
+    older, current = ids
+    try:
+        stop = cli("stop", "local", "--run-root", str(run_root), "--run", older, "--grace", "2")
+        assert stop.returncode == 0, stop.output
+        assert f"run {older} stopped" in stop.stdout, stop.output
+        assert json.loads((run_root / "runs" / older / "exit.json").read_text())
+        assert procs.process_alive(_job_pid(run_root, current), None), "the current run was stopped"
+
+        again = cli("restart", "local", "--run-root", str(run_root), "--run", older, "--wait", "started", "--json")
+        assert again.returncode == 0, again.output
+        relaunched = json.loads(again.stdout)["run_id"]
+        assert relaunched not in ids
+        assert json.loads((run_root / "runs" / relaunched / "launch.json").read_text())["command"] == ["sleep", "300"]
+        assert procs.process_alive(_job_pid(run_root, current), None), "the restart stopped the current run"
+        assert not (run_root / "runs" / current / "exit.json").exists()
+
+        unknown = cli("stop", "local", "--run-root", str(run_root), "--run", "20200101-000000-0000")
+        assert unknown.returncode == 2 and "Traceback" not in unknown.output, unknown.output
+        assert unknown.stderr.strip().splitlines()[-1].startswith("specdec-tui stop: error: --run 20200101-000000-0000")
+    finally:
+        for run_id in [*ids, *([relaunched] if "relaunched" in locals() else [])]:
+            cli("stop", "local", "--run-root", str(run_root), "--run", run_id, "--grace", "2")

@@ -64,8 +64,17 @@ def positive_float(text: str) -> float:
     return value
 
 
-def common_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+class Parser(argparse.ArgumentParser):
+    """Every parser of the command line, subcommands' too: no abbreviated options (``--run`` must never be read as
+    ``--run-root``, nor ``--read`` as anything)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+def common_parser() -> Parser:
+    p = Parser(add_help=False)
     g = p.add_argument_group("connection")
     g.add_argument(
         "targets",
