@@ -37,6 +37,8 @@ from tui.nodes import (
     Node,
     NodeRun,
     NodesError,
+    RunChoice,
+    choose_run,
     close_all,
     combined_run,
     connect_all,
@@ -121,13 +123,22 @@ async def launch_nodes(
                 err(f"FAILED: {cause}")
             return EXIT_CONNECTION
         if restart:
-            stopped = await stop_nodes(nodes, args.grace, missing_ok=True)
-            for node, ok, text in stopped:
-                if not as_json:
-                    say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
-            if not all(ok for _, ok, _ in stopped):
-                err("a node's run did not stop; not starting a new one")
+            chosen = await choose_run(nodes, getattr(args, "run", None))
+            if chosen.ambiguous:
+                err(f"not restarted: {chosen.why}; name the one to stop with --run")
                 return EXIT_FAILED
+            if chosen.run_id is None:
+                if not as_json:
+                    say(f"nothing to stop first: {chosen.why}")
+                    _say_others(nodes, chosen.current, None)
+            else:
+                stopped = await stop_nodes(nodes, args.grace, chosen.run_id, missing_ok=True, current=chosen.current)
+                for node, ok, text in stopped:
+                    if not as_json:
+                        say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
+                if not all(ok for _, ok, _ in stopped):
+                    err(f"run {chosen.run_id} did not stop on every node; not starting a new one")
+                    return EXIT_FAILED
         printers = [_NodeMilestones(n, t0) for n in nodes]
         if not as_json:
             for n, pr in zip(nodes, printers, strict=True):
@@ -246,16 +257,34 @@ async def status_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
     return EXIT_CONNECTION if failed else EXIT_OK
 
 
+def _say_others(nodes: list[Node], current: dict[str, protocol.RunInfo | None], run_id: str | None) -> None:
+    """Name each node whose current run is another run than ``run_id``: reported, never touched."""
+    for node in nodes:
+        run = current.get(node.label)
+        if run is not None and run.run_id != run_id:
+            say(f"[{node.label}] current run {run.run_id} ({run.state}) is not a run over these nodes: not touched")
+
+
 async def stop_all_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
-    """``stop`` on every node at once; a node that cannot be reached is named (exit 3), one not stopped exit 1."""
+    """``stop`` of one run on every node at once, by its id (``--run``, else the multi-node run the nodes' records
+    name): never whatever a node runs now. A node that cannot be reached is named (exit 3), one not stopped, or no
+    run to stop, exit 1."""
     failed = await connect_all(nodes)
+    done: list[tuple[Node, bool, str]] = []
     try:
         reached = [n for n in nodes if n.label not in failed]
-        done = await stop_nodes(reached, args.grace)
+        chosen = await choose_run(reached, getattr(args, "run", None), len(nodes)) if reached else RunChoice(None)
+        if chosen.run_id is not None:
+            # a node without the run has none of it to stop: it is named, as is its own current run
+            done = await stop_nodes(reached, args.grace, chosen.run_id, missing_ok=True, current=chosen.current)
     finally:
         await close_all(nodes)
     for label, exc in failed.items():
         err(f"[{label}] unreachable: {_first_line(exc.message)}")
+    if chosen.run_id is None and reached:
+        err(f"nothing stopped: {chosen.why}" + ("" if getattr(args, "run", None) else "; name the run with --run"))
+        _say_others(reached, chosen.current, None)
+        return EXIT_CONNECTION if failed else EXIT_FAILED
     for node, ok, text in done:
         say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
     if failed:

@@ -28,7 +28,7 @@ from tui.dashboard.screens.nodes import NodesScreen, NodesState
 from tui.hosttext import printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import ConnectError
-from tui.nodes import Launched, Node, close_all, launch_run, node_cwd, stop_nodes
+from tui.nodes import Launched, Node, choose_run, close_all, launch_run, node_cwd, stop_nodes
 from tui.profiles import DEFAULT_PROFILE, Profile
 
 FLUSH_INTERVAL_S = 0.1
@@ -244,22 +244,40 @@ class NodesApp(PlainNotices):
         stopped = f"; stopped {', '.join(done.stopped)}" if done.stopped else ""
         self.notify(f"launch failed: {done.cause}{stopped}", severity="error", timeout=20)
 
+    def _shown_run(self) -> str | None:
+        """The run this dashboard means: the one every node shows (one id everywhere), else the one its last l or r
+        started; None leaves it to the nodes' records (choose_run)."""
+        shown = self.state.combined().get("run_id")
+        if isinstance(shown, str):
+            return shown
+        return self.last_launch.run_id if self.last_launch is not None else None
+
     async def _restart_all(self) -> None:
         if not self._all_connected("restart"):
             return
-        for node, ok, text in await stop_nodes(self.nodes, STOP_GRACE_S, missing_ok=True):
-            if not ok:
-                self.notify(f"node {node.label} did not stop ({text}); not starting a new run", severity="error")
-                return
+        chosen = await choose_run(self.nodes, self._shown_run())
+        if chosen.ambiguous:
+            self.notify(f"not restarted: {chosen.why}", severity="error", timeout=15)
+            return
+        if chosen.run_id is not None:
+            stopped = await stop_nodes(self.nodes, STOP_GRACE_S, chosen.run_id, missing_ok=True, current=chosen.current)
+            for node, ok, text in stopped:
+                if not ok:
+                    self.notify(f"node {node.label} did not stop ({text}); not starting a new run", severity="error")
+                    return
         await self._launch_all()
 
     async def _stop_all(self) -> None:
-        self.notify(f"stopping {len(self.nodes)} nodes…", timeout=3)
         reached = [n for n in self.nodes if n.session is not None and n.session.state == "connected"]
         for node in self.nodes:
             if node not in reached:
                 self.notify(f"node {node.label}: not connected; not stopped", severity="error", timeout=12)
-        for node, ok, text in await stop_nodes(reached, STOP_GRACE_S):
+        chosen = await choose_run(reached, self._shown_run(), len(self.nodes))
+        if chosen.run_id is None:
+            self.notify(f"nothing stopped: {chosen.why}", severity="error", timeout=15)
+            return
+        self.notify(f"stopping run {chosen.run_id} on {len(reached)} nodes…", timeout=3)
+        for node, ok, text in await stop_nodes(reached, STOP_GRACE_S, chosen.run_id, current=chosen.current):
             self.notify(
                 f"node {node.label}: {'stopped' if ok else 'not stopped'}: {text}",
                 severity="information" if ok else "error",
