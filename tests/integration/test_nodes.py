@@ -740,3 +740,104 @@ async def test_the_dashboards_r_and_s_act_on_the_multi_node_run_never_on_a_nodes
         if other is not None:
             s = sshd_pair[1]
             await asyncio.to_thread(cli, "stop", s.target, *s.args(), "--run-root", str(roots[1]), "--run", other)
+
+
+class Forwarder:
+    """A TCP port on 127.0.0.1 that forwards to a node's sshd while ``up`` and refuses connections while down: the
+    node's own machine going away and coming back, as its SSH clients see it."""
+
+    def __init__(self, to_port: int) -> None:
+        import threading
+
+        self.to_port = to_port
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+
+    @property
+    def is_up(self) -> bool:
+        return self._listener is not None
+
+    def up(self) -> None:
+        import threading
+
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self._listener = listener
+        thread = threading.Thread(target=self._accept, args=(listener,), daemon=True, name="forward-accept")
+        thread.start()
+        self._threads.append(thread)
+
+    def down(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread: close alone would not
+            self._listener.close()  # a connect now is refused
+            self._listener = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.to_port))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True, name="forward-pump").start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.timeout(300)
+def test_logs_follow_streams_the_live_node_while_another_is_down_at_the_start_names_it_and_retries_it(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    forward = Forwarder(sshd_pair[1].port)
+    known = tmp_path / "known_hosts_forwarded"  # node 1's own host key, at the forwarded port
+    key = sshd_pair[1].known_hosts.read_text().split(" ", 1)[1]
+    known.write_text(f"[127.0.0.1]:{forward.port} {key}")
+    node1 = node_table(sshd_pair[1], roots[1], forward.port).replace(str(sshd_pair[1].known_hosts), str(known))
+    cfg = write_profile(tmp_path, [node_table(sshd_pair[0], roots[0]), node1])
+    labels = [f"{sshd_pair[0].target}:{sshd_pair[0].port}", f"{sshd_pair[1].target}:{forward.port}"]
+    forward.up()
+    follower: subprocess.Popen[str] | None = None
+    try:
+        r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--", "sh", "-c", STEPPING,
+                timeout_s=120)  # fmt: skip
+        assert r.returncode == 0, r.output
+        forward.down()  # node 1 cannot be reached now; its part of the run goes on
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "tui", "logs", "--profile", "two", "--config", str(cfg), "-f", "-n", "1"],
+            cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        out, errs = Lines(follower.stdout), Lines(follower.stderr)
+        errs.wait_for(lambda ln: ln.startswith(f"[{labels[1]}] [reconnecting: "), 30)  # the down node, named
+        seen = out.count(f"[{labels[0]}] step=")
+        out.wait_for(lambda ln: ln.startswith(f"[{labels[0]}] step="), 15, start=len(out.lines))  # node 0 streams
+        assert out.count(f"[{labels[0]}] step=") > seen and not out.count(f"[{labels[1]}]"), out.lines[-5:]
+
+        forward.up()  # node 1 back: it is tried again, then its lines come too
+        out.wait_for(lambda ln: ln.startswith(f"[{labels[1]}] step="), 60)
+        assert follower.poll() is None
+    finally:
+        if follower is not None:
+            follower.kill()
+            follower.wait()
+        if not forward.is_up:
+            forward.up()  # so the stop reaches node 1's part of the run too
+        stop_both(cli, cfg)
+        forward.down()
