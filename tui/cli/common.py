@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from engine import protocol
-from tui.hosttext import printable_lines
+from tui.hosttext import printable, printable_lines
 from tui.link.events import ConnectionEvent
 from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
 
@@ -158,8 +158,10 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
 
 
 def say(message: str) -> None:
-    """Lines of a human command's output on stdout, host words made printable (``--json`` prints as sent)."""
-    print(printable_lines(message), flush=True)
+    """One line of a human command's output on stdout, host words made printable and kept on it: a newline in a
+    host's words is shown, never a line break (a lying host must not print lines of its own; ``--json`` prints as
+    sent)."""
+    print(printable(message), flush=True)
 
 
 def err(message: str) -> None:
