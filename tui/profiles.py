@@ -31,17 +31,12 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine import protocol
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from tui.tomlfile import TomlFileError, read_toml, shown
 
 DEFAULT_PROFILE = "default"
 DEFAULT_STEP_PATTERN = r"step=\d+"
@@ -167,7 +162,7 @@ def _err(path: Path | str, key: str, problem: str) -> ProfileError:
 
 def _str_list(path: Path, key: str, value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _err(path, key, f'must be a list of strings (an argv, e.g. ["bash", "run.sh"]), got {value!r}')
+        raise _err(path, key, f'must be a list of strings (an argv, e.g. ["bash", "run.sh"]), got {shown(value)}')
     return list(value)
 
 
@@ -215,7 +210,7 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
             if k not in protocol.MILESTONES:
                 raise _err(path, f"{where}.deadlines_s.{k}", f"unknown milestone; allowed: {allowed}")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise _err(path, f"{where}.deadlines_s.{k}", f"must be a positive number of seconds, got {v!r}")
+                raise _err(path, f"{where}.deadlines_s.{k}", f"must be a positive number of seconds, got {shown(v)}")
             prof.deadlines_s[k] = float(v)
     if "restart" in raw:
         try:
@@ -259,13 +254,13 @@ def _parse_node(path: Path, key: str, raw: Any) -> Node:
     if not isinstance(target, str) or not target:
         raise _err(path, f"{key}.target", "must be an SSH target: [user@]host[:port] or a Host alias, or 'local'")
     if any(c.isspace() for c in target) or target.startswith("-"):
-        raise _err(path, f"{key}.target", f"not an SSH target: {target!r}")
+        raise _err(path, f"{key}.target", f"not an SSH target: {shown(target)}")
     ints: dict[str, int] = {}
     for k, top in (("pct", 999_999_999), ("port", 65535)):
         if k in raw:
             v = raw[k]
             if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= top:
-                raise _err(path, f"{key}.{k}", f"must be an integer 1..{top}, got {v!r}")
+                raise _err(path, f"{key}.{k}", f"must be an integer 1..{top}, got {shown(v)}")
             ints[k] = v
     strs: dict[str, str] = {}
     for k in ("identity", "known_hosts", "python", "run_root"):
@@ -300,7 +295,7 @@ def _parse_rendezvous(path: Path, key: str, raw: Any) -> Rendezvous:
         raise _err(path, f"{key}.address", "must be a host name or address the other nodes reach the first at")
     port = raw.get("port")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-        raise _err(path, f"{key}.port", f"must be a port 1..65535, got {port!r}")
+        raise _err(path, f"{key}.port", f"must be a port 1..65535, got {shown(port)}")
     return Rendezvous(address=address, port=port)
 
 
@@ -309,16 +304,14 @@ def load_profiles(config: str | None) -> tuple[dict[str, Profile], str | None, P
     explicit = config is not None
     path = Path(config).expanduser() if config else default_config_path()
     profiles: dict[str, Profile] = {DEFAULT_PROFILE: Profile(name=DEFAULT_PROFILE)}
-    if not path.exists():
-        if explicit:
-            raise ProfileError(f"{path}: no such config file (--config)")
-        return profiles, None, None
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ProfileError(f"{path}: cannot read: {exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+        data = read_toml(path)  # a regular file only, bounded; a huge integer or deep nesting is a TomlFileError
+    except FileNotFoundError:
+        if explicit:
+            raise ProfileError(f"{path}: no such config file (--config)") from None
+        return profiles, None, None
+    except TomlFileError as exc:
+        raise ProfileError(str(exc)) from None
     unknown = sorted(set(data) - {"profiles", "default_profile"})
     if unknown:
         raise _err(path, unknown[0], "unknown top-level key; allowed: default_profile, [profiles.NAME]")

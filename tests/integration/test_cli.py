@@ -371,3 +371,30 @@ def test_stop_and_restart_with_run_act_on_that_run_and_leave_the_current_one(cli
     finally:
         for run_id in [*ids, *([relaunched] if "relaunched" in locals() else [])]:
             cli("stop", "local", "--run-root", str(run_root), "--run", run_id, "--grace", "2")
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("[profiles.demo]\ndeadlines_s = { started = " + "9" * 5000 + " }\n", "a value too large to read"),
+        ("[profiles.demo]\nenv = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deep to read"),
+        ("[profiles.demo]\ndeadlines_s = { started = -" + "9" * 4000 + " }\n", "positive number of seconds, got -99"),
+    ],
+    ids=["5000-digit integer", "nested 5000 deep", "4000-digit value in a message"],
+)
+def test_a_hostile_config_file_is_one_line_and_exit_2(cli: Cli, tmp_path: Path, body: str, words: str) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(body)
+    r = cli("launch", "local", "--config", str(cfg), "--profile", "demo", "--run-root", str(tmp_path / "root"))
+    assert r.returncode == 2, r.output
+    assert "Traceback" not in r.output and r.stdout == "", r.output
+    said = r.stderr.strip().splitlines()[-1]
+    assert said.startswith(f"specdec-tui launch: error: {cfg}: ") and words in said and len(said) < 400, said
+
+
+def test_a_config_file_that_is_a_fifo_is_refused_at_once(cli: Cli, tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    os.mkfifo(cfg)
+    r = cli("launch", "local", "--config", str(cfg), "--profile", "demo", "--run-root", str(tmp_path), timeout_s=20)
+    assert r.returncode == 2, r.output
+    assert "not a regular file" in r.stderr and "Traceback" not in r.output, r.output
