@@ -256,6 +256,22 @@ def memory_mib() -> dict[str, float]:
     return out
 
 
+ARGV_MAX_BYTES = 1 << 20  # the most of a command line read to compare it with a recorded one
+
+
+def argv_of(pid: int) -> list[str] | None:
+    """The process's argv as its /proc cmdline has it (bounded); None when unreadable or empty (a kernel thread,
+    a zombie)."""
+    try:
+        with open(f"{PROC}/{pid}/cmdline", "rb") as fh:
+            raw = fh.read(ARGV_MAX_BYTES)
+    except OSError:
+        return None
+    if not raw:
+        return None
+    return [p.decode("utf-8", "surrogateescape") for p in raw.removesuffix(b"\0").split(b"\0")]
+
+
 def cmdline_of(pid: int, comm: str | None = None) -> str:
     """The command line joined with spaces; ``[comm]`` for kernel threads and zombies."""
     try:
