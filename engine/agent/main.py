@@ -17,6 +17,7 @@ from typing import IO, Any
 from engine.agent import monitor_cmds, net_cmds, run_cmds
 from engine.agent.commands import HANDLERS, handler
 from engine.agent.server import Agent
+from engine.host import agents
 
 COMMAND_MODULES = (monitor_cmds, run_cmds, net_cmds)  # imported for their @handler registrations
 
@@ -46,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     run_root = (ns.run_root or default_run_root()).expanduser()
     agent = build_agent(run_root, ns.simulate_gpus)
-    return agent.serve()
+    entry = agents.register(run_root)  # kill-stale and the anomalies know an agent by this record, not its name
+    try:
+        return agent.serve()
+    finally:
+        agents.unregister(entry)
 
 
 if __name__ == "__main__":
