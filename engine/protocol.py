@@ -698,6 +698,7 @@ class HelloEvent:
     run_root: str | None = None
     simulated: bool = False
     capabilities: dict[str, Any] = field(default_factory=dict)
+    readonly: bool = False  # the agent refuses launch, stop, restart, kill_stale (to signal) and serve_check
 
 
 @dataclass

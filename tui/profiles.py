@@ -23,6 +23,9 @@ The config file (``--config FILE``, default ``<user config dir>/specdec-tui/conf
     nodes = ["gpu-a", { target = "root@gpu-b", pct = 200, port = 2222 }]   # the first hosts the rendezvous
     rendezvous = { address = "10.0.0.1", port = 29500 }   # optional: default the first node's route, a free port
 
+    [profiles.watch]                   # readonly: watch someone else's run; nothing is launched, stopped,
+    readonly = true                    # restarted, killed or serve-checked (headless verbs exit 2)
+
 Without any file, the built-in profile ``default`` starts the engine's ``cpu-demo`` preset.
 Every error names the file, the key and what is allowed.
 """
@@ -45,7 +48,9 @@ DEFAULT_STEP_PATTERN = r"step=\d+"
 DEFAULT_DEADLINES_S: dict[str, float] = {"submitted": 10.0, "started": 15.0, "output": 60.0, "first-step": 900.0}
 ENGINE_PRESET_DEFAULT = "cpu-demo"
 
-_PROFILE_KEYS = {"command", "cwd", "env", "step_pattern", "deadlines_s", "engine", "restart", "nodes", "rendezvous"}
+_PROFILE_KEYS = {
+    "command", "cwd", "env", "step_pattern", "deadlines_s", "engine", "restart", "nodes", "rendezvous", "readonly",
+}  # fmt: skip
 _NODE_KEYS = {"target", "pct", "port", "identity", "known_hosts", "python", "run_root"}
 _RENDEZVOUS_KEYS = {"address", "port"}
 _ENGINE_KEYS = {"preset", "config", "args"}
@@ -107,6 +112,7 @@ class Profile:
     restart: dict[str, Any] | None = None  # protocol.parse_policy's table, as a dict; None: never restarted
     nodes: list[Node] = field(default_factory=list)  # several: one run across them (the first: rendezvous host)
     rendezvous: Rendezvous = field(default_factory=Rendezvous)
+    readonly: bool = False  # watch only: no key or verb launches, stops, restarts, kills or serve-checks
     source: str = "built-in"
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,6 +127,7 @@ class Profile:
             "restart": dict(self.restart) if self.restart is not None else None,
             "nodes": [{k: v for k, v in vars(n).items() if v is not None} for n in self.nodes],
             "rendezvous": {"address": self.rendezvous.address, "port": self.rendezvous.port},
+            "readonly": self.readonly,
             "source": self.source,
         }
 
@@ -222,6 +229,10 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
         prof.nodes = _parse_nodes(path, f"{where}.nodes", raw["nodes"])
     if "rendezvous" in raw:
         prof.rendezvous = _parse_rendezvous(path, f"{where}.rendezvous", raw["rendezvous"])
+    if "readonly" in raw:
+        if not isinstance(raw["readonly"], bool):
+            raise _err(path, f"{where}.readonly", f"must be true or false, got {shown(raw['readonly'])}")
+        prof.readonly = raw["readonly"]
     if "engine" in raw:
         eng = raw["engine"]
         if not isinstance(eng, dict):

@@ -26,9 +26,11 @@ def default_run_root() -> Path:
     return Path(os.environ.get("SPECDEC_RUN_ROOT", "~/.specdec")).expanduser()
 
 
-def build_agent(run_root: Path, simulate_gpus: int = 0, out: IO[bytes] | None = None) -> Agent:
-    """An agent that answers every registered command."""
-    return Agent(run_root=run_root, simulate_gpus=simulate_gpus, out=out, handlers=HANDLERS)
+def build_agent(
+    run_root: Path, simulate_gpus: int = 0, out: IO[bytes] | None = None, *, readonly: bool = False
+) -> Agent:
+    """An agent that answers every registered command (``readonly``: refuses those that act)."""
+    return Agent(run_root=run_root, simulate_gpus=simulate_gpus, out=out, handlers=HANDLERS, readonly=readonly)
 
 
 @handler("ping")
@@ -44,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--simulate-gpus", type=int, default=0, metavar="N", help="report N simulated GPUs instead of NVML"
     )
+    parser.add_argument(
+        "--readonly", action="store_true", help="refuse every command that launches, stops, restarts or signals"
+    )
     ns = parser.parse_args(argv)
     run_root = (ns.run_root or default_run_root()).expanduser()
-    agent = build_agent(run_root, ns.simulate_gpus)
+    agent = build_agent(run_root, ns.simulate_gpus, readonly=ns.readonly)
     entry = agents.register(run_root)  # kill-stale and the anomalies know an agent by this record, not its name
     try:
         return agent.serve()

@@ -154,6 +154,7 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
         profile=args.profile,
         config=args.config,
         passphrase=identity_passphrase(args) if args.target != "local" else None,
+        readonly=bool(getattr(args, "readonly", False)),
     )
 
 

@@ -75,6 +75,7 @@ class NodesApp(PlainNotices):
             if node.session is None:
                 node.open()
         self.state = NodesState([n.label for n in nodes], max_log_lines=max_log_lines)
+        self.state.readonly = self.readonly
         # Each node's own verbs (attach, kill stale with its confirmation, stacks), as the one-node dashboard has.
         self.controls = {
             n.label: RunControl(self, n.session, self.state.nodes[n.label], lambda: self.profile, external_runner)
@@ -169,9 +170,19 @@ class NodesApp(PlainNotices):
         "stacks": "Every thread's stack on which node?",
     }
 
+    @property
+    def readonly(self) -> bool:
+        """Watching only (``connect --readonly``, the profile's ``readonly = true``): no key acts on any node."""
+        return self.profile.readonly or any(n.opts.readonly for n in self.nodes)
+
+    def _refused(self, what: str) -> bool:
+        if self.readonly:
+            self.notify(f"read-only: {what} is off in this dashboard (it only watches)", severity="warning")
+        return self.readonly
+
     def action_on_node(self, verb: str) -> None:
         """Ask which node, then run that node's own ``verb`` (its RunControl asks again where it signals)."""
-        if verb not in self.NODE_VERBS:
+        if verb not in self.NODE_VERBS or (verb == "kill_stale" and self._refused("kill stale")):
             return
         choices = [Choice(str(n.rank), f"{n.rank}: {n.label}", "primary", str(n.rank)) for n in self.nodes[:10]]
 
@@ -187,6 +198,8 @@ class NodesApp(PlainNotices):
         )
 
     def action_stop_all(self) -> None:
+        if self._refused("stop"):
+            return
         body = "SIGTERM to the run's processes on every node, then SIGKILL after the grace:\n" + self._node_list()
         self._ask("Stop the run on every node?", body, "Stop all", self._stop_all)
 
@@ -210,6 +223,8 @@ class NodesApp(PlainNotices):
         return not down
 
     def action_launch_all(self) -> None:
+        if self._refused("launch"):
+            return
         running = self.state.combined()["running"]
         if running:
             self.notify(f"the run is running on {running} nodes: r restarts it, s stops it", timeout=6)
@@ -218,6 +233,8 @@ class NodesApp(PlainNotices):
         self._ask("Launch on every node?", body + self._node_list(), "Launch", self._launch_all)
 
     def action_restart_all(self) -> None:
+        if self._refused("restart"):
+            return
         body = f"Stop the run on every node, then start profile {self.profile.name} over every node again:\n"
         self._ask("Restart on every node?", body + self._node_list(), "Restart", self._restart_all)
 
