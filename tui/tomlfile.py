@@ -40,7 +40,7 @@ def read_toml(path: Path | str, max_bytes: int = MAX_TOML_BYTES) -> dict[str, An
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise TomlFileError(f"{where}: not a regular file (a FIFO, a device or a directory): not read")
+            raise TomlFileError(f"{where}: cannot read: not a regular file (a directory, a FIFO or a device)")
         if info.st_size > max_bytes:
             raise TomlFileError(f"{where}: {info.st_size} bytes, more than the {max_bytes} a TOML file here may hold")
         data = os.read(fd, max_bytes + 1)
