@@ -171,14 +171,15 @@ class RunControl:
             self.app.notify("nothing to restart: no run yet (l launches the profile)", severity="warning")
             return
         body = f"Stop {self._run_label()}, then launch its recorded command again:\n  {shlex.join(run.command)}"
-        self._confirm("Restart the run?", body, self._start_restart, "Restart")
+        self._confirm("Restart the run?", body, lambda: self._start_restart(run.run_id), "Restart")
 
-    def _start_restart(self) -> None:
-        self.app.run_worker(self._restart(), group="command", exit_on_error=False)
+    def _start_restart(self, run_id: str) -> None:
+        self.app.run_worker(self._restart(run_id), group="command", exit_on_error=False)
 
-    async def _restart(self) -> None:
+    async def _restart(self, run_id: str) -> None:
+        """Restart the run shown when the key was pressed, by its id (never a run that became current since)."""
         try:
-            done = await restart_run(self.session)
+            done = await restart_run(self.session, run_id=run_id)
         except Exception as exc:  # CommandFailed or a lost link: a visible error, never a crash
             self.app.notify(f"restart failed: {exc}", severity="error", timeout=12)
             return
@@ -187,17 +188,19 @@ class RunControl:
     def stop(self) -> None:
         if self.refused("stop"):
             return
-        if not self.state.run:
+        run = self.state.run
+        if not run:
             self.app.notify("no run to stop", severity="warning")
             return
         body = f"Stop {self._run_label()}: SIGTERM to its process group, SIGKILL after the grace period."
-        self._confirm("Stop the run?", body, self._start_stop, "Stop")
+        self._confirm("Stop the run?", body, lambda: self._start_stop(run.run_id), "Stop")
 
-    def _start_stop(self) -> None:
-        self.app.run_worker(self._stop(), group="command", exit_on_error=False)
+    def _start_stop(self, run_id: str) -> None:
+        self.app.run_worker(self._stop(run_id), group="command", exit_on_error=False)
 
-    async def _stop(self) -> None:
-        result = await self._request(protocol.StopReply, "stop", timeout_s=STOP_TIMEOUT_S)
+    async def _stop(self, run_id: str) -> None:
+        """Stop the run shown when the key was pressed, by its id (never a run that became current since)."""
+        result = await self._request(protocol.StopReply, "stop", timeout_s=STOP_TIMEOUT_S, run_id=run_id)
         if result is not None:
             steps = "; ".join(result.steps)
             self.app.notify(f"stopped: {steps}" if steps else "stopped", timeout=6)
