@@ -147,6 +147,10 @@ ENV_RUN_DIR = "SPECDEC_RUN_DIR"
 ENV_EVENTS_PATH = "SPECDEC_EVENTS"
 ENV_RUN_ID = "SPECDEC_RUN_ID"
 ENV_ATTEMPT = "SPECDEC_ATTEMPT"  # 1 for the first start, 2 for the first restart under a restart policy, ...
+# A run over several nodes: the client's launch sets them on every node (one run id everywhere), and the launch
+# record keeps them, so a later stop or restart can tell the multi-node run from another run of that node.
+ENV_NNODES = "SPECDEC_NNODES"
+ENV_NODE_RANK = "SPECDEC_NODE_RANK"
 
 
 class ProtocolError(ValueError):
@@ -309,6 +313,9 @@ class RunInfo:
     # Bytes of its events files the scan left unread (the middle of a huge file: stage and step come from its
     # head and tail); 0: every line was read.
     events_unread_bytes: int = 0
+    # A run launched over several nodes (its launch's ENV_NNODES / ENV_NODE_RANK): how many, and this node's rank.
+    nnodes: int | None = None
+    node_rank: int | None = None
 
 
 @dataclass
@@ -697,6 +704,7 @@ class HelloEvent:
     run_root: str | None = None
     simulated: bool = False
     capabilities: dict[str, Any] = field(default_factory=dict)
+    readonly: bool = False  # the agent refuses launch, stop, restart, kill_stale (to signal) and serve_check
 
 
 @dataclass

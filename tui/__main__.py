@@ -14,6 +14,7 @@ from tui.cli import monitor, nodes, run
 from tui.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
+    Parser,
     UsageError,
     common_parser,
     connect_options,
@@ -24,7 +25,7 @@ from tui.link.session import ConnectError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(  # its subcommands' parsers are Parsers too (argparse makes them of the parent's class)
         prog="specdec-tui",
         description="Launch, watch and rescue speculative-decoding drafter training on remote GPU hosts.",
         epilog="Exit codes: 0 ok, 1 failed, 2 usage, 3 connection/auth/host key, 4 hung (launch --wait).",
@@ -38,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--launch", action="store_true", help="start the profile's run if none is active (default: offer it)"
     )
     when.add_argument("--no-launch", action="store_true", help="never offer to launch; just watch")
+    p.add_argument(
+        "--readonly",
+        action="store_true",
+        help="watch only: no key launches, stops, restarts, kills or serve-checks (the agent refuses them too); "
+        "tmux is attached read-only. A profile's readonly = true does the same",
+    )
     p.set_defaults(func=None)
     run.add_parsers(sub, common)
     monitor.add_parsers(sub, common)
@@ -51,6 +58,31 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         i = argv.index("--")
         return argv[:i], argv[i + 1 :]
     return argv, []
+
+
+ACTING_VERBS = frozenset({"launch", "stop", "restart", "kill-stale"})
+
+
+def check_readonly(args: argparse.Namespace) -> None:
+    """Read-only mode (``connect --readonly``, or the profile's ``readonly = true``): ``args.readonly`` set for the
+    session; a verb that would launch, stop, restart or kill refused before anything connects (UsageError: exit 2).
+    ``kill-stale --dry-run`` only lists, and stays allowed."""
+    from tui.profiles import ProfileError, resolve_profile
+
+    wanted = bool(getattr(args, "readonly", False))
+    acting = args.subcommand in ACTING_VERBS and not (args.subcommand == "kill-stale" and args.dry_run)
+    if not (wanted or acting or args.subcommand == "connect"):
+        return
+    try:
+        profile = resolve_profile(args.profile, args.config)
+    except ProfileError as exc:
+        raise UsageError(str(exc)) from None
+    args.readonly = wanted or profile.readonly
+    why = "connect --readonly" if wanted else f"profile {profile.name} has readonly = true"
+    if acting and args.readonly:
+        raise UsageError(f"read-only ({why}): {args.subcommand} is refused; nothing was done")
+    if args.subcommand == "connect" and args.readonly and args.launch:
+        raise UsageError(f"read-only ({why}): --launch is refused; nothing was done")
 
 
 def choose_targets(args: argparse.Namespace) -> bool:
@@ -141,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"`-- COMMAND` is only for launch and restart, not {args.subcommand}")
     args.command = command
     try:
+        check_readonly(args)
         if choose_targets(args):
             if args.func is None:
                 return cmd_connect_nodes(args)

@@ -25,8 +25,8 @@ from tui.profiles import Node as ProfileNode
 from tui.profiles import Profile
 from tui.relaunch import launch_spec
 
-ENV_NNODES = "SPECDEC_NNODES"
-ENV_NODE_RANK = "SPECDEC_NODE_RANK"
+ENV_NNODES = protocol.ENV_NNODES
+ENV_NODE_RANK = protocol.ENV_NODE_RANK
 ENV_RDZV_ENDPOINT = "SPECDEC_RDZV_ENDPOINT"
 PEER_LEFT = "failed or left the run"  # how a surviving rank's cause names a peer that went away
 LOST_NODE = "lost the node"  # how a node's wait says its link was lost
@@ -188,34 +188,104 @@ def node_spec(
     return spec
 
 
-async def _stop_one(node: Node, grace_s: float, missing_ok: bool, run_id: str | None) -> tuple[bool, str]:
-    """Stop ``node``'s run ``run_id`` (None: its current run): (stopped, what was said). A run that already ended
-    there counts as stopped (a rank's death ends its peers' runs too); a node with no run at all has nothing to
-    stop (fine when ``missing_ok``: a restart)."""
-    session = _session(node)
+async def _run_of(node: Node, run_id: str | None = None) -> protocol.RunInfo | None:
+    """The node's run ``run_id`` (None: its current run); None when it has none (or cannot say: the stop by id then
+    says why)."""
     which: dict[str, Any] = {"run_id": run_id} if run_id is not None else {}
     try:
+        return (await _session(node).ask(protocol.RunInfoReply, "run_info", timeout_s=30.0, **which)).run
+    except CommandFailed:
+        return None
+
+
+def _part_of(run: protocol.RunInfo | None, node: Node, nnodes: int) -> bool:
+    """``run`` is a run launched over these nodes, this node's part of it (as its launch recorded)."""
+    return run is not None and run.nnodes == nnodes and run.node_rank == node.rank
+
+
+@dataclass
+class RunChoice:
+    """The run a stop or restart over several nodes means: ``run_id`` (None: none found, ``why``), and each node's
+    current run as it was asked (by label)."""
+
+    run_id: str | None
+    why: str | None = None
+    current: dict[str, protocol.RunInfo | None] = field(default_factory=dict)
+    ambiguous: bool = False  # several runs over these nodes are current: only --run can say which
+
+
+async def choose_run(nodes: list[Node], run_id: str | None = None, nnodes: int | None = None) -> RunChoice:
+    """The run a stop or restart over ``nodes`` (those of the ``nnodes`` connected) means: ``run_id`` when given
+    (``--run``), else the multi-node run over these nodes that the first node runs now, else the one another node's
+    current run is part of. Never "whatever each node runs now": a node's current run may be another run."""
+    total = nnodes if nnodes is not None else len(nodes)
+    asked = await asyncio.gather(*(_run_of(n) for n in nodes))
+    current = {n.label: run for n, run in zip(nodes, asked, strict=True)}
+    if run_id is not None:
+        named = await asyncio.gather(*(_run_of(n, run_id) for n in nodes))
+        if not any(named):
+            return RunChoice(None, f"no node has a run {run_id}", current)
+        return RunChoice(run_id, current=current)
+    parts = {n.rank: run.run_id for n, run in zip(nodes, asked, strict=True) if run and _part_of(run, n, total)}
+    ids = sorted(set(parts.values()))
+    if 0 in parts:
+        return RunChoice(parts[0], current=current)
+    if len(ids) == 1:
+        return RunChoice(ids[0], current=current)
+    if ids:
+        why = f"the nodes' current runs are different runs over {total} nodes ({', '.join(ids)})"
+        return RunChoice(None, why, current, ambiguous=True)
+    return RunChoice(None, f"no node's current run is a run over these {total} nodes", current)
+
+
+async def _stop_one(
+    node: Node, grace_s: float, missing_ok: bool, run_id: str, current: protocol.RunInfo | None
+) -> tuple[bool, str]:
+    """Stop ``node``'s part of run ``run_id``, by that id (never the node's current run): (stopped, what was said).
+    A part that already ended there counts as stopped (a rank's death ends its peers' parts too); a node without
+    the run has nothing of it to stop (fine when ``missing_ok``: a restart, or a stop of a run another node has),
+    and its own current run, another run, is only named."""
+    session = _session(node)
+    other = (
+        f"; its current run {current.run_id} ({current.state}) is another run, left as it is"
+        if current is not None and current.run_id != run_id
+        else ""
+    )
+    try:
         try:
-            run = (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0, **which)).run
+            run = (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0, run_id=run_id)).run
         except CommandFailed as exc:
             if missing_ok and not exc.lost:
-                return True, f"nothing to stop ({exc.message})"
+                return True, f"no run {run_id} there, nothing stopped{other}"
             raise
         if run.state not in ("starting", "running"):
-            return True, f"run {run.run_id} had ended already ({run.state})"
+            return True, f"run {run.run_id} had ended already ({run.state}){other}"
         res = await session.ask(
-            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0, **which
+            protocol.StopReply,
+            "stop",
+            timeout_s=grace_s + 120.0,
+            grace_s=grace_s,
+            release_timeout_s=30.0,
+            run_id=run_id,
         )
     except CommandFailed as exc:
-        return False, exc.message
-    return res.stopped, "; ".join(res.steps[-1:]) if res.steps else ("stopped" if res.stopped else "not stopped")
+        return False, f"run {run_id}: {exc.message}{other}"
+    said = "; ".join(res.steps[-1:]) if res.steps else ("stopped" if res.stopped else "not stopped")
+    return res.stopped, f"run {run_id}: {said}{other}"
 
 
 async def stop_nodes(
-    nodes: list[Node], grace_s: float, *, missing_ok: bool = False, run_id: str | None = None
+    nodes: list[Node],
+    grace_s: float,
+    run_id: str,
+    *,
+    missing_ok: bool = False,
+    current: dict[str, protocol.RunInfo | None] | None = None,
 ) -> list[tuple[Node, bool, str]]:
-    """Stop every node's current run at once: (node, stopped, what was said) for each."""
-    said = await asyncio.gather(*(_stop_one(n, grace_s, missing_ok, run_id) for n in nodes))
+    """Stop run ``run_id`` on every node at once, by its id (``current``: each node's current run, by label, to
+    name one that is another run): (node, stopped, what was said) for each."""
+    now = current or {}
+    said = await asyncio.gather(*(_stop_one(n, grace_s, missing_ok, run_id, now.get(n.label)) for n in nodes))
     return [(n, ok, text) for n, (ok, text) in zip(nodes, said, strict=True)]
 
 
@@ -310,7 +380,7 @@ async def launch_run(
         try:
             reply = await _session(node).request("launch", timeout_s=60.0, **protocol.to_jsonable(spec))
         except CommandFailed as exc:
-            stopped = await stop_nodes(started, STOP_GRACE_ON_FAILURE_S, run_id=run_id)
+            stopped = await stop_nodes(started, STOP_GRACE_ON_FAILURE_S, run_id) if run_id is not None else []
             then = f"stopped {', '.join(n.label for n, _, _ in stopped)}" if stopped else "nothing was started"
             return Launched(
                 False,
@@ -346,7 +416,7 @@ async def _wait_every_node(
             order.append(tasks[task].label)
         if pending and any(not r.ok for r in results.values()):
             # Nothing left running half-launched: every node is told to stop; their waits then end in their words.
-            stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S, run_id=run_id)
+            stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S, run_id)
             done, pending = await asyncio.wait(pending, timeout=AFTER_STOP_WAIT_S)
             for task in done:
                 results[tasks[task].label] = task.result()
@@ -359,7 +429,7 @@ async def _wait_every_node(
     root = _root_failure(order, results)
     res = results[root]
     if not stopped:
-        stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S, run_id=run_id)
+        stopped = await stop_nodes(nodes, STOP_GRACE_ON_FAILURE_S, run_id)
     return Launched(
         False,
         run_id=run_id,

@@ -23,6 +23,9 @@ The config file (``--config FILE``, default ``<user config dir>/specdec-tui/conf
     nodes = ["gpu-a", { target = "root@gpu-b", pct = 200, port = 2222 }]   # the first hosts the rendezvous
     rendezvous = { address = "10.0.0.1", port = 29500 }   # optional: default the first node's route, a free port
 
+    [profiles.watch]                   # readonly: watch someone else's run; nothing is launched, stopped,
+    readonly = true                    # restarted, killed or serve-checked (headless verbs exit 2)
+
 Without any file, the built-in profile ``default`` starts the engine's ``cpu-demo`` preset.
 Every error names the file, the key and what is allowed.
 """
@@ -31,17 +34,12 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine import protocol
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from tui.tomlfile import TomlFileError, read_toml, shown
 
 DEFAULT_PROFILE = "default"
 DEFAULT_STEP_PATTERN = r"step=\d+"
@@ -50,7 +48,9 @@ DEFAULT_STEP_PATTERN = r"step=\d+"
 DEFAULT_DEADLINES_S: dict[str, float] = {"submitted": 10.0, "started": 15.0, "output": 60.0, "first-step": 900.0}
 ENGINE_PRESET_DEFAULT = "cpu-demo"
 
-_PROFILE_KEYS = {"command", "cwd", "env", "step_pattern", "deadlines_s", "engine", "restart", "nodes", "rendezvous"}
+_PROFILE_KEYS = {
+    "command", "cwd", "env", "step_pattern", "deadlines_s", "engine", "restart", "nodes", "rendezvous", "readonly",
+}  # fmt: skip
 _NODE_KEYS = {"target", "pct", "port", "identity", "known_hosts", "python", "run_root"}
 _RENDEZVOUS_KEYS = {"address", "port"}
 _ENGINE_KEYS = {"preset", "config", "args"}
@@ -112,6 +112,7 @@ class Profile:
     restart: dict[str, Any] | None = None  # protocol.parse_policy's table, as a dict; None: never restarted
     nodes: list[Node] = field(default_factory=list)  # several: one run across them (the first: rendezvous host)
     rendezvous: Rendezvous = field(default_factory=Rendezvous)
+    readonly: bool = False  # watch only: no key or verb launches, stops, restarts, kills or serve-checks
     source: str = "built-in"
 
     def as_dict(self) -> dict[str, Any]:
@@ -126,6 +127,7 @@ class Profile:
             "restart": dict(self.restart) if self.restart is not None else None,
             "nodes": [{k: v for k, v in vars(n).items() if v is not None} for n in self.nodes],
             "rendezvous": {"address": self.rendezvous.address, "port": self.rendezvous.port},
+            "readonly": self.readonly,
             "source": self.source,
         }
 
@@ -167,7 +169,7 @@ def _err(path: Path | str, key: str, problem: str) -> ProfileError:
 
 def _str_list(path: Path, key: str, value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _err(path, key, f'must be a list of strings (an argv, e.g. ["bash", "run.sh"]), got {value!r}')
+        raise _err(path, key, f'must be a list of strings (an argv, e.g. ["bash", "run.sh"]), got {shown(value)}')
     return list(value)
 
 
@@ -215,7 +217,7 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
             if k not in protocol.MILESTONES:
                 raise _err(path, f"{where}.deadlines_s.{k}", f"unknown milestone; allowed: {allowed}")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise _err(path, f"{where}.deadlines_s.{k}", f"must be a positive number of seconds, got {v!r}")
+                raise _err(path, f"{where}.deadlines_s.{k}", f"must be a positive number of seconds, got {shown(v)}")
             prof.deadlines_s[k] = float(v)
     if "restart" in raw:
         try:
@@ -227,6 +229,10 @@ def _parse_profile(path: Path, name: str, raw: Any) -> Profile:
         prof.nodes = _parse_nodes(path, f"{where}.nodes", raw["nodes"])
     if "rendezvous" in raw:
         prof.rendezvous = _parse_rendezvous(path, f"{where}.rendezvous", raw["rendezvous"])
+    if "readonly" in raw:
+        if not isinstance(raw["readonly"], bool):
+            raise _err(path, f"{where}.readonly", f"must be true or false, got {shown(raw['readonly'])}")
+        prof.readonly = raw["readonly"]
     if "engine" in raw:
         eng = raw["engine"]
         if not isinstance(eng, dict):
@@ -259,13 +265,13 @@ def _parse_node(path: Path, key: str, raw: Any) -> Node:
     if not isinstance(target, str) or not target:
         raise _err(path, f"{key}.target", "must be an SSH target: [user@]host[:port] or a Host alias, or 'local'")
     if any(c.isspace() for c in target) or target.startswith("-"):
-        raise _err(path, f"{key}.target", f"not an SSH target: {target!r}")
+        raise _err(path, f"{key}.target", f"not an SSH target: {shown(target)}")
     ints: dict[str, int] = {}
     for k, top in (("pct", 999_999_999), ("port", 65535)):
         if k in raw:
             v = raw[k]
             if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= top:
-                raise _err(path, f"{key}.{k}", f"must be an integer 1..{top}, got {v!r}")
+                raise _err(path, f"{key}.{k}", f"must be an integer 1..{top}, got {shown(v)}")
             ints[k] = v
     strs: dict[str, str] = {}
     for k in ("identity", "known_hosts", "python", "run_root"):
@@ -300,7 +306,7 @@ def _parse_rendezvous(path: Path, key: str, raw: Any) -> Rendezvous:
         raise _err(path, f"{key}.address", "must be a host name or address the other nodes reach the first at")
     port = raw.get("port")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-        raise _err(path, f"{key}.port", f"must be a port 1..65535, got {port!r}")
+        raise _err(path, f"{key}.port", f"must be a port 1..65535, got {shown(port)}")
     return Rendezvous(address=address, port=port)
 
 
@@ -309,16 +315,14 @@ def load_profiles(config: str | None) -> tuple[dict[str, Profile], str | None, P
     explicit = config is not None
     path = Path(config).expanduser() if config else default_config_path()
     profiles: dict[str, Profile] = {DEFAULT_PROFILE: Profile(name=DEFAULT_PROFILE)}
-    if not path.exists():
-        if explicit:
-            raise ProfileError(f"{path}: no such config file (--config)")
-        return profiles, None, None
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ProfileError(f"{path}: cannot read: {exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+        data = read_toml(path)  # a regular file only, bounded; a huge integer or deep nesting is a TomlFileError
+    except FileNotFoundError:
+        if explicit:
+            raise ProfileError(f"{path}: no such config file (--config)") from None
+        return profiles, None, None
+    except TomlFileError as exc:
+        raise ProfileError(str(exc)) from None
     unknown = sorted(set(data) - {"profiles", "default_profile"})
     if unknown:
         raise _err(path, unknown[0], "unknown top-level key; allowed: default_profile, [profiles.NAME]")

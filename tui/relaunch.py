@@ -74,13 +74,15 @@ class Restarted:
         return self.reply.stop
 
 
-async def restart_run(session: AgentSession, *, grace_s: float = STOP_GRACE_S) -> Restarted:
-    """Stop the current run if it runs, then launch its recorded spec again; raises the session's CommandFailed
-    (ReplyNotUnderstood when the reply does not decode)."""
+async def restart_run(session: AgentSession, *, grace_s: float = STOP_GRACE_S, run_id: str | None = None) -> Restarted:
+    """Stop run ``run_id`` (None: the current run) if it runs, then launch its recorded spec again; raises the
+    session's CommandFailed (ReplyNotUnderstood when the reply does not decode)."""
+    which: dict[str, Any] = {"run_id": run_id} if run_id is not None else {}
     raw = await session.request(
         "restart",
         timeout_s=grace_s + RELEASE_TIMEOUT_S + RESTART_REPLY_MARGIN_S,
         grace_s=grace_s,
         release_timeout_s=RELEASE_TIMEOUT_S,
+        **which,
     )
     return Restarted(typed_reply(protocol.RestartReply, "restart", raw), dict(raw["launch"]))

@@ -75,11 +75,13 @@ def gpu_anomalies(
     run_pids: set[int] | frozenset[int],
     run_active: bool,
     host_view: bool = False,
+    agents: set[int] | frozenset[int] = frozenset(),
 ) -> list[Anomaly]:
     """Phantom utilization, orphan memory, foreign and stale holders, in GPU order then pid order.
 
     ``host_view``: the holders come from the Proxmox host's NVML (host_map.py), which sees every container
-    and the host: a GPU with no holder there has none anywhere.
+    and the host: a GPU with no holder there has none anywhere. ``agents``: the live specdec agents' pids (as they
+    recorded themselves), never stale holders.
     """
     out: list[Anomaly] = []
     for gpu in gpus:
@@ -139,7 +141,7 @@ def gpu_anomalies(
                 Anomaly(kind="orphan_memory", gpu=gpu.index, message=f"{label} {gpu.index}: {mem:.0f} MiB used, {why}")
             )
     for h in holders:
-        if h.scope != "here" or not h.resolved or h.in_run or h.pid in run_pids or is_system_holder(h):
+        if h.scope != "here" or not h.resolved or h.in_run or h.pid in run_pids or is_system_holder(h, agents):
             continue  # another container's or the host's process is never a stale holder of ours
         if h.state == "zombie":
             continue  # a zombie cannot be stopped, only reaped: orphan memory says so

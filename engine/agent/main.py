@@ -17,6 +17,7 @@ from typing import IO, Any
 from engine.agent import monitor_cmds, net_cmds, run_cmds
 from engine.agent.commands import HANDLERS, handler
 from engine.agent.server import Agent
+from engine.host import agents
 
 COMMAND_MODULES = (monitor_cmds, run_cmds, net_cmds)  # imported for their @handler registrations
 
@@ -25,9 +26,11 @@ def default_run_root() -> Path:
     return Path(os.environ.get("SPECDEC_RUN_ROOT", "~/.specdec")).expanduser()
 
 
-def build_agent(run_root: Path, simulate_gpus: int = 0, out: IO[bytes] | None = None) -> Agent:
-    """An agent that answers every registered command."""
-    return Agent(run_root=run_root, simulate_gpus=simulate_gpus, out=out, handlers=HANDLERS)
+def build_agent(
+    run_root: Path, simulate_gpus: int = 0, out: IO[bytes] | None = None, *, readonly: bool = False
+) -> Agent:
+    """An agent that answers every registered command (``readonly``: refuses those that act)."""
+    return Agent(run_root=run_root, simulate_gpus=simulate_gpus, out=out, handlers=HANDLERS, readonly=readonly)
 
 
 @handler("ping")
@@ -36,15 +39,24 @@ def _ping(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec-agent", description="specdec host agent (JSON lines on stdio)")
+    parser = argparse.ArgumentParser(
+        prog="specdec-agent", description="specdec host agent (JSON lines on stdio)", allow_abbrev=False
+    )
     parser.add_argument("--run-root", type=Path, default=None, help="run root directory (default ~/.specdec)")
     parser.add_argument(
         "--simulate-gpus", type=int, default=0, metavar="N", help="report N simulated GPUs instead of NVML"
     )
+    parser.add_argument(
+        "--readonly", action="store_true", help="refuse every command that launches, stops, restarts or signals"
+    )
     ns = parser.parse_args(argv)
     run_root = (ns.run_root or default_run_root()).expanduser()
-    agent = build_agent(run_root, ns.simulate_gpus)
-    return agent.serve()
+    agent = build_agent(run_root, ns.simulate_gpus, readonly=ns.readonly)
+    entry = agents.register(run_root)  # kill-stale and the anomalies know an agent by this record, not its name
+    try:
+        return agent.serve()
+    finally:
+        agents.unregister(entry)
 
 
 if __name__ == "__main__":

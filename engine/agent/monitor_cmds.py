@@ -24,6 +24,7 @@ from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
 from engine.agent.server import Agent, CommandError
 from engine.host import host_map, procs
+from engine.host.agents import live_agents
 from engine.host.capabilities import probe_capabilities
 from engine.host.gpu_source import open_gpu_source
 from engine.host.gpus import GpuSample, GpuSource
@@ -226,7 +227,8 @@ class Monitor:
     ) -> list[Anomaly]:
         running = run is not None and run.state == "running"
         host_view = self.fresh_host_map() is not None
-        items = anomalies.gpu_anomalies(sample.gpus, holders, run_pids, running, host_view=host_view)
+        agents = live_agents(self.run_root)
+        items = anomalies.gpu_anomalies(sample.gpus, holders, run_pids, running, host_view=host_view, agents=agents)
         items.extend(anomalies.engine_anomalies(self.engine_state, _now(), running, **self.stall_limits))
         items.extend(anomalies.disk_anomalies(self.run_root))
         return items

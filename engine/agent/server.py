@@ -32,6 +32,9 @@ class CommandError(Exception):
 # Commands that change the host (start or signal processes, write run records): the agent finishes them even when
 # its client goes away mid-command, so a launch is never left half done (job running, run not recorded).
 STATE_CHANGING_COMMANDS = frozenset({"launch", "stop", "kill_stale", "restart"})
+# What a read-only agent (`connect --readonly`, a profile's readonly = true) refuses: every command that starts,
+# stops or signals something (kill_stale only to signal: its dry run is a listing).
+READONLY_REFUSED = frozenset({"launch", "stop", "restart", "kill_stale", "serve_check"})
 # How long, at stdin EOF, the agent waits for those to finish before exiting anyway.
 FINISH_ON_EOF_S = 30.0
 # Every other command answered before exit too (a client may write commands and close stdin at once, as
@@ -49,9 +52,12 @@ class Agent:
         handlers: Mapping[str, Handler],
         simulate_gpus: int = 0,
         out: IO[bytes] | None = None,
+        readonly: bool = False,
     ) -> None:
-        """``handlers``: command name -> handler (engine/agent/commands.py's table once main imported its modules)."""
+        """``handlers``: command name -> handler (engine/agent/commands.py's table once main imported its modules);
+        ``readonly``: refuse every command that acts on a run or a process (READONLY_REFUSED)."""
         self.run_root = run_root
+        self.readonly = readonly
         self.handlers: Mapping[str, Handler] = handlers
         self.simulate_gpus = simulate_gpus
         self.boot_id = procs.read_boot_id()
@@ -96,6 +102,7 @@ class Agent:
             pid=os.getpid(),
             run_root=str(self.run_root),
             simulated=self.simulate_gpus > 0,
+            readonly=self.readonly,
             capabilities=probe_capabilities(),
         )
 
@@ -120,6 +127,14 @@ class Agent:
                     error=f"unknown command {cmd!r}; known: {sorted(self.handlers)}",
                 )
             )
+            return
+        if (
+            self.readonly
+            and cmd in READONLY_REFUSED
+            and not (cmd == "kill_stale" and args.get("dry_run", True) is True)
+        ):
+            refusal = f"read-only: this agent never runs {cmd} (connect --readonly, or the profile's readonly = true)"
+            self.emit(protocol.event("reply", id=cmd_id, ok=False, result=None, error=refusal))
             return
         th = threading.Thread(target=self._run, args=(fn, cmd_id, cmd, args), name=f"cmd-{cmd}", daemon=True)
         with self._in_flight_lock:

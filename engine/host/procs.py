@@ -41,7 +41,8 @@ _STATES = {
 
 GONE_STATES = ("Z", "X", "x")  # zombie or dead: the process has ended, only its table entry may remain
 
-# Driver daemons and monitors that hold /dev/nvidia* by design: holders, but never "stale".
+# Driver daemons and monitors that hold /dev/nvidia* by design: holders, but never "stale" when the process is that
+# installed program (procs.by_design checks its executable, not its name).
 SYSTEM_HOLDER_NAMES: frozenset[str] = frozenset(
     {"nvidia-persistenced", "nv-hostengine", "nvidia-smi", "dcgm-exporter", "nvidia-powerd", "nvtop"}
 )
@@ -256,6 +257,22 @@ def memory_mib() -> dict[str, float]:
     return out
 
 
+ARGV_MAX_BYTES = 1 << 20  # the most of a command line read to compare it with a recorded one
+
+
+def argv_of(pid: int) -> list[str] | None:
+    """The process's argv as its /proc cmdline has it (bounded); None when unreadable or empty (a kernel thread,
+    a zombie)."""
+    try:
+        with open(f"{PROC}/{pid}/cmdline", "rb") as fh:
+            raw = fh.read(ARGV_MAX_BYTES)
+    except OSError:
+        return None
+    if not raw:
+        return None
+    return [p.decode("utf-8", "surrogateescape") for p in raw.removesuffix(b"\0").split(b"\0")]
+
+
 def cmdline_of(pid: int, comm: str | None = None) -> str:
     """The command line joined with spaces; ``[comm]`` for kernel threads and zombies."""
     try:
@@ -355,19 +372,64 @@ def in_initial_pid_namespace() -> bool:
         return False
 
 
-def is_system_holder(h: HolderInfo) -> bool:
-    """Driver daemons and monitors (this agent and other specdec agents, through NVML) hold the device by design.
+SYSTEM_PREFIXES = ("/usr/", "/bin/", "/sbin/")
 
-    Used only to keep them out of the stale-holder anomaly; nothing is ever signalled by name.
-    """
-    if h.pid == os.getpid():
-        return True
-    if not h.cmd:
+
+def exe_path(pid: int) -> str | None:
+    """The real path of the process's executable; None when unreadable (another user's process, gone)."""
+    try:
+        return os.readlink(f"{PROC}/{pid}/exe")
+    except OSError:
+        return None
+
+
+def system_binary(path: str) -> bool:
+    """``path`` is an installed system program: under /usr, /bin or /sbin, owned by root and writable by nobody
+    else, in a directory owned by root and writable by nobody else. A job cannot make one of its own (unless it
+    runs as root), so naming itself ``nvidia-smi`` gains it nothing."""
+    if not path.startswith(SYSTEM_PREFIXES):
         return False
-    argv = h.cmd.split(" ")
-    if os.path.basename(argv[0].strip("[]")) in SYSTEM_HOLDER_NAMES:
-        return True
-    return "engine.agent.main" in argv[1:3] or os.path.basename(argv[0]) == "specdec-agent"
+    for item in (path, os.path.dirname(path)):
+        try:
+            st = os.stat(item)
+        except OSError:
+            return False
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return False
+    return True
+
+
+def holds_cuda_context(pid: int, dev_dir: str | None = None) -> bool:
+    """The process has <dev>/nvidia-uvm open, as every process with a CUDA context does (NVML alone never
+    opens it): it may hold GPU memory, whatever it is called."""
+    found = nvidia_fds(pid, dev_dir if dev_dir is not None else default_dev_dir())
+    return found is not None and "nvidia-uvm" in found[1]
+
+
+def by_design(
+    h: HolderInfo, agents: set[int] | frozenset[int] = frozenset(), programs: frozenset[str] = SYSTEM_HOLDER_NAMES
+) -> str | None:
+    """Why ``h`` holds an NVIDIA device by design (this agent; another specdec agent, as it recorded itself; a
+    driver daemon or monitor whose executable is that installed system program, one of ``programs``), None when
+    nothing says so.
+
+    Decided by what the process is, never by what it calls itself: a holder with a GPU context (NVML lists it, or
+    it has /dev/nvidia-uvm open) holds GPU memory and is never one of these, whatever its name."""
+    if h.pid == os.getpid():
+        return "this agent"
+    if h.context is True or holds_cuda_context(h.pid):
+        return None
+    if h.pid in agents:
+        return "a specdec agent (recorded at its start; it holds the device for NVML, no GPU context)"
+    exe = exe_path(h.pid)
+    if exe is not None and os.path.basename(exe) in programs and system_binary(exe):
+        return f"a driver daemon or monitor ({exe}) that holds the device by design"
+    return None
+
+
+def is_system_holder(h: HolderInfo, agents: set[int] | frozenset[int] = frozenset()) -> bool:
+    """``by_design`` as a yes or no: kept out of the stale-holder anomaly and never a kill-stale candidate."""
+    return by_design(h, agents) is not None
 
 
 class CpuTracker:

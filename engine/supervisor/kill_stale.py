@@ -14,6 +14,7 @@ from typing import Any
 
 from engine import protocol
 from engine.host import procs
+from engine.host.agents import live_agents
 from engine.host.holders import NvmlView, find_holders
 from engine.supervisor import records
 from engine.supervisor.common import KILL_WAIT_S, Progress, SupervisorError, noop, state_of, wait_until
@@ -73,8 +74,9 @@ def _classify(
     candidates: list[protocol.HolderInfo] = []
     others: list[tuple[protocol.HolderInfo, str]] = []
     found = find_holders(None, view, ours)
+    agents = live_agents(run_root)
     for h in found:
-        reason = _left_alone_reason(h, ours, protected)
+        reason = _left_alone_reason(h, ours, protected, agents)
         if reason is None:
             candidates.append(h)
         else:
@@ -82,7 +84,9 @@ def _classify(
     return candidates, others
 
 
-def _left_alone_reason(h: protocol.HolderInfo, ours: set[int], protected: set[int]) -> str | None:
+def _left_alone_reason(
+    h: protocol.HolderInfo, ours: set[int], protected: set[int], agents: set[int] | frozenset[int] = frozenset()
+) -> str | None:
     """Why a holder is never a kill-stale candidate; None when it is one."""
     if h.scope != "here":
         where = f"container {h.container}" if h.scope == "container" else "the Proxmox host"
@@ -98,9 +102,7 @@ def _left_alone_reason(h: protocol.HolderInfo, ours: set[int], protected: set[in
         return _foreign_reason(owner)
     if h.context is False:
         return "holds a device handle but no GPU context (a monitor such as nvidia-smi or nvitop); frees nothing"
-    if procs.is_system_holder(h):
-        return "a driver daemon or monitor that holds the device by design"
-    return None
+    return procs.by_design(h, agents)  # by what the process is (executable, recorded agent, context), not its name
 
 
 def kill_stale(

@@ -11,11 +11,12 @@ on the host, else the agent's own; without vLLM the check ends at once with a ``
 from __future__ import annotations
 
 import fcntl
-import json
 import os
+import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import engine
@@ -31,6 +32,9 @@ CHECK_LOCK = "serve_check.lock"
 ENV_VLLM_PYTHON = "SPECDEC_VLLM_PYTHON"
 TAIL_CHUNK = 1 << 20
 TAIL_MAX_BYTES = 32 << 20  # how far back from the end of events.jsonl a checkpoint is looked for
+LOCK_WAIT_S = 5.0  # the lock is held for the moment a start takes: longer means another process keeps it
+LOCK_POLL_S = 0.05
+ARGV_WAIT_S = 2.0
 
 
 def latest_checkpoint(events: Path, max_bytes: int = TAIL_MAX_BYTES) -> Path | None:
@@ -62,24 +66,63 @@ def latest_checkpoint(events: Path, max_bytes: int = TAIL_MAX_BYTES) -> Path | N
 
 
 def running_check(run_dir: Path) -> int | None:
-    """The pid of this run's serve-check while it runs (the pid file's start time must match: a reused pid is not
-    it), else None."""
-    try:
-        record = json.loads((run_dir / CHECK_PID).read_text(encoding="utf-8"))
-        pid, ticks = int(record["pid"]), int(record["start_ticks"])
-    except (OSError, ValueError, KeyError, TypeError):
+    """The pid of this run's serve-check while it runs, else None. The pid file must name that very process: this
+    boot, the same start time (a reused pid is not it) and the argv the check was started with (a stale or foreign
+    file naming another live process is not it either)."""
+    record = records.read_json(run_dir / CHECK_PID)  # a regular file only, bounded: a FIFO is no record
+    if record is None:
         return None
-    return pid if procs.process_alive(pid, ticks) else None
+    pid, ticks, boot, argv = (record.get(k) for k in ("pid", "start_ticks", "boot_id", "argv"))
+    if not (isinstance(pid, int) and isinstance(ticks, int) and isinstance(argv, list) and argv):
+        return None
+    if boot != procs.read_boot_id() or not procs.process_alive(pid, ticks):
+        return None
+    return pid if procs.argv_of(pid) == argv else None
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """``path`` opened without blocking and without following a link; SupervisorError unless a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # ENXIO: a FIFO nobody reads; ELOOP: a link
+        raise SupervisorError(
+            f"{path.name} in the run directory cannot be opened: {exc.strerror}; not started"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SupervisorError(f"{path.name} in the run directory is not a regular file (remove it); not started")
+    return fd
+
+
+def _lock(fd: int, path: Path, wait_s: float) -> None:
+    """Take ``fd``'s exclusive lock, waiting at most ``wait_s``: SupervisorError when another process holds it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise SupervisorError(
+                    f"{path.name} is held by another process for over {wait_s:g} s (another serve-check starting "
+                    "for this run?); not started"
+                ) from None
+            time.sleep(LOCK_POLL_S)
 
 
 def start(run_dir: Path, vllm_python: str | None = None, *, run_live: bool = False) -> dict[str, object]:
     """Start the check for ``run_dir``'s newest checkpoint; returns pid, checkpoint, log and the vLLM interpreter.
     Raises SupervisorError (a sentence for the user) when one runs already, the run has no checkpoint yet, or the
     run is live and ``run_live`` was not said: vLLM takes most of a GPU's memory for itself and would load the
-    target beside the training, which can run out of memory. One agent at a time decides (a lock in the run dir)."""
-    with (run_dir / CHECK_LOCK).open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two presses of v, or two dashboards: one check
+    target beside the training, which can run out of memory. One agent at a time decides (a lock in the run dir,
+    waited for at most LOCK_WAIT_S); a lock or log that is not a regular file is refused, never waited on."""
+    lock_path = run_dir / CHECK_LOCK
+    fd = _open_regular(lock_path, os.O_RDWR | os.O_CREAT)
+    try:
+        _lock(fd, lock_path, LOCK_WAIT_S)  # two presses of v, or two dashboards: one check
         return _start_locked(run_dir, vllm_python, run_live)
+    finally:
+        os.close(fd)
 
 
 def _start_locked(run_dir: Path, vllm_python: str | None, run_live: bool) -> dict[str, object]:
@@ -108,14 +151,27 @@ def _start_locked(run_dir: Path, vllm_python: str | None, run_live: bool) -> dic
     # "--" first: the checkpoint's path comes from the job's own events and must never read as an option
     argv = [sys.executable, "-m", "engine.trainer", "serve-check", "--vllm-python", python, "--", str(checkpoint)]
     log_path = run_dir / CHECK_LOG
-    with log_path.open("ab") as log:
+    log = _open_regular(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # a FIFO would block the open
+    try:
         # cwd: the engine's own tree, since ``-m`` puts the working directory first on sys.path (not the run dir)
         child = subprocess.Popen(
             argv, cwd=engine_root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
         )  # fmt: skip
+    finally:
+        os.close(log)
     threading.Thread(target=child.wait, name="serve-check-reaper", daemon=True).start()
+    # Just after its exec the child's /proc cmdline can read empty for a moment: record it once it says its argv.
+    deadline = time.monotonic() + ARGV_WAIT_S
+    while procs.argv_of(child.pid) is None and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     ticks = procs.start_ticks_of(child.pid)
-    record = {"pid": child.pid, "start_ticks": ticks, "checkpoint": str(checkpoint)}
+    record = {
+        "pid": child.pid,
+        "start_ticks": ticks,
+        "boot_id": procs.read_boot_id(),
+        "argv": argv,  # what running_check compares /proc/<pid>/cmdline with
+        "checkpoint": str(checkpoint),
+    }
     records.write_json_atomic(run_dir / CHECK_PID, record)
     return {"pid": child.pid, "checkpoint": str(checkpoint), "log": str(log_path), "vllm_python": python}

@@ -644,7 +644,9 @@ def _deadline(spec: dict[str, Any], milestone: str) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec-wrapper", description="run one job under supervision")
+    parser = argparse.ArgumentParser(
+        prog="specdec-wrapper", description="run one job under supervision", allow_abbrev=False
+    )
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--spec-json", required=True, type=Path)
     parser.add_argument("--echo-to-pane", action="store_true", help="copy the job's output to our terminal too")

@@ -153,7 +153,9 @@ def export_main(argv: list[str]) -> int:
     from engine.trainer.serve import export
 
     ap = argparse.ArgumentParser(
-        prog="specdec-train export", description="Export a trained drafter for vLLM / SGLang (EAGLE-3)"
+        prog="specdec-train export",
+        description="Export a trained drafter for vLLM / SGLang (EAGLE-3)",
+        allow_abbrev=False,
     )
     export.add_arguments(ap)
     return export.run(ap.parse_args(argv))

@@ -313,3 +313,88 @@ async def test_session_request_reply_ping_and_reconnect_after_the_agent_dies(run
     finally:
         await session.close()
     assert session.state == "disconnected"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["launch", "local", "--run", "20261201-101500-ab12"],  # was read as --run-root 20261201-...
+        ["kill-stale", "local", "--dry-run", "--run", "20261201-101500-ab12"],
+        ["stop", "local", "--run-r", "/tmp/elsewhere"],
+        ["restart", "local", "--grac", "3"],
+        ["status", "local", "--js"],
+        ["logs", "local", "--fol"],
+    ],
+    ids=lambda a: " ".join(a[:1] + a[2:]),
+)
+def test_no_option_is_read_by_a_prefix_of_its_name(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from tui.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {argv[-2] if argv[-1][0] != '-' else argv[-1]}" in capsys.readouterr().err
+
+
+def _job_pid(run_root: Path, run_id: str) -> int:
+    launch = json.loads((run_root / "runs" / run_id / "launch.json").read_text())
+    return int(launch.get("job_pid") or launch["pid"])
+
+
+def test_stop_and_restart_with_run_act_on_that_run_and_leave_the_current_one(cli: Cli, run_root: Path) -> None:
+    from engine.host import procs
+
+    ids = []
+    for _ in range(2):
+        r = cli("launch", "local", "--run-root", str(run_root), "--wait", "started", "--json", "--", "sleep", "300")
+        assert r.returncode == 0, r.output
+        ids.append(json.loads(r.stdout)["run_id"])
+    older, current = ids
+    try:
+        stop = cli("stop", "local", "--run-root", str(run_root), "--run", older, "--grace", "2")
+        assert stop.returncode == 0, stop.output
+        assert f"run {older} stopped" in stop.stdout, stop.output
+        assert json.loads((run_root / "runs" / older / "exit.json").read_text())
+        assert procs.process_alive(_job_pid(run_root, current), None), "the current run was stopped"
+
+        again = cli("restart", "local", "--run-root", str(run_root), "--run", older, "--wait", "started", "--json")
+        assert again.returncode == 0, again.output
+        relaunched = json.loads(again.stdout)["run_id"]
+        assert relaunched not in ids
+        assert json.loads((run_root / "runs" / relaunched / "launch.json").read_text())["command"] == ["sleep", "300"]
+        assert procs.process_alive(_job_pid(run_root, current), None), "the restart stopped the current run"
+        assert not (run_root / "runs" / current / "exit.json").exists()
+
+        unknown = cli("stop", "local", "--run-root", str(run_root), "--run", "20200101-000000-0000")
+        assert unknown.returncode == 2 and "Traceback" not in unknown.output, unknown.output
+        assert unknown.stderr.strip().splitlines()[-1].startswith("specdec-tui stop: error: --run 20200101-000000-0000")
+    finally:
+        for run_id in [*ids, *([relaunched] if "relaunched" in locals() else [])]:
+            cli("stop", "local", "--run-root", str(run_root), "--run", run_id, "--grace", "2")
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("[profiles.demo]\ndeadlines_s = { started = " + "9" * 5000 + " }\n", "a value too large to read"),
+        ("[profiles.demo]\nenv = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deep to read"),
+        ("[profiles.demo]\ndeadlines_s = { started = -" + "9" * 4000 + " }\n", "positive number of seconds, got -99"),
+    ],
+    ids=["5000-digit integer", "nested 5000 deep", "4000-digit value in a message"],
+)
+def test_a_hostile_config_file_is_one_line_and_exit_2(cli: Cli, tmp_path: Path, body: str, words: str) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(body)
+    r = cli("launch", "local", "--config", str(cfg), "--profile", "demo", "--run-root", str(tmp_path / "root"))
+    assert r.returncode == 2, r.output
+    assert "Traceback" not in r.output and r.stdout == "", r.output
+    said = r.stderr.strip().splitlines()[-1]
+    assert said.startswith(f"specdec-tui launch: error: {cfg}: ") and words in said and len(said) < 400, said
+
+
+def test_a_config_file_that_is_a_fifo_is_refused_at_once(cli: Cli, tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    os.mkfifo(cfg)
+    r = cli("launch", "local", "--config", str(cfg), "--profile", "demo", "--run-root", str(tmp_path), timeout_s=20)
+    assert r.returncode == 2, r.output
+    assert "not a regular file" in r.stderr and "Traceback" not in r.output, r.output

@@ -234,3 +234,76 @@ def test_another_users_holder_is_left_alone_even_by_a_root_agent(pool: AgentPool
             holder.wait(timeout=10)
     finally:
         shutil.rmtree(dev)
+
+
+def test_a_stale_job_cannot_hide_by_its_name_and_an_agent_is_known_by_its_record(
+    pool: AgentPool, tmp_path: Path
+) -> None:
+    # Two stale jobs calling themselves nvidia-smi and specdec-agent (argv[0]): both are still stale holders. A
+    # holder recorded as a live agent in the run root's agents/ (as every agent records itself) is left alone,
+    # unless it has /dev/nvidia-uvm open too: a CUDA context, GPU memory, whatever it is.
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidiactl", "nvidia-uvm"):
+        (dev / name).write_text("")
+    hold = HOLD.format(ignore="") + "\n"
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(argv0: str, *devices: str) -> int:
+        opens = "".join(f"g{i} = open(sys.argv[{i + 2}])\n" for i in range(len(devices) - 1))
+        code = hold.replace("f = open(sys.argv[1])\n", "f = open(sys.argv[1])\n" + opens)
+        argv = ["bash", "-c", 'exec -a "$0" "$@"', argv0, sys.executable, "-c", code, *(str(dev / d) for d in devices)]
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        started.append(p)
+        wait_until(lambda: all(holds(p.pid, dev / d) for d in devices), 10, f"{argv0} to open {devices}")
+        return p.pid
+
+    try:
+        as_smi = spawn("nvidia-smi", "nvidia0")
+        as_agent = spawn("specdec-agent", "nvidia0")
+        recorded = spawn("python3", "nvidiactl")
+        recorded_with_context = spawn("python3", "nvidia0", "nvidia-uvm")
+        a = pool.make(env={"SPECDEC_DEV_DIR": str(dev)})
+        listed = a.ok("kill_stale", dry_run=True)
+        assert {as_smi, as_agent} <= {c["pid"] for c in listed["candidates"]}, listed  # their names hide nothing
+
+        agents = pool.root / "agents"
+        own = f"{a.proc.pid}-{procs.start_ticks_of(a.proc.pid)}"
+        assert [e.name for e in agents.iterdir()] == [own]  # the agent recorded itself at its start
+        for pid in (recorded, recorded_with_context):
+            (agents / f"{pid}-{procs.start_ticks_of(pid)}").touch()
+        listed = a.ok("kill_stale", dry_run=True)
+        assert {c["pid"] for c in listed["candidates"]} == {as_smi, as_agent, recorded_with_context}, listed
+        left = {e["holder"]["pid"]: e["reason"] for e in listed["left_alone"]}
+        assert left[recorded].startswith("a specdec agent (recorded at its start"), left
+
+        done = a.ok("kill_stale", dry_run=False, grace_s=2)
+        assert sorted(e["pid"] for e in done["signalled"]) == sorted([as_smi, as_agent, recorded_with_context])
+        assert not pid_alive(as_smi) and not pid_alive(as_agent) and pid_alive(recorded)
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
+def test_a_driver_daemon_is_known_by_its_installed_executable_not_its_name(tmp_path: Path) -> None:
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    real = os.path.realpath(sleep)
+    copy = tmp_path / "nvidia-smi"
+    shutil.copy(real, copy)
+    started = [subprocess.Popen([real, "600"]), subprocess.Popen([str(copy), "600"])]
+    try:
+        from engine.protocol import HolderInfo
+
+        installed, copied = (HolderInfo(pid=p.pid, resolved=True) for p in started)
+        name = os.path.basename(real)
+        if procs.system_binary(real):  # sleep, as installed, stands in for an installed nvidia-persistenced
+            assert procs.by_design(installed, programs=frozenset({name})) is not None
+        assert procs.by_design(copied, programs=frozenset({"nvidia-smi"})) is None  # a copy under its name: no
+        assert procs.by_design(installed, programs=frozenset({"nvidia-smi"})) is None
+    finally:
+        for p in started:
+            p.kill()
+            p.wait(timeout=10)

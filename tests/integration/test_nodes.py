@@ -621,3 +621,223 @@ def test_under_a_restart_policy_a_rank_killed_on_one_node_restarts_the_run_on_bo
         stop_both(cli, cfg)
     assert_nothing_left(run, "after the stop")
     print(f"restart policy over two nodes: a rank killed on node 1, both nodes stepping again {back_s:.1f} s later")
+
+
+def job_alive(run_dir: Path) -> bool:
+    launch = records.read_json(run_dir / records.LAUNCH_JSON) or {}
+    pid = launch.get("job_pid") or launch.get("pid")
+    return bool(pid) and procs.process_alive(int(pid), launch.get("job_start_ticks"))
+
+
+def launch_other_run(cli: Callable[..., Any], s: Any, root: Path) -> str:
+    """A run of its own on one node (not the multi-node run): it becomes that node's current run."""
+    r = cli("launch", s.target, *s.args(), "--run-root", str(root), "--wait", "started", "--json",
+            "--", "sh", "-c", STEPPING, timeout_s=120)  # fmt: skip
+    assert r.returncode == 0, r.output
+    run_id: str = json.loads(r.stdout)["run_id"]
+    return run_id
+
+
+@pytest.mark.timeout(300)
+def test_stop_and_restart_over_the_nodes_act_on_the_multi_node_run_by_its_id_never_on_a_nodes_other_run(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    command = f"command = {json.dumps(['sh', '-c', STEPPING])}\n"
+    cfg = write_profile(tmp_path, [node_table(s, r) for s, r in zip(sshd_pair, roots, strict=True)], command)
+    labels = [f"{s.target}:{s.port}" for s in sshd_pair]
+    other: str | None = None
+    try:
+        r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--json", timeout_s=120)
+        assert r.returncode == 0, r.output
+        first = json.loads(r.stdout)["run_id"]
+        other = launch_other_run(cli, sshd_pair[1], roots[1])  # node 1's current run now: not the multi-node run
+
+        again = cli("restart", "--profile", "two", "--config", str(cfg), "--grace", "5", "--wait", "first-step",
+                    "--json", timeout_s=120)  # fmt: skip
+        assert again.returncode == 0, again.output
+        second = json.loads(again.stdout)["run_id"]
+        assert second not in (first, other)
+        assert not any(job_alive(records.run_dir_for(root, first)) for root in roots), "the first run left running"
+        assert job_alive(records.run_dir_for(roots[1], other)), "the restart stopped node 1's other run"
+        assert all(job_alive(records.run_dir_for(root, second)) for root in roots)
+
+        # node 1's current run is the other one again; one stop ends the multi-node run on both, by its id.
+        other = launch_other_run(cli, sshd_pair[1], roots[1])
+        stop = cli("stop", "--profile", "two", "--config", str(cfg), "--grace", "5", timeout_s=120)
+        assert stop.returncode == 0, stop.output
+        assert not any(job_alive(records.run_dir_for(root, second)) for root in roots), stop.output
+        assert job_alive(records.run_dir_for(roots[1], other)), f"node 1's other run was stopped: {stop.output}"
+        node1 = [ln for ln in stop.stdout.splitlines() if ln.startswith(f"[{labels[1]}] ")]
+        assert node1 and f"run {second}" in node1[0] and f"current run {other}" in node1[0], stop.stdout
+
+        # Asked by its id, a run that is not the current one of any node stops too.
+        stop_other = cli("stop", "--profile", "two", "--config", str(cfg), "--run", other, "--grace", "5")
+        assert stop_other.returncode == 0, stop_other.output
+        assert not job_alive(records.run_dir_for(roots[1], other))
+        assert f"[{labels[0]}] stopped: no run {other} there, nothing stopped" in stop_other.stdout, stop_other.stdout
+        absent = cli("stop", "--profile", "two", "--config", str(cfg), "--run", "20200101-000000-0000")
+        assert absent.returncode == 1 and "nothing stopped: no node has a run 20200101-000000-0000" in absent.stderr
+    finally:
+        stop_both(cli, cfg)
+        if other is not None:
+            s = sshd_pair[1]
+            cli("stop", s.target, *s.args(), "--run-root", str(roots[1]), "--run", other, "--grace", "2")
+
+
+@pytest.mark.timeout(300)
+async def test_the_dashboards_r_and_s_act_on_the_multi_node_run_never_on_a_nodes_other_run(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    from support.pilot import wait_until as pilot_wait
+
+    from tui.dashboard.nodes_app import NodesApp
+    from tui.link.session import ConnectOptions
+    from tui.nodes import Launched, resolve_nodes
+    from tui.profiles import resolve_profile
+
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    command = f"command = {json.dumps(['sh', '-c', STEPPING])}\n"
+    cfg = write_profile(tmp_path, [node_table(s, r) for s, r in zip(sshd_pair, roots, strict=True)], command)
+    r = await asyncio.to_thread(cli, "launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step",
+                                "--json", timeout_s=120)  # fmt: skip
+    other: str | None = None
+    try:
+        assert r.returncode == 0, r.output
+        first = json.loads(r.stdout)["run_id"]
+        other = await asyncio.to_thread(launch_other_run, cli, sshd_pair[1], roots[1])
+        profile = resolve_profile("two", str(cfg))
+        nodes = resolve_nodes([], profile, ConnectOptions())
+        app = NodesApp(nodes, profile=profile, flush_interval_s=0.05)
+        async with app.run_test(size=(160, 50)) as pilot:
+            await pilot_wait(pilot, lambda: all(n.session and n.session.state == "connected" for n in nodes), 30)
+            await pilot.press("r")
+            await pilot.press("y")
+            done: Launched = await pilot_wait(pilot, lambda: app.last_launch, 120, "r's launch")
+            assert done.ok and done.run_id not in (None, first, other), done.cause
+            second = done.run_id
+            assert second is not None
+            assert not any(job_alive(records.run_dir_for(root, first)) for root in roots), "the first run left running"
+            assert job_alive(records.run_dir_for(roots[1], other)), "r stopped node 1's other run"
+
+            other = await asyncio.to_thread(launch_other_run, cli, sshd_pair[1], roots[1])
+            await pilot.press("s")
+            await pilot.press("y")
+            await pilot_wait(
+                pilot, lambda: not any(job_alive(records.run_dir_for(root, second)) for root in roots), 60, "s's stop"
+            )
+            assert job_alive(records.run_dir_for(roots[1], other)), "s stopped node 1's other run"
+
+            def node1_said() -> list[str]:
+                head = f"node {nodes[1].label}: stopped: run {second}"
+                return [n.message for n in app._notifications if n.message.startswith(head)]
+
+            said = await pilot_wait(pilot, node1_said, 10, "node 1's stop notice")
+            assert f"its current run {other} (running) is another run, left as it is" in said[0], said
+            await pilot.press("q")
+    finally:
+        await asyncio.to_thread(stop_both, cli, cfg)
+        if other is not None:
+            s = sshd_pair[1]
+            await asyncio.to_thread(cli, "stop", s.target, *s.args(), "--run-root", str(roots[1]), "--run", other)
+
+
+class Forwarder:
+    """A TCP port on 127.0.0.1 that forwards to a node's sshd while ``up`` and refuses connections while down: the
+    node's own machine going away and coming back, as its SSH clients see it."""
+
+    def __init__(self, to_port: int) -> None:
+        import threading
+
+        self.to_port = to_port
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+
+    @property
+    def is_up(self) -> bool:
+        return self._listener is not None
+
+    def up(self) -> None:
+        import threading
+
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self._listener = listener
+        thread = threading.Thread(target=self._accept, args=(listener,), daemon=True, name="forward-accept")
+        thread.start()
+        self._threads.append(thread)
+
+    def down(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread: close alone would not
+            self._listener.close()  # a connect now is refused
+            self._listener = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.to_port))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True, name="forward-pump").start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.timeout(300)
+def test_logs_follow_streams_the_live_node_while_another_is_down_at_the_start_names_it_and_retries_it(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    roots = [tmp_path / f"node{n}-root" for n in (0, 1)]
+    forward = Forwarder(sshd_pair[1].port)
+    known = tmp_path / "known_hosts_forwarded"  # node 1's own host key, at the forwarded port
+    key = sshd_pair[1].known_hosts.read_text().split(" ", 1)[1]
+    known.write_text(f"[127.0.0.1]:{forward.port} {key}")
+    node1 = node_table(sshd_pair[1], roots[1], forward.port).replace(str(sshd_pair[1].known_hosts), str(known))
+    cfg = write_profile(tmp_path, [node_table(sshd_pair[0], roots[0]), node1])
+    labels = [f"{sshd_pair[0].target}:{sshd_pair[0].port}", f"{sshd_pair[1].target}:{forward.port}"]
+    forward.up()
+    follower: subprocess.Popen[str] | None = None
+    try:
+        r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "first-step", "--", "sh", "-c", STEPPING,
+                timeout_s=120)  # fmt: skip
+        assert r.returncode == 0, r.output
+        forward.down()  # node 1 cannot be reached now; its part of the run goes on
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "tui", "logs", "--profile", "two", "--config", str(cfg), "-f", "-n", "1"],
+            cwd=REPO, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        out, errs = Lines(follower.stdout), Lines(follower.stderr)
+        errs.wait_for(lambda ln: ln.startswith(f"[{labels[1]}] [reconnecting: "), 30)  # the down node, named
+        seen = out.count(f"[{labels[0]}] step=")
+        out.wait_for(lambda ln: ln.startswith(f"[{labels[0]}] step="), 15, start=len(out.lines))  # node 0 streams
+        assert out.count(f"[{labels[0]}] step=") > seen and not out.count(f"[{labels[1]}]"), out.lines[-5:]
+
+        forward.up()  # node 1 back: it is tried again, then its lines come too
+        out.wait_for(lambda ln: ln.startswith(f"[{labels[1]}] step="), 60)
+        assert follower.poll() is None
+    finally:
+        if follower is not None:
+            follower.kill()
+            follower.wait()
+        if not forward.is_up:
+            forward.up()  # so the stop reaches node 1's part of the run too
+        stop_both(cli, cfg)
+        forward.down()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,15 +68,20 @@ def test_no_checkpoint_yet_and_a_check_still_running_are_refused_with_a_reason(t
     (run_dir / "events.jsonl").write_text('{"kind":"stage","stage":"data","t":1.0}\n')
     with pytest.raises(SupervisorError, match="no checkpoint in this run's events yet"):
         serve_check.start(run_dir, sys.executable)
-    busy = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    argv = [sys.executable, "-c", "import sys; sys.stdin.read()", "serve-check", "--", "/x/step_00000001"]
+    busy = subprocess.Popen(argv, stdin=subprocess.PIPE)
     try:
+        wait_until(lambda: serve_check.procs.argv_of(busy.pid) == argv, timeout_s=10, what="the stand-in's argv")
         ticks = serve_check.procs.start_ticks_of(busy.pid)
-        (run_dir / serve_check.CHECK_PID).write_text(json.dumps({"pid": busy.pid, "start_ticks": ticks}))
+        boot = serve_check.procs.read_boot_id()
+        record = {"pid": busy.pid, "start_ticks": ticks, "boot_id": boot, "argv": argv}
+        (run_dir / serve_check.CHECK_PID).write_text(json.dumps(record))
         with pytest.raises(SupervisorError, match=f"running already \\(pid {busy.pid}"):
             serve_check.start(run_dir, sys.executable)
-        # The same pid with another start time is another process: not the check.
-        (run_dir / serve_check.CHECK_PID).write_text(json.dumps({"pid": busy.pid, "start_ticks": (ticks or 0) + 1}))
-        assert serve_check.running_check(run_dir) is None
+        # The same pid with another start time, in another boot, or running another argv is another process.
+        for other in ({"start_ticks": (ticks or 0) + 1}, {"boot_id": "another boot"}, {"argv": argv[:-1]}):
+            (run_dir / serve_check.CHECK_PID).write_text(json.dumps({**record, **other}))
+            assert serve_check.running_check(run_dir) is None, other
     finally:
         assert busy.stdin is not None
         busy.stdin.close()
@@ -128,3 +134,98 @@ def test_a_checkpoint_line_across_a_chunk_boundary_is_found(tmp_path: Path) -> N
         boundary = size - serve_check.TAIL_CHUNK
         start = len(line) + 3 * len(filler)
         assert serve_check.latest_checkpoint(events) == Path("/x/step_00000004"), (shift, boundary - start)
+
+
+def _checkable_run(tmp_path: Path) -> Path:
+    """A run directory that is not live and whose events name a checkpoint: a check of it starts."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text('{"kind":"checkpoint","step":5,"path":"/nowhere/step_00000005"}\n')
+    return run_dir
+
+
+def _start_within(run_dir: Path, bound_s: float) -> dict[str, object] | SupervisorError:
+    """``serve_check.start`` in a thread of its own: its reply or its refusal, or a failure when it is still
+    waiting after ``bound_s`` (a start must never wait unbounded; the thread is a daemon, left behind then)."""
+    import queue
+    import threading
+
+    said: queue.Queue[dict[str, object] | SupervisorError] = queue.Queue()
+
+    def start() -> None:
+        try:
+            said.put(serve_check.start(run_dir, sys.executable))
+        except SupervisorError as exc:
+            said.put(exc)
+
+    threading.Thread(target=start, name="serve-check-start", daemon=True).start()
+    try:
+        return said.get(timeout=bound_s)
+    except queue.Empty:
+        raise AssertionError(f"serve_check.start still waiting after {bound_s} s") from None
+
+
+def _check_ended(run_dir: Path) -> None:
+    wait_until(lambda: serve_check.running_check(run_dir) is None, timeout_s=60, what="the check to end")
+
+
+def test_a_lock_held_elsewhere_is_waited_for_a_bounded_time_then_refused_in_one_line(tmp_path: Path) -> None:
+    run_dir = _checkable_run(tmp_path)
+    lock = run_dir / serve_check.CHECK_LOCK
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); sys.stdin.read()", str(lock)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        refused = _start_within(run_dir, serve_check.LOCK_WAIT_S + 10)
+        assert isinstance(refused, SupervisorError), refused
+        assert str(refused) == (
+            f"serve_check.lock is held by another process for over {serve_check.LOCK_WAIT_S:g} s (another "
+            "serve-check starting for this run?); not started"
+        )
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(10)
+    started = _start_within(run_dir, 30)  # the holder gone: the check starts
+    assert isinstance(started, dict), started
+    _check_ended(run_dir)
+
+
+@pytest.mark.parametrize("name", [serve_check.CHECK_LOCK, serve_check.CHECK_LOG])
+def test_a_fifo_as_the_lock_or_the_log_is_refused_at_once(tmp_path: Path, name: str) -> None:
+    run_dir = _checkable_run(tmp_path)
+    os.mkfifo(run_dir / name)
+    refused = _start_within(run_dir, 10)
+    assert isinstance(refused, SupervisorError), refused
+    said = str(refused)
+    assert said.startswith(f"{name} in the run directory ") and said.endswith("; not started"), said
+    assert "\n" not in said
+
+
+def test_a_fifo_as_the_pid_file_is_no_check_and_a_new_one_starts(tmp_path: Path) -> None:
+    run_dir = _checkable_run(tmp_path)
+    os.mkfifo(run_dir / serve_check.CHECK_PID)
+    started = _start_within(run_dir, 30)
+    assert isinstance(started, dict), started
+    assert json.loads((run_dir / serve_check.CHECK_PID).read_text())["pid"] == started["pid"]
+    _check_ended(run_dir)
+
+
+def test_a_stale_pid_file_naming_an_unrelated_live_process_is_not_a_running_check(tmp_path: Path) -> None:
+    run_dir = _checkable_run(tmp_path)
+    unrelated = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ticks = serve_check.procs.start_ticks_of(unrelated.pid)  # its own, true start time: only the pid file lies
+        (run_dir / serve_check.CHECK_PID).write_text(json.dumps({"pid": unrelated.pid, "start_ticks": ticks}))
+        assert serve_check.running_check(run_dir) is None
+        started = _start_within(run_dir, 30)
+        assert isinstance(started, dict) and started["pid"] != unrelated.pid, started
+        _check_ended(run_dir)
+        assert unrelated.poll() is None  # nothing was done to it
+    finally:
+        assert unrelated.stdin is not None
+        unrelated.stdin.close()
+        unrelated.wait(10)

@@ -81,6 +81,7 @@ async def test_restart_confirmed_asks_the_agent_to_relaunch_the_recorded_spec(
         # One command: the agent stops the run and launches the spec it recorded (the CLI's restart does the same).
         assert session.commands() == ["restart"]
         assert session.requests[0][1]["grace_s"] == 30.0
+        assert session.requests[0][1]["run_id"] == RUN_ID  # the run shown, by its id: never one current since
 
 
 async def test_restart_without_a_run_sends_nothing_and_says_why(recorded_app: Callable[..., DashboardApp]) -> None:
@@ -127,6 +128,7 @@ async def test_stop_asks_then_stops(recorded_app: Callable[..., DashboardApp]) -
         assert session.requests == []
         await pilot.click("#choice-yes")
         await wait_until(pilot, lambda: session.commands() == ["stop"])
+        assert session.requests[0][1]["run_id"] == RUN_ID  # the run shown, by its id: never one current since
 
 
 async def test_kill_stale_lists_then_signals_exactly_the_listed_pids(

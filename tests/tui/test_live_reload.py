@@ -82,3 +82,34 @@ async def test_without_live_reload_no_watcher_runs(recorded_app: Callable[..., D
     app = recorded_app(RecordingSession())
     async with app.run_test(size=SIZE):
         assert app.live_reload_worker is None
+
+
+HUGE_INTEGER = '[profiles.demo]\ncommand = ["bash", "x.sh"]\ndeadlines_s = { started = ' + "9" * 5000 + " }\n"
+DEEP_NESTING = '[profiles.demo]\ncommand = ["bash", "x.sh"]\nenv = ' + "[" * 5000 + "]" * 5000 + "\n"
+
+
+async def test_a_config_with_a_huge_integer_or_deep_nesting_is_one_error_and_reload_goes_on(
+    recorded_app: Callable[..., DashboardApp], tmp_path: Path
+) -> None:
+    config = tmp_path / "profiles" / "config.toml"
+    config.parent.mkdir()
+    config.write_text(config_toml("a.sh"))
+    app = recorded_app(RecordingSession(), live_reload=True, config=str(config))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.watching, RELOAD_TIMEOUT_S, "the watcher")
+        for bad, words in ((HUGE_INTEGER, "too large to read"), (DEEP_NESTING, "nested too deep")):
+            before = app.profile
+            config.write_text(bad)
+            await wait_until(pilot, lambda words=words: said(app, words), RELOAD_TIMEOUT_S, f"the error: {words}")
+            error = said(app, words)[-1]
+            assert "\n" not in error and str(config) in error and len(error) < 300, error
+            assert app.profile is before  # the profile loaded before stays
+
+            config.write_text(config_toml("b.sh"))  # fixed: the watcher still reloads it
+            reloaded = len(said(app, "profile demo reloaded"))
+            await wait_until(
+                pilot, lambda n=reloaded: len(said(app, "profile demo reloaded")) > n, RELOAD_TIMEOUT_S, "a reload"
+            )
+            assert app.profile is not None and app.profile.command == ["bash", "b.sh"]
+        worker = app.live_reload_worker
+        assert worker is not None and not worker.is_finished

@@ -107,16 +107,25 @@ def test_stale_holder_when_no_run_is_active() -> None:
     assert "no run is active" in items[0].message
 
 
-def test_not_stale_system_daemons_self_ctl_only_and_unresolved() -> None:
+def test_not_stale_this_agent_a_recorded_agent_ctl_only_and_unresolved() -> None:
     holders = [
-        holder(11, [0], cmd="/usr/bin/nvidia-persistenced --user nvidia-persistenced"),
         holder(os.getpid(), [0], cmd="python3 -m engine.agent.main"),
         holder(14, [0], cmd="/usr/bin/python3 -m engine.agent.main --run-root /root/.specdec"),
         holder(12, [], cmd="python3 only_ctl.py"),
         holder(13, [0], resolved=False, used_mib=100.0),
     ]
-    items = gpu_anomalies([gpu(0, 0, 0)], holders, set(), run_active=False)
+    items = gpu_anomalies([gpu(0, 0, 0)], holders, set(), run_active=False, agents={14})
     assert [a for a in items if a.kind == "stale_holder"] == []
+
+
+def test_a_name_alone_makes_no_holder_a_daemon_or_an_agent() -> None:
+    # pid 11 and 14 are no nvidia-persistenced and no recorded agent here, whatever their command lines say
+    holders = [
+        holder(11, [0], cmd="/usr/bin/nvidia-persistenced --user nvidia-persistenced"),
+        holder(14, [0], cmd="/usr/bin/python3 -m engine.agent.main --run-root /root/.specdec"),
+    ]
+    items = gpu_anomalies([gpu(0, 0, 0)], holders, set(), run_active=False)
+    assert kinds([a for a in items if a.kind == "stale_holder"]) == [("stale_holder", 0, 11), ("stale_holder", 0, 14)]
 
 
 def feed(state: EngineState, line: dict[str, Any]) -> None:

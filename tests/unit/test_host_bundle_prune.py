@@ -121,3 +121,77 @@ def test_the_prune_reads_the_run_records_restart_reads() -> None:
     for name in (records.LAUNCH_JSON, records.SUBMITTED_JSON, records.SPEC_JSON):
         assert f'"{name}"' in ship.INSTALL_SCRIPT
     assert f'"{records.RUNS_DIR}"' in ship.INSTALL_SCRIPT
+
+
+def _install_measured(run_root: Path, data: bytes, timeout_s: float) -> tuple[int, bytes, bytes, float, int]:
+    """``_install`` as a child of its own, waited with os.wait4: (status, stdout, stderr, seconds, peak RSS KiB)."""
+    import select
+
+    sha = hashlib.sha256(data).hexdigest()
+    argv = [sys.executable, "-S", "-c", ship.INSTALL_SCRIPT, str(run_root), f"9.9-{sha[:16]}.pyz", sha]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(data)
+    proc.stdin.close()
+    out, err = bytearray(), bytearray()
+    open_pipes = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    while open_pipes:
+        left = timeout_s - (time.monotonic() - t0)
+        ready, _, _ = select.select(list(open_pipes), [], [], max(0.0, left))
+        if not ready:
+            proc.kill()
+            os.wait4(proc.pid, 0)
+            raise AssertionError(f"INSTALL still running after {timeout_s} s: {bytes(out)!r} {bytes(err)!r}")
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if chunk:
+                open_pipes[fd].extend(chunk)
+            else:
+                del open_pipes[fd]
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    return proc.returncode, bytes(out), bytes(err), time.monotonic() - t0, usage.ru_maxrss
+
+
+def test_the_prune_reads_no_fifo_and_at_most_a_mib_of_a_huge_record(tmp_path: Path) -> None:
+    run_root = tmp_path / "root"
+    agent_dir = run_root / "agent"
+    agent_dir.mkdir(parents=True)
+    for n in range(ship.HOST_KEEP):
+        _bundle(agent_dir, n, age_s=60.0)
+    named, named_tree = _bundle(agent_dir, 100, age_s=2 * DAY)  # idle, past KEEP: kept only while a run names it
+    unnamed, _ = _bundle(agent_dir, 101, age_s=2 * DAY)
+    fifo_run = run_root / "runs" / "20261205-000000-fifo"
+    fifo_run.mkdir(parents=True)
+    os.mkfifo(fifo_run / "launch.json")  # nothing ever writes it: a reader blocks for good
+    huge_run = run_root / "runs" / "20261205-000000-huge"
+    huge_run.mkdir(parents=True)
+    spec = json.dumps({"spec": {"env": {"PYTHONPATH": str(named_tree)}}}).encode()
+    with (huge_run / "spec.json").open("wb") as fh:
+        fh.write(spec)
+        fh.truncate(1 << 30)  # 1 GiB, sparse: reading it whole costs a GiB of memory
+    code, out, err, took_s, peak_kib = _install_measured(run_root, b"the new bundle", timeout_s=30.0)
+    assert code == 0, err
+    reply = json.loads(out)
+    assert reply["pruned"] == [unnamed.name] and named.is_file(), reply  # the huge record's head was still read
+    # the high-water mark counts the pages the child shared with this test process before its exec (tens of MiB)
+    assert peak_kib < 200 * 1024, f"INSTALL peaked at {peak_kib / 1024:.0f} MiB (reading the record whole: 1 GiB)"
+    print(f"INSTALL beside a FIFO record and a 1 GiB sparse one: {took_s:.2f} s, peak {peak_kib / 1024:.1f} MiB")
+
+
+@pytest.mark.parametrize("entry", [".pyz", "-.pyz", "x.pyz", "..pyz"])
+def test_an_entry_that_is_not_a_bundle_name_never_takes_the_agent_directory_with_it(tmp_path: Path, entry: str) -> None:
+    run_root = tmp_path / "root"
+    agent_dir = run_root / "agent"
+    agent_dir.mkdir(parents=True)
+    recent = [_bundle(agent_dir, n, age_s=60.0) for n in range(ship.HOST_KEEP)]
+    odd = agent_dir / entry
+    odd.write_bytes(b"not a bundle")
+    os.utime(odd, (time.time() - 3 * DAY, time.time() - 3 * DAY))  # the oldest, idle: first in line
+    done = _install(run_root, b"the new bundle")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert Path(reply["path"]).read_bytes() == b"the new bundle", "the just-installed bundle went"
+    assert reply["pruned"] == [] and odd.is_file()
+    assert all(pyz.is_file() and tree.is_dir() for pyz, tree in recent)

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from engine import protocol
-from tui.hosttext import printable_lines
+from tui.hosttext import printable, printable_lines
 from tui.link.events import ConnectionEvent
 from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session, open_session
 
@@ -64,8 +64,17 @@ def positive_float(text: str) -> float:
     return value
 
 
-def common_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+class Parser(argparse.ArgumentParser):
+    """Every parser of the command line, subcommands' too: no abbreviated options (``--run`` must never be read as
+    ``--run-root``, nor ``--read`` as anything)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+def common_parser() -> Parser:
+    p = Parser(add_help=False)
     g = p.add_argument_group("connection")
     g.add_argument(
         "targets",
@@ -145,12 +154,15 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
         profile=args.profile,
         config=args.config,
         passphrase=identity_passphrase(args) if args.target != "local" else None,
+        readonly=bool(getattr(args, "readonly", False)),
     )
 
 
 def say(message: str) -> None:
-    """Lines of a human command's output on stdout, host words made printable (``--json`` prints as sent)."""
-    print(printable_lines(message), flush=True)
+    """One line of a human command's output on stdout, host words made printable and kept on it: a newline in a
+    host's words is shown, never a line break (a lying host must not print lines of its own; ``--json`` prints as
+    sent)."""
+    print(printable(message), flush=True)
 
 
 def err(message: str) -> None:

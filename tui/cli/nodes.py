@@ -31,12 +31,14 @@ from tui.cli.common import (
 from tui.cli.run import kill_stale_on
 from tui.hosttext import printable
 from tui.link.events import ClientEvent, ConnectionEvent
-from tui.link.session import CommandFailed, ConnectError, ConnectOptions, Session
+from tui.link.session import CommandFailed, ConnectError, ConnectOptions
 from tui.nodes import (
     Launched,
     Node,
     NodeRun,
     NodesError,
+    RunChoice,
+    choose_run,
     close_all,
     combined_run,
     connect_all,
@@ -121,13 +123,22 @@ async def launch_nodes(
                 err(f"FAILED: {cause}")
             return EXIT_CONNECTION
         if restart:
-            stopped = await stop_nodes(nodes, args.grace, missing_ok=True)
-            for node, ok, text in stopped:
-                if not as_json:
-                    say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
-            if not all(ok for _, ok, _ in stopped):
-                err("a node's run did not stop; not starting a new one")
+            chosen = await choose_run(nodes, getattr(args, "run", None))
+            if chosen.ambiguous:
+                err(f"not restarted: {chosen.why}; name the one to stop with --run")
                 return EXIT_FAILED
+            if chosen.run_id is None:
+                if not as_json:
+                    say(f"nothing to stop first: {chosen.why}")
+                    _say_others(nodes, chosen.current, None)
+            else:
+                stopped = await stop_nodes(nodes, args.grace, chosen.run_id, missing_ok=True, current=chosen.current)
+                for node, ok, text in stopped:
+                    if not as_json:
+                        say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
+                if not all(ok for _, ok, _ in stopped):
+                    err(f"run {chosen.run_id} did not stop on every node; not starting a new one")
+                    return EXIT_FAILED
         printers = [_NodeMilestones(n, t0) for n in nodes]
         if not as_json:
             for n, pr in zip(nodes, printers, strict=True):
@@ -246,16 +257,34 @@ async def status_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
     return EXIT_CONNECTION if failed else EXIT_OK
 
 
+def _say_others(nodes: list[Node], current: dict[str, protocol.RunInfo | None], run_id: str | None) -> None:
+    """Name each node whose current run is another run than ``run_id``: reported, never touched."""
+    for node in nodes:
+        run = current.get(node.label)
+        if run is not None and run.run_id != run_id:
+            say(f"[{node.label}] current run {run.run_id} ({run.state}) is not a run over these nodes: not touched")
+
+
 async def stop_all_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
-    """``stop`` on every node at once; a node that cannot be reached is named (exit 3), one not stopped exit 1."""
+    """``stop`` of one run on every node at once, by its id (``--run``, else the multi-node run the nodes' records
+    name): never whatever a node runs now. A node that cannot be reached is named (exit 3), one not stopped, or no
+    run to stop, exit 1."""
     failed = await connect_all(nodes)
+    done: list[tuple[Node, bool, str]] = []
     try:
         reached = [n for n in nodes if n.label not in failed]
-        done = await stop_nodes(reached, args.grace)
+        chosen = await choose_run(reached, getattr(args, "run", None), len(nodes)) if reached else RunChoice(None)
+        if chosen.run_id is not None:
+            # a node without the run has none of it to stop: it is named, as is its own current run
+            done = await stop_nodes(reached, args.grace, chosen.run_id, missing_ok=True, current=chosen.current)
     finally:
         await close_all(nodes)
     for label, exc in failed.items():
         err(f"[{label}] unreachable: {_first_line(exc.message)}")
+    if chosen.run_id is None and reached:
+        err(f"nothing stopped: {chosen.why}" + ("" if getattr(args, "run", None) else "; name the run with --run"))
+        _say_others(reached, chosen.current, None)
+        return EXIT_CONNECTION if failed else EXIT_FAILED
     for node, ok, text in done:
         say(f"[{node.label}] {'stopped' if ok else 'not stopped'}: {text}")
     if failed:
@@ -318,76 +347,119 @@ class _TaggedLines:
 
 async def logs_nodes(args: argparse.Namespace, nodes: list[Node]) -> int:
     """``logs`` over ``nodes``: each node's last lines, tagged ``[node]`` or ``[node/rank R]``, node by node; with
-    ``-f`` every node's new lines as they come (in order per node), each node's link reconnecting on its own."""
+    ``-f`` every node's new lines as they come (in order per node), each node on its own: a node that is down at
+    the start is named and retried while the others stream, and each node's link reconnects on its own."""
 
     def write(line: str) -> None:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
     streams = {n.label: _TaggedLines(n.label, write) for n in nodes}
-    failed = await connect_all(nodes, retry=args.follow)
     try:
+        if args.follow:
+            return await _follow_nodes(args, nodes, streams)
+        failed = await connect_all(nodes)
         for label, exc in failed.items():
             err(f"[{label}] unreachable: {_first_line(exc.message)}")
-        reached = [n for n in nodes if n.label not in failed]
-        tails: dict[str, protocol.TailReply] = {}
-        ended = asyncio.Event()
-        live = {n.label for n in reached}
-
-        def listener(node: Node) -> Callable[[ClientEvent], None]:
-            def on_event(ev: ClientEvent) -> None:
-                if isinstance(ev, protocol.LogEvent):
-                    streams[node.label].feed(ev.raw)
-                elif isinstance(ev, protocol.LogResetEvent):
-                    err(f"[{node.label}] [log {ev.reason}: following from byte {ev.offset}]")
-                elif isinstance(ev, ConnectionEvent) and ev.state in ("reconnecting", "failed"):
-                    err(f"[{node.label}] [{ev.state}: {ev.detail}]")
-                    if ev.state == "failed":
-                        live.discard(node.label)
-                        if not live:
-                            ended.set()
-                elif isinstance(ev, ConnectionEvent) and ev.detail.startswith("reconnected"):
-                    err(f"[{node.label}] [{ev.detail}]")
-
-            return on_event
-
-        for node in reached:
-            session: Session | None = node.session
-            assert session is not None
-            params = {"run_id": args.run} if getattr(args, "run", None) else {}
-            try:
-                tail = await session.ask(protocol.TailReply, "tail", timeout_s=30.0, n=int(args.lines), **params)
-            except CommandFailed as exc:
-                err(f"[{node.label}] {exc.message}")
-                live.discard(node.label)
-                continue
-            tails[node.label] = tail
-            for i, line in enumerate(tail.lines):
-                cont = args.follow and tail.partial and i == len(tail.lines) - 1  # a follower continues that line
-                streams[node.label].feed(protocol.decode_log_data(line) + (b"" if cont else b"\n"))
-        if not args.follow:
-            return EXIT_CONNECTION if failed else EXIT_OK
-        for node in reached:
-            tail_of = tails.get(node.label)
-            if tail_of is None or not tail_of.current:
-                live.discard(node.label)
-                continue
-            assert node.session is not None
-            node.session.auto_reconnect = True
-            node.session.retry_lost_requests = True
-            node.session.add_event_listener(listener(node))
-            node.session.resume_from(
-                {"offset": tail_of.offset, "inode": tail_of.inode} if tail_of.inode is not None else None, None
-            )
-            await node.session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
-        if not live:
-            return EXIT_OK
-        await ended.wait()
-        return EXIT_CONNECTION
+        for node in nodes:
+            if node.label not in failed:
+                await _node_tail(args, node, streams[node.label])
+        return EXIT_CONNECTION if failed else EXIT_OK
     finally:
         for stream in streams.values():
             stream.flush()
         await close_all(nodes)
+
+
+async def _node_tail(args: argparse.Namespace, node: Node, stream: _TaggedLines) -> protocol.TailReply | None:
+    """Print the node's last ``args.lines`` lines; the tail reply (None, said, when the node could not give it)."""
+    assert node.session is not None
+    params = {"run_id": args.run} if getattr(args, "run", None) else {}
+    try:
+        tail = await node.session.ask(protocol.TailReply, "tail", timeout_s=30.0, n=int(args.lines), **params)
+    except CommandFailed as exc:
+        err(f"[{node.label}] {exc.message}")
+        return None
+    for i, line in enumerate(tail.lines):
+        cont = args.follow and tail.partial and i == len(tail.lines) - 1  # a follower continues that line
+        stream.feed(protocol.decode_log_data(line) + (b"" if cont else b"\n"))
+    return tail
+
+
+async def _follow_nodes(args: argparse.Namespace, nodes: list[Node], streams: dict[str, _TaggedLines]) -> int:
+    """``logs -f`` over ``nodes``, every node on its own task: connect (retried while down, each try said), print
+    its last lines, then follow. Ends when no node is left to follow: exit 0 when each simply had nothing more to
+    follow, 3 when a node's link failed for good."""
+    try:
+        for node in nodes:
+            node.open()
+    except ValueError as exc:
+        raise NodesError(str(exc)) from None
+    live = {n.label for n in nodes}
+    lost: set[str] = set()
+    ended = asyncio.Event()
+
+    def done_with(label: str, failed: bool) -> None:
+        live.discard(label)
+        if failed:
+            lost.add(label)
+        if not live:
+            ended.set()
+
+    def listener(node: Node) -> Callable[[ClientEvent], None]:
+        def on_event(ev: ClientEvent) -> None:
+            if isinstance(ev, protocol.LogEvent):
+                streams[node.label].feed(ev.raw)
+            elif isinstance(ev, protocol.LogResetEvent):
+                err(f"[{node.label}] [log {ev.reason}: following from byte {ev.offset}]")
+            elif isinstance(ev, ConnectionEvent) and ev.state in ("reconnecting", "failed"):
+                err(f"[{node.label}] [{ev.state}: {ev.detail}]")
+            elif isinstance(ev, ConnectionEvent) and ev.detail.startswith("reconnected"):
+                err(f"[{node.label}] [{ev.detail}]")
+
+        return on_event
+
+    async def follow(node: Node) -> None:
+        session = node.session
+        assert session is not None
+        session.add_event_listener(listener(node))
+        session.add_event_listener(
+            lambda ev: done_with(node.label, True) if isinstance(ev, ConnectionEvent) and ev.state == "failed" else None
+        )
+        try:
+            await session.connect(retry=True)  # a node down at the start: "[node] [reconnecting: ...]" per try
+        except ConnectError as exc:  # for good (a host key, authentication): said by the listener
+            done_with(node.label, True)
+            if exc.retryable:
+                err(f"[{node.label}] unreachable: {_first_line(exc.message)}")
+            return
+        session.auto_reconnect = True
+        session.retry_lost_requests = True
+        tail = await _node_tail(args, node, streams[node.label])
+        if tail is None or not tail.current:
+            done_with(node.label, tail is None)
+            return
+        session.resume_from({"offset": tail.offset, "inode": tail.inode} if tail.inode is not None else None, None)
+        try:
+            await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
+        except CommandFailed as exc:
+            err(f"[{node.label}] {exc.message}")
+            done_with(node.label, True)
+
+    tasks = [asyncio.create_task(follow(n), name=f"follow-{n.label}") for n in nodes]
+    for task in tasks:  # a bug in one node's task ends the command with its traceback, not a silent wait
+        task.add_done_callback(lambda t: ended.set() if not t.cancelled() and t.exception() else None)
+    try:
+        await ended.wait()
+        for task in tasks:
+            failure = task.exception() if task.done() and not task.cancelled() else None
+            if failure is not None:
+                raise failure
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return EXIT_CONNECTION if lost else EXIT_OK
 
 
 def check_multi(verb: str) -> None:

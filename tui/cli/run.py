@@ -17,6 +17,7 @@ from tui.cli.common import (
     err,
     positive_float,
     print_json,
+    run_id_arg,
     say,
     simulated_label,
     with_session,
@@ -246,20 +247,39 @@ def _quiet(ev: ClientEvent) -> None:
     """A listener for --json: progress goes unsaid."""
 
 
-async def _stop(session: Session, grace_s: float, quiet: bool = False) -> protocol.StopReply:
+async def _stop(session: Session, grace_s: float, quiet: bool = False, run_id: str | None = None) -> protocol.StopReply:
+    """Stop run ``run_id`` (None: the host's current run)."""
     unsubscribe = session.add_event_listener(_on_progress if not quiet else _quiet)
+    which: dict[str, Any] = {"run_id": run_id} if run_id is not None else {}
     try:
         return await session.ask(
-            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0
+            protocol.StopReply, "stop", timeout_s=grace_s + 120.0, grace_s=grace_s, release_timeout_s=30.0, **which
         )
     finally:
         unsubscribe()
 
 
+async def _named_run(session: Session, run_id: str | None) -> protocol.RunInfo | None:
+    """``--run ID`` as the host knows it (None without --run); an ID the host does not have is a usage error."""
+    if run_id is None:
+        return None
+    try:
+        return (await session.ask(protocol.RunInfoReply, "run_info", timeout_s=30.0, run_id=run_id)).run
+    except CommandFailed as exc:
+        if exc.lost:
+            raise
+        raise UsageError(f"--run {run_id}: {exc.message} (`specdec-tui runs TARGET` lists them)") from None
+
+
 async def cmd_stop(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
-        result = await _stop(session, args.grace)
-        say("stopped" if result.stopped else "not stopped")
+        named = await _named_run(session, args.run)
+        if named is not None and named.state not in ("starting", "running"):
+            say(f"run {named.run_id} had ended already ({named.state}); nothing to stop")
+            return EXIT_OK
+        result = await _stop(session, args.grace, run_id=args.run)
+        which = f"run {args.run} " if args.run else ""
+        say(f"{which}stopped" if result.stopped else f"{which}not stopped")
         return EXIT_OK if result.stopped else EXIT_FAILED
 
     return await with_session(args, body)
@@ -277,7 +297,8 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             progress = session.add_event_listener(_on_progress if not args.json else _quiet)
             try:
                 try:
-                    done = await restart_run(session, grace_s=args.grace)
+                    await _named_run(session, args.run)
+                    done = await restart_run(session, grace_s=args.grace, run_id=args.run)
                 except ReplyNotUnderstood as exc:  # the agent did restart; only its answer is unreadable
                     err(f"error: the restart was sent, but {exc.message}; see `specdec-tui runs` for the new run")
                     return EXIT_FAILED
@@ -299,11 +320,13 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             finally:
                 progress()
                 printer.unsubscribe()
-        run = (await session.ask(protocol.StatusReply, "status", timeout_s=30.0)).run
+        run = await _named_run(session, args.run)
+        if run is None:
+            run = (await session.ask(protocol.StatusReply, "status", timeout_s=30.0)).run
         if run is not None and run.state in ("starting", "running"):
             if not args.json:
                 say(f"stopping run {run.run_id}")
-            result = await _stop(session, args.grace, quiet=args.json)
+            result = await _stop(session, args.grace, quiet=args.json, run_id=run.run_id)
             if not result.stopped:
                 err("the run did not stop; not starting a new one")
                 return EXIT_FAILED
@@ -379,6 +402,10 @@ def _add_wait_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+RUN_HELP = (
+    "that run (see `runs`), not the current one; over several nodes, the run's id on every node (default: the "
+    "multi-node run the first node runs now)"
+)
 STEP_PATTERN_HELP = (
     "first-step for a foreign command: a line of its output matching the profile's step_pattern (default "
     "'step=\\d+'; a carriage return ends a line, so progress bars count). The step is the pattern's first "
@@ -406,10 +433,12 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("stop", parents=[common], help="SIGTERM the run's process group, grace, SIGKILL")
     p.add_argument("--grace", type=positive_float, default=30.0, metavar="S", help="seconds before SIGKILL (30)")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help=RUN_HELP)
     p.set_defaults(func=cmd_stop)
 
     p = sub.add_parser("restart", parents=[common], help="stop, then launch the same profile again")
     p.add_argument("--grace", type=positive_float, default=30.0, metavar="S", help="seconds before SIGKILL (30)")
+    p.add_argument("--run", type=run_id_arg, metavar="ID", help=RUN_HELP)
     _add_wait_opts(p)
     p.set_defaults(func=cmd_restart)
 

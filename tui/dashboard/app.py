@@ -91,6 +91,7 @@ class DashboardApp(PlainNotices):
         self.gpu_interval_s = gpu_interval_s
         self.procs_interval_s = procs_interval_s
         self.state = DashboardState(session.target_display, max_log_lines=max_log_lines, clock=clock)
+        self.state.header.readonly = session.opts.readonly  # shown first in the header
         self.state.header.state = session.state
         self.exit_message: str | None = None
         self.flushes = 0

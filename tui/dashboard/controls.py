@@ -68,13 +68,25 @@ class RunControl:
         self.attach_history: list[list[str]] = []  # every argv handed the terminal (or a tmux window)
         self.launch_asked = False  # the user pressed launch: no offer on connect
 
+    @property
+    def readonly(self) -> bool:
+        """Watching only (``connect --readonly``, a profile's ``readonly = true``): no key acts on the host."""
+        return self.session.opts.readonly
+
+    def refused(self, what: str) -> bool:
+        """True, with a notice, when read-only mode forbids ``what``."""
+        if self.readonly:
+            self.app.notify(f"read-only: {what} is off in this dashboard (it only watches)", severity="warning")
+        return self.readonly
+
     async def offer_launch(self, on_connect: str) -> None:
-        """`connect --launch` starts the profile's run when none is active; plain `connect` offers it."""
+        """`connect --launch` starts the profile's run when none is active; plain `connect` offers it (neither in
+        read-only mode)."""
         status = await self._request(protocol.StatusReply, "status", timeout_s=30.0)
         if status is not None:
             self.state.ingest_status(status)
         run = self.state.run
-        if (run is not None and run.state in ("starting", "running")) or self.launch_asked:
+        if (run is not None and run.state in ("starting", "running")) or self.launch_asked or self.readonly:
             return
         spec = self._launch_spec()
         if spec is None:
@@ -139,6 +151,8 @@ class RunControl:
 
     def launch(self) -> None:
         self.launch_asked = True
+        if self.refused("launch"):
+            return
         spec = self._launch_spec()
         if spec is not None:
             self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
@@ -150,41 +164,50 @@ class RunControl:
             self.app.notify(f"launched run {result.run_id} (tmux {result.tmux_session})", timeout=5)
 
     def restart(self) -> None:
+        if self.refused("restart"):
+            return
         run = self.state.run
         if not run:
             self.app.notify("nothing to restart: no run yet (l launches the profile)", severity="warning")
             return
         body = f"Stop {self._run_label()}, then launch its recorded command again:\n  {shlex.join(run.command)}"
-        self._confirm("Restart the run?", body, self._start_restart, "Restart")
+        self._confirm("Restart the run?", body, lambda: self._start_restart(run.run_id), "Restart")
 
-    def _start_restart(self) -> None:
-        self.app.run_worker(self._restart(), group="command", exit_on_error=False)
+    def _start_restart(self, run_id: str) -> None:
+        self.app.run_worker(self._restart(run_id), group="command", exit_on_error=False)
 
-    async def _restart(self) -> None:
+    async def _restart(self, run_id: str) -> None:
+        """Restart the run shown when the key was pressed, by its id (never a run that became current since)."""
         try:
-            done = await restart_run(self.session)
+            done = await restart_run(self.session, run_id=run_id)
         except Exception as exc:  # CommandFailed or a lost link: a visible error, never a crash
             self.app.notify(f"restart failed: {exc}", severity="error", timeout=12)
             return
         self.app.notify(f"restarted: run {done.run_id} (was {done.previous_run_id})", timeout=5)
 
     def stop(self) -> None:
-        if not self.state.run:
+        if self.refused("stop"):
+            return
+        run = self.state.run
+        if not run:
             self.app.notify("no run to stop", severity="warning")
             return
         body = f"Stop {self._run_label()}: SIGTERM to its process group, SIGKILL after the grace period."
-        self._confirm("Stop the run?", body, self._start_stop, "Stop")
+        self._confirm("Stop the run?", body, lambda: self._start_stop(run.run_id), "Stop")
 
-    def _start_stop(self) -> None:
-        self.app.run_worker(self._stop(), group="command", exit_on_error=False)
+    def _start_stop(self, run_id: str) -> None:
+        self.app.run_worker(self._stop(run_id), group="command", exit_on_error=False)
 
-    async def _stop(self) -> None:
-        result = await self._request(protocol.StopReply, "stop", timeout_s=STOP_TIMEOUT_S)
+    async def _stop(self, run_id: str) -> None:
+        """Stop the run shown when the key was pressed, by its id (never a run that became current since)."""
+        result = await self._request(protocol.StopReply, "stop", timeout_s=STOP_TIMEOUT_S, run_id=run_id)
         if result is not None:
             steps = "; ".join(result.steps)
             self.app.notify(f"stopped: {steps}" if steps else "stopped", timeout=6)
 
     def kill_stale(self) -> None:
+        if self.refused("kill stale"):
+            return
         self.app.run_worker(self._kill_stale(), group="command", exit_on_error=False)
 
     async def _kill_stale(self) -> None:
@@ -230,6 +253,8 @@ class RunControl:
         screen.show(stacks.method, stacks.text)
 
     def serve_check(self) -> None:
+        if self.refused("serve-check"):
+            return
         run = self.state.run
         if run is not None and run.state in ("starting", "running"):
             self._confirm(
@@ -280,6 +305,14 @@ class RunControl:
                 Choice("no", "Cancel", "default", "n"),
             ]
             body = f"You are inside tmux. Open the run in a new window instead of nesting?\n\n  {shlex.join(argv)}"
+        elif self.readonly:  # switch-client has no read-only mode of its own: this client would type into the run
+            self.app.notify(
+                f"read-only: the run's session is on this tmux server; watch it from another terminal with "
+                f"{shlex.join(argv)}",
+                severity="warning",
+                timeout=15,
+            )
+            return
         else:  # the run's session lives on this very tmux server: switch to it, never nest
             choices = [Choice("here", "Use this terminal", "primary", "h"), Choice("no", "Cancel", "default", "n")]
             body = (

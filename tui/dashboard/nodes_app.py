@@ -28,7 +28,7 @@ from tui.dashboard.screens.nodes import NodesScreen, NodesState
 from tui.hosttext import printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import ConnectError
-from tui.nodes import Launched, Node, close_all, launch_run, node_cwd, stop_nodes
+from tui.nodes import Launched, Node, choose_run, close_all, launch_run, node_cwd, stop_nodes
 from tui.profiles import DEFAULT_PROFILE, Profile
 
 FLUSH_INTERVAL_S = 0.1
@@ -75,6 +75,7 @@ class NodesApp(PlainNotices):
             if node.session is None:
                 node.open()
         self.state = NodesState([n.label for n in nodes], max_log_lines=max_log_lines)
+        self.state.readonly = self.readonly
         # Each node's own verbs (attach, kill stale with its confirmation, stacks), as the one-node dashboard has.
         self.controls = {
             n.label: RunControl(self, n.session, self.state.nodes[n.label], lambda: self.profile, external_runner)
@@ -169,9 +170,19 @@ class NodesApp(PlainNotices):
         "stacks": "Every thread's stack on which node?",
     }
 
+    @property
+    def readonly(self) -> bool:
+        """Watching only (``connect --readonly``, the profile's ``readonly = true``): no key acts on any node."""
+        return self.profile.readonly or any(n.opts.readonly for n in self.nodes)
+
+    def _refused(self, what: str) -> bool:
+        if self.readonly:
+            self.notify(f"read-only: {what} is off in this dashboard (it only watches)", severity="warning")
+        return self.readonly
+
     def action_on_node(self, verb: str) -> None:
         """Ask which node, then run that node's own ``verb`` (its RunControl asks again where it signals)."""
-        if verb not in self.NODE_VERBS:
+        if verb not in self.NODE_VERBS or (verb == "kill_stale" and self._refused("kill stale")):
             return
         choices = [Choice(str(n.rank), f"{n.rank}: {n.label}", "primary", str(n.rank)) for n in self.nodes[:10]]
 
@@ -187,6 +198,8 @@ class NodesApp(PlainNotices):
         )
 
     def action_stop_all(self) -> None:
+        if self._refused("stop"):
+            return
         body = "SIGTERM to the run's processes on every node, then SIGKILL after the grace:\n" + self._node_list()
         self._ask("Stop the run on every node?", body, "Stop all", self._stop_all)
 
@@ -210,6 +223,8 @@ class NodesApp(PlainNotices):
         return not down
 
     def action_launch_all(self) -> None:
+        if self._refused("launch"):
+            return
         running = self.state.combined()["running"]
         if running:
             self.notify(f"the run is running on {running} nodes: r restarts it, s stops it", timeout=6)
@@ -218,6 +233,8 @@ class NodesApp(PlainNotices):
         self._ask("Launch on every node?", body + self._node_list(), "Launch", self._launch_all)
 
     def action_restart_all(self) -> None:
+        if self._refused("restart"):
+            return
         body = f"Stop the run on every node, then start profile {self.profile.name} over every node again:\n"
         self._ask("Restart on every node?", body + self._node_list(), "Restart", self._restart_all)
 
@@ -244,22 +261,40 @@ class NodesApp(PlainNotices):
         stopped = f"; stopped {', '.join(done.stopped)}" if done.stopped else ""
         self.notify(f"launch failed: {done.cause}{stopped}", severity="error", timeout=20)
 
+    def _shown_run(self) -> str | None:
+        """The run this dashboard means: the one every node shows (one id everywhere), else the one its last l or r
+        started; None leaves it to the nodes' records (choose_run)."""
+        shown = self.state.combined().get("run_id")
+        if isinstance(shown, str):
+            return shown
+        return self.last_launch.run_id if self.last_launch is not None else None
+
     async def _restart_all(self) -> None:
         if not self._all_connected("restart"):
             return
-        for node, ok, text in await stop_nodes(self.nodes, STOP_GRACE_S, missing_ok=True):
-            if not ok:
-                self.notify(f"node {node.label} did not stop ({text}); not starting a new run", severity="error")
-                return
+        chosen = await choose_run(self.nodes, self._shown_run())
+        if chosen.ambiguous:
+            self.notify(f"not restarted: {chosen.why}", severity="error", timeout=15)
+            return
+        if chosen.run_id is not None:
+            stopped = await stop_nodes(self.nodes, STOP_GRACE_S, chosen.run_id, missing_ok=True, current=chosen.current)
+            for node, ok, text in stopped:
+                if not ok:
+                    self.notify(f"node {node.label} did not stop ({text}); not starting a new run", severity="error")
+                    return
         await self._launch_all()
 
     async def _stop_all(self) -> None:
-        self.notify(f"stopping {len(self.nodes)} nodes…", timeout=3)
         reached = [n for n in self.nodes if n.session is not None and n.session.state == "connected"]
         for node in self.nodes:
             if node not in reached:
                 self.notify(f"node {node.label}: not connected; not stopped", severity="error", timeout=12)
-        for node, ok, text in await stop_nodes(reached, STOP_GRACE_S):
+        chosen = await choose_run(reached, self._shown_run(), len(self.nodes))
+        if chosen.run_id is None:
+            self.notify(f"nothing stopped: {chosen.why}", severity="error", timeout=15)
+            return
+        self.notify(f"stopping run {chosen.run_id} on {len(reached)} nodes…", timeout=3)
+        for node, ok, text in await stop_nodes(reached, STOP_GRACE_S, chosen.run_id, current=chosen.current):
             self.notify(
                 f"node {node.label}: {'stopped' if ok else 'not stopped'}: {text}",
                 severity="information" if ok else "error",

@@ -16,6 +16,8 @@ import tomllib
 from textual.color import Color, ColorParseError
 from textual.theme import Theme
 
+from tui.tomlfile import TomlFileError, read_toml
+
 DEFAULT_THEME = "specdec-dark"
 CONFIG_DIR_ENV = "SPECDEC_TUI_CONFIG_DIR"
 CONFIG_FILE_NAME = "tui.toml"
@@ -102,9 +104,9 @@ def parse_theme(data: dict[str, Any], source: str) -> Theme:
 
 def load_theme_file(path: Path) -> Theme:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ThemeError(f"{path}: {exc}") from exc
+        data = read_toml(path)  # a regular file only, bounded; a huge integer or deep nesting: one line
+    except (OSError, TomlFileError) as exc:
+        raise ThemeError(str(exc) if isinstance(exc, TomlFileError) else f"{path}: {exc}") from exc
     return parse_theme(data, str(path))
 
 
@@ -150,10 +152,8 @@ def config_path() -> Path:
 def read_config() -> dict[str, Any]:
     path = config_path()
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return read_toml(path)
+    except (OSError, TomlFileError):
         return {}
 
 

@@ -45,7 +45,7 @@ INSTALL_HASH_MISMATCH = 18
 # from the directory holding `engine`, and torch.compile wants real source files. Prints one JSON line
 # {"bootstrap": ..., "path": ..., "tree": ...}, then, when the bundle is good, becomes the agent.
 CHECK_SCRIPT = r"""
-import hashlib, json, os, shutil, sys, zipfile
+import hashlib, json, os, shutil, stat, sys, zipfile
 root, name, sha = sys.argv[1], sys.argv[2], sys.argv[3]
 root = os.path.abspath(os.path.expanduser(root or os.environ.get("SPECDEC_RUN_ROOT") or "~/.specdec"))
 path = os.path.join(root, "agent", name)
@@ -68,11 +68,19 @@ try:
 except OSError:
     pass
 def same(zf, info):
+    # a regular file of the zip's size only (a FIFO planted in the tree would block the read), then its bytes
     try:
-        with open(os.path.join(tree, info.filename), "rb") as f:
-            return f.read() == zf.read(info)
+        fd = os.open(os.path.join(tree, info.filename), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return False
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != info.file_size:
+            return False
+        try:
+            return f.read(info.file_size + 1) == zf.read(info)
+        except OSError:
+            return False
 with zipfile.ZipFile(path) as zf:
     if not (os.path.isdir(tree) and all(same(zf, i) for i in zf.infolist() if not i.is_dir())):
         tmp = "%s.tmp-%d" % (tree, os.getpid())
@@ -123,43 +131,65 @@ with open(tmp, "wb") as f:
     f.flush()
     os.fsync(f.fileno())
 os.replace(tmp, path)
-import shutil, time
+import re, shutil, stat, time
+BUNDLE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]*-[0-9a-f]{16}\.pyz")
+RECORD_MAX, PROC_MAX, BLOCK = 1 << 20, 16 << 20, 1 << 16
+def names(path, marks, limit):
+    # The trees (of marks) a file names, read in blocks: a regular file only (a FIFO would block the open and
+    # the read for good; O_NONBLOCK opens it at once, fstat says what it is), no link followed, at most limit
+    # bytes (a sparse 1 GiB record costs no more than that).
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return set()
+    found, tail, left = set(), b"", limit
+    keep = max(len(f) for _, forms in marks for f in forms)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            while left > 0:
+                block = os.read(fd, min(BLOCK, left))
+                if not block:
+                    break
+                left -= len(block)
+                data = tail + block
+                found.update(t for t, forms in marks if any(form in data for form in forms))
+                tail = data[-keep:]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return found
 def in_use(trees):
     # The trees a live process runs from (its cwd, argv or environment names the tree: the agent, a run's
     # supervisor, the engine by PYTHONPATH) or a recorded run would start again (`restart` relaunches its spec).
     # Each tree as written, as JSON writes it, and resolved (a cwd link names the real path).
     marks = [(t, {t.encode(), json.dumps(t)[1:-1].encode(), os.path.realpath(t).encode()}) for t in trees]
-    seen = []
+    used = set()
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if pid.isdigit():
             try:
-                seen.append(os.readlink("/proc/%s/cwd" % pid).encode())
+                cwd = os.readlink("/proc/%s/cwd" % pid).encode()
+                used.update(t for t, forms in marks if any(form in cwd for form in forms))
             except OSError:
                 pass
-            seen += ["/proc/%s/cmdline" % pid, "/proc/%s/environ" % pid]
+            for item in ("cmdline", "environ"):
+                used |= names("/proc/%s/%s" % (pid, item), marks, PROC_MAX)
     runs = os.path.join(os.path.abspath(root), "runs")
     for run in os.listdir(runs) if os.path.isdir(runs) else []:
-        seen += [os.path.join(runs, run, f) for f in ("launch.json", "submitted.json", "spec.json")]
-    used = set()
-    for item in seen:
-        if isinstance(item, str):
-            try:
-                with open(item, "rb") as f:
-                    item = f.read()
-            except OSError:
-                continue
-        used.update(t for t, forms in marks if any(form in item for form in forms))
+        for f in ("launch.json", "submitted.json", "spec.json"):
+            used |= names(os.path.join(runs, run, f), marks, RECORD_MAX)
     return used
 def prune():
     now, others, pruned = time.time(), [], []
     for entry in os.listdir(adir):
         full = os.path.join(adir, entry)
         try:
-            age = now - os.lstat(full).st_mtime
-            if entry.endswith(".pyz") and entry != name:
-                others.append((age, full))
+            info = os.lstat(full)
+            age = now - info.st_mtime
+            if BUNDLE_NAME.fullmatch(entry) and entry != name and stat.S_ISREG(info.st_mode):
+                others.append((age, full))  # only a bundle by its name: never ".pyz" (its tree would be adir)
             elif (".tmp-" in entry or ".old-" in entry) and age > STRAY_S:  # a writer or extractor that died
-                shutil.rmtree(full) if os.path.isdir(full) else os.unlink(full)
+                shutil.rmtree(full) if stat.S_ISDIR(info.st_mode) else os.unlink(full)
         except OSError:
             continue
     others.sort()
@@ -167,7 +197,7 @@ def prune():
     busy = in_use([full[: -len(".pyz")] for full in stale]) if stale else set()
     for full in stale:
         tree = full[: -len(".pyz")]
-        if tree in busy:
+        if tree in busy or os.path.dirname(tree) != adir:
             continue
         try:
             os.unlink(full)

@@ -58,6 +58,7 @@ class ConnectOptions:
     profile: str | None = None
     config: str | None = None
     passphrase: str | None = field(default=None, repr=False)  # of --identity, typed at a prompt; never shown
+    readonly: bool = False  # watch only: the agent refuses every command that acts, tmux is attached read-only
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,12 @@ class Transport(ABC):
         return self.opts.python or "python3"
 
     def agent_args(self) -> list[str]:
-        return ["--simulate-gpus", str(self.opts.simulate_gpus)] if self.opts.simulate_gpus else []
+        args = ["--simulate-gpus", str(self.opts.simulate_gpus)] if self.opts.simulate_gpus else []
+        return [*args, "--readonly"] if self.opts.readonly else args
+
+    def attach_words(self, tmux_session: str) -> list[str]:
+        """tmux's words that attach to the run's session: a read-only client (``-r``) in read-only mode."""
+        return ["attach-session", *(["-r"] if self.opts.readonly else []), "-t", tmux_session]
 
     @abstractmethod
     async def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> AgentStream: ...
@@ -492,7 +498,7 @@ class LocalTransport(Transport):
         sock = os.environ.get("SPECDEC_TMUX_SOCKET")
         if sock:
             argv += ["-L", sock]
-        argv += ["attach-session", "-t", tmux_session]
+        argv += self.attach_words(tmux_session)
         return pct_wrap(argv, self.opts.pct)
 
 
@@ -766,7 +772,7 @@ class SshTransport(Transport):
         if self.opts.known_hosts:
             argv += ["-o", f"UserKnownHostsFile={self.opts.known_hosts}"]
         argv.append(f"{self.target.user}@{self.target.host}" if self.target.user else self.target.host)
-        argv += ["--", remote_command(self._host_argv(["tmux", "attach-session", "-t", tmux_session]))]
+        argv += ["--", remote_command(self._host_argv(["tmux", *self.attach_words(tmux_session)]))]
         return argv
 
 

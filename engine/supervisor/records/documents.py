@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import stat
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -69,13 +71,9 @@ class Record:
 
     @classmethod
     def read(cls: type[R], path: Path | str) -> R | None:
-        """The record in ``path``; None when missing or not (yet) a JSON object."""
-        try:
-            with open(path, "rb") as fh:
-                doc = json.loads(fh.read())
-        except (OSError, ValueError):
-            return None
-        return cls.from_json(doc) if isinstance(doc, dict) else None
+        """The record in ``path``; None when missing, not a regular file or not (yet) a JSON object."""
+        doc = read_json(path)
+        return cls.from_json(doc) if doc is not None else None
 
 
 @dataclass
@@ -178,12 +176,25 @@ def run_pids(launch: LaunchRecord | None, table: dict[int, procs.ProcStat] | Non
     return out
 
 
+RECORD_MAX_BYTES = 16 << 20  # a run record is a few KiB; one bigger than this is not ours
+
+
 def read_json(path: Path | str) -> dict[str, Any] | None:
-    """A JSON object from a file; None when missing or not (yet) a JSON object."""
+    """A JSON object from a file; None when missing or not (yet) a JSON object. Only a regular file is read (a FIFO
+    planted in a run directory would block the open and the read for good), at most RECORD_MAX_BYTES."""
     try:
-        with open(path, "rb") as fh:
-            obj = json.loads(fh.read())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = fh.read(RECORD_MAX_BYTES + 1)
+        if len(data) > RECORD_MAX_BYTES:
+            return None
+        obj = json.loads(data)
+    except (OSError, ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
 

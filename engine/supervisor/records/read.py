@@ -51,6 +51,7 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
     info.tmux_session = sub.tmux_session
     info.attachable = sub.attachable
     info.profile = spec.get("profile")
+    info.nnodes, info.node_rank = _nodes_of(spec)
     scan: ScanState | None = None
     if launch is not None:
         info.command = list(launch.command or info.command)
@@ -99,6 +100,20 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
     info.milestones = read_milestones(rd, launch, scan)
     _read_restarts(rd, info)
     return info
+
+
+def _nodes_of(spec: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(nodes, this node's rank) of a run launched over several nodes, as its recorded environment says."""
+    env = spec.get("env")
+    if not isinstance(env, dict):
+        return None, None
+    words = [env.get(protocol.ENV_NNODES), env.get(protocol.ENV_NODE_RANK)]
+    nnodes, rank = (
+        int(w) if isinstance(w, str) and w.isascii() and w.isdigit() and len(w) < 7 else None for w in words
+    )
+    if nnodes is None or rank is None or not rank < nnodes:
+        return None, None
+    return nnodes, rank
 
 
 def _read_restarts(rd: Path, info: protocol.RunInfo) -> None:

@@ -467,7 +467,9 @@ def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Dr
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="specdec-train eval", description="Acceptance length τ of a checkpoint's drafters on held-out data"
+        prog="specdec-train eval",
+        description="Acceptance length τ of a checkpoint's drafters on held-out data",
+        allow_abbrev=False,
     )
     ap.add_argument("--checkpoint", required=True, help="a checkpoint directory, or an output_dir (newest one)")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per round (chain length)")

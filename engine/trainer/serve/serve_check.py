@@ -371,6 +371,7 @@ def lines_of(report: dict[str, Any]) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="specdec-train serve-check",
+        allow_abbrev=False,
         description="Serve a run's latest export with its target through vLLM and compare vLLM's acceptance "
         "with ours on the held-out prompts",
         epilog="Exit codes: 0 checked (figures printed); 1 vLLM ran but failed (its error printed); 2 bad "

@@ -381,6 +381,7 @@ def load_model(spec: str, device: torch.device) -> tuple[Any, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="specdec-train regenerate",
+        allow_abbrev=False,
         description="Rewrite a dataset's assistant turns with the target's own replies (for drafter training)",
         epilog="Exit codes: 0 done; 2 bad arguments, a missing file, or settings that differ from the run being "
         "resumed.",

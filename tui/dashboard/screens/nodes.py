@@ -43,6 +43,7 @@ class NodesState:
     def __init__(self, labels: list[str], max_log_lines: int = 20_000, clock: Callable[[], float] = time.time) -> None:
         self.labels = list(labels)
         self.clock = clock
+        self.readonly = False  # watching only: said first on the run's line
         self.nodes = {label: DashboardState(label, max_log_lines=max_log_lines, clock=clock) for label in labels}
         self.log = LogModel(max_log_lines)
         self.dirty: set[str] = set()
@@ -168,8 +169,8 @@ class NodesScreen(Screen[None]):
         run_id = combined.get("run_id") or "-"
         text = Text(
             printable(
-                f" specdec · {len(state.labels)} nodes · run {run_id} {combined['state']}"
-                f" · {combined['running']}/{len(state.labels)} running"
+                f" specdec{' · READ-ONLY' if state.readonly else ''} · {len(state.labels)} nodes · run {run_id} "
+                f"{combined['state']} · {combined['running']}/{len(state.labels)} running"
             )
         )
         reached = [

@@ -44,6 +44,7 @@ class HeaderModel:
     restarted: bool = False  # at least one restart happened: shown as a warning
     failed_rank: str | None = None  # "rank 1 (node 1)": the torchrun rank that failed first, when the host named it
     simulated: bool = False
+    readonly: bool = False  # watching only: no key acts on the host
     undecodable: int = 0  # agent events the client could not decode (each kind's first is also a notice)
 
 
@@ -77,6 +78,9 @@ class RunHeader(Widget):
         m = self.model
         out = Text(no_wrap=True, overflow="ellipsis")
         out.append("specdec ", style=self._style("title"))
+        if m.readonly:  # first, so a narrow terminal never cuts it off
+            out.append(" READ-ONLY ", style=self._style("simulated"))
+            out.append(" ")
         out.append(m.target)
         if m.hostname and m.hostname not in m.target:
             out.append(f" ({m.hostname})", style=self._style("muted"))
@@ -109,4 +113,5 @@ class RunHeader(Widget):
         if m.simulated:
             out.append("  ")
             out.append(" SIMULATED GPUs ", style=self._style("simulated"))
+
         return printable_rendered(out, one_line=True)  # the hostname, run id and details are the host's words
