@@ -90,9 +90,11 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
         info.signal = exit_rec.signal
         info.ended_at = exit_rec.ended_at
         info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
-        if exit_rec.stopped and info.state == "failed":
-            info.state = "stopped"  # asked to stop and every rank ended cleanly: no failure to name
-            info.cause = exit_rec.cause
+        # Asked to stop and it ended on it cleanly (an engine that checkpoints on SIGTERM exits 0; records
+        # written before that case was named say only stop_requested): no failure to name, and not "exited".
+        if exit_rec.stopped or (info.state == "exited" and exit_rec.stop_requested is not None):
+            info.state = "stopped"
+            info.cause = exit_rec.cause if exit_rec.stopped else "stopped: exited with code 0"
             info.failed_rank = info.failed_node = None
         if info.state == "failed" and info.cause is None:
             info.cause = failure_cause(scan, exit_rec, info.last_step)
