@@ -691,6 +691,7 @@ class HelloEvent:
     run_root: str | None = None
     simulated: bool = False
     capabilities: dict[str, Any] = field(default_factory=dict)
+    t: float | None = None  # the host's clock at hello: a client's engine events from before it are history
 
 
 @dataclass

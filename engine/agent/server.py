@@ -97,6 +97,7 @@ class Agent:
             run_root=str(self.run_root),
             simulated=self.simulate_gpus > 0,
             capabilities=probe_capabilities(),
+            t=time.time(),
         )
 
     def dispatch(self, line: bytes) -> None:
