@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -138,3 +139,22 @@ def test_a_finished_runs_old_notices_do_not_come_back_over_the_launch_offer(term
     # ... and once the offer is gone, no notice of that history was raised over it (a toast stays 8 s).
     shown = terminal.wait(lambda s: "Launch (l)" not in s, 10, "the offer to close")
     assert "engine finished" not in shown and "drafter exported" not in shown, shown
+
+
+def test_a_live_run_at_80x24_names_every_key_every_threads_step_and_every_training_row(terminal: Terminal) -> None:
+    terminal.open("--simulate-gpus", "4", "--launch")
+    shown = terminal.wait(
+        lambda s: re.search(r"drafter1 train #\d+", s) is not None and " acc " in s and "rows hidden" in s,
+        120,
+        "thread rows with their step, and the training pane's acc rows",
+    )
+    lines = shown.splitlines()
+    # The footer: every key with a word, in 80 columns.
+    assert lines[-1].rstrip() == " l Run r Rerun s Stop k Stale a Tmux d Stack / Grep f Tail t Theme ? Help q Quit"
+    # Each drafter's row keeps its state and step (it stopped at "training …" before).
+    for thread in ("drafter0", "drafter1"):
+        assert re.search(rf"├ {thread} train #\d+", shown), shown
+    # The training pane (4 GPUs leave it 5 rows) keeps loss and acc, and says which rows it left out.
+    rows = [line for line in lines if re.match(r"│ (step|tok/s|loss|acc) ", line)]
+    assert [r.split()[1] for r in rows] == ["loss", "loss", "acc", "acc"], shown
+    assert any("+4 rows hidden: step, tok/s" in line for line in lines), shown
