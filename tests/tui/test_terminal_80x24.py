@@ -158,3 +158,6 @@ def test_a_live_run_at_80x24_names_every_key_every_threads_step_and_every_traini
     rows = [line for line in lines if re.match(r"│ (step|tok/s|loss|acc) ", line)]
     assert [r.split()[1] for r in rows] == ["loss", "loss", "acc", "acc"], shown
     assert any("+4 rows hidden: step, tok/s" in line for line in lines), shown
+    # Its title names the engine's output directory (what `specdec-train export` takes), its end kept.
+    title = next(line for line in lines if "training" in line and "╭" in line)
+    assert re.search(r"training · output …\S*/engine/runs/cpu-demo ", title), title

@@ -48,6 +48,7 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
     spec: dict[str, Any] = sub.spec or {}
     info.command = list(spec.get("command") or [])
     info.cwd = spec.get("cwd")
+    info.output_dir = engine_output_dir(rd)
     info.tmux_session = sub.tmux_session
     info.attachable = sub.attachable
     info.profile = spec.get("profile")
@@ -101,6 +102,17 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
     info.milestones = read_milestones(rd, launch, scan)
     _read_restarts(rd, info)
     return info
+
+
+def engine_output_dir(run_dir: Path) -> str | None:
+    """The engine's output directory: <run dir>/checkpoints is the engine's link to <output_dir>/checkpoints."""
+    try:
+        target = Path(os.readlink(run_dir / "checkpoints"))
+    except OSError:
+        return None
+    if not target.is_absolute():
+        target = run_dir / target
+    return str(target.parent) if target.name == "checkpoints" else None
 
 
 def _read_restarts(rd: Path, info: protocol.RunInfo) -> None:

@@ -28,6 +28,7 @@ from tui.dashboard.widgets.header import HeaderModel, RunHeader
 from tui.dashboard.widgets.log_tail import LogModel, LogPane
 from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel
 from tui.dashboard.widgets.run_timeline import RunTimeline, TimelineModel
+from tui.hosttext import printable
 from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 
 MAX_NOTICES = 50
@@ -216,6 +217,16 @@ class DashboardState:
                 self.dirty.add("charts")
 
 
+def training_title(run: protocol.RunInfo | None, width: int) -> str:
+    """The training pane's title: the engine's output directory (what `specdec-train export` takes), its end kept
+    when the path is longer than about half the screen's width."""
+    if run is None or not run.output_dir:
+        return "training"
+    path = printable(run.output_dir)
+    room = max(12, width // 2 - 16)
+    return f"training · output {path if len(path) <= room else '…' + path[-(room - 1) :]}"
+
+
 class DashboardScreen(Screen[None]):
     """Header and timeline on top, GPUs and charts left, processes right, the log below."""
 
@@ -263,6 +274,7 @@ class DashboardScreen(Screen[None]):
             self.query_one(RunHeader).refresh()
         if "timeline" in dirty:
             self.query_one(RunTimeline).refresh()
+            self.query_one("#charts-box").border_title = training_title(state.run, self.size.width)
         if "gpus" in dirty:
             bars = self.query_one(GpuBars)
             if state.gpus is not None:
