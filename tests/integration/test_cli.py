@@ -98,6 +98,19 @@ def test_profile_errors_name_what_is_allowed(tmp_path: Path) -> None:
         resolve_profile(None, str(tmp_path / "missing.toml"))
 
 
+def test_an_unknown_profile_without_a_config_file_says_there_is_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It named the default config path as if that file existed and lacked the profile."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    missing = tmp_path / "xdg" / "specdec-tui" / "config.toml"
+    with pytest.raises(ProfileError) as caught:
+        resolve_profile("big", None)
+    said = str(caught.value)
+    assert not said.startswith(str(missing)), said
+    assert f"no config file defines profiles here ({missing} does not exist" in said and "no such profile: big" in said
+
+
 def test_default_profile_starts_the_engine_cpu_preset() -> None:
     prof = resolve_profile(None, None) if not os.environ.get("XDG_CONFIG_HOME") else resolve_profile("default", None)
     spec = prof.launch_spec(None, python="/usr/bin/python3", engine_pythonpath="/opt/bundle")
