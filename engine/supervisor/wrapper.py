@@ -40,7 +40,7 @@ from typing import Any
 
 from engine import protocol, stackdump
 from engine.host import disk, procs
-from engine.supervisor import records, restart, stacks, tmux
+from engine.supervisor import records, restart, stack_hook, stacks, tmux
 from engine.supervisor.common import SupervisorError
 from engine.supervisor.members import signal_group_checked
 from engine.supervisor.records import ExitRecord, LaunchRecord
@@ -281,7 +281,8 @@ class Wrapper:
         env[protocol.ENV_RUN_DIR] = str(self.run_dir)
         env[protocol.ENV_EVENTS_PATH] = str(self.run_dir / records.EVENTS_JSONL)
         env[protocol.ENV_RUN_ID] = self.run_id
-        self.env = env
+        site = stack_hook.prepare(self.run_dir, env)  # every Python process of the job dumps its stacks on SIGUSR1
+        self.env = stack_hook.with_hook(env, site) if site is not None else env
         return self.attempts(out_size)
 
     def start_job(self) -> subprocess.Popen[bytes] | tuple[int, str]:

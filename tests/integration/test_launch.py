@@ -249,10 +249,22 @@ def test_stacks_of_a_job_with_faulthandler_on_sigusr1(agent: AgentClient) -> Non
     assert res["text"].count("Thread 0x") + res["text"].count("Current thread 0x") >= 2, res["text"]
 
 
-def test_stacks_of_a_foreign_python_job_says_what_is_missing(agent: AgentClient) -> None:
-    launch_and_wait(
-        agent, [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"], "output", 20
-    )
+FOREIGN_SLEEPER = [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"]
+
+
+def test_stacks_of_a_foreign_python_job_come_from_the_wrappers_hook_without_py_spy(agent: AgentClient) -> None:
+    launched, _, _ = launch_and_wait(agent, FOREIGN_SLEEPER, "output", 20)
+    reply = agent.request("stacks", timeout_s=5)
+    try:
+        assert reply["ok"], reply
+        result = reply["result"]
+        assert result["method"].startswith("SIGUSR1 to pid") and "Thread MainThread" in result["text"], result
+    finally:
+        agent.ok("stop", run_id=launched["run_id"], grace_s=5, release_timeout_s=1)
+
+
+def test_stacks_of_a_foreign_python_job_without_the_hook_says_what_is_missing(agent: AgentClient) -> None:
+    launch_and_wait(agent, FOREIGN_SLEEPER, "output", 20, env={"SPECDEC_STACK_HOOK": "0"})
     reply = agent.request("stacks", timeout_s=2)
     if shutil.which("py-spy"):
         assert reply["ok"] and reply["result"]["method"] == "py-spy dump"
