@@ -308,6 +308,9 @@ class RunInfo:
     restart_max: int | None = None
     restart_state: str | None = None
     last_export: str | None = None  # the newest `specdec-train export` of this run's checkpoints (its OUT_DIR)
+    # The engine's output directory (checkpoints; what `specdec-train export` takes), from <run dir>/checkpoints;
+    # None for a command that is not the engine.
+    output_dir: str | None = None
     failed_rank: int | None = None  # a torchrun run: the global rank that failed first (its node below), when named
     failed_node: int | None = None
     # Bytes of its events files the scan left unread (the middle of a huge file: stage and step come from its
@@ -705,6 +708,7 @@ class HelloEvent:
     simulated: bool = False
     capabilities: dict[str, Any] = field(default_factory=dict)
     readonly: bool = False  # the agent refuses launch, stop, restart, kill_stale (to signal) and serve_check
+    t: float | None = None  # the host's clock at hello: a client's engine events from before it are history
 
 
 @dataclass

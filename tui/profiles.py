@@ -342,8 +342,11 @@ def resolve_profile(name: str | None, config: str | None) -> Profile:
     profiles, default, path = load_profiles(config)
     chosen = name or default or DEFAULT_PROFILE
     if chosen not in profiles:
-        where = path or default_config_path()
-        raise ProfileError(
-            f"{where}: profiles.{chosen}: no such profile (--profile); defined: {', '.join(sorted(profiles))}"
-        )
+        defined = ", ".join(sorted(profiles))
+        if path is None:  # no file was read: say so, rather than name a file that does not exist as if it did
+            raise ProfileError(
+                f"no such profile: {chosen} (--profile): no config file defines profiles here ({default_config_path()} "
+                f"does not exist; --config FILE names another); built in: {defined}"
+            )
+        raise ProfileError(f"{path}: profiles.{chosen}: no such profile (--profile); defined: {defined}")
     return profiles[chosen]

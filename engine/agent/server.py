@@ -104,6 +104,7 @@ class Agent:
             simulated=self.simulate_gpus > 0,
             readonly=self.readonly,
             capabilities=probe_capabilities(),
+            t=time.time(),
         )
 
     def dispatch(self, line: bytes) -> None:

@@ -306,6 +306,14 @@ def threads_of(pid: int) -> list[ThreadInfo]:
     return out
 
 
+def fd_target(pid: int, fd: int) -> str | None:
+    """What a process's descriptor ``fd`` names (a path, ``pipe:[...]``, ``socket:[...]``); None when unreadable."""
+    try:
+        return os.readlink(f"{PROC}/{pid}/fd/{fd}")
+    except OSError:
+        return None
+
+
 def nvidia_fds(pid: int, dev_dir: str) -> tuple[bool, set[str]] | None:
     """Names of the <dev_dir>/nvidia* nodes a process holds open.
 

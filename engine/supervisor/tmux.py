@@ -136,6 +136,12 @@ def reap_children() -> None:
     run("run-shell", "true")
 
 
+def release_session(name: str) -> bool:
+    """Let the session close with its pane (remain-on-exit off): its process has recorded how the run ended, so
+    the dead pane that remain-on-exit keeps for a reader has nothing left to tell (sessions piled up otherwise)."""
+    return run("set-option", "-w", "-t", f"={name}:", "remain-on-exit", "off").returncode == 0
+
+
 def kill_session(name: str) -> bool:
     return run("kill-session", "-t", f"={name}").returncode == 0
 

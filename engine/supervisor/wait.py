@@ -229,6 +229,20 @@ def _end_cause(rd: Path, info: protocol.RunInfo, milestone: str) -> str:
     return f"exited with code {info.exit_code} {before}"
 
 
+def output_elsewhere(rd: Path, pids: list[int]) -> str | None:
+    """Where a silent job writes instead of output.log (a script's ``exec > other.log``), from its processes'
+    stdout and stderr descriptors: "FILE (stdout of pid P)"; None when they name output.log or nothing readable
+    (a pipe or a terminal the job set up itself is named too: its words go there)."""
+    ours = os.path.realpath(rd / records.OUTPUT_LOG)
+    for pid in pids:
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            target = procs.fd_target(pid, fd)
+            if target is None or target == ours or target.removesuffix(" (deleted)") == ours:
+                continue
+            return f"{target} ({name} of pid {pid})"
+    return None
+
+
 def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result: Any) -> protocol.WaitResult:
     if info.state == "starting":
         note = records.pane_note(records.read_submitted(rd) or SubmittedRecord())
@@ -245,6 +259,9 @@ def _hung(rd: Path, info: protocol.RunInfo, milestone: str, overdue: str, result
     if output_t is None:
         state_txt = "alive, silent"
         since = f"no output in {time.time() - (info.started_at or time.time()):.1f} s"
+        elsewhere = output_elsewhere(rd, sorted(job_pids))
+        if elsewhere:
+            state_txt += f" here; its output goes to {elsewhere}"
     else:
         state_txt = "alive, no step yet" if milestone == "first-step" else "alive"
         try:

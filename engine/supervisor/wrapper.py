@@ -40,7 +40,7 @@ from typing import Any
 
 from engine import protocol, stackdump
 from engine.host import disk, procs
-from engine.supervisor import records, restart, stacks
+from engine.supervisor import records, restart, stack_hook, stacks, tmux
 from engine.supervisor.common import SupervisorError
 from engine.supervisor.members import signal_group_checked
 from engine.supervisor.records import ExitRecord, LaunchRecord
@@ -281,7 +281,8 @@ class Wrapper:
         env[protocol.ENV_RUN_DIR] = str(self.run_dir)
         env[protocol.ENV_EVENTS_PATH] = str(self.run_dir / records.EVENTS_JSONL)
         env[protocol.ENV_RUN_ID] = self.run_id
-        self.env = env
+        site = stack_hook.prepare(self.run_dir, env)  # every Python process of the job dumps its stacks on SIGUSR1
+        self.env = stack_hook.with_hook(env, site) if site is not None else env
         return self.attempts(out_size)
 
     def start_job(self) -> subprocess.Popen[bytes] | tuple[int, str]:
@@ -675,7 +676,11 @@ def main(argv: list[str] | None = None) -> int:
             run_dir, ExitRecord(exit_code=2, ended_at=time.time(), cause=f"unreadable launch spec: {exc}")
         )
         return 2
-    return Wrapper(run_dir, doc, pane_fd).run()
+    code = Wrapper(run_dir, doc, pane_fd).run()
+    session = doc.get("tmux_session")
+    if isinstance(session, str) and session and records.read_exit(run_dir) is not None and tmux.available():
+        tmux.release_session(session)  # the end is recorded: the session goes with this process, not left dead
+    return code
 
 
 if __name__ == "__main__":

@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     code = engine.run()
     if code != 0 and info.launched:
         leave_now(events, code, engine.control.abort_reason or "failed")
+    if engine.finalize_unsafe:
+        leave_now(events, code, "left without interpreter teardown: a heartbeat thread is still in a store call")
     events.close()
     return code
 

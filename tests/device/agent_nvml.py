@@ -206,7 +206,7 @@ def engine_on_cuda() -> None:
         st = agent.request("status")["result"]
         run = st["run"] or {}
         print("after stop:", run.get("state"), "exit", run.get("exit_code"), "signal", run.get("signal"))
-        check(run.get("state") == "exited" and run.get("exit_code") == 0, "SIGTERM stop -> exit 0")
+        check(run.get("state") == "stopped" and run.get("exit_code") == 0, "SIGTERM stop -> exit 0, stopped")
         ckpts = sorted(p.name for p in out_dir.rglob("*") if "ckpt" in p.name or "checkpoint" in str(p.parent))
         print("checkpoints:", ckpts[:6])
         check(bool(ckpts), "a checkpoint was saved on SIGTERM")

@@ -22,6 +22,7 @@ from tui.link.transport import ConnectOptions, LocalTransport, Target, pct_wrap,
 from tui.profiles import ProfileError, resolve_profile
 
 Cli = Callable[..., Any]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_status_json_with_eight_simulated_gpus(cli: Cli, run_root: Path) -> None:
@@ -97,6 +98,19 @@ def test_profile_errors_name_what_is_allowed(tmp_path: Path) -> None:
         resolve_profile(None, str(tmp_path / "missing.toml"))
 
 
+def test_an_unknown_profile_without_a_config_file_says_there_is_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It named the default config path as if that file existed and lacked the profile."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    missing = tmp_path / "xdg" / "specdec-tui" / "config.toml"
+    with pytest.raises(ProfileError) as caught:
+        resolve_profile("big", None)
+    said = str(caught.value)
+    assert not said.startswith(str(missing)), said
+    assert f"no config file defines profiles here ({missing} does not exist" in said and "no such profile: big" in said
+
+
 def test_default_profile_starts_the_engine_cpu_preset() -> None:
     prof = resolve_profile(None, None) if not os.environ.get("XDG_CONFIG_HOME") else resolve_profile("default", None)
     spec = prof.launch_spec(None, python="/usr/bin/python3", engine_pythonpath="/opt/bundle")
@@ -160,6 +174,43 @@ def test_launch_without_a_command_starts_the_engine(cli: Cli, run_root: Path) ->
         assert launch["command"][1:] == ["-m", "engine.trainer", "--preset", "cpu-demo"]
     finally:
         cli("stop", "local", "--run-root", str(run_root), "--grace", "5")
+
+
+README_EXPORT = "specdec-train export ~/.specdec/engine/runs/cpu-demo /tmp/cpu-demo-drafters"
+
+
+@pytest.mark.slow
+def test_the_engines_output_directory_is_named_by_status_and_runs_and_the_readme_export_works(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """The dashboard's demo under the default run root, as a new user starts it; then the README's export line."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "SPECDEC_TUI_CONFIG_DIR": str(tmp_path / "config")}
+    r = cli("launch", "local", "--wait", "first-step", "--timeout", "150", "--json", env=env, timeout_s=180)
+    try:
+        assert r.returncode == 0, r.output
+    finally:
+        stop = cli("stop", "local", "--grace", "60", env=env, timeout_s=90)
+    assert stop.returncode == 0, stop.output
+    output_dir = str(home / ".specdec" / "engine" / "runs" / "cpu-demo")
+    status = cli("status", "local", "--json", env=env)
+    assert json.loads(status.stdout)["run"]["output_dir"] == output_dir, status.output
+    assert f"output  {output_dir}" in cli("status", "local", env=env).stdout
+    assert output_dir in cli("runs", "local", env=env).stdout
+    # The README's line as written, with its destination in this test's directory.
+    assert README_EXPORT in (REPO / "README.md").read_text(encoding="utf-8")
+    command = README_EXPORT.replace("/tmp/cpu-demo-drafters", str(tmp_path / "cpu-demo-drafters"))
+    bin_dir = str(Path(sys.executable).parent)
+    done = subprocess.run(
+        ["sh", "-c", command],
+        env={**os.environ, **env, "PATH": bin_dir + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / "cpu-demo-drafters").iterdir()) == ["drafter0", "drafter1"]
 
 
 def test_restart_relaunches_the_recorded_command(cli: Cli, run_root: Path) -> None:

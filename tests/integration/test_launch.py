@@ -35,6 +35,20 @@ def test_launch_of_missing_script_fails_with_127_and_the_shells_words_within_two
     assert elapsed < 2.0, f"took {elapsed:.2f} s"
 
 
+def test_a_job_that_writes_its_output_to_another_file_is_named_with_that_file(
+    agent: AgentClient, tmp_path: Path
+) -> None:
+    """`exec > other.log` in a script: output.log stays empty, so the job read "alive and silent" with no clue."""
+    other = tmp_path / "other.log"
+    script = 'exec > "$1" 2>&1; echo "step=1"; exec sleep 600'
+    launched, res, _ = launch_and_wait(agent, ["sh", "-c", script, "sh", str(other)], "output", 3)
+    try:
+        assert res["ok"] is False and res["alive"] is True and res["hung"] is True, res
+        assert f"its output goes to {other} (stdout of pid " in res["cause"], res["cause"]
+    finally:
+        agent.ok("stop", run_id=launched["run_id"], grace_s=5, release_timeout_s=1)
+
+
 def test_python_raising_at_import_reports_the_traceback(agent: AgentClient, tmp_path: Path) -> None:
     (tmp_path / "broken_mod.py").write_text("raise RuntimeError('broken at import time')\n")
     _, res, _ = launch_and_wait(agent, [sys.executable, "-c", "import broken_mod"], "first-step", 30, cwd=str(tmp_path))
@@ -235,10 +249,22 @@ def test_stacks_of_a_job_with_faulthandler_on_sigusr1(agent: AgentClient) -> Non
     assert res["text"].count("Thread 0x") + res["text"].count("Current thread 0x") >= 2, res["text"]
 
 
-def test_stacks_of_a_foreign_python_job_says_what_is_missing(agent: AgentClient) -> None:
-    launch_and_wait(
-        agent, [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"], "output", 20
-    )
+FOREIGN_SLEEPER = [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"]
+
+
+def test_stacks_of_a_foreign_python_job_come_from_the_wrappers_hook_without_py_spy(agent: AgentClient) -> None:
+    launched, _, _ = launch_and_wait(agent, FOREIGN_SLEEPER, "output", 20)
+    reply = agent.request("stacks", timeout_s=5)
+    try:
+        assert reply["ok"], reply
+        result = reply["result"]
+        assert result["method"].startswith("SIGUSR1 to pid") and "Thread MainThread" in result["text"], result
+    finally:
+        agent.ok("stop", run_id=launched["run_id"], grace_s=5, release_timeout_s=1)
+
+
+def test_stacks_of_a_foreign_python_job_without_the_hook_says_what_is_missing(agent: AgentClient) -> None:
+    launch_and_wait(agent, FOREIGN_SLEEPER, "output", 20, env={"SPECDEC_STACK_HOOK": "0"})
     reply = agent.request("stacks", timeout_s=2)
     if shutil.which("py-spy"):
         assert reply["ok"] and reply["result"]["method"] == "py-spy dump"

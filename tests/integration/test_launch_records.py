@@ -110,6 +110,17 @@ def test_killing_the_tmux_session_ends_the_job_and_still_leaves_an_exit_record(a
     assert not pid_alive(job_pid)
 
 
+def test_a_finished_runs_tmux_session_goes_once_its_exit_is_recorded(agent: AgentClient) -> None:
+    """Every launch left a dead session behind (12 piled up on one server); remain-on-exit is kept until the
+    wrapper has recorded the end, so a wrapper that dies first still leaves its pane to read (test below)."""
+    launched, _, _ = launch_and_wait(agent, [sys.executable, "-c", "print('done')"], "started", 20)
+    rd = Path(launched["run_dir"])
+    session = launched["tmux_session"]
+    wait_until(lambda: records.read_json(rd / records.EXIT_JSON), 20, "exit.json")
+    wait_until(lambda: not tmux.has_session(session), 10, f"tmux session {session} to close")
+    assert records.read_run(rd, procs.read_boot_id()).state == "exited"
+
+
 def test_the_job_gets_the_run_environment_and_a_closed_stdin(agent: AgentClient, tmp_path: Path) -> None:
     script = textwrap.dedent(
         """

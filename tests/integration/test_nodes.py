@@ -248,6 +248,24 @@ def test_a_node_that_cannot_be_reached_at_launch_is_named_and_nothing_starts(
         assert not list(records.runs_dir(root).glob("*")), f"{root}: a run started"
 
 
+def test_an_unreachable_node_behind_an_ssh_config_alias_is_named_with_the_configs_host_and_port(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    """It said "gpu-b:22" while ~/.ssh/config gives the alias another HostName and Port."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = int(probe.getsockname()[1])
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(f"Host gpu-b\n  HostName 127.0.0.1\n  Port {closed}\n", encoding="utf-8")
+    alias = f'{{ target = "gpu-b", known_hosts = "{sshd_pair[1].known_hosts}", python = "{sys.executable}" }}'
+    cfg = write_profile(tmp_path, [node_table(sshd_pair[0], tmp_path / "node0-root"), alias])
+    r = cli("launch", "--profile", "two", "--config", str(cfg), "--wait", "started", "--json", env={"HOME": str(home)})
+    assert r.returncode == 3, r.output
+    cause = json.loads(r.stdout)["cause"]
+    assert f"cannot connect to 127.0.0.1:{closed}" in cause and "gpu-b:22" not in cause, cause
+
+
 # A foreign command (no torch): node 1 cannot start; node 0 steps every 0.2 s. The nodes tell them apart by the
 # SPECDEC_NODE_RANK the launch sets.
 STEPPING = 'i=0; while :; do i=$((i+1)); echo "step=$i"; sleep 0.2; done'

@@ -52,6 +52,18 @@ STALLS_ONCE = textwrap.dedent(
     print(f"attempt {attempt} step=2 done", flush=True)
     """
 )
+# The same job as it is written elsewhere: nothing of ours imported, no handler registered.
+FOREIGN_STALLS_ONCE = textwrap.dedent(
+    """
+    import os, threading, time
+    threading.Thread(target=time.sleep, args=(600,), name="loader", daemon=True).start()
+    attempt = int(os.environ["SPECDEC_ATTEMPT"])
+    print(f"attempt {attempt} step=1", flush=True)
+    if attempt == 1:
+        time.sleep(600)  # the hang
+    print(f"attempt {attempt} step=2 done", flush=True)
+    """
+)
 OOM_ONCE = textwrap.dedent(
     """
     import os, sys
@@ -203,6 +215,21 @@ def test_a_stalled_job_is_dumped_stopped_and_restarted(agent: AgentClient) -> No
     log = output(run_dir)
     assert "attempt 1 hung: no step for" in log and "attempt 2 step=2 done" in log
     report_timings("hang", info.restarts)
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is not None, reason="the case is a host without py-spy")
+def test_a_stalled_job_that_is_not_ours_gets_every_threads_stack_on_a_host_without_py_spy(agent: AgentClient) -> None:
+    """The README promises every thread's stack before a hang restart; restarts.json said "no stack dump" for any
+    job but our engine unless py-spy was installed."""
+    run_dir = launch(agent, FOREIGN_STALLS_ONCE, deadlines_s={"first-step": 20.0}, on=["hang"], max=2, stall_s=1.0)
+    info = ended(run_dir)
+    assert info.state == "exited" and info.exit_code == 0, output(run_dir)
+    [hang] = info.restarts
+    assert hang["stacks"] == "stacks/hang-attempt-1.txt", hang
+    dump = (run_dir / hang["stacks"]).read_text()
+    assert "named threads" in dump.splitlines()[0], dump
+    assert "Thread MainThread" in dump and "time.sleep(600)  # the hang" in dump, dump
+    assert "Thread loader" in dump, dump
 
 
 def test_an_oom_exit_restarts_with_expandable_segments_and_says_so(agent: AgentClient) -> None:

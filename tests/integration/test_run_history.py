@@ -130,7 +130,17 @@ def test_past_runs_are_listed_and_reachable_by_id(cli: Cli, run_root: Path, tmp_
     assert (runs[1]["state"], runs[1]["last_step"], runs[1]["current"]) == ("failed", 30, False)
     assert runs[1]["cause"].startswith(ROOT_CAUSE) and runs[1]["duration_s"] >= 0
     human = cli("runs", "local", "--run-root", str(run_root)).stdout
-    assert human.splitlines()[0].split() == ["id", "state", "started", "duration", "last", "step", "exit", "cause"]
+    assert human.splitlines()[0].split() == [
+        "id",
+        "state",
+        "started",
+        "duration",
+        "last",
+        "step",
+        "exit",
+        "output",
+        "cause",
+    ]
     assert f"{ok} *" in human and ROOT_CAUSE in human, human
 
     # The past run's log, status and cause, by id; the current run is untouched.

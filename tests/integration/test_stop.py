@@ -72,6 +72,27 @@ def test_stop_of_a_cooperative_job_needs_no_sigkill(agent: AgentClient) -> None:
     assert result["exit"]["stop_requested"] == "stop" and result["exit"]["stopped"] is True
 
 
+EXITS_0_ON_TERM = textwrap.dedent(
+    """
+    import signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # as the engine does: checkpoint, then exit 0
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_job_that_exits_0_on_the_stops_sigterm_reads_stopped_not_exited(agent: AgentClient) -> None:
+    launched, res, _ = launch_and_wait(agent, [sys.executable, "-c", EXITS_0_ON_TERM], "output", 20)
+    assert res["ok"], res
+    result = agent.ok("stop", grace_s=10, release_timeout_s=1)
+    assert result["stopped"] is True and result["exit"]["exit_code"] == 0
+    info = records.read_run(Path(launched["run_dir"]), procs.read_boot_id())
+    assert (info.state, info.exit_code, info.cause) == ("stopped", 0, "stopped (SIGTERM): exited with code 0")
+    listed = agent.ok("runs", limit=5)["runs"]
+    assert [(r["run_id"], r["state"]) for r in listed][:1] == [(launched["run_id"], "stopped")]
+
+
 @pytest.mark.parametrize(("sig", "state"), [(signal.SIGTERM, "stopped"), (signal.SIGHUP, "failed")])
 def test_a_sigterm_the_wrapper_forwards_is_a_stop_but_a_sighup_is_not(
     agent: AgentClient, sig: signal.Signals, state: str

@@ -14,7 +14,7 @@ from support.pilot import wait_until
 from textual.color import Color
 from textual.drivers.headless_driver import HeadlessDriver
 from textual.widgets import Button, Input
-from tui_recorded import RUN_ID, RecordingSession, healthy_events, log_events, run
+from tui_recorded import RUN_ID, T0, RecordingSession, healthy_events, log_events, run
 
 from tui.dashboard import theming
 from tui.dashboard.app import DashboardApp
@@ -235,6 +235,55 @@ async def test_filter_shows_only_matching_lines_and_highlights_errors(
         error_style = tail.get_component_rich_style("log-tail--error")
         strip = tail._render_line_strip(50, tail.rich_style)  # the Traceback line
         assert any(seg.style and seg.style.color == error_style.color for seg in strip)
+
+
+async def test_lines_that_arrive_between_two_flushes_are_shown_once_after_a_filter_is_applied_or_cleared(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    """A filter redraws every line the model holds; lines taken in since the last flush were then drawn again by
+    the next flush (5 of 6 tries on a live run, whose log grows between any two flushes)."""
+    session = RecordingSession()
+    app = recorded_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        events, end = log_events([f"step={i}" for i in range(5)])
+        session.emit(*events)
+        app.flush_events()
+        tail = app.query_one(LogTail)
+        more, end = log_events(["step=5", "step=6"], start=end)
+        session.emit(*more)  # taken in, not drawn yet
+        await pilot.press("slash", *"step", "enter")
+        app.flush_events()
+        assert tail.lines == [f"step={i}" for i in range(7)]
+        more, _ = log_events(["step=7"], start=end)
+        session.emit(*more)
+        await pilot.press("slash", *["backspace"] * 4, "enter")  # cleared
+        app.flush_events()
+        assert tail.lines == [f"step={i}" for i in range(8)]
+
+
+async def test_engine_events_from_before_the_dashboard_opened_are_drawn_but_not_announced(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    session = RecordingSession()
+    assert session.agent is not None
+    session.agent.t = T0 + 100.0  # the host's clock when its agent said hello
+    app = recorded_app(session)
+
+    def engine(offset: int, t: float, **event: Any) -> dict[str, Any]:
+        return {"ev": "engine", "offset": offset, "run_id": RUN_ID, "event": {"t": t, **event}}
+
+    async with app.run_test(size=SIZE) as pilot:
+        session.emit(
+            engine(100, T0 + 50, kind="export", path="/srv/old", format="eagle3", step=3),
+            engine(200, T0 + 60, kind="run_end", ok=True, reason="steps done", step=3),
+        )
+        app.flush_events()
+        await pilot.pause()
+        assert app.state.timeline.last_export == "/srv/old"  # drawn: it is the run's history
+        assert not [n for n in notifications(app) if "exported" in n or "finished" in n], notifications(app)
+        session.emit(engine(300, T0 + 101, kind="run_end", ok=False, reason="boom", step=4))
+        app.flush_events()
+        await wait_until(pilot, lambda: any("engine finished (failed): boom" in n for n in notifications(app)))
 
 
 async def test_log_stops_following_when_scrolled_up_and_counts_pending(

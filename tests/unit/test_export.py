@@ -108,6 +108,21 @@ def test_eagle3_export_has_exactly_the_names_shapes_and_dtypes_servers_load(repl
     assert result.params == sum(p.numel() for p in drafter.parameters())
 
 
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_exported_files_get_a_normal_files_mode_under_the_umask(
+    replicas_ckpt: Any, tmp_path: Path, umask: int, mode: int
+) -> None:
+    """A server running as another user must read model.safetensors (safetensors itself creates it 0600)."""
+    path, _, _ = replicas_ckpt
+    old = os.umask(umask)
+    try:
+        result = export.export_checkpoint(path, tmp_path / "served")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in result.out_dir.iterdir()}
+    assert modes == {"config.json": mode, "model.safetensors": mode}
+
+
 def test_eagle3_config_carries_sizes_vocab_rope_and_aux_layers_per_server(replicas_ckpt: Any, tmp_path: Path) -> None:
     path, _, _ = replicas_ckpt
     out = export.export_checkpoint(path, tmp_path / "served").out_dir

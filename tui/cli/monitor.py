@@ -97,6 +97,8 @@ def format_run(run: protocol.RunInfo) -> list[str]:
         out.append(f"  {said}")
         for i, item in enumerate(restarts.restarts_of(run), start=1):
             out.append(f"    {restarts.line(i, item, run.restart_max)}")
+    if run.output_dir:
+        out.append(f"  output  {run.output_dir}   (specdec-train export takes it)")
     if run.last_export:
         out.append(f"  exported {run.last_export}")
     if run.events_unread_bytes:
@@ -214,7 +216,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 def format_runs(runs: list[protocol.ListedRun], total: int) -> str:
-    rows = [["id", "state", "started", "duration", "last step", "exit", "cause"]]
+    rows = [["id", "state", "started", "duration", "last step", "exit", "output", "cause"]]
     for r in runs:
         exit_txt = str(r.exit_code) if r.exit_code is not None else "-"
         if r.signal is not None:
@@ -227,6 +229,7 @@ def format_runs(runs: list[protocol.ListedRun], total: int) -> str:
                 duration(r.duration_s),
                 str(r.last_step) if r.last_step is not None else "-",
                 exit_txt,
+                r.output_dir or "-",
                 (r.cause or "")[:100],
             ]
         )

@@ -19,11 +19,21 @@ class KeySpec:
     description: str
     tooltip: str
     show: bool = True
+    short: str = ""  # the footer's word when the descriptions do not fit (80 columns); empty: the description
 
 
 KEY_TABLE: tuple[KeySpec, ...] = (
-    KeySpec("launch", "l", "launch", "Launch", "Start the profile's command under supervision on the target"),
-    KeySpec("restart", "r", "restart", "Restart", "Stop the run (after you confirm), then launch the same command"),
+    KeySpec(
+        "launch", "l", "launch", "Launch", "Start the profile's command under supervision on the target", short="Run"
+    ),
+    KeySpec(
+        "restart",
+        "r",
+        "restart",
+        "Restart",
+        "Stop the run (after you confirm), then launch the same command",
+        short="Rerun",
+    ),
     KeySpec("stop", "s", "stop", "Stop", "Stop the run after you confirm: SIGTERM to its process group, then SIGKILL"),
     KeySpec(
         "kill_stale",
@@ -31,9 +41,17 @@ KEY_TABLE: tuple[KeySpec, ...] = (
         "kill_stale",
         "Kill stale",
         "List the processes holding GPUs outside this run, then signal exactly those after you confirm",
+        short="Stale",
     ),
-    KeySpec("attach", "a", "attach", "Attach", "Hand this terminal to the run's tmux session; detach to come back"),
-    KeySpec("stacks", "d", "stacks", "Stacks", "Dump every thread's stack of the live run"),
+    KeySpec(
+        "attach",
+        "a",
+        "attach",
+        "Attach",
+        "Hand this terminal to the run's tmux session; detach to come back",
+        short="Tmux",
+    ),
+    KeySpec("stacks", "d", "stacks", "Stacks", "Dump every thread's stack of the live run", short="Stack"),
     KeySpec(
         "serve_check",
         "v",
@@ -52,8 +70,8 @@ KEY_TABLE: tuple[KeySpec, ...] = (
         "List past and current runs; the highlighted one shows why it ended (its cause) and its log tail",
         show=False,
     ),
-    KeySpec("filter", "slash", "filter", "Filter", "Filter the log tail (empty filter shows everything)"),
-    KeySpec("follow", "f", "follow", "Follow", "Jump to the end of the log and follow new lines"),
+    KeySpec("filter", "slash", "filter", "Filter", "Filter the log tail (empty filter shows everything)", short="Grep"),
+    KeySpec("follow", "f", "follow", "Follow", "Jump to the end of the log and follow new lines", short="Tail"),
     KeySpec("theme", "t", "next_theme", "Theme", "Switch to the next colour theme (the choice is saved)"),
     KeySpec("help", "question_mark", "help", "Help", "Show every key and what it does"),
     KeySpec("quit", "q", "quit_dashboard", "Quit", "Leave the dashboard; the run keeps running on the target"),

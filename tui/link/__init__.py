@@ -8,3 +8,21 @@
 
 Nothing here knows a profile, a screen or a command-line option beyond ``ConnectOptions``.
 """
+
+from __future__ import annotations
+
+import warnings
+
+
+def quiet_asyncssh_crypto_warnings() -> None:
+    """Ignore the CryptographyDeprecationWarnings that asyncssh's own modules raise (an older asyncssh with a newer
+    cryptography prints five at import, e.g. "TripleDES has been moved", before every command's output, burying the
+    host-key warning). Only that category, only from asyncssh's modules: every other warning still shows."""
+    try:
+        from cryptography.utils import CryptographyDeprecationWarning
+    except ImportError:  # no cryptography: no asyncssh either, nothing to quiet
+        return
+    warnings.filterwarnings("ignore", category=CryptographyDeprecationWarning, module=r"asyncssh(\.|$)")
+
+
+quiet_asyncssh_crypto_warnings()  # before any module of this package imports asyncssh

@@ -538,6 +538,22 @@ def _known_hosts_files(opts: ConnectOptions, host: str) -> tuple[list[str], str 
     return [p for p in (os.path.expanduser(n) for n in named) if os.path.isfile(p)], named[0]
 
 
+def _effective_endpoint(host: str, port: int | None) -> str:
+    """HOST:PORT as the connection reached for it: ~/.ssh/config's HostName and Port for an alias (a TARGET's or
+    -p port wins), so an error names where it tried, not the alias with port 22."""
+    import asyncssh
+
+    path = Path("~/.ssh/config").expanduser()
+    if not os.access(path, os.R_OK):
+        return f"{host}:{port or 22}"
+    try:
+        given: dict[str, Any] = {"port": port} if port else {}  # None would mean 22 here, not "the config's"
+        options = asyncssh.SSHClientConnectionOptions(host=host, config=[str(path)], agent_path=None, **given)
+    except (OSError, ValueError, asyncssh.Error):
+        return f"{host}:{port or 22}"
+    return f"{options.host or host}:{options.port or port or 22}"
+
+
 def _config_identity_is_locked(host: str) -> bool:
     """Whether ~/.ssh/config names an IdentityFile for HOST that needs a passphrase (asyncssh skips such keys)."""
     import asyncssh
@@ -636,7 +652,6 @@ class SshTransport(Transport):
                 return False  # not in known_hosts: refuse
 
         kw = self._connect_kwargs()
-        where = f"{self.target.host}:{self.port or 22}"
         try:
             self._conn = await asyncssh.connect(self.target.host, client_factory=_Client, **kw)
         except asyncssh.HostKeyNotVerifiable as exc:
@@ -655,6 +670,7 @@ class SshTransport(Transport):
                 retryable=False,
             ) from None
         except (asyncio.TimeoutError, TimeoutError):
+            where = _effective_endpoint(self.target.host, self.port)
             raise ConnectError(
                 f"{self.display}: no answer from {where} within {self.opts.connect_timeout_s:g} s (unreachable?)"
             ) from None
@@ -675,6 +691,7 @@ class SshTransport(Transport):
         except asyncssh.ConfigParseError as exc:
             raise ConnectError(f"{self.display}: ~/.ssh/config cannot be read: {exc}", retryable=False) from None
         except (OSError, asyncssh.Error) as exc:
+            where = _effective_endpoint(self.target.host, self.port)
             raise ConnectError(f"{self.display}: cannot connect to {where}: {exc}") from None
         except ValueError as exc:  # any other option asyncssh refuses (a bad port in the config, ...)
             raise ConnectError(f"{self.display}: bad SSH settings: {exc}", retryable=False) from None

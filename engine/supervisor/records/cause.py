@@ -104,7 +104,7 @@ def stopped_cause(scan: ScanState, exit_code: int | None, signum: int | None, as
     although every rank stopped cleanly: then each rank of this node must have ended ok, none with its own error. A
     job killed by the stop's signal (or the SIGKILL after its grace) counts as stopped unless its log names a cause."""
     if exit_code == 0 and signum is None:
-        return None  # an ordinary clean end: "exited"
+        return f"stopped ({asked}): exited with code 0"  # it handled the stop's signal and ended cleanly
     if scan.distributed():
         ranks = [r for r in scan.ranks.values() if r.rank is not None]
         expected = max((r.local_world_size or 0 for r in ranks), default=0)

@@ -48,6 +48,7 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
     spec: dict[str, Any] = sub.spec or {}
     info.command = list(spec.get("command") or [])
     info.cwd = spec.get("cwd")
+    info.output_dir = engine_output_dir(rd)
     info.tmux_session = sub.tmux_session
     info.attachable = sub.attachable
     info.profile = spec.get("profile")
@@ -91,9 +92,11 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
         info.signal = exit_rec.signal
         info.ended_at = exit_rec.ended_at
         info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
-        if exit_rec.stopped and info.state == "failed":
-            info.state = "stopped"  # asked to stop and every rank ended cleanly: no failure to name
-            info.cause = exit_rec.cause
+        # Asked to stop and it ended on it cleanly (an engine that checkpoints on SIGTERM exits 0; records
+        # written before that case was named say only stop_requested): no failure to name, and not "exited".
+        if exit_rec.stopped or (info.state == "exited" and exit_rec.stop_requested is not None):
+            info.state = "stopped"
+            info.cause = exit_rec.cause if exit_rec.stopped else "stopped: exited with code 0"
             info.failed_rank = info.failed_node = None
         if info.state == "failed" and info.cause is None:
             info.cause = failure_cause(scan, exit_rec, info.last_step)
@@ -114,6 +117,17 @@ def _nodes_of(spec: dict[str, Any]) -> tuple[int | None, int | None]:
     if nnodes is None or rank is None or not rank < nnodes:
         return None, None
     return nnodes, rank
+
+
+def engine_output_dir(run_dir: Path) -> str | None:
+    """The engine's output directory: <run dir>/checkpoints is the engine's link to <output_dir>/checkpoints."""
+    try:
+        target = Path(os.readlink(run_dir / "checkpoints"))
+    except OSError:
+        return None
+    if not target.is_absolute():
+        target = run_dir / target
+    return str(target.parent) if target.name == "checkpoints" else None
 
 
 def _read_restarts(rd: Path, info: protocol.RunInfo) -> None:

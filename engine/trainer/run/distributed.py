@@ -42,6 +42,7 @@ AGENT_DEATH_SIGNAL = signal.SIGUSR2  # sent by the kernel when this rank's torch
 BEAT_KEY = "specdec/beat/{rank}"
 BEAT_EVERY_S = 0.5
 PROBE_WAIT_S = 1.5  # how long a peer's store heartbeat must stand still for it to be named as gone
+BEAT_STOP_S = 10.0  # how long leaving waits for the heartbeat thread's last store call (a slow store's host)
 
 
 def map_devices(devices: list[str], info: RankInfo) -> list[str]:
@@ -300,10 +301,18 @@ class CrossRank:
         except (RuntimeError, OSError, dist.DistBackendError) as exc:
             raise self.failure(what, exc) from exc
 
-    def close(self) -> None:
-        """Leave the process group after a clean run (a failed rank exits without it: peers may be gone)."""
+    def close(self) -> bool:
+        """Leave the process group after a clean run (a failed rank exits without it: peers may be gone). The
+        heartbeat thread is joined first: a daemon thread still inside ``store.add`` when the interpreter finalizes
+        is ended by pthread_exit in the binding's GIL re-acquire, which unwinds a noexcept C++ frame and aborts the
+        process ("terminate called without an active exception", SIGABRT: torchrun then fails a finished run).
+        False when it is still in that call after BEAT_STOP_S: the caller must then leave without finalizing."""
         self._closing.set()
+        beat = self._beat_thread
+        if beat is not None:
+            beat.join(BEAT_STOP_S)
         dist.destroy_process_group()
+        return beat is None or not beat.is_alive()
 
 
 def start(info: RankInfo, drafter_devices: list[str], timeout_s: float, setup_timeout_s: float) -> CrossRank:

@@ -97,6 +97,9 @@ class TrainingRun:
         self._ckpt_lock = threading.Lock()
         self.training_started_at: float | None = None
         self.exit_code: int | None = None
+        # A thread is still inside a torch.distributed call: interpreter teardown would abort (SIGABRT), so the
+        # process must leave with os._exit once its records are written.
+        self.finalize_unsafe = False
         self._stop_seen: float | None = None
         self.progress = ckpt.ProgressRecord(self.output_dir)
         self._last_step_before = self.progress.last_recorded_step()  # read before this run's steps overwrite it
@@ -577,7 +580,7 @@ class TrainingRun:
         if ok:
             self._write_rank_record(step)
         if ok and self.cross is not None:
-            self.cross.close()
+            self.finalize_unsafe = not self.cross.close()
         self.events.emit(RunEndEvent(ok=ok, reason=reason, step=step, degraded=degraded))
         self.events.stage("done", reason)
         self.exit_code = 0 if ok else 1

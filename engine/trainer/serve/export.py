@@ -362,6 +362,19 @@ def _check_out_dir(out_dir: Path) -> None:
         raise ExportError(f"{out_dir} exists and is not empty; choose a new directory")
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads) where Linux says it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomically(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
     from safetensors.torch import save_file
 
@@ -370,6 +383,9 @@ def _write_atomically(out_dir: Path, config: dict[str, Any], tensors: dict[str, 
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # safetensors creates the file 0600; an export is read by a server that may run as another user, so it
+        # gets a normal file's mode (0666 less the umask, as config.json beside it).
+        os.chmod(tmp / WEIGHTS_FILE, 0o666 & ~_umask())
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
         size = sum(p.stat().st_size for p in tmp.iterdir())
         if out_dir.is_dir():

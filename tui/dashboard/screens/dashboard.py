@@ -28,6 +28,7 @@ from tui.dashboard.widgets.header import HeaderModel, RunHeader
 from tui.dashboard.widgets.log_tail import LogModel, LogPane
 from tui.dashboard.widgets.proc_tree import ProcTree, ThreadHealthModel
 from tui.dashboard.widgets.run_timeline import RunTimeline, TimelineModel
+from tui.hosttext import printable
 from tui.link.events import ClientEvent, ConnectionEvent, Undecodable
 
 MAX_NOTICES = 50
@@ -61,6 +62,9 @@ class DashboardState:
         # relaunch's charts and thread health would otherwise show the old run's last steps and heartbeats).
         self.left_runs: set[str] = set()
         self.engine_steps_seen = False
+        # The host's clock when this dashboard's agent said hello: engine events from before it (a finished run's
+        # "engine finished", its last export) are history, drawn but not announced again as notices.
+        self.opened_at_host: float | None = None
 
     def ingest(self, ev: ClientEvent) -> None:
         self.events_in += 1
@@ -111,6 +115,8 @@ class DashboardState:
             self.header.attempt = ev.attempt
             self.dirty.add("header")
         elif isinstance(ev, protocol.HelloEvent):
+            if self.opened_at_host is None:
+                self.opened_at_host = ev.t
             self.header.hostname = ev.hostname
             self.header.simulated = ev.simulated
             self.dirty.add("header")
@@ -156,6 +162,8 @@ class DashboardState:
             self.health.clear()  # restarted: the threads (and their deaths) of the attempt before are gone
             self.follow_log = True
         max_restarts = run.restart_max if run else None
+        if old_id is None and self.opened_at_host is not None:
+            before = len(done)  # the first look at a run: its restarts so far are history (the header counts them)
         for i, item in enumerate(done[before:], start=before + 1):
             self.notices.append(("warning", f"run {new_id}: {restarts.line(i, item, max_restarts)}"))
         failed = run is not None and run.state == "failed"
@@ -163,6 +171,12 @@ class DashboardState:
         where = f"rank {rank}" + (f" (node {node})" if node is not None else "") if rank is not None else None
         self.header.failed_rank = where
         self.dirty.update({"header", "timeline", "charts", "procs", "log"})
+
+    def _notice(self, event: protocol.EngineEvent, severity: str, text: str) -> None:
+        """A notice for an engine event that happened since this dashboard opened (not one read from history)."""
+        t = getattr(event, "t", None)
+        if self.opened_at_host is None or t is None or t >= self.opened_at_host:
+            self.notices.append((severity, text))
 
     def _engine_event(self, event: protocol.EngineEvent) -> None:
         self.health.add_engine_event(event)
@@ -172,7 +186,7 @@ class DashboardState:
         elif isinstance(event, protocol.EvalEvent):
             self.dirty.add("charts")
             if event.error:
-                self.notices.append(("warning", f"evaluation of {event.thread} failed: {event.error}"))
+                self._notice(event, "warning", f"evaluation of {event.thread} failed: {event.error}")
         elif isinstance(event, protocol.StageEvent):
             self.timeline.stage = event.stage
             if event.vocab_coverage is not None:
@@ -184,23 +198,19 @@ class DashboardState:
         elif isinstance(event, protocol.ServedEvent):
             self.dirty.add("charts")
             if event.tau is None:
-                self.notices.append(("warning", f"serve-check: {event.error or 'no figures'}"))
+                self._notice(event, "warning", f"serve-check: {event.error or 'no figures'}")
             else:
                 ours = f" (ours {event.tau_ours:.2f})" if event.tau_ours is not None else ""
-                self.notices.append(("information", f"served by vLLM: τ {event.tau:.2f}{ours}"))
+                self._notice(event, "information", f"served by vLLM: τ {event.tau:.2f}{ours}")
         elif isinstance(event, protocol.ExportEvent):
             self.timeline.last_export = event.path
-            self.notices.append(("information", f"drafter exported to {event.path} ({event.format})"))
+            self._notice(event, "information", f"drafter exported to {event.path} ({event.format})")
             self.dirty.add("timeline")
         elif isinstance(event, protocol.ThreadErrorEvent):
-            self.notices.append(("error", f"thread {event.thread} died: {event.exc_type}: {event.message}"))
+            self._notice(event, "error", f"thread {event.thread} died: {event.exc_type}: {event.message}")
         elif isinstance(event, protocol.RunEndEvent):
-            self.notices.append(
-                (
-                    "information" if event.ok else "error",
-                    f"engine finished ({'ok' if event.ok else 'failed'}): {event.reason}",
-                )
-            )
+            severity = "information" if event.ok else "error"
+            self._notice(event, severity, f"engine finished ({'ok' if event.ok else 'failed'}): {event.reason}")
         self.dirty.add("procs")
 
     def _parse_log_metrics(self, n: int) -> None:
@@ -210,6 +220,16 @@ class DashboardState:
         for line in reversed(newest):
             if any(h in line for h in _METRIC_HINTS) and self.charts.add_log_line(line, now):
                 self.dirty.add("charts")
+
+
+def training_title(run: protocol.RunInfo | None, width: int) -> str:
+    """The training pane's title: the engine's output directory (what `specdec-train export` takes), its end kept
+    when the path is longer than about half the screen's width."""
+    if run is None or not run.output_dir:
+        return "training"
+    path = printable(run.output_dir)
+    room = max(12, width // 2 - 16)
+    return f"training · output {path if len(path) <= room else '…' + path[-(room - 1) :]}"
 
 
 class DashboardScreen(Screen[None]):
@@ -259,6 +279,7 @@ class DashboardScreen(Screen[None]):
             self.query_one(RunHeader).refresh()
         if "timeline" in dirty:
             self.query_one(RunTimeline).refresh()
+            self.query_one("#charts-box").border_title = training_title(state.run, self.size.width)
         if "gpus" in dirty:
             bars = self.query_one(GpuBars)
             if state.gpus is not None:

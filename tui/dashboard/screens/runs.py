@@ -41,6 +41,8 @@ def run_detail(run: protocol.ListedRun, tail: protocol.TailReply | None) -> str:
         out.append("command: " + printable(" ".join(run.command)))
     if run.cwd:
         out.append(f"cwd: {printable(run.cwd)}")
+    if run.output_dir:
+        out.append(f"output: {printable(run.output_dir)}")
     if tail is None:
         out.append("(output.log could not be read)")
     else:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
+from textual.widget import Widget
 
 from engine import protocol
 from tui.dashboard.widgets.text_line import RowTracking
@@ -28,6 +29,7 @@ from tui.hosttext import printable
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_POINTS = 600
 METRICS: tuple[str, ...] = ("step", "tok/s", "loss", "acc", "tau")
+DROP_FIRST: tuple[str, ...] = ("step", "tok/s", "loss", "tau", "acc")  # which rows give way first on a short pane
 LOG_SERIES = "log"
 
 # What the engine's numbers are (engine/trainer/draft/loss.py computes them; SpecForge's definitions).
@@ -196,6 +198,9 @@ class ChartModel:
         self.dirty = True
 
 
+ChartRow = tuple[str, int, str, "Series"]  # metric, the thread's index (its colour), thread, its series
+
+
 class Charts(RowTracking):
     """One row per (metric, thread): name, sparkline, latest value; acc_i as bars per position."""
 
@@ -244,37 +249,65 @@ class Charts(RowTracking):
         width = max(8, self.size.width - name_w - 22)
         out = Text(no_wrap=True, overflow="ellipsis")
         first = True
+        rows: list[ChartRow] = []
         for metric in METRICS:
             for i, thread in enumerate(threads):
-                series = model.series.get((metric, thread))
-                if series is None:
-                    continue
-                colour = self.get_component_rich_style(f"charts--series-{i % 4}")
-                if not first:
-                    out.append("\n")
-                first = False
-                out.append(f"{metric:<6} {printable(thread):<{name_w}} ", style=label_style)
-                if metric == "acc" and thread in model.acc_latest:
-                    per_pos = model.acc_latest[thread]
-                    bars = "".join(
-                        SPARK_CHARS[max(0, min(7, round(v * 7)))] if math.isfinite(v) else "?" for v in per_pos
-                    )
-                    out.append(f"acc_i {bars} ", style=colour)
-                    out.append(" ".join(f"{v:.2f}" for v in per_pos[:4]), style=value_style)
-                    out.append("  acc_0 ", style=label_style)
-                    out.append(sparkline(series.values(), max(4, width - 40)), style=colour)
-                    continue
-                if metric == "tau":
-                    self._render_tau(out, thread, series, width, colour, label_style, value_style)
-                    continue
-                out.append(f"{sparkline(series.values(), width):<{width}} ", style=colour)
-                last = series.last()
-                shown = f"{last:.3f}" if metric in ("loss", "acc") and last is not None else human(last)
-                out.append(shown, style=value_style)
+                found = model.series.get((metric, thread))
+                if found is not None:
+                    rows.append((metric, i, thread, found))
+        rows, hidden = self._fit(rows, 1 if model.served is not None else 0)
+        for metric, i, thread, series in rows:
+            colour = self.get_component_rich_style(f"charts--series-{i % 4}")
+            if not first:
+                out.append("\n")
+            first = False
+            out.append(f"{metric:<6} {printable(thread):<{name_w}} ", style=label_style)
+            if metric == "acc" and thread in model.acc_latest:
+                per_pos = model.acc_latest[thread]
+                bars = "".join(SPARK_CHARS[max(0, min(7, round(v * 7)))] if math.isfinite(v) else "?" for v in per_pos)
+                out.append(f"acc_i {bars} ", style=colour)
+                out.append(" ".join(f"{v:.2f}" for v in per_pos[:4]), style=value_style)
+                out.append("  acc_0 ", style=label_style)
+                out.append(sparkline(series.values(), max(4, width - 40)), style=colour)
+                continue
+            if metric == "tau":
+                self._render_tau(out, thread, series, width, colour, label_style, value_style)
+                continue
+            out.append(f"{sparkline(series.values(), width):<{width}} ", style=colour)
+            last = series.last()
+            shown = f"{last:.3f}" if metric in ("loss", "acc") and last is not None else human(last)
+            out.append(shown, style=value_style)
         if model.served is not None:
             out.append("\n")
             self._render_served(out, model.served, name_w, label_style, value_style)
+        if hidden:
+            what = ", ".join(dict.fromkeys(m for m, *_ in hidden))
+            out.append(f"\n+{len(hidden)} rows hidden: {what}", style=label_style)
         return self.track_rows(out)
+
+    def _fit(self, rows: list[ChartRow], extra: int) -> tuple[list[ChartRow], list[ChartRow]]:
+        """The rows that fit the rows this pane has on a short terminal (``row_budget``), and those left out to
+        make room, said on a last row: the least telling metrics go first (step, which every thread row also
+        shows, then tok/s), never silently."""
+        budget = self.row_budget()
+        if budget is None or len(rows) + extra <= budget:
+            return rows, []
+        kept = list(range(len(rows)))
+        for metric in DROP_FIRST:
+            while len(kept) + extra + 1 > budget and any(rows[j][0] == metric for j in kept):
+                kept.remove(max(j for j in kept if rows[j][0] == metric))
+        while len(kept) + extra + 1 > budget and kept:
+            kept.pop()
+        return [rows[j] for j in kept], [r for j, r in enumerate(rows) if j not in kept]
+
+    def row_budget(self) -> int | None:
+        """On a short terminal the training pane has a fixed height (app.tcss): the rows inside it; else None
+        (the pane grows with its rows, then scrolls)."""
+        box = self.parent
+        if not isinstance(box, Widget) or not self.screen.has_class("-short"):
+            return None
+        rows = box.content_region.height
+        return rows if rows > 0 else None
 
     def _render_served(
         self, out: Text, served: protocol.ServedEvent, name_w: int, label_style: Any, value_style: Any

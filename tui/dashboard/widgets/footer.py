@@ -34,19 +34,31 @@ class KeyFooter(Widget):
         self.refresh()
 
     def render(self) -> RenderableType:
-        """Every shown key with its description; when that does not fit, the keys alone but for ``? Help`` and
-        ``q Quit``, which always keep their words (a newcomer's way in and out, also at 80 columns)."""
+        """Every shown key with its description; when that does not fit, each key with its short word (80 columns);
+        when not even that fits, the keys alone but for ``? Help`` and ``q Quit``, which always keep their words (a
+        newcomer's way in and out)."""
         key_style = self.get_component_rich_style("key-footer--key")
         text_style = self.get_component_rich_style("key-footer--description")
         shown = [(display_key(self.keymap.get(s.id, s.key).split(",")[0]), s) for s in KEY_TABLE if s.show]
         width = self.size.width
         full = sum(len(k) + len(s.description) + 3 for k, s in shown) + len(" ^p palette")
-        compact = bool(width) and full > width
+        short = sum(len(k) + len(s.short or s.description) + 2 for k, s in shown)
         out = Text(no_wrap=True, overflow="ellipsis")
-        for key, spec in shown:
-            out.append(f" {key} ", style=key_style)
-            if not compact or spec.id in ALWAYS_WORDED:
+        if not width or full <= width:
+            for key, spec in shown:
+                out.append(f" {key} ", style=key_style)
                 out.append(f"{spec.description} ", style=text_style)
-        out.append(" ^p ", style=key_style)
-        out.append("palette", style=text_style)
+            out.append(" ^p ", style=key_style)
+            out.append("palette", style=text_style)
+        elif short <= width:
+            for key, spec in shown:
+                out.append(f" {key} ", style=key_style)
+                out.append(spec.short or spec.description, style=text_style)
+        else:
+            for key, spec in shown:
+                out.append(f" {key} ", style=key_style)
+                if spec.id in ALWAYS_WORDED:
+                    out.append(f"{spec.description} ", style=text_style)
+            out.append(" ^p ", style=key_style)
+            out.append("palette", style=text_style)
         return out

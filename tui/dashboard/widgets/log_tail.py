@@ -349,6 +349,9 @@ class LogPane(Vertical):
 
     def apply_filter(self, text: str) -> None:
         self.remove_class("-filtering")
+        # Every line the model holds is redrawn here, the ones not flushed yet too: the next flush must not
+        # append those a second time.
+        self.model.take_unflushed()
         self.tail.show_lines(self.model.matching(text), text)
         self.tail.focus()
         self._refresh_status()

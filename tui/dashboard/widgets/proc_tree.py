@@ -20,6 +20,7 @@ from tui.dashboard.widgets.text_line import RowTracking
 from tui.hosttext import printable, printable_rendered
 
 STALE_HEARTBEAT_S = 30.0
+SHORT_STATES = {"training": "train", "waiting": "wait", "starting": "start", "syncing": "sync", "warmup": "warm"}
 MAX_THREADS = 256
 
 
@@ -213,33 +214,58 @@ class ProcTree(RowTracking):
     def _thread_line(
         self, out: Text, prefix: str, name: str, tid: int | None, now: float, rank: int | None = None, native: int = 0
     ) -> None:
+        """One thread's row. When the full row does not fit the pane (80 columns), short forms (``train #85`` for
+        training at step 85, ``0.1s`` for the heartbeat's age) and then the least telling parts (tok/s, then the
+        heartbeat) give way, so the state and the step stay readable."""
         health = self.health.threads.get((rank, name))
         out.append(f"\n{prefix}", style=self._style("muted"))
-        out.append(f"{printable(name):<11}", style=self._style("proc"))
-        if native:
-            out.append(f" +{native} native", style=self._style("muted"))
         if health is None:
+            out.append(f"{printable(name):<11}", style=self._style("proc"))
+            if native:
+                out.append(f" +{native} native", style=self._style("muted"))
             if tid is not None:
                 out.append(f" tid {tid}", style=self._style("muted"))
             return
         age = now - health.heartbeat_t if health.heartbeat_t is not None else None
         if health.dead:
-            out.append(" DEAD", style=self._style("dead"))
+            state = (" DEAD", "dead")
         elif self.health.run_over:
-            out.append(" ended", style=self._style("muted"))
+            state = (" ended", "muted")
             age = None  # the time since its last beat only grows now
         elif age is not None and age > STALE_HEARTBEAT_S:
-            out.append(" SILENT", style=self._style("warn"))
+            state = (" SILENT", "warn")
         else:
-            out.append(f" {printable(health.state)}", style=self._style("ok"))
-        if health.step is not None:
-            out.append(f" step {health.step}", style=self._style("proc"))
-        if age is not None:
-            out.append(f" hb {max(0.0, age):.1f}s", style=self._style("warn" if age > 10 else "muted"))
-        if health.tok_s is not None and not health.dead and not self.health.run_over:
-            out.append(f" {health.tok_s / 1000:.1f}k tok/s", style=self._style("muted"))
-        if health.dead and health.last_exception:
-            out.append(f" {printable(health.last_exception[:80])}", style=self._style("dead"))
+            state = (f" {printable(health.state)}", "ok")
+        brief = (f" {SHORT_STATES.get(health.state, printable(health.state))}", state[1]) if state[1] == "ok" else state
+        live_rate = health.tok_s is not None and not health.dead and not self.health.run_over
+
+        def parts(short: bool) -> list[tuple[str, str]]:
+            out_parts = [(f"{printable(name)}" if short else f"{printable(name):<11}", "proc")]
+            if native:
+                out_parts.append((f" +{native}" if short else f" +{native} native", "muted"))
+            out_parts.append(brief if short else state)
+            if health.step is not None:
+                out_parts.append((f" #{health.step}" if short else f" step {health.step}", "proc"))
+            if age is not None:
+                hb = f" {max(0.0, age):.1f}s" if short else f" hb {max(0.0, age):.1f}s"
+                out_parts.append((hb, "warn" if age > 10 else "muted"))
+            if live_rate and health.tok_s is not None:
+                out_parts.append(
+                    (f" {health.tok_s / 1000:.1f}k/s" if short else f" {health.tok_s / 1000:.1f}k tok/s", "muted")
+                )
+            if health.dead and health.last_exception:
+                out_parts.append((f" {printable(health.last_exception[:80])}", "dead"))
+            return out_parts
+
+        room = self.size.width - len(prefix)
+        chosen = parts(short=False)
+        if room > 0 and sum(len(t) for t, _ in chosen) > room and not health.dead:
+            chosen = parts(short=True)
+            keep = 3 if native else 2  # the name and the state always; the step while it fits
+            while len(chosen) > keep and sum(len(t) for t, _ in chosen) > room:
+                chosen.pop()
+        for text, style in chosen:
+            out.append(text, style=self._style(style))
 
     def render(self) -> RenderableType:
         now = self.clock()
