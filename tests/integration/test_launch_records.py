@@ -118,7 +118,9 @@ def test_a_finished_runs_tmux_session_goes_once_its_exit_is_recorded(agent: Agen
     session = launched["tmux_session"]
     wait_until(lambda: records.read_json(rd / records.EXIT_JSON), 20, "exit.json")
     wait_until(lambda: not tmux.has_session(session), 10, f"tmux session {session} to close")
-    assert records.read_run(rd, procs.read_boot_id()).state == "exited"
+    info = records.read_run(rd, procs.read_boot_id())
+    assert info.state == "exited"
+    assert info.attachable is False  # `a` says the run has ended, not tmux's "can't find session"
 
 
 def test_the_job_gets_the_run_environment_and_a_closed_stdin(agent: AgentClient, tmp_path: Path) -> None:
