@@ -175,7 +175,9 @@ class TrainingRun:
         first_on_node = self.cross is None or self.info.local_rank == 0
         if not first_on_node and self.cross is not None:
             self.cross.barrier("waiting for the data cache of the node's first rank")
-        source = data_source(self.cfg, tokenizer, target_vocab_size, self.output_dir, self.events)
+        source = data_source(
+            self.cfg, tokenizer, target_vocab_size, self.output_dir, self.events, should_stop=lambda: self._signalled
+        )
         if first_on_node and self.cross is not None:
             self.cross.barrier("the data cache of the node's first rank")
         return source
