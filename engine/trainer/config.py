@@ -151,6 +151,13 @@ class TrainerConfig:
     seed: int = 0
     output_dir: str = "runs/specdec-engine"
     resume: bool = True  # resume from the newest checkpoint in output_dir when there is one
+    # An output_dir belongs to one run (its run.json, engine/trainer/checkpoint.py): another run's checkpoints there
+    # are refused. resume_from takes a checkpoint (or an output directory's newest) on purpose, another run's too;
+    # once this run has written checkpoints of its own, a restart resumes those.
+    resume_from: str = ""
+    # A resume whose data plan (data file, packing, batch_size, seed, buckets, held-out split) differs from the
+    # checkpoint's is refused naming the keys; true re-plans instead, from the start of the checkpoint's epoch.
+    replan_data: bool = False
     queue_size: int = 4
     on_thread_error: str = "stop"
     log_every: int = 1
