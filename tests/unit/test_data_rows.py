@@ -176,3 +176,42 @@ def test_a_stop_signal_while_the_data_is_tokenized_ends_the_loading(tmp_path: Pa
         for s, handler in before.items():
             signal.signal(s, handler)
     assert [s for s in stages if s.startswith("tokenized")] == ["tokenized 10% (17/168 conversations)"]
+
+
+def test_sigterm_while_the_data_is_tokenized_ends_the_trainer_at_once_with_exit_0(tmp_path: Path) -> None:
+    from support.waiting import wait_until
+
+    from engine.trainer.data.sources import shipped_corpus_path
+
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(shipped_corpus_path().read_bytes() * 4)  # 6000 conversations: seconds of tokenizing
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECDEC_EVENTS": str(events)}
+    env.pop("SPECDEC_RUN_DIR", None)
+    cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out)]
+    cmd += ["--set", f"data={data}", "--set", "torch_threads=1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def read() -> list[dict[str, Any]]:
+        text = events.read_text() if events.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    try:
+        wait_until(
+            lambda: any(e.get("detail", "").startswith("tokenized ") for e in read()) or proc.poll() is not None,
+            120,
+            "the first tokenizing progress line",
+        )
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    evs = read()
+    (end,) = [e for e in evs if e["kind"] == "run_end"]
+    assert end["ok"] is True and end["reason"] == f"stopped (SIGTERM) while tokenizing {data}"
+    assert not any(e["kind"] == "step" for e in evs)
+    assert not any(e.get("detail", "").startswith("tokenized 100%") for e in evs)
