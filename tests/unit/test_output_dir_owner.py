@@ -81,6 +81,23 @@ def test_a_restart_of_the_same_run_resumes_and_prunes_only_its_own_checkpoints(t
     assert ckpt.resolve_checkpoint(out)[0] == out / "checkpoints" / "step_00000006"  # what export and eval take
 
 
+def test_checkpoints_of_a_version_without_run_ids_are_adopted_by_a_run_of_the_same_model(
+    tmp_path: Path, corpus: Path
+) -> None:
+    out = tmp_path / "run"
+    train(out, corpus, steps=4)
+    (out / "run.json").unlink()  # as an older version left the directory: no run.json, no run_id in the metas
+    for path in ckpt.owned_checkpoints(out):
+        meta = ckpt.read_meta(path)
+        del meta["run_id"], meta["data_plan"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(up to step_00000004; draft_vocab_size"):
+        train(out, corpus, steps=6, draft_vocab_size=64)
+    resumed = train(out, corpus, steps=8)
+    assert resumed.resumed_from == out / "checkpoints" / "step_00000004"
+    assert steps_in(out) == ["step_00000006", "step_00000008"]  # the adopted ones pruned in turn
+
+
 def test_export_of_an_output_dir_takes_its_owners_newest_not_another_runs_higher_step(tmp_path: Path) -> None:
     out = tmp_path / "run"
     for step, run in ((2, "mine"), (4, "mine"), (9, "theirs")):
