@@ -37,6 +37,7 @@ from engine.trainer.config import (
     ConfigError,
     TrainerConfig,
     check_cuda_present,
+    check_data_file,
     from_dict,
     load_toml,
     parse_override,
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args)
         if not (args.print_config or args.print_torchrun):
             check_cuda_present(cfg)
+            check_data_file(cfg)
     except ConfigError as exc:
         print(f"specdec-train: config error: {exc}", file=sys.stderr)
         return 2
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
+        from engine.trainer.data.rows import LoadingStopped
         from engine.trainer.run.loop import TrainingRun
     except Exception as exc:
         events.emit(RunEndEvent(ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0))
@@ -221,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     engine.install_signal_handlers()
     try:
         engine.build()
+    except LoadingStopped as exc:  # SIGTERM or SIGINT while the data loads: nothing trained, nothing to save
+        events.emit(RunEndEvent(ok=True, reason=str(exc), step=0))
+        events.stage("done", str(exc))
+        events.close()
+        return 0
     except ConfigError as exc:  # found only once torch or the data is there (a device count, strict_data): exit 2
         events.emit(RunEndEvent(ok=False, reason=f"config error: {exc}", step=0))
         print(f"specdec-train: config error: {exc}", file=sys.stderr)

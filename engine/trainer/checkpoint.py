@@ -2,6 +2,12 @@
 
 Layout: ``<output_dir>/checkpoints/step_<N>/`` with ``meta.json``, ``vocab.pt`` and one ``<drafter>.pt`` per
 drafter; written into a temporary directory and renamed, so a directory with ``meta.json`` is complete.
+
+An output directory belongs to one run: ``<output_dir>/run.json`` names it (its ``run_id`` and identity,
+run/resume.py decides who may use the directory) and every checkpoint's meta carries the ``run_id`` that wrote
+it. The newest checkpoint of a directory (resume, export, eval) is its owner's newest, and pruning removes only
+the writing run's own older checkpoints: another run's are never deleted. Checkpoints of a version without
+run ids (no run_id in their meta) belong to the run that adopted them (``adopted_unmarked`` in run.json).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 import torch
 
 META = "meta.json"
+RUN_MARKER = "run.json"
 STEP_DIR = re.compile(r"step_\d+")  # a checkpoint's directory; complete once meta.json is in it
 TMP_STEP_DIR = re.compile(r"\.tmp-step_\d+.*")  # one being written (renamed to step_<N> when complete)
 
@@ -58,6 +65,52 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def read_marker(output_dir: str | Path) -> dict[str, Any] | None:
+    """``<output_dir>/run.json``, or None where there is none or it cannot be read as one."""
+    try:
+        data = json.loads((Path(output_dir) / RUN_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
+
+
+def write_marker(output_dir: str | Path, marker: dict[str, Any]) -> None:
+    """``<output_dir>/run.json`` written whole (tmp + rename)."""
+    path = Path(output_dir) / RUN_MARKER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RUN_MARKER}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(marker, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def belongs(meta: dict[str, Any], marker: dict[str, Any]) -> bool:
+    """Whether the checkpoint with ``meta`` is the marker's run's."""
+    run_id = meta.get("run_id")
+    return run_id == marker.get("run_id") or (run_id is None and bool(marker.get("adopted_unmarked")))
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every complete checkpoint in ``output_dir`` with its meta (an unreadable meta: an empty one), oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(p for p in root.glob("step_*") if STEP_DIR.fullmatch(p.name) and (p / META).is_file()):
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError, RecursionError):
+            meta = {}
+        found.append((path, meta if isinstance(meta, dict) else {}))
+    return found
+
+
+def owned_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of the run that owns ``output_dir`` (all of them where no run.json names one),
+    oldest first."""
+    marker = read_marker(output_dir)
+    return [p for p, meta in complete_checkpoints(output_dir) if marker is None or belongs(meta, marker)]
+
+
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
@@ -65,7 +118,11 @@ def save_checkpoint(
     meta: dict[str, Any],
     draft_to_target: torch.Tensor,
     keep: int,
+    run_id: str | None = None,
 ) -> Path:
+    """Write checkpoint ``step`` (tagged with ``run_id``) and prune this run's older ones to the newest ``keep``;
+    another run's checkpoint is never written over nor pruned. Without ``run_id``: every checkpoint there is this
+    run's (a directory no run.json claims)."""
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -75,22 +132,31 @@ def save_checkpoint(
         torch.save(state, tmp / f"{name}.pt")
     torch.save({"draft_to_target": draft_to_target.cpu()}, tmp / "vocab.pt")
     body = {**meta, "step": step, "drafters": sorted(drafter_states), "saved_at": time.time()}
+    if run_id is not None:
+        body["run_id"] = run_id
     (tmp / META).write_text(json.dumps(body, indent=1, default=str), encoding="utf-8")
+    marker: dict[str, Any] | None = None
+    if run_id is not None:
+        disk = read_marker(output_dir) or {}
+        adopted = disk.get("run_id") == run_id and bool(disk.get("adopted_unmarked"))
+        marker = {"run_id": run_id, "adopted_unmarked": adopted}
     if final.exists():
+        previous = read_meta(final) if (final / META).is_file() else {}
+        if marker is not None and previous and not belongs(previous, marker):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"{final} is another run's checkpoint (run {previous.get('run_id')}): not written over")
         shutil.rmtree(final)
     os.replace(tmp, final)
-    complete = sorted(p for p in root.glob("step_*") if (p / META).exists())
-    for old in complete[:-keep]:
+    ours = [p for p, m in complete_checkpoints(output_dir) if marker is None or belongs(m, marker)]
+    for old in ours[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return None
-    complete = sorted(p for p in root.glob("step_*") if (p / META).exists())
-    return complete[-1] if complete else None
+    """The newest complete checkpoint of the run that owns ``output_dir`` (see owned_checkpoints)."""
+    owned = owned_checkpoints(output_dir)
+    return owned[-1] if owned else None
 
 
 def resolve_checkpoint(source: str | Path) -> tuple[Path, str | None]:
@@ -117,8 +183,7 @@ def resolve_checkpoint(source: str | Path) -> tuple[Path, str | None]:
         if any(TMP_STEP_DIR.fullmatch(p.name) for p in root.iterdir()):
             raise CheckpointNotFound(f"{root} has no complete checkpoint yet: one is still being written")
         raise CheckpointNotFound(f"{root} has no checkpoint")
-    complete = [p for p in root.glob("step_*") if (p / META).is_file()]
-    return latest, f"latest of {len(complete)} in {root}"
+    return latest, f"latest of {len(owned_checkpoints(source))} in {root}"
 
 
 def read_meta(path: Path) -> dict[str, Any]:

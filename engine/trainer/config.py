@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import stat
 import sys
 import types
 import typing
@@ -149,6 +151,13 @@ class TrainerConfig:
     seed: int = 0
     output_dir: str = "runs/specdec-engine"
     resume: bool = True  # resume from the newest checkpoint in output_dir when there is one
+    # An output_dir belongs to one run (its run.json, engine/trainer/checkpoint.py): another run's checkpoints there
+    # are refused. resume_from takes a checkpoint (or an output directory's newest) on purpose, another run's too;
+    # once this run has written checkpoints of its own, a restart resumes those.
+    resume_from: str = ""
+    # A resume whose data plan (data file, packing, batch_size, seed, buckets, held-out split) differs from the
+    # checkpoint's is refused naming the keys; true re-plans instead, from the start of the checkpoint's epoch.
+    replan_data: bool = False
     queue_size: int = 4
     on_thread_error: str = "stop"
     log_every: int = 1
@@ -212,14 +221,13 @@ class TrainerConfig:
             need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "an integer >= 1")
         need(self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0 (0: only on stop)")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "an integer >= 1")
-        need(self.lr > 0, "lr", "a positive number")
+        need(_finite_positive(self.lr), "lr", f"a finite positive number, got {self.lr!r}")
         if self.drafter_lrs is not None:
             need(self.drafter_mode == "independent", "drafter_lrs", "only with drafter_mode = 'independent'")
             need(
-                len(self.drafter_lrs) == len(self.drafter_devices)
-                and all(isinstance(x, (int, float)) and x > 0 for x in self.drafter_lrs),
+                len(self.drafter_lrs) == len(self.drafter_devices) and all(map(_finite_positive, self.drafter_lrs)),
                 "drafter_lrs",
-                f"one positive learning rate per drafter device ({len(self.drafter_devices)})",
+                f"one positive learning rate per drafter device ({len(self.drafter_devices)}), each finite",
             )
         need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
         need(not (self.packing and self.data == DATA_RANDOM), "packing", "needs conversations (random rows are full)")
@@ -256,7 +264,7 @@ class TrainerConfig:
             "adam_betas",
             f"got {self.adam_betas}; two numbers >= 0 and below 1, e.g. [0.9, 0.999]",
         )
-        need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
+        need(0 <= self.weight_decay < math.inf, "weight_decay", "a number >= 0, finite")
         need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
         need(self.nonfinite_grad_limit >= 1, "nonfinite_grad_limit", "an integer >= 1 (skipped steps in a row)")
         need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "a positive number of seconds")
@@ -306,6 +314,13 @@ class TrainerConfig:
                 + (f", required with nnodes = {self.nnodes}" if self.nnodes > 1 else ""),
             )
         need(self.tiny_hidden >= 32 and self.tiny_hidden % 16 == 0, "tiny_hidden", "a multiple of 16, >= 32")
+        system = system_directory(self.output_dir)
+        need(
+            system is None,
+            "output_dir",
+            f"{self.output_dir!r} is {system}; the run writes checkpoints/, events.jsonl and data_cache/ into it: "
+            "name a directory of its own, e.g. 'runs/NAME'",
+        )
         return self
 
     def target_depth(self) -> int | None:
@@ -352,6 +367,74 @@ def check_cuda_present(cfg: TrainerConfig) -> None:
         f"{key}: names {named}, but this machine has no CUDA device (no {NVIDIA_DEVICE_NODE}, no NVIDIA driver "
         'loaded); use ["cpu"] here or run on a GPU host'
     )
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words ("a directory", "a FIFO (named pipe)", ...)."""
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((words for test, words in kinds if test(mode)), "not a regular file")
+
+
+def data_file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a data file (the words after the path: "does not exist", "is a FIFO ..."), or None.
+    Only stat(), which never blocks: opening a FIFO would wait for a writer."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {file_kind(st.st_mode)}, not a regular file of JSON lines"
+    if st.st_size == 0:
+        return "is empty: no conversations to read"
+    return None
+
+
+def check_data_file(cfg: TrainerConfig) -> None:
+    """A ``data`` path that names no readable regular file is a config error, said before torch loads."""
+    if cfg.data in (DATA_SHIPPED, DATA_RANDOM) or cfg.target in TOKENIZERLESS_TARGETS:
+        return  # no file is read (a tokenizerless target trains on random tokens)
+    path = Path(cfg.data).expanduser()
+    problem = data_file_problem(path)
+    if problem is not None:
+        raise ConfigError(f"data: {path} {problem}")
+
+
+def _finite_positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+# Directories a run must not take as its output_dir (it writes and prunes inside it): the root, the system's own
+# directories, and everything under the kernel's pseudo file systems.
+SYSTEM_DIRECTORIES = frozenset(
+    {
+        *("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin"),
+        *("/sys", "/usr", "/usr/bin", "/usr/lib", "/usr/lib64", "/usr/local", "/usr/sbin", "/usr/share", "/var"),
+        *("/var/lib", "/var/log"),
+    }
+)
+PSEUDO_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
+
+
+def system_directory(path: str) -> str | None:
+    """What makes ``path`` no place for a run's files ("the root directory", "a system directory", ...), or None."""
+    if not path.strip():
+        return "empty"
+    resolved = Path(path).expanduser().resolve()
+    shown = str(resolved)
+    if shown == "/":
+        return "the root directory"
+    if shown in SYSTEM_DIRECTORIES:
+        return "a system directory" if shown == path else f"a system directory ({shown})"
+    inside = next((fs for fs in PSEUDO_FILE_SYSTEMS if resolved.is_relative_to(fs)), None)
+    return f"inside the kernel's {inside}" if inside else None
 
 
 def _cuda_index(device: str) -> int | None:
@@ -411,11 +494,19 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     wrong = f"{key}: expected {_expected(key, tp)}, got {_show(value)}"
     try:
         decoded = decode_as(tp, value)
-    except ProtocolError:
+    except (ProtocolError, OverflowError):  # OverflowError: an integer too large for a float
         raise ConfigError(wrong) from None
     if _has_nan(decoded):  # TOML can write nan, JSON cannot: the protocol's decoder never meets one
         raise ConfigError(wrong)
+    if _beyond_int64(decoded):  # Python's ints have no bound; torch's tensors, file names and counters do
+        raise ConfigError(f"{key}: {_show(value)} is out of range; integers run from -2**63 to 2**63 - 1")
     return decoded
+
+
+def _beyond_int64(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_beyond_int64(v) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63
 
 
 @functools.cache
@@ -443,6 +534,27 @@ def from_dict(values: dict[str, Any], base: TrainerConfig | None = None) -> Trai
             if key not in flat and not (key == "warmup_ratio" and "warmup_steps" in flat):
                 setattr(cfg, key, copy.deepcopy(value))
     return cfg.validate()
+
+
+class TomlBeyondLimits(ConfigError):
+    """TOML the parser gives up on though it is well formed: too many digits or too deep."""
+
+
+def _parse_toml(text: str) -> dict[str, Any]:
+    """``text`` parsed as TOML; a ConfigError saying why not, also where the parser itself gives up: an integer
+    longer than Python converts (its int string limit raises ValueError) or nesting deeper than it recurses."""
+    assert tomllib is not None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(exc)) from None
+    except ValueError as exc:
+        if "integer string conversion" not in str(exc):
+            raise ConfigError(str(exc)) from None
+        limit = sys.get_int_max_str_digits()
+        raise TomlBeyondLimits(f"an integer of more than {limit} digits") from None
+    except RecursionError:
+        raise TomlBeyondLimits("arrays or tables nested too deeply") from None
 
 
 # A Hugging Face target (a local directory) gets these where neither a preset nor the config sets the key: a drafter
@@ -489,9 +601,9 @@ def load_toml(path: str | Path, base: TrainerConfig | None = None) -> TrainerCon
         line = raw.count(b"\n", 0, exc.start) + 1
         raise ConfigError(f"{p}: not valid TOML: not UTF-8 text (byte {exc.start}, line {line})") from None
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{p}: not valid TOML: {exc}") from None  # the message ends "(at line L, column C)"
+        data = _parse_toml(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None  # TOML's own message ends "(at line L, column C)"
     try:
         preset_name = data.pop("preset", None)
         if preset_name is not None and base is None:
@@ -572,7 +684,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     if tomllib is None:  # pragma: no cover
         return key, raw
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+        value = _parse_toml(f"v = {raw}")["v"]
+    except TomlBeyondLimits as exc:
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise ConfigError(f"--set {shown!r}: {exc}") from None
+    except ConfigError:
         value = raw  # a bare string
     return key, value

@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -83,6 +84,9 @@ def overrides(variant: str, steps: int, out: Path, lr: float, seed: int = 0) -> 
 
 
 def train(variant: str, steps: int, out: Path, lr: float, seed: int = 0) -> float:
+    # The bench's own scratch directory, trained afresh: an output_dir holding a run's checkpoints is refused to
+    # a run with resume = false (engine/trainer/run/resume.py), so an earlier bench's are removed first.
+    shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", *overrides(variant, steps, out, lr, seed)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("SPECDEC_EVENTS", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,7 @@ COMMON = [
 
 def run(label: str, guard: bool, timeout_s: float, out: Path) -> dict[str, object]:
     run_dir = out / f"guard-{label}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own scratch run: resume = false refuses an old one
     args = [
         sys.executable,
         "-m",

@@ -182,3 +182,86 @@ def test_strict_data_ends_the_run_with_exit_2_naming_file_and_line_without_a_tra
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines()[-1].startswith(f"specdec-train: config error: strict_data: {data}:9: not JSON: ")
+
+
+@pytest.mark.parametrize(
+    "values,fragment",
+    [
+        ({"lr": math.inf}, "lr: a finite positive number, got inf"),
+        ({"lr": -math.inf}, "lr: a finite positive number, got -inf"),
+        (
+            {"drafter_mode": "independent", "drafter_lrs": [1e-3, math.inf], "drafter_devices": ["cpu", "cpu"]},
+            "drafter_lrs: one positive learning rate per drafter device (2), each finite",
+        ),
+        ({"weight_decay": math.inf}, "weight_decay: a number >= 0, finite"),
+        ({"lr": 10**400}, "lr: expected a number, got "),  # an integer no float holds
+        ({"steps": 10**30}, "steps: 1000000000000000000000000000000 (int) is out of range"),
+    ],
+    ids=["lr-inf", "lr-minus-inf", "drafter-lrs-inf", "weight-decay-inf", "lr-huge-int", "steps-beyond-int64"],
+)
+def test_learning_rates_must_be_finite_and_integers_must_fit_64_bits(values: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict(values)
+    assert str(err.value).startswith(fragment), str(err.value)
+
+
+@pytest.mark.parametrize("output_dir", ["/", "/etc", "/usr/", "/var/log", "/proc/self", "/sys/kernel", "~/../.."])
+def test_an_output_dir_that_is_the_root_or_a_system_directory_is_refused(output_dir: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict({"output_dir": output_dir})
+    assert str(err.value).startswith(f"output_dir: {output_dir!r} is "), str(err.value)
+    assert "name a directory of its own" in str(err.value)
+
+
+def test_an_output_dir_under_a_system_directory_or_relative_is_accepted(tmp_path: Path) -> None:
+    for ok in (str(tmp_path / "run"), "runs/x", "/var/tmp/specdec-run", "/usr/local/share/runs/a"):
+        assert from_dict({"output_dir": ok}).output_dir == ok
+
+
+HUGE_INT = "9" * 5000
+DEEP_ARRAY = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (f"steps = {HUGE_INT}\n", "not valid TOML: an integer of more than 4300 digits"),
+        (f"buckets = {DEEP_ARRAY}\n", "not valid TOML: arrays or tables nested too deeply"),
+        ("a = " + "{b = " * 3000 + "1" + "}" * 3000 + "\n", "not valid TOML: arrays or tables nested too deeply"),
+    ],
+    ids=["5000-digit-integer", "deep-array", "deep-inline-table"],
+)
+def test_a_toml_file_the_parser_gives_up_on_is_a_config_error_naming_it(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--set", f"steps={HUGE_INT}"], f"--set 'steps={'9' * 51}...': an integer of more than 4300 digits"),
+        (["--set", f"buckets={DEEP_ARRAY}"], f"--set 'buckets={'[' * 49}...': arrays or tables nested too deeply"),
+        (["--set", "lr=inf"], "lr: a finite positive number, got inf"),
+        (["--set", "output_dir=/"], "output_dir: '/' is the root directory"),
+        (["--output-dir", "/etc"], "output_dir: '/etc' is a system directory"),
+    ],
+    ids=["set-huge-int", "set-deep", "set-lr-inf", "set-output-root", "output-dir-etc"],
+)
+def test_the_cli_refuses_huge_integers_deep_nesting_and_bad_values_in_one_line(args: list[str], line: str) -> None:
+    done = _train("--preset", "cpu-demo", *args, "--print-config")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.startswith(f"specdec-train: config error: {line}"), done.stderr
+
+
+def test_the_cli_refuses_a_config_file_with_a_5000_digit_integer_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_text(f'preset = "cpu-demo"\nsteps = {HUGE_INT}\n')
+    done = _train("--config", str(path), "--print-config")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == f"specdec-train: config error: {path}: not valid TOML: an integer of more than 4300 digits\n"

@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-CACHE_FORMAT = 1  # bump when TokenizedCorpus or the mask rule changes: older files are then rebuilt
+from engine.trainer.data.rows import LoadingStopped, open_regular
+
+# Bump when TokenizedCorpus, the mask rule or the rows read change: older files are then rebuilt. 2: rows past
+# data/rows.py's limits (size, turns) and rows that are not UTF-8 are skipped, no longer tokenized or replaced.
+CACHE_FORMAT = 2
 READ_CHUNK_BYTES = 1 << 20
 
 
@@ -49,12 +53,25 @@ class TokenizedCorpus:
         return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
+# sha256 per (device, inode, size, mtime): a run's start hashes its data twice (the data plan, the cache key).
+_SHA256_SEEN: dict[tuple[int, int, int, int], str] = {}
+
+
+def file_sha256(path: Path, should_stop: Callable[[], str | None] | None = None) -> str:
+    """The sha256 of a regular file (data/rows.py's checks), remembered while the file is unchanged;
+    ``should_stop`` (a stop signal's name, or None) is asked every chunk: LoadingStopped."""
+    with open_regular(path) as f:
+        st = os.fstat(f.fileno())
+        seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if seen in _SHA256_SEEN:
+            return _SHA256_SEEN[seen]
+        h = hashlib.sha256()
         while chunk := f.read(READ_CHUNK_BYTES):
+            if should_stop is not None and (signal_name := should_stop()):
+                raise LoadingStopped(f"stopped ({signal_name}) while reading {path}")
             h.update(chunk)
-    return h.hexdigest()
+    _SHA256_SEEN[seen] = h.hexdigest()
+    return _SHA256_SEEN[seen]
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -70,13 +87,21 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def cache_key(tokenizer: Any, data: Path, *, max_tokens: int, eval_holdout: int, seed: int) -> dict[str, Any]:
+def cache_key(
+    tokenizer: Any,
+    data: Path,
+    *,
+    max_tokens: int,
+    eval_holdout: int,
+    seed: int,
+    should_stop: Callable[[], str | None] | None = None,
+) -> dict[str, Any]:
     return {
         "format": CACHE_FORMAT,
         "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template or "").encode()).hexdigest(),
-        "data_sha256": file_sha256(data),
+        "data_sha256": file_sha256(data, should_stop),
         "max_tokens": max_tokens,
         "eval_holdout": eval_holdout,
         "holdout_seed": seed,
@@ -144,9 +169,12 @@ def load_or_build(
     seed: int,
     build: Callable[[], TokenizedCorpus],
     say: Callable[[str], None] | None = None,
+    should_stop: Callable[[], str | None] | None = None,
 ) -> tuple[TokenizedCorpus, Path, bool]:
     """The cached corpus for this key, or ``build()`` written to the cache; returns (corpus, file, hit)."""
-    key = cache_key(tokenizer, data, max_tokens=max_tokens, eval_holdout=eval_holdout, seed=seed)
+    key = cache_key(
+        tokenizer, data, max_tokens=max_tokens, eval_holdout=eval_holdout, seed=seed, should_stop=should_stop
+    )
     path = cache_dir / f"tokenized-{_key_hash(key)}.pt"
     if path.exists():
         try:

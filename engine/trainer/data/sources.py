@@ -8,7 +8,6 @@ With ``packing`` a row of a bucket holds several conversations (data/packing.py)
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 from collections import Counter
@@ -23,6 +22,8 @@ from engine.trainer.config import ConfigError
 from engine.trainer.data.cache import TokenizedCorpus, load_or_build
 from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.packing import PackingPlan, pack_rows
+from engine.trainer.data.rows import SKIP_NOT_JSON as SKIP_NOT_JSON  # where the data tests and readers look
+from engine.trainer.data.rows import BadRow, LoadingStopped, check_turns, parse_row, read_rows
 
 ROLE_ALIASES: dict[str, str] = {
     "human": "user",
@@ -75,8 +76,8 @@ class BatchSource(Protocol):
 
 
 SKIP_NO_ASSISTANT = "no assistant turn"
-SKIP_NOT_JSON = "not JSON"
 SKIP_NOT_CONVERSATION = "not a conversation object"
+CONVERSATION_SHAPE = "conversations or messages: a list of turns"
 BAD_LINES_SHOWN = 5  # file:line of the first malformed lines, kept to show; the rest are only counted
 SKIP_TEMPLATE_ERROR = "chat template error"
 SKIP_EMPTY_MASK = "no assistant tokens after templating"
@@ -107,47 +108,46 @@ def load_conversations(
     *,
     strict: bool = False,
     bad_lines: list[str] | None = None,
+    should_stop: Callable[[], str | None] | None = None,
 ) -> list[list[dict[str, str]]]:
     """ShareGPT (``conversations: [{from, value}]``) or chat (``messages: [{role, content}]``) JSON lines.
 
-    Rows without an assistant turn are left out (counted in ``skipped``); so are malformed lines (not JSON, not a
-    conversation object), whose first few ``file:line: reason`` go to ``bad_lines``; ``strict`` raises DataError
-    at the first malformed line instead. The held-out split indexes the list this returns."""
+    Rows without an assistant turn are left out (counted in ``skipped``); so are the rows that cannot be read
+    (longer than ``rows.MAX_ROW_BYTES``, not UTF-8, not JSON, nested too deeply, a number too long, more than
+    ``rows.MAX_ROW_TURNS`` turns, not a conversation object), whose first few ``file:line: reason`` go to
+    ``bad_lines``; ``strict`` raises DataError at the first one instead. A long row is never held in memory
+    (data/rows.py). The held-out split indexes the list this returns."""
     convs: list[list[dict[str, str]]] = []
-    with Path(path).open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            turns: list[Any] | None = None
-            try:
-                turns = _turns(json.loads(line))
-                reason = SKIP_NOT_CONVERSATION
-                why = f"{SKIP_NOT_CONVERSATION} (conversations or messages: a list of turns)"
-            except json.JSONDecodeError as exc:
-                reason, why = SKIP_NOT_JSON, f"not JSON: {exc}"
+    for row in read_rows(path, should_stop=should_stop):
+        try:
+            turns = _turns(parse_row(row))
             if turns is None:
-                where = f"{path}:{lineno}: {why}"
-                if strict:
-                    raise DataError(f"strict_data: {where}")
-                if skipped is not None:
-                    skipped[reason] += 1
-                if bad_lines is not None and len(bad_lines) < BAD_LINES_SHOWN:
-                    bad_lines.append(where)
+                raise BadRow(SKIP_NOT_CONVERSATION, f"{SKIP_NOT_CONVERSATION} ({CONVERSATION_SHAPE})")
+            check_turns(turns)
+        except BadRow as bad:
+            where = f"{path}:{row.lineno}: {bad.detail}"
+            if strict:
+                raise DataError(f"strict_data: {where}") from None
+            if skipped is not None:
+                skipped[bad.reason] += 1
+            if bad_lines is not None and len(bad_lines) < BAD_LINES_SHOWN:
+                bad_lines.append(where)
+            continue
+        msgs: list[dict[str, str]] = []
+        for turn in turns:
+            role = ROLE_ALIASES.get(str(turn.get("from", turn.get("role", ""))).lower())
+            content = turn.get("value", turn.get("content"))
+            if role is None or not isinstance(content, str):
                 continue
-            msgs: list[dict[str, str]] = []
-            for turn in turns:
-                role = ROLE_ALIASES.get(str(turn.get("from", turn.get("role", ""))).lower())
-                content = turn.get("value", turn.get("content"))
-                if role is None or not isinstance(content, str):
-                    continue
-                msgs.append({"role": role, "content": content})
-            if any(m["role"] == "assistant" for m in msgs):
-                convs.append(msgs)
-            elif skipped is not None:
-                skipped[SKIP_NO_ASSISTANT] += 1
+            msgs.append({"role": role, "content": content})
+        if any(m["role"] == "assistant" for m in msgs):
+            convs.append(msgs)
+        elif skipped is not None:
+            skipped[SKIP_NO_ASSISTANT] += 1
     if not convs:
-        raise ValueError(f"{path}: no conversation with an assistant turn")
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted((skipped or {}).items()))
+        because = f" (skipped: {why})" if why else ""
+        raise ConfigError(f"data: {path}: no conversation with an assistant turn{because}")
     return convs
 
 
@@ -308,12 +308,14 @@ def build_corpus(
     seed: int,
     progress: Callable[[str], None] | None = None,
     strict: bool = False,
+    should_stop: Callable[[], str | None] | None = None,
 ) -> TokenizedCorpus:
     """Tokenize every conversation of ``path`` except the held-out ones, counting what is skipped and why, and
-    the trained token frequencies (the draft vocabulary's input), with a progress line every 10 %."""
+    the trained token frequencies (the draft vocabulary's input), with a progress line every 10 %. ``should_stop``
+    (a stop signal's name, or None) is asked between rows and between chunks: LoadingStopped."""
     skipped: Counter[str] = Counter()
     bad_lines: list[str] = []
-    convs = load_conversations(path, skipped, strict=strict, bad_lines=bad_lines)
+    convs = load_conversations(path, skipped, strict=strict, bad_lines=bad_lines, should_stop=should_stop)
     heldout = heldout_indices(len(convs), eval_holdout, seed)
     train = [c for i, c in enumerate(convs) if i not in heldout]
     eot = end_of_turn_marker(tokenizer)
@@ -324,6 +326,8 @@ def build_corpus(
     next_pct = PROGRESS_EVERY_PCT
     chunk = max(1, min(TOKENIZE_CHUNK, -(-len(train) // (100 // PROGRESS_EVERY_PCT))))
     for lo in range(0, len(train), chunk):
+        if should_stop is not None and (signal_name := should_stop()):
+            raise LoadingStopped(f"stopped ({signal_name}) while tokenizing {path}")
         for got in tokenize_conversations(tokenizer, train[lo : lo + chunk], eot):
             if isinstance(got, str):
                 skipped[got] += 1
@@ -390,6 +394,7 @@ class ConversationSource:
         progress: Callable[[str], None] | None = None,
         strict: bool = False,
         packing: bool = False,
+        should_stop: Callable[[], str | None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.batch_size = batch_size
@@ -409,6 +414,7 @@ class ConversationSource:
                 seed=seed,
                 progress=progress,
                 strict=strict,
+                should_stop=should_stop,
             )
 
         self.cache_hit = False
@@ -423,6 +429,7 @@ class ConversationSource:
                 seed=seed,
                 build=build,
                 say=progress,
+                should_stop=should_stop,
             )
         else:
             self.corpus = build()
@@ -433,7 +440,7 @@ class ConversationSource:
         self.heldout_indices = list(self.corpus.heldout)
         n = self.corpus.examples
         if n < batch_size:
-            raise ValueError(f"{path}: {n} usable conversations, fewer than batch_size {batch_size}")
+            raise ConfigError(f"batch_size: {path} has {n} usable conversations, fewer than batch_size {batch_size}")
         self.batches_per_epoch = n // batch_size
         self.plan: PackingPlan | None = None
         if packing:

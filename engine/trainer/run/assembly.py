@@ -158,9 +158,15 @@ def load_targets(
 
 
 def data_source(
-    cfg: TrainerConfig, tokenizer: Any, target_vocab_size: int, output_dir: Path, events: EventLog
+    cfg: TrainerConfig,
+    tokenizer: Any,
+    target_vocab_size: int,
+    output_dir: Path,
+    events: EventLog,
+    should_stop: Callable[[], str | None] | None = None,
 ) -> BatchSource:
-    """The training batches: random token ids, or the configured conversations tokenized (through the cache)."""
+    """The training batches: random token ids, or the configured conversations tokenized (through the cache).
+    ``should_stop`` (a stop signal's name, or None) ends the reading and tokenizing early: LoadingStopped."""
     if cfg.data == DATA_RANDOM or tokenizer is None:
         if cfg.packing:
             raise ConfigError(f"packing: needs conversations; target {cfg.target!r} has no tokenizer (random tokens)")
@@ -178,6 +184,7 @@ def data_source(
         progress=lambda text: events.stage("data", text),
         strict=cfg.strict_data,
         packing=cfg.packing,
+        should_stop=should_stop,
     )
     report_data(source, events)
     return source

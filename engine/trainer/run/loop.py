@@ -48,6 +48,7 @@ from engine.trainer.run.distributed import AGENT_DEATH_SIGNAL, CrossRank, Sharde
 from engine.trainer.run.distributed import start as start_distributed
 from engine.trainer.run.fp8_check import check_fp8_targets
 from engine.trainer.run.producer import DeviceBatch, Producer, Route
+from engine.trainer.run.resume import Claim, claim, data_identity, data_plan, epoch_start
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
 from engine.trainer.target.model import FrozenTarget, load_tokenizer
@@ -70,6 +71,7 @@ class ResumePoint:
     path: Path | None = None  # None: a fresh run
     meta: dict[str, Any] = field(default_factory=dict)
     states: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model name; a drafter that died has none
+    replan: bool = False  # the data plan changed (replan_data): the data position starts the checkpoint's epoch over
 
 
 class TrainingRun:
@@ -93,6 +95,8 @@ class TrainingRun:
         self.vocab: DraftVocab | None = None
         self.source: BatchSource | None = None
         self.resumed_from: Path | None = None
+        self.claim: Claim | None = None  # rank 0's: this run's id in output_dir and the checkpoint it resumes
+        self._data_plan: dict[str, Any] = {}  # recorded in each checkpoint (run/resume.py compares it on resume)
         self.last_checkpoint: Path | None = None  # the newest written (older ones are pruned: keep_checkpoints)
         self._ckpt_lock = threading.Lock()
         self.training_started_at: float | None = None
@@ -111,6 +115,10 @@ class TrainingRun:
         """Devices, the torchrun world, targets, data, vocabulary, drafters and their workers, producers: each
         from its factory in ``assembly``, in the order every rank follows (its barriers and broadcasts meet)."""
         cfg = self.cfg
+        if self.info.rank == 0:  # rank 0 resumes and writes checkpoints: it decides before anything loads
+            self.claim = claim(cfg, self.output_dir, should_stop=lambda: self._signalled)
+            for line in self.claim.said:
+                self.events.stage("checkpoint", line)
         configure_torch(cfg, self.events)
         tdevs, ddevs = devices_for(cfg, self.info)
         if self.info.launched:
@@ -121,6 +129,8 @@ class TrainingRun:
         tokenizer = load_tokenizer(cfg.target)
         self.targets = load_targets(cfg, tdevs, tokenizer, on_compile, self.events)
         self.source = self._load_data(tokenizer, self.targets[0].vocab_size)
+        if self.info.rank == 0:  # the data file's hash is the data cache's, already computed
+            self._data_plan = data_plan(cfg, data_identity(cfg, should_stop=lambda: self._signalled))
         resume = self._load_vocab(self.targets[0].vocab_size)
         self._ledgers = model_ledgers(cfg.drafter_mode, len(ddevs))
         drafters = self._build_drafters(ddevs)
@@ -178,7 +188,9 @@ class TrainingRun:
         first_on_node = self.cross is None or self.info.local_rank == 0
         if not first_on_node and self.cross is not None:
             self.cross.barrier("waiting for the data cache of the node's first rank")
-        source = data_source(self.cfg, tokenizer, target_vocab_size, self.output_dir, self.events)
+        source = data_source(
+            self.cfg, tokenizer, target_vocab_size, self.output_dir, self.events, should_stop=lambda: self._signalled
+        )
         if first_on_node and self.cross is not None:
             self.cross.barrier("the data cache of the node's first rank")
         return source
@@ -288,6 +300,8 @@ class TrainingRun:
         if state is None:
             return
         position = self._position_for(resume.meta, state_name, state)
+        if resume.replan:
+            position = self._epoch_start(resume.meta, state_name, state)
         if position is not None:
             state = {**state, "data_position": position}
         worker.restore_state(state)
@@ -365,7 +379,7 @@ class TrainingRun:
         assert self.source is not None
         package: ResumePoint | None = None
         if self.info.rank == 0:
-            latest = ckpt.latest_checkpoint(self.output_dir) if self.cfg.resume else None
+            latest = self.claim.checkpoint if self.claim is not None else None
             if latest is not None:
                 meta = ckpt.read_meta(latest)
                 states = {}
@@ -374,7 +388,8 @@ class TrainingRun:
                         states[name] = ckpt.load_drafter_state(latest, name)
                     except FileNotFoundError:
                         continue
-                package = ResumePoint(ckpt.load_vocab(latest), latest, meta, states)
+                replan = self.claim is not None and self.claim.replan
+                package = ResumePoint(ckpt.load_vocab(latest), latest, meta, states, replan=replan)
             else:
                 draft_size = min(self.cfg.draft_vocab_size, target_vocab_size)
                 vocab = build_draft_vocab(self.source, target_vocab_size, draft_size)
@@ -384,15 +399,33 @@ class TrainingRun:
         assert package is not None
         return package
 
-    def _position_for(self, meta: dict[str, Any], name: str, state: dict[str, Any]) -> dict[str, Any] | None:
-        """This rank's data position for model ``name`` from a checkpoint written by any number of ranks."""
-        old_world = int(meta.get("world_size") or 1)
+    @staticmethod
+    def _known_positions(meta: dict[str, Any], name: str, state: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Model ``name``'s data position per rank of the world that wrote the checkpoint (those recorded)."""
         by_rank = meta.get("rank_positions")
         if by_rank:
             positions = {int(r): (p or {}).get(name) for r, p in by_rank.items()}
         else:
             positions = {0: state.get("data_position")}
-        known = {r: p for r, p in positions.items() if p is not None}
+        return {r: p for r, p in positions.items() if p is not None}
+
+    def _epoch_start(self, meta: dict[str, Any], name: str, state: dict[str, Any]) -> dict[str, Any]:
+        """replan_data: this rank's position at the start of the checkpoint's epoch under this run's data plan."""
+        inner = getattr(self.source, "inner", self.source)  # a rank's ShardedSource wraps the whole data set
+        bpe = getattr(inner, "batches_per_epoch", None)
+        return epoch_start(
+            self._known_positions(meta, name, state),
+            int(meta.get("world_size") or 1),
+            meta.get("batches_per_epoch"),
+            bpe,
+            self.info.rank,
+            self.info.world_size,
+        )
+
+    def _position_for(self, meta: dict[str, Any], name: str, state: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's data position for model ``name`` from a checkpoint written by any number of ranks."""
+        old_world = int(meta.get("world_size") or 1)
+        known = self._known_positions(meta, name, state)
         if len(known) != old_world:
             return None  # an older checkpoint: the worker's own fallbacks apply
         if old_world == self.info.world_size:
@@ -421,7 +454,11 @@ class TrainingRun:
             rank_positions = self.cross.positions.get(step)
             if rank_positions is None:
                 raise RuntimeError(f"no data positions were gathered from the ranks for step {step}")
+        inner = getattr(self.source, "inner", self.source)
         meta = {
+            "run_id": self.claim.run_id if self.claim is not None else None,
+            "data_plan": self._data_plan,
+            "batches_per_epoch": getattr(inner, "batches_per_epoch", None),
             "world_size": self.info.world_size,
             "rank_positions": rank_positions,
             "config": self.cfg.to_dict(),
@@ -436,7 +473,13 @@ class TrainingRun:
         }
         with self._ckpt_lock:
             path = ckpt.save_checkpoint(
-                self.output_dir, step, states, meta, self.vocab.draft_to_target, self.cfg.keep_checkpoints
+                self.output_dir,
+                step,
+                states,
+                meta,
+                self.vocab.draft_to_target,
+                self.cfg.keep_checkpoints,
+                run_id=self.claim.run_id if self.claim is not None else None,
             )
             self.last_checkpoint = path
         self.events.emit(CheckpointEvent(step=step, path=str(path)))

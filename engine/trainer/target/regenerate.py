@@ -6,7 +6,7 @@ server asks it to predict the target, whose replies differ (the ``tiny-trained``
 therefore regenerate the assistant turns with the target before training; this is that step.
 
     specdec-train regenerate --target tiny-trained --out regen.jsonl [--data shipped|FILE]
-        [--temperature 0] [--seed 0] [--batch-size 32] [--max-new-tokens 256] [--max-length 2048] [--device cpu]
+        [--temperature 0] [--seed 0] [--batch-size 32] [--max-new-tokens 2048] [--max-length 4096] [--device cpu]
 
 Each conversation keeps its system and user turns word for word and its turn structure; every assistant turn is
 replaced, in order, by the target's reply to the conversation so far (earlier turns already regenerated, as the
@@ -20,10 +20,16 @@ channels in each reply) is refused (exit 2). Batched across conversations, one t
 The output is chat JSON lines (``{"messages": [{role, content}], "source_line": N}``) in input order, which any
 run takes as ``data = "/path/regen.jsonl"``. Progress goes to stderr. It is resumable: ``<out>.progress.json``
 records the rows done and the output's length after every batch, and a second run with the same settings goes on
-from there (other settings: an error, unless ``--restart``). Rows that cannot be regenerated are left out and
-counted by reason (not JSON, no user turn before an assistant turn, no assistant turn, prompt too long for
-``--max-length``); a reply that reaches ``--max-new-tokens`` is kept, cut, and counted.
-Exit codes: 0 done, 2 bad arguments or settings that differ from the run being resumed.
+from there (other settings, the batch size included: an error, unless ``--restart``); a progress file that does
+not agree with the source and the output (a row written twice, an offset past the output's end) is refused naming
+the key. ``--out`` is never the ``--data`` file (nor a link to it), nor a file regenerate did not write, unless
+``--restart``. Rows that cannot be regenerated are left out and counted by reason (longer than 1 MiB, more than
+1024 turns, not UTF-8, not JSON, no user turn before an assistant turn, no assistant turn, a chat template error
+or a prompt too long for ``--max-length`` at the first turn); a conversation whose prompt is too long (or refused
+by the template) at a later turn keeps the turns before it, regenerated. A reply that reaches ``--max-new-tokens``
+(by default the longest training bucket) is kept, cut, and counted.
+Exit codes: 0 done, 2 bad arguments, a data path that is no regular file, or a progress file or settings that
+differ from the run being resumed.
 """
 
 from __future__ import annotations
@@ -42,16 +48,25 @@ from typing import Any
 
 import torch
 
-from engine.trainer.data.sources import ROLE_ALIASES, shipped_corpus_path
+from engine.trainer.config import PRESETS, TrainerConfig, data_file_problem, file_kind
+from engine.trainer.data.rows import SKIP_NOT_JSON as SKIP_NOT_JSON  # a reason rows are counted under
+from engine.trainer.data.rows import BadRow, Row, check_turns, read_rows
+from engine.trainer.data.rows import parse_row as parse_json_row
+from engine.trainer.data.sources import ROLE_ALIASES, SKIP_TEMPLATE_ERROR, shipped_corpus_path
 from engine.trainer.target.stops import first_stop, target_stop_ids
 
-SKIP_NOT_JSON = "not JSON"
 SKIP_NO_USER = "no user turn before an assistant turn"
 SKIP_NO_ASSISTANT = "no assistant turn"
 SKIP_TOO_LONG = "prompt too long for --max-length"
 NOTE_CUT = "replies cut at --max-new-tokens"
 NOTE_EMPTY = "empty replies"
+NOTE_KEPT_BEFORE_LONG = "conversations kept up to a turn whose prompt was too long"
+NOTE_KEPT_BEFORE_TEMPLATE = "conversations kept up to a turn the chat template refused"
 PROGRESS_SUFFIX = ".progress.json"
+# A reply may be as long as the longest training bucket (a preset's or the default config's): what training sees of
+# a reply is never cut here first. A prompt may be as long again: a longer one would be cut by training anyway.
+LONGEST_BUCKET = max(max(TrainerConfig().buckets), *(max(p.get("buckets", [0])) for p in PRESETS.values()))
+DEFAULT_MAX_NEW_TOKENS = LONGEST_BUCKET
 
 Message = dict[str, str]
 Say = Callable[[str], None]
@@ -121,13 +136,15 @@ class Progress:
         )
 
 
-def parse_row(line: str) -> list[Message] | str:
-    """The conversation of one JSON line (ShareGPT or chat, roles normalised), or the reason it cannot be used."""
+def parse_row(row: Row) -> list[Message] | str:
+    """The conversation of one row (ShareGPT or chat, roles normalised), or the reason it cannot be used: a row
+    past data/rows.py's limits, not UTF-8, not JSON (or too deep, or a number too long), no turns to use."""
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return SKIP_NOT_JSON
-    turns = (row.get("conversations") or row.get("messages") or []) if isinstance(row, dict) else []
+        data = parse_json_row(row)
+        turns = (data.get("conversations") or data.get("messages") or []) if isinstance(data, dict) else []
+        check_turns(turns if isinstance(turns, list) else [])
+    except BadRow as bad:
+        return bad.reason
     msgs: list[Message] = []
     for turn in turns if isinstance(turns, list) else []:
         if not isinstance(turn, dict):
@@ -144,20 +161,15 @@ def parse_row(line: str) -> list[Message] | str:
     return msgs
 
 
-def source_rows(path: Path, start: int) -> Iterator[tuple[int, str]]:
-    """(row number, line) of the non-blank lines from row ``start`` on."""
-    with path.open(encoding="utf-8") as f:
-        row = 0
-        for line in f:
-            if not line.strip():
-                continue
-            if row >= start:
-                yield row, line
-            row += 1
+def source_rows(path: Path, start: int) -> Iterator[tuple[int, Row]]:
+    """(row number, row) of the non-blank lines from row ``start`` on; no row is held past data/rows.py's limit."""
+    for number, row in enumerate(read_rows(path)):
+        if number >= start:
+            yield number, row
 
 
-def batched(rows: Iterator[tuple[int, str]], size: int) -> Iterator[list[tuple[int, str]]]:
-    batch: list[tuple[int, str]] = []
+def batched(rows: Iterator[tuple[int, Row]], size: int) -> Iterator[list[tuple[int, Row]]]:
+    batch: list[tuple[int, Row]] = []
     for row in rows:
         batch.append(row)
         if len(batch) == size:
@@ -265,25 +277,40 @@ def harmony_template(tokenizer: Any) -> bool:
     return "<|channel|>" in str(getattr(tokenizer, "chat_template", "") or "")
 
 
-def regenerate_batch(replier: Replier, convs: list[list[Message]], seed: int, progress: Progress) -> list[bool]:
-    """Rewrites the assistant turns of ``convs`` in place, turn by turn across the batch; False for a
-    conversation whose prompt outgrew ``max_length`` (it is left out)."""
+def regenerate_batch(replier: Replier, convs: list[list[Message]], seed: int, progress: Progress) -> list[str | None]:
+    """Rewrites the assistant turns of ``convs`` in place, turn by turn across the batch. A conversation whose
+    prompt at turn k outgrows ``max_length`` (or that the chat template refuses there) keeps its first k turns,
+    already regenerated, and ends with the last of them; at turn 0 it is left out. Per conversation: None (kept),
+    or the reason it is left out."""
+    from jinja2 import TemplateError
+
     settings = replier.settings
-    alive = [True] * len(convs)
+    left_out: list[str | None] = [None] * len(convs)
+    ended = [False] * len(convs)
     turn = 0
     while True:
         todo: list[tuple[int, int, list[int]]] = []  # (conversation, message index, prompt ids)
         for c, conv in enumerate(convs):
             at = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
-            if not alive[c] or turn >= len(at):
+            if ended[c] or turn >= len(at):
                 continue
-            ids = replier.prompt(conv[: at[turn]])
-            if len(ids) + settings.max_new_tokens > settings.max_length:
-                alive[c] = False
+            try:
+                ids = replier.prompt(conv[: at[turn]])
+            except TemplateError:
+                ids, why, note = None, SKIP_TEMPLATE_ERROR, NOTE_KEPT_BEFORE_TEMPLATE
+            else:
+                why, note = SKIP_TOO_LONG, NOTE_KEPT_BEFORE_LONG
+            if ids is None or len(ids) + settings.max_new_tokens > settings.max_length:
+                ended[c] = True
+                if turn == 0:
+                    left_out[c] = why
+                else:
+                    del conv[at[turn - 1] + 1 :]  # ends with the last reply regenerated
+                    progress.notes[note] += 1
                 continue
             todo.append((c, at[turn], ids))
         if not todo:
-            return alive
+            return left_out
         replies = replier.replies([ids for _, _, ids in todo], seed * 1_000_003 + turn)
         for (c, i, _), (reply, cut) in zip(todo, replies, strict=True):
             convs[c][i] = {"role": "assistant", "content": replier.text(reply)}
@@ -294,19 +321,140 @@ def regenerate_batch(replier: Replier, convs: list[list[Message]], seed: int, pr
         turn += 1
 
 
-def load_progress(out: Path, settings: Settings, restart: bool) -> Progress:
-    """Where a previous run stopped (the output cut back to its last complete batch), or a fresh start."""
+class ProgressError(ValueError):
+    """``<out>.progress.json`` (or ``--out``) cannot be resumed from; the message names the file and the key."""
+
+
+PROGRESS_FILE_MAX_BYTES = 1 << 20  # a progress file holds counts: anything larger is not one
+PROGRESS_COUNTS = ("rows_done", "output_bytes", "written", "replies", "reply_tokens")
+OUTPUT_ROW_MAX_BYTES = 64 << 20  # the last output row is read back to check its source_line, up to this long
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63
+
+
+def read_progress(marker: Path) -> Progress:
+    """The progress file with every key checked (counts: integers >= 0; ``settings``: a table; ``skipped`` and
+    ``notes``: counts by reason); ProgressError naming the key."""
+
+    def wrong(key: str, why: str) -> ProgressError:
+        return ProgressError(f"{marker}: {key}: {why}; --restart to start over")
+
+    size = marker.stat().st_size
+    if size > PROGRESS_FILE_MAX_BYTES:
+        raise ProgressError(f"{marker}: not a progress file ({size} bytes); --restart to start over")
+    try:
+        data = json.loads(marker.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProgressError(f"{marker}: not a progress file ({type(exc).__name__}); --restart to start over") from None
+    if not isinstance(data, dict):
+        raise ProgressError(f"{marker}: not a progress file (not a JSON object); --restart to start over")
+    if not isinstance(data.get("settings"), dict):
+        raise wrong("settings", "missing, or not a table of settings")
+    for key in PROGRESS_COUNTS:
+        value = data.get(key, None if key in ("rows_done", "output_bytes") else 0)
+        if not _count(value):
+            raise wrong(key, f"expected an integer >= 0, got {json.dumps(value)[:40]}")
+    for key in ("skipped", "notes"):
+        value = data.get(key, {})
+        if not isinstance(value, dict) or not all(_count(n) for n in value.values()):
+            raise wrong(key, "expected counts by reason (integers >= 0)")
+    return Progress.from_dict(data)
+
+
+def output_rows(out: Path, end: int) -> tuple[int, int | None]:
+    """(rows, the last row's source_line or None) of ``out``'s first ``end`` bytes, which must end a row; read in
+    chunks. ProgressError when ``end`` is not at the end of a row."""
+    rows, last_start = 0, 0
+    with out.open("rb") as f:
+        at = 0
+        while at < end:
+            chunk = f.read(min(1 << 20, end - at))
+            if not chunk:
+                break
+            rows += chunk.count(b"\n")
+            newline = chunk.rfind(b"\n", 0, len(chunk) - 1 if at + len(chunk) == end else len(chunk))
+            if newline >= 0:
+                last_start = at + newline + 1
+            at += len(chunk)
+        if end and (f.seek(end - 1) < 0 or f.read(1) != b"\n"):
+            raise ProgressError(f"output_bytes: {end} is not at the end of a row of {out}; --restart to start over")
+        if not end or end - last_start > OUTPUT_ROW_MAX_BYTES:
+            return rows, None
+        f.seek(last_start)
+        try:
+            line = json.loads(f.read(end - last_start))
+        except (ValueError, RecursionError):
+            return rows, None
+    source_line = line.get("source_line") if isinstance(line, dict) else None
+    return rows, source_line if _count(source_line) else None
+
+
+def check_resume_point(progress: Progress, out: Path, marker: Path, total: int) -> None:
+    """The recorded position agrees with the source and the output, so a resume neither writes a row twice nor
+    pads the output (a tampered or foreign progress file); ProgressError naming the key."""
+
+    def wrong(key: str, why: str) -> ProgressError:
+        return ProgressError(f"{marker}: {key}: {why}; --restart to start over")
+
+    size = out.stat().st_size if out.is_file() else None
+    if size is None:
+        raise wrong("output_bytes", f"{progress.output_bytes}, but {out} is not there")
+    if progress.output_bytes > size:
+        raise wrong("output_bytes", f"{progress.output_bytes}, but {out} holds {size} bytes")
+    if progress.rows_done > total:
+        raise wrong("rows_done", f"{progress.rows_done}, but the source has {total} rows")
+    accounted = progress.written + sum(progress.skipped.values())
+    if accounted != progress.rows_done:
+        raise wrong(
+            "rows_done",
+            f"{progress.rows_done}, but {progress.written} written and {accounted - progress.written} skipped "
+            f"make {accounted}",
+        )
+    try:
+        rows, last_line = output_rows(out, progress.output_bytes)
+    except ProgressError as exc:
+        raise ProgressError(f"{marker}: {exc}") from None
+    if rows != progress.written:
+        raise wrong("written", f"{progress.written}, but the first {progress.output_bytes} bytes of {out} hold {rows}")
+    if last_line is not None and last_line > progress.rows_done:
+        raise wrong("rows_done", f"{progress.rows_done}, but {out} already holds row {last_line}")
+
+
+def load_progress(out: Path, settings: Settings, restart: bool, *, batch_size: int = 0, total: int = 0) -> Progress:
+    """Where a previous run stopped (the output cut back to its last complete batch, every recorded key checked
+    against the settings, the source's ``total`` rows and the output), or a fresh start. The batch size is a
+    setting: the batches' boundaries decide their sampling seeds."""
     marker = out.with_name(out.name + PROGRESS_SUFFIX)
+    expected = {**settings.as_dict(), "batch_size": batch_size}
     if restart or not marker.is_file():
+        if not restart and out.is_file() and out.stat().st_size:
+            raise ProgressError(
+                f"{out} holds {out.stat().st_size} bytes and has no {marker.name}: not an output of regenerate to "
+                "resume; --restart writes over it, or name a new --out"
+            )
         out.write_bytes(b"")
-        return Progress(settings=settings.as_dict())
-    progress = Progress.from_dict(json.loads(marker.read_text(encoding="utf-8")))
-    if progress.settings != settings.as_dict():
-        differ = sorted(k for k, v in settings.as_dict().items() if progress.settings.get(k) != v)
+        return Progress(settings=expected)
+    progress = read_progress(marker)
+    if progress.settings != expected:
+        differ = sorted(k for k, v in expected.items() if progress.settings.get(k) != v)
+        differ += sorted(k for k in progress.settings if k not in expected)
         raise ValueError(f"{out} was started with other settings ({', '.join(differ)}); --restart to start over")
+    check_resume_point(progress, out, marker, total)
     with out.open("r+b") as f:  # a batch written after the last marker update is dropped and done again
         f.truncate(progress.output_bytes)
     return progress
+
+
+def check_out(source: Path, out: Path) -> None:
+    """``--out`` must not be the ``--data`` file (nor a link to it, nor another name of it): regenerating writes
+    the output from its first byte while it reads the source. Nor a FIFO, device or directory."""
+    same = out.resolve() == source.resolve() or (out.exists() and os.path.samefile(out, source))
+    if same:
+        raise ValueError(f"--out {out} is the --data file {source.resolve()}: it would write over its input")
+    if out.exists() and not out.is_file():
+        raise ValueError(f"--out {out} is {file_kind(out.stat().st_mode)}, not a regular file")
 
 
 def save_progress(out: Path, progress: Progress) -> None:
@@ -317,8 +465,9 @@ def save_progress(out: Path, progress: Progress) -> None:
 
 
 def regenerate(replier: Replier, source: Path, out: Path, *, batch_size: int, restart: bool, say: Say) -> Progress:
-    progress = load_progress(out, replier.settings, restart)
+    check_out(source, out)
     total = sum(1 for _ in source_rows(source, 0))
+    progress = load_progress(out, replier.settings, restart, batch_size=batch_size, total=total)
     if progress.rows_done:
         say(f"resuming at row {progress.rows_done}/{total} ({progress.written} conversations written)")
     t0 = time.perf_counter()
@@ -326,17 +475,17 @@ def regenerate(replier: Replier, source: Path, out: Path, *, batch_size: int, re
     with out.open("ab") as f:
         for batch in batched(source_rows(source, progress.rows_done), batch_size):
             usable: list[tuple[int, list[Message]]] = []
-            for row, line in batch:
+            for number, line in batch:
                 parsed = parse_row(line)
                 if isinstance(parsed, str):
                     progress.skipped[parsed] += 1
                 else:
-                    usable.append((row, parsed))
+                    usable.append((number, parsed))
             convs = [conv for _, conv in usable]
-            kept = regenerate_batch(replier, convs, replier.settings.seed + batch[0][0], progress) if convs else []
-            for (row, _), conv, ok in zip(usable, convs, kept, strict=True):
-                if not ok:
-                    progress.skipped[SKIP_TOO_LONG] += 1
+            left_out = regenerate_batch(replier, convs, replier.settings.seed + batch[0][0], progress) if convs else []
+            for (row, _), conv, why in zip(usable, convs, left_out, strict=True):
+                if why is not None:
+                    progress.skipped[why] += 1
                     continue
                 f.write((json.dumps({"messages": conv, "source_line": row + 1}) + "\n").encode())
                 progress.written += 1
@@ -392,13 +541,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled at it")
     ap.add_argument("--seed", type=int, default=0, help="the sampling seed")
     ap.add_argument("--batch-size", type=int, default=32, help="conversations answered together")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply, in tokens")
-    ap.add_argument("--max-length", type=int, default=2048, help="prompt + reply tokens at most; longer: skipped")
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"the longest reply, in tokens (default {DEFAULT_MAX_NEW_TOKENS}: the longest training bucket)",
+    )
+    ap.add_argument(
+        "--max-length",
+        type=int,
+        help=f"prompt + reply tokens at most (default: --max-new-tokens + {LONGEST_BUCKET}); a conversation is kept "
+        "up to the last turn that fits",
+    )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--restart", action="store_true", help="start over, whatever was done before")
     ap.add_argument("--json", action="store_true", help="the final counts as one JSON object on stdout")
     args = ap.parse_args(argv)
+    if args.max_length is None:
+        args.max_length = args.max_new_tokens + LONGEST_BUCKET
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
     for key in ("batch_size", "max_new_tokens", "max_length"):
@@ -416,8 +577,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regenerate: {line}", file=sys.stderr, flush=True)
 
     source = shipped_corpus_path() if args.data == "shipped" else Path(args.data).expanduser()
-    if not source.is_file():
-        print(f"specdec-train regenerate: {source}: no such file", file=sys.stderr)
+    try:
+        problem = data_file_problem(source)
+        if problem is not None:
+            raise ValueError(f"--data {source} {problem}")
+        check_out(source, args.out)
+    except (ValueError, OSError) as exc:
+        print(f"specdec-train regenerate: {exc}", file=sys.stderr)
         return 2
     settings = Settings(
         source=str(source.resolve()),
