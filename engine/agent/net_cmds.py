@@ -2,7 +2,7 @@
 
 Asked of every node: the address its SSH client reached it at. Asked of the first node with the others'
 addresses (``peers``) and a ``port``: the address it routes to them from and a port checked free here.
-Argument and result shapes: engine/protocol.py ``RendezvousReply``.
+Argument and result shapes: engine/protocol/replies.py ``RendezvousReply``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Agent commands that start, wait for, stop and inspect supervised runs (engine/supervisor).
 
 launch, wait, stop, restart, kill_stale, stacks, serve_check, runs, run_info: argument and result shapes in
-engine/protocol.py.
+engine/protocol/replies.py.
 Every command that names no run acts on the current one (<run_root>/current).
 """
 

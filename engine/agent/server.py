@@ -1,6 +1,6 @@
 """The agent's server: one long-lived process per client connection.
 
-Reads commands from stdin, writes events to stdout, one JSON object per line (engine/protocol.py), and runs
+Reads commands from stdin, writes events to stdout, one JSON object per line (engine/protocol/), and runs
 each command's handler in a thread of its own. Which handlers exist is not known here: the caller hands in
 the table (engine/agent/main.py passes engine/agent/commands.py's), so the command modules can name
 ``Agent`` without this module importing them.

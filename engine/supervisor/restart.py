@@ -19,7 +19,7 @@ checkpoint on its own (``resume = true``); any other command is simply run again
 most, then the run ends with the causes listed. ``stop`` cancels the policy: the wrapper restarts
 nothing after a stop, and a stop during the backoff ends the run at once.
 
-The table itself (keys, defaults, ``parse_policy``) is defined with the wire protocol (engine/protocol.py),
+The table itself (keys, defaults, ``parse_policy``) is defined with the wire protocol (engine/protocol/run_words.py),
 since the client checks a profile's table before it sends it. Stdlib only.
 """
 

@@ -298,7 +298,9 @@ def test_bundle_is_reproducible_has_no_tests_and_runs_as_a_zipapp(tmp_path: Path
     assert path.name == f"{ship.protocol.AGENT_VERSION}-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}.pyz"
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
-    assert "__main__.py" in names and "engine/protocol.py" in names and "engine/agent/main.py" in names
+    rooms = {f"engine/protocol/{room.name}" for room in (REPO / "engine" / "protocol").glob("*.py")}
+    assert "__main__.py" in names and "engine/agent/main.py" in names
+    assert "engine/protocol/__init__.py" in rooms and rooms <= set(names)  # every room of the protocol goes
     assert "engine/supervisor/wrapper.py" in names and "engine/trainer/__main__.py" in names
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/") or "__pycache__" in n]
     hello = subprocess.run(

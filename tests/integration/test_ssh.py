@@ -82,11 +82,12 @@ async def test_first_connect_ships_the_bundle_and_a_corrupt_one_is_replaced(sshd
     assert installed.name == f"{ship.protocol.AGENT_VERSION}-{bundle.sha256[:16]}.pyz"
     assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
     tree = installed.with_suffix("")
-    (tree / "engine" / "protocol.py").write_text("raise SystemExit('tampered')\n")  # the extracted copy is re-checked
+    wire = tree / "engine" / "protocol" / "wire.py"
+    wire.write_text("raise SystemExit('tampered')\n")  # the extracted copy is re-checked
     installed.write_bytes(b"#!/usr/bin/env python3\nraise SystemExit('tampered')\n")
     await connect_once()
     assert hashlib.sha256(installed.read_bytes()).hexdigest() == bundle.sha256
-    assert "tampered" not in (tree / "engine" / "protocol.py").read_text()
+    assert "tampered" not in wire.read_text()
     assert not [p for p in installed.parent.iterdir() if ".tmp" in p.name or ".old" in p.name]
 
 

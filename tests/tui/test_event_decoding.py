@@ -1,4 +1,4 @@
-"""Agent events are decoded once, at the session, into engine/protocol.py's dataclasses: every kind the client
+"""Agent events are decoded once, at the session, into engine.protocol's dataclasses: every kind the client
 reads round-trips through the wire unchanged, a line that is JSON but not the protocol becomes a visible
 ``Undecodable`` (never a crash, never silence), and the session keeps its stream positions either way."""
 

@@ -1,4 +1,4 @@
-"""Command replies are decoded once, where they arrive, into engine/protocol.py's dataclasses: a reply that does not
+"""Command replies are decoded once, where they arrive, into engine.protocol's dataclasses: a reply that does not
 fit says which field is wrong, and the CLI and the dashboard show that as a failed command, never a crash."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recorded agent events (wire-shaped dicts, per engine/protocol.py) and a session that records requests.
+"""Recorded agent events (wire-shaped dicts, per engine/protocol/agent_events.py) and a session that records requests.
 
 Used for deterministic snapshots and for key paths that need a state the real agent cannot be put
 in on this machine (a dead drafter thread, a phantom-busy GPU, a lost link). Tests only.

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
+import pkgutil
 import typing
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -83,6 +87,36 @@ def test_dataclasses_encode_as_objects() -> None:
 def test_malformed_commands_say_what_is_wrong(line: bytes, message: str) -> None:
     with pytest.raises(protocol.ProtocolError, match=message):
         protocol.parse_command(line)
+
+
+ROOMS = ("agent_events", "engine_events", "payloads", "replies", "run_words", "typed_json", "wire")
+
+
+def defined_names(path: str) -> set[str]:
+    """The public names a module's top level defines (classes, functions, assignments), from its source."""
+    names: set[str] = set()
+    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if not name.startswith("_") and name != "T"}  # T: from_json's type variable
+
+
+def test_every_public_name_of_every_room_is_re_exported_by_the_package() -> None:
+    """Callers import engine.protocol, never a room: each name a room defines reaches them through ``__all__``."""
+    assert tuple(m.name for m in pkgutil.iter_modules(protocol.__path__)) == ROOMS
+    exported: list[str] = []
+    for room in ROOMS:
+        module = importlib.import_module(f"engine.protocol.{room}")
+        assert module.__file__ is not None
+        defined = defined_names(module.__file__)
+        assert defined <= set(protocol.__all__), (room, sorted(defined - set(protocol.__all__)))
+        assert all(getattr(protocol, name) is getattr(module, name) for name in defined), room
+        exported += sorted(defined)
+    assert sorted(exported) == sorted(protocol.__all__)  # each name once, and nothing but the rooms' names
 
 
 def test_engine_event_kinds_are_the_dataclasses_kinds_each_written_once() -> None:

@@ -1,4 +1,4 @@
-"""The events a session's listeners receive: the agent's, decoded into engine/protocol.py's dataclasses, and the
+"""The events a session's listeners receive: the agent's, decoded into engine.protocol's dataclasses, and the
 session's own (its connection state, and a message it could not decode).
 
 Decoding happens once, where a line arrives (``tui.link.session.Session``); everything after it (the dashboard's models

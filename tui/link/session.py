@@ -5,7 +5,7 @@ to its listeners, measures the round trip with ``ping``, and, when the link brea
 capped exponential backoff plus jitter. After a reconnect the streams resume from the remembered
 log offset/inode and events.jsonl offset, so nothing is skipped or repeated.
 
-Every agent line is decoded here, once, into engine/protocol.py's dataclasses (tui/link/events.py): event
+Every agent line is decoded here, once, into engine.protocol's dataclasses (tui/link/events.py): event
 listeners (``add_event_listener``) get those, the session's own ``ConnectionEvent`` on every state change,
 and an ``Undecodable`` for a line that is JSON but not the protocol.
 """
@@ -86,7 +86,7 @@ class CommandFailed(Exception):
 
 
 class ReplyNotUnderstood(CommandFailed):
-    """A command's reply came but does not fit its dataclass (engine/protocol.py): the field and why."""
+    """A command's reply came but does not fit its dataclass (engine/protocol/replies.py): the field and why."""
 
 
 def typed_reply(reply: type[R], cmd: str, result: dict[str, Any]) -> R:
