@@ -19,7 +19,7 @@ from textual.markup import escape
 from textual.screen import Screen
 
 from engine import protocol
-from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.state import DashboardState, Dirty
 from tui.dashboard.widgets.charts import Charts
 from tui.dashboard.widgets.gpu_bars import GpuBars
 from tui.dashboard.widgets.log_tail import LogModel, LogPane
@@ -46,22 +46,26 @@ class NodesState:
         self.readonly = False  # watching only: said first on the run's line
         self.nodes = {label: DashboardState(label, max_log_lines=max_log_lines, clock=clock) for label in labels}
         self.log = LogModel(max_log_lines)
-        self.dirty: set[str] = set()
+        self.dirty: set[str] = set()  # the screen's own: Dirty.HEADER (its lines) and Dirty.LOG (the merged log)
+        self.node_dirty: dict[str, set[str]] = {label: set() for label in labels}  # each node's panes to draw
         self.failure_seen_at: float | None = None  # when the top line first named a failure (monotonic)
 
     def ingest(self, label: str, ev: ClientEvent) -> None:
         node = self.nodes[label]
         node.ingest(ev)
-        if "log" in node.dirty:
+        if Dirty.LOG in node.dirty:
             lines = node.log.take_unflushed()
             if lines:
                 self.log.add_lines([tag_line(label, line) for line in lines])
-                self.dirty.add("log")
-        if isinstance(ev, (protocol.RunEvent, ConnectionEvent, protocol.MilestoneEvent)):
-            self.dirty.add("header")
-        for part in node.dirty - {"log"}:
-            self.dirty.add(f"{part}:{label}")
+                self.dirty.add(Dirty.LOG)
+        if Dirty.HEADER in node.dirty or isinstance(ev, (protocol.RunEvent, ConnectionEvent, protocol.MilestoneEvent)):
+            self.dirty.add(Dirty.HEADER)
+        self.node_dirty[label].update(node.dirty - {Dirty.LOG, Dirty.HEADER})
         node.dirty.clear()
+
+    def changed(self) -> bool:
+        """Whether anything is left to draw: the screen's own lines or log, or a node's panes."""
+        return bool(self.dirty) or any(self.node_dirty.values())
 
     def parts(self) -> list[NodeRun]:
         """Each node's run for the combined state; a node whose link is not up counts as unreachable."""
@@ -132,7 +136,7 @@ class NodesScreen(Screen[None]):
             self.query_one(f"#charts-{i}", Charts).border_title = f"training · node {i} · {name}"
         self.query_one(LogPane).border_title = escape("log · every node, tagged [node] or [node/rank R] (/ filters)")
         self.ready = True
-        self.state.dirty.add("header")
+        self.state.dirty.add(Dirty.HEADER)
         self.apply()
 
     @property
@@ -144,23 +148,25 @@ class NodesScreen(Screen[None]):
         state = self.state
         dirty = set(state.dirty)
         state.dirty.clear()
-        if "header" in dirty or any(d.startswith("header:") for d in dirty):
+        if Dirty.HEADER in dirty:
             self._draw_header()
         for i, label in enumerate(state.labels):
-            node = state.nodes[label]
-            if f"gpus:{label}" in dirty:
+            node, node_dirty = state.nodes[label], state.node_dirty[label]
+            drawn = set(node_dirty)
+            node_dirty.clear()
+            if Dirty.GPUS in drawn:
                 bars = self.query_one(f"#gpus-{i}", GpuBars)
                 if node.gpus is not None:
                     bars.update_sample(node.gpus)
                 bars.update_anomalies(node.anomalies)
-            if f"procs:{label}" in dirty:
+            if Dirty.PROCS in drawn:
                 self.query_one(f"#procs-{i}", ProcTree).update_procs(node.procs)
-            if f"charts:{label}" in dirty or node.charts.dirty:
+            if Dirty.CHARTS in drawn or node.charts.dirty:
                 if charts_allowed:
                     self.query_one(f"#charts-{i}", Charts).redraw()
                 else:
-                    state.dirty.add(f"charts:{label}")
-        if "log" in dirty:
+                    node_dirty.add(Dirty.CHARTS)
+        if Dirty.LOG in dirty:
             self.log_pane.flush()
 
     def _draw_header(self) -> None:
