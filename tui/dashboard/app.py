@@ -28,7 +28,7 @@ from textual.theme import Theme
 from textual.widgets import Input
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
-from tui.dashboard import keys, live_reload, theming
+from tui.dashboard import keys, live_reload, panes, theming
 from tui.dashboard.controls import Handler, RunControl, ViewControl, action_table, run_external
 from tui.dashboard.messages import ConnectionChanged
 from tui.dashboard.plain import PlainNotices
@@ -260,7 +260,7 @@ class DashboardApp(PlainNotices):
     def on_connection_changed(self, message: ConnectionChanged) -> None:
         """Drawn at once, not on the next flush: a lost link must show immediately."""
         if self.screen_stack and self.dashboard.ready:
-            self.dashboard.query_one("#header").refresh()
+            self.dashboard.query_one(f"#{panes.HEADER.id}").refresh()
         if message.state == "connected" and self.session.agent:
             self.state.ingest(self.session.agent)
 

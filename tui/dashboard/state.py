@@ -1,8 +1,8 @@
 """What the dashboard knows of the host and the run, fed one decoded event at a time.
 
 ``DashboardState.ingest`` takes every event as it arrives (cheap: bounded models, latest-wins for samples) and
-marks in ``dirty`` which parts changed, by the keys of ``Dirty``; the screens draw the panes those keys name on
-their next flush.
+marks in ``dirty`` which parts changed, by the keys of ``Dirty``; the screens draw the panes those keys name
+(``tui/dashboard/panes.py``) on their next flush.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _METRIC_HINTS = ("step", "tok/s", "loss")
 
 
 class Dirty:
-    """The parts of the state that can change between two draws; each names the pane it redraws."""
+    """The parts of the state that can change between two draws; each names the pane (``panes.py``) it redraws."""
 
     HEADER: Final = "header"
     TIMELINE: Final = "timeline"

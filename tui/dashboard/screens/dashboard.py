@@ -1,10 +1,13 @@
 """The dashboard screen: header and timeline on top, GPUs and charts left, processes right, the log below.
 
-It draws ``DashboardState`` (``tui/dashboard/state.py``): ``DashboardScreen.apply`` draws the panes whose ``Dirty``
-keys changed, called by the app on its flush interval inside ``batch_update()``.
+Its panes are declared in ``tui/dashboard/panes.py`` and fed by ``DashboardState`` (``tui/dashboard/state.py``);
+``DashboardScreen.apply`` draws the panes whose ``Dirty`` keys changed, called by the app on its flush interval
+inside ``batch_update()``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from textual import events
 from textual.app import ComposeResult
@@ -14,28 +17,34 @@ from textual.screen import Screen
 from textual.widget import Widget
 
 from engine import protocol
+from tui.dashboard import panes
+from tui.dashboard.panes import Pane
 from tui.dashboard.state import DashboardState, Dirty
-from tui.dashboard.widgets.charts import Charts
 from tui.dashboard.widgets.footer import KeyFooter
-from tui.dashboard.widgets.gpu_bars import GpuBars
-from tui.dashboard.widgets.header import RunHeader
 from tui.dashboard.widgets.log_tail import LogPane
-from tui.dashboard.widgets.proc_tree import ProcTree
-from tui.dashboard.widgets.run_timeline import RunTimeline
 from tui.hosttext import printable
 
 NARROW_WIDTH = 80  # columns below which the process tree goes under the GPUs (80x24 keeps it beside them)
 SHORT_HEIGHT = 30  # rows below which the training pane is kept shorter, so the log keeps its rows
+# The order the panes are drawn in on a flush.
+PANES: tuple[Pane[DashboardState, Any], ...] = (
+    panes.HEADER,
+    panes.TIMELINE,
+    panes.GPUS,
+    panes.PROCS,
+    panes.LOG,
+    panes.CHARTS,
+)
 
 
 def training_title(run: protocol.RunInfo | None, width: int) -> str:
     """The training pane's title: the engine's output directory (what `specdec-train export` takes), its end kept
     when the path is longer than about half the screen's width."""
     if run is None or not run.output_dir:
-        return "training"
+        return panes.CHARTS.title
     path = printable(run.output_dir)
     room = max(12, width // 2 - 16)
-    return f"training · output {path if len(path) <= room else '…' + path[-(room - 1) :]}"
+    return f"{panes.CHARTS.title} · output {path if len(path) <= room else '…' + path[-(room - 1) :]}"
 
 
 class DashboardScreen(Screen[None]):
@@ -54,19 +63,19 @@ class DashboardScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         state = self.state
-        yield RunHeader(state.header, id="header")
-        yield RunTimeline(state.timeline, id="timeline")
+        yield panes.HEADER.compose(state)
+        yield panes.TIMELINE.compose(state)
         with Horizontal(id="upper"):
             with Vertical(id="left"):
-                yield GpuBars(id="gpus")
-                with Vertical(id="charts-box"):
-                    yield Charts(state.charts, id="charts")
-            yield ProcTree(state.health, state.clock, id="procs")
-        yield LogPane(state.log, id="log")
+                yield panes.GPUS.compose(state)
+                with Vertical(id="charts-box"):  # the charts scroll inside it, under its title
+                    yield panes.CHARTS.compose(state)
+            yield panes.PROCS.compose(state)
+        yield panes.LOG.compose(state)
         yield KeyFooter(self.keymap, id="footer")
 
     def on_mount(self) -> None:
-        self.query_one("#charts-box").border_title = "training"
+        self.query_one("#charts-box").border_title = panes.CHARTS.title
         self.ready = True
 
     def on_resize(self, event: events.Resize) -> None:
@@ -78,32 +87,14 @@ class DashboardScreen(Screen[None]):
         return self.query_one(LogPane)
 
     def apply(self, *, charts_allowed: bool) -> None:
-        """Draw what changed since the last call."""
+        """Draw what changed since the last call; charts only when ``charts_allowed``, else they stay dirty."""
         state = self.state
         dirty = state.dirty
-        if Dirty.HEADER in dirty:
-            self.query_one(RunHeader).refresh()
         if Dirty.TIMELINE in dirty:
-            self.query_one(RunTimeline).refresh()
             self.query_one("#charts-box").border_title = training_title(state.run, self.size.width)
-        if Dirty.GPUS in dirty:
-            bars = self.query_one(GpuBars)
-            if state.gpus is not None:
-                bars.update_sample(state.gpus)
-            bars.update_anomalies(state.anomalies)
-        if Dirty.PROCS in dirty:
-            tree = self.query_one(ProcTree)
-            tree.update_procs(state.procs)
-        if Dirty.LOG in dirty:
-            if state.follow_log:
-                state.follow_log = False
-                self.log_pane.tail.action_follow()
-            self.log_pane.flush()
-        keep: set[str] = set()
-        if Dirty.CHARTS in dirty or state.charts.dirty:
-            if charts_allowed:
-                self.query_one(Charts).redraw()
-            else:
-                keep.add(Dirty.CHARTS)
+        if Dirty.LOG in dirty and state.follow_log:
+            state.follow_log = False
+            self.log_pane.tail.action_follow()
+        keep = {pane.key for pane in PANES if pane.redraw(self, state, dirty, charts_allowed)}
         dirty.clear()
         dirty.update(keep)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -19,16 +20,17 @@ from textual.markup import escape
 from textual.screen import Screen
 
 from engine import protocol
+from tui.dashboard import panes
+from tui.dashboard.panes import Pane
 from tui.dashboard.state import DashboardState, Dirty
-from tui.dashboard.widgets.charts import Charts
-from tui.dashboard.widgets.gpu_bars import GpuBars
 from tui.dashboard.widgets.log_tail import LogModel, LogPane
-from tui.dashboard.widgets.proc_tree import ProcTree
 from tui.dashboard.widgets.text_line import TextLine
 from tui.hosttext import printable
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.nodes import NodeRun, combined_run, tag_line
 
+# What the screen shows of each node, in the order it draws them.
+NODE_PANES: tuple[Pane[DashboardState, Any], ...] = (panes.GPUS, panes.CHARTS, panes.PROCS)
 LINK_UP = "connected"
 LINK_DOWN = ("reconnecting", "failed", "disconnected")  # a node's link in these counts as unreachable
 NODES_KEYS = (
@@ -122,18 +124,17 @@ class NodesScreen(Screen[None]):
                 node = self.state.nodes[label]
                 with Horizontal(classes="node-row", id=f"node-{i}"):
                     with Vertical(classes="node-left"):
-                        yield GpuBars(id=f"gpus-{i}")
-                        yield Charts(node.charts, id=f"charts-{i}")
-                    yield ProcTree(node.health, node.clock, id=f"procs-{i}")
-        yield LogPane(self.state.log, id="log")
+                        yield panes.GPUS.compose(node, i)
+                        yield panes.CHARTS.compose(node, i)
+                    yield panes.PROCS.compose(node, i)
+        yield panes.LOG.compose(self.state)
         yield TextLine(NODES_KEYS, id="footer")
 
     def on_mount(self) -> None:
         for i, label in enumerate(self.state.labels):
             name = escape(printable(label))  # a border title is markup: a label's brackets stay text
-            self.query_one(f"#gpus-{i}", GpuBars).border_title = f"GPUs · node {i} · {name}"
-            self.query_one(f"#procs-{i}", ProcTree).border_title = f"processes · node {i} · {name}"
-            self.query_one(f"#charts-{i}", Charts).border_title = f"training · node {i} · {name}"
+            for pane in NODE_PANES:
+                self.query_one(f"#{pane.node_id(i)}").border_title = f"{pane.title} · node {i} · {name}"
         self.query_one(LogPane).border_title = escape("log · every node, tagged [node] or [node/rank R] (/ filters)")
         self.ready = True
         self.state.dirty.add(Dirty.HEADER)
@@ -152,22 +153,10 @@ class NodesScreen(Screen[None]):
             self._draw_header()
         for i, label in enumerate(state.labels):
             node, node_dirty = state.nodes[label], state.node_dirty[label]
-            drawn = set(node_dirty)
+            keep = {pane.key for pane in NODE_PANES if pane.redraw(self, node, node_dirty, charts_allowed, i)}
             node_dirty.clear()
-            if Dirty.GPUS in drawn:
-                bars = self.query_one(f"#gpus-{i}", GpuBars)
-                if node.gpus is not None:
-                    bars.update_sample(node.gpus)
-                bars.update_anomalies(node.anomalies)
-            if Dirty.PROCS in drawn:
-                self.query_one(f"#procs-{i}", ProcTree).update_procs(node.procs)
-            if Dirty.CHARTS in drawn or node.charts.dirty:
-                if charts_allowed:
-                    self.query_one(f"#charts-{i}", Charts).redraw()
-                else:
-                    node_dirty.add(Dirty.CHARTS)
-        if Dirty.LOG in dirty:
-            self.log_pane.flush()
+            node_dirty.update(keep)
+        panes.LOG.redraw(self, state, dirty, charts_allowed)
 
     def _draw_header(self) -> None:
         state = self.state
