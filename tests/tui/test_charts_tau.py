@@ -6,7 +6,7 @@ from typing import Any
 
 from textual.app import App, ComposeResult
 
-from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.state import DashboardState
 from tui.dashboard.widgets.charts import ChartModel, Charts
 from tui.link.events import decode
 

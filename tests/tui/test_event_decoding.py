@@ -11,7 +11,7 @@ import pytest
 from tui_recorded import healthy_events
 
 from engine import protocol
-from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.state import DashboardState
 from tui.link.events import ConnectionEvent, Undecodable, decode
 from tui.link.session import ConnectOptions, ReplyNotUnderstood, Session
 from tui.link.transport import LocalTransport, Target

@@ -9,7 +9,7 @@ from support.pilot import wait_until
 from tui_recorded import RUN_ID, T0, RecordingSession, engine_events, healthy_events, log_events, run
 
 from tui.dashboard.app import DashboardApp
-from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.state import DashboardState
 from tui.dashboard.widgets.footer import KeyFooter
 from tui.dashboard.widgets.log_tail import LogPane
 from tui.link.events import decode

@@ -81,7 +81,7 @@ async def test_threads_of_a_rank_not_in_the_process_table_are_grouped_by_rank() 
 
 
 def test_the_dashboard_header_and_timeline_name_the_failed_node_and_rank() -> None:
-    from tui.dashboard.screens.dashboard import DashboardState
+    from tui.dashboard.state import DashboardState
 
     state = DashboardState("local", clock=lambda: 100.0)
     cause = "rank 1 (node 1) failed or left the run; rank 0 (node 0) said: peer rank 1 (node 1, b pid 7) is gone"

@@ -8,7 +8,7 @@ from textual.app import App, ComposeResult
 
 from engine import protocol
 from tui.cli.monitor import format_status
-from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.state import DashboardState
 from tui.dashboard.widgets.header import RunHeader
 from tui.dashboard.widgets.run_timeline import RunTimeline
 from tui.link.events import decode

@@ -8,7 +8,7 @@ from typing import Any
 from textual.app import App, ComposeResult
 
 from engine import protocol
-from tui.dashboard.screens.dashboard import DashboardState
+from tui.dashboard.state import DashboardState
 from tui.dashboard.widgets.run_timeline import RunTimeline
 from tui.link.events import decode
 

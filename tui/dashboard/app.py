@@ -28,11 +28,12 @@ from textual.theme import Theme
 from textual.widgets import Input
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
-from tui.dashboard import keys, live_reload, theming
+from tui.dashboard import keys, live_reload, panes, theming
 from tui.dashboard.controls import Handler, RunControl, ViewControl, action_table, run_external
 from tui.dashboard.messages import ConnectionChanged
 from tui.dashboard.plain import PlainNotices
-from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
+from tui.dashboard.screens.dashboard import DashboardScreen
+from tui.dashboard.state import DashboardState, Dirty
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import AgentSession
 from tui.profiles import Profile, ProfileError, default_config_path, resolve_profile
@@ -259,7 +260,7 @@ class DashboardApp(PlainNotices):
     def on_connection_changed(self, message: ConnectionChanged) -> None:
         """Drawn at once, not on the next flush: a lost link must show immediately."""
         if self.screen_stack and self.dashboard.ready:
-            self.dashboard.query_one("#header").refresh()
+            self.dashboard.query_one(f"#{panes.HEADER.id}").refresh()
         if message.state == "connected" and self.session.agent:
             self.state.ingest(self.session.agent)
 
@@ -271,7 +272,7 @@ class DashboardApp(PlainNotices):
         state.header.rtt_ms = self.session.rtt_ms
         if state.header.state != self.session.state and self.session.state:
             state.header.state = self.session.state
-            state.dirty.add("header")
+            state.dirty.add(Dirty.HEADER)
         if not state.dirty and not state.notices:
             return
         self.flushes += 1
@@ -279,9 +280,9 @@ class DashboardApp(PlainNotices):
         charts_allowed = (
             force_charts or self.flush_interval_s is None or now - self._last_chart_draw >= self.chart_interval_s
         )
-        if charts_allowed and ("charts" in state.dirty or state.charts.dirty):
+        if charts_allowed and (Dirty.CHARTS in state.dirty or state.charts.dirty):
             self._last_chart_draw = now
-        sampled = state.gpus.t if state.gpus is not None and "gpus" in state.dirty else None
+        sampled = state.gpus.t if state.gpus is not None and Dirty.GPUS in state.dirty else None
         try:
             with self.batch_update():
                 self.dashboard.apply(charts_allowed=charts_allowed)

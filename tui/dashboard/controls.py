@@ -26,11 +26,12 @@ from engine import protocol
 from tui.dashboard import theming
 from tui.dashboard.attach import HerePlan, plan_here, tmux_literal
 from tui.dashboard.screens.confirm import Choice, ConfirmScreen
-from tui.dashboard.screens.dashboard import DashboardScreen, DashboardState
+from tui.dashboard.screens.dashboard import DashboardScreen
 from tui.dashboard.screens.help import HelpScreen
 from tui.dashboard.screens.kill_stale import KillStaleScreen
 from tui.dashboard.screens.runs import RUN_TAIL_LINES, RunsScreen
 from tui.dashboard.screens.stacks import StacksScreen
+from tui.dashboard.state import DashboardState, Dirty
 from tui.hosttext import printable
 from tui.link.session import AgentSession, typed_reply
 from tui.profiles import Profile, ProfileError
@@ -394,7 +395,7 @@ class RunControl:
     async def _resync(self) -> None:
         """Back from an attach: the loop was blocked meanwhile, so re-check the link and the run."""
         self.state.header.state = self.session.state
-        self.state.dirty.add("header")
+        self.state.dirty.add(Dirty.HEADER)
         if self.session.state != "connected":
             return  # the session's reconnect loop is at work; the header shows its attempts
         status = await self._request(protocol.StatusReply, "status", timeout_s=15.0)

@@ -25,6 +25,7 @@ from tui.dashboard.controls import RunControl, run_external
 from tui.dashboard.plain import PlainNotices
 from tui.dashboard.screens.confirm import Choice, ConfirmScreen
 from tui.dashboard.screens.nodes import NodesScreen, NodesState
+from tui.dashboard.state import Dirty
 from tui.hosttext import printable_lines
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.link.session import ConnectError
@@ -135,11 +136,11 @@ class NodesApp(PlainNotices):
             header = self.state.nodes[node.label].header
             if header.rtt_ms != node.session.rtt_ms:
                 header.rtt_ms = node.session.rtt_ms
-                self.state.dirty.add("header")
+                self.state.dirty.add(Dirty.HEADER)
             if node.session.state and header.state != node.session.state:
                 header.state = node.session.state
-                self.state.dirty.add("header")
-        if not self.state.dirty:
+                self.state.dirty.add(Dirty.HEADER)
+        if not self.state.changed():
             return
         now = time.monotonic()
         charts_allowed = now - self._last_chart_draw >= CHART_INTERVAL_S

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -19,16 +20,17 @@ from textual.markup import escape
 from textual.screen import Screen
 
 from engine import protocol
-from tui.dashboard.screens.dashboard import DashboardState
-from tui.dashboard.widgets.charts import Charts
-from tui.dashboard.widgets.gpu_bars import GpuBars
+from tui.dashboard import panes
+from tui.dashboard.panes import Pane
+from tui.dashboard.state import DashboardState, Dirty
 from tui.dashboard.widgets.log_tail import LogModel, LogPane
-from tui.dashboard.widgets.proc_tree import ProcTree
 from tui.dashboard.widgets.text_line import TextLine
 from tui.hosttext import printable
 from tui.link.events import ClientEvent, ConnectionEvent
 from tui.nodes import NodeRun, combined_run, tag_line
 
+# What the screen shows of each node, in the order it draws them.
+NODE_PANES: tuple[Pane[DashboardState, Any], ...] = (panes.GPUS, panes.CHARTS, panes.PROCS)
 LINK_UP = "connected"
 LINK_DOWN = ("reconnecting", "failed", "disconnected")  # a node's link in these counts as unreachable
 NODES_KEYS = (
@@ -46,22 +48,26 @@ class NodesState:
         self.readonly = False  # watching only: said first on the run's line
         self.nodes = {label: DashboardState(label, max_log_lines=max_log_lines, clock=clock) for label in labels}
         self.log = LogModel(max_log_lines)
-        self.dirty: set[str] = set()
+        self.dirty: set[str] = set()  # the screen's own: Dirty.HEADER (its lines) and Dirty.LOG (the merged log)
+        self.node_dirty: dict[str, set[str]] = {label: set() for label in labels}  # each node's panes to draw
         self.failure_seen_at: float | None = None  # when the top line first named a failure (monotonic)
 
     def ingest(self, label: str, ev: ClientEvent) -> None:
         node = self.nodes[label]
         node.ingest(ev)
-        if "log" in node.dirty:
+        if Dirty.LOG in node.dirty:
             lines = node.log.take_unflushed()
             if lines:
                 self.log.add_lines([tag_line(label, line) for line in lines])
-                self.dirty.add("log")
-        if isinstance(ev, (protocol.RunEvent, ConnectionEvent, protocol.MilestoneEvent)):
-            self.dirty.add("header")
-        for part in node.dirty - {"log"}:
-            self.dirty.add(f"{part}:{label}")
+                self.dirty.add(Dirty.LOG)
+        if Dirty.HEADER in node.dirty or isinstance(ev, (protocol.RunEvent, ConnectionEvent, protocol.MilestoneEvent)):
+            self.dirty.add(Dirty.HEADER)
+        self.node_dirty[label].update(node.dirty - {Dirty.LOG, Dirty.HEADER})
         node.dirty.clear()
+
+    def changed(self) -> bool:
+        """Whether anything is left to draw: the screen's own lines or log, or a node's panes."""
+        return bool(self.dirty) or any(self.node_dirty.values())
 
     def parts(self) -> list[NodeRun]:
         """Each node's run for the combined state; a node whose link is not up counts as unreachable."""
@@ -118,21 +124,20 @@ class NodesScreen(Screen[None]):
                 node = self.state.nodes[label]
                 with Horizontal(classes="node-row", id=f"node-{i}"):
                     with Vertical(classes="node-left"):
-                        yield GpuBars(id=f"gpus-{i}")
-                        yield Charts(node.charts, id=f"charts-{i}")
-                    yield ProcTree(node.health, node.clock, id=f"procs-{i}")
-        yield LogPane(self.state.log, id="log")
+                        yield panes.GPUS.compose(node, i)
+                        yield panes.CHARTS.compose(node, i)
+                    yield panes.PROCS.compose(node, i)
+        yield panes.LOG.compose(self.state)
         yield TextLine(NODES_KEYS, id="footer")
 
     def on_mount(self) -> None:
         for i, label in enumerate(self.state.labels):
             name = escape(printable(label))  # a border title is markup: a label's brackets stay text
-            self.query_one(f"#gpus-{i}", GpuBars).border_title = f"GPUs · node {i} · {name}"
-            self.query_one(f"#procs-{i}", ProcTree).border_title = f"processes · node {i} · {name}"
-            self.query_one(f"#charts-{i}", Charts).border_title = f"training · node {i} · {name}"
+            for pane in NODE_PANES:
+                self.query_one(f"#{pane.node_id(i)}").border_title = f"{pane.title} · node {i} · {name}"
         self.query_one(LogPane).border_title = escape("log · every node, tagged [node] or [node/rank R] (/ filters)")
         self.ready = True
-        self.state.dirty.add("header")
+        self.state.dirty.add(Dirty.HEADER)
         self.apply()
 
     @property
@@ -144,24 +149,14 @@ class NodesScreen(Screen[None]):
         state = self.state
         dirty = set(state.dirty)
         state.dirty.clear()
-        if "header" in dirty or any(d.startswith("header:") for d in dirty):
+        if Dirty.HEADER in dirty:
             self._draw_header()
         for i, label in enumerate(state.labels):
-            node = state.nodes[label]
-            if f"gpus:{label}" in dirty:
-                bars = self.query_one(f"#gpus-{i}", GpuBars)
-                if node.gpus is not None:
-                    bars.update_sample(node.gpus)
-                bars.update_anomalies(node.anomalies)
-            if f"procs:{label}" in dirty:
-                self.query_one(f"#procs-{i}", ProcTree).update_procs(node.procs)
-            if f"charts:{label}" in dirty or node.charts.dirty:
-                if charts_allowed:
-                    self.query_one(f"#charts-{i}", Charts).redraw()
-                else:
-                    state.dirty.add(f"charts:{label}")
-        if "log" in dirty:
-            self.log_pane.flush()
+            node, node_dirty = state.nodes[label], state.node_dirty[label]
+            keep = {pane.key for pane in NODE_PANES if pane.redraw(self, node, node_dirty, charts_allowed, i)}
+            node_dirty.clear()
+            node_dirty.update(keep)
+        panes.LOG.redraw(self, state, dirty, charts_allowed)
 
     def _draw_header(self) -> None:
         state = self.state

@@ -9,7 +9,7 @@ names its pid, and the tree groups each rank's threads under its process (``rank
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rich.console import RenderableType
@@ -271,9 +271,17 @@ class ProcTree(RowTracking):
         now = self.clock()
         out = Text(no_wrap=True, overflow="ellipsis")
         out.append("run", style=self._style("title"))
-        seen_threads: set[ThreadKey] = set()
         if not self.run_tree:
             out.append("\n  no run processes", style=self._style("muted"))
+        drawn = self._draw_run_tree(out, now)
+        self._draw_threads_without_process(out, drawn, now)
+        here = [h for h in self.holders if h.scope == "here"]
+        self._draw_stale_holders(out, [h for h in here if not h.in_run])
+        self._draw_foreign_holders(out, [h for h in self.holders if h.scope != "here"])
+        return self.track_rows(printable_rendered(out))
+
+    def _draw_run_tree(self, out: Text, now: float) -> set[ThreadKey]:
+        """Every process of the run under its parent; returns the threads drawn under one."""
         children: dict[int, list[protocol.ProcInfo]] = {}
         pids = {p.pid for p in self.run_tree}
         roots: list[protocol.ProcInfo] = []
@@ -282,86 +290,101 @@ class ProcTree(RowTracking):
                 children.setdefault(proc.ppid, []).append(proc)
             else:
                 roots.append(proc)
-
-        def engine_threads(proc: protocol.ProcInfo) -> bool:
-            rank = self.health.rank_pids.get(proc.pid, (None, None))[0]
-            return any((rank, t.name) in self.health.threads for t in proc.threads)
-
         # Before the first heartbeat the engine's threads are known only by their OS names: list every process's
         # named threads then; once heartbeats name the engine's threads, only those (a compile worker's CUDA
         # thread is not the user's business).
-        any_engine_threads = any(engine_threads(p) for p in self.run_tree)
-
-        def line(proc: protocol.ProcInfo, indent: str, like: list[protocol.ProcInfo]) -> None:
-            """One process row; ``like`` are its siblings with the same command, folded into it with a count."""
-            group = [proc, *like]
-            out.append(f"\n{indent}{proc.pid} ", style=self._style("muted"))
-            if like:  # the count before the command, which a narrow pane cuts
-                out.append(f"×{len(group)} ", style=self._style("title"))
-            out.append(printable(short_cmd(proc.cmd)[:60]), style=self._style("proc"))
-            details = []
-            cpu = [p.cpu_pct for p in group if p.cpu_pct is not None]
-            rss = [p.rss_mib for p in group if p.rss_mib is not None]
-            if cpu:
-                details.append(f"cpu {sum(cpu):.0f}%")
-            if rss:
-                details.append(f"rss {sum(rss):.0f} MiB")
-            if proc.state and not like:
-                details.append(printable(proc.state))
-            if details:
-                out.append("  " + "  ".join(details), style=self._style("muted"))
-
-        def foldable(proc: protocol.ProcInfo) -> bool:
-            """A leaf of the tree with no rank and no engine thread: a pool worker, folded with its twins."""
-            return proc.pid not in children and proc.pid not in self.health.rank_pids and not engine_threads(proc)
-
-        def walk(proc: protocol.ProcInfo, depth: int, like: list[protocol.ProcInfo] | None = None) -> None:
-            indent = "  " * (depth + 1)
-            line(proc, indent, like or [])
-            rank, node = self.health.rank_pids.get(proc.pid, (None, None))
-            if rank is not None:
-                out.append(
-                    f"  rank {rank}" + (f" (node {node})" if node is not None else ""), style=self._style("title")
-                )
-            argv0 = proc.cmd.split(" ", 1)[0].rsplit("/", 1)[-1]
-            named = [t for t in proc.threads if (rank, t.name) in self.health.threads]
-            if not named and not any_engine_threads:
-                named = [t for t in proc.threads if t.name not in ("", argv0)]
-            rows = thread_rows(named)[:MAX_THREAD_ROWS]
-            for i, row in enumerate(rows):
-                seen_threads.add((rank, row.name))
-                branch = "└ " if i == len(rows) - 1 else "├ "
-                self._thread_line(out, indent + branch, row.name, row.tid, now, rank, row.native)
-            twins: dict[str, list[protocol.ProcInfo]] = {}
-            for child in children.get(proc.pid, []):
-                if foldable(child):
-                    twins.setdefault(child.cmd, []).append(child)
-            folded: set[int] = set()
-            for child in children.get(proc.pid, []):
-                if child.pid in folded:
-                    continue
-                like = [c for c in twins.get(child.cmd, []) if c.pid != child.pid] if foldable(child) else []
-                folded.update(c.pid for c in like)
-                walk(child, depth + 1, like)
-
+        draw = _TreeDraw(out, now, children, any(self._has_engine_threads(p) for p in self.run_tree))
         for root in roots:
-            walk(root, 0)
-        orphans = sorted(
-            (key for key in self.health.threads if key not in seen_threads), key=lambda k: (k[0] or 0, k[1])
+            self._draw_process(draw, root, 0, [])
+        return draw.drawn
+
+    def _has_engine_threads(self, proc: protocol.ProcInfo) -> bool:
+        rank = self.health.rank_pids.get(proc.pid, (None, None))[0]
+        return any((rank, t.name) in self.health.threads for t in proc.threads)
+
+    def _foldable(self, draw: _TreeDraw, proc: protocol.ProcInfo) -> bool:
+        """A leaf of the tree with no rank and no engine thread: a pool worker, folded with its twins."""
+        return (
+            proc.pid not in draw.children
+            and proc.pid not in self.health.rank_pids
+            and not self._has_engine_threads(proc)
         )
-        if orphans:
-            out.append("\n  engine threads (from heartbeats)", style=self._style("muted"))
-            last_rank: int | None = None
-            for rank, name in orphans:
-                if rank is not None and rank != last_rank:
-                    names = ", ".join(n for r, n in orphans if r == rank)
-                    out.append(f"\n    rank {rank}: ", style=self._style("title"))
-                    out.append(printable(names[:100]), style=self._style("muted"))
-                    last_rank = rank
-                self._thread_line(out, "      " if rank is not None else "    ", name, None, now, rank)
-        here = [h for h in self.holders if h.scope == "here"]
-        foreign = [h for h in self.holders if h.scope != "here"]
-        stale, monitors = split_monitors([h for h in here if not h.in_run])
+
+    def _draw_process(
+        self, draw: _TreeDraw, proc: protocol.ProcInfo, depth: int, like: list[protocol.ProcInfo]
+    ) -> None:
+        """A process's row (``like``: its twins folded into it), its rank, its threads, then its children."""
+        indent = "  " * (depth + 1)
+        self._process_line(draw.out, proc, indent, like)
+        rank, node = self.health.rank_pids.get(proc.pid, (None, None))
+        if rank is not None:
+            draw.out.append(
+                f"  rank {rank}" + (f" (node {node})" if node is not None else ""), style=self._style("title")
+            )
+        self._draw_process_threads(draw, proc, rank, indent)
+        kids = draw.children.get(proc.pid, [])
+        twins: dict[str, list[protocol.ProcInfo]] = {}
+        for child in kids:
+            if self._foldable(draw, child):
+                twins.setdefault(child.cmd, []).append(child)
+        folded: set[int] = set()
+        for child in kids:
+            if child.pid in folded:
+                continue
+            child_like = (
+                [c for c in twins.get(child.cmd, []) if c.pid != child.pid] if self._foldable(draw, child) else []
+            )
+            folded.update(c.pid for c in child_like)
+            self._draw_process(draw, child, depth + 1, child_like)
+
+    def _process_line(self, out: Text, proc: protocol.ProcInfo, indent: str, like: list[protocol.ProcInfo]) -> None:
+        """One process row; ``like`` are its siblings with the same command, folded into it with a count."""
+        group = [proc, *like]
+        out.append(f"\n{indent}{proc.pid} ", style=self._style("muted"))
+        if like:  # the count before the command, which a narrow pane cuts
+            out.append(f"×{len(group)} ", style=self._style("title"))
+        out.append(printable(short_cmd(proc.cmd)[:60]), style=self._style("proc"))
+        details = []
+        cpu = [p.cpu_pct for p in group if p.cpu_pct is not None]
+        rss = [p.rss_mib for p in group if p.rss_mib is not None]
+        if cpu:
+            details.append(f"cpu {sum(cpu):.0f}%")
+        if rss:
+            details.append(f"rss {sum(rss):.0f} MiB")
+        if proc.state and not like:
+            details.append(printable(proc.state))
+        if details:
+            out.append("  " + "  ".join(details), style=self._style("muted"))
+
+    def _draw_process_threads(self, draw: _TreeDraw, proc: protocol.ProcInfo, rank: int | None, indent: str) -> None:
+        argv0 = proc.cmd.split(" ", 1)[0].rsplit("/", 1)[-1]
+        named = [t for t in proc.threads if (rank, t.name) in self.health.threads]
+        if not named and not draw.any_engine_threads:
+            named = [t for t in proc.threads if t.name not in ("", argv0)]
+        rows = thread_rows(named)[:MAX_THREAD_ROWS]
+        for i, row in enumerate(rows):
+            draw.drawn.add((rank, row.name))
+            branch = "└ " if i == len(rows) - 1 else "├ "
+            self._thread_line(draw.out, indent + branch, row.name, row.tid, draw.now, rank, row.native)
+
+    def _draw_threads_without_process(self, out: Text, drawn: set[ThreadKey], now: float) -> None:
+        """The engine's threads heartbeats name that no process row showed, by rank."""
+        orphans = sorted((key for key in self.health.threads if key not in drawn), key=lambda k: (k[0] or 0, k[1]))
+        if not orphans:
+            return
+        out.append("\n  engine threads (from heartbeats)", style=self._style("muted"))
+        last_rank: int | None = None
+        for rank, name in orphans:
+            if rank is not None and rank != last_rank:
+                names = ", ".join(n for r, n in orphans if r == rank)
+                out.append(f"\n    rank {rank}: ", style=self._style("title"))
+                out.append(printable(names[:100]), style=self._style("muted"))
+                last_rank = rank
+            self._thread_line(out, "      " if rank is not None else "    ", name, None, now, rank)
+
+    def _draw_stale_holders(self, out: Text, not_in_run: list[protocol.HolderInfo]) -> None:
+        """This machine's GPU holders outside the run: the stale ones a row each, the monitors on one line."""
+        stale, monitors = split_monitors(not_in_run)
         out.append("\n")
         out.append("stale GPU holders (not in this run)", style=self._style("title"))
         self._attribution_line(out)
@@ -383,6 +406,9 @@ class ProcTree(RowTracking):
             shown = ", ".join(f"{h.pid} {printable(_program(h.cmd))}" for h in monitors[:4])
             more = f" and {len(monitors) - 4} more" if len(monitors) > 4 else ""
             out.append(shown + more, style=self._style("muted"))
+
+    def _draw_foreign_holders(self, out: Text, foreign: list[protocol.HolderInfo]) -> None:
+        """GPU holders in other containers or on the host: shown, never stopped from here."""
         if foreign:
             out.append("\n")
             title = "other containers and the host (seen from the host, never stopped from here)"
@@ -396,4 +422,14 @@ class ProcTree(RowTracking):
             used = holder.used_mib
             out.append(f"{used:.0f} MiB  " if used is not None else "? MiB  ", style=self._style("muted"))
             out.append(printable((holder.cmd or "")[:50]), style=self._style("proc"))
-        return self.track_rows(printable_rendered(out))
+
+
+@dataclass
+class _TreeDraw:
+    """One drawing of the run's process tree: the text it writes to and what each process row needs."""
+
+    out: Text
+    now: float
+    children: dict[int, list[protocol.ProcInfo]]  # parent pid -> its processes in the run
+    any_engine_threads: bool  # heartbeats name some engine thread: only those are listed under a process
+    drawn: set[ThreadKey] = field(default_factory=set)  # the threads drawn under a process
