@@ -312,7 +312,10 @@ def compare(rows: list[dict[str, Any]], a_key: tuple[str, str], b_key: tuple[str
     if x is None or y is None:
         return {}
     gap, spread = x["tau_mean"] - y["tau_mean"], x["tau_sd"] + y["tau_sd"]
-    beyond = "no" if abs(gap) <= spread else ("yes, higher" if gap > 0 else "yes, lower")
+    if min(len(x["tau"]), len(y["tau"])) < 2:
+        beyond = "unknown (one seed: no spread)"
+    else:
+        beyond = "no" if abs(gap) <= spread else ("yes, higher" if gap > 0 else "yes, lower")
     return {"ratio": x["tau_mean"] / y["tau_mean"], "gap": gap, "spread": spread, "beyond_spread": beyond,
             "seeds": [len(x["tau"]), len(y["tau"])]}  # fmt: skip
 
