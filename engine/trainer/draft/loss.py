@@ -115,7 +115,7 @@ def acceptance_rates(
     m = mask.to(torch.float32)
     p_on_draft = torch.exp(target_logits.float() - target_lse_full.unsqueeze(-1))
     alpha = torch.minimum(p_on_draft, torch.softmax(logits.float(), dim=-1)).sum(dim=-1)
-    # log 1 = 0 where alpha is 0 (positions past the end): log(alpha) there would make 0 * inf = NaN gradients
+    # 0 where alpha is 0 (positions past the end), as SpecForge's where(alpha > 0, log alpha, 0), without a log(0)
     log_alpha = torch.log(torch.where(alpha > 0, alpha, torch.ones_like(alpha)))
     denominator = m.sum().clamp_min(LK_EPS)
     return (alpha * m).sum() / denominator, (log_alpha * m).sum() / denominator
