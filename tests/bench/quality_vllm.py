@@ -8,11 +8,12 @@ REQUEST: ``{"target", "drafters": [{"name", "dir"}], "k", "prompts": [[ids]], "m
 "max_model_len", "temperatures": [0.0, 1.0], "sampling_seed", "rejection_sample_method", "draft_sample_method"}``.
 Each drafter gets one ``LLM`` whose speculative config pins ``rejection_sample_method`` and ``draft_sample_method``
 (vLLM's defaults: standard, greedy); temperature 0 requests are greedy whatever those say, temperature > 0 requests
-are sampled with ``seed = sampling_seed + prompt index`` (repeatable; ``sampling_seed`` null: unseeded). The counters (``vllm:spec_decode_*``) are
-cumulative per LLM, so each temperature's figures are the difference across its ``generate`` call. One line per
-(drafter, temperature): ``RESULT {"name", "temperature", "spec_decode", "outputs", "generate_s", "load_s"}``, or
-``RESULT {"name", "error", "traceback_tail"}``. Only the standard library and vLLM are imported. A file with a
-``__main__`` guard: vLLM starts its engine core with spawn, which imports the main module again.
+are sampled with ``seed = sampling_seed + prompt index`` (repeatable; ``sampling_seed`` null: unseeded). The
+counters (``vllm:spec_decode_*``) are cumulative per LLM, so each temperature's figures are the difference across
+its ``generate`` call. One line per (drafter, temperature): ``RESULT {"name", "temperature", "spec_decode",
+"outputs", "generate_s", "load_s"}``, or ``RESULT {"name", "error", "traceback_tail"}``. Only the standard library
+and vLLM are imported. A file with a ``__main__`` guard: vLLM starts its engine core with spawn, which imports the
+main module again.
 """
 
 import gc
