@@ -46,6 +46,11 @@ DATA_SHIPPED = "shipped"
 LOSS_MEAN_ALL = "all_positions"
 LOSS_MEAN_MASKED = "masked_positions"
 LOSS_MEANS: tuple[str, ...] = (LOSS_MEAN_ALL, LOSS_MEAN_MASKED)
+# The drafter's loss (engine/trainer/draft/loss.py): soft cross-entropy, or an LK loss (the acceptance rate itself).
+LOSS_SOFT_CE = "soft_ce"
+LOSS_LK_LAMBDA = "lk_lambda"
+LOSS_LK_ALPHA = "lk_alpha"
+LOSSES: tuple[str, ...] = (LOSS_SOFT_CE, LOSS_LK_LAMBDA, LOSS_LK_ALPHA)
 # Decoder-layer counts of the built-in random targets whose depth this config knows without loading them.
 BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32, "tiny-trained": 8}  # = target.builtin.Recipe.layers
 
@@ -96,6 +101,11 @@ class TrainerConfig:
     # TTT step i rotates with positions arange(T) + i, as served; False only to compare against the old way.
     ttt_rope_offset: bool = True
     loss_mean: str = LOSS_MEAN_ALL  # loss_i / (B*T) as SpecForge, or "masked_positions": / (masked count)
+    # "soft_ce" (default), or an LK loss (SpecForge's lk_loss_type): "lk_lambda", the cross-entropy blended into
+    # 1 - acceptance by w = lk_kl_scale * exp(-lk_kl_decay * acceptance), or "lk_alpha", -log acceptance.
+    loss: str = LOSS_SOFT_CE
+    lk_kl_scale: float = 1.0
+    lk_kl_decay: float = 1.0
     lr: float = 1e-3
     drafter_lrs: list[float] | None = None  # independent mode: one learning rate per drafter (a sweep)
     schedule: str = "constant"
@@ -205,6 +215,18 @@ class TrainerConfig:
         one_of("cuda_streams", self.cuda_streams, CUDA_STREAMS)
         one_of("overlap_steps", self.overlap_steps, OVERLAP_STEPS)
         one_of("loss_mean", self.loss_mean, LOSS_MEANS)
+        one_of("loss", self.loss, LOSSES)
+        need(
+            math.isfinite(self.lk_kl_scale) and 0 < self.lk_kl_scale <= 1,
+            "lk_kl_scale",
+            f"got {self.lk_kl_scale}; the KL weight at zero acceptance, in (0, 1] (above 1 the acceptance term's "
+            "weight 1 - w turns negative)",
+        )
+        need(
+            math.isfinite(self.lk_kl_decay) and self.lk_kl_decay >= 0,
+            "lk_kl_decay",
+            f"got {self.lk_kl_decay}; a finite number >= 0 (how fast the KL weight falls as acceptance rises)",
+        )
         for key in ("target_devices", "drafter_devices"):
             devs = getattr(self, key)
             need(isinstance(devs, list) and len(devs) > 0, key, "a non-empty list of devices, e.g. ['cuda:0']")

@@ -20,8 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "tests" / "bench"
 
 
-def results(argv: list[str]) -> list[dict[str, Any]]:
-    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=240, check=False)
+def results(argv: list[str], timeout_s: int = 240) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=timeout_s, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert found, f"no RESULT line: {done.stdout[-2000:]} {done.stderr[-2000:]}"
@@ -65,3 +67,28 @@ def test_bench_engine_modes_run_on_the_cpu(mode: str, tmp_path: Path) -> None:
         assert res["target"]["kernel_ms"] > 0 and res["drafter"]["kernel_ms"] > 0
         assert res["target"]["by_category_ms"] and res["drafter"]["by_category_ms"]
         assert len(res["ttt_forward_ms"]) == 7  # one forward timing per TTT step
+
+
+@pytest.mark.slow
+def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_path: Path) -> None:
+    """The quality bench's own path (no SpecForge, no vLLM): our engine on the bench's batches, both losses, each
+    export counted by `specdec-train eval --export`, the table's rows and comparison."""
+    from engine.trainer.target.builtin import Recipe, ensure_built
+
+    small = ensure_built(Recipe(hidden=32, layers=8, head_dim=32, steps=6, batch_size=4, seq_len=32),
+                         root=tmp_path / "targets", progress=lambda _line: None)  # fmt: skip
+    out = tmp_path / "result.json"
+    argv = [str(BENCH / "bench_quality.py"), "--trainers", "ours", "--losses", "soft_ce,lk_lambda", "--steps", "2",
+            "--seeds", "0", "--data", "shipped", "--serve", "none", "--temperatures", "0", "--max-new-tokens", "4",
+            "--prompts", "4",
+            "--target-dir", str(small), "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    (res,) = results(argv, timeout_s=480)
+    assert res["cells"] == 2
+    report = json.loads(out.read_text())
+    assert report["target"]["recipe_hash"] == small.name and len(report["target"]["weights_sha256"]) == 64
+    rows = {(r["trainer"], r["loss"]): r for r in report["rows"]}
+    assert set(rows) == {("ours", "soft_ce"), ("ours", "lk_lambda")}
+    for row in rows.values():
+        assert row["sources"] == ["eval"] and row["steps"] == 2 and 1.0 <= row["tau_mean"] <= 4.0
+        assert len(row["per_position"]) == 3 and len(row["per_position_conditional"]) == 3
+    assert report["comparisons"]["ours lk_lambda/soft_ce T 0"]["beyond_spread"] == "unknown (one seed: no spread)"

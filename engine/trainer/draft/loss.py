@@ -22,6 +22,21 @@ saved 0.44 ms of a step's 2.33 ms forward and backward on an H100 (tests/bench/b
 row with ``lse_t = +inf`` has ``p = 0`` (the shifted tail).
 
 The total trained on is ``sum_i 0.8**i * loss_i`` (SpecForge's ``ploss_decay``).
+
+LK losses (``loss = "lk_lambda" | "lk_alpha"``; arXiv 2602.23881, SpecForge's ``lk_loss_type``, its
+``specforge/core/lk_loss.py``) train on the acceptance rate itself. Per position, with ``q = softmax(z)`` and
+``p~`` the target's probabilities of the draft tokens out of its WHOLE vocabulary (not renormalised: a served
+draft token outside the target's mass is rejected), ``alpha_bt = sum_v min(p~_btv, q_btv)`` is the probability
+that speculative sampling accepts the draft. ``A = sum m alpha / max(sum m, 1e-8)`` (and ``L`` the same mean of
+``log alpha``, 0 where ``alpha`` is 0) over the step's trained positions:
+
+* ``lk_alpha``: ``loss_i = -L``;
+* ``lk_lambda``: ``loss_i = w * CE_i + (1 - w) * (1 - A)`` with ``w = lk_kl_scale * exp(-lk_kl_decay * A)``
+  (``A`` detached in ``w``): the soft cross-entropy above while the drafter accepts little, the acceptance rate
+  once it accepts much.
+
+Both need the target's log-sum-exp over its whole vocabulary: with an LK loss the target hands ``lse`` over every
+token (``needs_full_vocab_lse``), and the cross-entropy part renormalises over the draft vocabulary itself.
 """
 
 from __future__ import annotations
@@ -30,7 +45,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.trainer.config import LOSS_MEAN_ALL, LOSS_MEAN_MASKED, LOSS_MEANS
+from engine.trainer.config import LOSS_LK_ALPHA, LOSS_LK_LAMBDA, LOSS_MEAN_ALL, LOSS_MEAN_MASKED, LOSS_MEANS, LOSSES
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -87,10 +102,65 @@ def soft_cross_entropy_masked_mean(
     return _soft_cross_entropy(logits, target_logits, target_lse, mask, loss_mask, LOSS_MEAN_MASKED)
 
 
-def loss_function(mean: str) -> LossFn:
-    """The loss function for the ``loss_mean`` config key (one of LOSS_MEANS)."""
+LK_EPS = 1e-8  # the acceptance means' denominator floor (SpecForge's _masked_mean eps)
+
+
+def acceptance_rates(
+    logits: torch.Tensor,  # (B, T, Vd): the drafter's
+    target_logits: torch.Tensor,  # (B, T, Vd): the target's over the draft vocabulary
+    target_lse_full: torch.Tensor,  # (B, T) float32: the log-sum-exp of ALL the target's logits (+inf: p = 0)
+    mask: torch.Tensor,  # (B, T): the position mask m
+) -> tuple[torch.Tensor, torch.Tensor]:  # A, L: each ()
+    """The masked means of ``alpha = sum_v min(p~, q)`` and of ``log alpha`` (0 where alpha is 0)."""
+    m = mask.to(torch.float32)
+    p_on_draft = torch.exp(target_logits.float() - target_lse_full.unsqueeze(-1))
+    alpha = torch.minimum(p_on_draft, torch.softmax(logits.float(), dim=-1)).sum(dim=-1)
+    # 0 where alpha is 0 (positions past the end), as SpecForge's where(alpha > 0, log alpha, 0), without a log(0)
+    log_alpha = torch.log(torch.where(alpha > 0, alpha, torch.ones_like(alpha)))
+    denominator = m.sum().clamp_min(LK_EPS)
+    return (alpha * m).sum() / denominator, (log_alpha * m).sum() / denominator
+
+
+def lk_loss(kind: str, mean: str, kl_scale: float = 1.0, kl_decay: float = 1.0) -> LossFn:
+    """The LK loss ``kind`` (LOSS_LK_LAMBDA or LOSS_LK_ALPHA) as a LossFn; its ``target_lse`` is over the
+    target's whole vocabulary (see the module docstring), its cross-entropy part normalised as ``mean`` says."""
+    if kind not in (LOSS_LK_LAMBDA, LOSS_LK_ALPHA):
+        raise ValueError(f"LK loss {kind!r}; allowed: {LOSS_LK_LAMBDA}, {LOSS_LK_ALPHA}")
     if mean not in LOSS_MEANS:
         raise ValueError(f"loss_mean {mean!r}; allowed: {', '.join(LOSS_MEANS)}")
+
+    def lk(
+        logits: torch.Tensor,
+        target_logits: torch.Tensor,
+        target_lse: torch.Tensor,
+        mask: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        accept, log_accept = acceptance_rates(logits, target_logits, target_lse, mask)
+        # the soft cross-entropy against the target renormalised over the draft vocabulary, and the top-1 counts
+        draft_lse = torch.logsumexp(target_logits.float(), dim=-1)
+        ce, correct, count = _soft_cross_entropy(logits, target_logits, draft_lse, mask, loss_mask, mean)
+        if kind == LOSS_LK_ALPHA:
+            return -log_accept, correct, count
+        weight = kl_scale * torch.exp(-kl_decay * accept.detach())
+        return weight * ce + (1 - weight) * (1 - accept), correct, count
+
+    return lk
+
+
+def needs_full_vocab_lse(kind: str) -> bool:
+    """Whether the loss ``kind`` reads the target's log-sum-exp over its whole vocabulary (the LK losses)."""
+    return kind in (LOSS_LK_LAMBDA, LOSS_LK_ALPHA)
+
+
+def loss_function(mean: str, kind: str = LOSSES[0], kl_scale: float = 1.0, kl_decay: float = 1.0) -> LossFn:
+    """The loss function for the ``loss_mean`` and ``loss`` config keys (LOSS_MEANS, LOSSES) and the LK knobs."""
+    if mean not in LOSS_MEANS:
+        raise ValueError(f"loss_mean {mean!r}; allowed: {', '.join(LOSS_MEANS)}")
+    if kind not in LOSSES:
+        raise ValueError(f"loss {kind!r}; allowed: {', '.join(LOSSES)}")
+    if needs_full_vocab_lse(kind):
+        return lk_loss(kind, mean, kl_scale, kl_decay)
     return soft_cross_entropy if mean == LOSS_MEAN_ALL else soft_cross_entropy_masked_mean
 
 

@@ -21,6 +21,7 @@ from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.data.vocab import DraftVocab
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.loss import needs_full_vocab_lse
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.distributed import map_devices
 from engine.trainer.run.fp8_check import keeps_exact_weights
@@ -144,6 +145,7 @@ def load_targets(
             fp8=cfg.target_fp8,
             keep_exact=keeps_exact_weights(cfg),
         )
+        target.full_vocab_lse = needs_full_vocab_lse(cfg.loss)  # an LK loss's acceptance (draft/loss.py)
         if cfg.compile and cfg.compile_target and dev.type == "cuda":
             target.compile()
         for fn in target.compiled_functions():

@@ -324,7 +324,7 @@ class WorkerSettings:
     log_every: int = 1  # a step event every log_every steps (and at step 1)
     checkpoint_every: int = 0  # 0: no periodic checkpoint (only at the end and on a stop)
     step_delay_s: float = 0.0
-    loss_fn: Callable[..., Any] = soft_cross_entropy  # loss.soft_cross_entropy or its masked-mean variant
+    loss_fn: Callable[..., Any] = soft_cross_entropy  # loss.soft_cross_entropy, its masked-mean variant or an LK loss
     packing: bool = False  # batches carry documents (packed rows): the warm-up batches do too
 
     @classmethod
@@ -342,7 +342,7 @@ class WorkerSettings:
             log_every=cfg.log_every,
             checkpoint_every=cfg.checkpoint_every,
             step_delay_s=cfg.step_delay_s,
-            loss_fn=loss_function(cfg.loss_mean),
+            loss_fn=loss_function(cfg.loss_mean, cfg.loss, cfg.lk_kl_scale, cfg.lk_kl_decay),
             packing=cfg.packing,
         )
 

