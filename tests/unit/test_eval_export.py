@@ -161,7 +161,7 @@ def test_another_trainers_export_proposes_what_the_same_weights_propose_here(tmp
     [
         ({"norm_before_residual": True}, "norm_before_residual is set"),
         ({"fc_norm": True}, "fc_norm is set"),
-        ({"norm_output": False}, "norm_output is false"),
+        ({"norm_output": True}, "norm_output is set"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}}, "rope scaling ['yarn']"),
         ({"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 drafter"),
     ],

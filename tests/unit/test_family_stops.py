@@ -6,11 +6,13 @@ gpt-oss ``<|return|>`` and ``<|call|>``, ...). A random model rarely emits any o
 greedy reply reach one: the output row of a stop token that is *not* the tokenizer's eos (where the family has one)
 becomes twice the row of the token the reply had at its third position, so that token's logit doubles there and
 the stop wins. The reference is transformers' ``generate`` with nothing but the directory's own generation config,
-as a server ends a reply; ``specdec-train eval`` (both countings) and ``regenerate`` must end where it ends.
+as a server ends a reply; ``specdec-train eval`` (both countings, of a checkpoint and of its export) and
+``regenerate`` must end where it ends.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Callable
@@ -20,6 +22,7 @@ import pytest
 import torch
 from support.families import FAMILIES, build_family, stop_ids
 
+from engine.trainer.serve import export
 from engine.trainer.serve.evaluate import main as eval_main
 from engine.trainer.target import regenerate as regen
 
@@ -105,11 +108,14 @@ def test_eval_ends_each_output_where_the_families_own_generate_ends(
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([prompt]))
-    for counting in ("stop", "vllm"):
-        args = ["--checkpoint", str(checkpoint), "--k", "3", "--prompt-ids", str(prompts), "--conversations", "1"]
+    exported = tmp_path / "export"
+    export.export_checkpoint(checkpoint, exported, record=False)
+    sources = (["--checkpoint", str(checkpoint)], ["--export", str(exported), "--target", str(path)])
+    for source, counting in itertools.product(sources, ("stop", "vllm")):
+        args = [*source, "--k", "3", "--prompt-ids", str(prompts), "--conversations", "1"]
         assert eval_main([*args, "--max-new-tokens", str(MAX_NEW), "--count", counting, "--outputs", "--json"]) == 0
         (result,) = json.loads(capsys.readouterr().out)["drafters"].values()
-        assert result["outputs"] == [reference], counting
+        assert result["outputs"] == [reference], (source[0], counting)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -6,7 +6,7 @@
 ``rope_parameters``, often no ``head_dim`` and no aux layer ids). The config is read the way vLLM's
 ``llama_eagle3.py`` reads it, and anything our drafter cannot compute the same way is refused by name
 (``ExportedDrafterError``, one line) rather than evaluated wrongly: ``norm_before_residual``, ``norm_before_fc``,
-``fc_norm``, ``norm_output: false``, more than one layer, a target hidden size unlike the drafter's, rope scaling.
+``fc_norm`` or ``norm_output`` set, more than one layer, a target hidden size unlike the drafter's, rope scaling.
 
 The aux layers (the target layers whose OUTPUTS the drafter reads, as evaluate.py and our checkpoints count them):
 a top-level ``eagle_aux_hidden_state_layer_ids`` holds layer INPUT ids (vLLM's and speculators' sense: output of
@@ -101,8 +101,8 @@ def _refuse_unlike_ours(config: dict[str, Any], layer: dict[str, Any]) -> None:
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm"):
         if flags.get(key):
             raise ExportedDrafterError(f"{key} is set: our drafter has no such norm, so its τ would not be vLLM's")
-    if flags.get("norm_output", True) is False:
-        raise ExportedDrafterError("norm_output is false: our drafter always norms before lm_head")
+    if flags.get("norm_output"):  # vLLM's llama_eagle3: the next step reads the post-norm states, ours pre-norm
+        raise ExportedDrafterError("norm_output is set: vLLM would feed each step the normed output, ours the pre-norm")
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ExportedDrafterError(f"num_hidden_layers {layer.get('num_hidden_layers')}: EAGLE-3 drafters have one")
     target_hidden = config.get("target_hidden_size", layer.get("hidden_size"))
