@@ -9,7 +9,8 @@ lines on stdio (engine.protocol). The arrows inside point one way, without a cir
   the table in ``commands``, and hands that table to the ``server`` (``Agent``: dispatch, one thread per
   command, replies);
 * ``commands`` and the command modules import ``server`` for ``Agent`` and ``CommandError``; ``server``
-  imports no command module;
+  imports no command module; ``commands`` also holds what the command modules share (``run_dir_arg``: the run
+  a command names, else the current one);
 * ``run_cmds`` imports ``monitor_cmds`` for the GPU view the monitor keeps; never the other way.
 
 ``follow`` turns appended files into log events (engine.host.appended underneath), ``anomalies`` and

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine import protocol
 from engine.agent import anomalies
-from engine.agent.commands import handler
+from engine.agent.commands import handler, run_dir_arg
 from engine.agent.doctor import run_doctor
 from engine.agent.follow import POLL_INTERVAL_S, JsonlReader, LogFollower, read_range, tail_lines, tail_start
 from engine.agent.server import Agent, CommandError
@@ -651,24 +651,6 @@ def _unsubscribe(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict
     return {"stopped": old is not None}
 
 
-def _run_dir_arg(agent: Agent, args: dict[str, Any]) -> Path:
-    """The run a command names (``run_id``), else the current run; CommandError for a bad or unknown id."""
-    run_id = args.get("run_id")
-    root = Path(agent.run_root)
-    if run_id is not None:
-        try:
-            run_dir = records.run_dir_for(root, run_id)
-        except protocol.RunIdError as exc:
-            raise CommandError(str(exc)) from exc
-        if not run_dir.is_dir():
-            raise CommandError(f"no run {run_id!r} under {root}")
-        return run_dir
-    current = records.current_run_dir(root)
-    if current is None:
-        raise CommandError(records.current_refusal(root) or f"no run yet under {root} (nothing launched)")
-    return current
-
-
 @handler("tail")
 def _tail(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """The last ``n`` lines (at most TAIL_MAX_LINES in the reply); with ``stream``: only where they start
@@ -676,7 +658,7 @@ def _tail(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
     n = args.get("n", 50)
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise CommandError(f"n must be a non-negative integer, got {n!r}")
-    run_dir = _run_dir_arg(agent, args)
+    run_dir = run_dir_arg(agent, args)
     log = run_dir / records.OUTPUT_LOG
     try:
         if args.get("stream"):
@@ -696,7 +678,7 @@ def _read_log(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[st
     """Bytes of a run's output.log: {data, offset, inode, size} from ``offset``, at most ``max_bytes``."""
     offset = _opt_int(args, "offset") or 0
     max_bytes = min(_opt_int(args, "max_bytes") or READ_LOG_MAX_BYTES, READ_LOG_MAX_BYTES)
-    run_dir = _run_dir_arg(agent, args)
+    run_dir = run_dir_arg(agent, args)
     try:
         res = read_range(run_dir / records.OUTPUT_LOG, offset, max_bytes)
     except FileNotFoundError:

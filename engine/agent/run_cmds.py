@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import protocol
-from engine.agent.commands import handler
+from engine.agent.commands import handler, run_dir_arg
 from engine.agent.monitor_cmds import monitor_of
 from engine.agent.server import Agent, CommandError
 from engine.host.holders import NvmlView
@@ -29,22 +29,6 @@ def _num(args: dict[str, Any], key: str, default: float | None, minimum: float =
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
         raise CommandError(f"{key} must be a number >= {minimum:g}")
     return float(value)
-
-
-def _run_dir(agent: Agent, args: dict[str, Any]) -> Path:
-    run_id = args.get("run_id")
-    if run_id is not None:
-        try:
-            rd = records.run_dir_for(agent.run_root, str(run_id))
-        except protocol.RunIdError as exc:
-            raise CommandError(str(exc)) from exc
-        if not rd.is_dir():
-            raise CommandError(f"no run {run_id!r} under {agent.run_root}")
-        return rd
-    rd_cur = records.current_run_dir(agent.run_root)
-    if rd_cur is None:
-        raise CommandError(records.current_refusal(agent.run_root) or f"no run under {agent.run_root} yet")
-    return rd_cur
 
 
 @contextlib.contextmanager
@@ -73,7 +57,7 @@ def _wait(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
     milestone = args.get("milestone", "started")
     if milestone not in protocol.MILESTONES:
         raise CommandError(f"unknown milestone {milestone!r}; milestones: {list(protocol.MILESTONES)}")
-    rd = _run_dir(agent, args)
+    rd = run_dir_arg(agent, args)
     deadlines = args.get("deadlines_s")
     if deadlines is not None and not isinstance(deadlines, dict):
         raise CommandError("deadlines_s must map milestones to seconds")
@@ -111,7 +95,7 @@ def _stop_run(agent: Agent, cmd_id: int | None, args: dict[str, Any], rd: Path) 
 
 @handler("stop")
 def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
-    rd = _run_dir(agent, args)
+    rd = run_dir_arg(agent, args)
     with _user_errors():
         return _stop_run(agent, cmd_id, args, rd)
 
@@ -119,7 +103,7 @@ def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 @handler("restart")
 def _restart(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """Stop the run if it is running, then launch its recorded spec again under a new run id."""
-    rd = _run_dir(agent, args)
+    rd = run_dir_arg(agent, args)
     with _user_errors():
         spec = launch.spec_of(rd)
         stopped: dict[str, Any] | None = None
@@ -160,7 +144,7 @@ def _kill_stale(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[
 
 @handler("stacks")
 def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
-    rd = _run_dir(agent, args)
+    rd = run_dir_arg(agent, args)
     with _user_errors():
         timeout_s = _num(args, "timeout_s", 5.0) or 5.0
         return stacks.stacks(rd, timeout_s=timeout_s, boot_id=agent.boot_id, scanners=agent.scanners)
@@ -170,7 +154,7 @@ def _stacks(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
 def _serve_check(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """Start ``specdec-train serve-check`` on the run's newest checkpoint, detached; its result arrives later as
     the run's ``served`` event."""
-    rd = _run_dir(agent, args)
+    rd = run_dir_arg(agent, args)
     vllm_python = args.get("vllm_python")
     if vllm_python is not None and not isinstance(vllm_python, str):
         raise CommandError("vllm_python must be a string")
@@ -207,5 +191,5 @@ def _runs(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 @handler("run_info")
 def _run_info(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     """One run (``run_id``, default the current one) as its records and the process table say it is now."""
-    rd = _run_dir(agent, args)
+    rd = run_dir_arg(agent, args)
     return {"run": records.read_run(rd, agent.boot_id, agent.scanners)}

@@ -462,11 +462,6 @@ class CpuTracker:
             return 0.0
         return 100.0 * ((st.cpu_ticks - prev[0]) / _CLK_TCK) / dt
 
-    def forget_except(self, keep: set[tuple[int, int]]) -> None:
-        for key in list(self._last):
-            if key not in keep:
-                del self._last[key]
-
 
 _default_tracker = CpuTracker()
 

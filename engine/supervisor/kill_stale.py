@@ -57,14 +57,6 @@ def _foreign_reason(owner: str) -> str:
     return f"owned by user {owner}; kill-stale only signals your own processes"
 
 
-def stale_candidates(
-    run_root: Path | str, nvml: NvmlView | None = None
-) -> tuple[list[protocol.HolderInfo], list[protocol.HolderInfo]]:
-    """(candidates, left alone): our user's holders of an NVIDIA device outside the current run, and the rest."""
-    candidates, others = _classify(run_root, nvml)
-    return candidates, [h for h, _ in others]
-
-
 def _classify(
     run_root: Path | str, nvml: NvmlView | None
 ) -> tuple[list[protocol.HolderInfo], list[tuple[protocol.HolderInfo, str]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -93,73 +94,22 @@ def wait_for(
     cache = scanners if scanners is not None else records.ScannerCache()  # each poll scans only what was appended
     t0 = time.monotonic()
     wall0 = time.time()
-    target_idx = protocol.MILESTONES.index(milestone)
     reported: set[str] = set()
     sub = records.read_submitted(rd)
-    dl = dict(deadlines or {})
-    if not dl:
-        spec = (sub.spec if sub is not None else None) or {}
-        dl = dict(spec.get("deadlines_s") or {})
+    dl = _deadlines(deadlines, sub)
     next_pane_check = t0 + STARTING_CHECK_S
-    pane_note: str | None = None
-
-    def result(
-        ok: bool,
-        info: protocol.RunInfo,
-        cause: str | None,
-        alive: bool | None,
-        detail: str | None = None,
-        hung: bool = False,
-    ) -> protocol.WaitResult:
-        reached = [m for m in protocol.MILESTONES if info.milestones.get(m) is not None]
-        stage = reached[-1] if reached else "none"
-        if info.stage and reached and reached[-1] == "output":
-            stage = info.stage  # the engine's own stages sit between output and first-step
-        return protocol.WaitResult(
-            ok=ok,
-            milestone=milestone,
-            stage=stage,
-            cause=cause,
-            exit_code=info.exit_code,
-            signal=info.signal,
-            elapsed_s=round(time.monotonic() - t0, 3),
-            last_lines=[] if ok else _failed_lines(rd, info),
-            alive=alive,
-            detail=detail,
-            run_id=info.run_id,
-            hung=hung,
-        )
-
+    result = functools.partial(_result, rd, milestone, t0)
     while True:
         info = records.read_run(rd, boot, cache)
-        for m in protocol.MILESTONES:
-            t_m = info.milestones.get(m)
-            if t_m is not None and m not in reported:
-                reported.add(m)
-                if on_milestone is not None:
-                    on_milestone(m, t_m)
+        _report_milestones(info, reported, on_milestone)
         if info.milestones.get(milestone) is not None:
             return result(True, info, None, info.state == "running")
         if info.state in ("exited", "failed", "stopped", "vanished", "rebooted"):
             return result(False, info, _end_cause(rd, info, milestone), False)
         if info.state == "running":
-            launch_rec = records.read_launch(rd)
-            scan = cache.scanner_for(rd, launch_rec).state if launch_rec is not None else None
-            errors = _this_attempts(scan.thread_errors, launch_rec) if scan is not None else []
-            # A peer's failure that a rank only saw is no cause: torchrun ends the run within seconds, naming the rank.
-            own = [e for e in errors if e.exc_type != records.PEER_FAILURE]
-            if own and not _may_restart(info):
-                err = own[0]
-                where = f"rank {err.rank} (node {err.node}): " if err.rank is not None else ""
-                if where:
-                    info.failed_rank, info.failed_node = err.rank, err.node
-                return result(
-                    False,
-                    info,
-                    f"{where}thread {err.thread} died: {err.exc_type}: {err.message}",
-                    True,
-                    err.traceback or None,
-                )
+            died = _thread_death(rd, info, cache)
+            if died is not None:
+                return result(False, info, died[0], True, died[1])
         now_m = time.monotonic()
         if info.state == "starting" and now_m >= next_pane_check:
             next_pane_check = now_m + STARTING_CHECK_S
@@ -167,13 +117,7 @@ def wait_for(
             if pane_note is not None and records.read_launch(rd) is None:
                 info.state = "vanished"
                 return result(False, info, f"the wrapper never started: {pane_note}", False)
-        submitted_at = info.milestones.get("submitted") or wall0
-        overdue: str | None = None
-        for m in protocol.MILESTONES[: target_idx + 1]:
-            d = _deadline_for(m, dl)
-            if d is not None and info.milestones.get(m) is None and time.time() > submitted_at + d:
-                overdue = f"{m} deadline of {d:g} s after submission passed"
-                break
+        overdue = _overdue(info, milestone, dl, wall0)
         if overdue is None and timeout_s is not None and now_m - t0 >= timeout_s:
             overdue = f"{milestone} not reached within the {timeout_s:g} s timeout"
         if overdue is not None:
@@ -181,6 +125,85 @@ def wait_for(
         if cancel is not None and cancel.is_set():
             return result(False, info, "wait cancelled", info.state == "running")
         time.sleep(POLL_S)
+
+
+def _deadlines(given: dict[str, float] | None, sub: SubmittedRecord | None) -> dict[str, float]:
+    """The deadlines given, else those of the run's launch spec (milestone -> s after submission)."""
+    if given:
+        return dict(given)
+    spec = (sub.spec if sub is not None else None) or {}
+    return dict(spec.get("deadlines_s") or {})
+
+
+def _report_milestones(
+    info: protocol.RunInfo, reported: set[str], on_milestone: Callable[[str, float], None] | None
+) -> None:
+    """Each milestone reached, once, in order, to ``on_milestone``."""
+    for m in protocol.MILESTONES:
+        t_m = info.milestones.get(m)
+        if t_m is not None and m not in reported:
+            reported.add(m)
+            if on_milestone is not None:
+                on_milestone(m, t_m)
+
+
+def _thread_death(rd: Path, info: protocol.RunInfo, cache: records.ScannerCache) -> tuple[str, str | None] | None:
+    """(cause, traceback) of a running run's thread that died of its own error, with no restart to come; else None.
+    Names the rank that failed on ``info``."""
+    launch_rec = records.read_launch(rd)
+    scan = cache.scanner_for(rd, launch_rec).state if launch_rec is not None else None
+    errors = _this_attempts(scan.thread_errors, launch_rec) if scan is not None else []
+    # A peer's failure that a rank only saw is no cause: torchrun ends the run within seconds, naming the rank.
+    own = [e for e in errors if e.exc_type != records.PEER_FAILURE]
+    if not own or _may_restart(info):
+        return None
+    err = own[0]
+    where = f"rank {err.rank} (node {err.node}): " if err.rank is not None else ""
+    if where:
+        info.failed_rank, info.failed_node = err.rank, err.node
+    return f"{where}thread {err.thread} died: {err.exc_type}: {err.message}", err.traceback or None
+
+
+def _overdue(info: protocol.RunInfo, milestone: str, deadlines: dict[str, float], wall0: float) -> str | None:
+    """The first deadline passed of the milestones up to ``milestone`` that are not reached yet, in words."""
+    submitted_at = info.milestones.get("submitted") or wall0
+    for m in protocol.MILESTONES[: protocol.MILESTONES.index(milestone) + 1]:
+        d = _deadline_for(m, deadlines)
+        if d is not None and info.milestones.get(m) is None and time.time() > submitted_at + d:
+            return f"{m} deadline of {d:g} s after submission passed"
+    return None
+
+
+def _result(
+    rd: Path,
+    milestone: str,
+    t0: float,
+    ok: bool,
+    info: protocol.RunInfo,
+    cause: str | None,
+    alive: bool | None,
+    detail: str | None = None,
+    hung: bool = False,
+) -> protocol.WaitResult:
+    """The wait's answer: where the run got to, why it ended (``cause``) and, unless ``ok``, its last lines."""
+    reached = [m for m in protocol.MILESTONES if info.milestones.get(m) is not None]
+    stage = reached[-1] if reached else "none"
+    if info.stage and reached and reached[-1] == "output":
+        stage = info.stage  # the engine's own stages sit between output and first-step
+    return protocol.WaitResult(
+        ok=ok,
+        milestone=milestone,
+        stage=stage,
+        cause=cause,
+        exit_code=info.exit_code,
+        signal=info.signal,
+        elapsed_s=round(time.monotonic() - t0, 3),
+        last_lines=[] if ok else _failed_lines(rd, info),
+        alive=alive,
+        detail=detail,
+        run_id=info.run_id,
+        hung=hung,
+    )
 
 
 def _may_restart(info: protocol.RunInfo) -> bool:

@@ -15,6 +15,7 @@ import stat
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,155 +195,11 @@ class TrainerConfig:
     tiny_layers: int = 8  # deep enough for the serve-time layers (outputs of 1, 3, 4) to be distinct
 
     def validate(self) -> TrainerConfig:
-        def need(cond: bool, key: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"{key}: {msg}")
-
-        def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-            need(value in allowed, key, f"got {value!r}; allowed: {', '.join(allowed)}")
-
-        if self.target not in BUILTIN_TARGETS:
-            need(
-                Path(self.target).expanduser().is_dir(),
-                "target",
-                f"{self.target!r} is neither a built-in preset ({', '.join(BUILTIN_TARGETS)}) nor a local directory",
-            )
-        one_of("drafter_mode", self.drafter_mode, DRAFTER_MODES)
-        one_of("schedule", self.schedule, SCHEDULES)
-        one_of("on_thread_error", self.on_thread_error, THREAD_ERROR_POLICIES)
-        one_of("dtype", self.dtype, DTYPES)
-        one_of("attention", self.attention, ATTENTION_IMPLS)
-        one_of("cuda_streams", self.cuda_streams, CUDA_STREAMS)
-        one_of("overlap_steps", self.overlap_steps, OVERLAP_STEPS)
-        one_of("loss_mean", self.loss_mean, LOSS_MEANS)
-        one_of("loss", self.loss, LOSSES)
-        need(
-            math.isfinite(self.lk_kl_scale) and 0 < self.lk_kl_scale <= 1,
-            "lk_kl_scale",
-            f"got {self.lk_kl_scale}; the KL weight at zero acceptance, in (0, 1] (above 1 the acceptance term's "
-            "weight 1 - w turns negative)",
-        )
-        need(
-            math.isfinite(self.lk_kl_decay) and self.lk_kl_decay >= 0,
-            "lk_kl_decay",
-            f"got {self.lk_kl_decay}; a finite number >= 0 (how fast the KL weight falls as acceptance rises)",
-        )
-        for key in ("target_devices", "drafter_devices"):
-            devs = getattr(self, key)
-            need(isinstance(devs, list) and len(devs) > 0, key, "a non-empty list of devices, e.g. ['cuda:0']")
-            for d in devs:
-                need(
-                    isinstance(d, str) and (d in ("cpu", "cuda", LOCAL_DEVICE) or _cuda_index(d) is not None),
-                    key,
-                    f"device {d!r}; allowed: 'cpu', 'cuda', 'cuda:N', '{LOCAL_DEVICE}' (cuda:<LOCAL_RANK>)",
-                )
-        need(len(self.buckets) > 0, "buckets", "at least one sequence length")
-        need(all(isinstance(b, int) and b >= 16 for b in self.buckets), "buckets", "integers >= 16")
-        need(self.buckets == sorted(set(self.buckets)), "buckets", "strictly increasing")
-        for key in ("batch_size", "ttt_steps", "steps", "draft_vocab_size", "queue_size", "log_every"):
-            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "an integer >= 1")
-        need(self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0 (0: only on stop)")
-        need(self.keep_checkpoints >= 1, "keep_checkpoints", "an integer >= 1")
-        need(_finite_positive(self.lr), "lr", f"a finite positive number, got {self.lr!r}")
-        if self.drafter_lrs is not None:
-            need(self.drafter_mode == "independent", "drafter_lrs", "only with drafter_mode = 'independent'")
-            need(
-                len(self.drafter_lrs) == len(self.drafter_devices) and all(map(_finite_positive, self.drafter_lrs)),
-                "drafter_lrs",
-                f"one positive learning rate per drafter device ({len(self.drafter_devices)}), each finite",
-            )
-        need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
-        need(not (self.packing and self.data == DATA_RANDOM), "packing", "needs conversations (random rows are full)")
-        need(
-            not (self.packing and self.target in TOKENIZERLESS_TARGETS),
-            "packing",
-            f"needs conversations; target {self.target!r} has no tokenizer (it trains on random tokens)",
-        )
-        need(self.eval_holdout >= 0, "eval_holdout", "an integer >= 0 (0: no held-out conversations)")
-        need(self.eval_every >= 0, "eval_every", "an integer >= 0 (0: no evaluation during training)")
-        need(
-            not (self.eval_every and (self.data == DATA_RANDOM or self.eval_holdout == 0)),
-            "eval_every",
-            "needs held-out conversations (data = 'random' has none; eval_holdout = 0 holds none out); set 0",
-        )
-        for key in ("eval_k", "eval_conversations", "eval_max_new_tokens"):
-            need(getattr(self, key) >= 1, key, "an integer >= 1")
-        need(self.fp8_check_batches >= 0, "fp8_check_batches", "an integer >= 0 (0: no agreement check)")
-        need(0 <= self.fp8_min_top1 <= 1, "fp8_min_top1", "a share between 0 and 1")
-        need(
-            isinstance(self.flex_bwd_num_stages, int) and 0 <= self.flex_bwd_num_stages <= 8,
-            "flex_bwd_num_stages",
-            "an integer from 0 (inductor's choice) to 8",
-        )
-        need(self.torch_threads >= 0, "torch_threads", "an integer >= 0 (0: leave torch's default)")
-        need(0 <= self.warmup_ratio < 1, "warmup_ratio", "a share of steps, >= 0 and below 1 (SpecForge's: 0.015)")
-        need(
-            not (self.warmup_ratio and self.warmup_steps),
-            "warmup_ratio",
-            f"set warmup_steps ({self.warmup_steps}) or warmup_ratio ({self.warmup_ratio}), not both",
-        )
-        need(
-            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
-            "adam_betas",
-            f"got {self.adam_betas}; two numbers >= 0 and below 1, e.g. [0.9, 0.999]",
-        )
-        need(0 <= self.weight_decay < math.inf, "weight_decay", "a number >= 0, finite")
-        need(self.max_grad_norm > 0, "max_grad_norm", "a positive number")
-        need(self.nonfinite_grad_limit >= 1, "nonfinite_grad_limit", "an integer >= 1 (skipped steps in a row)")
-        need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "a positive number of seconds")
-        for key in ("stall_after_s", "starve_after_s", "stop_grace_s"):
-            need(getattr(self, key) > 0, key, "a positive number of seconds")
-        need(self.step_delay_s >= 0, "step_delay_s", "a number of seconds >= 0")
-        need(self.tiny_layers >= 3, "tiny_layers", "an integer >= 3 (three distinct hidden layers are captured)")
-        if self.target_layers is not None:
-            ids = self.target_layers
-            need(
-                len(ids) == 3 and all(isinstance(i, int) and i >= 0 for i in ids),
-                "target_layers",
-                "three non-negative layer indices (low, middle, high)",
-            )
-            need(len(set(ids)) == 3, "target_layers", f"{ids}: three distinct layer indices")
-            # vLLM and SGLang concatenate the aux hidden states in ascending layer order: any other order trains
-            # a drafter whose fc reads them permuted when served (it accepts almost nothing).
-            need(
-                ids == sorted(ids),
-                "target_layers",
-                f"{ids} is not in ascending order; the servers concatenate the captured layers in ascending order, "
-                f"so write {sorted(ids)}",
-            )
-            depth = self.target_depth()
-            if depth is not None:
-                need(
-                    max(ids) < depth,
-                    "target_layers",
-                    f"{ids}: the target has {depth} decoder layers, so indices run 0..{depth - 1} "
-                    "(0-based; the output of each listed layer is captured)",
-                )
-        one_of("distributed", self.distributed, DISTRIBUTED)
-        for key in ("dist_timeout_s", "dist_setup_timeout_s"):
-            need(getattr(self, key) > 0, key, "a positive number of seconds")
-        need(self.nproc_per_node >= 1, "nproc_per_node", "an integer >= 1 (ranks on this node)")
-        need(self.nnodes >= 1, "nnodes", "an integer >= 1 (nodes in the run)")
-        need(
-            0 <= self.node_rank < self.nnodes,
-            "node_rank",
-            f"got {self.node_rank}; this node's rank runs 0..{self.nnodes - 1} (nnodes = {self.nnodes})",
-        )
-        if self.nnodes > 1 or self.rdzv_endpoint:
-            need(
-                _endpoint_ok(self.rdzv_endpoint),
-                "rdzv_endpoint",
-                f"got {self.rdzv_endpoint!r}; HOST:PORT of the c10d rendezvous (node 0's address), port 1..65535"
-                + (f", required with nnodes = {self.nnodes}" if self.nnodes > 1 else ""),
-            )
-        need(self.tiny_hidden >= 32 and self.tiny_hidden % 16 == 0, "tiny_hidden", "a multiple of 16, >= 32")
-        system = system_directory(self.output_dir)
-        need(
-            system is None,
-            "output_dir",
-            f"{self.output_dir!r} is {system}; the run writes checkpoints/, events.jsonl and data_cache/ into it: "
-            "name a directory of its own, e.g. 'runs/NAME'",
-        )
+        """This config when it keeps every rule; else a ConfigError naming the first key that breaks one (_RULES)."""
+        for key, holds, words in _RULES:
+            value = getattr(self, key)
+            if not holds(value, self):
+                raise ConfigError(f"{key}: {words if isinstance(words, str) else words(value, self)}")
         return self
 
     def target_depth(self) -> int | None:
@@ -467,6 +324,193 @@ def _cuda_index(device: str) -> int | None:
 def _endpoint_ok(endpoint: str) -> bool:
     host, sep, port = endpoint.rpartition(":")
     return bool(sep and host.strip("[]") and port.isdigit() and 1 <= int(port) <= 65535)
+
+
+# --- the rules validate() checks, in order (the first one broken is the error) --------------------------------------
+# A rule: the key it names, whether the key's value (v) in the config (c) keeps it, and what the value must be: the
+# words after "key: ", or a function of v and c making them where they show what was given.
+_Holds = Callable[[Any, TrainerConfig], bool]
+_Words = Callable[[Any, TrainerConfig], str]
+_Rule = tuple[str, _Holds, str | _Words]
+
+
+def _one_of(key: str, allowed: tuple[str, ...]) -> _Rule:
+    return key, lambda v, _: v in allowed, lambda v, _: f"got {v!r}; allowed: {', '.join(allowed)}"
+
+
+def _device_ok(device: Any) -> bool:
+    return isinstance(device, str) and (device in ("cpu", "cuda", LOCAL_DEVICE) or _cuda_index(device) is not None)
+
+
+def _devices(key: str) -> list[_Rule]:
+    return [
+        (key, lambda v, _: isinstance(v, list) and len(v) > 0, "a non-empty list of devices, e.g. ['cuda:0']"),
+        (
+            key,
+            lambda v, _: all(_device_ok(d) for d in v),
+            lambda v, _: (
+                f"device {next(d for d in v if not _device_ok(d))!r}; allowed: 'cpu', 'cuda', 'cuda:N', "
+                f"'{LOCAL_DEVICE}' (cuda:<LOCAL_RANK>)"
+            ),
+        ),
+    ]
+
+
+def _positive_seconds(*keys: str) -> list[_Rule]:
+    return [(key, lambda v, _: v > 0, "a positive number of seconds") for key in keys]
+
+
+def _at_least_one(*keys: str) -> list[_Rule]:
+    return [(key, lambda v, _: v >= 1, "an integer >= 1") for key in keys]
+
+
+def _within_depth(layers: list[int], cfg: TrainerConfig) -> bool:
+    depth = cfg.target_depth()
+    return depth is None or max(layers) < depth
+
+
+def _depth_words(layers: list[int], cfg: TrainerConfig) -> str:
+    depth = cfg.target_depth() or 0  # known: the rule is broken only where it is
+    return (
+        f"{layers}: the target has {depth} decoder layers, so indices run 0..{depth - 1} "
+        "(0-based; the output of each listed layer is captured)"
+    )
+
+
+_RULES: tuple[_Rule, ...] = (
+    (
+        "target",
+        lambda v, _: v in BUILTIN_TARGETS or Path(v).expanduser().is_dir(),
+        lambda v, _: f"{v!r} is neither a built-in preset ({', '.join(BUILTIN_TARGETS)}) nor a local directory",
+    ),
+    _one_of("drafter_mode", DRAFTER_MODES),
+    _one_of("schedule", SCHEDULES),
+    _one_of("on_thread_error", THREAD_ERROR_POLICIES),
+    _one_of("dtype", DTYPES),
+    _one_of("attention", ATTENTION_IMPLS),
+    _one_of("cuda_streams", CUDA_STREAMS),
+    _one_of("overlap_steps", OVERLAP_STEPS),
+    _one_of("loss_mean", LOSS_MEANS),
+    _one_of("loss", LOSSES),
+    (
+        "lk_kl_scale",
+        lambda v, _: math.isfinite(v) and 0 < v <= 1,
+        lambda v, _: (
+            f"got {v}; the KL weight at zero acceptance, in (0, 1] (above 1 the acceptance term's weight 1 - w "
+            "turns negative)"
+        ),
+    ),
+    (
+        "lk_kl_decay",
+        lambda v, _: math.isfinite(v) and v >= 0,
+        lambda v, _: f"got {v}; a finite number >= 0 (how fast the KL weight falls as acceptance rises)",
+    ),
+    *_devices("target_devices"),
+    *_devices("drafter_devices"),
+    ("buckets", lambda v, _: len(v) > 0, "at least one sequence length"),
+    ("buckets", lambda v, _: all(isinstance(b, int) and b >= 16 for b in v), "integers >= 16"),
+    ("buckets", lambda v, _: v == sorted(set(v)), "strictly increasing"),
+    *[
+        (key, lambda v, _: isinstance(v, int) and v >= 1, "an integer >= 1")
+        for key in ("batch_size", "ttt_steps", "steps", "draft_vocab_size", "queue_size", "log_every")
+    ],
+    ("checkpoint_every", lambda v, _: v >= 0, "an integer >= 0 (0: only on stop)"),
+    ("keep_checkpoints", lambda v, _: v >= 1, "an integer >= 1"),
+    ("lr", lambda v, _: _finite_positive(v), lambda v, _: f"a finite positive number, got {v!r}"),
+    (
+        "drafter_lrs",
+        lambda v, c: v is None or c.drafter_mode == "independent",
+        "only with drafter_mode = 'independent'",
+    ),
+    (
+        "drafter_lrs",
+        lambda v, c: v is None or (len(v) == len(c.drafter_devices) and all(map(_finite_positive, v))),
+        lambda v, c: f"one positive learning rate per drafter device ({len(c.drafter_devices)}), each finite",
+    ),
+    ("warmup_steps", lambda v, _: v >= 0, "an integer >= 0"),
+    ("packing", lambda v, c: not (v and c.data == DATA_RANDOM), "needs conversations (random rows are full)"),
+    (
+        "packing",
+        lambda v, c: not (v and c.target in TOKENIZERLESS_TARGETS),
+        lambda v, c: f"needs conversations; target {c.target!r} has no tokenizer (it trains on random tokens)",
+    ),
+    ("eval_holdout", lambda v, _: v >= 0, "an integer >= 0 (0: no held-out conversations)"),
+    ("eval_every", lambda v, _: v >= 0, "an integer >= 0 (0: no evaluation during training)"),
+    (
+        "eval_every",
+        lambda v, c: not (v and (c.data == DATA_RANDOM or c.eval_holdout == 0)),
+        "needs held-out conversations (data = 'random' has none; eval_holdout = 0 holds none out); set 0",
+    ),
+    *_at_least_one("eval_k", "eval_conversations", "eval_max_new_tokens"),
+    ("fp8_check_batches", lambda v, _: v >= 0, "an integer >= 0 (0: no agreement check)"),
+    ("fp8_min_top1", lambda v, _: 0 <= v <= 1, "a share between 0 and 1"),
+    (
+        "flex_bwd_num_stages",
+        lambda v, _: isinstance(v, int) and 0 <= v <= 8,
+        "an integer from 0 (inductor's choice) to 8",
+    ),
+    ("torch_threads", lambda v, _: v >= 0, "an integer >= 0 (0: leave torch's default)"),
+    ("warmup_ratio", lambda v, _: 0 <= v < 1, "a share of steps, >= 0 and below 1 (SpecForge's: 0.015)"),
+    (
+        "warmup_ratio",
+        lambda v, c: not (v and c.warmup_steps),
+        lambda v, c: f"set warmup_steps ({c.warmup_steps}) or warmup_ratio ({v}), not both",
+    ),
+    (
+        "adam_betas",
+        lambda v, _: len(v) == 2 and all(0 <= b < 1 for b in v),
+        lambda v, _: f"got {v}; two numbers >= 0 and below 1, e.g. [0.9, 0.999]",
+    ),
+    ("weight_decay", lambda v, _: 0 <= v < math.inf, "a number >= 0, finite"),
+    ("max_grad_norm", lambda v, _: v > 0, "a positive number"),
+    ("nonfinite_grad_limit", lambda v, _: v >= 1, "an integer >= 1 (skipped steps in a row)"),
+    *_positive_seconds("heartbeat_interval_s", "stall_after_s", "starve_after_s", "stop_grace_s"),
+    ("step_delay_s", lambda v, _: v >= 0, "a number of seconds >= 0"),
+    ("tiny_layers", lambda v, _: v >= 3, "an integer >= 3 (three distinct hidden layers are captured)"),
+    (
+        "target_layers",
+        lambda v, _: v is None or (len(v) == 3 and all(isinstance(i, int) and i >= 0 for i in v)),
+        "three non-negative layer indices (low, middle, high)",
+    ),
+    ("target_layers", lambda v, _: v is None or len(set(v)) == 3, lambda v, _: f"{v}: three distinct layer indices"),
+    # vLLM and SGLang concatenate the aux hidden states in ascending layer order: any other order trains a drafter
+    # whose fc reads them permuted when served (it accepts almost nothing).
+    (
+        "target_layers",
+        lambda v, _: v is None or v == sorted(v),
+        lambda v, _: (
+            f"{v} is not in ascending order; the servers concatenate the captured layers in ascending "
+            f"order, so write {sorted(v)}"
+        ),
+    ),
+    ("target_layers", lambda v, c: v is None or _within_depth(v, c), _depth_words),
+    _one_of("distributed", DISTRIBUTED),
+    *_positive_seconds("dist_timeout_s", "dist_setup_timeout_s"),
+    ("nproc_per_node", lambda v, _: v >= 1, "an integer >= 1 (ranks on this node)"),
+    ("nnodes", lambda v, _: v >= 1, "an integer >= 1 (nodes in the run)"),
+    (
+        "node_rank",
+        lambda v, c: 0 <= v < c.nnodes,
+        lambda v, c: f"got {v}; this node's rank runs 0..{c.nnodes - 1} (nnodes = {c.nnodes})",
+    ),
+    (
+        "rdzv_endpoint",
+        lambda v, c: not (c.nnodes > 1 or v) or _endpoint_ok(v),
+        lambda v, c: (
+            f"got {v!r}; HOST:PORT of the c10d rendezvous (node 0's address), port 1..65535"
+            + (f", required with nnodes = {c.nnodes}" if c.nnodes > 1 else "")
+        ),
+    ),
+    ("tiny_hidden", lambda v, _: v >= 32 and v % 16 == 0, "a multiple of 16, >= 32"),
+    (
+        "output_dir",
+        lambda v, _: system_directory(v) is None,
+        lambda v, _: (
+            f"{v!r} is {system_directory(v)}; the run writes checkpoints/, events.jsonl and data_cache/ "
+            "into it: name a directory of its own, e.g. 'runs/NAME'"
+        ),
+    ),
+)
 
 
 # What a key's value must be when its type is wrong, where the plain type name says too little.

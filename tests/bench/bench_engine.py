@@ -542,7 +542,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         tok_s = tokens_per_step * (len(tail) - 1) / span
     else:
         tok_s = float("nan")
-    f = flops(engine.targets[0].config, engine.workers[0].drafter.cfg, SEQ, TTT, cfg.batch_size)
+    f = flops(engine.targets[0].config, engine.workers[0].training.drafter.cfg, SEQ, TTT, cfg.batch_size)
     ms = [e["ms"] for t, e in steps_ev if e["step"] > warm]
     tms = [e["target_ms"] for t, e in steps_ev if e["step"] > warm]
     return {

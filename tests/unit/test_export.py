@@ -283,9 +283,9 @@ def test_engine_output_dir_exports_its_latest_checkpoint_and_records_the_event(t
     assert f"-> {tmp_path / 'served'} [eagle3]" in printed and "bfloat16" in printed
     cfg_json = json.loads((tmp_path / "served" / "config.json").read_text())
     assert cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == engine.targets[0].layer_ids
-    assert cfg_json["rope_theta"] == engine.workers[0].drafter.cfg.rope_theta
+    assert cfg_json["rope_theta"] == engine.workers[0].training.drafter.cfg.rope_theta
     loaded = export.drafter_from_export(tmp_path / "served", engine.targets[0].embed_weight())
-    assert loaded.cfg == engine.workers[0].drafter.cfg
+    assert loaded.cfg == engine.workers[0].training.drafter.cfg
     last = json.loads((out / "events.jsonl").read_text().splitlines()[-1])
     assert {k: last[k] for k in ("kind", "path", "step", "format", "drafter")} == {
         "kind": "export", "path": str(tmp_path / "served"), "step": 2, "format": "eagle3", "drafter": "replicas",

@@ -165,7 +165,7 @@ def test_an_fp8_run_reports_its_agreement_with_the_exact_target_warns_below_the_
     evals = [e for e in seen if e["kind"] == "eval"]
     assert [(e["step"], e.get("error")) for e in evals] == [(2, None)]
     # The drafter as evaluated at its last step, now against the unquantised target: the same counts.
-    drafter = engine.workers[0].drafter
+    drafter = engine.workers[0].training.drafter
     prompts = heldout_prompts(exact.tokenizer, cfg.data, cfg.eval_holdout, cfg.seed, 1)
     again = evaluate(
         target_forward(exact),

@@ -184,12 +184,12 @@ def test_a_resume_on_another_data_file_at_the_same_path_is_refused(tmp_path: Pat
 def test_replan_data_starts_the_checkpoints_epoch_over_under_the_new_plan(tmp_path: Path, corpus: Path) -> None:
     out = tmp_path / "run"
     first = train(out, corpus, steps=6)  # 4 batches of 2 an epoch: step 6 is halfway through epoch 1
-    assert first.workers[0].ledger.watermark == 6
+    assert first.workers[0].links.ledger.watermark == 6
     engine, rec = build(
         make_config(out, corpus, steps=7, eval_holdout=32, batch_size=4, replan_data=True), out
     )  # 2 batches of 4 an epoch: epoch 1 starts at batch 2
     assert engine.resumed_from == out / "checkpoints" / "step_00000006" and engine.workers[0].step == 6
-    assert engine.workers[0].ledger.watermark == 2
+    assert engine.workers[0].links.ledger.watermark == 2
     said = [e["detail"] for e in rec.of("stage") if "re-planned" in e.get("detail", "")]
     assert said == [
         "data plan changed (batch_size: 2 there, 4 here): re-planned from the start of the checkpoint's epoch"

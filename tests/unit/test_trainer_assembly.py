@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -161,6 +162,8 @@ def test_a_worker_takes_its_settings_from_the_config_and_its_model_from_the_trai
     settings = WorkerSettings.from_config(cfg)
     assert (settings.ttt_steps, settings.total_steps, settings.buckets) == (2, 9, (32, 64))
     assert settings.loss_fn is soft_cross_entropy_masked_mean
+    same_name = [f.name for f in dataclasses.fields(settings) if f.name not in ("total_steps", "buckets", "loss_fn")]
+    assert all(getattr(settings, key) == getattr(cfg, key) for key in same_name)  # a worker key is a config key
     vocab = draft_vocab(cfg, target)
     dev = torch.device("cpu")
     dcfg = DraftConfig.from_target(target.config, vocab.size)
@@ -171,10 +174,10 @@ def test_a_worker_takes_its_settings_from_the_config_and_its_model_from_the_trai
     control = control_for(events)
     ledger = assembly.model_ledgers("replicas", 1)[0]
     worker = DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, ledger))
-    assert worker.buckets == [32, 64] and worker.total_steps == 9 and worker.group is None
-    assert worker.autocast_dtype is None and worker.hidden_dtype == torch.float32
+    assert worker.settings is settings and worker.training is training and worker.links.group is None
+    assert training.autocast_dtype is None and training.hidden_dtype == torch.float32
     assert worker.last_result is None and worker.step == 0
-    routes = [Route(worker.queue, dev)]
+    routes = [Route(worker.links.queue, dev)]
     dispatcher = Dispatcher([ledger], "replicas")
     (producer,) = assembly.build_producers([target], random_source(target), routes, dispatcher, vocab, control, 5)
     assert producer.name == "target0" and producer.batches == 5 and producer.routes == routes

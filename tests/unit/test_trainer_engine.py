@@ -104,7 +104,7 @@ def test_checkpoint_resume_gives_bitwise_the_same_next_step(tmp_path: Path, smal
     assert a.last_result is not None and b.last_result is not None
     assert a.last_result.loss == b.last_result.loss
     assert a.last_result.acc == b.last_result.acc
-    for (name, pa), pb in zip(a.drafter.named_parameters(), b.drafter.parameters(), strict=True):
+    for (name, pa), pb in zip(a.training.drafter.named_parameters(), b.training.drafter.parameters(), strict=True):
         assert torch.equal(pa, pb), name
 
 
@@ -122,7 +122,7 @@ def test_replicas_resumed_on_one_device_stay_identical(tmp_path: Path, small_cor
     assert resumed.run() == 0
     a, b = resumed.workers
     assert a.step == b.step == 4
-    for (name, pa), pb in zip(a.drafter.named_parameters(), b.drafter.parameters(), strict=True):
+    for (name, pa), pb in zip(a.training.drafter.named_parameters(), b.training.drafter.parameters(), strict=True):
         assert torch.equal(pa, pb), name
 
 
@@ -189,7 +189,7 @@ def test_nan_loss_stops_the_run_naming_step_and_thread(tmp_path: Path, small_cor
     def poison(ev: dict[str, Any]) -> None:
         if ev["kind"] == "step" and ev["step"] == 2:
             with torch.no_grad():
-                engine.workers[0].drafter.lm_head.weight.fill_(float("nan"))
+                engine.workers[0].training.drafter.lm_head.weight.fill_(float("nan"))
 
     rec.actions.append(poison)
     assert engine.run() == 1
@@ -220,7 +220,9 @@ def test_two_drafter_threads_learn_on_the_shipped_corpus(tmp_path: Path) -> None
     start, end = sum(acc0[:3]) / 3, sum(acc0[-15:]) / 15
     assert start < 0.1 and end > start + 0.15, (start, end)
     # Replicas stay identical: gradients are averaged every step.
-    for pa, pb in zip(engine.workers[0].drafter.parameters(), engine.workers[1].drafter.parameters(), strict=True):
+    for pa, pb in zip(
+        engine.workers[0].training.drafter.parameters(), engine.workers[1].training.drafter.parameters(), strict=True
+    ):
         assert torch.equal(pa, pb)
 
 
@@ -325,7 +327,7 @@ def _poison_gradients(engine: TrainingRun, steps: Callable[[int], bool]) -> None
     def hook(grad: torch.Tensor) -> torch.Tensor:
         return grad * float("nan") if steps(worker.step + 1) else grad
 
-    worker.drafter.fc.weight.register_hook(hook)
+    worker.training.drafter.fc.weight.register_hook(hook)
 
 
 def test_a_nan_gradient_skips_the_step_on_every_replica_and_never_reaches_a_checkpoint(

@@ -102,7 +102,7 @@ def test_a_run_that_skips_a_gradient_and_loses_a_drafter_writes_only_whole_engin
     engine = TrainingRun(cfg, events)
     engine.build()
     poisoned = engine.workers[0]
-    poisoned.drafter.fc.weight.register_hook(lambda g: g * float("nan") if poisoned.step + 1 == 2 else g)
+    poisoned.training.drafter.fc.weight.register_hook(lambda g: g * float("nan") if poisoned.step + 1 == 2 else g)
 
     def kill_drafter1(ev: dict[str, Any]) -> None:
         if ev["kind"] == "step" and ev["thread"] == "drafter1" and ev["step"] == 2:

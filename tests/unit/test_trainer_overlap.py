@@ -116,7 +116,9 @@ def test_overlapped_steps_train_exactly_what_steps_one_after_another_train(tmp_p
     for a, b in zip(plain_rec.of("step"), rec.of("step"), strict=True):
         assert (a["loss"], a["acc"], a["grad_norm"], a["lr"]) == (b["loss"], b["acc"], b["grad_norm"], b["lr"])
     for (name, pa), pb in zip(
-        plain.workers[0].drafter.named_parameters(), ahead.workers[0].drafter.parameters(), strict=True
+        plain.workers[0].training.drafter.named_parameters(),
+        ahead.workers[0].training.drafter.parameters(),
+        strict=True,
     ):
         assert torch.equal(pa, pb), name
     # One after another: begin n, report n. Overlapped: begin n + 1 comes before report n, except after the last.

@@ -85,13 +85,6 @@ def bindings() -> list[Binding]:
     ]
 
 
-def spec_by_id(binding_id: str) -> KeySpec:
-    for spec in KEY_TABLE:
-        if spec.id == binding_id:
-            return spec
-    raise KeyError(binding_id)
-
-
 def valid_keymap(keymap: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """Keep remaps of known binding ids; return (keymap, complaints about the rest)."""
     known = {spec.id for spec in KEY_TABLE}

@@ -305,10 +305,6 @@ class Transport(ABC):
     def display(self) -> str: ...
 
     @property
-    def host_label(self) -> str:
-        return self.display
-
-    @property
     def python(self) -> str:
         return self.opts.python or "python3"
 

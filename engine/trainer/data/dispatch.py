@@ -109,10 +109,6 @@ class Dispatcher:
         with self._lock:
             self._live.discard(rank)
 
-    def is_live(self, rank: int) -> bool:
-        with self._lock:
-            return rank in self._live
-
     def next_replica(self) -> int | None:
         """Replicas mode: the live replica that gets the next batch (round robin), None when none is live."""
         with self._lock:

@@ -285,13 +285,6 @@ def tokenize_conversations(
     return out
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    (got,) = tokenize_conversations(tokenizer, [messages])
-    if isinstance(got, str):
-        raise ValueError(f"cannot tokenize the conversation: {got}")
-    return got
-
-
 def pick_bucket(length: int, buckets: list[int]) -> int:
     for b in buckets:
         if length <= b:

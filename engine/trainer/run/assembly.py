@@ -328,6 +328,6 @@ def build_producers(
 def share_streams(producers: list[Producer], workers: list[DrafterWorker]) -> None:
     """cuda_streams = "per_device": the threads on one GPU share one stream (kernels queue in order)."""
     streams: dict[str, Any] = {}
-    for thread_dev, obj in [(p.target.device, p) for p in producers] + [(w.device, w) for w in workers]:
+    for thread_dev, obj in [(p.target.device, p) for p in producers] + [(w.training.device, w) for w in workers]:
         if thread_dev.type == "cuda":
             obj.stream = streams.setdefault(str(thread_dev), torch.cuda.Stream(thread_dev))

@@ -307,7 +307,7 @@ class TrainingRun:
         worker.restore_state(state)
         if replicas and "data_position" not in state:
             # Before the ledger, replica r trained indices r, r + n, ...: step s means all below s * n.
-            worker.ledger.restore({"watermark": worker.step * len(self._ledgers)})
+            worker.links.ledger.restore({"watermark": worker.step * len(self._ledgers)})
 
     def _report_lost_steps(self) -> None:
         """A resumed run names the steps the previous run made after the checkpoint it resumes from."""
@@ -348,7 +348,9 @@ class TrainingRun:
         workers = self.workers[:1] if cfg.drafter_mode == "replicas" else self.workers  # replicas: one drafter
         subjects = {
             w.name: EvalSubject(
-                w.drafter, next((t for t in self.targets if t.device == w.device), target0), w.autocast_dtype
+                w.training.drafter,
+                next((t for t in self.targets if t.device == w.training.device), target0),
+                w.training.autocast_dtype,
             )
             for w in workers
         }
@@ -465,7 +467,7 @@ class TrainingRun:
             "mode": self.cfg.drafter_mode,
             "data": self.source.describe(),
             "data_position": {name: s.get("data_position") for name, s in states.items()},
-            "draft_config": self.workers[0].drafter.cfg.to_dict(),
+            "draft_config": self.workers[0].training.drafter.cfg.to_dict(),
             # 0-based decoder layers whose output was captured = SGLang's eagle_aux_hidden_state_layer_ids;
             # vLLM's aux_hidden_state_layers are these + 1 (target.py).
             "target_layers": self.targets[0].layer_ids,
@@ -637,8 +639,10 @@ class TrainingRun:
             "world_size": self.info.world_size,
             "node": self.info.node,
             "step": step,
-            "devices": [str(w.device) for w in self.workers],
-            "weights_sha256": {w.name: weights_digest(w.drafter.state_dict()) for w in self.workers if not w.failed},
+            "devices": [str(w.training.device) for w in self.workers],
+            "weights_sha256": {
+                w.name: weights_digest(w.training.drafter.state_dict()) for w in self.workers if not w.failed
+            },
             "data_position": self._positions(),
         }
         path = self.output_dir / "ranks" / f"rank{self.info.rank}.json"

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -310,10 +310,11 @@ class StepResult:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What every drafter worker of an engine takes from the run's config."""
+    """What every drafter worker of an engine takes from the run's config: each field is the config key of its name
+    (a new worker key is one field here), except the few ``from_config`` gives a form of their own."""
 
     ttt_steps: int
-    total_steps: int
+    total_steps: int  # the config's steps
     buckets: tuple[int, ...]  # the sequence lengths warmed up (compiled) before the first step
     batch_size: int
     grad_checkpointing: bool = False
@@ -329,22 +330,12 @@ class WorkerSettings:
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> WorkerSettings:
-        return cls(
-            ttt_steps=cfg.ttt_steps,
-            total_steps=cfg.steps,
-            buckets=tuple(cfg.buckets),
-            batch_size=cfg.batch_size,
-            grad_checkpointing=cfg.grad_checkpointing,
-            cast_weights_once=cfg.cast_weights_once,
-            overlap_steps=cfg.overlap_steps,
-            max_grad_norm=cfg.max_grad_norm,
-            nonfinite_grad_limit=cfg.nonfinite_grad_limit,
-            log_every=cfg.log_every,
-            checkpoint_every=cfg.checkpoint_every,
-            step_delay_s=cfg.step_delay_s,
-            loss_fn=loss_function(cfg.loss_mean, cfg.loss, cfg.lk_kl_scale, cfg.lk_kl_decay),
-            packing=cfg.packing,
-        )
+        own_form: dict[str, Any] = {
+            "total_steps": cfg.steps,
+            "buckets": tuple(cfg.buckets),
+            "loss_fn": loss_function(cfg.loss_mean, cfg.loss, cfg.lk_kl_scale, cfg.lk_kl_decay),
+        }
+        return cls(**{f.name: own_form[f.name] if f.name in own_form else getattr(cfg, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -374,44 +365,24 @@ class WorkerLinks:
 
 
 class DrafterWorker:
+    """One drafter thread: it trains ``training``'s model as ``settings`` say, on the batches ``links`` bring."""
+
     def __init__(
         self, name: str, rank: int, training: DrafterTraining, settings: WorkerSettings, links: WorkerLinks
     ) -> None:
         self.name = name
         self.rank = rank
-        self.drafter = training.drafter
-        self.device = training.device
-        self.optimizer = training.optimizer
-        self.scheduler = training.scheduler
-        self.attention = training.attention
-        self.step_fn = training.step_fn
-        self.hidden_dtype = training.hidden_dtype
-        self.autocast_dtype = training.autocast_dtype
-        self.ttt_steps = settings.ttt_steps
-        self.total_steps = settings.total_steps
-        self.buckets = list(settings.buckets)
-        self.batch_size = settings.batch_size
-        self.loss_fn = settings.loss_fn
-        self.packing = settings.packing
-        self.grad_checkpointing = settings.grad_checkpointing
+        self.training = training
+        self.settings = settings
+        self.links = links
         self.weight_dtype = training.autocast_dtype if settings.cast_weights_once else None
-        auto_overlap = settings.overlap_steps == "auto" and self.device.type == "cuda"
+        auto_overlap = settings.overlap_steps == "auto" and training.device.type == "cuda"
         self.overlap = settings.overlap_steps == "on" or auto_overlap
-        self.max_grad_norm = settings.max_grad_norm
-        self.nonfinite_grad_limit = settings.nonfinite_grad_limit
         self.nonfinite_in_a_row = 0
-        self.log_every = settings.log_every
-        self.checkpoint_every = settings.checkpoint_every
-        self.step_delay_s = settings.step_delay_s
-        self.queue = links.queue
-        self.control = links.control
-        self.group = links.group
-        self.ledger = links.ledger
-        self.submit_checkpoint = links.submit_checkpoint
         self.current_index: int | None = None  # the batch being trained, not yet recorded in the ledger
         self.next_index: int | None = None  # the batch whose forward is launched ahead (overlap), not yet trained
         self.step = 0  # restore_state sets a resumed step
-        self.params = self.drafter.trainable_parameters()
+        self.params = training.drafter.trainable_parameters()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.finished = threading.Event()
         self.warm = threading.Event()
@@ -421,28 +392,27 @@ class DrafterWorker:
         self.final_state: dict[str, Any] | None = None
         self.stream: Any = None  # a CUDA stream shared with the other threads on this device, or None: own stream
         self._last_done: float | None = None
-        self.control.health.register(name, "drafter")
+        links.control.health.register(name, "drafter")
 
     # --- the pieces -------------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        dtype = self.training.autocast_dtype
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.training.device.type, dtype=dtype)
 
     def forward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-TTT-position losses, correct counts and token counts of one batch (the unrolled drafter)."""
         with self._autocast():
-            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.drafter(
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.training.drafter(
                 batch.hidden3,
                 batch.input_ids,
                 batch.target_logits,
                 batch.target_lse,
                 batch.position_mask,
-                ttt_steps=self.ttt_steps,
-                attention=self.attention,
-                loss_fn=self.loss_fn,
-                grad_checkpointing=self.grad_checkpointing,
-                step_fn=self.step_fn,
+                ttt_steps=self.settings.ttt_steps,
+                attention=self.training.attention,
+                loss_fn=self.settings.loss_fn,
+                grad_checkpointing=self.settings.grad_checkpointing,
+                step_fn=self.training.step_fn,
                 loss_mask=batch.loss_mask,
                 documents=batch.documents,
                 weight_dtype=self.weight_dtype,
@@ -457,17 +427,18 @@ class DrafterWorker:
 
     def synthetic_batch(self, bucket: int) -> DeviceBatch:
         g = torch.Generator(device="cpu").manual_seed(bucket)
-        cfg = self.drafter.cfg
-        b = self.batch_size
-        ids = torch.randint(0, cfg.vocab_size, (b, bucket), generator=g).to(self.device)
-        hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(self.device, self.hidden_dtype)
+        cfg = self.training.drafter.cfg
+        device, dtype = self.training.device, self.training.hidden_dtype
+        b = self.settings.batch_size
+        ids = torch.randint(0, cfg.vocab_size, (b, bucket), generator=g).to(device)
+        hidden3 = torch.randn(b, bucket, 3 * cfg.hidden_size, generator=g).to(device, dtype)
         # The target's logits in its dtype, as the producer hands them, with their float32 log-sum-exp.
-        target_logits = torch.randn(b, bucket, cfg.draft_vocab_size, generator=g).to(self.device, self.hidden_dtype)
+        target_logits = torch.randn(b, bucket, cfg.draft_vocab_size, generator=g).to(device, dtype)
         target_lse = torch.logsumexp(target_logits.float(), dim=-1)
-        mask = torch.ones(b, bucket).to(self.device)
+        mask = torch.ones(b, bucket).to(device)
         # Packed runs warm up on packed rows (two conversations a row), so the first real batch compiles nothing.
         halves = (torch.arange(bucket) >= bucket // 2).long().expand(b, bucket).contiguous()
-        documents = halves if self.packing else None
+        documents = halves if self.settings.packing else None
         # A loss mask as trained on, and a tensor of its own: dynamo guards on two arguments being one tensor.
         return DeviceBatch(
             -1,
@@ -478,25 +449,26 @@ class DrafterWorker:
             target_lse,
             mask,
             loss_mask=mask.clone(),
-            documents=documents.to(self.device) if documents is not None else None,
+            documents=documents.to(device) if documents is not None else None,
         )
 
     def warm_up(self) -> float:
         """Forward and backward of every bucket under the compile guard (first compiles and block masks)."""
         t0 = time.perf_counter()
+        training = self.training
         with compile_guard():
-            for bucket in self.buckets:
+            for bucket in self.settings.buckets:
                 self.forward_backward(self.synthetic_batch(bucket))
-                self.optimizer.zero_grad(set_to_none=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        self.step_fn.mark_warm()  # a graph compiled in this thread from now on is a recompile (an event)
-        self.attention.mark_warm()
+                training.optimizer.zero_grad(set_to_none=True)
+            if training.device.type == "cuda":
+                torch.cuda.synchronize(training.device)
+        training.step_fn.mark_warm()  # a graph compiled in this thread from now on is a recompile (an event)
+        training.attention.mark_warm()
         return time.perf_counter() - t0
 
     def begin(self, batch: DeviceBatch, fetch_ms: float) -> LaunchedStep:
         """Launches the forward of one batch (the TTT unroll through its losses); nothing waits for the GPU."""
-        launched = LaunchedStep(batch, fetch_ms, self.device.type == "cuda")
+        launched = LaunchedStep(batch, fetch_ms, self.training.device.type == "cuda")
         batch.wait_ready()
         launched.mark()
         launched.losses, launched.correct, launched.counts = self.forward(batch)
@@ -512,18 +484,19 @@ class DrafterWorker:
         assert launched.losses is not None and launched.correct is not None and launched.counts is not None
         total_loss(launched.losses).backward()
         stop_after = False
-        if self.group is not None:
-            for p in self.params if self.group.crosses_ranks else []:
+        group, optimizer = self.links.group, self.training.optimizer
+        if group is not None:
+            for p in self.params if group.crosses_ranks else []:
                 if p.grad is None:  # every replica and rank exchanges the same tensors, in the same order
                     p.grad = torch.zeros_like(p)
             grads = [p.grad for p in self.params if p.grad is not None]
-            stop_after = self.group.all_reduce(self.rank, grads, launched.batch.index, self.step + 1)
+            stop_after = group.all_reduce(self.rank, grads, launched.batch.index, self.step + 1)
         launched.mark()
         # Checked after the reduce: every replica (and rank) sees the same sum, so all skip the same step. An update
         # with NaN in it would reach every replica and every later checkpoint.
-        grad_norm = clipped_step(self.optimizer, self.params, self.max_grad_norm)
-        self.scheduler.step()  # the schedule follows the step count, skipped steps included
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = clipped_step(optimizer, self.params, self.settings.max_grad_norm)
+        self.training.scheduler.step()  # the schedule follows the step count, skipped steps included
+        optimizer.zero_grad(set_to_none=True)
         launched.mark()
         acc = accuracies(launched.correct.detach(), launched.counts.detach())
         values = torch.cat([launched.losses.detach().float(), acc.float(), grad_norm.detach().float().reshape(1)])
@@ -539,7 +512,7 @@ class DrafterWorker:
             ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(3)]
         else:
             ms = [(marks[i + 1] - marks[i]) * 1000.0 for i in range(3)]
-        n = self.ttt_steps
+        n = self.settings.ttt_steps
         step = self.step + 1
         batch = pending.launched.batch
         dt = now - self._last_done if self._last_done is not None else None
@@ -574,38 +547,40 @@ class DrafterWorker:
         """Say the skipped step (an event the agent turns into an anomaly); stop once it keeps happening."""
         self.nonfinite_in_a_row += 1
         norm = str(grad_norm)  # "nan" / "inf": JSON has no such numbers
-        self.control.events.emit(
-            NonFiniteGradEvent(thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row)
-        )
-        self.control.events.say(
+        limit = self.settings.nonfinite_grad_limit
+        events = self.links.control.events
+        events.emit(NonFiniteGradEvent(thread=self.name, step=step, grad_norm=norm, in_a_row=self.nonfinite_in_a_row))
+        events.say(
             f"warning: {self.name} step {step}: gradient norm {norm}: step skipped, weights unchanged "
-            f"({self.nonfinite_in_a_row} in a row, the run stops at {self.nonfinite_grad_limit})"
+            f"({self.nonfinite_in_a_row} in a row, the run stops at {limit})"
         )
-        if self.nonfinite_in_a_row >= self.nonfinite_grad_limit:
+        if self.nonfinite_in_a_row >= limit:
             raise NonFiniteGradient(
                 f"non-finite gradients (norm {norm}) for {self.nonfinite_in_a_row} steps in a row, the last at step "
                 f"{step} in thread {self.name}; every one was skipped, the weights are those before them"
             )
 
     def capture_state(self) -> dict[str, Any]:
+        training = self.training
         return {
-            "model": to_cpu(self.drafter.state_dict()),
-            "optimizer": to_cpu(self.optimizer.state_dict()),
-            "scheduler": self.scheduler.state_dict(),
+            "model": to_cpu(training.drafter.state_dict()),
+            "optimizer": to_cpu(training.optimizer.state_dict()),
+            "scheduler": training.scheduler.state_dict(),
             "step": self.step,
-            "data_position": self.ledger.state(),
-            "rng": rng_state(self.device),
+            "data_position": self.links.ledger.state(),
+            "rng": rng_state(training.device),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        self.drafter.load_state_dict(state["model"])
+        training = self.training
+        training.drafter.load_state_dict(state["model"])
         # A copy: load_state_dict keeps a tensor already on the right device as is, so replicas on one device
         # restored from one state would share (and each update) the same moments.
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self.scheduler.load_state_dict(state["scheduler"])
+        training.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        training.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         # Checkpoints before the ledger kept one integer: every index below it trained.
-        self.ledger.restore(state.get("data_position") or {"watermark": int(state.get("next_index", 0))})
+        self.links.ledger.restore(state.get("data_position") or {"watermark": int(state.get("next_index", 0))})
         self._pending_rng = state["rng"]
 
     _pending_rng: dict[str, Any] | None = None
@@ -617,19 +592,20 @@ class DrafterWorker:
     def _fetch(self, *, block: bool = True) -> DeviceBatch | None:
         """The next batch to train; None when the run ends first (or, ``block=False``, when none is queued now)."""
         t0 = time.perf_counter()
-        while not self.control.should_exit:
+        links, control = self.links, self.links.control
+        while not control.should_exit:
             try:
-                batch = self.queue.get(timeout_s=GET_POLL_S if block else 0.0)
+                batch = links.queue.get(timeout_s=GET_POLL_S if block else 0.0)
             except QueueTimeout:
                 if not block:
                     return None
-                self.control.health.beat(self.name, state="waiting", queue_depth=0)
-                if self.group is None and self.control.stop_requested.is_set():
+                control.health.beat(self.name, state="waiting", queue_depth=0)
+                if links.group is None and control.stop_requested.is_set():
                     return None
                 continue
             except QueueClosed:
                 return None
-            if batch.index >= 0 and self.ledger.is_done(batch.index):
+            if batch.index >= 0 and links.ledger.is_done(batch.index):
                 continue  # independent mode: this drafter trained it before the resume
             self._fetch_ms = (time.perf_counter() - t0) * 1000.0
             return batch
@@ -644,55 +620,57 @@ class DrafterWorker:
     def _run(self) -> None:
         name_os_thread(self.thread.name)
         apply_dynamo_config()
+        device, control, group = self.training.device, self.links.control, self.links.group
         stream_ctx: Any = contextlib.nullcontext()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            stream_ctx = torch.cuda.stream(self.stream if self.stream is not None else torch.cuda.Stream(self.device))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            stream_ctx = torch.cuda.stream(self.stream if self.stream is not None else torch.cuda.Stream(device))
         try:
             with stream_ctx:
-                self.control.health.beat(self.name, state="warmup", step=self.step)
-                self.control.events.stage("warmup", f"buckets {self.buckets} on {self.device}", thread=self.name)
+                control.health.beat(self.name, state="warmup", step=self.step)
+                control.events.stage("warmup", f"buckets {list(self.settings.buckets)} on {device}", thread=self.name)
                 self.warmup_s = self.warm_up()
-                self.control.events.stage(
+                control.events.stage(
                     "warmup",
-                    f"done in {self.warmup_s:.1f} s ({'compiled' if self.step_fn.compiled else 'eager'})",
+                    f"done in {self.warmup_s:.1f} s ({'compiled' if self.training.step_fn.compiled else 'eager'})",
                     thread=self.name,
                 )
                 if self._pending_rng is not None:
-                    set_rng_state(self._pending_rng, self.device)
+                    set_rng_state(self._pending_rng, device)
                 self.warm.set()
                 self._loop()
         except BaseException as exc:
             self.failed = True
-            if self.group is not None:
+            if group is not None:
                 try:
-                    self.group.leave(self.rank)
+                    group.leave(self.rank)
                 except BaseException as leave_exc:  # the cross-rank round inside leave() failed too
                     # The thread's own exception is the root cause: it must still reach thread_error below.
-                    self.control.events.say(
+                    control.events.say(
                         f"warning: {self.name} could not leave its replica group: "
                         f"{type(leave_exc).__name__}: {leave_exc}"
                     )
-            continuing = self.control.thread_error(self.name, "drafter", exc)
-            if not continuing and self.group is not None:
-                self.group.abort(exc)
+            continuing = control.thread_error(self.name, "drafter", exc)
+            if not continuing and group is not None:
+                group.abort(exc)
         finally:
             self.warm.set()
             if not self.failed:
-                self.control.health.beat(self.name, state="stopped", step=self.step)
+                control.health.beat(self.name, state="stopped", step=self.step)
             self.finished.set()
-            self.control.wake.set()
+            control.wake.set()
 
     def _launch_next(self) -> LaunchedStep | None:
         """With ``overlap``: the next step's forward, launched while the GPU still runs this one's, when a batch is
         queued and a next step will run (steps remain, no stop asked for, no checkpoint due at this step: a state
         is captured with nothing launched after it)."""
         step = self.step + 1  # the step finishing now
-        if not self.overlap or step >= self.total_steps or self.control.should_exit:
+        control, every = self.links.control, self.settings.checkpoint_every
+        if not self.overlap or step >= self.settings.total_steps or control.should_exit:
             return None
-        if self.group is None and self.control.stop_requested.is_set():
+        if self.links.group is None and control.stop_requested.is_set():
             return None
-        if self.checkpoint_every and step % self.checkpoint_every == 0:
+        if every and step % every == 0:
             return None
         batch = self._fetch(block=False)
         if batch is None:
@@ -702,16 +680,17 @@ class DrafterWorker:
 
     def _loop(self) -> None:
         ahead: LaunchedStep | None = None  # the next batch's forward, launched before this step's numbers were read
-        while self.step < self.total_steps and not self.control.should_exit:
-            if self.group is None and self.control.stop_requested.is_set():
+        settings, links, control, group = self.settings, self.links, self.links.control, self.links.group
+        while self.step < settings.total_steps and not control.should_exit:
+            if group is None and control.stop_requested.is_set():
                 break  # a forward launched ahead is dropped: its batch stays untrained, to be trained on resume
             if ahead is None:
-                self.control.health.beat(self.name, state="waiting", queue_depth=self.queue.depth())
+                control.health.beat(self.name, state="waiting", queue_depth=links.queue.depth())
                 batch = self._fetch()
                 if batch is None:
                     break
                 self.current_index = batch.index
-                self.control.health.beat(self.name, state="training", queue_depth=self.queue.depth())
+                control.health.beat(self.name, state="training", queue_depth=links.queue.depth())
                 launched = self.begin(batch, self._fetch_ms)
             else:
                 launched, ahead = ahead, None
@@ -722,16 +701,16 @@ class DrafterWorker:
                 ahead = self._launch_next()
             result = self.report(pending)
             self.step = result.step
-            if self.group is None:
-                self.ledger.mark(batch.index)
+            if group is None:
+                links.ledger.mark(batch.index)
             self.current_index = None
             self.last_result = result
-            self.control.health.beat(
-                self.name, state="training", step=self.step, tok_s=result.tok_s, queue_depth=self.queue.depth()
+            control.health.beat(
+                self.name, state="training", step=self.step, tok_s=result.tok_s, queue_depth=links.queue.depth()
             )
-            if self.step % self.log_every == 0 or self.step == 1:
+            if self.step % settings.log_every == 0 or self.step == 1:
                 loss_total = weighted_total(result.loss)
-                self.control.events.emit(
+                control.events.emit(
                     StepEvent(
                         thread=self.name,
                         step=self.step,
@@ -743,7 +722,7 @@ class DrafterWorker:
                         ms=dict(result.ms),
                         grad_norm=None if result.skipped else result.grad_norm,
                         skipped=result.skipped,
-                        lr=float(self.scheduler.get_last_lr()[0]),
+                        lr=float(self.training.scheduler.get_last_lr()[0]),
                         bucket=batch.bucket,
                         target_ms=batch.target_ms,
                     )
@@ -751,21 +730,21 @@ class DrafterWorker:
                 line = step_line(
                     self.name, self.step, result.loss, loss_total, result.acc, result.tok_s, result.useful_tok_s
                 )
-                self.control.events.say(line)
+                control.events.say(line)
             # One state per model: the first live replica's (independent drafters are models of their own).
-            leader = self.group is None or self.group.mode != "replicas" or self.rank == min(self.group.live)
+            leader = group is None or group.mode != "replicas" or self.rank == min(group.live)
             if (
-                self.submit_checkpoint is not None
+                links.submit_checkpoint is not None
                 and leader
-                and self.checkpoint_every
-                and self.step % self.checkpoint_every == 0
-                and self.step < self.total_steps
+                and settings.checkpoint_every
+                and self.step % settings.checkpoint_every == 0
+                and self.step < settings.total_steps
             ):
-                self.submit_checkpoint(self.step, self.name, self.capture_state())
+                links.submit_checkpoint(self.step, self.name, self.capture_state())
             if stop_after:
                 break
-            if self.step_delay_s:
-                self.control.stop_requested.wait(self.step_delay_s)
+            if settings.step_delay_s:
+                control.stop_requested.wait(settings.step_delay_s)
         self.next_index = None  # a forward launched ahead and dropped: nothing of it was trained
-        if not self.control.should_exit:
+        if not control.should_exit:
             self.final_state = self.capture_state()

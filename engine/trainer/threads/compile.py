@@ -69,10 +69,6 @@ def set_guard_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def guard_enabled() -> bool:
-    return _enabled
-
-
 # Dynamo's refusal reads "Detected recompile when torch.compile stance is 'fail_on_recompile'. ..." (2.6 to 2.13).
 RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
 

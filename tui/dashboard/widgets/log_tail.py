@@ -149,10 +149,6 @@ class LogModel:
         self._unflushed.clear()
         return out
 
-    @property
-    def partial_line(self) -> str:
-        return clean_line(self._partial.decode("utf-8", "replace")) if self._partial else ""
-
     def matching(self, needle: str) -> list[str]:
         if not needle:
             return list(self.lines)
@@ -264,9 +260,6 @@ class LogTail(Log):
         self.following = True
         self.pending = 0
         self._scroll_to_end()
-
-    def stop_following(self) -> None:
-        self.following = False
 
     def on_resize(self, _event: events.Resize) -> None:
         """A pane that changed height (the panes above it grew or shrank) keeps a follower at the end."""
