@@ -139,6 +139,21 @@ def _claim_run_id(root: Path, wanted: str | None, use_tmux: bool) -> tuple[str, 
     raise SupervisorError("could not find a free run id after 5 tries; pass one with run_id")
 
 
+def close_finished_sessions(root: Path) -> list[str]:
+    """Closes the tmux sessions of this run root's earlier runs whose end is recorded (exit.json) and whose pane is
+    dead: remain-on-exit keeps each run's last screen to read until the next launch, so sessions do not pile up
+    (one a launch, before). Only sessions named in our own run records; a pane still alive, or a run whose wrapper
+    died before it recorded the end (its pane tells why), is left alone. Returns the sessions closed."""
+    dead = tmux.dead_sessions()
+    closed: list[str] = []
+    for run_dir in records.list_runs(root) if dead else []:
+        sub = records.read_submitted(run_dir)
+        name = sub.tmux_session if sub is not None else None
+        if name in dead and records.read_exit(run_dir) is not None and tmux.kill_session(name):
+            closed.append(name)
+    return closed
+
+
 def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) -> dict[str, Any]:
     """Start the wrapper for a run; returns once tmux (or setsid) accepted it (the `submitted` milestone).
 
@@ -155,6 +170,8 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
         raise SupervisorError(f"working directory {cwd} {what} on the host")
     spec.cwd = cwd
     use_tmux = tmux.available()
+    if use_tmux:
+        close_finished_sessions(root)
     run_id, run_dir, session = _claim_run_id(root, spec.run_id, use_tmux)
     spec.run_id = run_id
     doc = {"spec": asdict(spec), "run_id": run_id, "tmux_session": session, "attachable": use_tmux}

@@ -136,10 +136,12 @@ def reap_children() -> None:
     run("run-shell", "true")
 
 
-def release_session(name: str) -> bool:
-    """Let the session close with its pane (remain-on-exit off): its process has recorded how the run ended, so
-    the dead pane that remain-on-exit keeps for a reader has nothing left to tell (sessions piled up otherwise)."""
-    return run("set-option", "-w", "-t", f"={name}:", "remain-on-exit", "off").returncode == 0
+def dead_sessions() -> set[str]:
+    """Sessions whose pane has exited (remain-on-exit keeps them to read), in one call; empty without a server."""
+    res = run("list-panes", "-a", "-F", "#{session_name}|#{pane_dead}")
+    if res.returncode != 0:
+        return set()
+    return {name for name, _, dead in (line.rpartition("|") for line in res.stdout.splitlines()) if dead == "1"}
 
 
 def kill_session(name: str) -> bool:

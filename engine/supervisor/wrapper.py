@@ -40,7 +40,7 @@ from typing import Any
 
 from engine import protocol, stackdump
 from engine.host import disk, procs
-from engine.supervisor import records, restart, stack_hook, stacks, tmux
+from engine.supervisor import records, restart, stack_hook, stacks
 from engine.supervisor.common import SupervisorError
 from engine.supervisor.members import signal_group_checked
 from engine.supervisor.records import ExitRecord, LaunchRecord
@@ -676,11 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir, ExitRecord(exit_code=2, ended_at=time.time(), cause=f"unreadable launch spec: {exc}")
         )
         return 2
-    code = Wrapper(run_dir, doc, pane_fd).run()
-    session = doc.get("tmux_session")
-    if isinstance(session, str) and session and records.read_exit(run_dir) is not None and tmux.available():
-        tmux.release_session(session)  # the end is recorded: the session goes with this process, not left dead
-    return code
+    return Wrapper(run_dir, doc, pane_fd).run()
 
 
 if __name__ == "__main__":

@@ -110,17 +110,18 @@ def test_killing_the_tmux_session_ends_the_job_and_still_leaves_an_exit_record(a
     assert not pid_alive(job_pid)
 
 
-def test_a_finished_runs_tmux_session_goes_once_its_exit_is_recorded(agent: AgentClient) -> None:
-    """Every launch left a dead session behind (12 piled up on one server); remain-on-exit is kept until the
-    wrapper has recorded the end, so a wrapper that dies first still leaves its pane to read (test below)."""
-    launched, _, _ = launch_and_wait(agent, [sys.executable, "-c", "print('done')"], "started", 20)
-    rd = Path(launched["run_dir"])
-    session = launched["tmux_session"]
+def test_a_finished_runs_tmux_session_stays_to_read_and_goes_at_the_next_launch(agent: AgentClient) -> None:
+    """Every launch left a dead session behind (12 piled up on one server). The last run's dead pane stays (its
+    end is on it, and `a` attaches to read it); the next launch closes the sessions of recorded, finished runs."""
+    first, _, _ = launch_and_wait(agent, [sys.executable, "-c", "print('done')"], "started", 20)
+    rd = Path(first["run_dir"])
     wait_until(lambda: records.read_json(rd / records.EXIT_JSON), 20, "exit.json")
-    wait_until(lambda: not tmux.has_session(session), 10, f"tmux session {session} to close")
+    wait_until(lambda: (tmux.pane_state(first["tmux_session"]) or {}).get("dead"), 10, "the first run's pane to end")
     info = records.read_run(rd, procs.read_boot_id())
-    assert info.state == "exited"
-    assert info.attachable is False  # `a` says the run has ended, not tmux's "can't find session"
+    assert info.state == "exited" and info.attachable
+    second, _, _ = launch_and_wait(agent, [sys.executable, "-c", "import time; time.sleep(30)"], "started", 20)
+    assert not tmux.has_session(first["tmux_session"])
+    assert tmux.has_session(second["tmux_session"])  # a live run's session is never touched
 
 
 def test_the_job_gets_the_run_environment_and_a_closed_stdin(agent: AgentClient, tmp_path: Path) -> None:

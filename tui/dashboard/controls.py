@@ -292,11 +292,7 @@ class RunControl:
         run = self.state.run
         tmux_session = run.tmux_session if run else None
         if not run or tmux_session is None or not run.attachable:
-            self.app.notify(
-                "no tmux session to attach to (no run, it was started without tmux, or it has ended: its session "
-                "closes with it; its log stays in the log pane)",
-                severity="warning",
-            )
+            self.app.notify("no tmux session to attach to (no run, or it was started without tmux)", severity="warning")
             return
         argv = self.session.attach_argv(tmux_session)
         if not os.environ.get("TMUX"):

@@ -91,7 +91,6 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
         info.exit_code = exit_rec.exit_code
         info.signal = exit_rec.signal
         info.ended_at = exit_rec.ended_at
-        info.attachable = False  # the wrapper closes the run's tmux session once this record is written
         info.state = "exited" if info.exit_code == 0 and info.signal is None else "failed"
         # Asked to stop and it ended on it cleanly (an engine that checkpoints on SIGTERM exits 0; records
         # written before that case was named say only stop_requested): no failure to name, and not "exited".
