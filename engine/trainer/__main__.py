@@ -4,7 +4,7 @@
     specdec-train --config engine.toml --set steps=100 --set 'drafter_devices=["cuda:0","cuda:1"]'
     specdec-train export CHECKPOINT_OR_OUTPUT_DIR OUT_DIR [--format eagle3|speculators] [--drafter NAME]
     specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--count stop|vllm] [--json]   (τ: serve/evaluate.py)
-    specdec-train regenerate --target tiny-trained --out regen.jsonl   (the target's own replies: target/regenerate.py)
+    specdec-train regenerate --target tiny-trained --out regen.jsonl   (its own replies: verifier/regenerate.py)
     specdec-train serve-check RUN [--vllm-python PATH]   (vLLM serving the latest export: serve/serve_check.py)
 
 Several processes (torch.distributed, one rank per node by default, each rank the threaded engine):
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return eval_main(words[1:])
     if words[:1] == ["regenerate"]:
-        from engine.trainer.target.regenerate import main as regenerate_main
+        from engine.trainer.verifier.regenerate import main as regenerate_main
 
         return regenerate_main(words[1:])
     if words[:1] == ["serve-check"]:

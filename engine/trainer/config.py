@@ -53,7 +53,7 @@ LOSS_LK_LAMBDA = "lk_lambda"
 LOSS_LK_ALPHA = "lk_alpha"
 LOSSES: tuple[str, ...] = (LOSS_SOFT_CE, LOSS_LK_LAMBDA, LOSS_LK_ALPHA)
 # Decoder-layer counts of the built-in random targets whose depth this config knows without loading them.
-BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32, "tiny-trained": 8}  # = target.builtin.Recipe.layers
+BUILTIN_TARGET_LAYERS: dict[str, int] = {"llama3-8b-shape": 32, "tiny-trained": 8}  # = verifier.builtin.Recipe.layers
 
 
 class ConfigError(ValueError):
@@ -126,7 +126,7 @@ class TrainerConfig:
     compile: bool = False
     compile_guard: bool = True  # False only for the control experiment that shows why the guard exists
     compile_target: bool = False
-    # The target's decoder Linears as e4m3 matmuls with row-wise scales (engine/trainer/target/fp8.py): faster on
+    # The target's decoder Linears as e4m3 matmuls with row-wise scales (engine/trainer/verifier/fp8.py): faster on
     # FP8 tensor cores, measured against bf16 by tests/bench/bench_fp8_target.py; lm_head and MoE routers stay
     # exact, and so does the target acceptance length is measured with (its exact weights are kept for it).
     target_fp8: bool = False

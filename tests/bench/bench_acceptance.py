@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from engine.trainer.config import TrainerConfig  # noqa: E402
-from engine.trainer.target.builtin import DEFAULT_RECIPE, ensure_built, read_metrics  # noqa: E402
+from engine.trainer.verifier.builtin import DEFAULT_RECIPE, ensure_built, read_metrics  # noqa: E402
 
 LAYERS = DEFAULT_RECIPE.layers
 LAYER_SETS: dict[str, list[int]] = {

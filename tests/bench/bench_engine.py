@@ -79,12 +79,12 @@ def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
     from engine.trainer.data.vocab import build_draft_vocab
     from engine.trainer.draft.attention import TTTAttention
     from engine.trainer.draft.model import DraftConfig, Drafter
-    from engine.trainer.target.model import load_target
+    from engine.trainer.verifier.model import load_target
 
     dev = torch.device("cpu" if DRY else "cuda:0")
     t0 = time.perf_counter()
     if DRY:
-        from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
+        from engine.trainer.verifier.tiny_tokenizer import build_tiny_tokenizer
 
         target = load_target(
             "tiny", dev, tokenizer=build_tiny_tokenizer(), layer_ids=None, seed=0, dtype=torch.bfloat16

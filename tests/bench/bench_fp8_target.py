@@ -1,7 +1,7 @@
 """How far the FP8 target (``target_fp8``) moves what the drafter trains on, and how much faster its forward is.
 
-For each target the same token batches go through the bf16 target and its FP8 copy (engine/trainer/target/fp8.py),
-and the bench prints (engine/trainer/target/agreement.py measures the first five, as an FP8 run does at its start on
+For each target the same token batches go through the bf16 target and its FP8 copy (engine/trainer/verifier/fp8.py),
+and the bench prints (engine/trainer/verifier/agreement.py measures the first five, as an FP8 run does at its start on
 its first training batches' loss-masked positions; here every position of repeated held-out prompts):
 
   top1_agree       share of positions whose full-vocabulary argmax is the same (it sets the position mask)
@@ -52,9 +52,9 @@ def measure(spec: str, device: str, batch: int, seq: int, n: int, compile_: bool
     import torch
 
     from engine.trainer.serve.evaluate import heldout_prompts
-    from engine.trainer.target.agreement import CheckBatch, compare_forwards
-    from engine.trainer.target.fp8 import quantize_linears
-    from engine.trainer.target.model import FrozenTarget, load_target, load_tokenizer
+    from engine.trainer.verifier.agreement import CheckBatch, compare_forwards
+    from engine.trainer.verifier.fp8 import quantize_linears
+    from engine.trainer.verifier.model import FrozenTarget, load_target, load_tokenizer
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -204,9 +204,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     from engine.trainer.data.vocab import build_draft_vocab
     from engine.trainer.draft.attention import TTTAttention
     from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
-    from engine.trainer.target.model import load_target
-    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
     from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config
+    from engine.trainer.verifier.model import load_target
+    from engine.trainer.verifier.tiny_tokenizer import build_tiny_tokenizer
 
     apply_dynamo_config()
     dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")

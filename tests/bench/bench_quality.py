@@ -146,7 +146,7 @@ def training_file(work: Path, data: Path) -> Path:
 
 def served_prompts(work: Path, target_dir: Path, count: int) -> Path:
     from engine.trainer.serve.evaluate import heldout_prompts
-    from engine.trainer.target.model import load_tokenizer
+    from engine.trainer.verifier.model import load_tokenizer
 
     path = work / "prompts.json"
     prompts = heldout_prompts(load_tokenizer(str(target_dir)), "shipped", HELDOUT, HELDOUT_SEED, count)
@@ -160,7 +160,7 @@ def batches_and_vocab(work: Path, train: Path, target_dir: Path, seed: int, step
 
     from engine.trainer.data.sources import ConversationSource
     from engine.trainer.data.vocab import build_draft_vocab
-    from engine.trainer.target.model import load_tokenizer
+    from engine.trainer.verifier.model import load_tokenizer
 
     bpath, vpath = work / f"batches-s{seed}-{steps}.pt", work / "vocab.pt"
     tokenizer = load_tokenizer(str(target_dir))
@@ -426,7 +426,7 @@ def main() -> int:
         site = ensure_specforge_site(a.peer, a.sf_site, cuda) if a.peer else a.sf_site
         print("RESULT " + json.dumps(check_lk(site)))
         return 0
-    from engine.trainer.target.builtin import ensure_built
+    from engine.trainer.verifier.builtin import ensure_built
 
     target_dir = a.target_dir.resolve() if a.target_dir else ensure_built()
     work = a.work / f"{target_dir.name}-{a.data if a.data in ('regen', 'shipped') else Path(a.data).stem}"

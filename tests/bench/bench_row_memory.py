@@ -84,9 +84,9 @@ def make_target(dir_: Path) -> Path:
     import torch
     from transformers import LlamaForCausalLM
 
-    from engine.trainer.target.builtin import save_servable
-    from engine.trainer.target.model_configs import tiny_config
-    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.verifier.builtin import save_servable
+    from engine.trainer.verifier.model_configs import tiny_config
+    from engine.trainer.verifier.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 STEPS=${1:-1500}
 mkdir -p "$OUT"
-python3 -c "from engine.trainer.target.builtin import ensure_built; ensure_built()" > "$OUT/target_build.txt" 2>&1
+python3 -c "from engine.trainer.verifier.builtin import ensure_built; ensure_built()" > "$OUT/target_build.txt" 2>&1
 for v in rope1-new rope1-new-fp8; do
     timeout 480 python3 tests/bench/bench_acceptance.py --variants "$v" --steps "$STEPS" --k 5 --conversations 32 \
         --max-new-tokens 128 --torch-threads 7 --work "/tmp/acc/$v" --out "$OUT/acc_$v.json" > "$OUT/acc_$v.txt" 2>&1 &

@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 STEPS=${1:-1500}
 W=/tmp/session_runs  # the device returns at most 8 files: everything is gathered into two at the end
 mkdir -p "$OUT" "$W"
-python3 -c "import sys; from engine.trainer.target.builtin import ensure_built; ensure_built()" > "$W/target_build.txt" 2>&1
+python3 -c "import sys; from engine.trainer.verifier.builtin import ensure_built; ensure_built()" > "$W/target_build.txt" 2>&1
 for v in rope0-old rope0-new rope1-old rope1-new; do
     timeout 430 python3 tests/bench/bench_acceptance.py --variants "$v" --steps "$STEPS" --k 5 --conversations 32 \
         --max-new-tokens 128 --torch-threads 3 --work "/tmp/acc/$v" --out "$W/acc_$v.json" > "$W/acc_$v.txt" 2>&1 &

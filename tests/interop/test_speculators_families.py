@@ -19,7 +19,7 @@ from support.families import FAMILIES, LAYERS
 
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.serve import export
-from engine.trainer.target.model import load_target
+from engine.trainer.verifier.model import load_target
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -17,8 +17,8 @@ from speculators_venv import RegistryUnreachable, ensure_venv  # beside this fil
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.serve import export
-from engine.trainer.target.model import FrozenTarget
-from engine.trainer.target.model_configs import tiny_config
+from engine.trainer.verifier.model import FrozenTarget
+from engine.trainer.verifier.model_configs import tiny_config
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

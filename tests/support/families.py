@@ -600,7 +600,7 @@ def build_tokenizer(family: Family) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    # The construction of engine/trainer/target/tiny_tokenizer.py, with this family's specials.
+    # The construction of engine/trainer/verifier/tiny_tokenizer.py, with this family's specials.
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -671,7 +671,7 @@ TRAIN_DRAFT_VOCAB = 256  # nearly all of these vocabularies (264-272): a random 
 
 
 def train_config(target: Path, data: Path, out: Path, **overrides: Any) -> dict[str, Any]:
-    """The engine config of a family's 10-step CPU run: what tests/unit/test_target_families.py trains."""
+    """The engine config of a family's 10-step CPU run (tests/unit/trainer/verifier/test_target_families.py)."""
     config: dict[str, Any] = {
         "target": str(target),
         "data": str(data),

@@ -20,9 +20,9 @@ def save_tiny_target(path: Path, *, layers: int = 4, hidden: int = 64, seed: int
     """A random Llama (``layers`` deep, the byte tokenizer) saved as ``tiny-trained`` saves itself."""
     from transformers import LlamaForCausalLM
 
-    from engine.trainer.target.builtin import save_servable
-    from engine.trainer.target.model_configs import tiny_config
-    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.verifier.builtin import save_servable
+    from engine.trainer.verifier.model_configs import tiny_config
+    from engine.trainer.verifier.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     with torch.random.fork_rng(devices=[]):
@@ -60,7 +60,7 @@ def add_second_stop(path: Path, prompt: list[int], n: int) -> int:
     """Makes the target's generation_config end a reply at a second id as well: the first token of its greedy reply
     to ``prompt`` after the first position that is new in it (the reply stops there, with text before it).
     Returns the id."""
-    from engine.trainer.target.tiny_tokenizer import build_tiny_tokenizer
+    from engine.trainer.verifier.tiny_tokenizer import build_tiny_tokenizer
 
     eos = build_tiny_tokenizer().eos_token_id
     reply = plain_greedy(path, prompt, n)

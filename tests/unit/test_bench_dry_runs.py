@@ -73,7 +73,7 @@ def test_bench_engine_modes_run_on_the_cpu(mode: str, tmp_path: Path) -> None:
 def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_path: Path) -> None:
     """The quality bench's own path (no SpecForge, no vLLM): our engine on the bench's batches, both losses, each
     export counted by `specdec-train eval --export`, the table's rows and comparison."""
-    from engine.trainer.target.builtin import Recipe, ensure_built
+    from engine.trainer.verifier.builtin import Recipe, ensure_built
 
     small = ensure_built(Recipe(hidden=32, layers=8, head_dim=32, steps=6, batch_size=4, seq_len=32),
                          root=tmp_path / "targets", progress=lambda _line: None)  # fmt: skip

@@ -28,11 +28,11 @@ from engine.trainer.run.fp8_check import keeps_exact_weights
 from engine.trainer.run.producer import Producer, Route
 from engine.trainer.run.torchrun import RankInfo
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker
-from engine.trainer.target.model import FrozenTarget, load_target
-from engine.trainer.target.packed import packing_refusal_for
 from engine.trainer.threads.compile import GuardedFunction, set_guard_enabled
 from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.metrics import EventLog
+from engine.trainer.verifier.model import FrozenTarget, load_target
+from engine.trainer.verifier.packed import packing_refusal_for
 
 # Added to a drafter's seed for its initial weights, so they do not repeat the target's (seeded with the seed).
 DRAFTER_SEED_OFFSET = 7919

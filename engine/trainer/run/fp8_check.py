@@ -1,6 +1,6 @@
 """The FP8 target at the start of a run (``target_fp8 = true``): how far it is from the exact one, and what it keeps.
 
-Before the first step the run measures the FP8 target against its own exact weights (target/agreement.py) on the
+Before the first step the run measures the FP8 target against its own exact weights (verifier/agreement.py) on the
 loss-masked positions of its first ``fp8_check_batches`` training batches (the tokens the drafter is trained on,
 packed rows kept apart as in training), reports the figures as an ``fp8_agreement`` stage and a log line, and warns
 when top-1 agreement is below ``fp8_min_top1``: the drafter would learn from targets the served model does not
@@ -17,9 +17,9 @@ import torch
 from engine.trainer.config import TrainerConfig
 from engine.trainer.data.sources import BatchSource
 from engine.trainer.data.vocab import DraftVocab
-from engine.trainer.target.agreement import Agreement, CheckBatch, compare_forwards
-from engine.trainer.target.fp8 import exact_bytes, release_exact
-from engine.trainer.target.model import FrozenTarget
+from engine.trainer.verifier.agreement import Agreement, CheckBatch, compare_forwards
+from engine.trainer.verifier.fp8 import exact_bytes, release_exact
+from engine.trainer.verifier.model import FrozenTarget
 
 STAGE = "fp8_agreement"
 

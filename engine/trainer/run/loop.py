@@ -51,12 +51,12 @@ from engine.trainer.run.producer import DeviceBatch, Producer, Route
 from engine.trainer.run.resume import Claim, claim, data_identity, data_plan, epoch_start
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
-from engine.trainer.target.model import FrozenTarget, load_tokenizer
 from engine.trainer.threads.compile import recompile_limit_for, set_recompile_limit
 from engine.trainer.threads.control import CheckpointRounds, ThreadControl, ThreadFailure
 from engine.trainer.threads.health import HealthBoard
 from engine.trainer.threads.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.threads.queue import BoundedQueue
+from engine.trainer.verifier.model import FrozenTarget, load_tokenizer
 
 JOIN_TIMEOUT_S = 30.0
 REPLICAS_CHECKPOINT = "replicas"
@@ -337,7 +337,7 @@ class TrainingRun:
     def _install_evaluation(self) -> None:
         """eval_every > 0: acceptance length on held-out prompts every eval_every steps, per drafter (``eval``)."""
         from engine.trainer.serve.evaluate import EvalSubject, PeriodicEvaluation, heldout_prompts, rope_offset_of
-        from engine.trainer.target.stops import target_stop_ids
+        from engine.trainer.verifier.stops import target_stop_ids
 
         cfg = self.cfg
         if not cfg.eval_every:

@@ -19,11 +19,11 @@ import torch
 
 from engine.trainer.data.dispatch import Dispatcher
 from engine.trainer.data.sources import BatchSource, HostBatch
-from engine.trainer.target.model import FrozenTarget, TargetOutput
 from engine.trainer.threads.compile import apply_dynamo_config
 from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
+from engine.trainer.verifier.model import FrozenTarget, TargetOutput
 
 PUT_POLL_S = 0.25
 

@@ -16,7 +16,7 @@ greedily; every round the drafter proposes ``k`` tokens as a chain and the targe
 That is how vLLM and SGLang chain-draft an EAGLE-3 head. The target is always the exact one: an FP8 target
 (``target_fp8``) runs its kept exact weights here (``target_forward``), as the bf16 model a server verifies with.
 Two countings of the last round, which differ only when a
-prompt ends at a stop token (the tokenizer's eos and the generation config's eos ids, target/stops.py, where vLLM
+prompt ends at a stop token (the tokenizer's eos and the generation config's eos ids, verifier/stops.py, where vLLM
 stops too; with ``--ignore-eos`` they are the same numbers):
 
 * ``stop`` (the default): a round's accepted drafts end before the stop token, which the target's own token of the
@@ -60,7 +60,7 @@ from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.model import Drafter, rotary_tables
 from engine.trainer.serve.exported import as_exported
-from engine.trainer.target.stops import StopIds, first_stop, stop_set, target_stop_ids
+from engine.trainer.verifier.stops import StopIds, first_stop, stop_set, target_stop_ids
 
 COUNT_STOP = "stop"
 COUNT_VLLM = "vllm"
@@ -258,7 +258,7 @@ def speculate(
 ) -> list[int]:
     """Greedy chain speculation on one prompt; adds each round to ``stats`` (counted as ``stats.counting`` says,
     see the module docstring); returns the generated tokens, up to and including the first stop token
-    (``eos_id``: one id or a set, target/stops.py; None: none).
+    (``eos_id``: one id or a set, verifier/stops.py; None: none).
 
     The output equals plain greedy decoding by the target (speculation changes speed, never the text).
     """
@@ -522,7 +522,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.trainer import checkpoint as ckpt
-    from engine.trainer.target.model import load_target, load_tokenizer
+    from engine.trainer.verifier.model import load_target, load_tokenizer
 
     args = parse_args(argv)
     if args.threads > 0:
@@ -635,7 +635,7 @@ def evaluate_export(args: Any, say: Any) -> int:
     or target it cannot read."""
     from engine.trainer.config import TrainerConfig
     from engine.trainer.serve.exported import ExportedDrafterError, aux_layer_ids, load_exported, read_config
-    from engine.trainer.target.model import load_target, load_tokenizer
+    from engine.trainer.verifier.model import load_target, load_tokenizer
 
     def usage(msg: str) -> int:
         print(f"specdec-train eval: {msg}", file=sys.stderr)

@@ -199,7 +199,7 @@ def target_hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
-    from engine.trainer.target.model_configs import llama3_8b_config, tiny_config
+    from engine.trainer.verifier.model_configs import llama3_8b_config, tiny_config
 
     if spec == "tiny":
         vocab = int(meta["draft_config"]["vocab_size"])

@@ -36,8 +36,8 @@ from typing import Any
 
 from engine.protocol import ENV_EVENTS_PATH, ServedEvent
 from engine.trainer.checkpoint import STEP_DIR
-from engine.trainer.target.stops import cut_at_stop, stop_ids
 from engine.trainer.threads.metrics import EventLog, events_path_for
+from engine.trainer.verifier.stops import cut_at_stop, stop_ids
 
 EXIT_OK, EXIT_VLLM_FAILED, EXIT_USAGE, EXIT_NO_VLLM = 0, 1, 2, 3
 RESULT_FILE = "serve_check.json"
@@ -100,7 +100,7 @@ def latest_export(output_dir: Path) -> Path | None:
 
 def target_directory(spec: str) -> Path:
     if spec == "tiny-trained":
-        from engine.trainer.target.builtin import ensure_built
+        from engine.trainer.verifier.builtin import ensure_built
 
         return ensure_built()
     if spec in ("tiny", "llama3-8b-shape"):
@@ -148,7 +148,7 @@ def our_figures(
 
     from engine.trainer.serve import export
     from engine.trainer.serve.evaluate import COUNTINGS, DrafterProposer, evaluate, target_forward
-    from engine.trainer.target.model import load_target, load_tokenizer
+    from engine.trainer.verifier.model import load_target, load_tokenizer
 
     spec = str(subject.config.get("target", "tiny"))
     tokenizer = load_tokenizer(spec)
@@ -242,7 +242,7 @@ def without_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
 
 def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
     from engine.trainer.serve.evaluate import heldout_prompts
-    from engine.trainer.target.model import load_tokenizer
+    from engine.trainer.verifier.model import load_tokenizer
 
     checkpoint, config = resolve_run(Path(args.run).expanduser())
     why = vllm_missing(args.vllm_python)
