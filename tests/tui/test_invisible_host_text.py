@@ -118,7 +118,8 @@ async def test_a_jobs_invisible_characters_are_escapes_in_the_dashboard_status_a
     job = tmp_path / "job.py"
     job.write_text(JOB.format(thread=ZERO_WIDTH.encode()))
     session = local_session_factory()
-    profile = Profile(name="invisible", command=[sys.executable, str(job), ZERO_WIDTH, REVERSED])
+    # job.py relative to its cwd: the process row must show the argument, not an ellipsis in a long tmp path
+    profile = Profile(name="invisible", command=[sys.executable, job.name, ZERO_WIDTH, REVERSED], cwd=str(tmp_path))
     app = DashboardApp(session, profile=profile)
     try:
         async with app.run_test(size=(160, 44)) as pilot:
