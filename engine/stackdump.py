@@ -22,13 +22,14 @@ import faulthandler
 import os
 import signal
 import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import threading
 
 STACKS_DIR = "stacks"
 END_MARKER = "# end of stack dump"
@@ -49,6 +50,9 @@ def dump_files(run_dir: Path | str, pid: int) -> DumpFiles:
 
 def format_threads(interrupted: FrameType | None = None) -> str:
     """Every Python thread's stack, named (most recent call last); the signal handler's own frames left out."""
+    import threading  # here, not at import: the stack hook loads this module into every process of a job
+    import traceback
+
     frames = sys._current_frames()
     by_ident = {t.ident: t for t in threading.enumerate()}
     me = threading.get_ident()
@@ -69,6 +73,8 @@ def format_threads(interrupted: FrameType | None = None) -> str:
 
 
 def _order(thread: threading.Thread | None) -> tuple[int, str]:
+    import threading
+
     if thread is None:
         return (2, "")
     return (0 if thread is threading.main_thread() else 1, thread.name)

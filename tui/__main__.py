@@ -60,12 +60,12 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-ACTING_VERBS = frozenset({"launch", "stop", "restart", "kill-stale"})
+ACTING_VERBS = frozenset({"launch", "stop", "restart", "kill-stale", "stacks"})  # stacks signals the run's processes
 
 
 def check_readonly(args: argparse.Namespace) -> None:
     """Read-only mode (``connect --readonly``, or the profile's ``readonly = true``): ``args.readonly`` set for the
-    session; a verb that would launch, stop, restart or kill refused before anything connects (UsageError: exit 2).
+    session; a verb that would launch, stop, restart, kill or signal (stacks) refused before anything connects (exit 2).
     ``kill-stale --dry-run`` only lists, and stays allowed."""
     from tui.profiles import ProfileError, resolve_profile
 

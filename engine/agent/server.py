@@ -34,7 +34,7 @@ class CommandError(Exception):
 STATE_CHANGING_COMMANDS = frozenset({"launch", "stop", "kill_stale", "restart"})
 # What a read-only agent (`connect --readonly`, a profile's readonly = true) refuses: every command that starts,
 # stops or signals something (kill_stale only to signal: its dry run is a listing).
-READONLY_REFUSED = frozenset({"launch", "stop", "restart", "kill_stale", "serve_check"})
+READONLY_REFUSED = frozenset({"launch", "stop", "restart", "kill_stale", "serve_check", "stacks"})  # stacks: signals
 # How long, at stdin EOF, the agent waits for those to finish before exiting anyway.
 FINISH_ON_EOF_S = 30.0
 # Every other command answered before exit too (a client may write commands and close stdin at once, as

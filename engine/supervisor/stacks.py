@@ -12,8 +12,8 @@ from typing import Any
 
 from engine import stackdump
 from engine.host import procs
-from engine.supervisor import records
-from engine.supervisor.common import POLL_S, SupervisorError, tree_of
+from engine.supervisor import records, stack_hook
+from engine.supervisor.common import SupervisorError, tree_of
 from engine.supervisor.members import rank_pids, run_members
 from engine.supervisor.records import LaunchRecord
 
@@ -97,10 +97,10 @@ def stacks(
 ) -> dict[str, Any]:
     """Every thread's stack of the live run.
 
-    Our engine (it registered engine.stackdump): SIGUSR1, named threads from its own dump file in well under
-    a second. Any other Python job: py-spy when installed; else, when the job handles SIGUSR1 (faulthandler
-    to its stderr, as before), the dump read back from output.log, labelled as such (log lines may be mixed
-    in, and it waits for the log to go quiet); else why not.
+    Our engine (it registered engine.stackdump), and a job's process under the stack hook (stack_hook.py) when
+    py-spy is not installed: SIGUSR1, named threads from its own dump file in well under a second. Any other
+    Python job: py-spy when installed; else why not. A process that handles SIGUSR1 itself is never signalled:
+    its handler is the job's (a save on pre-emption, say), not a dump.
     """
     rd = Path(run_dir)
     cache = scanners if scanners is not None else records.ScannerCache()
@@ -116,8 +116,15 @@ def stacks(
     pids = sorted(set(pids) | set(run_members(rd, launch_rec, cache)))
     rank_of = {pid: rank for rank, pid in rank_pids(rd, launch_rec, cache).items()}
     py_pids = [p for p in pids if _is_python(p)]
+    pyspy = shutil.which("py-spy")
+    # Our engine, and a job's process under the stack hook while it still leaves SIGUSR1 to the hook (it drops its
+    # markers when it takes the signal itself); a hooked job is read with py-spy where that is installed.
     engines = [
-        p for p in py_pids if stackdump.dump_files(rd, p).raw.exists() and procs.catches_signal(p, stackdump.SIGNAL)
+        p
+        for p in py_pids
+        if stackdump.dump_files(rd, p).raw.exists()
+        and procs.catches_signal(p, stackdump.SIGNAL)
+        and (pyspy is None or not stack_hook.hook_marker(rd, p).exists())
     ]
     engines.sort(key=lambda p: (rank_of.get(p, -1), p))
     if engines:
@@ -137,7 +144,6 @@ def stacks(
     if not py_pids:
         names = ", ".join(f"{p} ({procs.cmdline_of(p)[:60]})" for p in pids[:5])
         raise SupervisorError(f"no Python process in the run ({names}): no Python stacks to dump")
-    pyspy = shutil.which("py-spy")
     if pyspy is not None:
         texts = []
         for pid in py_pids:
@@ -146,44 +152,14 @@ def stacks(
             )
             texts.append(f"--- pid {pid} (py-spy dump, exit {res.returncode}) ---\n{res.stdout}{res.stderr}")
         return {"method": "py-spy dump", "text": "\n".join(texts)}
-    dumpers = [p for p in py_pids if procs.catches_signal(p, signal.SIGUSR1)]
-    if not dumpers:
+    takers = [p for p in py_pids if procs.catches_signal(p, signal.SIGUSR1)]
+    if takers:  # its own handler (a save on pre-emption, say): signalling it could do anything but dump
         raise SupervisorError(
-            f"the job's Python process(es) {', '.join(map(str, py_pids))} do not handle SIGUSR1 "
-            "(not our engine) and py-spy is not installed on the host: pip install py-spy, then retry"
+            f"the job's Python process(es) {', '.join(map(str, takers))} handle SIGUSR1 themselves (not through "
+            "our stack hook), so they are not signalled; py-spy is not installed on the host: pip install py-spy, "
+            "then retry"
         )
-    log = rd / records.OUTPUT_LOG
-    texts = []
-    for pid in dumpers:
-        start = log.stat().st_size if log.exists() else 0
-        os.kill(pid, signal.SIGUSR1)
-        text = _read_appended(log, start, timeout_s)
-        texts.append(f"--- pid {pid} ({procs.cmdline_of(pid)[:100]}) ---\n{text}")
-    return {
-        "method": f"faulthandler via SIGUSR1 to pid {', '.join(map(str, dumpers))}, read back from output.log "
-        "(not our engine: log lines may be mixed in; install py-spy for a clean dump)",
-        "text": "\n".join(texts),
-    }
-
-
-def _read_appended(path: Path, start: int, timeout_s: float, quiet_s: float = 0.3) -> str:
-    """What was appended to path after `start`, once it has stopped growing for quiet_s."""
-    deadline = time.monotonic() + timeout_s
-    last_size = start
-    last_change = time.monotonic()
-    while time.monotonic() < deadline:
-        try:
-            size = path.stat().st_size
-        except OSError:
-            size = start
-        now = time.monotonic()
-        if size != last_size:
-            last_size, last_change = size, now
-        elif size > start and now - last_change >= quiet_s:
-            break
-        time.sleep(POLL_S)
-    if last_size <= start:
-        raise SupervisorError(f"no stack dump appeared in {path} within {timeout_s:g} s")
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        return fh.read(last_size - start).decode("utf-8", "replace")
+    raise SupervisorError(
+        f"the job's Python process(es) {', '.join(map(str, py_pids))} do not handle SIGUSR1 "
+        "(not our engine) and py-spy is not installed on the host: pip install py-spy, then retry"
+    )

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -271,6 +272,30 @@ def test_stacks_of_a_foreign_python_job_without_the_hook_says_what_is_missing(ag
     else:
         assert reply["ok"] is False
         assert "do not handle SIGUSR1" in reply["error"] and "py-spy is not installed" in reply["error"]
+
+
+def test_stacks_never_fires_a_jobs_own_sigusr1_handler(agent: AgentClient, tmp_path: Path) -> None:
+    """A job that takes SIGUSR1 for itself (a save-and-exit on pre-emption) is not asked for a dump with it."""
+    fired = tmp_path / "fired"
+    script = textwrap.dedent(
+        f"""
+        import signal, time
+        signal.signal(signal.SIGUSR1, lambda *a: open({str(fired)!r}, "w").close())
+        print("ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    launched, _, _ = launch_and_wait(agent, [sys.executable, "-c", script], "output", 20)
+    try:
+        reply = agent.request("stacks", timeout_s=5)
+        if shutil.which("py-spy"):
+            assert reply["ok"] and reply["result"]["method"] == "py-spy dump", reply
+        else:
+            assert reply["ok"] is False and "handle SIGUSR1 themselves" in reply["error"], reply
+        time.sleep(0.5)  # a signal sent would have run the handler by now: nothing to wait on when none was
+        assert not fired.exists(), "stacks fired the job's own SIGUSR1 handler"
+    finally:
+        agent.ok("stop", run_id=launched["run_id"], grace_s=5, release_timeout_s=1)
 
 
 def test_invalid_run_id_and_empty_command_are_refused(agent: AgentClient) -> None:

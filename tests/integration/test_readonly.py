@@ -38,6 +38,7 @@ def watched(cli: Cli, run_root: Path, tmp_path: Path) -> tuple[Path, str]:
         ["stop", "--run", "RUN"],
         ["restart"],
         ["kill-stale", "--yes"],
+        ["stacks"],
     ],
     ids=lambda a: " ".join(a),
 )
@@ -86,6 +87,7 @@ def test_a_read_only_agent_refuses_to_act_whoever_asks(pool: AgentPool) -> None:
         ("restart", {"grace_s": 1}),
         ("kill_stale", {"dry_run": False}),
         ("serve_check", {"run_live": True}),
+        ("stacks", {}),
     ):
         reply = watcher.request(cmd, **args)
         assert not reply["ok"] and reply["error"] == (

@@ -21,7 +21,7 @@ from tui.dashboard.app import DashboardApp
 from tui.link.session import CommandFailed, ConnectOptions, open_session
 
 REPO = Path(__file__).resolve().parents[2]
-ACTING_KEYS = {"l": "launch", "r": "restart", "s": "stop", "k": "kill stale", "v": "serve-check"}
+ACTING_KEYS = {"l": "launch", "r": "restart", "s": "stop", "k": "kill stale", "v": "serve-check", "d": "stack dumps"}
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ async def test_the_read_only_nodes_dashboard_says_so_and_no_key_acts_on_any_node
         await wait_until(pilot, lambda: all(n.session and n.session.state == "connected" for n in nodes), 30)
         line = app.screen_of_nodes.query_one("#run-line", TextLine)
         await wait_until(pilot, lambda: line.text.plain.startswith(" specdec · READ-ONLY · 2 nodes"), 5, "the line")
-        for key, what in {"l": "launch", "r": "restart", "s": "stop", "k": "kill stale"}.items():
+        for key, what in {"l": "launch", "r": "restart", "s": "stop", "k": "kill stale", "d": "stack dumps"}.items():
             await pilot.press(key)
             await wait_until(pilot, lambda what=what: notices(app, f"read-only: {what} is off"), 5, what)
             assert len(app.screen_stack) == 1, f"{key} opened {app.screen_stack[-1]}"

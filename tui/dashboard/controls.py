@@ -238,6 +238,8 @@ class RunControl:
             self.app.notify(f"signalled {len(signalled)} process(es); {len(failed)} failed", severity=severity)
 
     def stacks(self) -> None:
+        if self.refused("stack dumps"):  # a dump is asked for with a signal to the run's processes
+            return
         screen = StacksScreen()  # "dumping stacks…" at once; the host's reply fills it in
         self.app.push_screen(screen)
         self.app.run_worker(self._stacks(screen), group="command", exit_on_error=False)

@@ -183,7 +183,8 @@ class NodesApp(PlainNotices):
 
     def action_on_node(self, verb: str) -> None:
         """Ask which node, then run that node's own ``verb`` (its RunControl asks again where it signals)."""
-        if verb not in self.NODE_VERBS or (verb == "kill_stale" and self._refused("kill stale")):
+        acting = {"kill_stale": "kill stale", "stacks": "stack dumps"}  # both signal a node's processes
+        if verb not in self.NODE_VERBS or (verb in acting and self._refused(acting[verb])):
             return
         choices = [Choice(str(n.rank), f"{n.rank}: {n.label}", "primary", str(n.rank)) for n in self.nodes[:10]]
 
