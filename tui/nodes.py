@@ -229,13 +229,23 @@ async def choose_run(nodes: list[Node], run_id: str | None = None, nnodes: int |
     parts = {n.rank: run.run_id for n, run in zip(nodes, asked, strict=True) if run and _part_of(run, n, total)}
     ids = sorted(set(parts.values()))
     if 0 in parts:
-        return RunChoice(parts[0], current=current)
-    if len(ids) == 1:
-        return RunChoice(ids[0], current=current)
-    if ids:
+        candidate = parts[0]
+    elif len(ids) == 1:
+        candidate = ids[0]
+    elif ids:
         why = f"the nodes' current runs are different runs over {total} nodes ({', '.join(ids)})"
         return RunChoice(None, why, current, ambiguous=True)
-    return RunChoice(None, f"no node's current run is a run over these {total} nodes", current)
+    else:
+        return RunChoice(None, f"no node's current run is a run over these {total} nodes", current)
+    # A run over as many nodes at the same ranks may be another profile's (one that shares node 0): this profile's
+    # run has its id, with its rank, on every node reached.
+    held = await asyncio.gather(*(_run_of(n, candidate) for n in nodes))
+    lacking = [n for n, run in zip(nodes, held, strict=True) if not _part_of(run, n, total)]
+    if lacking:
+        names = ", ".join(f"{n.label} (rank {n.rank})" for n in lacking)
+        why = f"run {candidate} is not over these nodes: {names} has no part of it"
+        return RunChoice(None, why, current, ambiguous=True)
+    return RunChoice(candidate, current=current)
 
 
 async def _stop_one(

@@ -657,6 +657,30 @@ def launch_other_run(cli: Callable[..., Any], s: Any, root: Path) -> str:
 
 
 @pytest.mark.timeout(300)
+def test_a_stop_never_takes_another_profiles_run_that_shares_node_0(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    """Profiles A = [h0, h1] and B = [h0, h2] (here: node 1 under another run root): B's run is node 0's current
+    run, over as many nodes at the same ranks, but h1 has no part of it. `stop --profile A` stops nothing."""
+    root0, root1, root2 = (tmp_path / f"root{n}" for n in (0, 1, 2))
+    command = f"command = {json.dumps(['sh', '-c', STEPPING])}\n"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfg_a = write_profile(tmp_path / "a", [node_table(sshd_pair[0], root0), node_table(sshd_pair[1], root1)], command)
+    cfg_b = write_profile(tmp_path / "b", [node_table(sshd_pair[0], root0), node_table(sshd_pair[1], root2)], command)
+    try:
+        r = cli("launch", "--profile", "two", "--config", str(cfg_b), "--wait", "started", "--json", timeout_s=120)
+        assert r.returncode == 0, r.output
+        b_run = json.loads(r.stdout)["run_id"]
+        stop = cli("stop", "--profile", "two", "--config", str(cfg_a), "--grace", "5", timeout_s=120)
+        assert stop.returncode == 1, stop.output
+        assert f"nothing stopped: run {b_run} is not over these nodes" in stop.stderr, stop.output
+        assert all(job_alive(records.run_dir_for(root, b_run)) for root in (root0, root2)), stop.output
+    finally:
+        stop_both(cli, cfg_b)
+
+
+@pytest.mark.timeout(300)
 def test_stop_and_restart_over_the_nodes_act_on_the_multi_node_run_by_its_id_never_on_a_nodes_other_run(
     sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
 ) -> None:

@@ -202,7 +202,9 @@ class NodesApp(PlainNotices):
     def action_stop_all(self) -> None:
         if self._refused("stop"):
             return
-        body = "SIGTERM to the run's processes on every node, then SIGKILL after the grace:\n" + self._node_list()
+        shown = self._shown_run()
+        run = f"run {shown}" if shown else "the multi-node run the nodes' records name (checked on every node)"
+        body = f"SIGTERM to the processes of {run} on every node, then SIGKILL after the grace:\n" + self._node_list()
         self._ask("Stop the run on every node?", body, "Stop all", self._stop_all)
 
     def _ask(self, title: str, body: str, yes: str, then: Callable[[], Coroutine[Any, Any, None]]) -> None:
