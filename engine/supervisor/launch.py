@@ -171,7 +171,8 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
     spec.cwd = cwd
     use_tmux = tmux.available()
     if use_tmux:
-        close_finished_sessions(root)
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):  # tidying only: never what stops a launch
+            close_finished_sessions(root)
     run_id, run_dir, session = _claim_run_id(root, spec.run_id, use_tmux)
     spec.run_id = run_id
     doc = {"spec": asdict(spec), "run_id": run_id, "tmux_session": session, "attachable": use_tmux}

@@ -137,11 +137,16 @@ def reap_children() -> None:
 
 
 def dead_sessions() -> set[str]:
-    """Sessions whose pane has exited (remain-on-exit keeps them to read), in one call; empty without a server."""
+    """Sessions whose every pane has exited (remain-on-exit keeps them to read), in one call; empty without a
+    server. A session with a live pane (one a user split off beside the run's, say) is not dead."""
     res = run("list-panes", "-a", "-F", "#{session_name}|#{pane_dead}")
     if res.returncode != 0:
         return set()
-    return {name for name, _, dead in (line.rpartition("|") for line in res.stdout.splitlines()) if dead == "1"}
+    dead: set[str] = set()
+    alive: set[str] = set()
+    for name, _, flag in (line.rpartition("|") for line in res.stdout.splitlines()):
+        (dead if flag == "1" else alive).add(name)
+    return dead - alive
 
 
 def kill_session(name: str) -> bool:

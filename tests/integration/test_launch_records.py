@@ -124,6 +124,20 @@ def test_a_finished_runs_tmux_session_stays_to_read_and_goes_at_the_next_launch(
     assert tmux.has_session(second["tmux_session"])  # a live run's session is never touched
 
 
+def test_a_finished_runs_session_with_a_live_pane_of_the_users_is_left_at_the_next_launch(
+    agent: AgentClient,
+) -> None:
+    first, _, _ = launch_and_wait(agent, [sys.executable, "-c", "print('done')"], "started", 20)
+    session = first["tmux_session"]
+    wait_until(lambda: (tmux.pane_state(session) or {}).get("dead"), 20, "the first run's pane to end")
+    assert tmux.run("split-window", "-d", "-t", f"={session}:", "sleep 60").returncode == 0  # the user's pane
+    try:
+        launch_and_wait(agent, [sys.executable, "-c", "import time; time.sleep(30)"], "started", 20)
+        assert tmux.has_session(session), "the next launch closed a session with a live pane in it"
+    finally:
+        tmux.kill_session(session)
+
+
 def test_the_job_gets_the_run_environment_and_a_closed_stdin(agent: AgentClient, tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
