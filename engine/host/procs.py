@@ -421,14 +421,18 @@ def by_design(
     driver daemon or monitor whose executable is that installed system program, one of ``programs``), None when
     nothing says so.
 
-    Decided by what the process is, never by what it calls itself: a holder with a GPU context (NVML lists it, or
-    it has /dev/nvidia-uvm open) holds GPU memory and is never one of these, whatever its name."""
+    Decided by what the process is first: a holder with a GPU context (NVML lists it, or it has /dev/nvidia-uvm
+    open) holds GPU memory and is never one of these, whatever its name. Only a holder with no GPU context, which
+    frees no GPU memory when killed (so a name gains a stale job nothing), is also taken for a specdec agent by its
+    command line: an agent of another run root never recorded itself in ``agents``."""
     if h.pid == os.getpid():
         return "this agent"
     if h.context is True or holds_cuda_context(h.pid):
         return None
     if h.pid in agents:
         return "a specdec agent (recorded at its start; it holds the device for NVML, no GPU context)"
+    if h.cmd and ("engine.agent.main" in h.cmd or os.path.basename(h.cmd.split(" ")[0]) == "specdec-agent"):
+        return "a specdec agent by its command line (no GPU context: it holds the device for NVML, no memory)"
     exe = exe_path(h.pid)
     if exe is not None and os.path.basename(exe) in programs and system_binary(exe):
         return f"a driver daemon or monitor ({exe}) that holds the device by design"

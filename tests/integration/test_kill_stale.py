@@ -239,9 +239,11 @@ def test_another_users_holder_is_left_alone_even_by_a_root_agent(pool: AgentPool
 def test_a_stale_job_cannot_hide_by_its_name_and_an_agent_is_known_by_its_record(
     pool: AgentPool, tmp_path: Path
 ) -> None:
-    # Two stale jobs calling themselves nvidia-smi and specdec-agent (argv[0]): both are still stale holders. A
-    # holder recorded as a live agent in the run root's agents/ (as every agent records itself) is left alone,
-    # unless it has /dev/nvidia-uvm open too: a CUDA context, GPU memory, whatever it is.
+    # Two stale jobs calling themselves nvidia-smi and specdec-agent (argv[0]): both are still stale holders (the one
+    # named specdec-agent has a CUDA context: /dev/nvidia-uvm open). A holder recorded as a live agent in the run
+    # root's agents/ (as every agent records itself) is left alone, unless it has /dev/nvidia-uvm open too: a CUDA
+    # context, GPU memory, whatever it is. An agent of another run root (not recorded here), with no GPU context,
+    # is known by its command line: killing it would free no GPU memory.
     dev = tmp_path / "dev"
     dev.mkdir()
     for name in ("nvidia0", "nvidiactl", "nvidia-uvm"):
@@ -260,12 +262,15 @@ def test_a_stale_job_cannot_hide_by_its_name_and_an_agent_is_known_by_its_record
 
     try:
         as_smi = spawn("nvidia-smi", "nvidia0")
-        as_agent = spawn("specdec-agent", "nvidia0")
+        as_agent = spawn("specdec-agent", "nvidia0", "nvidia-uvm")
+        other_roots_agent = spawn("specdec-agent", "nvidiactl")
         recorded = spawn("python3", "nvidiactl")
         recorded_with_context = spawn("python3", "nvidia0", "nvidia-uvm")
         a = pool.make(env={"SPECDEC_DEV_DIR": str(dev)})
         listed = a.ok("kill_stale", dry_run=True)
         assert {as_smi, as_agent} <= {c["pid"] for c in listed["candidates"]}, listed  # their names hide nothing
+        left = {e["holder"]["pid"]: e["reason"] for e in listed["left_alone"]}
+        assert left[other_roots_agent].startswith("a specdec agent by its command line"), left
 
         agents = pool.root / "agents"
         own = f"{a.proc.pid}-{procs.start_ticks_of(a.proc.pid)}"

@@ -118,11 +118,15 @@ def test_not_stale_this_agent_a_recorded_agent_ctl_only_and_unresolved() -> None
     assert [a for a in items if a.kind == "stale_holder"] == []
 
 
-def test_a_name_alone_makes_no_holder_a_daemon_or_an_agent() -> None:
-    # pid 11 and 14 are no nvidia-persistenced and no recorded agent here, whatever their command lines say
+def test_a_name_alone_makes_no_holder_a_daemon_and_no_holder_with_a_gpu_context_an_agent() -> None:
+    # pid 11 is no installed nvidia-persistenced; pid 14 says it is an agent but has a GPU context (NVML lists
+    # it): GPU memory it may hold, so stale whatever its command line says. pid 15, an agent of another run root
+    # with no GPU context (it holds the device for NVML only), is left out: killing it would free nothing.
+    agent_cmd = "/usr/bin/python3 -m engine.agent.main --run-root /root/other"
     holders = [
         holder(11, [0], cmd="/usr/bin/nvidia-persistenced --user nvidia-persistenced"),
-        holder(14, [0], cmd="/usr/bin/python3 -m engine.agent.main --run-root /root/.specdec"),
+        holder(14, [0], cmd=agent_cmd, context=True),
+        holder(15, [0], cmd=agent_cmd),
     ]
     items = gpu_anomalies([gpu(0, 0, 0)], holders, set(), run_active=False)
     assert kinds([a for a in items if a.kind == "stale_holder"]) == [("stale_holder", 0, 11), ("stale_holder", 0, 14)]
