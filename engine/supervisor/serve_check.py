@@ -34,7 +34,6 @@ TAIL_CHUNK = 1 << 20
 TAIL_MAX_BYTES = 32 << 20  # how far back from the end of events.jsonl a checkpoint is looked for
 LOCK_WAIT_S = 5.0  # the lock is held for the moment a start takes: longer means another process keeps it
 LOCK_POLL_S = 0.05
-ARGV_WAIT_S = 2.0
 
 
 def latest_checkpoint(events: Path, max_bytes: int = TAIL_MAX_BYTES) -> Path | None:
@@ -161,10 +160,6 @@ def _start_locked(run_dir: Path, vllm_python: str | None, run_live: bool) -> dic
     finally:
         os.close(log)
     threading.Thread(target=child.wait, name="serve-check-reaper", daemon=True).start()
-    # Just after its exec the child's /proc cmdline can read empty for a moment: record it once it says its argv.
-    deadline = time.monotonic() + ARGV_WAIT_S
-    while procs.argv_of(child.pid) is None and child.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
     ticks = procs.start_ticks_of(child.pid)
     record = {
         "pid": child.pid,

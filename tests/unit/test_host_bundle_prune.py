@@ -85,12 +85,12 @@ def test_install_prunes_idle_unused_bundles_and_keeps_what_runs_or_could_run(
     assert done.stderr == b""
 
 
-def test_a_bundle_the_prune_cannot_remove_is_skipped_and_the_install_stands(tmp_path: Path) -> None:
+def test_a_directory_by_a_bundles_name_is_left_alone_and_the_install_stands(tmp_path: Path) -> None:
     run_root = tmp_path / "root"
     agent_dir = run_root / "agent"
     agent_dir.mkdir(parents=True)
     gone = [_bundle(agent_dir, n, age_s=2 * DAY + n)[0] for n in range(ship.HOST_KEEP + 2)]
-    odd = agent_dir / "0.0-ffffffffffffffff.pyz"  # a directory by a bundle's name: unlink fails on it
+    odd = agent_dir / "0.0-ffffffffffffffff.pyz"  # a directory by a bundle's name: no regular file, never pruned
     odd.mkdir()
     os.utime(odd, (time.time() - 3 * DAY, time.time() - 3 * DAY))
     done = _install(run_root, b"another bundle")

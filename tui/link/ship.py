@@ -197,7 +197,7 @@ def prune():
     busy = in_use([full[: -len(".pyz")] for full in stale]) if stale else set()
     for full in stale:
         tree = full[: -len(".pyz")]
-        if tree in busy or os.path.dirname(tree) != adir:
+        if tree in busy:
             continue
         try:
             os.unlink(full)
