@@ -634,7 +634,13 @@ def evaluate_export(args: Any, say: Any) -> int:
     ``--prompt-ids``), rotary positions advancing per draft token as vLLM runs it. Exit 2 (one line) for an export
     or target it cannot read."""
     from engine.trainer.config import TrainerConfig
-    from engine.trainer.serve.exported import ExportedDrafterError, aux_layer_ids, load_exported, read_config
+    from engine.trainer.serve.exported import (
+        ExportedDrafterError,
+        aux_layer_ids,
+        load_exported,
+        read_config,
+        sglang_differs,
+    )
     from engine.trainer.verifier.model import load_target, load_tokenizer
 
     def usage(msg: str) -> int:
@@ -648,6 +654,9 @@ def evaluate_export(args: Any, say: Any) -> int:
     try:
         config = read_config(Path(args.export))
         layer_ids = None if args.as_served else aux_layer_ids(config)
+        note = None if args.as_served else sglang_differs(config)
+        if note is not None:
+            say(note)
         tokenizer = load_tokenizer(args.target)
         target = load_target(
             args.target,
