@@ -363,8 +363,24 @@ def training_targets(
     (the LK losses' acceptance, draft/loss.py)."""
     in_draft = t2d[logits.argmax(dim=-1)]
     draft_logits = logits.index_select(-1, draft_ids)
-    lse = torch.logsumexp((logits if full_vocab_lse else draft_logits).float(), dim=-1)
+    lse = logsumexp_float32(logits if full_vocab_lse else draft_logits)
     return draft_logits, lse, loss_mask * in_draft.to(loss_mask.dtype)
+
+
+LSE_CHUNK_ELEMENTS = 1 << 26  # float32 elements one eager log-sum-exp chunk may take (256 MiB)
+
+
+def logsumexp_float32(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(logits.float(), -1)`` of ``(B, T, V)`` logits, ``(B, T)``. Eager, in chunks along ``T`` of at
+    most LSE_CHUNK_ELEMENTS: the float32 copy and logsumexp's own temporary of a whole batch would be 4 GiB each at
+    8192 x 128k (the full vocabulary, an LK loss). Compiled, one reduction, into which inductor fuses the cast."""
+    if torch.compiler.is_compiling():
+        return torch.logsumexp(logits.float(), dim=-1)
+    b, t, v = logits.shape
+    step = max(1, LSE_CHUNK_ELEMENTS // max(1, b * v))
+    if step >= t:
+        return torch.logsumexp(logits.float(), dim=-1)
+    return torch.cat([torch.logsumexp(logits[:, i : i + step].float(), dim=-1) for i in range(0, t, step)], dim=1)
 
 
 def load_tokenizer(spec: str) -> Any:
