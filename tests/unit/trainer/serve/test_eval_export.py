@@ -103,6 +103,21 @@ def test_eval_of_a_run_equals_eval_of_its_export_to_the_count(
     assert of_export["target_layers"] == [1, 3, 4]  # the export's aux ids, as trained
 
 
+@pytest.mark.parametrize("flags, as_served", [([], False), (["--as-served"], True)])
+def test_eval_of_an_export_reports_as_served_as_it_was_asked(
+    run: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str], flags: list[str], as_served: bool
+) -> None:
+    _out, exported, corpus = run
+    argv = ["--export", str(exported), "--target", "tiny", "--data", str(corpus), "--k", "2", "--conversations", "1"]
+    assert main([*argv, "--max-new-tokens", "4", *flags, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["as_served"] is as_served and summary["export"] == str(exported)
+    assert main([*argv, "--max-new-tokens", "4", *flags]) == 0
+    heading = capsys.readouterr().out.splitlines()[0]
+    assert heading.startswith(f"export {exported}, target tiny layers [1, 3, 4], k=2, rope offset True")
+    assert heading.endswith(f"{' (as served)' if as_served else ''}, counting stop")
+
+
 def specforge_layout(drafter: Drafter, directory: Path, **extra: Any) -> Path:
     """What SpecForge's export_to_sglang writes: the model's own names, transformers' config (rope_parameters, no
     head_dim, no aux layer ids), bfloat16 weights."""
