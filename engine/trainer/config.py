@@ -30,7 +30,8 @@ else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work with
     except ImportError:
         tomllib = None
 
-BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape", "tiny-trained")
+RANDOM_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape")  # built from a seed: no directory, nothing learned
+BUILTIN_TARGETS: tuple[str, ...] = (*RANDOM_TARGETS, "tiny-trained")
 TOKENIZERLESS_TARGETS: tuple[str, ...] = ("llama3-8b-shape",)  # random weights, random token data (no chat template)
 DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")

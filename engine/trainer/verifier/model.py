@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.trainer.config import RANDOM_TARGETS
 from engine.trainer.data.packing import document_positions
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 from engine.trainer.verifier.builtin import ensure_built
@@ -395,7 +396,7 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(Path(spec).expanduser()))
 
 
-def _load_pretrained(auto: Any, path: str, dtype: torch.dtype) -> Any:
+def load_pretrained(auto: Any, path: str, dtype: torch.dtype) -> Any:
     """``auto.from_pretrained`` with SDPA attention, or eager where the model has no SDPA path (gpt-oss: its
     attention sinks)."""
     for attention in ("sdpa", "eager"):
@@ -436,7 +437,7 @@ def load_target(
 
     if spec == "tiny-trained":  # trained by the project on first use, then a local directory like any other
         spec = str(ensure_built())
-    if spec in ("tiny", "llama3-8b-shape"):
+    if spec in RANDOM_TARGETS:
         if spec == "tiny":
             vocab = ((len(tokenizer) + 7) // 8) * 8
             cfg = tiny_config(vocab, tiny_hidden, tiny_layers)
@@ -448,7 +449,7 @@ def load_target(
     else:
         from transformers import AutoModelForCausalLM
 
-        model = _load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
+        model = load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     use_causal_fast_path(model)
     if fp8:

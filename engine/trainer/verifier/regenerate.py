@@ -55,7 +55,7 @@ from engine.trainer.data.rows import SKIP_NOT_JSON as SKIP_NOT_JSON  # a reason 
 from engine.trainer.data.rows import BadRow, Row, check_turns, read_rows
 from engine.trainer.data.rows import parse_row as parse_json_row
 from engine.trainer.data.sources import ROLE_ALIASES, SKIP_TEMPLATE_ERROR, shipped_corpus_path
-from engine.trainer.verifier.stops import first_stop, target_stop_ids
+from engine.trainer.verifier.stops import first_stop, target_directory, target_stop_ids
 
 SKIP_NO_USER = "no user turn before an assistant turn"
 SKIP_NO_ASSISTANT = "no assistant turn"
@@ -509,18 +509,15 @@ def regenerate(replier: Replier, source: Path, out: Path, *, batch_size: int, re
 
 
 def load_model(spec: str, device: torch.device) -> tuple[Any, Any]:
-    """The target's model and tokenizer: ``tiny-trained`` or a Hugging Face directory (not a random preset)."""
+    """The target's model and tokenizer: ``tiny-trained`` or a Hugging Face directory (not a random preset), loaded
+    as training loads it (SDPA attention, or eager where the model has none: gpt-oss)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.trainer.verifier.model import load_tokenizer
+    from engine.trainer.verifier.model import load_pretrained, load_tokenizer
 
-    if spec in ("tiny", "llama3-8b-shape"):
+    path = target_directory(spec)
+    if path is None:
         raise ValueError(f"target {spec!r} has random weights: its replies would teach the drafter nothing")
-    path = spec
-    if spec == "tiny-trained":
-        from engine.trainer.verifier.builtin import ensure_built
-
-        path = str(ensure_built())
     tokenizer = load_tokenizer(spec)
     if tokenizer is None or tokenizer.eos_token_id is None:
         raise ValueError(f"target {spec!r} has no tokenizer with an eos token: replies would never end")
@@ -530,7 +527,7 @@ def load_model(spec: str, device: torch.device) -> tuple[Any, Any]:
             "regenerate would flatten the channels into one reply, so it refuses"
         )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model: Any = AutoModelForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=dtype)
+    model: Any = load_pretrained(AutoModelForCausalLM, str(path), dtype)
     return model.to(device).eval(), tokenizer
 
 
