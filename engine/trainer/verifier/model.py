@@ -50,7 +50,7 @@ from engine.trainer.threads.compile import GuardedFunction, compile_guard
 from engine.trainer.verifier.builtin import ensure_built
 from engine.trainer.verifier.fp8 import exact_linears, fp8_unsupported_reason, quantize_linears
 from engine.trainer.verifier.model_configs import llama3_8b_config, tiny_config
-from engine.trainer.verifier.packed import packed_masks, text_config
+from engine.trainer.verifier.packed import FULL, layer_kinds, packed_masks, text_config
 
 CAUSAL_SDPA = "specdec_causal_sdpa"
 
@@ -125,16 +125,11 @@ def document_block_mask(documents: torch.Tensor) -> Any:  # (B, T) -> flex Block
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=str(documents.device))
 
 
-def _sliding(config: Any) -> bool:
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return True
-    return any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or []))
-
-
 def _masks_beyond_causal(config: Any) -> bool:
-    """Models whose masks can be more than causal without a padding mask: sliding windows, chunked attention,
-    and multimodal configs (image tokens attend both ways through or/and mask functions)."""
-    if _sliding(config) or getattr(config, "attention_chunk_size", None):
+    """Models whose masks can be more than causal without a padding mask: any layer not full attention (sliding
+    windows, chunked attention, packed.layer_kinds), and multimodal configs (image tokens attend both ways through
+    or/and mask functions)."""
+    if any(kind != FULL for kind in layer_kinds(config)):
         return True
     return any(getattr(config, key, None) is not None for key in ("text_config", "vision_config", "audio_config"))
 
