@@ -137,8 +137,8 @@ def sglang_differs(config: dict[str, Any]) -> str | None:
     if vllm == sglang:
         return None
     return (
-        f"eagle_config.eagle_aux_hidden_state_layer_ids {sglang}: SGLang reads them as layer outputs, vLLM as layer "
-        f"inputs (outputs of {vllm}); counted as vLLM serves it"
+        f"eagle_config.eagle_aux_hidden_state_layer_ids {sglang}: SGLang captures the outputs of layers {sglang}, "
+        f"vLLM those of {vllm if vllm is not None else 'its default layers'}; counted as vLLM serves it"
     )
 
 

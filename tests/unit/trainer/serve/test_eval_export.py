@@ -201,7 +201,9 @@ def test_aux_layer_ids_are_read_as_vllm_reads_them_and_where_sglang_differs_it_i
     assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}) == [1, 3, 4]  # layer inputs
     inner_only = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
     assert aux_layer_ids(inner_only) == [0, 2, 3]  # inputs too, for vLLM
-    assert "SGLang reads them as layer outputs" in (sglang_differs(inner_only) or "")
+    assert "SGLang captures the outputs of layers [1, 3, 4], vLLM those of [0, 2, 3]" in (
+        sglang_differs(inner_only) or ""
+    )
     layered = {"speculators_model_type": "eagle3", "transformer_layer_config": inner_only}
     assert aux_layer_ids(layered) == [0, 2, 3]  # speculators: the layer config is vLLM's hf_config
     assert aux_layer_ids({}) is None and sglang_differs({}) is None
@@ -220,7 +222,7 @@ def test_eval_of_an_export_with_aux_ids_only_in_eagle_config_captures_vllms_laye
                  "--conversations", "1", "--max-new-tokens", "8", "--json"]) == 0  # fmt: skip
     captured = capsys.readouterr()
     assert json.loads(captured.out)["target_layers"] == [0, 2, 3]  # vLLM's inputs 1, 3, 4
-    noted = [ln for ln in captured.err.splitlines() if "SGLang reads them as layer outputs" in ln]
+    noted = [ln for ln in captured.err.splitlines() if "SGLang captures the outputs of layers" in ln]
     assert len(noted) == 1 and "eagle_config.eagle_aux_hidden_state_layer_ids [1, 3, 4]" in noted[0]
 
 
