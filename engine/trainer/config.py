@@ -30,7 +30,8 @@ else:  # pragma: no cover - python 3.10 reads TOML with tomli (presets work with
     except ImportError:
         tomllib = None
 
-BUILTIN_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape", "tiny-trained")
+RANDOM_TARGETS: tuple[str, ...] = ("tiny", "llama3-8b-shape")  # built from a seed: no directory, nothing learned
+BUILTIN_TARGETS: tuple[str, ...] = (*RANDOM_TARGETS, "tiny-trained")
 TOKENIZERLESS_TARGETS: tuple[str, ...] = ("llama3-8b-shape",)  # random weights, random token data (no chat template)
 DRAFTER_MODES: tuple[str, ...] = ("replicas", "independent")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
@@ -597,9 +598,22 @@ def from_dict(values: dict[str, Any], base: TrainerConfig | None = None) -> Trai
         setattr(cfg, key, _coerce(key, types_by_key[key], value))
     if base is None and cfg.target not in BUILTIN_TARGETS:
         for key, value in REAL_TARGET_DEFAULTS.items():
-            if key not in flat and not (key == "warmup_ratio" and "warmup_steps" in flat):
+            if key not in flat and not (key in WARMUP_KEYS and set(WARMUP_KEYS) & set(flat)):
                 setattr(cfg, key, copy.deepcopy(value))
+    _one_warmup(cfg, flat)
     return cfg.validate()
+
+
+WARMUP_KEYS: tuple[str, str] = ("warmup_steps", "warmup_ratio")
+
+
+def _one_warmup(cfg: TrainerConfig, layer: dict[str, Any]) -> None:
+    """A layer (a preset, the file, --set) that sets one way of warming up replaces the one it inherits: the other
+    key goes to 0. Both set in one layer are the user's own (validation refuses two non-zero ones)."""
+    given = [key for key in WARMUP_KEYS if key in layer]
+    if len(given) == 1:
+        other = WARMUP_KEYS[1 - WARMUP_KEYS.index(given[0])]
+        setattr(cfg, other, 0 if other == "warmup_steps" else 0.0)
 
 
 class TomlBeyondLimits(ConfigError):

@@ -92,3 +92,35 @@ def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_pat
         assert row["sources"] == ["eval"] and row["steps"] == 2 and 1.0 <= row["tau_mean"] <= 4.0
         assert len(row["per_position"]) == 3 and len(row["per_position_conditional"]) == 3
     assert report["comparisons"]["ours lk_lambda/soft_ce T 0"]["beyond_spread"] == "unknown (one seed: no spread)"
+
+
+def test_bench_quality_caches_regenerated_replies_per_target_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two builds of one tiny-trained recipe (same directory name, other weights) reply differently: the second
+    must not train on the first one's regenerated replies."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_quality_under_test", BENCH / "bench_quality.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs: list[str] = []
+
+    def regenerate(cmd: list[str], **_kw: Any) -> str:
+        target, out = cmd[cmd.index("--target") + 1], Path(cmd[cmd.index("--out") + 1])
+        out.write_text(f"replies of {target}\n")
+        runs.append(target)
+        return "{}"
+
+    monkeypatch.setattr(bench, "run", regenerate)
+    work, built = tmp_path / "work", []
+    for cpu in ("a", "b"):
+        target = tmp_path / cpu / "recipe-hash"  # one recipe, built twice
+        target.mkdir(parents=True)
+        (target / "model.safetensors").write_bytes(cpu.encode() * 64)
+        built.append((target, bench.target_info(target)["weights_sha256"]))
+    first = bench.regenerated(work, built[0][0], built[0][1], "cpu")
+    second = bench.regenerated(work, built[1][0], built[1][1], "cpu")
+    assert first != second and second.read_text() == f"replies of {built[1][0]}\n"
+    assert bench.regenerated(work, built[0][0], built[0][1], "cpu") == first and len(runs) == 2  # cached per weights

@@ -37,6 +37,14 @@ that speculative sampling accepts the draft. ``A = sum m alpha / max(sum m, 1e-8
 
 Both need the target's log-sum-exp over its whole vocabulary: with an LK loss the target hands ``lse`` over every
 token (``needs_full_vocab_lse``), and the cross-entropy part renormalises over the draft vocabulary itself.
+
+``A`` and ``L`` are each replica's own masked means (its batch's positions), and the replicas (threads, ranks)
+average their gradients after the backward (run/worker.py). On one device that is SpecForge's loss exactly. With
+several replicas it is what SpecForge's data-parallel ranks do too (its ``SdpaLikeAdapter.reduce_metrics`` is the
+identity; DDP averages the gradients): each replica is weighted by its own ``A`` in ``w`` and its own position
+count, not by the global sums. SpecForge sums numerator and denominator across ranks only inside a
+sequence-parallel group (``UspAdapter``: one sequence split over GPUs), which has no counterpart here; global sums
+would need an exchange between the forward and the backward of every step.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ produce. The exact weights stay only while something needs them: the check, and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,14 +34,13 @@ def keeps_exact_weights(cfg: TrainerConfig) -> bool:
     return cfg.target_fp8 and (cfg.fp8_check_batches > 0 or cfg.eval_every > 0)
 
 
-def check_batches(source: BatchSource, n: int, device: torch.device) -> list[CheckBatch]:
-    """The first ``n`` training batches, on ``device``, with their loss masks (and packed rows' documents)."""
-    out = []
+def check_batches(source: BatchSource, n: int, device: torch.device) -> Iterator[CheckBatch]:
+    """The first ``n`` training batches, on ``device`` one at a time, with their loss masks (and packed rows'
+    documents)."""
     for index in range(n):
         hb = source.batch(index)
         docs = hb.documents.to(device) if hb.documents is not None else None
-        out.append(CheckBatch(hb.input_ids.to(device), hb.loss_mask.to(device), docs))
-    return out
+        yield CheckBatch(hb.input_ids.to(device), hb.loss_mask.to(device), docs)
 
 
 def measure_fp8_target(
@@ -58,7 +58,7 @@ def measure_fp8_target(
         return target.logits_and_hidden3(ids, eager=True, documents=documents)  # the check compiles nothing
 
     agreement = compare_forwards(exact, fp8, batches, draft_ids, t2d)
-    return agreement, f"the loss-masked positions of the first {len(batches)} training batches"
+    return agreement, f"the loss-masked positions of the first {cfg.fp8_check_batches} training batches"
 
 
 def check_fp8_targets(

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -536,8 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, _picked = ckpt.resolve_checkpoint(args.checkpoint)
     except ckpt.CheckpointNotFound as exc:
-        print(f"specdec-train eval: {exc}", file=sys.stderr)
-        return 2
+        return usage(str(exc))
     meta = ckpt.read_meta(path)
     cfg: dict[str, Any] = meta.get("config") or {}
     device = torch.device(args.device)
@@ -561,26 +561,52 @@ def main(argv: list[str] | None = None) -> int:
         tiny_layers=int(cfg.get("tiny_layers", 4)),
     )
     try:
-        if args.prompt_ids:
-            prompts = read_prompt_ids(Path(args.prompt_ids))[: args.conversations]
-        else:
-            prompts = heldout_prompts(
-                tokenizer,
-                str(cfg.get("data", "shipped")),
-                int(cfg.get("eval_holdout", 32)),
-                int(cfg.get("seed", 0)),
-                args.conversations,
-            )
+        prompts = chosen_prompts(
+            args, tokenizer, str(cfg.get("data", "shipped")), int(cfg.get("eval_holdout", 32)), int(cfg.get("seed", 0))
+        )
     except (ValueError, OSError) as exc:
-        print(f"specdec-train eval: {exc}", file=sys.stderr)
-        return 2
+        return usage(str(exc))
     names = args.drafter or list(meta.get("drafters") or [])
+    drafters = {name: functools.partial(load_drafter, path, name, target, device) for name in names}
     rope_offset = True if args.as_served else rope_offset_of(cfg)
-    eos_id = None if args.ignore_eos else target_stop_ids(spec, tokenizer)
+    subject = {"checkpoint": str(path), "step": meta.get("step")}
+    return report(
+        args, say, target, spec, prompts, drafters, rope_offset, subject, f"checkpoint {path} (step {meta.get('step')})"
+    )
+
+
+def usage(msg: str) -> int:
+    """Exit 2 with one line: input eval cannot read."""
+    print(f"specdec-train eval: {msg}", file=sys.stderr)
+    return 2
+
+
+def chosen_prompts(args: Any, tokenizer: Any, data: str, holdout: int, seed: int) -> list[list[int]]:
+    """``--prompt-ids`` (its first ``--conversations``), else the held-out conversations' prompts of ``data``."""
+    if args.prompt_ids:
+        return read_prompt_ids(Path(args.prompt_ids))[: args.conversations]
+    return heldout_prompts(tokenizer, data, holdout, seed, args.conversations)
+
+
+def report(
+    args: Any,
+    say: Callable[[str], None],
+    target: Any,
+    spec: str,
+    prompts: list[list[int]],
+    drafters: Mapping[str, Callable[[], Drafter]],
+    rope_offset: bool,
+    subject: dict[str, Any],
+    heading: str,
+) -> int:
+    """τ of each drafter (loaded when its turn comes) on ``prompts``, with the target's stop ids; the summary as one
+    JSON object (``--json``: ``subject``'s keys first) or as lines under ``heading``."""
+    device = torch.device(args.device)
+    eos_id = None if args.ignore_eos else target_stop_ids(spec, target.tokenizer)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     results: dict[str, Any] = {}
-    for name in names:
-        drafter = load_drafter(path, name, target, device)
+    for name, load in drafters.items():
+        drafter = load()
         t0 = time.perf_counter()
 
         def progress(i: int, stats: AcceptanceStats, name: str = name) -> None:
@@ -602,8 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.outputs:
             results[name]["outputs"] = outputs
     summary = {
-        "checkpoint": str(path),
-        "step": meta.get("step"),
+        **subject,
         "target": spec,
         "target_layers": target.layer_ids,
         "ttt_rope_offset": rope_offset,
@@ -616,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
         return 0
     print(
-        f"checkpoint {path} (step {meta.get('step')}), target {spec} layers {target.layer_ids}, k={args.k}, "
+        f"{heading}, target {spec} layers {target.layer_ids}, k={args.k}, "
         f"rope offset {rope_offset}{' (as served)' if args.as_served else ''}, counting {args.count}"
         f"{', ignoring eos' if args.ignore_eos else ''}"
     )
@@ -629,17 +654,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def evaluate_export(args: Any, say: Any) -> int:
+def evaluate_export(args: Any, say: Callable[[str], None]) -> int:
     """``specdec-train eval --export DIR``: τ of an exported drafter with its target on held-out prompts (or
     ``--prompt-ids``), rotary positions advancing per draft token as vLLM runs it. Exit 2 (one line) for an export
     or target it cannot read."""
     from engine.trainer.config import TrainerConfig
-    from engine.trainer.serve.exported import ExportedDrafterError, aux_layer_ids, load_exported, read_config
+    from engine.trainer.serve.exported import (
+        ExportedDrafterError,
+        aux_layer_ids,
+        load_exported,
+        read_config,
+        sglang_differs,
+    )
     from engine.trainer.verifier.model import load_target, load_tokenizer
-
-    def usage(msg: str) -> int:
-        print(f"specdec-train eval: {msg}", file=sys.stderr)
-        return 2
 
     if not args.target:
         return usage("--export needs --target (tiny-trained or the target's Hugging Face directory)")
@@ -648,6 +675,9 @@ def evaluate_export(args: Any, say: Any) -> int:
     try:
         config = read_config(Path(args.export))
         layer_ids = None if args.as_served else aux_layer_ids(config)
+        note = None if args.as_served else sglang_differs(config)
+        if note is not None:
+            say(note)
         tokenizer = load_tokenizer(args.target)
         target = load_target(
             args.target,
@@ -658,53 +688,11 @@ def evaluate_export(args: Any, say: Any) -> int:
             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         )
         loaded = load_exported(Path(args.export), target.embed_weight())
-        if args.prompt_ids:
-            prompts = read_prompt_ids(Path(args.prompt_ids))[: args.conversations]
-        else:
-            prompts = heldout_prompts(tokenizer, args.data, defaults.eval_holdout, defaults.seed, args.conversations)
+        prompts = chosen_prompts(args, tokenizer, args.data, defaults.eval_holdout, defaults.seed)
     except (ExportedDrafterError, ValueError, OSError) as exc:
         return usage(str(exc))
     say(f"{args.export}: target {args.target}, layers {target.layer_ids}, {len(prompts)} prompts")
-    eos_id = None if args.ignore_eos else target_stop_ids(args.target, tokenizer)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    t0 = time.perf_counter()
-
-    def progress(i: int, stats: AcceptanceStats) -> None:
-        say(f"export: {i}/{len(prompts)} prompts, {stats.rounds} rounds, tau {stats.tau:.3f}")
-
-    outputs: list[list[int]] = []
-    stats = evaluate(
-        target_forward(target),
-        DrafterProposer(loaded.drafter.to(device), rope_offset=True, autocast_dtype=autocast),
-        prompts,
-        k=args.k,
-        max_new_tokens=args.max_new_tokens,
-        eos_id=eos_id,
-        on_prompt=progress,
-        counting=args.count,
-        outputs=outputs,
+    drafters = {"export": lambda: loaded.drafter.to(device)}
+    return report(
+        args, say, target, args.target, prompts, drafters, True, {"export": str(args.export)}, f"export {args.export}"
     )
-    result: dict[str, Any] = {**stats.to_dict(), "eval_s": round(time.perf_counter() - t0, 2)}
-    if args.outputs:
-        result["outputs"] = outputs
-    summary = {
-        "export": str(args.export),
-        "target": args.target,
-        "target_layers": target.layer_ids,
-        "ttt_rope_offset": True,
-        "as_served": True,
-        "counting": args.count,
-        "ignore_eos": args.ignore_eos,
-        "drafters": {"export": result},
-    }
-    if args.json:
-        print(json.dumps(summary))
-        return 0
-    print(f"export {args.export}, target {args.target} layers {target.layer_ids}, k={args.k}, counting {args.count}")
-    print(f"tau={stats.tau:.3f} rounds={stats.rounds} prompts={stats.prompts} new_tokens={stats.new_tokens}")
-    print("  accepted at i / drafts (vLLM's per-position rate): " + " ".join(f"{v:.3f}" for v in stats.per_position()))
-    print(
-        "  accepted at i / accepted at i-1 (conditional):   "
-        + " ".join(f"{v:.3f}" for v in stats.per_position_conditional())
-    )
-    return 0

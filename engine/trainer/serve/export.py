@@ -15,16 +15,19 @@ loader shares the target's embedding, as training did.
 Aux layer ids: a checkpoint's ``target_layers`` are the decoder layers whose OUTPUT the drafter was trained on.
 SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` in that sense (it adds 1 itself); vLLM and
 speculators read a top-level ``eagle_aux_hidden_state_layer_ids`` as layer INPUTS (id j = output of layer j-1,
-0 = the embedding), so that list is ours + 1. Rope is exactly the drafter's (``rope_theta``, ``rope_scaling``).
+0 = the embedding), so that list is ours + 1. vLLM 0.32 falls back to ``eagle_config``'s list when there is no
+top-level one and reads it unchanged, as inputs too: an export with only that list is served one layer apart by the
+two servers (ours write both lists, which agree). Rope is exactly the drafter's (``rope_theta``, ``rope_scaling``).
 
 Every field a server reads with a default is written, in both layouts at the top level (vLLM's Eagle3 Llama and its
 speculators path read them there, SGLang's llama_eagle3 its sizes): ``draft_vocab_size``, ``target_hidden_size``
 (the width of each captured target state: fc reads three of them), ``eagle_aux_hidden_state_layer_ids`` and the
 architecture flags of ``ARCHITECTURE_FLAGS``, all false for this drafter: ``norm_before_residual`` (its residual is
-fc's output before ``hidden_norm``; vLLM's speculators path assumes true when the key is absent), ``norm_before_fc``
-(no norm over the concatenated states before fc), ``fc_norm`` (no per-state norm, EAGLE 3.1) and ``norm_output``
-(a step feeds the next its pre-norm output). ``served_settings`` reads them back as a server does, with its defaults;
-``drafter_from_export`` refuses an export whose flags this drafter cannot compute.
+fc's output before ``hidden_norm``; absent, vLLM's speculators path assumes true, its LlamaForCausalLMEagle3 layout
+false), ``norm_before_fc`` (no norm over the concatenated states before fc), ``fc_norm`` (no per-state norm, EAGLE
+3.1) and ``norm_output`` (a step feeds the next its pre-norm output). ``served_settings`` reads them back as vLLM
+does, with its default for the layout; ``drafter_from_export`` refuses an export whose flags this drafter cannot
+compute.
 
 The output directory appears whole or not at all (written beside it, then renamed); bad input writes nothing.
 When the checkpoint belongs to a run, an ``export`` event goes to that run's events.jsonl (``status`` shows it).
@@ -75,9 +78,13 @@ ARCHITECTURE_FLAGS: dict[str, bool] = {
     "fc_norm": False,
     "norm_output": False,
 }
-# The value a server assumes for a flag the config leaves out (vLLM's speculators path: norm_before_residual true).
-SERVER_DEFAULTS: dict[str, bool] = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False,
+# The value vLLM assumes for a flag the config leaves out, by layout: its LlamaForCausalLMEagle3 layout reads them
+# with getattr(config, flag, False) (llama_eagle3.py); its speculators path (speculators_model_type set) sets
+# norm_before_residual true when absent (transformers_utils/configs/speculators/algos.py, update_eagle3).
+SERVER_DEFAULTS: dict[str, bool] = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
                                     "norm_output": False}  # fmt: skip
+SPECULATORS_DEFAULTS: dict[str, bool] = {**SERVER_DEFAULTS, "norm_before_residual": True}
+AUX_IDS = "eagle_aux_hidden_state_layer_ids"
 
 
 class ExportError(Exception):
@@ -222,17 +229,49 @@ def target_hidden_size(meta: dict[str, Any]) -> int:
     return int(size) if isinstance(size, int) and size > 0 else int(meta["draft_config"]["hidden_size"])
 
 
+def server_defaults(config: dict[str, Any]) -> dict[str, bool]:
+    """The flags' defaults vLLM applies to this export's layout (SERVER_DEFAULTS or SPECULATORS_DEFAULTS)."""
+    return SPECULATORS_DEFAULTS if "speculators_model_type" in config else SERVER_DEFAULTS
+
+
+def served_flags(config: dict[str, Any]) -> dict[str, bool]:
+    """The architecture flags as vLLM reads them: from the top level in either layout (its speculators path sets
+    them over ``transformer_layer_config``'s), the layout's default where absent."""
+    return {flag: bool(config.get(flag, default)) for flag, default in server_defaults(config).items()}
+
+
+def vllm_aux_layer_ids(config: dict[str, Any]) -> list[int]:
+    """The aux layer ids vLLM 0.32 captures, as LAYER INPUT ids (``[]``: its default). Its model runner
+    (``_get_eagle3_aux_layers_from_config``) reads the draft config's top-level ``eagle_aux_hidden_state_layer_ids``,
+    else ``eagle_config``'s, unchanged either way; the speculators path builds that config from
+    ``transformer_layer_config`` plus the top-level ids."""
+    hf = config.get("transformer_layer_config", config) if "speculators_model_type" in config else config
+    hf = hf if isinstance(hf, dict) else {}
+    ids = config.get(AUX_IDS) or hf.get(AUX_IDS)
+    eagle = hf.get("eagle_config")
+    if not ids and isinstance(eagle, dict):
+        ids = eagle.get(AUX_IDS)
+    return [int(i) for i in ids] if isinstance(ids, list) else []
+
+
+def sglang_aux_layer_ids(config: dict[str, Any]) -> list[int]:
+    """``eagle_config.eagle_aux_hidden_state_layer_ids`` as SGLang reads them: layer OUTPUT ids (it captures the
+    input of id + 1); ``[]``: none, its default."""
+    eagle = config.get("eagle_config")
+    ids = eagle.get(AUX_IDS) if isinstance(eagle, dict) else None
+    return [int(i) for i in ids] if isinstance(ids, list) else []
+
+
 def served_settings(config: dict[str, Any]) -> dict[str, Any]:
     """What a server reads from an export's config.json, with the server's default for an absent key: the sizes,
     the aux layer ids (vLLM's layer inputs; SGLang's outputs in ``eagle_config``) and the architecture flags."""
     layer = config.get("transformer_layer_config", config)
-    eagle = config.get("eagle_config") or {}
     return {
         "draft_vocab_size": int(config["draft_vocab_size"]),
         "target_hidden_size": int(config.get("target_hidden_size") or layer["hidden_size"]),
-        "eagle_aux_hidden_state_layer_ids": list(config.get("eagle_aux_hidden_state_layer_ids") or []),
-        "sglang_aux_hidden_state_layer_ids": list(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
-        **{flag: bool(config.get(flag, default)) for flag, default in SERVER_DEFAULTS.items()},
+        AUX_IDS: vllm_aux_layer_ids(config),
+        "sglang_aux_hidden_state_layer_ids": sglang_aux_layer_ids(config),
+        **served_flags(config),
     }
 
 
@@ -511,12 +550,12 @@ def drafter_from_export(out_dir: Path, embed_weight: torch.Tensor, dtype: torch.
 
     config, tensors = read_export(out_dir)
     layer = config.get("transformer_layer_config", config)
-    settings = served_settings(config)
+    flags = served_flags(config)
     for flag, ours in ARCHITECTURE_FLAGS.items():
-        if settings[flag] != ours:
+        if flags[flag] != ours:
+            absent = "" if flag in config else " (absent: vLLM's default in this layout)"
             raise ExportError(
-                f"{out_dir}: {flag} is {str(settings[flag]).lower()}"
-                f"{'' if flag in config else ' (absent: the servers default)'}; this drafter computes {flag} = "
+                f"{out_dir}: {flag} is {str(flags[flag]).lower()}{absent}; this drafter computes {flag} = "
                 f"{str(ours).lower()}, so its weights would be read wrong"
             )
     dcfg = DraftConfig(

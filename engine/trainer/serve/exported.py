@@ -7,11 +7,14 @@
 ``llama_eagle3.py`` reads it, and anything our drafter cannot compute the same way is refused by name
 (``ExportedDrafterError``, one line) rather than evaluated wrongly: ``norm_before_residual``, ``norm_before_fc``,
 ``fc_norm`` or ``norm_output`` set, more than one layer, a target hidden size unlike the drafter's, rope scaling.
+An absent flag is read with vLLM's default for the layout (export.served_flags): false, except
+``norm_before_residual`` in the speculators layout (``speculators_model_type``), which vLLM takes as true.
 
-The aux layers (the target layers whose OUTPUTS the drafter reads, as evaluate.py and our checkpoints count them):
-a top-level ``eagle_aux_hidden_state_layer_ids`` holds layer INPUT ids (vLLM's and speculators' sense: output of
-``id - 1``); ``eagle_config.eagle_aux_hidden_state_layer_ids`` holds output ids (SGLang's); neither: None, the
-servers' default (outputs of 1, L/2-1, L-4).
+The aux layers (the target layers whose OUTPUTS the drafter reads, as evaluate.py and our checkpoints count them)
+are the ones vLLM 0.32 captures, which ``--count vllm`` promises to equal (export.vllm_aux_layer_ids): the top-level
+``eagle_aux_hidden_state_layer_ids``, else ``eagle_config``'s, either way layer INPUT ids (output of ``id - 1``);
+neither: None, the servers' default (outputs of 1, L/2-1, L-4). SGLang reads ``eagle_config``'s as OUTPUT ids, so
+where they differ from vLLM's layers ``sglang_differs`` says so in one line (evaluate.py logs it).
 
 ``as_exported``: a checkpoint's weights rounded exactly as ``export.served_tensors`` writes them (bfloat16), so
 ``eval --checkpoint`` counts what the served export accepts.
@@ -27,6 +30,14 @@ from typing import Any
 import torch
 
 from engine.trainer.draft.model import DraftConfig, Drafter
+from engine.trainer.serve.export import (
+    EXPORT_DTYPE,
+    ExportError,
+    our_name,
+    served_flags,
+    sglang_aux_layer_ids,
+    vllm_aux_layer_ids,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,8 +57,6 @@ class ExportedDrafter:
 
 def as_exported(state: dict[str, Any]) -> dict[str, Any]:
     """Floating tensors through the export's dtype and back (``export.served_tensors``), the rest as they are."""
-    from engine.trainer.serve.export import EXPORT_DTYPE
-
     out: dict[str, Any] = {}
     for name, value in state.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and name not in ("d2t", "t2d"):
@@ -97,11 +106,11 @@ def _rope_theta(layer: dict[str, Any]) -> float:
 
 def _refuse_unlike_ours(config: dict[str, Any], layer: dict[str, Any]) -> None:
     """Settings that make vLLM compute another function than our Drafter does: refused by name."""
-    flags = {**layer, **config}  # vLLM reads these from either place
+    flags = served_flags(config)  # absent: vLLM's default for the layout
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm"):
-        if flags.get(key):
+        if flags[key]:
             raise ExportedDrafterError(f"{key} is set: our drafter has no such norm, so its τ would not be vLLM's")
-    if flags.get("norm_output"):  # vLLM's llama_eagle3: the next step reads the post-norm states, ours pre-norm
+    if flags["norm_output"]:  # vLLM's llama_eagle3: the next step reads the post-norm states, ours pre-norm
         raise ExportedDrafterError("norm_output is set: vLLM would feed each step the normed output, ours the pre-norm")
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ExportedDrafterError(f"num_hidden_layers {layer.get('num_hidden_layers')}: EAGLE-3 drafters have one")
@@ -112,15 +121,25 @@ def _refuse_unlike_ours(config: dict[str, Any], layer: dict[str, Any]) -> None:
 
 
 def aux_layer_ids(config: dict[str, Any]) -> list[int] | None:
-    """The target layers (output ids) the drafter reads, as the module docstring says; None: the default."""
-    top = config.get("eagle_aux_hidden_state_layer_ids")
-    if isinstance(top, list) and top:
-        return [int(i) - 1 for i in top]
-    eagle = config.get("eagle_config")
-    inner = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    if isinstance(inner, list) and inner:
-        return [int(i) for i in inner]
-    return None
+    """The target layers (output ids) whose states vLLM hands the drafter, as the module docstring says; None: the
+    default."""
+    inputs = vllm_aux_layer_ids(config)
+    return [i - 1 for i in inputs] if inputs else None
+
+
+def sglang_differs(config: dict[str, Any]) -> str | None:
+    """One line when SGLang would capture other target layers than vLLM for this export (it reads
+    ``eagle_config``'s ids as layer outputs), else None."""
+    sglang = sglang_aux_layer_ids(config)
+    if not sglang:
+        return None
+    vllm = aux_layer_ids(config)
+    if vllm == sglang:
+        return None
+    return (
+        f"eagle_config.eagle_aux_hidden_state_layer_ids {sglang}: SGLang captures the outputs of layers {sglang}, "
+        f"vLLM those of {vllm if vllm is not None else 'its default layers'}; counted as vLLM serves it"
+    )
 
 
 def draft_config(config: dict[str, Any]) -> DraftConfig:
@@ -148,8 +167,6 @@ def load_exported(out_dir: Path, embed_weight: torch.Tensor, dtype: torch.dtype 
     """Our Drafter computing what vLLM computes from ``out_dir`` (weights in ``dtype``), with the target's
     embedding table; ExportedDrafterError for an export it cannot stand for."""
     from safetensors.torch import load_file
-
-    from engine.trainer.serve.export import ExportError, our_name
 
     config = read_config(out_dir)
     dcfg = draft_config(config)

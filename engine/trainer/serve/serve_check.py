@@ -37,7 +37,7 @@ from typing import Any
 from engine.protocol import ENV_EVENTS_PATH, ServedEvent
 from engine.trainer.checkpoint import STEP_DIR
 from engine.trainer.threads.metrics import EventLog, events_path_for
-from engine.trainer.verifier.stops import cut_at_stop, stop_ids
+from engine.trainer.verifier.stops import cut_at_stop, stop_ids, target_directory
 
 EXIT_OK, EXIT_VLLM_FAILED, EXIT_USAGE, EXIT_NO_VLLM = 0, 1, 2, 3
 RESULT_FILE = "serve_check.json"
@@ -98,14 +98,11 @@ def latest_export(output_dir: Path) -> Path | None:
     return found
 
 
-def target_directory(spec: str) -> Path:
-    if spec == "tiny-trained":
-        from engine.trainer.verifier.builtin import ensure_built
-
-        return ensure_built()
-    if spec in ("tiny", "llama3-8b-shape"):
+def servable_directory(spec: str) -> Path:
+    """The target's directory (stops.target_directory) when a server can load it; CheckError saying why not."""
+    path = target_directory(spec)
+    if path is None:
         raise CheckError(f"target {spec!r} is a random preset with no directory a server could load")
-    path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise CheckError(f"target {spec}: no config.json there for a server to load")
     return path
@@ -128,7 +125,7 @@ def prepare(checkpoint: Path, config: dict[str, Any]) -> Subject:
     from engine.trainer.serve import export
 
     output_dir = checkpoint.parent.parent
-    target_dir = target_directory(str(config.get("target", "tiny")))
+    target_dir = servable_directory(str(config.get("target", "tiny")))
     served = latest_export(output_dir)
     exported_now = served is None
     if served is None:
@@ -236,10 +233,6 @@ def stops_of(subject: Subject, tokenizer: Any, ignore_eos: bool) -> frozenset[in
     return frozenset() if ignore_eos else stop_ids(tokenizer, subject.target_dir)
 
 
-def without_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
-    return cut_at_stop(ids, stops)
-
-
 def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
     from engine.trainer.serve.evaluate import heldout_prompts
     from engine.trainer.verifier.model import load_tokenizer
@@ -297,7 +290,7 @@ def check(args: argparse.Namespace, say: Any) -> tuple[int, dict[str, Any]]:
     theirs = vllm_figures(served, args.k)
     stops = stops_of(subject, tokenizer, args.ignore_eos)
     same = sum(
-        without_stop(a, stops) == without_stop(b, stops)
+        cut_at_stop(a, stops) == cut_at_stop(b, stops)
         for a, b in zip(ours.pop("outputs"), served.get("outputs") or [], strict=False)
     )
     report.update(ours=ours, vllm=theirs, outputs_equal_to_greedy=same)

@@ -15,7 +15,7 @@ the ``fp8_agreement`` stage); ``tests/bench/bench_fp8_target.py`` measures it of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from engine.trainer.verifier.model import training_targets
 # (ids (B, T), documents=(B, T) packed rows' conversation numbers or None) -> (logits (B, T, V), hidden3 (B, T, 3H))
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 PROB_FLOOR = 1e-30  # log(0) of a probability that underflowed: a large finite KL term instead of inf or nan
-CHUNK_POSITIONS = 1024  # positions whose draft distributions are compared at once (float64, (N, Vd) each)
+CHUNK_POSITIONS = 1024  # positions compared at once (their logits rows, float64 (n, Vd) distributions)
 
 
 @dataclass(frozen=True)
@@ -59,36 +59,56 @@ class Agreement:
         )
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """What the comparison reads of one forward at up to CHUNK_POSITIONS measured positions."""
+
+    top: torch.Tensor  # (n,) the full-vocabulary argmax
+    draft_logits: torch.Tensor  # (n, Vd) in the logits' dtype
+    lse: torch.Tensor  # (n,) float32: their log-sum-exp
+    mask: torch.Tensor  # (n,) the position mask (top token in the draft vocabulary)
+    hidden: torch.Tensor  # (n, 3H)
+
+
+def _measured(
+    logits: torch.Tensor, hidden3: torch.Tensor, keep: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
+) -> Iterator[_Kept]:
+    """One forward's figures at the ``keep`` positions, CHUNK_POSITIONS rows of its ``(B, T, V)`` logits at a time:
+    no copy of the whole."""
+    flat, hidden = logits.reshape(-1, logits.shape[-1]), hidden3.reshape(-1, hidden3.shape[-1])
+    rows = keep.reshape(-1).nonzero().squeeze(1)
+    for lo in range(0, rows.numel(), CHUNK_POSITIONS):
+        at = rows[lo : lo + CHUNK_POSITIONS]
+        part = flat.index_select(0, at)
+        z, lse, mask = training_targets(part[None], torch.ones(1, at.numel(), device=part.device), draft_ids, t2d)
+        yield _Kept(part.argmax(-1), z[0], lse[0], mask[0], hidden.index_select(0, at))
+
+
 @torch.no_grad()
 def compare_forwards(
     exact: Forward,
     approx: Forward,
-    batches: Sequence[CheckBatch],  # on the forwards' device
+    batches: Iterable[CheckBatch],  # on the forwards' device
     draft_ids: torch.Tensor,  # (Vd,) long: the target id of each draft token
     t2d: torch.Tensor,  # (V,) bool: the target ids in the draft vocabulary
 ) -> Agreement:
     """``approx`` measured against ``exact`` on the loss-masked positions of ``batches`` (see the module
-    docstring)."""
+    docstring), batch by batch: of the exact forward only its draft-vocabulary logits at those positions are kept
+    while the approximate one runs, and no forward's logits outlive their batch."""
     top1 = mask = kl = tv = h_num = h_den = 0.0
     n = 0
     for batch in batches:
-        lo_a, h_a = exact(batch.input_ids, documents=batch.documents)
-        lo_b, h_b = approx(batch.input_ids, documents=batch.documents)
-        if batch.loss_mask is None:
-            keep = torch.ones(batch.input_ids.shape, dtype=torch.bool, device=lo_a.device)
-        else:
-            keep = batch.loss_mask.to(lo_a.device) > 0
-        lo_a, lo_b, h_a, h_b = lo_a[keep], lo_b[keep], h_a[keep], h_b[keep]  # (N, V), (N, 3H)
-        top1 += (lo_a.argmax(-1) == lo_b.argmax(-1)).double().sum().item()
-        h_num += (h_b.double() - h_a.double()).pow(2).sum().item()
-        h_den += h_a.double().pow(2).sum().item()
-        for lo in range(0, lo_a.shape[0], CHUNK_POSITIONS):
-            a, b = lo_a[None, lo : lo + CHUNK_POSITIONS], lo_b[None, lo : lo + CHUNK_POSITIONS]
-            ones = torch.ones(a.shape[:2], device=a.device)
-            za, lse_a, mask_a = training_targets(a, ones, draft_ids, t2d)
-            zb, lse_b, mask_b = training_targets(b, ones, draft_ids, t2d)
-            pa, pb = probabilities(za, lse_a), probabilities(zb, lse_b)
-            mask += (mask_a == mask_b).double().sum().item()
+        ids = batch.input_ids
+        keep = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+        if batch.loss_mask is not None:
+            keep = batch.loss_mask.to(ids.device) > 0
+        kept = list(_measured(*exact(ids, documents=batch.documents), keep, draft_ids, t2d))
+        for a, b in zip(kept, _measured(*approx(ids, documents=batch.documents), keep, draft_ids, t2d), strict=True):
+            top1 += (a.top == b.top).double().sum().item()
+            mask += (a.mask == b.mask).double().sum().item()
+            h_num += (b.hidden.double() - a.hidden.double()).pow(2).sum().item()
+            h_den += a.hidden.double().pow(2).sum().item()
+            pa, pb = probabilities(a.draft_logits, a.lse), probabilities(b.draft_logits, b.lse)
             kl += (pa * (pa.clamp_min(PROB_FLOOR).log() - pb.clamp_min(PROB_FLOOR).log())).sum(-1).sum().item()
             tv += (0.5 * (pa - pb).abs().sum(-1)).sum().item()
         n += int(keep.sum().item())

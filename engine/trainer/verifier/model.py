@@ -44,12 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.trainer.config import RANDOM_TARGETS
 from engine.trainer.data.packing import document_positions
 from engine.trainer.threads.compile import GuardedFunction, compile_guard
 from engine.trainer.verifier.builtin import ensure_built
 from engine.trainer.verifier.fp8 import exact_linears, fp8_unsupported_reason, quantize_linears
 from engine.trainer.verifier.model_configs import llama3_8b_config, tiny_config
-from engine.trainer.verifier.packed import packed_masks, text_config
+from engine.trainer.verifier.packed import FULL, layer_kinds, packed_masks, text_config
 
 CAUSAL_SDPA = "specdec_causal_sdpa"
 
@@ -124,16 +125,11 @@ def document_block_mask(documents: torch.Tensor) -> Any:  # (B, T) -> flex Block
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=str(documents.device))
 
 
-def _sliding(config: Any) -> bool:
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return True
-    return any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or []))
-
-
 def _masks_beyond_causal(config: Any) -> bool:
-    """Models whose masks can be more than causal without a padding mask: sliding windows, chunked attention,
-    and multimodal configs (image tokens attend both ways through or/and mask functions)."""
-    if _sliding(config) or getattr(config, "attention_chunk_size", None):
+    """Models whose masks can be more than causal without a padding mask: any layer not full attention (sliding
+    windows, chunked attention, packed.layer_kinds), and multimodal configs (image tokens attend both ways through
+    or/and mask functions)."""
+    if any(kind != FULL for kind in layer_kinds(config)):
         return True
     return any(getattr(config, key, None) is not None for key in ("text_config", "vision_config", "audio_config"))
 
@@ -363,8 +359,24 @@ def training_targets(
     (the LK losses' acceptance, draft/loss.py)."""
     in_draft = t2d[logits.argmax(dim=-1)]
     draft_logits = logits.index_select(-1, draft_ids)
-    lse = torch.logsumexp((logits if full_vocab_lse else draft_logits).float(), dim=-1)
+    lse = logsumexp_float32(logits if full_vocab_lse else draft_logits)
     return draft_logits, lse, loss_mask * in_draft.to(loss_mask.dtype)
+
+
+LSE_CHUNK_ELEMENTS = 1 << 26  # float32 elements one eager log-sum-exp chunk may take (256 MiB)
+
+
+def logsumexp_float32(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(logits.float(), -1)`` of ``(B, T, V)`` logits, ``(B, T)``. Eager, in chunks along ``T`` of at
+    most LSE_CHUNK_ELEMENTS: the float32 copy and logsumexp's own temporary of a whole batch would be 4 GiB each at
+    8192 x 128k (the full vocabulary, an LK loss). Compiled, one reduction, into which inductor fuses the cast."""
+    if torch.compiler.is_compiling():
+        return torch.logsumexp(logits.float(), dim=-1)
+    b, t, v = logits.shape
+    step = max(1, LSE_CHUNK_ELEMENTS // max(1, b * v))
+    if step >= t:
+        return torch.logsumexp(logits.float(), dim=-1)
+    return torch.cat([torch.logsumexp(logits[:, i : i + step].float(), dim=-1) for i in range(0, t, step)], dim=1)
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -379,7 +391,7 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(Path(spec).expanduser()))
 
 
-def _load_pretrained(auto: Any, path: str, dtype: torch.dtype) -> Any:
+def load_pretrained(auto: Any, path: str, dtype: torch.dtype) -> Any:
     """``auto.from_pretrained`` with SDPA attention, or eager where the model has no SDPA path (gpt-oss: its
     attention sinks)."""
     for attention in ("sdpa", "eager"):
@@ -420,7 +432,7 @@ def load_target(
 
     if spec == "tiny-trained":  # trained by the project on first use, then a local directory like any other
         spec = str(ensure_built())
-    if spec in ("tiny", "llama3-8b-shape"):
+    if spec in RANDOM_TARGETS:
         if spec == "tiny":
             vocab = ((len(tokenizer) + 7) // 8) * 8
             cfg = tiny_config(vocab, tiny_hidden, tiny_layers)
@@ -432,7 +444,7 @@ def load_target(
     else:
         from transformers import AutoModelForCausalLM
 
-        model = _load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
+        model = load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     use_causal_fast_path(model)
     if fp8:

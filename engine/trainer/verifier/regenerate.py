@@ -19,8 +19,9 @@ channels in each reply) is refused (exit 2). Batched across conversations, one t
 
 The output is chat JSON lines (``{"messages": [{role, content}], "source_line": N}``) in input order, which any
 run takes as ``data = "/path/regen.jsonl"``. Progress goes to stderr. It is resumable: ``<out>.progress.json``
-records the rows done and the output's length after every batch, and a second run with the same settings goes on
-from there (other settings, the batch size included: an error, unless ``--restart``); a progress file that does
+records the rows done and the output's length after every batch (the output is on disk before the progress file
+says so), and a second run with the same settings goes on from there (other settings, the batch size and the
+source file's sha256 included: an error naming the key, unless ``--restart``); a progress file that does
 not agree with the source and the output (a row written twice, an offset past the output's end) is refused naming
 the key. ``--out`` is never the ``--data`` file (nor a link to it), nor a file regenerate did not write, unless
 ``--restart``. Rows that cannot be regenerated are left out and counted by reason (longer than 1 MiB, more than
@@ -49,11 +50,12 @@ from typing import Any
 import torch
 
 from engine.trainer.config import PRESETS, TrainerConfig, data_file_problem, file_kind
+from engine.trainer.data.cache import file_sha256
 from engine.trainer.data.rows import SKIP_NOT_JSON as SKIP_NOT_JSON  # a reason rows are counted under
 from engine.trainer.data.rows import BadRow, Row, check_turns, read_rows
 from engine.trainer.data.rows import parse_row as parse_json_row
 from engine.trainer.data.sources import ROLE_ALIASES, SKIP_TEMPLATE_ERROR, shipped_corpus_path
-from engine.trainer.verifier.stops import first_stop, target_stop_ids
+from engine.trainer.verifier.stops import first_stop, target_directory, target_stop_ids
 
 SKIP_NO_USER = "no user turn before an assistant turn"
 SKIP_NO_ASSISTANT = "no assistant turn"
@@ -422,12 +424,15 @@ def check_resume_point(progress: Progress, out: Path, marker: Path, total: int) 
         raise wrong("rows_done", f"{progress.rows_done}, but {out} already holds row {last_line}")
 
 
-def load_progress(out: Path, settings: Settings, restart: bool, *, batch_size: int = 0, total: int = 0) -> Progress:
+def load_progress(
+    out: Path, settings: Settings, restart: bool, *, batch_size: int = 0, total: int = 0, source_sha256: str = ""
+) -> Progress:
     """Where a previous run stopped (the output cut back to its last complete batch, every recorded key checked
     against the settings, the source's ``total`` rows and the output), or a fresh start. The batch size is a
-    setting: the batches' boundaries decide their sampling seeds."""
+    setting: the batches' boundaries decide their sampling seeds. So is the source file's sha256: another file at
+    the same path would mix two datasets in one output."""
     marker = out.with_name(out.name + PROGRESS_SUFFIX)
-    expected = {**settings.as_dict(), "batch_size": batch_size}
+    expected = {**settings.as_dict(), "batch_size": batch_size, "source_sha256": source_sha256}
     if restart or not marker.is_file():
         if not restart and out.is_file() and out.stat().st_size:
             raise ProgressError(
@@ -467,7 +472,8 @@ def save_progress(out: Path, progress: Progress) -> None:
 def regenerate(replier: Replier, source: Path, out: Path, *, batch_size: int, restart: bool, say: Say) -> Progress:
     check_out(source, out)
     total = sum(1 for _ in source_rows(source, 0))
-    progress = load_progress(out, replier.settings, restart, batch_size=batch_size, total=total)
+    identity = file_sha256(source)  # as training's data plan names its data
+    progress = load_progress(out, replier.settings, restart, batch_size=batch_size, total=total, source_sha256=identity)
     if progress.rows_done:
         say(f"resuming at row {progress.rows_done}/{total} ({progress.written} conversations written)")
     t0 = time.perf_counter()
@@ -490,6 +496,7 @@ def regenerate(replier: Replier, source: Path, out: Path, *, batch_size: int, re
                 f.write((json.dumps({"messages": conv, "source_line": row + 1}) + "\n").encode())
                 progress.written += 1
             f.flush()
+            os.fsync(f.fileno())  # on disk before the progress file claims it (a power loss keeps them in step)
             progress.rows_done = batch[-1][0] + 1
             progress.output_bytes = f.tell()
             save_progress(out, progress)
@@ -502,18 +509,15 @@ def regenerate(replier: Replier, source: Path, out: Path, *, batch_size: int, re
 
 
 def load_model(spec: str, device: torch.device) -> tuple[Any, Any]:
-    """The target's model and tokenizer: ``tiny-trained`` or a Hugging Face directory (not a random preset)."""
+    """The target's model and tokenizer: ``tiny-trained`` or a Hugging Face directory (not a random preset), loaded
+    as training loads it (SDPA attention, or eager where the model has none: gpt-oss)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.trainer.verifier.model import load_tokenizer
+    from engine.trainer.verifier.model import load_pretrained, load_tokenizer
 
-    if spec in ("tiny", "llama3-8b-shape"):
+    path = target_directory(spec)
+    if path is None:
         raise ValueError(f"target {spec!r} has random weights: its replies would teach the drafter nothing")
-    path = spec
-    if spec == "tiny-trained":
-        from engine.trainer.verifier.builtin import ensure_built
-
-        path = str(ensure_built())
     tokenizer = load_tokenizer(spec)
     if tokenizer is None or tokenizer.eos_token_id is None:
         raise ValueError(f"target {spec!r} has no tokenizer with an eos token: replies would never end")
@@ -523,7 +527,7 @@ def load_model(spec: str, device: torch.device) -> tuple[Any, Any]:
             "regenerate would flatten the channels into one reply, so it refuses"
         )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model: Any = AutoModelForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=dtype)
+    model: Any = load_pretrained(AutoModelForCausalLM, str(path), dtype)
     return model.to(device).eval(), tokenizer
 
 

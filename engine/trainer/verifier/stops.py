@@ -14,8 +14,9 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.trainer.config import RANDOM_TARGETS
+
 GENERATION_CONFIG = "generation_config.json"
-RANDOM_PRESETS = ("tiny", "llama3-8b-shape")  # no directory: the tokenizer's eos alone (or none)
 
 StopIds = int | Collection[int] | None  # one id, several, or none (decode through every token)
 
@@ -62,8 +63,9 @@ def stop_ids(tokenizer: Any, directory: Path | None) -> frozenset[int]:
 
 
 def target_directory(spec: str) -> Path | None:
-    """The directory a target spec loads from: None for the random presets, the built one for ``tiny-trained``."""
-    if spec in RANDOM_PRESETS:
+    """The directory a target spec loads from: None for the random presets (their stop set is the tokenizer's eos
+    alone, or none), the built one for ``tiny-trained``, else the spec as a path."""
+    if spec in RANDOM_TARGETS:
         return None
     if spec == "tiny-trained":
         from engine.trainer.verifier.builtin import ensure_built

@@ -95,3 +95,36 @@ def test_a_wrong_warm_up_share_or_betas_is_a_config_error_naming_the_key(
 ) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         from_dict({"target": "tiny", **values})
+
+
+def test_a_layer_setting_one_way_of_warming_up_replaces_the_other_it_inherits(tmp_path: Path) -> None:
+    """A preset, the file and --set are layers: warmup_steps set over an inherited warmup_ratio (the specforge
+    preset's, a Hugging Face target's default) turns the ratio off, and the other way round."""
+    over_preset = from_dict({"warmup_steps": 50}, preset("specforge"))
+    assert (over_preset.warmup_steps, over_preset.warmup_ratio, over_preset.warmup) == (50, 0.0, 50)
+    ratio_over_steps = from_dict({"warmup_ratio": 0.02}, preset("h200-single"))  # its warmup_steps = 50
+    assert (ratio_over_steps.warmup_steps, ratio_over_steps.warmup_ratio) == (0, 0.02)
+    toml = tmp_path / "engine.toml"
+    toml.write_text(f'target = "{tmp_path}"\nsteps = 2000\n')  # the served defaults: warmup_ratio 0.015
+    file_then_set = from_dict({"warmup_steps": 100}, load_toml(toml))
+    assert (file_then_set.warmup_steps, file_then_set.warmup_ratio, file_then_set.warmup) == (100, 0.0, 100)
+    toml.write_text('preset = "specforge"\nwarmup_steps = 10\n')  # the file over its preset
+    assert (load_toml(toml).warmup_steps, load_toml(toml).warmup_ratio) == (10, 0.0)
+
+
+def test_the_command_line_sets_warmup_steps_over_the_specforge_preset(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("SPECDEC_RUN_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.trainer", "--preset", "specforge", "--set", "warmup_steps=50",
+         "--set", 'target_devices=["cpu"]', "--set", 'drafter_devices=["cpu"]', "--print-config"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = set(done.stdout.splitlines())
+    assert "warmup_steps = 50" in lines and "warmup_ratio = 0.0" in lines
+
+
+def test_both_ways_of_warming_up_set_in_one_layer_stay_an_error() -> None:
+    with pytest.raises(ConfigError, match=re.escape("set warmup_steps (5) or warmup_ratio (0.1), not both")):
+        from_dict({"warmup_steps": 5, "warmup_ratio": 0.1}, preset("specforge"))

@@ -101,6 +101,30 @@ def test_lk_targets_carry_the_whole_vocabularys_log_sum_exp() -> None:
     assert loss_function("all_positions", "soft_ce") is soft_cross_entropy
 
 
+def test_the_full_vocabulary_log_sum_exp_is_taken_in_bounded_chunks_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eager (an uncompiled target), no float32 copy of the whole (B, T, V) logits: at 8192 x 128k that is 4 GiB."""
+    from engine.trainer.verifier import model
+
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(2, 50, 40, generator=g) * 4).to(torch.bfloat16)
+    draft_ids, t2d = torch.arange(0, 40, 2), torch.arange(40) % 2 == 0
+    whole = torch.logsumexp(logits.float(), dim=-1)
+    sizes: list[int] = []
+    logsumexp = torch.logsumexp
+
+    def counted(x: torch.Tensor, dim: int) -> torch.Tensor:
+        sizes.append(x.numel())
+        return logsumexp(x, dim=dim)
+
+    monkeypatch.setattr(model, "LSE_CHUNK_ELEMENTS", 2 * 8 * 40)  # eight positions of both rows at a time
+    monkeypatch.setattr(torch, "logsumexp", counted)
+    _, lse, _ = training_targets(logits, torch.ones(2, 50), draft_ids, t2d, True)
+    assert max(sizes) <= 2 * 8 * 40 and len(sizes) == 7  # 50 positions in chunks of 8
+    torch.testing.assert_close(lse, whole, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "key,value,fragment",
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from engine.trainer.data.sources import shipped_corpus_path
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.serve import export
 from engine.trainer.serve.evaluate import DrafterProposer, load_drafter, main
-from engine.trainer.serve.exported import ExportedDrafterError, aux_layer_ids, load_exported
+from engine.trainer.serve.exported import ExportedDrafterError, aux_layer_ids, load_exported, sglang_differs
 from engine.trainer.threads.metrics import EventLog
 from engine.trainer.verifier.model import load_target, load_tokenizer
 
@@ -102,6 +103,21 @@ def test_eval_of_a_run_equals_eval_of_its_export_to_the_count(
     assert of_export["target_layers"] == [1, 3, 4]  # the export's aux ids, as trained
 
 
+@pytest.mark.parametrize("flags, as_served", [([], False), (["--as-served"], True)])
+def test_eval_of_an_export_reports_as_served_as_it_was_asked(
+    run: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str], flags: list[str], as_served: bool
+) -> None:
+    _out, exported, corpus = run
+    argv = ["--export", str(exported), "--target", "tiny", "--data", str(corpus), "--k", "2", "--conversations", "1"]
+    assert main([*argv, "--max-new-tokens", "4", *flags, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["as_served"] is as_served and summary["export"] == str(exported)
+    assert main([*argv, "--max-new-tokens", "4", *flags]) == 0
+    heading = capsys.readouterr().out.splitlines()[0]
+    assert heading.startswith(f"export {exported}, target tiny layers [1, 3, 4], k=2, rope offset True")
+    assert heading.endswith(f"{' (as served)' if as_served else ''}, counting stop")
+
+
 def specforge_layout(drafter: Drafter, directory: Path, **extra: Any) -> Path:
     """What SpecForge's export_to_sglang writes: the model's own names, transformers' config (rope_parameters, no
     head_dim, no aux layer ids), bfloat16 weights."""
@@ -174,10 +190,57 @@ def test_an_export_computing_otherwise_than_our_drafter_is_refused_by_name(
         load_exported(specforge_layout(drafter, tmp_path / "bad", **extra), drafter.embed_table)
 
 
-def test_aux_layer_ids_read_as_vllm_and_sglang_mean_them() -> None:
+def test_aux_layer_ids_are_read_as_vllm_reads_them_and_where_sglang_differs_it_is_said() -> None:
+    """vLLM 0.32's model runner takes the top-level ids, else eagle_config's, unchanged either way (layer inputs);
+    SGLang reads eagle_config's as layer outputs."""
+    ours = {
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]},
+    }
+    assert aux_layer_ids(ours) == [1, 3, 4] and sglang_differs(ours) is None  # both servers read layers 1, 3, 4
     assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}) == [1, 3, 4]  # layer inputs
-    assert aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}) == [1, 3, 4]  # outputs
-    assert aux_layer_ids({}) is None
+    inner_only = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    assert aux_layer_ids(inner_only) == [0, 2, 3]  # inputs too, for vLLM
+    assert "SGLang captures the outputs of layers [1, 3, 4], vLLM those of [0, 2, 3]" in (
+        sglang_differs(inner_only) or ""
+    )
+    layered = {"speculators_model_type": "eagle3", "transformer_layer_config": inner_only}
+    assert aux_layer_ids(layered) == [0, 2, 3]  # speculators: the layer config is vLLM's hf_config
+    assert aux_layer_ids({}) is None and sglang_differs({}) is None
+
+
+def test_eval_of_an_export_with_aux_ids_only_in_eagle_config_captures_vllms_layers_and_says_sglangs_differ(
+    run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _out, exported, corpus = run
+    inner_only = tmp_path / "inner-only"
+    shutil.copytree(exported, inner_only)
+    config = json.loads((inner_only / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]  # eagle_config's [1, 3, 4] stay: SGLang's layer outputs
+    (inner_only / "config.json").write_text(json.dumps(config))
+    assert main(["--export", str(inner_only), "--target", "tiny", "--data", str(corpus), "--k", "3",
+                 "--conversations", "1", "--max-new-tokens", "8", "--json"]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["target_layers"] == [0, 2, 3]  # vLLM's inputs 1, 3, 4
+    noted = [ln for ln in captured.err.splitlines() if "SGLang captures the outputs of layers" in ln]
+    assert len(noted) == 1 and "eagle_config.eagle_aux_hidden_state_layer_ids [1, 3, 4]" in noted[0]
+
+
+def test_a_speculators_export_without_norm_before_residual_is_refused_as_vllm_defaults_it_true(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    out, _exported, _corpus = run
+    served = export.export_checkpoint(out, tmp_path / "spec", fmt="speculators", record=False).out_dir
+    config = json.loads((served / "config.json").read_text())
+    del config["norm_before_residual"]
+    (served / "config.json").write_text(json.dumps(config))
+    embed = load_target("tiny", torch.device("cpu"), tokenizer=load_tokenizer("tiny"), layer_ids=None, seed=0,
+                        dtype=torch.float32).embed_weight()  # fmt: skip
+    with pytest.raises(ExportedDrafterError, match="norm_before_residual is set"):
+        load_exported(served, embed)
+    config["norm_before_residual"] = False
+    (served / "config.json").write_text(json.dumps(config))
+    assert load_exported(served, embed).layer_ids == [1, 3, 4]
 
 
 def test_eval_of_an_unreadable_export_exits_2_with_one_line(tmp_path: Path) -> None:

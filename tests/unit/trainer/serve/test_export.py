@@ -230,12 +230,20 @@ def test_each_field_servers_read_with_a_default_is_written_as_trained_and_read_b
     assert export.served_settings(cfg)[field] == trained  # and a server's reading of the file gets that value
 
 
-def test_served_settings_apply_the_servers_defaults_to_absent_flags() -> None:
+def test_served_settings_apply_vllms_default_for_the_layout_to_absent_flags() -> None:
     minimal = {"draft_vocab_size": 8, "hidden_size": 16}
     read = export.served_settings(minimal)
-    assert read["norm_before_residual"] is True  # vLLM's speculators path: absent means true
+    assert read["norm_before_residual"] is False  # llama_eagle3.py: getattr(config, "norm_before_residual", False)
     assert (read["norm_before_fc"], read["fc_norm"], read["norm_output"]) == (False, False, False)
     assert read["target_hidden_size"] == 16 and read["eagle_aux_hidden_state_layer_ids"] == []
+    layered = {
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": 8,
+        "transformer_layer_config": {"hidden_size": 16},
+    }
+    read = export.served_settings(layered)
+    assert read["norm_before_residual"] is True  # vLLM's speculators path (update_eagle3): absent means true
+    assert (read["norm_before_fc"], read["fc_norm"], read["norm_output"]) == (False, False, False)
 
 
 @pytest.mark.parametrize("flag", SERVED_FIELDS[:4])
@@ -251,18 +259,31 @@ def test_an_export_whose_flags_this_drafter_cannot_compute_is_refused_by_our_loa
         export.drafter_from_export(out, embed)
 
 
-def test_an_export_without_norm_before_residual_is_read_as_the_servers_read_it(
+def test_a_speculators_export_without_norm_before_residual_is_read_as_vllm_reads_it(
     replicas_ckpt: Any, tmp_path: Path
 ) -> None:
-    """An EAGLE-3 config that leaves the flag out (SpecForge's, this exporter's before it wrote it) is served with
+    """A speculators config that leaves the flag out (this exporter's before it wrote it) is served with
     norm_before_residual true by vLLM's speculators path: not this drafter's computation."""
     path, _, embed = replicas_ckpt
     out = export.export_checkpoint(path, tmp_path / "served", fmt="speculators").out_dir
     cfg = json.loads((out / "config.json").read_text())
     del cfg["norm_before_residual"]
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(export.ExportError, match=r"norm_before_residual is true \(absent: the servers default\)"):
+    with pytest.raises(export.ExportError, match=r"norm_before_residual is true \(absent: vLLM's default in this"):
         export.drafter_from_export(out, embed)
+
+
+def test_an_eagle3_layout_export_without_norm_before_residual_loads_as_vllm_defaults_it_false(
+    replicas_ckpt: Any, tmp_path: Path
+) -> None:
+    """The LlamaForCausalLMEagle3 layout (SpecForge's export_to_sglang writes no flags): vLLM's llama_eagle3 reads
+    an absent norm_before_residual as false, this drafter's computation."""
+    path, drafter, embed = replicas_ckpt
+    out = export.export_checkpoint(path, tmp_path / "served", fmt="eagle3").out_dir
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["norm_before_residual"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert export.drafter_from_export(out, embed).cfg == drafter.cfg
 
 
 # --- a real run: output dir, latest checkpoint, the export event, status ---------------------------------------------

@@ -245,6 +245,42 @@ def test_a_resume_with_another_batch_size_is_refused(half_done: tuple[regen.Repl
     assert progress.written == 6 and len(out.read_text().splitlines()) == 6
 
 
+def test_a_resume_from_another_file_at_the_same_path_is_refused_naming_source_sha256(
+    half_done: tuple[regen.Replier, Path, Path, Path],
+) -> None:
+    """As many rows, another dataset: continuing would mix two datasets in one output."""
+    r, source, out, _ = half_done
+    before = out.read_bytes()
+    write_lines(source, [GOOD[2], GOOD[1], GOOD[2]] * 2)  # six rows, other conversations
+    with pytest.raises(ValueError, match=r"was started with other settings \(source_sha256\); --restart"):
+        regen.regenerate(r, source, out, batch_size=2, restart=False, say=quiet)
+    assert out.read_bytes() == before
+
+
+def test_each_batch_is_on_disk_before_the_progress_file_counts_it(
+    target_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = write_lines(tmp_path / "in.jsonl", [*PLAIN, *PLAIN])
+    out = tmp_path / "out.jsonl"
+    seen: list[tuple[str, int]] = []
+    fsync, save = os.fsync, regen.save_progress
+
+    def synced(fd: int) -> None:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")) == out:
+            seen.append(("fsync", os.fstat(fd).st_size))
+        fsync(fd)
+
+    def saved(path: Path, progress: regen.Progress) -> None:
+        seen.append(("progress", progress.output_bytes))
+        save(path, progress)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(regen, "save_progress", saved)
+    regen.regenerate(replier(target_dir, source), source, out, batch_size=2, restart=False, say=quiet)
+    assert [kind for kind, _ in seen] == ["fsync", "progress"] * 3  # one fsync a batch, before its progress
+    assert all(seen[i][1] == seen[i + 1][1] for i in range(0, 6, 2))  # what was synced is what is claimed
+
+
 def test_the_cli_refuses_a_tampered_progress_file_in_one_line(
     half_done: tuple[regen.Replier, Path, Path, Path], target_dir: Path
 ) -> None:
