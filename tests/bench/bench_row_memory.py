@@ -109,7 +109,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-row-memory-") as tmp:
         work = Path(tmp)
         plain, huge = write_data(work, args.rows, args.row_mib)
-        target = make_target(work)
+        # Built in a child of its own: a child's ru_maxrss starts from what its parent held at the fork, and torch
+        # in this process (~400 MiB) would floor every figure below.
+        maker = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_row_memory as b; "
+        maker += f"from pathlib import Path; print(b.make_target(Path({str(work)!r})))"
+        target = Path(subprocess.run([sys.executable, "-c", maker], cwd=args.code, check=True, capture_output=True,
+                                     text=True).stdout.strip())  # fmt: skip
         print(f"data: {args.rows} conversations ({plain.stat().st_size / MiB:.2f} MiB); with one {args.row_mib} MiB "
               f"row: {huge.stat().st_size / MiB:.1f} MiB; code: {args.code}")  # fmt: skip
         train = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--set", f"steps={args.steps}"]
