@@ -533,6 +533,17 @@ async def test_the_dashboard_names_a_node_it_cannot_reach_while_the_other_stream
     print(f"a node that cannot be reached: named on the screen {named_s:.2f} s after the dashboard started")
 
 
+def holds(pid: int, device: Path) -> bool:
+    """``pid`` has ``device`` open (its fds come and go while it starts: one read can name a closed fd)."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == str(device):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def test_kill_stale_lists_and_signals_each_nodes_own_stale_holders(
     sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
@@ -542,8 +553,7 @@ def test_kill_stale_lists_and_signals_each_nodes_own_stale_holders(
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(600)",
                                str(device)])  # fmt: skip
     try:
-        fds = Path(f"/proc/{holder.pid}/fd")
-        wait_until(lambda: any(os.readlink(fd) == str(device) for fd in fds.iterdir()), 10, "the holder's device")
+        wait_until(lambda: holds(holder.pid, device), 10, "the holder's device")
         listed = cli("kill-stale", "--profile", "two", "--config", str(cfg), "--dry-run", "--json")
         assert listed.returncode == 0, listed.output
         by_node = {n["node"]: n for n in json.loads(listed.stdout)["nodes"]}
