@@ -83,7 +83,8 @@ def worst_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).norm() / want.norm())
 
 
 def test_each_gemm_is_e4m3_scaled_per_row_along_its_reduction_and_not_along_the_other_axis() -> None:
@@ -236,3 +237,30 @@ def test_a_compiled_fp8_step_gives_eager_numerics_and_takes_fresh_weights_withou
     with compile_guard():
         losses_and_grads(model, DRAFTER_FP8_ROWWISE, step_fn)
     assert step_fn.graph_count() == graphs
+
+
+@pytest.mark.slow
+def test_fp8_linears_compile_whole_under_inductor_and_agree_with_eager_to_e4m3_rounding_flips() -> None:
+    """What CUDA runs (inductor, one graph, no break at the autograd Function); on the CPU here. Inductor keeps
+    silu's result in float32 where eager rounds it to bf16 first, so a few e4m3 roundings flip: measured 1.2 % on
+    the gradients through that silu, 0 on the last weight's."""
+
+    def two_linears(x: torch.Tensor, w: list[Fp8Weight]) -> torch.Tensor:
+        return (fp8_linear(torch.nn.functional.silu(fp8_linear(x, w[0])), w[1]).float() ** 2).sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 64).to(torch.bfloat16).requires_grad_()
+    params = [(torch.randn(128, 64) * 0.1).requires_grad_(), (torch.randn(64, 128) * 0.1).requires_grad_()]
+
+    def run(fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        x.grad = params[0].grad = params[1].grad = None
+        out = fn(x, [fp8_weight(p.to(torch.bfloat16), grad_weight_fp8=True) for p in params])
+        out.backward()
+        return [t.detach().clone() for t in (out, x.grad, params[0].grad, params[1].grad) if t is not None]
+
+    eager = run(two_linears)
+    compiled = run(torch.compile(two_linears, backend="inductor", fullgraph=True))
+    assert len(compiled) == 4
+    errors = [relative_error(c, e) for c, e in zip(compiled, eager, strict=True)]
+    assert errors[0] < 1e-5 and errors[3] < 1e-5, errors
+    assert max(errors[1:3]) < 0.03, errors
