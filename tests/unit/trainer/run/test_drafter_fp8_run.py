@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from engine.trainer.config import ConfigError, TrainerConfig, from_dict
+from engine.trainer.draft import model as draft_model
+from engine.trainer.draft.fp8 import Fp8Weight, fp8_weight
 from engine.trainer.run import assembly
 from engine.trainer.run.assembly import check_drafter_fp8
 from engine.trainer.run.loop import TrainingRun
@@ -53,10 +55,20 @@ def test_the_key_reaches_the_workers_settings() -> None:
     assert WorkerSettings.from_config(from_dict({})).drafter_fp8 == "off"
 
 
-def test_a_run_with_fp8_drafter_gemms_learns_and_keeps_float32_parameters(tmp_path: Path) -> None:
+def test_a_run_with_fp8_drafter_gemms_learns_and_keeps_float32_parameters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quantised: list[bool] = []
+
+    def counting(weight: torch.Tensor, *, grad_weight_fp8: bool) -> Fp8Weight:
+        quantised.append(grad_weight_fp8)
+        return fp8_weight(weight, grad_weight_fp8=grad_weight_fp8)
+
+    monkeypatch.setattr(draft_model, "fp8_weight", counting)
     engine, seen = run(make_config(tmp_path), tmp_path)
     worker = engine.workers[0]
-    assert worker.settings.drafter_fp8 == "rowwise"
+    # Every training step (and the warm-up's one forward) quantised the drafter's 8 weights, all three GEMMs FP8.
+    assert len(quantised) == 8 * (40 + 1) and all(quantised)
     losses = [e["loss_total"] for e in seen if e["kind"] == "step"]
     assert len(losses) == 40
     start, end = sum(losses[:3]) / 3, sum(losses[-5:]) / 5
