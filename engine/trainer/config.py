@@ -41,6 +41,12 @@ ATTENTION_IMPLS: tuple[str, ...] = ("auto", "merged", "flex", "sdpa")
 CUDA_STREAMS: tuple[str, ...] = ("per_thread", "per_device")
 OVERLAP_STEPS: tuple[str, ...] = ("auto", "on", "off")
 DISTRIBUTED: tuple[str, ...] = ("auto", "off")
+# The drafter's Linear GEMMs (engine/trainer/draft/fp8.py): bf16, or FP8 with row-wise scales (all three GEMMs of
+# each Linear, or grad_weight kept in bf16), as torchao's float8 recipes "rowwise" and "rowwise_with_gw_hp".
+DRAFTER_FP8_OFF = "off"
+DRAFTER_FP8_ROWWISE = "rowwise"
+DRAFTER_FP8_ROWWISE_GW_HP = "rowwise_gw_hp"
+DRAFTER_FP8: tuple[str, ...] = (DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE, DRAFTER_FP8_ROWWISE_GW_HP)
 LOCAL_DEVICE = "cuda:local"  # cuda:<LOCAL_RANK> of a torchrun rank (engine/trainer/run/distributed.py)
 DATA_RANDOM = "random"
 DATA_SHIPPED = "shipped"
@@ -136,6 +142,11 @@ class TrainerConfig:
     # fp8_min_top1.
     fp8_check_batches: int = 4
     fp8_min_top1: float = 0.98
+    # The drafter's Linear GEMMs (fc, q/k/v, o, the MLP, lm_head; forward and both gradients) as e4m3 matmuls with
+    # row-wise scales (engine/trainer/draft/fp8.py): "rowwise" all three in FP8, "rowwise_gw_hp" the weight gradient
+    # in bf16; "off": bf16 (or float32) as the dtype says. The weights are quantised once a step; the parameters,
+    # checkpoints and exports are unchanged. CUDA 9.0+ (or the CPU on torch 2.13+), every Linear size a multiple of 16.
+    drafter_fp8: str = DRAFTER_FP8_OFF
     # auto: flex on CUDA, sdpa on the CPU. merged (block 0 in a fused causal kernel, the TTT diagonals merged by
     # log-sum-exp) runs on the CPU only: its CUDA gradients were measured wrong (run/assembly.py).
     attention: str = "auto"
@@ -391,6 +402,7 @@ _RULES: tuple[_Rule, ...] = (
     _one_of("attention", ATTENTION_IMPLS),
     _one_of("cuda_streams", CUDA_STREAMS),
     _one_of("overlap_steps", OVERLAP_STEPS),
+    _one_of("drafter_fp8", DRAFTER_FP8),
     _one_of("loss_mean", LOSS_MEANS),
     _one_of("loss", LOSSES),
     (

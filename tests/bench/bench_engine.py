@@ -70,6 +70,7 @@ TARGET_ONLY = False  # profile --target-only: the target forward alone (no draft
 DRY = False  # --dry-run: the baseline and profile modes on the CPU with the tiny target (the code path, not a figure)
 CAST_ONCE = True  # the sides' and profile's drafter worker casts its weights once (--set cast_weights_once=false)
 FP8 = False  # the sides' and profile's target with FP8 decoder Linears (--set target_fp8=true; CUDA with FP8 only)
+DRAFTER_FP8 = "off"  # the sides' and profile's drafter GEMMs (--set drafter_fp8="rowwise"; engine/trainer/draft/fp8.py)
 
 
 def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
@@ -197,7 +198,12 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
         autocast_dtype=torch.bfloat16,
     )
     settings = WorkerSettings(
-        ttt_steps=TTT, total_steps=10**9, buckets=(SEQ,), batch_size=BATCH, cast_weights_once=CAST_ONCE
+        ttt_steps=TTT,
+        total_steps=10**9,
+        buckets=(SEQ,),
+        batch_size=BATCH,
+        cast_weights_once=CAST_ONCE,
+        drafter_fp8=DRAFTER_FP8,
     )
     return DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
 
@@ -484,7 +490,8 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
     return {
         "mode": f"profile batch_size={BATCH}"
         + ("" if CAST_ONCE else " cast_weights_once=false")
-        + (" target_fp8=true" if FP8 else ""),
+        + (" target_fp8=true" if FP8 else "")
+        + (f" drafter_fp8={DRAFTER_FP8}" if DRAFTER_FP8 != "off" else ""),
         "target": target_kernels,
         "target_mfu_kernels": target_mfu,
         "attention_impl": target.config._attn_implementation,
@@ -636,10 +643,13 @@ def main() -> int:
     )
     ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()
-    global BATCH, CAST_ONCE, DRY, FP8, SEQ, DRAFT_VOCAB, TARGET_ONLY
+    global BATCH, CAST_ONCE, DRAFTER_FP8, DRY, FP8, SEQ, DRAFT_VOCAB, TARGET_ONLY
     BATCH = a.batch
     CAST_ONCE = "cast_weights_once=false" not in a.set
     FP8 = "target_fp8=true" in a.set
+    from engine.trainer.config import parse_override  # stdlib only
+
+    DRAFTER_FP8 = next((str(v) for k, v in map(parse_override, a.set) if k == "drafter_fp8"), DRAFTER_FP8)
     if FP8 and a.dry_run:
         print("bench_engine.py: --set target_fp8=true needs an FP8 GPU; the dry run has none", file=sys.stderr)
         return 2

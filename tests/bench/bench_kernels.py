@@ -33,7 +33,9 @@ ways on the engine's shapes and prints both, with how far their results are apar
           and v (tests/support/drafter_reference.py, three matmuls a step, as the engine ran until session 6),
           both on the same batch, and each against a float32 eager reference (dense-mask SDPA): the worst
           relative error of the per-step losses and of any parameter's gradient. tests/device/run checks the
-          engine's within 3 %.
+          engine's within 3 %. ``--unroll-fp8 RECIPE,...``: also the engine's step with the drafter's GEMMs in
+          FP8 (drafter_fp8, engine/trainer/draft/fp8.py), each against the same float32 reference;
+          ``--unroll-ways engine`` leaves the own-tokens steps out (one compile less).
 
 Figures are CUDA-event times, median of ``--iters`` after ``--warm``; TFLOP/s for the GEMMs against 794 (bf16
 8192^3 measured on the H200). ``--dry-run``: the CPU at small shapes (checks the code path and the agreement,
@@ -372,6 +374,8 @@ def part_unroll(
     iters: int,
     compiled: bool,
     variants: list[tuple[str, bool]],
+    fp8_recipes: tuple[str, ...] = (),
+    way_names: tuple[str, ...] = ("engine", "own_tokens"),
 ) -> dict[str, Any]:
     from support.drafter_reference import own_tokens_step, step_embeddings
 
@@ -395,11 +399,16 @@ def part_unroll(
     embeddings = step_embeddings(ids, drafter.embed_table, steps)
     fast = TTTAttention("flex" if device.type == "cuda" else "sdpa", compiled=compiled)
     ways = {
-        "engine": GuardedFunction(ttt_step, compiled=compiled, name="ttt_step"),
-        "own_tokens": GuardedFunction(own_tokens_step(embeddings), compiled=compiled, name="own_tokens_step"),
+        "engine": (GuardedFunction(ttt_step, compiled=compiled, name="ttt_step"), "off"),
+        "own_tokens": (GuardedFunction(own_tokens_step(embeddings), compiled=compiled, name="own_tokens_step"), "off"),
     }
+    ways = {name: way for name, way in ways.items() if name in way_names}
+    for recipe in fp8_recipes:  # the engine's step on FP8 GEMMs: a graph of its own (its weights are Fp8Weights)
+        ways[f"fp8_{recipe}"] = (GuardedFunction(ttt_step, compiled=compiled, name=f"ttt_step_fp8_{recipe}"), recipe)
 
-    def unroll(step_fn: Any, attention: TTTAttention, bf16: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def unroll(
+        step_fn: Any, attention: TTTAttention, bf16: bool, fp8: str = "off"
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         drafter.zero_grad(set_to_none=True)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
         with autocast:
@@ -415,6 +424,7 @@ def part_unroll(
                 step_fn=step_fn,
                 loss_mask=mask,
                 weight_dtype=torch.bfloat16 if bf16 else None,
+                fp8=fp8,
             )
         total_loss(losses).backward()
         return losses.detach().float(), {n: p.grad.float() for n, p in drafter.named_parameters() if p.grad is not None}
@@ -422,10 +432,10 @@ def part_unroll(
     out: dict[str, Any] = {"part": "unroll", "batch": b, "seq": t, "ttt_steps": steps, "shape": shape}
     run = timer(device)
     got = {}
-    for name, fn in ways.items():
+    for name, (fn, recipe) in ways.items():
         with compile_guard():
-            got[name] = unroll(fn, fast, bf16=True)
-        out[f"{name}_fwd_bwd_ms"] = run(lambda fn=fn: unroll(fn, fast, bf16=True), warm, iters)
+            got[name] = unroll(fn, fast, bf16=True, fp8=recipe)
+        out[f"{name}_fwd_bwd_ms"] = run(lambda fn=fn, recipe=recipe: unroll(fn, fast, True, recipe), warm, iters)
     for impl, compiled_step in variants:  # diagnosis: the engine's step with another attention, or eager
         attention = TTTAttention(impl, compiled=compiled_step)
         fn = GuardedFunction(ttt_step, compiled=compiled_step, name=f"ttt_step_{impl}")
@@ -440,7 +450,8 @@ def part_unroll(
         out[f"{name}_grad_rel_err"] = {n: round(e, 5) for n, e in errs.items()}
         out[f"{name}_params_with_grads"] = len(grads)
     out["params_with_grads_reference"] = len(ref_grads)
-    out["saved_ms"] = out["own_tokens_fwd_bwd_ms"] - out["engine_fwd_bwd_ms"]
+    if "own_tokens" in ways and "engine" in ways:
+        out["saved_ms"] = out["own_tokens_fwd_bwd_ms"] - out["engine_fwd_bwd_ms"]
     return out
 
 
@@ -491,6 +502,10 @@ def main() -> int:
     ap.add_argument(
         "--unroll-variants", default="", help="unroll: also the engine's step with IMPL:compiled|IMPL:eager attention"
     )
+    ap.add_argument(
+        "--unroll-fp8", default="", help="unroll: also the engine's step with drafter_fp8 = each RECIPE (comma list)"
+    )
+    ap.add_argument("--unroll-ways", default="engine,own_tokens", help="unroll: the bf16 ways timed (comma-separated)")
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--attention-shape", default="", help="attention: B,HQ,HKV,T,D instead of the 8B drafter's")
@@ -542,9 +557,10 @@ def main() -> int:
                 "draft_vocab_size": v,
             }
             variants = [(x.split(":")[0], x.endswith(":compiled")) for x in a.unroll_variants.split(",") if x]
-            res = part_unroll(
-                device, a.unroll_batch or unroll_batch_for(device), t, shape, 7, a.warm, a.iters, compiled, variants
-            )
+            batch = a.unroll_batch or unroll_batch_for(device)
+            recipes = tuple(x for x in a.unroll_fp8.split(",") if x)
+            ways = tuple(x for x in a.unroll_ways.split(",") if x)
+            res = part_unroll(device, batch, t, shape, 7, a.warm, a.iters, compiled, variants, recipes, ways)
         else:
             print(f"bench_kernels: unknown part {part!r} (loss, attention, mlp, unroll)", file=sys.stderr)
             return 2

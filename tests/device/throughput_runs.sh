@@ -39,6 +39,17 @@
 #       merged is refused on CUDA since its gradients there came out wrong in the whole unroll (<= 400 s).
 #   sh tests/device/throughput_runs.sh fp8 [BATCH]     the FP8 target against bf16 at the 8B shape (agreement, KL,
 #       forward time: tests/bench/bench_fp8_target.py), then the engine bf16 and FP8 (~450 s).
+#   sh tests/device/throughput_runs.sh fp8drafter [BATCH]  SpecForge's step and, in the same call, the engine with
+#       target_fp8 = true, then with target_fp8 = true and the drafter's GEMMs in FP8 (drafter_fp8 = "rowwise",
+#       engine/trainer/draft/fp8.py): issue 44's 2.0x against SpecForge. The table's budget (<= 585 s): the peer
+#       <= 140, each engine mode <= 230 (cold compile 130-190 s).
+#   sh tests/device/throughput_runs.sh fp8drafter_gw [BATCH]  the engine with target_fp8 and drafter_fp8 "rowwise",
+#       then "rowwise_gw_hp" (the weight gradients' GEMMs in bf16): what the accuracy-leaning recipe costs (<= 450 s).
+#   sh tests/device/throughput_runs.sh fp8drafter_check [BATCH]  where the FP8 drafter's step spends its time
+#       (bench_engine.py profile with both FP8: the drafter's GEMM ms against bf16's 174 of an H100 step), then its
+#       numerics at the 8B drafter shape: the compiled unroll (TTT 7) in bf16 and with drafter_fp8 "rowwise" and
+#       "rowwise_gw_hp", each one's losses and gradients against float32 eager (bench_kernels.py --parts unroll
+#       --unroll-fp8; the CPU's small shape: bf16 0.9 %, FP8 9 % worst gradient) (<= 575 s).
 set -u
 OUT=${OUT:-/tmp/out}
 PART=${1:-table}
@@ -140,7 +151,31 @@ case "$PART" in
         tail -n 3 "$OUT/fp8_accuracy.txt"
         engine "engine;engine --set target_fp8=true" 440 215
         ;;
+    fp8drafter)
+        peer 140
+        engine "engine --set target_fp8=true;engine --set target_fp8=true --set drafter_fp8=rowwise" 445 230
+        ;;
+    fp8drafter_gw)
+        engine "engine --set target_fp8=true --set drafter_fp8=rowwise;engine --set target_fp8=true --set drafter_fp8=rowwise_gw_hp" 450 225
+        ;;
+    fp8drafter_check)
+        timeout 235 python3 tests/bench/bench_engine.py profile --set target_fp8=true --set drafter_fp8=rowwise \
+            --batch "$B" --steps 5 --warm 3 > "$OUT/profile_fp8drafter.txt" 2>&1
+        echo "profile fp8 drafter exit $?"
+        grep RESULT "$OUT/profile_fp8drafter.txt" | cut -c1-6000
+        timeout 340 python3 tests/bench/bench_kernels.py --parts unroll --warm 1 --iters 3 --unroll-ways engine \
+            --unroll-fp8 rowwise,rowwise_gw_hp --out "$OUT/unroll_fp8" > "$OUT/unroll_fp8.txt" 2>&1
+        echo "unroll fp8 exit $?"
+        python3 - "$OUT/unroll_fp8/kernels.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))[0]
+for way in ("engine", "fp8_rowwise", "fp8_rowwise_gw_hp"):
+    name, grad = r[f"{way}_grad_rel_err_worst"]
+    print(f"{way}: loss {r[f'{way}_loss_rel_err']:.1e}, worst gradient {grad:.1e} ({name}) against float32; "
+          f"fwd+bwd {r[f'{way}_fwd_bwd_ms']:.1f} ms (batch {r['batch']})")
+PY
+        ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|chat|ab|cast|lengths|profile|attention|kernels|fp8 [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|chat|ab|cast|lengths|profile|attention|kernels|fp8|fp8drafter|fp8drafter_gw|fp8drafter_check [BATCH]"; exit 2
         ;;
 esac

@@ -55,6 +55,23 @@ def test_bench_kernels_parts_run_on_the_cpu_and_agree_with_their_references(tmp_
 
 
 @pytest.mark.slow
+def test_the_fp8_drafter_unroll_and_profile_run_on_the_cpu(tmp_path: Path) -> None:
+    """What throughput_runs.sh fp8drafter_check runs on the device: the FP8 unroll's errors against float32 (dry
+    shape: bf16 0.9 %, FP8 9 % worst gradient) and the profile of the FP8 drafter's step."""
+    argv = [str(BENCH / "bench_kernels.py"), "--parts", "unroll", "--dry-run", "--warm", "0", "--iters", "1"]
+    argv += ["--unroll-ways", "engine", "--unroll-fp8", "rowwise,rowwise_gw_hp"]
+    (unroll,) = results([*argv, "--out", str(tmp_path)])
+    bf16 = unroll["engine_grad_rel_err_worst"][1]
+    for recipe in ("rowwise", "rowwise_gw_hp"):
+        assert unroll[f"fp8_{recipe}_params_with_grads"] == unroll["params_with_grads_reference"]
+        assert unroll[f"fp8_{recipe}_loss_rel_err"] < 0.01
+        assert 3 * bf16 < unroll[f"fp8_{recipe}_grad_rel_err_worst"][1] < 0.15  # FP8 ran, and stayed near
+    argv = [str(BENCH / "bench_engine.py"), "profile", "--dry-run", "--steps", "1", "--warm", "1"]
+    (res,) = results([*argv, "--set", "drafter_fp8=rowwise", "--out", str(tmp_path)])
+    assert res["mode"] == "profile batch_size=1 drafter_fp8=rowwise" and res["drafter"]["kernel_ms"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["baseline", "profile"])
 def test_bench_engine_modes_run_on_the_cpu(mode: str, tmp_path: Path) -> None:
     argv = [str(BENCH / "bench_engine.py"), mode, "--dry-run", "--steps", "1", "--warm", "1"]

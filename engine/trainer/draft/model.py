@@ -21,6 +21,10 @@ unroll makes it once (``DraftDecoderLayer.embedding_qkv``) and every step takes 
 ``ttt_steps`` embedding-half matmuls (forward, weight and input-norm gradients) one runs. The same function, summed
 in another order (a float64 test holds it to 1e-10 against every step projecting its own tokens).
 
+``drafter_fp8`` (draft/fp8.py): ``Drafter.fp8_weights`` quantises every Linear's weight once an unroll (fc, the two
+q/k/v halves apart, o, the MLP, the head) and each matmul runs as ``project`` over an ``Fp8Weight``: forward and both
+gradients as row-wise scaled e4m3 GEMMs.
+
 Weights start as Hugging Face initialises a Llama (and as SpecForge's draft model does through
 ``post_init``): every Linear ``normal(0, initializer_range)`` with zero bias, every RMSNorm weight one.
 The token embeddings are the target's, frozen: a buffer, never a parameter.
@@ -37,8 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from engine.trainer.config import DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.fp8 import Fp8Weight, fp8_weight, project
 
 # (logits, target_logits, target_lse, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator);
 # see loss.py.
@@ -92,6 +98,13 @@ QKV_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 QKV = "qkv_proj"
 # The weights Drafter.cast_weights casts once an unroll: the stacked q/k/v, the rest of the layer's, the head.
 CAST_WEIGHTS: tuple[str, ...] = (QKV, "o_proj", "gate_proj", "up_proj", "down_proj", HEAD)
+# Drafter.fp8_weights: every Linear GEMM's weight, the stacked q/k/v as its two halves (each its own matmul, so each
+# its own row scales), and fc, which runs once an unroll before the steps.
+FC = "fc"
+QKV_EMBEDDING, QKV_HIDDEN = "qkv_proj.embedding", "qkv_proj.hidden"
+FP8_WEIGHTS: tuple[str, ...] = (FC, QKV_EMBEDDING, QKV_HIDDEN, "o_proj", "gate_proj", "up_proj", "down_proj", HEAD)
+# A Linear's weight as the steps take it: a tensor (the parameter, or its cast) or, under drafter_fp8, an Fp8Weight.
+Weights = dict[str, torch.Tensor | Fp8Weight]
 
 
 class RMSNorm(nn.Module):
@@ -146,20 +159,28 @@ class DraftDecoderLayer(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def qkv_weight(self, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def qkv_weight(self, weights: Weights | None = None) -> torch.Tensor:
         """``[W_q; W_k; W_v]``, ``((nh + 2 nkv) d, 2H)``: ``weights[QKV]`` when cast once, else stacked here."""
         if weights is not None:
-            return weights[QKV]
+            stacked = weights[QKV]
+            assert isinstance(stacked, torch.Tensor)
+            return stacked
         return torch.cat([getattr(self, name).weight for name in QKV_LINEARS])
 
-    def embedding_qkv(self, emb: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def qkv_halves(self, weights: Weights | None = None) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
+        """The q/k/v weight's embedding half and hidden half, ``((nh + 2 nkv) d, H)`` each (FP8: quantised apart)."""
+        if weights is not None and QKV_EMBEDDING in weights:
+            return weights[QKV_EMBEDDING], weights[QKV_HIDDEN]
+        stacked, h = self.qkv_weight(weights), self.cfg.hidden_size
+        return stacked[:, :h], stacked[:, h:]
+
+    def embedding_qkv(self, emb: torch.Tensor, weights: Weights | None = None) -> torch.Tensor:
         """The embedding half of q, k and v side by side, ``(B, T, (nh + 2 nkv) d)``: ``norm(emb) @ W[:, :H]^T``.
 
         It depends on the token a position reads and nothing else, so an unroll computes it once and every TTT step
         takes it shifted (``shift_rows``): step ``i`` reads token ``t + 1 + i`` where step 0 reads ``t + 1``.
         """
-        h = self.cfg.hidden_size
-        return F.linear(self.input_layernorm(emb), self.qkv_weight(weights)[:, :h])
+        return project(self.input_layernorm(emb), self.qkv_halves(weights)[0])
 
     def forward(
         self,
@@ -171,22 +192,22 @@ class DraftDecoderLayer(nn.Module):
         prior_v: torch.Tensor | None,  # (B, Hkv, i*T, D)
         mask: Any,  # a flex BlockMask or a dense bool (T, (i+1)*T)
         attention: TTTAttention,
-        weights: dict[str, torch.Tensor] | None = None,  # Drafter.cast_weights: the Linears' weights, cast once
+        weights: Weights | None = None,  # Drafter.cast_weights or fp8_weights: the Linears' weights, made once
         emb_qkv: torch.Tensor | None = None,  # (B, T, (nh + 2 nkv) d): embedding_qkv of those tokens, made already
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden (B, T, H), k_all and v_all (B, Hkv, (i+1)*T, D)
-        b, t, h = hidden.shape
+        b, t, _ = hidden.shape
         d, nh, nkv = self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads
 
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
             module = getattr(self, name)
-            return F.linear(x, weights[name] if weights is not None else module.weight, module.bias)
+            return project(x, weights[name] if weights is not None else module.weight, module.bias)
 
         if emb_qkv is None:
             if emb is None:
                 raise ValueError("the decoder layer needs the embeddings or their q/k/v half (emb_qkv)")
             emb_qkv = self.embedding_qkv(emb, weights)
         # q, k, v = [norm(emb), norm(hidden)] @ W^T, the embedding half made by embedding_qkv.
-        qkv = F.linear(self.hidden_norm(hidden), self.qkv_weight(weights)[:, h:]) + emb_qkv
+        qkv = project(self.hidden_norm(hidden), self.qkv_halves(weights)[1]) + emb_qkv
         q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
         q = apply_rotary(q.reshape(b, t, nh, d).transpose(1, 2), cos, sin)
         k = apply_rotary(k.reshape(b, t, nkv, d).transpose(1, 2), cos, sin)
@@ -244,7 +265,7 @@ def ttt_step(
     loss_fn: LossFn,
     loss_mask: torch.Tensor | None = None,  # (B, T), unshifted
     documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers (data/packing.py)
-    weights: dict[str, torch.Tensor] | None = None,  # Drafter.cast_weights: the Linears' weights, cast once
+    weights: Weights | None = None,  # Drafter.cast_weights or fp8_weights: the Linears' weights, made once
 ) -> tuple[torch.Tensor, ...]:  # hidden (B, T, H), k_all, v_all (B, Hkv, (i+1)*T, D), loss, correct, count ()
     """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
 
@@ -257,7 +278,7 @@ def ttt_step(
     """
     step_qkv = shift_rows(emb_qkv, shift - 1)
     hidden, k_all, v_all = layer(hidden, None, cos, sin, prior_k, prior_v, mask, attention, weights, step_qkv)
-    logits = F.linear(norm(hidden), weights[HEAD] if weights is not None else lm_head.weight, lm_head.bias)
+    logits = project(norm(hidden), weights[HEAD] if weights is not None else lm_head.weight, lm_head.bias)
     target_i, mask_i = shift_left(target_logits, shift), shift_left(position_mask, shift)
     lse_i = shift_left(target_lse, shift, float("inf"))  # p = 0 past the end
     loss_mask_i = shift_left(loss_mask, shift) if loss_mask is not None else None
@@ -373,6 +394,7 @@ class Drafter(nn.Module):
         loss_mask: torch.Tensor | None = None,  # (B, T)
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
         weight_dtype: torch.dtype | None = None,  # cast the TTT steps' Linear weights once (cast_weights)
+        fp8: str = DRAFTER_FP8_OFF,  # drafter_fp8: the Linears' GEMMs in FP8 (draft/fp8.py), weights from fp8_weights
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, counts: each (ttt_steps,)
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
@@ -381,15 +403,20 @@ class Drafter(nn.Module):
         ``t``. ``loss_mask`` (the data's, before the draft-vocabulary filter) makes the counted positions
         SpecForge's accuracy denominator; without it they are the ``position_mask`` positions. ``documents``
         (packed rows): positions, attention and shifted targets stay inside each conversation. ``weight_dtype``:
-        the steps run on ``cast_weights(weight_dtype)`` instead of the parameters themselves.
+        the steps run on ``cast_weights(weight_dtype)`` instead of the parameters themselves. ``fp8`` (a recipe, not
+        "off"): every Linear, fc and the head included, runs its GEMMs in FP8 on ``fp8_weights``, made once here.
         """
         seq_len = input_ids.shape[1]
-        weights = self.cast_weights(weight_dtype) if weight_dtype is not None else None
+        weights: Weights | None = None
+        if fp8 != DRAFTER_FP8_OFF:
+            weights = self.fp8_weights(weight_dtype, grad_weight_fp8=fp8 == DRAFTER_FP8_ROWWISE)
+        elif weight_dtype is not None:
+            weights = self.cast_weights(weight_dtype)
         if documents is None:
             rotary = self.step_rotary(seq_len, ttt_steps, input_ids.device)
         else:
             rotary = self.document_rotary(documents, ttt_steps)
-        hidden = self.fc(hidden3)
+        hidden = project(hidden3, weights[FC]) if weights is not None and FC in weights else self.fc(hidden3)
         with torch.no_grad():
             emb = F.embedding(shift_left(input_ids, 1), self.embed_table)  # the tokens step 0 reads
         # The embedding half of q/k/v once for the unroll: every step reads the same tokens, shifted (shift_rows).
@@ -413,7 +440,7 @@ class Drafter(nn.Module):
             counts.append(count_i)
         return torch.stack(losses), torch.stack(correct), torch.stack(counts)
 
-    def cast_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def cast_weights(self, dtype: torch.dtype) -> Weights:
         """The TTT steps' Linear weights cast to ``dtype`` once, for every step of an unroll (differentiable).
 
         Under autocast a compiled TTT step casts the fp32 parameters inside its graph, and autograd adds each
@@ -432,6 +459,28 @@ class Drafter(nn.Module):
             return self.lm_head.weight if name == HEAD else getattr(self.layer, name).weight
 
         return {name: weight(name).to(dtype) for name in CAST_WEIGHTS}
+
+    def fp8_weights(self, dtype: torch.dtype | None, *, grad_weight_fp8: bool) -> Weights:
+        """Every Linear's weight (FP8_WEIGHTS) cast to ``dtype`` (None: as it is) and quantised to e4m3, once a
+        training step: the steps' gradients meet at the cast, as ``cast_weights``'s do, and reach the parameters
+        (their dtype unchanged) once. ``grad_weight_fp8``: the weight gradients' GEMMs in FP8 too (draft/fp8.py)."""
+        layer, h = self.layer, self.cfg.hidden_size
+        qkv = layer.qkv_weight()
+        tensors = {FC: self.fc.weight, QKV_EMBEDDING: qkv[:, :h], QKV_HIDDEN: qkv[:, h:], HEAD: self.lm_head.weight}
+        tensors |= {name: getattr(layer, name).weight for name in FP8_WEIGHTS if name not in tensors}
+        return {
+            name: fp8_weight(tensors[name].to(dtype or tensors[name].dtype), grad_weight_fp8=grad_weight_fp8)
+            for name in FP8_WEIGHTS
+        }
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of every FP8 GEMM's weight (FP8_WEIGHTS): what drafter_fp8 needs in multiples of 16."""
+        cfg, layer = self.cfg, self.layer
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        shapes = {FC: tuple(self.fc.weight.shape), HEAD: tuple(self.lm_head.weight.shape)}
+        shapes |= {QKV_EMBEDDING: (qkv_rows, cfg.hidden_size), QKV_HIDDEN: (qkv_rows, cfg.hidden_size)}
+        shapes |= {name: tuple(getattr(layer, name).weight.shape) for name in FP8_WEIGHTS if name not in shapes}
+        return {name: (int(shapes[name][0]), int(shapes[name][1])) for name in FP8_WEIGHTS}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

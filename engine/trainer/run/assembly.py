@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from engine.protocol import StageEvent
-from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, ConfigError, TrainerConfig
+from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, DRAFTER_FP8_OFF, ConfigError, TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.data.vocab import DraftVocab
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.fp8 import cpu_rowwise_supported, misaligned
 from engine.trainer.draft.loss import needs_full_vocab_lse
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.distributed import map_devices
@@ -31,6 +32,7 @@ from engine.trainer.run.worker import DrafterTraining, DrafterWorker
 from engine.trainer.threads.compile import GuardedFunction, set_guard_enabled
 from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.metrics import EventLog
+from engine.trainer.verifier.fp8 import fp8_unsupported_reason
 from engine.trainer.verifier.model import FrozenTarget, load_target
 from engine.trainer.verifier.packed import packing_refusal_for
 
@@ -111,6 +113,22 @@ def attention_impl(cfg: TrainerConfig, ddevs: list[torch.device]) -> str:
     if impl == "merged" and any(d.type == "cuda" for d in ddevs):
         raise ConfigError(MERGED_ON_CUDA)
     return impl
+
+
+def check_drafter_fp8(cfg: TrainerConfig, ddevs: list[torch.device]) -> None:
+    """drafter_fp8 needs row-wise scaled FP8 matmuls on every drafter device (CUDA 9.0+, or the CPU where torch's
+    ``_scaled_mm`` takes row-wise scales): a ConfigError naming the first device without them."""
+    if cfg.drafter_fp8 == DRAFTER_FP8_OFF:
+        return
+    for dev in ddevs:
+        if dev.type == "cpu" and not cpu_rowwise_supported():
+            raise ConfigError(
+                f"drafter_fp8: torch {torch.__version__}'s CPU _scaled_mm takes no row-wise scales (2.13 does); "
+                "use a CUDA drafter or drafter_fp8 = 'off'"
+            )
+        reason = fp8_unsupported_reason(dev, key="drafter_fp8")
+        if reason is not None:
+            raise ConfigError(reason)
 
 
 FP8_NOTE = " (FP8 linears)"  # the target_loaded stage names an FP8 target
@@ -251,6 +269,12 @@ def build_drafters(
         with torch.random.fork_rng(devices=[]), torch.device(dev):
             torch.manual_seed(seed + DRAFTER_SEED_OFFSET)
             drafter = Drafter(dcfg, embed, vocab.draft_to_target.to(dev), ttt_rope_offset=cfg.ttt_rope_offset)
+        refusal = misaligned(drafter.linear_shapes()) if cfg.drafter_fp8 != DRAFTER_FP8_OFF else None
+        if refusal is not None:
+            raise ConfigError(
+                f"drafter_fp8: FP8 matmuls need every Linear's sizes in multiples of 16; {refusal} (from the "
+                "target's hidden and intermediate sizes and draft_vocab_size); use drafter_fp8 = 'off'"
+            )
         if replicas and drafters:
             drafter.load_state_dict(drafters[0].state_dict())
         drafters.append(drafter)

@@ -34,6 +34,7 @@ from engine.trainer.run.assembly import (
     attention_impl,
     build_drafters,
     build_producers,
+    check_drafter_fp8,
     configure_torch,
     data_source,
     devices_for,
@@ -126,6 +127,7 @@ class TrainingRun:
         set_recompile_limit(recompile_limit_for(cfg.ttt_steps, len(cfg.buckets), len(ddevs)))
         on_compile = compile_listener(self.events)
         attn_impl = attention_impl(cfg, ddevs)
+        check_drafter_fp8(cfg, ddevs)
         tokenizer = load_tokenizer(cfg.target)
         self.targets = load_targets(cfg, tdevs, tokenizer, on_compile, self.events)
         self.source = self._load_data(tokenizer, self.targets[0].vocab_size)

@@ -22,7 +22,7 @@ import torch
 
 from engine.protocol import NonFiniteGradEvent, StepEvent
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
-from engine.trainer.config import TrainerConfig
+from engine.trainer.config import DRAFTER_FP8_OFF, TrainerConfig
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss, weighted_total
@@ -319,6 +319,7 @@ class WorkerSettings:
     batch_size: int
     grad_checkpointing: bool = False
     cast_weights_once: bool = True  # under autocast: the TTT steps share one cast of the weights (Drafter.forward)
+    drafter_fp8: str = DRAFTER_FP8_OFF  # the Linears' GEMMs in FP8 (draft/fp8.py), on weights quantised once a step
     overlap_steps: str = "auto"  # the next forward launched before a step's numbers are read (config.py); auto: CUDA
     max_grad_norm: float = 1.0
     nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
@@ -416,6 +417,7 @@ class DrafterWorker:
                 loss_mask=batch.loss_mask,
                 documents=batch.documents,
                 weight_dtype=self.weight_dtype,
+                fp8=self.settings.drafter_fp8,
             )
         return out
 

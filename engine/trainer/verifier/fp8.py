@@ -40,18 +40,18 @@ MIN_CUDA_CAPABILITY = (9, 0)  # row-wise scaled FP8 matmuls (torch._scaled_mm): 
 SKIPPED_MODULES = ("lm_head", "gate", "router", "shared_expert_gate")
 
 
-def fp8_unsupported_reason(device: torch.device) -> str | None:
-    """Why ``device`` cannot run the FP8 target, or None when it can (CUDA 9.0+, or the CPU)."""
+def fp8_unsupported_reason(device: torch.device, key: str = "target_fp8") -> str | None:
+    """Why ``device`` cannot run the FP8 target (or what ``key`` asks for), or None when it can (CUDA 9.0+, or the
+    CPU: the caller knows what its CPU path needs)."""
     if device.type == "cpu":
         return None  # the same e4m3 rounding through a dequantized matmul: for tests and small targets
     if device.type != "cuda":
-        return f"target_fp8 needs a CUDA or CPU device, not {device}"
+        return f"{key} needs a CUDA or CPU device, not {device}"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CUDA_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         return (
-            f"target_fp8 needs row-wise FP8 matmuls (compute capability 9.0+, Hopper); {device} is {name} "
-            f"({major}.{minor})"
+            f"{key} needs row-wise FP8 matmuls (compute capability 9.0+, Hopper); {device} is {name} ({major}.{minor})"
         )
     return None
 

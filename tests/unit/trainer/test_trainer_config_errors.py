@@ -249,8 +249,9 @@ def test_a_toml_file_the_parser_gives_up_on_is_a_config_error_naming_it(
         (["--set", "lr=inf"], "lr: a finite positive number, got inf"),
         (["--set", "output_dir=/"], "output_dir: '/' is the root directory"),
         (["--output-dir", "/etc"], "output_dir: '/etc' is a system directory"),
+        (["--set", 'drafter_fp8="e5m2"'], "drafter_fp8: got 'e5m2'; allowed: off, rowwise, rowwise_gw_hp"),
     ],
-    ids=["set-huge-int", "set-deep", "set-lr-inf", "set-output-root", "output-dir-etc"],
+    ids=["set-huge-int", "set-deep", "set-lr-inf", "set-output-root", "output-dir-etc", "set-drafter-fp8"],
 )
 def test_the_cli_refuses_huge_integers_deep_nesting_and_bad_values_in_one_line(args: list[str], line: str) -> None:
     done = _train("--preset", "cpu-demo", *args, "--print-config")

@@ -1,0 +1,109 @@
+"""drafter_fp8 in the engine (CPU): the key reaches the workers, a run with the drafter's GEMMs in FP8 learns and
+keeps its parameters and checkpoints as a bf16 run does, and a device or a shape FP8 matmuls cannot take is refused
+with one line naming the key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.trainer.config import ConfigError, TrainerConfig, from_dict
+from engine.trainer.draft import model as draft_model
+from engine.trainer.draft.fp8 import Fp8Weight, fp8_weight
+from engine.trainer.run import assembly
+from engine.trainer.run.assembly import check_drafter_fp8
+from engine.trainer.run.loop import TrainingRun
+from engine.trainer.run.worker import WorkerSettings
+from engine.trainer.threads.metrics import EventLog
+
+
+def make_config(out: Path, **overrides: Any) -> TrainerConfig:
+    base: dict[str, Any] = {
+        "target": "tiny",
+        "tiny_layers": 4,  # the captured high layer is the last one: a few dozen steps show learning
+        "data": "shipped",
+        "buckets": [128],
+        "batch_size": 2,
+        "ttt_steps": 2,
+        "draft_vocab_size": 128,
+        "lr": 2e-3,
+        "steps": 40,
+        "output_dir": str(out),
+        "torch_threads": 2,
+        "drafter_fp8": "rowwise",
+    }
+    base.update(overrides)
+    return from_dict(base)
+
+
+def run(cfg: TrainerConfig, out: Path) -> tuple[TrainingRun, list[dict[str, Any]]]:
+    events = EventLog(out / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
+    seen: list[dict[str, Any]] = []
+    events.listeners.append(seen.append)
+    engine = TrainingRun(cfg, events)
+    engine.build()
+    assert engine.run() == 0
+    return engine, seen
+
+
+def test_the_key_reaches_the_workers_settings() -> None:
+    assert WorkerSettings.from_config(from_dict({"drafter_fp8": "rowwise_gw_hp"})).drafter_fp8 == "rowwise_gw_hp"
+    assert WorkerSettings.from_config(from_dict({})).drafter_fp8 == "off"
+
+
+def test_a_run_with_fp8_drafter_gemms_learns_and_keeps_float32_parameters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quantised: list[bool] = []
+
+    def counting(weight: torch.Tensor, *, grad_weight_fp8: bool) -> Fp8Weight:
+        quantised.append(grad_weight_fp8)
+        return fp8_weight(weight, grad_weight_fp8=grad_weight_fp8)
+
+    monkeypatch.setattr(draft_model, "fp8_weight", counting)
+    engine, seen = run(make_config(tmp_path), tmp_path)
+    worker = engine.workers[0]
+    # Every training step (and the warm-up's one forward) quantised the drafter's 8 weights, all three GEMMs FP8.
+    assert len(quantised) == 8 * (40 + 1) and all(quantised)
+    losses = [e["loss_total"] for e in seen if e["kind"] == "step"]
+    assert len(losses) == 40
+    start, end = sum(losses[:3]) / 3, sum(losses[-5:]) / 5
+    assert end < 0.8 * start, (start, end)
+    state = worker.final_state
+    assert state is not None
+    assert all(t.dtype == torch.float32 for t in state["model"].values() if t.is_floating_point())
+    assert "fc.weight" in state["model"] and "lm_head.weight" in state["model"]  # the export reads the same keys
+
+
+def test_a_linear_size_off_the_16_grid_is_refused_naming_it(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, draft_vocab_size=120)
+    engine = TrainingRun(cfg, EventLog(tmp_path / "events.jsonl", stdout=open(os.devnull, "w")))  # noqa: SIM115
+    with pytest.raises(ConfigError) as err:
+        engine.build()
+    message = str(err.value)
+    assert message.startswith("drafter_fp8: FP8 matmuls need every Linear's sizes in multiples of 16;"), message
+    assert "lm_head is 120x64" in message and "\n" not in message
+
+
+def test_a_gpu_before_hopper_is_refused_in_the_target_fp8_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA A100-SXM4-80GB")
+    cfg = from_dict({"drafter_fp8": "rowwise"})
+    with pytest.raises(ConfigError) as err:
+        check_drafter_fp8(cfg, [torch.device("cuda:0")])
+    assert str(err.value) == (
+        "drafter_fp8 needs row-wise FP8 matmuls (compute capability 9.0+, Hopper); cuda:0 is NVIDIA A100-SXM4-80GB "
+        "(8.0)"
+    )
+    check_drafter_fp8(from_dict({}), [torch.device("cuda:0")])  # off: nothing asked
+
+
+def test_a_cpu_torch_without_row_wise_scaled_mm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_drafter_fp8(from_dict({"drafter_fp8": "rowwise"}), [torch.device("cpu")])  # this torch takes them
+    monkeypatch.setattr(assembly, "cpu_rowwise_supported", lambda: False)
+    with pytest.raises(ConfigError, match=r"^drafter_fp8: torch .*'s CPU _scaled_mm takes no row-wise scales"):
+        check_drafter_fp8(from_dict({"drafter_fp8": "rowwise"}), [torch.device("cpu")])
