@@ -88,8 +88,10 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, cols, col_scale = ctx.saved_tensors
-        gq, g_scale = quantize_rows(grad)  # per token, along the output features
-        grad_x = _scaled_mm(gq, cols, g_scale, col_scale).to(x.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # fc's input (the target's states) needs none: no GEMM, no quantising pass
+            gq, g_scale = quantize_rows(grad)  # per token, along the output features
+            grad_x = _scaled_mm(gq, cols, g_scale, col_scale).to(x.dtype)
         if ctx.grad_weight_fp8:
             gtq, gt_scale = quantize_rows(_pad_tokens(grad.t()))  # per output feature, along the tokens
             xtq, xt_scale = quantize_rows(_pad_tokens(x.t()))  # per input feature, along the tokens

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engine.trainer.config import DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE
+from engine.trainer.config import DRAFTER_FP8, DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import Fp8Weight, fp8_weight, project
@@ -406,6 +406,8 @@ class Drafter(nn.Module):
         the steps run on ``cast_weights(weight_dtype)`` instead of the parameters themselves. ``fp8`` (a recipe, not
         "off"): every Linear, fc and the head included, runs its GEMMs in FP8 on ``fp8_weights``, made once here.
         """
+        if fp8 not in DRAFTER_FP8:  # callers past the config (benchmarks) must not run another recipe than named
+            raise ValueError(f"fp8: got {fp8!r}; allowed: {', '.join(DRAFTER_FP8)}")
         seq_len = input_ids.shape[1]
         weights: Weights | None = None
         if fp8 != DRAFTER_FP8_OFF:

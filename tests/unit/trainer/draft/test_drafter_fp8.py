@@ -134,6 +134,33 @@ def test_the_weight_keeps_its_dtype_and_gets_its_gradient_through_the_cast() -> 
     assert w.grad is not None and w.grad.dtype == torch.float32 and w.grad.shape == w.shape
 
 
+def test_an_input_that_needs_no_gradient_gets_no_fp8_input_gradient_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fc's input (the target's states) takes no gradient: its backward runs the weight gradient's GEMM only."""
+    from engine.trainer.draft import fp8 as fp8_module
+
+    calls: list[tuple[int, ...]] = []
+    real = fp8_module._scaled_mm
+
+    def counting(a: torch.Tensor, b_t: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(a.shape))
+        return real(a, b_t, sa, sb)
+
+    monkeypatch.setattr(fp8_module, "_scaled_mm", counting)
+    x, w, dy = operands()
+    weight = w.detach().to(torch.bfloat16).requires_grad_()
+    fp8_linear(x.detach(), fp8_weight(weight, grad_weight_fp8=True)).backward(dy)
+    assert len(calls) == 2 and weight.grad is not None  # forward and grad_weight: no grad_input GEMM
+    calls.clear()
+    xg = x.detach().requires_grad_()
+    fp8_linear(xg, fp8_weight(weight, grad_weight_fp8=True)).backward(dy)
+    assert len(calls) == 3 and xg.grad is not None
+
+
+def test_an_unknown_recipe_is_refused_where_the_drafter_runs_not_run_as_another() -> None:
+    with pytest.raises(ValueError, match="rowise"):
+        losses_and_grads(drafter(), "rowise")
+
+
 def test_misaligned_names_the_first_linear_whose_sizes_are_not_multiples_of_16() -> None:
     assert misaligned({"fc": (64, 192), "lm_head": (128, 64)}) is None
     assert misaligned({"fc": (64, 192), "lm_head": (100, 64)}) == "lm_head is 100x64"
