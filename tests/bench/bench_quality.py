@@ -285,10 +285,15 @@ def counts_of_vllm(row: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 def audit_check(row: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any] | None:
-    """A T > 0 row's first-position check (see the docstring): vLLM's count against quality_vllm.py's audit."""
+    """A T > 0 row's first-position check (see the docstring): vLLM's count against quality_vllm.py's audit. None
+    at T 0 (greedy: nothing to audit) or with no drafts; a T > 0 row with drafts but no audit or no per-position
+    counters fails (the audit did not reach vLLM's sampler, so nothing vouches for the row)."""
+    if float(row.get("temperature") or 0.0) == 0.0 or not counts["drafts"]:
+        return None
     audit = row.get("audit")
     if not audit or not counts["accepted_per_position"]:
-        return None
+        return {"ok": False, "reason": "no audit" if not audit else "no per-position counters",
+                "vllm_first_drafts": counts["drafts"]}  # fmt: skip
     seen, expected, sd = counts["accepted_per_position"][0], audit["accepted_expected"], audit["sd"]
     return {**audit, "vllm_accepted_first": seen, "vllm_first_drafts": counts["drafts"],
             "ok": abs(seen - expected) <= 4 * sd + 2 and audit["first_drafts"] == counts["drafts"]}  # fmt: skip
@@ -312,7 +317,10 @@ def summarize(cells: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     keys = sorted({(c["trainer"], c["loss"], t) for c in cells for t in c["served"]},
                   key=lambda x: (x[2], x[1], TRAINERS.index(x[0])))  # fmt: skip
     for trainer, loss, temp in keys:
-        got = [c for c in cells if (c["trainer"], c["loss"]) == (trainer, loss) and temp in c["served"]]
+        got = [c for c in cells if (c["trainer"], c["loss"]) == (trainer, loss) and temp in c["served"]
+               and not c["served"][temp].get("failed_check")]  # fmt: skip
+        if not got:
+            continue
         counts = [c["served"][temp] for c in got]
         taus = [tau_of(x) for x in counts]
         drafts = sum(x["drafts"] for x in counts)
@@ -546,6 +554,7 @@ def main() -> int:
                               "recipe": {"buckets": BUCKETS, "batch_size": BATCH, "ttt": TTT,
                                          "draft_vocab": DRAFT_VOCAB, "lr": LR, "max_grad_norm": CLIP,
                                          "kl_scale": a.kl_scale, "kl_decay": a.kl_decay}}  # fmt: skip
+    failed = 0  # T > 0 rows whose first-position check failed: left out of the table, and the exit code is 1
     if a.phase in ("all", "serve") and cells:
         served_names = {f"{c['trainer']}-{c['loss']}-s{c['seed']}" for c in cells
                         if a.serve == "all" or (a.serve == "first-seed" and c["seed"] == a.seeds[0])}  # fmt: skip
@@ -568,7 +577,11 @@ def main() -> int:
                     "workarounds": row.get("workarounds"),
                     "first_position_check": check,
                 }
-                if check is not None:
+                if check is not None and not check["ok"]:  # kept out of the table and comparisons (summarize)
+                    cell["served"][row["temperature"]]["failed_check"] = True
+                if check is not None and "reason" in check:
+                    say(f"{row['name']} T {row['temperature']:g}: FAILED first-position check: {check['reason']}")
+                elif check is not None:
                     say(f"{row['name']} T {row['temperature']:g}: first position accepted "
                         f"{check['vllm_accepted_first']} of {check['vllm_first_drafts']}, expected "
                         f"{check['accepted_expected']} +- {check['sd']}: "
@@ -606,16 +619,17 @@ def main() -> int:
             for temp, v in sorted(c.get("vllm", {}).items()):
                 check = v.get("first_position_check")
                 if check is not None and not check["ok"]:
-                    print(
-                        f"FAILED first-position check: {c['trainer']}-{c['loss']}-s{c['seed']} T {temp:g}: vLLM "
-                        f"{check['vllm_accepted_first']}, expected {check['accepted_expected']} +- {check['sd']}"
-                    )
+                    failed += 1
+                    got = check.get("reason") or (f"vLLM {check['vllm_accepted_first']}, expected "
+                                                  f"{check['accepted_expected']} +- {check['sd']}")  # fmt: skip
+                    print(f"FAILED first-position check (left out of the table): {c['trainer']}-{c['loss']}-"
+                          f"s{c['seed']} T {temp:g}: {got}")  # fmt: skip
     else:
         result["cells"] = cells
     out = a.out or work / "result.json"
     out.write_text(json.dumps(result, indent=1, default=str))
-    print("RESULT " + json.dumps({"out": str(out), "cells": len(cells)}))
-    return 0
+    print("RESULT " + json.dumps({"out": str(out), "cells": len(cells), "failed_checks": failed}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

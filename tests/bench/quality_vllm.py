@@ -32,8 +32,8 @@ Each row at temperature > 0 also carries an ``audit`` of the first draft positio
 input: the drafts, vLLM's raw target logits, our own softmax(logits / T) and the draft probabilities when drafting is
 probabilistic give each first draft's acceptance probability min(1, p(d) / q(d)) (q = 1 when drafting is greedy);
 their sum is the expected first-position count for the drafts vLLM made, with its standard deviation, against which
-vLLM's own count is checked (bench_quality.py). It checks the verification step (temperature, positions, kernels),
-not the drafter.
+vLLM's own count is checked (bench_quality.py). It checks the verification step's temperature and kernels, not
+the drafter; the draft positions and q are vLLM's own, so a position bug upstream of the sampler is not caught.
 """
 
 import gc
@@ -66,8 +66,11 @@ def cpu_expand_workaround() -> str:
     """Probe vLLM's live ``expand_batch_to_tokens`` (after the engine registered its kernel overrides) and replace it
     with ``_expand_batch_to_tokens`` only when it answers wrongly (see WORKAROUND). Returns what was done."""
     import torch
+    from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler as rs
 
+    if not current_platform.is_cpu():  # the bug is in the CPU build's kernel shims; a GPU vLLM runs Triton's
+        return "expand_batch_to_tokens: not probed (not the CPU platform)"
     if rs.expand_batch_to_tokens is _expand_batch_to_tokens:
         return "expand_batch_to_tokens: replaced (vLLM #55005)"
     cu = torch.tensor([1, 3, 4], dtype=torch.int32)

