@@ -46,7 +46,8 @@
 #   sh tests/device/throughput_runs.sh fp8drafter_gw [BATCH]  the engine with target_fp8 and drafter_fp8 "rowwise",
 #       then "rowwise_gw_hp" (the weight gradients' GEMMs in bf16): what the accuracy-leaning recipe costs (<= 450 s).
 #   sh tests/device/throughput_runs.sh fp8drafter_check [BATCH]  where the FP8 drafter's step spends its time
-#       (bench_engine.py profile with both FP8: the drafter's GEMM ms against bf16's 174 of an H100 step), then its
+#       (bench_engine.py profile with both FP8: the drafter's GEMM ms, to set against a bf16 profile: 174 ms in
+#       throughput_h200_issue25.txt's call A, an H200 on an older tree), then its
 #       numerics at the 8B drafter shape: the compiled unroll (TTT 7) in bf16 and with drafter_fp8 "rowwise" and
 #       "rowwise_gw_hp", each one's losses and gradients against float32 eager (bench_kernels.py --parts unroll
 #       --unroll-fp8; the CPU's small shape: bf16 0.9 %, FP8 9 % worst gradient) (<= 575 s).
