@@ -25,7 +25,7 @@ import torch
 
 from engine.protocol import VOCAB_COVERAGE_WARN, CheckpointEvent, RunEndEvent, StageEvent
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.config import TrainerConfig
+from engine.trainer.config import DRAFTER_FP8_OFF, TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
@@ -332,8 +332,9 @@ class TrainingRun:
         self.events.say(
             f"engine: {len(self.targets)} target thread(s), "
             f"{len(self.workers)} drafter thread(s) ({cfg.drafter_mode}), drafter {params_m:.1f}M trainable params, "
-            f"draft vocab {self.vocab.size}, attention {attn_impl}"
-            f"{' compiled' if cfg.compile else ''}, data: {self.source.describe()}{resumed}"
+            f"draft vocab {self.vocab.size}, attention {attn_impl}{' compiled' if cfg.compile else ''}"
+            f"{f', drafter GEMMs FP8 {cfg.drafter_fp8}' if cfg.drafter_fp8 != DRAFTER_FP8_OFF else ''}, "
+            f"data: {self.source.describe()}{resumed}"
         )
 
     def _install_evaluation(self) -> None:

@@ -4,6 +4,7 @@ with one line naming the key."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,15 @@ def make_config(out: Path, **overrides: Any) -> TrainerConfig:
     return from_dict(base)
 
 
-def run(cfg: TrainerConfig, out: Path) -> tuple[TrainingRun, list[dict[str, Any]]]:
-    events = EventLog(out / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
+def run(cfg: TrainerConfig, out: Path) -> tuple[TrainingRun, list[dict[str, Any]], str]:
+    stdout = io.StringIO()
+    events = EventLog(out / "events.jsonl", stdout=stdout)
     seen: list[dict[str, Any]] = []
     events.listeners.append(seen.append)
     engine = TrainingRun(cfg, events)
     engine.build()
     assert engine.run() == 0
-    return engine, seen
+    return engine, seen, stdout.getvalue()
 
 
 def test_the_key_reaches_the_workers_settings() -> None:
@@ -65,8 +67,10 @@ def test_a_run_with_fp8_drafter_gemms_learns_and_keeps_float32_parameters(
         return fp8_weight(weight, grad_weight_fp8=grad_weight_fp8)
 
     monkeypatch.setattr(draft_model, "fp8_weight", counting)
-    engine, seen = run(make_config(tmp_path), tmp_path)
+    engine, seen, said = run(make_config(tmp_path), tmp_path)
     worker = engine.workers[0]
+    engine_line = next(line for line in said.splitlines() if "engine: " in line)
+    assert "drafter GEMMs FP8 rowwise" in engine_line  # the run says what its drafter runs in
     # Every training step (and the warm-up's one forward) quantised the drafter's 8 weights, all three GEMMs FP8.
     assert len(quantised) == 8 * (40 + 1) and all(quantised)
     losses = [e["loss_total"] for e in seen if e["kind"] == "step"]
