@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -49,7 +49,7 @@ from engine.trainer.run.distributed import AGENT_DEATH_SIGNAL, CrossRank, Sharde
 from engine.trainer.run.distributed import start as start_distributed
 from engine.trainer.run.fp8_check import check_fp8_targets
 from engine.trainer.run.producer import DeviceBatch, Producer, Route
-from engine.trainer.run.resume import Claim, claim, data_identity, data_plan, epoch_start
+from engine.trainer.run.resume import Claim, claim, data_identity, data_plan, epoch_start, hold_output_dir
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
 from engine.trainer.threads.compile import recompile_limit_for, set_recompile_limit
@@ -97,6 +97,7 @@ class TrainingRun:
         self.source: BatchSource | None = None
         self.resumed_from: Path | None = None
         self.claim: Claim | None = None  # rank 0's: this run's id in output_dir and the checkpoint it resumes
+        self._dir_hold: IO[bytes] | None = None  # rank 0's hold on output_dir (resume.hold_output_dir), for life
         self._data_plan: dict[str, Any] = {}  # recorded in each checkpoint (run/resume.py compares it on resume)
         self.last_checkpoint: Path | None = None  # the newest written (older ones are pruned: keep_checkpoints)
         self._ckpt_lock = threading.Lock()
@@ -114,9 +115,24 @@ class TrainingRun:
     # --- building ---------------------------------------------------------------------------------------------
     def build(self) -> None:
         """Devices, the torchrun world, targets, data, vocabulary, drafters and their workers, producers: each
-        from its factory in ``assembly``, in the order every rank follows (its barriers and broadcasts meet)."""
+        from its factory in ``assembly``, in the order every rank follows (its barriers and broadcasts meet).
+        Rank 0 holds output_dir from here to the end of ``shutdown`` (a build that fails lets it go)."""
+        try:
+            self._build()
+        except BaseException:
+            self.release_output_dir()
+            raise
+
+    def release_output_dir(self) -> None:
+        """Lets another trainer use output_dir (the process's end does it too, however it ends)."""
+        hold, self._dir_hold = self._dir_hold, None
+        if hold is not None:
+            hold.close()
+
+    def _build(self) -> None:
         cfg = self.cfg
         if self.info.rank == 0:  # rank 0 resumes and writes checkpoints: it decides before anything loads
+            self._dir_hold = hold_output_dir(self.output_dir)  # no second trainer in this output_dir meanwhile
             self.claim = claim(cfg, self.output_dir, should_stop=lambda: self._signalled)
             for line in self.claim.said:
                 self.events.stage("checkpoint", line)
@@ -632,6 +648,8 @@ class TrainingRun:
         self.events.emit(RunEndEvent(ok=ok, reason=reason, step=step, degraded=degraded))
         self.events.stage("done", reason)
         self.exit_code = 0 if ok else 1
+        if not stuck:  # a stuck thread may still write a checkpoint: the directory stays held until the process ends
+            self.release_output_dir()
         return self.exit_code
 
     def _write_rank_record(self, step: int) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,43 @@ def test_the_cli_refuses_another_runs_checkpoints_in_one_line(tmp_path: Path, co
     assert done.stderr.startswith(f"specdec-train: config error: output_dir: {out} holds the checkpoints of a run")
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert steps_in(out) == ["step_00000002"]
+
+
+def test_a_second_trainer_in_a_running_trainers_output_dir_is_refused_and_may_start_once_it_ended(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """Two trainers in one output_dir at once: the second one claimed, resumed or pruned what the first was still
+    writing (same identity and resume = true: it resumed the first's newest checkpoint; before any checkpoint: a
+    second run id beside the first). Now it is refused in one line naming the first's pid, and starts once the first
+    has ended."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("SPECDEC_RUN_DIR", None)
+    base = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out)]
+    base += ["--set", f"data={corpus}", "--set", "eval_holdout=32", "--set", "torch_threads=1"]
+    first = subprocess.Popen(
+        [*base, "--set", "steps=100000", "--set", "step_delay_s=0.2"],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while ckpt.read_marker(out) is None:  # run.json: it holds the directory and has claimed it
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
+            time.sleep(0.2)
+        second = subprocess.run([*base, "--set", "steps=1"], capture_output=True, text=True, env=env, cwd=REPO,
+                                timeout=120, check=False)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert second.stderr == (
+            f"specdec-train: config error: output_dir: {out} is in use by a running trainer (pid {first.pid}): wait "
+            "for it to end or stop it, or choose another output_dir\n"
+        )
+        assert first.poll() is None  # the first goes on
+    finally:
+        first.terminate()
+        first.wait(timeout=60)
+    third = subprocess.run([*base, "--set", "steps=1", "--set", "resume=true"], capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=180, check=False)  # fmt: skip
+    assert third.returncode == 0, third.stderr[-3000:]
 
 
 # --- 6. a resume keeps the data plan, or re-plans on purpose ------------------------------------------------------
