@@ -22,6 +22,7 @@ be trained twice in the epoch and others not at all. It is refused naming the ke
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -117,12 +118,14 @@ def hold_output_dir(output_dir: Path) -> IO[bytes]:
     """Keeps other trainers out of ``output_dir`` while this process lives: an exclusive POSIX lock on
     ``<output_dir>/.run.lock`` holding this process's pid. The kernel drops it when the process ends, however it
     ends, and forked children do not inherit it. Keep the returned file open. Held by another process: a
-    ConfigError in one line naming its pid."""
+    ConfigError in one line naming its pid. On a filesystem that takes no locks the directory is not guarded."""
     output_dir.mkdir(parents=True, exist_ok=True)
     fh = open(output_dir / RUN_LOCK, "a+b")  # noqa: SIM115 (open for the process's life: closing it releases)
     try:
         fcntl.lockf(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks (ENOLCK...): unguarded
+            return fh
         fh.seek(0)
         holder = fh.read(32).decode("ascii", errors="replace").strip()
         fh.close()

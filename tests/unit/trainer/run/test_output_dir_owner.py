@@ -4,6 +4,7 @@ purpose; and a resume under another data plan is refused naming the keys, or re-
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -181,6 +182,26 @@ def test_a_second_trainer_in_a_running_trainers_output_dir_is_refused_and_may_st
     third = subprocess.run([*base, "--set", "steps=1", "--set", "resume=true"], capture_output=True, text=True,
                            env=env, cwd=REPO, timeout=180, check=False)  # fmt: skip
     assert third.returncode == 0, third.stderr[-3000:]
+
+
+def test_a_filesystem_without_locks_leaves_the_output_dir_unguarded_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.trainer.run import resume
+
+    def no_locks(_fd: int, _op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(resume.fcntl, "lockf", no_locks)
+    hold = resume.hold_output_dir(tmp_path / "run")  # no ConfigError: nothing else holds it
+    hold.close()
+
+    def held(_fd: int, _op: int) -> None:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(resume.fcntl, "lockf", held)
+    with pytest.raises(ConfigError, match="is in use by a running trainer"):
+        resume.hold_output_dir(tmp_path / "run")
 
 
 # --- 6. a resume keeps the data plan, or re-plans on purpose ------------------------------------------------------
