@@ -22,6 +22,8 @@ Here:
 * ``net``: the route to a peer, a free TCP port, the address SSH reached us at (a rendezvous's place).
 * ``appended``: the one reader of files that only grow (offset, identity, carried partial line) and the one
   "last lines of a file"; the agent's log follower and events reader and the supervisor's run scanner use it.
+* ``files``: opening a file someone may have planted (no FIFO block, no link followed, regular files only):
+  serve-check's lock and log, the trainer's output_dir hold.
 
 Nothing here knows what a run is: a run's records live in engine.supervisor.records.
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import stat
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 import engine
 from engine import protocol
 from engine.host import procs
+from engine.host.files import NotRegularFileError, open_regular
 from engine.supervisor import records
 from engine.supervisor.common import SupervisorError
 from engine.supervisor.records.layout import EVENTS_JSONL
@@ -82,15 +82,15 @@ def running_check(run_dir: Path) -> int | None:
 def _open_regular(path: Path, flags: int) -> int:
     """``path`` opened without blocking and without following a link; SupervisorError unless a regular file."""
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return open_regular(path, flags)
+    except NotRegularFileError:
+        raise SupervisorError(
+            f"{path.name} in the run directory is not a regular file (remove it); not started"
+        ) from None
     except OSError as exc:  # ENXIO: a FIFO nobody reads; ELOOP: a link
         raise SupervisorError(
             f"{path.name} in the run directory cannot be opened: {exc.strerror}; not started"
         ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SupervisorError(f"{path.name} in the run directory is not a regular file (remove it); not started")
-    return fd
 
 
 def _lock(fd: int, path: Path, wait_s: float) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from engine.host.files import open_regular
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, TOKENIZERLESS_TARGETS, ConfigError, TrainerConfig
 from engine.trainer.data.cache import file_sha256
@@ -120,7 +121,13 @@ def hold_output_dir(output_dir: Path) -> IO[bytes]:
     ends, and forked children do not inherit it. Keep the returned file open. Held by another process: a
     ConfigError in one line naming its pid. On a filesystem that takes no locks the directory is not guarded."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    fh = open(output_dir / RUN_LOCK, "a+b")  # noqa: SIM115 (open for the process's life: closing it releases)
+    try:  # a link planted there would take the pid write elsewhere, a FIFO would block the open
+        fd = open_regular(output_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(
+            f"output_dir: {output_dir / RUN_LOCK} cannot be the run's lock ({exc.strerror or exc}): remove it"
+        ) from None
+    fh = os.fdopen(fd, "r+b")  # open for the process's life: closing it releases the lock
     try:
         fcntl.lockf(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:

@@ -204,6 +204,23 @@ def test_a_filesystem_without_locks_leaves_the_output_dir_unguarded_not_refused(
         resume.hold_output_dir(tmp_path / "run")
 
 
+def test_a_link_or_fifo_planted_as_the_lock_is_refused_and_the_links_target_left_alone(tmp_path: Path) -> None:
+    from engine.trainer.run import resume
+
+    out = tmp_path / "run"
+    out.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    (out / resume.RUN_LOCK).symlink_to(target)
+    with pytest.raises(ConfigError, match=r"\.run\.lock cannot be the run's lock \(.*\): remove it"):
+        resume.hold_output_dir(out)
+    assert target.read_text() == "keep me\n"
+    (out / resume.RUN_LOCK).unlink()
+    os.mkfifo(out / resume.RUN_LOCK)
+    with pytest.raises(ConfigError, match=r"cannot be the run's lock \(not a regular file\): remove it"):
+        resume.hold_output_dir(out)
+
+
 # --- 6. a resume keeps the data plan, or re-plans on purpose ------------------------------------------------------
 
 
