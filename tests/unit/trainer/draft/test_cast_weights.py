@@ -11,12 +11,13 @@ and a cosine of 0.9999 (measured 0.2 %).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from engine.trainer.config import from_dict
+from engine.trainer.config import DRAFTER_FP8_OFF, from_dict
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import soft_cross_entropy, total_loss
@@ -91,8 +92,9 @@ def gradient_edges(model: Drafter, root: torch.Tensor) -> dict[str, int]:
 def losses_and_grads(
     model: Drafter,
     weight_dtype: torch.dtype | None,
-    step_fn: GuardedFunction | None = None,
+    step_fn: Callable[..., Any] | None = None,
     grad_checkpointing: bool = False,
+    fp8: str = DRAFTER_FP8_OFF,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
     ids, hidden3, target_z, target_lse, mask = batch()
     model.zero_grad(set_to_none=True)
@@ -110,6 +112,7 @@ def losses_and_grads(
             loss_mask=mask,
             grad_checkpointing=grad_checkpointing,
             weight_dtype=weight_dtype,
+            fp8=fp8,
         )
     total = total_loss(losses)
     edges = gradient_edges(model, total)

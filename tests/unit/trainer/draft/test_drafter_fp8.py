@@ -14,22 +14,18 @@ from typing import Any
 
 import pytest
 import torch
+from test_cast_weights import drafter  # same folder: pytest puts it on sys.path
+from test_cast_weights import losses_and_grads as cast_unroll
 
 from engine.trainer.config import DRAFTER_FP8_ROWWISE, DRAFTER_FP8_ROWWISE_GW_HP
 from engine.trainer.draft import model as draft_model
-from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import Fp8Weight, fp8_linear, fp8_weight, misaligned
-from engine.trainer.draft.loss import soft_cross_entropy, total_loss
-from engine.trainer.draft.model import FP8_WEIGHTS, DraftConfig, Drafter, ttt_step
+from engine.trainer.draft.model import FP8_WEIGHTS, Drafter, ttt_step
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 
 E4M3_MAX = 448.0
 FP8_BAND = (0.02, 0.06)  # relative error norm of an e4m3 GEMM against float32 (gaussian operands: 0.038)
 BF16_BELOW = 0.006  # a bf16 GEMM's (0.0029)
-TTT_STEPS = 3
-SEQ = 32
-VOCAB = 128
-DRAFT_VOCAB = 48
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -169,51 +165,12 @@ def test_misaligned_names_the_first_linear_whose_sizes_are_not_multiples_of_16()
 # --- the drafter ----------------------------------------------------------------------------------------------
 
 
-def drafter(draft_vocab: int = DRAFT_VOCAB) -> Drafter:
-    cfg = DraftConfig(
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        draft_vocab_size=draft_vocab,
-    )
-    torch.manual_seed(0)
-    return Drafter(cfg, torch.randn(VOCAB, 64).to(torch.bfloat16), torch.arange(draft_vocab) * 2)
-
-
-def batch() -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-    hidden3 = torch.randn(2, SEQ, 3 * 64, generator=g).to(torch.bfloat16)
-    target_z = torch.randn(2, SEQ, DRAFT_VOCAB, generator=g) * 3
-    mask = (torch.rand(2, SEQ, generator=g) > 0.2).float()
-    return ids, hidden3, target_z, torch.logsumexp(target_z, -1), mask
-
-
 def losses_and_grads(
     model: Drafter, fp8: str, step_fn: Callable[..., Any] | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ids, hidden3, target_z, target_lse, mask = batch()
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses, _, _ = model(
-            hidden3,
-            ids,
-            target_z,
-            target_lse,
-            mask,
-            ttt_steps=TTT_STEPS,
-            attention=TTTAttention("sdpa", compiled=False),
-            loss_fn=soft_cross_entropy,
-            step_fn=step_fn,
-            loss_mask=mask,
-            weight_dtype=torch.bfloat16,
-            fp8=fp8,
-        )
-    total_loss(losses).backward()
-    return losses.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    """test_cast_weights's unroll (bf16 autocast, weights cast once) with the Linears' GEMMs per ``fp8``."""
+    losses, grads, _ = cast_unroll(model, torch.bfloat16, step_fn, fp8=fp8)
+    return losses, grads
 
 
 def linear_weights(model: Drafter) -> list[str]:
