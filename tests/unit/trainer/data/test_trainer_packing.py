@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.packed_drafter import drafter_losses as packed_drafter_losses
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from engine.trainer.config import ConfigError, from_dict
@@ -29,7 +30,7 @@ from engine.trainer.data.packing import (
 )
 from engine.trainer.data.sources import ConversationSource
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.loss import soft_cross_entropy, total_loss
+from engine.trainer.draft.loss import soft_cross_entropy
 from engine.trainer.draft.masks import dense_document_ttt_mask, document_ttt_mask_mod
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.loop import TrainingRun
@@ -250,26 +251,7 @@ def make_drafter(target: FrozenTarget) -> Drafter:
 def drafter_losses(
     target: FrozenTarget, drafter: Drafter, batch: tuple[torch.Tensor, ...], packed: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    ids, mask, docs = batch
-    documents = docs if packed else None
-    out = target.run(ids, mask, torch.arange(DRAFT_VOCAB), drafter.t2d, documents=documents)
-    drafter.zero_grad(set_to_none=True)
-    losses, correct, counts = drafter(
-        out.hidden3,
-        ids,
-        out.target_logits,
-        out.target_lse,
-        out.position_mask,
-        ttt_steps=TTT_STEPS,
-        attention=TTTAttention("sdpa"),
-        loss_fn=soft_cross_entropy,
-        loss_mask=out.loss_mask,
-        documents=documents,
-    )
-    summed = losses * ids.numel()  # soft_cross_entropy divides by B*T: the sum over positions is comparable
-    total_loss(summed).backward()
-    grads = [p.grad.detach().clone() for p in drafter.trainable_parameters() if p.grad is not None]
-    return summed.detach(), correct, counts, grads
+    return packed_drafter_losses(target, drafter, batch, packed, ttt_steps=TTT_STEPS, draft_vocab=DRAFT_VOCAB)
 
 
 def test_packed_loss_equals_unpacked_loss_on_the_same_conversations(target: FrozenTarget) -> None:

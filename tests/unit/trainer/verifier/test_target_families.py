@@ -27,12 +27,11 @@ from typing import Any
 import pytest
 import torch
 from support.families import FAMILIES, HIDDEN, LAYERS, TRAIN_DRAFT_VOCAB, TRAIN_STEPS, train_config
+from support.packed_drafter import drafter_losses as packed_drafter_losses
 
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.__main__ import main as train_main
 from engine.trainer.data.packing import pack_rows
-from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.loss import soft_cross_entropy, total_loss
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.serve import export
 from engine.trainer.serve.evaluate import load_drafter
@@ -105,25 +104,10 @@ def test_captured_states_are_the_text_decoders_inputs_where_vllm_and_sglang_take
 def drafter_losses(
     target: FrozenTarget, drafter: Drafter, batch: tuple[torch.Tensor, ...], packed: bool
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    ids, mask, docs = batch
-    documents = docs if packed else None
-    out = target.run(ids, mask, torch.arange(DRAFT_VOCAB), drafter.t2d, documents=documents)
-    drafter.zero_grad(set_to_none=True)
-    losses, _, counts = drafter(
-        out.hidden3,
-        ids,
-        out.target_logits,
-        out.target_lse,
-        out.position_mask,
-        ttt_steps=TTT_STEPS,
-        attention=TTTAttention("sdpa"),
-        loss_fn=soft_cross_entropy,
-        loss_mask=out.loss_mask,
-        documents=documents,
+    loss, _, counts, grads = packed_drafter_losses(
+        target, drafter, batch, packed, ttt_steps=TTT_STEPS, draft_vocab=DRAFT_VOCAB
     )
-    summed = losses * ids.numel()  # the loss divides by B*T: sums over positions compare across batch shapes
-    total_loss(summed).backward()
-    return summed.detach(), counts, [p.grad.clone() for p in drafter.trainable_parameters() if p.grad is not None]
+    return loss, counts, grads
 
 
 @pytest.mark.parametrize("name", PACKED)
