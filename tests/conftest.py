@@ -23,6 +23,18 @@ TMUX_SOCKET = f"specdec-test-{os.getpid()}"
 os.environ["SPECDEC_TMUX_SOCKET"] = TMUX_SOCKET
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Many tiny forwards on a shared CPU: a second torch thread only adds waiting. A module takes it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``; torch's own count is put back after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tmux_socket() -> Iterator[str]:
     """The private tmux socket name (``tmux -L NAME``) of this test session; its server dies at teardown."""

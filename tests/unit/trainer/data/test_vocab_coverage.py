@@ -4,7 +4,6 @@ id is in it): in the log, as the stage event's ``vocab_coverage``, with a warnin
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +13,7 @@ import torch
 from engine.trainer.config import from_dict
 from engine.trainer.threads.metrics import EventLog
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("draft_vocab_size, warns", [(24, True), (200, False)])

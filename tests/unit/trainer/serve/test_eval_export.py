@@ -26,12 +26,7 @@ from engine.trainer.verifier.model import load_target, load_tokenizer
 REPO = Path(__file__).resolve().parents[4]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

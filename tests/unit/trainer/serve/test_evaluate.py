@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,7 @@ K = 4
 MAX_NEW = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Hundreds of tiny forwards: on a shared CPU a second thread only adds waiting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def tiny_drafter(seed: int = 0, vocab: int = 64, draft_vocab: int = 48, *, rope_offset: bool = True) -> Drafter:

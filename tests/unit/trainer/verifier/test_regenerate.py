@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,12 +31,7 @@ NO_REPLY = {"messages": [{"role": "user", "content": "anyone?"}]}
 TOO_LONG = {"messages": [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "ok"}]}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

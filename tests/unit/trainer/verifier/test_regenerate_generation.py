@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,7 @@ SHIPPED = {"do_sample": True, "temperature": 0.3, "top_k": 1, "top_p": 0.001, "r
            "no_repeat_ngram_size": 1}  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_regenerate import GOOD, one_torch_thread, settings, target_dir, write_rows  # same folder
+from test_regenerate import GOOD, settings, target_dir, write_rows  # same folder
 
 from engine.trainer.config import PRESETS, TrainerConfig
 from engine.trainer.verifier import regenerate as regen
 from engine.trainer.verifier.tiny_tokenizer import CHAT_TEMPLATE
 
-__all__ = ["one_torch_thread", "target_dir"]  # fixtures of test_regenerate, used here too
+__all__ = ["target_dir"]  # a fixture of test_regenerate, used here too
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[4]
 PLAIN = [GOOD[1], GOOD[2], GOOD[1]]  # user, assistant: what a template with strict alternation takes
