@@ -89,6 +89,16 @@ class DraftConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of every FP8 GEMM's weight (FP8_WEIGHTS) of a drafter of this config: what drafter_fp8 needs
+        in multiples of 16, known before any weight exists."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
+        shapes = {FC: (h, 3 * h), QKV_EMBEDDING: (qkv_rows, h), QKV_HIDDEN: (qkv_rows, h)}
+        shapes |= {"o_proj": (h, self.num_heads * d), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        shapes[HEAD] = (self.draft_vocab_size, h)
+        return {name: shapes[name] for name in FP8_WEIGHTS}
+
 
 # The decoder layer's Linears and the head: the parameters an unroll's matmuls read.
 LAYER_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -476,7 +486,8 @@ class Drafter(nn.Module):
         }
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of every FP8 GEMM's weight (FP8_WEIGHTS): what drafter_fp8 needs in multiples of 16."""
+        """(out, in) of every FP8 GEMM's weight (FP8_WEIGHTS) as this drafter's modules have them (its config's
+        ``linear_shapes``, read off the weights)."""
         cfg, layer = self.cfg, self.layer
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         shapes = {FC: tuple(self.fc.weight.shape), HEAD: tuple(self.lm_head.weight.shape)}

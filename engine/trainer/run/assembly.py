@@ -34,7 +34,7 @@ from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.metrics import EventLog
 from engine.trainer.verifier.fp8 import fp8_unsupported_reason
 from engine.trainer.verifier.model import FrozenTarget, load_target
-from engine.trainer.verifier.packed import packing_refusal_for
+from engine.trainer.verifier.packed import packing_refusal_for, text_config
 
 # Added to a drafter's seed for its initial weights, so they do not repeat the target's (seeded with the seed).
 DRAFTER_SEED_OFFSET = 7919
@@ -129,6 +129,23 @@ def check_drafter_fp8(cfg: TrainerConfig, ddevs: list[torch.device]) -> None:
         reason = fp8_unsupported_reason(dev, key="drafter_fp8")
         if reason is not None:
             raise ConfigError(reason)
+    path = Path(cfg.target).expanduser()
+    if (path / "config.json").is_file():  # a target directory: its sizes are known before its weights load
+        from transformers import AutoConfig
+
+        text = text_config(AutoConfig.from_pretrained(str(path)))
+        draft_size = min(cfg.draft_vocab_size, int(text.vocab_size))  # as the draft vocabulary is built
+        refuse_misaligned(DraftConfig.from_target(text, draft_size).linear_shapes())
+
+
+def refuse_misaligned(shapes: dict[str, tuple[int, int]]) -> None:
+    """drafter_fp8's ConfigError when a drafter Linear's sizes are not multiples of 16 (``shapes``: (out, in))."""
+    refusal = misaligned(shapes)
+    if refusal is not None:
+        raise ConfigError(
+            f"drafter_fp8: FP8 matmuls need every Linear's sizes in multiples of 16; {refusal} (from the "
+            "target's hidden and intermediate sizes and draft_vocab_size); use drafter_fp8 = 'off'"
+        )
 
 
 FP8_NOTE = " (FP8 linears)"  # the target_loaded stage names an FP8 target
@@ -269,12 +286,8 @@ def build_drafters(
         with torch.random.fork_rng(devices=[]), torch.device(dev):
             torch.manual_seed(seed + DRAFTER_SEED_OFFSET)
             drafter = Drafter(dcfg, embed, vocab.draft_to_target.to(dev), ttt_rope_offset=cfg.ttt_rope_offset)
-        refusal = misaligned(drafter.linear_shapes()) if cfg.drafter_fp8 != DRAFTER_FP8_OFF else None
-        if refusal is not None:
-            raise ConfigError(
-                f"drafter_fp8: FP8 matmuls need every Linear's sizes in multiples of 16; {refusal} (from the "
-                "target's hidden and intermediate sizes and draft_vocab_size); use drafter_fp8 = 'off'"
-            )
+        if cfg.drafter_fp8 != DRAFTER_FP8_OFF:  # built-in targets (no config.json) are checked here, once built
+            refuse_misaligned(drafter.linear_shapes())
         if replicas and drafters:
             drafter.load_state_dict(drafters[0].state_dict())
         drafters.append(drafter)

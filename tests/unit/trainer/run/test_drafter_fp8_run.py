@@ -5,6 +5,7 @@ with one line naming the key."""
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,44 @@ def test_a_linear_size_off_the_16_grid_is_refused_naming_it(tmp_path: Path) -> N
     message = str(err.value)
     assert message.startswith("drafter_fp8: FP8 matmuls need every Linear's sizes in multiples of 16;"), message
     assert "lm_head is 120x64" in message and "\n" not in message
+
+
+def test_a_target_directory_off_the_16_grid_is_refused_from_its_config_before_any_weight_loads(tmp_path: Path) -> None:
+    # config.json alone, no weights and no tokenizer: the refusal has to come before anything loads.
+    target = tmp_path / "target"
+    target.mkdir()
+    sizes = {"hidden_size": 256, "intermediate_size": 700, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, **sizes}
+    (target / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8}))
+    cfg = make_config(tmp_path / "out", target=str(target), draft_vocab_size=512)
+    with pytest.raises(ConfigError) as err:
+        check_drafter_fp8(cfg, [torch.device("cpu")])
+    assert str(err.value) == (
+        "drafter_fp8: FP8 matmuls need every Linear's sizes in multiples of 16; gate_proj is 700x256 (from the "
+        "target's hidden and intermediate sizes and draft_vocab_size); use drafter_fp8 = 'off'"
+    )
+    (target / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8, "intermediate_size": 704}))
+    check_drafter_fp8(cfg, [torch.device("cpu")])  # on the grid: nothing to refuse before the load
+    # The draft vocabulary is capped at the target's, as the engine builds it: 1000 is off the grid.
+    with pytest.raises(ConfigError, match="lm_head is 1000x256"):
+        check_drafter_fp8(
+            make_config(tmp_path / "out", target=str(target), draft_vocab_size=4096), [torch.device("cpu")]
+        )
+
+
+def test_a_draft_config_knows_its_linear_shapes_as_the_built_drafter_has_them() -> None:
+    for heads, kv, dim, hidden, inter, vocab in [
+        (4, 2, 16, 64, 176, 128),
+        (8, 8, 32, 256, 704, 48),
+        (2, 1, 64, 128, 256, 40),
+    ]:
+        cfg = draft_model.DraftConfig(
+            hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=dim, intermediate_size=inter,
+            vocab_size=300, draft_vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=1e4,
+        )  # fmt: skip
+        drafter = draft_model.Drafter(cfg, torch.zeros(300, hidden), torch.arange(vocab))
+        assert cfg.linear_shapes() == drafter.linear_shapes()
+        assert list(cfg.linear_shapes()) == list(draft_model.FP8_WEIGHTS)
 
 
 def test_a_gpu_before_hopper_is_refused_in_the_target_fp8_words(monkeypatch: pytest.MonkeyPatch) -> None:
