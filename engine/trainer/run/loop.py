@@ -27,6 +27,7 @@ from engine.protocol import VOCAB_COVERAGE_WARN, CheckpointEvent, RunEndEvent, S
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.config import DRAFTER_FP8_OFF, TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
+from engine.trainer.data.rows import LoadingStopped
 from engine.trainer.data.sources import BatchSource, ConversationSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
 from engine.trainer.draft.model import DraftConfig, Drafter
@@ -146,6 +147,7 @@ class TrainingRun:
         check_drafter_fp8(cfg, ddevs)
         tokenizer = load_tokenizer(cfg.target)
         self.targets = load_targets(cfg, tdevs, tokenizer, on_compile, self.events)
+        self._stop_if_signalled("the target loaded")  # minutes for a large target: a stop then ends the run here
         self.source = self._load_data(tokenizer, self.targets[0].vocab_size)
         if self.info.rank == 0:  # the data file's hash is the data cache's, already computed
             self._data_plan = data_plan(cfg, data_identity(cfg, should_stop=lambda: self._signalled))
@@ -171,10 +173,18 @@ class TrainingRun:
         if cfg.cuda_streams == "per_device":
             share_streams(self.producers, self.workers)
         self._report_lost_steps()
+        self._stop_if_signalled("the drafters were built")  # before the FP8 check's forwards and the warm-up
         # before the evaluation, which may keep them
         check_fp8_targets(cfg, self.targets, self.vocab, self.source, self.events)
         self._install_evaluation()
         self._report_built(attn_impl)
+
+    def _stop_if_signalled(self, while_: str) -> None:
+        """A stop signal noted while the run was being built ends the build (LoadingStopped: exit 0, nothing trained
+        and nothing to save), rather than after the compile warm-up that would come next. Not in a torchrun world:
+        there the ranks agree on a stop at a step boundary (one rank leaving the build alone would hang the others)."""
+        if self._signalled is not None and not self.info.launched:
+            raise LoadingStopped(f"stopped ({self._signalled}) while {while_}")
 
     def _start_distributed(self, tdevs: list[torch.device], ddevs: list[torch.device]) -> CrossRank:
         """Join the torchrun world; a ``distributed`` stage names this rank, its devices and its process."""
