@@ -15,10 +15,11 @@ range buys nothing and e4m3's extra mantissa bit halves the rounding error (torc
 Scales are powers of two (the smallest at or above ``amax / 448``, as torchao's rowwise rounds them), so scaling
 is exact and only the e4m3 rounding of the values remains.
 
-The weights are quantised once a training step (``fp8_weight``, both layouts), not in every TTT step: the
-parameters stay as they are (fp32 masters, or what the run keeps), their gradients reach them through the cast
-weight an ``Fp8Weight`` carries, and exports are unchanged. Every matrix size must be a multiple of 16
-(``_scaled_mm``); a token count that is not is padded with zero tokens for grad_weight (they add nothing).
+The weights are quantised once a training step (``weight_layouts``: both layouts of every weight in one call,
+compiled on CUDA by the engine), not in every TTT step: the parameters stay as they are (fp32 masters, or what the
+run keeps), their gradients reach them through the cast weight an ``Fp8Weight`` carries, and exports are unchanged.
+Every matrix size must be a multiple of 16 (``_scaled_mm``); a token count that is not is padded with zero tokens
+for grad_weight (they add nothing).
 """
 
 from __future__ import annotations
@@ -101,13 +102,26 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_x, grad_w.to(ctx.weight_dtype), None, None, None, None, None
 
 
+Layouts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # rows, row_scale, cols, col_scale
+
+
+def weight_layouts(weights: dict[str, torch.Tensor]) -> dict[str, Layouts]:
+    """Both e4m3 layouts of each weight (detached) with their scales, as ``Fp8Weight`` holds them. One call for all
+    of a drafter's weights: compiled (run/assembly.py ``fp8_layouts``), a few fused kernels instead of a dozen eager
+    passes per weight."""
+    out: dict[str, Layouts] = {}
+    for name, w in weights.items():
+        rows, row_scale = quantize_rows(w)
+        cols, col_scale = quantize_rows(w.t())
+        out[name] = (rows, row_scale.reshape(1, -1), cols, col_scale.reshape(1, -1))
+    return out
+
+
 def fp8_weight(weight: torch.Tensor, *, grad_weight_fp8: bool) -> Fp8Weight:
     """``weight`` (a cast of the parameter, differentiable) with its e4m3 layouts, quantised once for a step."""
     with torch.no_grad():
-        w = weight.detach()
-        rows, row_scale = quantize_rows(w)
-        cols, col_scale = quantize_rows(w.t())
-    return Fp8Weight(weight, rows, row_scale.reshape(1, -1), cols, col_scale.reshape(1, -1), grad_weight_fp8)
+        layouts = weight_layouts({"w": weight.detach()})["w"]
+    return Fp8Weight(weight, *layouts, grad_weight_fp8)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from engine.trainer.config import DRAFTER_FP8, DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
-from engine.trainer.draft.fp8 import Fp8Weight, fp8_weight, project
+from engine.trainer.draft.fp8 import Fp8Weight, Layouts, project, weight_layouts
 
 # (logits, target_logits, target_lse, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator);
 # see loss.py.
@@ -405,6 +405,7 @@ class Drafter(nn.Module):
         documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers
         weight_dtype: torch.dtype | None = None,  # cast the TTT steps' Linear weights once (cast_weights)
         fp8: str = DRAFTER_FP8_OFF,  # drafter_fp8: the Linears' GEMMs in FP8 (draft/fp8.py), weights from fp8_weights
+        fp8_layouts: Callable[..., Any] | None = None,  # fp8_weights' layouts_fn (the engine's compiled one)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, counts: each (ttt_steps,)
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
@@ -421,7 +422,7 @@ class Drafter(nn.Module):
         seq_len = input_ids.shape[1]
         weights: Weights | None = None
         if fp8 != DRAFTER_FP8_OFF:
-            weights = self.fp8_weights(weight_dtype, grad_weight_fp8=fp8 == DRAFTER_FP8_ROWWISE)
+            weights = self.fp8_weights(weight_dtype, grad_weight_fp8=fp8 == DRAFTER_FP8_ROWWISE, layouts_fn=fp8_layouts)
         elif weight_dtype is not None:
             weights = self.cast_weights(weight_dtype)
         if documents is None:
@@ -472,18 +473,22 @@ class Drafter(nn.Module):
 
         return {name: weight(name).to(dtype) for name in CAST_WEIGHTS}
 
-    def fp8_weights(self, dtype: torch.dtype | None, *, grad_weight_fp8: bool) -> Weights:
+    def fp8_weights(
+        self, dtype: torch.dtype | None, *, grad_weight_fp8: bool, layouts_fn: Callable[..., Any] | None = None
+    ) -> Weights:
         """Every Linear's weight (FP8_WEIGHTS) cast to ``dtype`` (None: as it is) and quantised to e4m3, once a
         training step: the steps' gradients meet at the cast, as ``cast_weights``'s do, and reach the parameters
-        (their dtype unchanged) once. ``grad_weight_fp8``: the weight gradients' GEMMs in FP8 too (draft/fp8.py)."""
+        (their dtype unchanged) once. ``grad_weight_fp8``: the weight gradients' GEMMs in FP8 too (draft/fp8.py).
+        ``layouts_fn``: fp8.weight_layouts as the engine runs it (compiled on CUDA, under the compile guard); None:
+        eager."""
         layer, h = self.layer, self.cfg.hidden_size
         qkv = layer.qkv_weight()
         tensors = {FC: self.fc.weight, QKV_EMBEDDING: qkv[:, :h], QKV_HIDDEN: qkv[:, h:], HEAD: self.lm_head.weight}
         tensors |= {name: getattr(layer, name).weight for name in FP8_WEIGHTS if name not in tensors}
-        return {
-            name: fp8_weight(tensors[name].to(dtype or tensors[name].dtype), grad_weight_fp8=grad_weight_fp8)
-            for name in FP8_WEIGHTS
-        }
+        casts = {name: tensors[name].to(dtype or tensors[name].dtype) for name in FP8_WEIGHTS}
+        # Detached inputs: no graph is recorded, in grad mode still (the mode the compiled function was warmed in).
+        layouts: dict[str, Layouts] = (layouts_fn or weight_layouts)({n: c.detach() for n, c in casts.items()})
+        return {name: Fp8Weight(casts[name], *layouts[name], grad_weight_fp8=grad_weight_fp8) for name in FP8_WEIGHTS}
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of every FP8 GEMM's weight (FP8_WEIGHTS) as this drafter's modules have them (its config's

@@ -40,6 +40,7 @@ from engine.trainer.run.assembly import (
     data_source,
     devices_for,
     drafter_training,
+    fp8_layouts,
     gradient_shapes,
     load_targets,
     model_ledgers,
@@ -158,8 +159,10 @@ class TrainingRun:
         models = {REPLICAS_CHECKPOINT} if cfg.drafter_mode == "replicas" else {f"drafter{r}" for r in range(len(ddevs))}
         self._rounds = CheckpointRounds(models, self._write_checkpoint)
         attention, step_fn = shared_step(cfg, ddevs, attn_impl, on_compile)
+        layouts_fn = fp8_layouts(cfg, ddevs, on_compile)
         for rank, (dev, drafter) in enumerate(zip(ddevs, drafters, strict=True)):
-            worker = self._build_worker(rank, drafter_training(cfg, drafter, rank, dev, attention, step_fn))
+            training = drafter_training(cfg, drafter, rank, dev, attention, step_fn, layouts_fn)
+            worker = self._build_worker(rank, training)
             if resume.path is not None:
                 self._restore(worker, resume)
             self.workers.append(worker)

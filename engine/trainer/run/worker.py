@@ -351,6 +351,9 @@ class DrafterTraining:
     step_fn: GuardedFunction  # the TTT step (layer, head and loss); compiled on CUDA, shared by an engine's workers
     hidden_dtype: torch.dtype  # the target's hidden states as they arrive (the warm-up batches are made alike)
     autocast_dtype: torch.dtype | None
+    # drafter_fp8: the weights' e4m3 layouts once a step (fp8.weight_layouts); compiled on CUDA and shared like
+    # step_fn; None: eager
+    fp8_layouts: GuardedFunction | None = None
 
 
 @dataclass(frozen=True)
@@ -418,6 +421,7 @@ class DrafterWorker:
                 documents=batch.documents,
                 weight_dtype=self.weight_dtype,
                 fp8=self.settings.drafter_fp8,
+                fp8_layouts=self.training.fp8_layouts,
             )
         return out
 
@@ -466,6 +470,8 @@ class DrafterWorker:
                 torch.cuda.synchronize(training.device)
         training.step_fn.mark_warm()  # a graph compiled in this thread from now on is a recompile (an event)
         training.attention.mark_warm()
+        if training.fp8_layouts is not None:
+            training.fp8_layouts.mark_warm()
         return time.perf_counter() - t0
 
     def begin(self, batch: DeviceBatch, fetch_ms: float) -> LaunchedStep:

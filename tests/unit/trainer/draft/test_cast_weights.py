@@ -95,6 +95,7 @@ def losses_and_grads(
     step_fn: Callable[..., Any] | None = None,
     grad_checkpointing: bool = False,
     fp8: str = DRAFTER_FP8_OFF,
+    fp8_layouts: Callable[..., Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
     ids, hidden3, target_z, target_lse, mask = batch()
     model.zero_grad(set_to_none=True)
@@ -113,6 +114,7 @@ def losses_and_grads(
             grad_checkpointing=grad_checkpointing,
             weight_dtype=weight_dtype,
             fp8=fp8,
+            fp8_layouts=fp8_layouts,
         )
     total = total_loss(losses)
     edges = gradient_edges(model, total)

@@ -19,7 +19,7 @@ from test_cast_weights import losses_and_grads as cast_unroll
 
 from engine.trainer.config import DRAFTER_FP8_ROWWISE, DRAFTER_FP8_ROWWISE_GW_HP
 from engine.trainer.draft import model as draft_model
-from engine.trainer.draft.fp8 import Fp8Weight, fp8_linear, fp8_weight, misaligned
+from engine.trainer.draft.fp8 import Fp8Weight, fp8_linear, fp8_weight, misaligned, weight_layouts
 from engine.trainer.draft.model import FP8_WEIGHTS, Drafter, ttt_step
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 
@@ -193,15 +193,73 @@ def test_an_fp8_unroll_stays_near_the_bf16_one_and_every_linear_gets_its_gradien
 
 
 def test_the_weights_are_quantised_once_an_unroll_not_once_a_ttt_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[torch.Size] = []
+    calls: list[list[str]] = []
 
-    def counting(weight: torch.Tensor, *, grad_weight_fp8: bool) -> Fp8Weight:
-        made.append(weight.shape)
-        return fp8_weight(weight, grad_weight_fp8=grad_weight_fp8)
+    def counting(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        calls.append(list(weights))
+        assert not any(w.requires_grad for w in weights.values())  # detached: no graph through the quantisation
+        return weight_layouts(weights)
 
-    monkeypatch.setattr(draft_model, "fp8_weight", counting)
+    monkeypatch.setattr(draft_model, "weight_layouts", counting)
     losses_and_grads(drafter(), DRAFTER_FP8_ROWWISE)
-    assert len(made) == len(FP8_WEIGHTS) == 8  # fc, the two q/k/v halves, o, gate, up, down, lm_head
+    # one call for fc, the two q/k/v halves, o, gate, up, down and lm_head, for the whole TTT unroll
+    assert calls == [list(FP8_WEIGHTS)] and len(FP8_WEIGHTS) == 8
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as its bytes (torch.equal has no float8 kernel on the CPU), any other as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_one_weight_quantised_alone_or_with_the_others_gives_the_same_layouts() -> None:
+    model = drafter()
+    casts = {n: w.detach().to(torch.bfloat16) for n, w in model.named_parameters() if n.endswith("proj.weight")}
+    together = weight_layouts(casts)
+    for name, w in casts.items():
+        alone = fp8_weight(w, grad_weight_fp8=True)
+        for got, want in zip(together[name], (alone.rows, alone.row_scale, alone.cols, alone.col_scale), strict=True):
+            assert torch.equal(bits(got), bits(want)), name
+
+
+def engine_layouts(backend: str) -> GuardedFunction:
+    """fp8_layouts as the engine builds it on CUDA (compiled, under the guard), with ``backend``."""
+    return GuardedFunction(weight_layouts, compiled=True, name="fp8_weights", backend=backend)
+
+
+def test_the_engine_runs_the_quantisation_through_its_guarded_function_and_fresh_weights_compile_nothing() -> None:
+    apply_dynamo_config()
+    model = drafter()
+    eager, grads_eager = cast_unroll(model, torch.bfloat16, None, fp8=DRAFTER_FP8_ROWWISE)[:2]
+    layouts = engine_layouts("aot_eager")
+    with compile_guard():
+        got, grads = cast_unroll(model, torch.bfloat16, None, fp8=DRAFTER_FP8_ROWWISE, fp8_layouts=layouts)[:2]
+    layouts.mark_warm()
+    graphs = layouts.graph_count()
+    assert graphs == 1  # every weight in one graph
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)
+    for name, g in grads_eager.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # new weights: graph inputs, not constants
+    with compile_guard():
+        cast_unroll(model, torch.bfloat16, None, fp8=DRAFTER_FP8_ROWWISE, fp8_layouts=layouts)
+    assert layouts.graph_count() == graphs and not layouts.events  # no recompile
+
+
+@pytest.mark.slow
+def test_the_quantisation_compiled_by_inductor_gives_the_eager_layouts_bit_for_bit() -> None:
+    """What CUDA runs (inductor), on the CPU here: power-of-two scales and the same e4m3 values."""
+    apply_dynamo_config()
+    model = drafter()
+    casts = {n: w.detach().to(torch.bfloat16) for n, w in model.named_parameters() if n.endswith("weight")}
+    casts = {n: w for n, w in casts.items() if w.dim() == 2}
+    eager = weight_layouts(casts)
+    with compile_guard():
+        compiled = engine_layouts("inductor")(casts)
+    for name, want in eager.items():
+        for got, ref in zip(compiled[name], want, strict=True):
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            assert torch.equal(bits(got), bits(ref)), name
 
 
 def test_a_compiled_fp8_step_gives_eager_numerics_and_takes_fresh_weights_without_recompiling() -> None:

@@ -15,7 +15,7 @@ import torch
 
 from engine.trainer.config import ConfigError, TrainerConfig, from_dict
 from engine.trainer.draft import model as draft_model
-from engine.trainer.draft.fp8 import Fp8Weight, fp8_weight
+from engine.trainer.draft.fp8 import weight_layouts
 from engine.trainer.run import assembly
 from engine.trainer.run.assembly import check_drafter_fp8
 from engine.trainer.run.loop import TrainingRun
@@ -61,19 +61,29 @@ def test_the_key_reaches_the_workers_settings() -> None:
 def test_a_run_with_fp8_drafter_gemms_learns_and_keeps_float32_parameters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    quantised: list[bool] = []
+    quantised: list[list[str]] = []
 
-    def counting(weight: torch.Tensor, *, grad_weight_fp8: bool) -> Fp8Weight:
-        quantised.append(grad_weight_fp8)
-        return fp8_weight(weight, grad_weight_fp8=grad_weight_fp8)
+    def counting(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        quantised.append(list(weights))
+        return weight_layouts(weights)
 
-    monkeypatch.setattr(draft_model, "fp8_weight", counting)
+    monkeypatch.setattr(assembly, "weight_layouts", counting)  # what the engine's guarded function runs
+    made: list[bool] = []
+    real_fp8_weights = draft_model.Drafter.fp8_weights
+
+    def recording(self: draft_model.Drafter, *args: Any, **kwargs: Any) -> Any:
+        made.append(kwargs["grad_weight_fp8"])
+        assert kwargs["layouts_fn"] is not None  # the engine's, not the eager default
+        return real_fp8_weights(self, *args, **kwargs)
+
+    monkeypatch.setattr(draft_model.Drafter, "fp8_weights", recording)
     engine, seen, said = run(make_config(tmp_path), tmp_path)
     worker = engine.workers[0]
     engine_line = next(line for line in said.splitlines() if "engine: " in line)
     assert "drafter GEMMs FP8 rowwise" in engine_line  # the run says what its drafter runs in
-    # Every training step (and the warm-up's one forward) quantised the drafter's 8 weights, all three GEMMs FP8.
-    assert len(quantised) == 8 * (40 + 1) and all(quantised)
+    # Every training step (and the warm-up's one forward) quantised the drafter's 8 weights in one call, all three
+    # GEMMs of each in FP8.
+    assert quantised == [list(draft_model.FP8_WEIGHTS)] * (40 + 1) and made == [True] * (40 + 1)
     losses = [e["loss_total"] for e in seen if e["kind"] == "step"]
     assert len(losses) == 40
     start, end = sum(losses[:3]) / 3, sum(losses[-5:]) / 5
