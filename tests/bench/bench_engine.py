@@ -177,7 +177,9 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
     import torch
 
     from engine.trainer.data.dispatch import IndexLedger
+    from engine.trainer.draft.fp8 import weight_layouts
     from engine.trainer.run.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
+    from engine.trainer.threads.compile import GuardedFunction
     from engine.trainer.threads.control import ThreadControl
     from engine.trainer.threads.health import HealthBoard
     from engine.trainer.threads.metrics import EventLog
@@ -196,6 +198,10 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
         step_fn,
         hidden_dtype=torch.bfloat16,
         autocast_dtype=torch.bfloat16,
+        # drafter_fp8: the weights' quantisation compiled, as the engine's fp8_layouts runs it on CUDA
+        fp8_layouts=GuardedFunction(weight_layouts, compiled=True, name="fp8_weights")
+        if DRAFTER_FP8 != "off"
+        else None,
     )
     settings = WorkerSettings(
         ttt_steps=TTT,
