@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.install_signal_handlers()
     try:
         engine.build()
-    except LoadingStopped as exc:  # SIGTERM or SIGINT while the target or the data loads: nothing trained or saved
+    except LoadingStopped as exc:  # SIGTERM or SIGINT while the run is built (target, data, drafters): nothing saved
         events.emit(RunEndEvent(ok=True, reason=str(exc), step=0))
         events.stage("done", str(exc))
         events.close()

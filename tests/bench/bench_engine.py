@@ -198,8 +198,8 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
         step_fn,
         hidden_dtype=torch.bfloat16,
         autocast_dtype=torch.bfloat16,
-        # drafter_fp8: the weights' quantisation compiled, as the engine's fp8_layouts runs it on CUDA
-        fp8_layouts=GuardedFunction(weight_layouts, compiled=True, name="fp8_weights")
+        # drafter_fp8: the weights' quantisation compiled, as the engine's fp8_layouts runs it on CUDA (eager dry)
+        fp8_layouts=GuardedFunction(weight_layouts, compiled=not DRY, name="fp8_weights")
         if DRAFTER_FP8 != "off"
         else None,
     )

@@ -559,6 +559,10 @@ def main() -> int:
                                          "draft_vocab": DRAFT_VOCAB, "lr": LR, "max_grad_norm": CLIP,
                                          "kl_scale": a.kl_scale, "kl_decay": a.kl_decay}}  # fmt: skip
     failed = 0  # T > 0 rows whose first-position check failed: left out of the table, and the exit code is 1
+    if not cells:  # e.g. --phase serve on cells trained against other target weights (cached per weights' sha256)
+        print(f"bench_quality: no trained cells under {work / f'steps{a.steps}'}; train them first (--phase train)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if a.phase in ("all", "serve") and cells:
         served_names = {f"{c['trainer']}-{c['loss']}-s{c['seed']}" for c in cells
                         if a.serve == "all" or (a.serve == "first-seed" and c["seed"] == a.seeds[0])}  # fmt: skip

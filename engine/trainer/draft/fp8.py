@@ -16,10 +16,10 @@ Scales are powers of two (the smallest at or above ``amax / 448``, as torchao's 
 is exact and only the e4m3 rounding of the values remains.
 
 The weights are quantised once a training step (``weight_layouts``: both layouts of every weight in one call,
-compiled on CUDA by the engine), not in every TTT step: the parameters stay as they are (fp32 masters, or what the
-run keeps), their gradients reach them through the cast weight an ``Fp8Weight`` carries, and exports are unchanged.
-Every matrix size must be a multiple of 16 (``_scaled_mm``); a token count that is not is padded with zero tokens
-for grad_weight (they add nothing).
+compiled by the engine on CUDA when ``compile`` is on), not in every TTT step: the parameters stay as they are (fp32
+masters, or what the run keeps), their gradients reach them through the cast weight an ``Fp8Weight`` carries, and
+exports are unchanged. Every matrix size must be a multiple of 16 (``_scaled_mm``); a token count that is not is
+padded with zero tokens for grad_weight (they add nothing).
 """
 
 from __future__ import annotations

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from engine.protocol import StageEvent
-from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, DRAFTER_FP8_OFF, ConfigError, TrainerConfig
+from engine.trainer.config import (
+    BUILTIN_TARGETS,
+    DATA_RANDOM,
+    DATA_SHIPPED,
+    DRAFTER_FP8_OFF,
+    ConfigError,
+    TrainerConfig,
+)
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
 from engine.trainer.data.vocab import DraftVocab
@@ -130,12 +137,19 @@ def check_drafter_fp8(cfg: TrainerConfig, ddevs: list[torch.device]) -> None:
         if reason is not None:
             raise ConfigError(reason)
     path = Path(cfg.target).expanduser()
-    if (path / "config.json").is_file():  # a target directory: its sizes are known before its weights load
+    if cfg.target in BUILTIN_TARGETS or not (path / "config.json").is_file():
+        return  # a built-in is built, not read: the check after the drafters are built is its only one
+    # A target directory: its sizes are known before its weights load. A config this cannot read here (custom code,
+    # sizes under other names) is left to that same later check, as before.
+    try:
         from transformers import AutoConfig
 
         text = text_config(AutoConfig.from_pretrained(str(path)))
         draft_size = min(cfg.draft_vocab_size, int(text.vocab_size))  # as the draft vocabulary is built
-        refuse_misaligned(DraftConfig.from_target(text, draft_size).linear_shapes())
+        shapes = DraftConfig.from_target(text, draft_size).linear_shapes()
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return
+    refuse_misaligned(shapes)
 
 
 def refuse_misaligned(shapes: dict[str, tuple[int, int]]) -> None:

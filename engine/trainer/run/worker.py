@@ -351,8 +351,8 @@ class DrafterTraining:
     step_fn: GuardedFunction  # the TTT step (layer, head and loss); compiled on CUDA, shared by an engine's workers
     hidden_dtype: torch.dtype  # the target's hidden states as they arrive (the warm-up batches are made alike)
     autocast_dtype: torch.dtype | None
-    # drafter_fp8: the weights' e4m3 layouts once a step (fp8.weight_layouts); compiled on CUDA and shared like
-    # step_fn; None: eager
+    # drafter_fp8: the weights' e4m3 layouts once a step (fp8.weight_layouts), shared like step_fn and compiled as it
+    # is; None: drafter_fp8 off (or a caller's own DrafterTraining: the Drafter then quantises eagerly)
     fp8_layouts: GuardedFunction | None = None
 
 

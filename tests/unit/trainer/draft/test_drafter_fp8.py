@@ -19,7 +19,7 @@ from test_cast_weights import losses_and_grads as cast_unroll
 
 from engine.trainer.config import DRAFTER_FP8_ROWWISE, DRAFTER_FP8_ROWWISE_GW_HP
 from engine.trainer.draft import model as draft_model
-from engine.trainer.draft.fp8 import Fp8Weight, fp8_linear, fp8_weight, misaligned, weight_layouts
+from engine.trainer.draft.fp8 import Fp8Weight, fp8_linear, fp8_weight, misaligned, quantize_rows, weight_layouts
 from engine.trainer.draft.model import FP8_WEIGHTS, Drafter, ttt_step
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 
@@ -211,14 +211,19 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def test_one_weight_quantised_alone_or_with_the_others_gives_the_same_layouts() -> None:
+def test_every_weight_gets_its_two_layouts_as_quantize_rows_makes_them_one_by_one() -> None:
     model = drafter()
     casts = {n: w.detach().to(torch.bfloat16) for n, w in model.named_parameters() if n.endswith("proj.weight")}
     together = weight_layouts(casts)
+    assert list(together) == list(casts)
     for name, w in casts.items():
-        alone = fp8_weight(w, grad_weight_fp8=True)
-        for got, want in zip(together[name], (alone.rows, alone.row_scale, alone.cols, alone.col_scale), strict=True):
-            assert torch.equal(bits(got), bits(want)), name
+        rows, row_scale = quantize_rows(w)  # the forward's operand, scaled per output row
+        cols, col_scale = quantize_rows(w.t())  # grad_input's: W^T, scaled per input column
+        want = (rows, row_scale.reshape(1, -1), cols, col_scale.reshape(1, -1))
+        out_f, in_f = w.shape
+        assert [tuple(t.shape) for t in together[name]] == [(out_f, in_f), (1, out_f), (in_f, out_f), (1, in_f)]
+        for got, ref in zip(together[name], want, strict=True):
+            assert torch.equal(bits(got), bits(ref)), name
 
 
 def engine_layouts(backend: str) -> GuardedFunction:

@@ -120,6 +120,12 @@ def test_a_target_directory_off_the_16_grid_is_refused_from_its_config_before_an
     )
     (target / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8, "intermediate_size": 704}))
     check_drafter_fp8(cfg, [torch.device("cpu")])  # on the grid: nothing to refuse before the load
+    # A multimodal wrapper's decoder sizes are its text_config's, as the engine reads them.
+    wrapped = {"model_type": "llava", "text_config": {**config, "num_hidden_layers": 8}, "vision_config": {}}
+    (target / "config.json").write_text(json.dumps(wrapped))
+    with pytest.raises(ConfigError, match="gate_proj is 700x256"):
+        check_drafter_fp8(cfg, [torch.device("cpu")])
+    (target / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8, "intermediate_size": 704}))
     # The draft vocabulary is capped at the target's, as the engine builds it: 1000 is off the grid.
     with pytest.raises(ConfigError, match="lm_head is 1000x256"):
         check_drafter_fp8(
@@ -140,6 +146,10 @@ def test_a_draft_config_knows_its_linear_shapes_as_the_built_drafter_has_them() 
         drafter = draft_model.Drafter(cfg, torch.zeros(300, hidden), torch.arange(vocab))
         assert cfg.linear_shapes() == drafter.linear_shapes()
         assert list(cfg.linear_shapes()) == list(draft_model.FP8_WEIGHTS)
+        # the two q/k/v halves, read off the stacked weight itself
+        rows, width = drafter.layer.qkv_weight().shape
+        shapes = cfg.linear_shapes()
+        assert shapes["qkv_proj.embedding"] == shapes["qkv_proj.hidden"] == (rows, width // 2) == (rows, hidden)
 
 
 def test_a_gpu_before_hopper_is_refused_in_the_target_fp8_words(monkeypatch: pytest.MonkeyPatch) -> None:

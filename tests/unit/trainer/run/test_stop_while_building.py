@@ -14,6 +14,8 @@ import pytest
 from engine.trainer.config import from_dict
 from engine.trainer.data.rows import LoadingStopped
 from engine.trainer.run.loop import TrainingRun
+from engine.trainer.run.resume import hold_output_dir
+from engine.trainer.run.torchrun import RankInfo
 from engine.trainer.threads.metrics import EventLog
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,10 +42,14 @@ def build_signalled_at(tmp_path: Path, when: Callable[[dict[str, Any]], bool]) -
     engine.install_signal_handlers()
     try:
         engine.build()
+    except LoadingStopped:
+        # build() itself gave up the output_dir: another trainer may start there at once
+        hold_output_dir(Path(cfg.output_dir)).close()
+        raise
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
-        engine.release_output_dir()
+    engine.release_output_dir()
     return engine, stages
 
 
@@ -61,3 +67,15 @@ def test_sigterm_once_the_data_is_read_ends_the_build_before_the_fp8_check_and_t
 def test_without_a_signal_the_build_completes(tmp_path: Path) -> None:
     engine, stages = build_signalled_at(tmp_path, lambda _ev: False)
     assert engine.workers and "target_loaded" in stages
+
+
+def test_a_rank_of_a_torchrun_world_leaves_the_stop_to_the_step_boundary(tmp_path: Path) -> None:
+    # One rank leaving the build alone would leave its peers waiting in their first collective.
+    cfg = from_dict({"target": "tiny", "output_dir": str(tmp_path / "out")})
+    events = EventLog(tmp_path / "events.jsonl", stdout=open(os.devnull, "w"))  # noqa: SIM115
+    single, rank = TrainingRun(cfg, events), TrainingRun(cfg, events, RankInfo(rank=1, world_size=2, launched=True))
+    for engine in (single, rank):
+        engine._signalled = "SIGTERM"
+    with pytest.raises(LoadingStopped, match=r"^stopped \(SIGTERM\) while the target loaded$"):
+        single._stop_if_signalled("the target loaded")
+    rank._stop_if_signalled("the target loaded")  # noted; the run loop's stop takes it at the step boundary
