@@ -113,6 +113,9 @@ class Session:
         self.backoff_base_s: float = 0.5
         self.backoff_cap_s: float = 30.0
         self._stream: AgentStream | None = None
+        # The link a command could not be written to: not "connected" any more, though its reader may have yet to see
+        # the loss (the retry of that command waits for the next link instead of spinning on this one).
+        self._unwritable: AgentStream | None = None
         self._pending: dict[int, asyncio.Future[protocol.ReplyEvent]] = {}
         self._next_id = 1
         self._listeners: list[Listener] = []
@@ -410,7 +413,7 @@ class Session:
 
     async def until_connected(self) -> bool:
         """Wait for the link to be back (True), or for the session to give up on it (False)."""
-        if self.state == "connected" and self._stream is not None:
+        if self.state == "connected" and self._stream is not None and self._stream is not self._unwritable:
             return True
         back: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
@@ -443,6 +446,7 @@ class Session:
             stream.write(protocol.encode(protocol.command(cmd_id, cmd, **args)))
         except (ConnectionError, OSError) as exc:
             self._pending.pop(cmd_id, None)
+            self._unwritable = stream
             raise CommandFailed(f"{cmd}: cannot send: {exc}", cmd=cmd, lost=True) from None
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
