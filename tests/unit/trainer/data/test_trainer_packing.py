@@ -273,21 +273,7 @@ def test_ttt_targets_never_cross_a_document_boundary(target: FrozenTarget) -> No
     """Every token trained: step i counts n - 1 - i positions per document, none reaching into the next one."""
     ids, _, docs = pack_rows([[(torch.arange(3, 3 + n), torch.ones(n)) for n in (10, 6, 30)]], ROW, 0)
     mask = (docs < 3).float()  # the padding (document 3) is not trained
-    drafter = make_drafter(target)
-    out = target.run(ids, mask, torch.arange(DRAFT_VOCAB), drafter.t2d, documents=docs)
-    with torch.no_grad():
-        _, _, counts = drafter(
-            out.hidden3,
-            ids,
-            out.target_logits,
-            out.target_lse,
-            out.position_mask,
-            ttt_steps=TTT_STEPS,
-            attention=TTTAttention("sdpa"),
-            loss_fn=soft_cross_entropy,
-            loss_mask=out.loss_mask,
-            documents=docs,
-        )
+    _, _, counts, _ = drafter_losses(target, make_drafter(target), (ids, mask, docs), packed=True)
     assert counts.tolist() == [sum(max(0, n - 1 - i) for n in (10, 6, 30)) for i in range(TTT_STEPS)]
     for shift in range(1, TTT_STEPS + 1):
         inside = same_document_after(docs, shift)[0]
