@@ -490,15 +490,5 @@ class Drafter(nn.Module):
         layouts: dict[str, Layouts] = (layouts_fn or weight_layouts)({n: c.detach() for n, c in casts.items()})
         return {name: Fp8Weight(casts[name], *layouts[name], grad_weight_fp8=grad_weight_fp8) for name in FP8_WEIGHTS}
 
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of every FP8 GEMM's weight (FP8_WEIGHTS) as this drafter's modules have them (its config's
-        ``linear_shapes``, read off the weights)."""
-        cfg, layer = self.cfg, self.layer
-        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        shapes = {FC: tuple(self.fc.weight.shape), HEAD: tuple(self.lm_head.weight.shape)}
-        shapes |= {QKV_EMBEDDING: (qkv_rows, cfg.hidden_size), QKV_HIDDEN: (qkv_rows, cfg.hidden_size)}
-        shapes |= {name: tuple(getattr(layer, name).weight.shape) for name in FP8_WEIGHTS if name not in shapes}
-        return {name: (int(shapes[name][0]), int(shapes[name][1])) for name in FP8_WEIGHTS}
-
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

@@ -304,6 +304,8 @@ def build_drafters(
 ) -> list[Drafter]:
     """One drafter per drafter device, its embedding the target's on that device (else a copy of the first
     target's); replicas start from the same weights, independent drafters each from their own seed."""
+    if cfg.drafter_fp8 != DRAFTER_FP8_OFF:  # a built-in target (no config.json to read before) is checked here
+        refuse_misaligned(dcfg.linear_shapes())
     replicas = cfg.drafter_mode == "replicas"
     drafters: list[Drafter] = []
     for rank, dev in enumerate(ddevs):
@@ -314,8 +316,6 @@ def build_drafters(
         with torch.random.fork_rng(devices=[]), torch.device(dev):
             torch.manual_seed(seed + DRAFTER_SEED_OFFSET)
             drafter = Drafter(dcfg, embed, vocab.draft_to_target.to(dev), ttt_rope_offset=cfg.ttt_rope_offset)
-        if cfg.drafter_fp8 != DRAFTER_FP8_OFF:  # built-in targets (no config.json) are checked here, once built
-            refuse_misaligned(drafter.linear_shapes())
         if replicas and drafters:
             drafter.load_state_dict(drafters[0].state_dict())
         drafters.append(drafter)
