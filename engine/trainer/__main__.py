@@ -15,7 +15,8 @@ Several processes (torch.distributed, one rank per node by default, each rank th
 Events go to $SPECDEC_EVENTS (default <output_dir>/events.jsonl), each tagged with ``rank``, ``world_size`` and
 ``node`` under torchrun; further ranks of a node write events.rank<R>.jsonl beside it and prefix their human
 lines with ``[rank R]``. Human lines ``step=N loss=… acc0=… tok/s=…`` go to stdout. SIGTERM stops every rank at
-the next step boundary, rank 0 saves a checkpoint, and all exit 0.
+the next step boundary, rank 0 saves a checkpoint, and all exit 0; one that comes while the run is built (the
+target loading, the data tokenizing) ends it there, nothing trained or saved, each rank stopped, exit 0.
 SIGUSR1 dumps every thread's stack, named, into <run dir>/stacks/<pid>.txt (to stderr outside the
 supervisor). Exit codes: 0 done or stopped, 1 failed, 2 config error.
 """
@@ -225,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine.build()
     except LoadingStopped as exc:  # SIGTERM or SIGINT while the run is built (target, data, drafters): nothing saved
-        events.emit(RunEndEvent(ok=True, reason=str(exc), step=0))
-        events.stage("done", str(exc))
-        events.close()
-        return 0
+        return stopped_in_build(events, info, str(exc))
     except ConfigError as exc:  # found only once torch or the data is there (a device count, strict_data): exit 2
         events.emit(RunEndEvent(ok=False, reason=f"config error: {exc}", step=0))
         print(f"specdec-train: config error: {exc}", file=sys.stderr)
@@ -237,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             leave_now(events, 2, f"config error: {exc}")
         return 2
     except Exception as exc:
+        stopped = engine.stopped_while_building(exc)
+        if stopped is not None:
+            return stopped_in_build(events, info, stopped)
         events.emit(RunEndEvent(ok=False, reason=f"setup failed: {type(exc).__name__}: {exc}", step=0))
         if info.launched:
             leave_now(events, 1, f"setup failed: {type(exc).__name__}: {exc}")
@@ -248,6 +249,17 @@ def main(argv: list[str] | None = None) -> int:
         leave_now(events, code, "left without interpreter teardown: a heartbeat thread is still in a store call")
     events.close()
     return code
+
+
+def stopped_in_build(events: EventLog, info: RankInfo, reason: str) -> int:
+    """A stop signal ended the build (nothing trained, nothing to save): run_end ok, exit 0. A torchrun rank leaves
+    at once, so a peer waiting in a collective sees it go now rather than after this process's teardown."""
+    events.emit(RunEndEvent(ok=True, reason=reason, step=0))
+    events.stage("done", reason)
+    if info.launched:
+        leave_now(events, 0, reason)
+    events.close()
+    return 0
 
 
 def leave_now(events: EventLog, code: int, reason: str) -> None:

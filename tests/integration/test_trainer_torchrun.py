@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -191,6 +192,69 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resume_contin
     meta = json.loads((out / "checkpoints" / f"step_{stopped_at + 2:08d}" / "meta.json").read_text())
     # Two ranks x two replicas trained 4 * stopped_at global indices; one process then two steps of two replicas.
     assert meta["data_position"]["replicas"] == {"watermark": 4 * stopped_at + 4, "done": []}
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_data_is_tokenized_ends_every_rank_as_stopped_within_seconds(tmp_path: Path) -> None:
+    """SIGTERM to the torchrun agent (it forwards it to every rank) while node 0's first rank tokenizes and rank 1
+    waits for its cache: rank 0 leaves its tokenizing at once, rank 1's wait breaks, and both end ok as stopped
+    (rank 1 naming the peer that left first), not one stopped and one failed."""
+    out = tmp_path / "run"
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(shipped_corpus_path().read_bytes() * 4)  # 6000 conversations: seconds of tokenizing
+    config = tmp_path / "engine.toml"
+    config.write_text(TINY_TOML + f"data = {json.dumps(str(data))}\nsteps = 100\noutput_dir = {json.dumps(str(out))}\n")
+    cmd = torchrun("--standalone", "--nproc-per-node", "2", "-m", "engine.trainer", "--config", str(config))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_until(
+            lambda: (
+                any(e.get("detail", "").startswith("tokenized ") for e in events_if(out / "events.jsonl"))
+                or proc.poll() is not None
+            ),
+            RUN_TIMEOUT_S,
+            "rank 0's first tokenizing progress line",
+        )
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # the agent, as a stop of the whole run reaches it
+        output, _ = proc.communicate(timeout=60)
+        stop_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    ends = [run_end(out / "events.jsonl"), run_end(out / "events.rank1.jsonl")]
+    assert ends[0]["ok"] and ends[0]["reason"] == f"stopped (SIGTERM) while tokenizing {data}", ends[0]
+    assert ends[1]["ok"], ends[1]
+    assert re.fullmatch(
+        r"stopped \(SIGTERM\) while the run was built; peer rank 0 \(node 0, \S+ pid \d+\) left first",
+        ends[1]["reason"],
+    ), ends[1]["reason"]
+    assert not any(e["kind"] == "step" for path in out.glob("events*.jsonl") for e in events(path))
+    assert "setup failed" not in output, output[-3000:]
+    assert stop_s < 20.0, f"the ranks took {stop_s:.1f} s to stop"
+
+
+def events_if(path: Path) -> list[dict[str, Any]]:
+    """``events(path)``, or none while the file is not there yet; a last line still being written is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def wait_for_step_then_pid(path: Path, step: int, timeout_s: float) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -55,7 +56,7 @@ from engine.trainer.run.resume import Claim, claim, data_identity, data_plan, ep
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
 from engine.trainer.threads.compile import recompile_limit_for, set_recompile_limit
-from engine.trainer.threads.control import CheckpointRounds, ThreadControl, ThreadFailure
+from engine.trainer.threads.control import CheckpointRounds, PeerFailure, ThreadControl, ThreadFailure
 from engine.trainer.threads.health import HealthBoard
 from engine.trainer.threads.metrics import EventLog, compile_listener, events_path_for
 from engine.trainer.threads.queue import BoundedQueue
@@ -188,6 +189,16 @@ class TrainingRun:
         there the ranks agree on a stop at a step boundary (one rank leaving the build alone would hang the others)."""
         if self._signalled is not None and not self.info.launched:
             raise LoadingStopped(f"stopped ({self._signalled}) while {while_}")
+
+    def stopped_while_building(self, exc: BaseException) -> str | None:
+        """The reason to report when the build failed only because a peer rank left after a stop signal this rank
+        was sent too (a torchrun-wide stop: the first rank on the node leaves its tokenizing at once while the
+        others wait for its cache), so the run ends as stopped, not failed; None for any other failure."""
+        if self._signalled is None or not isinstance(exc, PeerFailure):
+            return None
+        named = re.search(r"peer rank \d+ \([^)]*\)", str(exc))  # CrossRank.failure's way of naming the peer
+        who = named.group(0) if named else "a peer rank"
+        return f"stopped ({self._signalled}) while the run was built; {who} left first"
 
     def _start_distributed(self, tdevs: list[torch.device], ddevs: list[torch.device]) -> CrossRank:
         """Join the torchrun world; a ``distributed`` stage names this rank, its devices and its process."""
