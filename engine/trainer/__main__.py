@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from engine import stackdump
-from engine.protocol import ENV_RUN_DIR, RunEndEvent
+from engine.protocol import ENV_EVENTS_PATH, ENV_RUN_DIR, RunEndEvent
 from engine.trainer.config import (
     BUILTIN_TARGETS,
     PRESETS,
@@ -44,6 +44,7 @@ from engine.trainer.config import (
     parse_override,
     preset,
 )
+from engine.trainer.run.dir_hold import hold_output_dir
 from engine.trainer.run.torchrun import RankInfo, events_path_for_rank, rank_from_env, shell_line, torchrun_command
 from engine.trainer.threads.metrics import EventLog, events_path_for
 
@@ -203,6 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os.execvp(cmd[0], cmd)
     info = rank_from_env() if cfg.distributed == "auto" else RankInfo()
+    dir_hold = None
+    if info.rank == 0 and not os.environ.get(ENV_EVENTS_PATH):
+        # The events go to <output_dir>/events.jsonl: a trainer refused there must not write into the running one's.
+        try:
+            dir_hold = hold_output_dir(Path(cfg.output_dir).expanduser().resolve())
+        except ConfigError as exc:
+            print(f"specdec-train: config error: {exc}", file=sys.stderr)
+            if info.launched:  # its peers wait for rank 0 in the rendezvous: they see it go now
+                sys.stderr.flush()
+                os._exit(2)
+            return 2
     if info.local_rank == 0:  # the ranks of a node share the run dir: one link
         link_checkpoints(cfg, os.environ.get(ENV_RUN_DIR))
     events = EventLog(
@@ -222,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     events.stage("imports", f"torch {torch.__version__} in {time.perf_counter() - t0:.1f} s")
     engine = TrainingRun(cfg, events, info)
+    if dir_hold is not None:
+        engine.adopt_output_dir_hold(dir_hold)
     engine.install_signal_handlers()
     try:
         engine.build()

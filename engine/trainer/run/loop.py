@@ -48,11 +48,12 @@ from engine.trainer.run.assembly import (
     share_streams,
     shared_step,
 )
+from engine.trainer.run.dir_hold import hold_output_dir
 from engine.trainer.run.distributed import AGENT_DEATH_SIGNAL, CrossRank, ShardedSource, reshard, weights_digest
 from engine.trainer.run.distributed import start as start_distributed
 from engine.trainer.run.fp8_check import check_fp8_targets
 from engine.trainer.run.producer import DeviceBatch, Producer, Route
-from engine.trainer.run.resume import Claim, claim, data_identity, data_plan, epoch_start, hold_output_dir
+from engine.trainer.run.resume import Claim, claim, data_identity, data_plan, epoch_start
 from engine.trainer.run.torchrun import RankInfo, rank_from_env
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, ReplicaGroup, WorkerLinks, WorkerSettings
 from engine.trainer.threads.compile import recompile_limit_for, set_recompile_limit
@@ -100,7 +101,7 @@ class TrainingRun:
         self.source: BatchSource | None = None
         self.resumed_from: Path | None = None
         self.claim: Claim | None = None  # rank 0's: this run's id in output_dir and the checkpoint it resumes
-        self._dir_hold: IO[bytes] | None = None  # rank 0's hold on output_dir (resume.hold_output_dir), for life
+        self._dir_hold: IO[bytes] | None = None  # rank 0's hold on output_dir (run/dir_hold.py), for life
         self._data_plan: dict[str, Any] = {}  # recorded in each checkpoint (run/resume.py compares it on resume)
         self.last_checkpoint: Path | None = None  # the newest written (older ones are pruned: keep_checkpoints)
         self._ckpt_lock = threading.Lock()
@@ -126,6 +127,11 @@ class TrainingRun:
             self.release_output_dir()
             raise
 
+    def adopt_output_dir_hold(self, hold: IO[bytes]) -> None:
+        """The hold on output_dir the command took before its first event (``__main__``): the build keeps it
+        rather than opening the lock again (closing either file would drop this process's lock)."""
+        self._dir_hold = hold
+
     def release_output_dir(self) -> None:
         """Lets another trainer use output_dir (the process's end does it too, however it ends)."""
         hold, self._dir_hold = self._dir_hold, None
@@ -135,7 +141,8 @@ class TrainingRun:
     def _build(self) -> None:
         cfg = self.cfg
         if self.info.rank == 0:  # rank 0 resumes and writes checkpoints: it decides before anything loads
-            self._dir_hold = hold_output_dir(self.output_dir)  # no second trainer in this output_dir meanwhile
+            if self._dir_hold is None:  # the command may have taken it already (adopt_output_dir_hold)
+                self._dir_hold = hold_output_dir(self.output_dir)  # no second trainer in this output_dir meanwhile
             self.claim = claim(cfg, self.output_dir, should_stop=lambda: self._signalled)
             for line in self.claim.said:
                 self.events.stage("checkpoint", line)

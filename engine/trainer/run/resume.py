@@ -1,6 +1,6 @@
 """Who may use an output directory, and what a resume may take from a checkpoint (rank 0 decides, at the start).
 
-While a trainer runs, its output_dir is held (``hold_output_dir``): a second trainer started there, at the same
+While a trainer runs, its output_dir is held (``dir_hold.hold_output_dir``): a second trainer started there, at the same
 moment or later, is refused in one line instead of claiming or resuming what the first is still writing.
 
 An output_dir belongs to one run: its ``run.json`` (checkpoint.py) holds the run's id and identity, the keys that
@@ -22,18 +22,14 @@ be trained twice in the epoch and others not at all. It is refused naming the ke
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
-import os
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from engine.host.files import open_regular
 from engine.trainer import checkpoint as ckpt
 from engine.trainer.config import DATA_RANDOM, DATA_SHIPPED, TOKENIZERLESS_TARGETS, ConfigError, TrainerConfig
 from engine.trainer.data.cache import file_sha256
@@ -110,42 +106,6 @@ class Claim:
 
 def _step(path: Path) -> int:
     return int(path.name.split("_", 1)[1])
-
-
-RUN_LOCK = ".run.lock"  # <output_dir>/.run.lock: held by the trainer running there, its pid inside
-
-
-def hold_output_dir(output_dir: Path) -> IO[bytes]:
-    """Keeps other trainers out of ``output_dir`` while this process lives: an exclusive POSIX lock on
-    ``<output_dir>/.run.lock`` holding this process's pid. The kernel drops it when the process ends, however it
-    ends, and forked children do not inherit it. Keep the returned file open. Held by another process: a
-    ConfigError in one line naming its pid. On a filesystem that takes no locks the directory is not guarded."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    try:  # a link planted there would take the pid write elsewhere, a FIFO would block the open
-        fd = open_regular(output_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise ConfigError(
-            f"output_dir: {output_dir / RUN_LOCK} cannot be the run's lock ({exc.strerror or exc}): remove it"
-        ) from None
-    fh = os.fdopen(fd, "r+b")  # open for the process's life: closing it releases the lock
-    try:
-        fcntl.lockf(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks (ENOLCK...): unguarded
-            return fh
-        fh.seek(0)
-        holder = fh.read(32).decode("ascii", errors="replace").strip()
-        fh.close()
-        who = f" (pid {holder})" if holder.isdigit() else ""
-        raise ConfigError(
-            f"output_dir: {output_dir} is in use by a running trainer{who}: wait for it to end or stop it, "
-            "or choose another output_dir"
-        ) from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"{os.getpid()}\n".encode())
-    fh.flush()
-    return fh
 
 
 def claim(cfg: TrainerConfig, output_dir: Path, should_stop: Callable[[], str | None] | None = None) -> Claim:

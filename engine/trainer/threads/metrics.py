@@ -22,7 +22,7 @@ from engine.protocol import ENV_EVENTS_PATH, CompileEvent, EngineEvent, StageEve
 
 def events_path_for(output_dir: str | Path) -> Path:
     env = os.environ.get(ENV_EVENTS_PATH)
-    return Path(env) if env else Path(output_dir) / "events.jsonl"
+    return Path(env) if env else Path(output_dir).expanduser() / "events.jsonl"  # "~/run" as the engine reads it
 
 
 class EventLog:

@@ -153,7 +153,8 @@ def test_a_second_trainer_in_a_running_trainers_output_dir_is_refused_and_may_st
     """Two trainers in one output_dir at once: the second one claimed, resumed or pruned what the first was still
     writing (same identity and resume = true: it resumed the first's newest checkpoint; before any checkpoint: a
     second run id beside the first). Now it is refused in one line naming the first's pid, and starts once the first
-    has ended."""
+    has ended. The refused one writes nothing into the first's events.jsonl (it wrote its stages and a failed
+    run_end there, which anything reading that file took for the running trainer's end)."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("SPECDEC_RUN_DIR", None)
@@ -168,6 +169,7 @@ def test_a_second_trainer_in_a_running_trainers_output_dir_is_refused_and_may_st
         while ckpt.read_marker(out) is None:  # run.json: it holds the directory and has claimed it
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
             time.sleep(0.2)
+        events_before = (out / "events.jsonl").read_bytes()
         second = subprocess.run([*base, "--set", "steps=1"], capture_output=True, text=True, env=env, cwd=REPO,
                                 timeout=120, check=False)  # fmt: skip
         assert second.returncode == 2, second.stderr[-3000:]
@@ -176,6 +178,10 @@ def test_a_second_trainer_in_a_running_trainers_output_dir_is_refused_and_may_st
             "for it to end or stop it, or choose another output_dir\n"
         )
         assert first.poll() is None  # the first goes on
+        events_after = (out / "events.jsonl").read_bytes()
+        assert events_after.startswith(events_before)
+        assert b"in use by a running trainer" not in events_after
+        assert all(json.loads(line).get("kind") != "run_end" for line in events_after.splitlines() if line.strip())
     finally:
         first.terminate()
         first.wait(timeout=60)
@@ -184,41 +190,77 @@ def test_a_second_trainer_in_a_running_trainers_output_dir_is_refused_and_may_st
     assert third.returncode == 0, third.stderr[-3000:]
 
 
+def test_an_output_dir_under_home_holds_the_whole_run_and_no_literal_tilde_directory_is_made(tmp_path: Path) -> None:
+    """``output_dir = "~/run"`` in a config file: the checkpoints went to $HOME/run but events.jsonl to ./~/run, a
+    directory named ``~`` in the working directory (one ``rm -rf ~`` away from a lost home)."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    config = tmp_path / "t.toml"
+    config.write_text('preset = "cpu-demo"\nsteps = 2\ntorch_threads = 1\noutput_dir = "~/tilde-run"\n')
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
+    for key in ("SPECDEC_RUN_DIR", "SPECDEC_EVENTS"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "engine.trainer", "--config", str(config)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = home / "tilde-run"
+    kinds = [json.loads(line)["kind"] for line in (run / "events.jsonl").read_text().splitlines()]
+    assert "run_end" in kinds and "step" in kinds
+    assert (run / "checkpoints" / "step_00000002" / "meta.json").exists()
+    assert list(cwd.iterdir()) == []
+
+
+def test_an_output_dir_that_cannot_be_a_directory_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A regular file where the output directory should be, or under its path: exit 2, one line, not a traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for key in ("SPECDEC_RUN_DIR", "SPECDEC_EVENTS"):
+        env.pop(key, None)
+    for out, why in ((afile, "File exists"), (afile / "sub", "Not a directory")):
+        cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr == f"specdec-train: config error: output_dir: {out} cannot be made a directory ({why})\n"
+    assert afile.read_text() == "keep me\n"
+
+
 def test_a_filesystem_without_locks_leaves_the_output_dir_unguarded_not_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.trainer.run import resume
+    from engine.trainer.run import dir_hold
 
     def no_locks(_fd: int, _op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(resume.fcntl, "lockf", no_locks)
-    hold = resume.hold_output_dir(tmp_path / "run")  # no ConfigError: nothing else holds it
+    monkeypatch.setattr(dir_hold.fcntl, "lockf", no_locks)
+    hold = dir_hold.hold_output_dir(tmp_path / "run")  # no ConfigError: nothing else holds it
     hold.close()
 
     def held(_fd: int, _op: int) -> None:
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
 
-    monkeypatch.setattr(resume.fcntl, "lockf", held)
+    monkeypatch.setattr(dir_hold.fcntl, "lockf", held)
     with pytest.raises(ConfigError, match="is in use by a running trainer"):
-        resume.hold_output_dir(tmp_path / "run")
+        dir_hold.hold_output_dir(tmp_path / "run")
 
 
 def test_a_link_or_fifo_planted_as_the_lock_is_refused_and_the_links_target_left_alone(tmp_path: Path) -> None:
-    from engine.trainer.run import resume
+    from engine.trainer.run import dir_hold
 
     out = tmp_path / "run"
     out.mkdir()
     target = tmp_path / "precious.txt"
     target.write_text("keep me\n")
-    (out / resume.RUN_LOCK).symlink_to(target)
+    (out / dir_hold.RUN_LOCK).symlink_to(target)
     with pytest.raises(ConfigError, match=r"\.run\.lock cannot be the run's lock \(.*\): remove it"):
-        resume.hold_output_dir(out)
+        dir_hold.hold_output_dir(out)
     assert target.read_text() == "keep me\n"
-    (out / resume.RUN_LOCK).unlink()
-    os.mkfifo(out / resume.RUN_LOCK)
+    (out / dir_hold.RUN_LOCK).unlink()
+    os.mkfifo(out / dir_hold.RUN_LOCK)
     with pytest.raises(ConfigError, match=r"cannot be the run's lock \(not a regular file\): remove it"):
-        resume.hold_output_dir(out)
+        dir_hold.hold_output_dir(out)
 
 
 # --- 6. a resume keeps the data plan, or re-plans on purpose ------------------------------------------------------

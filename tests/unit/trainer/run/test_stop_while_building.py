@@ -13,8 +13,8 @@ import pytest
 
 from engine.trainer.config import from_dict
 from engine.trainer.data.rows import LoadingStopped
+from engine.trainer.run.dir_hold import hold_output_dir
 from engine.trainer.run.loop import TrainingRun
-from engine.trainer.run.resume import hold_output_dir
 from engine.trainer.run.torchrun import RankInfo
 from engine.trainer.threads.metrics import EventLog
 
