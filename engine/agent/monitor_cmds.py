@@ -31,7 +31,7 @@ from engine.host.gpus import GpuSample, GpuSource
 from engine.host.holders import NvmlView, find_holders, mark_holders
 from engine.host.simulate import SimError, SimulatedGpus
 from engine.protocol import Anomaly, HolderInfo, HostMap, ProcInfo, RunInfo
-from engine.supervisor import records
+from engine.supervisor import kill_stale, records
 
 GPU_INTERVAL_DEFAULT_S = 0.5
 LOG_START_BYTES = 1 << 20  # a client with no position in a run's output.log gets its last MiB first, not all of it
@@ -95,6 +95,7 @@ class Monitor:
         self._engine_dir: Path | None = None
         self._engine_reader: JsonlReader | None = None
         self.engine_state = anomalies.EngineState()
+        self._ended_runs: set[str] = set()  # run ids with an exit record (kill_stale.supervised_run_pids' cache)
         self._engine_restarts = 0  # restarts of the watched run: a restarted attempt's threads start afresh
         self.stall_limits: dict[str, float] = {}
         self.subscription: Subscription | None = None
@@ -121,6 +122,11 @@ class Monitor:
         if run is None or run.state != "running":
             return set()
         return records.run_pids(records.read_launch(run.run_dir))
+
+    def supervised_pids(self, run_pids: set[int]) -> set[int]:
+        """``run_pids`` and the processes of the run root's other runs still going: none of them is a stale holder
+        (a second launch made itself current while the first trains on)."""
+        return run_pids | kill_stale.supervised_run_pids(self.run_root, self._ended_runs)
 
     def _run_tree(self, run_pids: set[int], with_threads: bool = True) -> list[ProcInfo]:
         out: list[ProcInfo] = []
@@ -241,7 +247,7 @@ class Monitor:
             holders = self.holders(sample, run_pids)
             self._poll_engine(run)
             tree = self._run_tree(run_pids, with_threads)
-            items = self.anomalies_for(sample, holders, run, run_pids)
+            items = self.anomalies_for(sample, holders, run, self.supervised_pids(run_pids))
             return Snapshot(_now(), sample, holders, run, run_pids, tree, items)
 
     def host_info(self) -> dict[str, Any]:
@@ -395,6 +401,7 @@ class Subscription:
         holders: list[HolderInfo] = []
         run: RunInfo | None = None
         run_pids: set[int] = set()
+        not_stale: set[int] = set()
         next_procs = 0.0
         next_gpu = time.monotonic()
         while not self._stopped():
@@ -404,6 +411,7 @@ class Subscription:
                 if procs_due:
                     run = mon.current_run()
                     run_pids = mon.run_pids(run)
+                    not_stale = mon.supervised_pids(run_pids)
                 sample = mon.gpu_sample(run)
                 if procs_due:
                     holders = mon.holders(sample, run_pids)
@@ -411,7 +419,7 @@ class Subscription:
                     tree = mon._run_tree(run_pids)
                 else:
                     mark_holders(sample.gpus, holders)
-                items = mon.anomalies_for(sample, holders, run, run_pids)
+                items = mon.anomalies_for(sample, holders, run, not_stale)
             self._emit(
                 protocol.event(
                     "gpus",
@@ -696,7 +704,14 @@ def _doctor(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
     agent.progress(cmd_id, "importing torch in a child interpreter")
     checks = run_doctor(
         Path(agent.run_root),
-        (mon.gpu_source.source, mon.gpu_source.error, snap.sample.gpus, snap.holders, snap.run_pids, running),
+        (
+            mon.gpu_source.source,
+            mon.gpu_source.error,
+            snap.sample.gpus,
+            snap.holders,
+            mon.supervised_pids(snap.run_pids),
+            running,
+        ),
         python=args.get("python") if isinstance(args.get("python"), str) else None,
         expect_gpu=args.get("expect_gpu") is True,
     )

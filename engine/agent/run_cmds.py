@@ -96,8 +96,29 @@ def _stop_run(agent: Agent, cmd_id: int | None, args: dict[str, Any], rd: Path) 
 @handler("stop")
 def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, Any]:
     rd = run_dir_arg(agent, args)
-    with _user_errors():
-        return _stop_run(agent, cmd_id, args, rd)
+    try:
+        with _user_errors():
+            return _stop_run(agent, cmd_id, args, rd)
+    except CommandError as exc:
+        going = [] if args.get("run_id") is not None else _runs_still_going(agent, rd)
+        if not going:
+            raise
+        # A later launch made itself current and ended (a trainer refused by the first one's output_dir, say):
+        # the run still going is what the user meant to stop, and it is named rather than stopped unasked.
+        raise CommandError(f"{exc}; still going here: {', '.join(going)} (stop --run ID stops one)") from exc
+
+
+def _runs_still_going(agent: Agent, current: Path, most: int = 5) -> list[str]:
+    """Ids of the run root's runs other than ``current`` that are starting or running, newest first."""
+    going = []
+    for rd in reversed(records.list_runs(agent.run_root)):
+        if rd.name == current.name or records.read_exit(rd) is not None:
+            continue
+        if records.read_run(rd, agent.boot_id, agent.scanners).state in ("starting", "running"):
+            going.append(rd.name)
+        if len(going) == most:
+            break
+    return going
 
 
 @handler("restart")

@@ -20,11 +20,23 @@ from engine.supervisor import records
 from engine.supervisor.common import KILL_WAIT_S, Progress, SupervisorError, noop, state_of, wait_until
 
 
-def current_run_pids(run_root: Path | str) -> set[int]:
-    rd = records.current_run_dir(run_root)
-    if rd is None:
-        return set()
-    return records.run_pids(records.read_launch(rd))
+def supervised_run_pids(run_root: Path | str, ended: set[str] | None = None) -> set[int]:
+    """The processes of the current run and of every other run under ``run_root`` that has not ended (no exit
+    record): a second launch makes itself current, and the first run's processes, still training, are not stale.
+    ``ended``: the caller's cache of run ids known to have ended (an exit record never goes away), filled here."""
+    stats = procs.all_stats()
+    ended = ended if ended is not None else set()
+    dirs = [rd for rd in records.list_runs(run_root) if rd.name not in ended]
+    current = records.current_run_dir(run_root)
+    if current is not None and current not in dirs:
+        dirs.append(current)
+    out: set[int] = set()
+    for rd in dirs:
+        if rd != current and records.read_exit(rd) is not None:
+            ended.add(rd.name)
+            continue
+        out |= records.run_pids(records.read_launch(rd), stats)
+    return out
 
 
 def _protected_pids() -> set[int]:
@@ -60,7 +72,9 @@ def _foreign_reason(owner: str) -> str:
 def _classify(
     run_root: Path | str, nvml: NvmlView | None
 ) -> tuple[list[protocol.HolderInfo], list[tuple[protocol.HolderInfo, str]]]:
-    ours = current_run_pids(run_root)
+    current = records.current_run_dir(run_root)
+    ours = records.run_pids(records.read_launch(current)) if current is not None else set()
+    going = supervised_run_pids(run_root) - ours
     protected = _protected_pids()
     view = nvml or NvmlView()
     candidates: list[protocol.HolderInfo] = []
@@ -68,7 +82,7 @@ def _classify(
     found = find_holders(None, view, ours)
     agents = live_agents(run_root)
     for h in found:
-        reason = _left_alone_reason(h, ours, protected, agents)
+        reason = _left_alone_reason(h, ours, protected, agents, going)
         if reason is None:
             candidates.append(h)
         else:
@@ -77,14 +91,21 @@ def _classify(
 
 
 def _left_alone_reason(
-    h: protocol.HolderInfo, ours: set[int], protected: set[int], agents: set[int] | frozenset[int] = frozenset()
+    h: protocol.HolderInfo,
+    ours: set[int],
+    protected: set[int],
+    agents: set[int] | frozenset[int] = frozenset(),
+    going: set[int] | frozenset[int] = frozenset(),
 ) -> str | None:
-    """Why a holder is never a kill-stale candidate; None when it is one."""
+    """Why a holder is never a kill-stale candidate; None when it is one. ``going``: the processes of the run
+    root's other runs that have not ended (supervised_run_pids)."""
     if h.scope != "here":
         where = f"container {h.container}" if h.scope == "container" else "the Proxmox host"
         return f"runs in {where} (host pid {h.host_pid}, seen from the host): never signalled from this container"
     if h.in_run or h.pid in ours:
         return "part of the current run"
+    if h.pid in going:
+        return "part of another supervised run that is still going (not the current one; `runs` lists it)"
     if not h.resolved:
         return "NVML reports this PID but it is not visible here (another PID namespace)"
     if h.pid in protected:

@@ -312,3 +312,35 @@ def test_a_driver_daemon_is_known_by_its_installed_executable_not_its_name(tmp_p
         for p in started:
             p.kill()
             p.wait(timeout=10)
+
+
+def test_a_run_still_going_after_a_second_launch_became_current_is_never_stale(scene: Scene) -> None:
+    """A second launch makes itself current (here one that fails at once, as a trainer refused by the first one's
+    output_dir lock does) while the first run goes on. The first run's processes were then listed as stale holders,
+    and `kill-stale --yes` would have ended a live run."""
+    second = scene.agent.ok("launch", command=["false"])
+    second_dir = Path(second["run_dir"])
+    boot = procs.read_boot_id()
+    wait_until(lambda: records.read_run(second_dir, boot).state == "failed", 20, "the second run to fail")
+    assert records.current_run_dir(scene.run_dir.parent.parent) == second_dir
+    assert records.read_run(scene.run_dir, boot).state == "running"
+
+    res = scene.agent.ok("kill_stale", dry_run=True)
+    assert {c["pid"] for c in res["candidates"]} == {scene.pids["stale"], scene.pids["stale_stubborn"]}
+    left = {e["holder"]["pid"]: e["reason"] for e in res["left_alone"]}
+    going = "part of another supervised run that is still going (not the current one; `runs` lists it)"
+    assert left[scene.run_holder] == going
+    run_ident = procs.proc_identity(scene.run_holder)
+    assert run_ident is not None
+    res = scene.agent.ok("kill_stale", dry_run=False, targets=[[run_ident[0], run_ident[1]]], grace_s=1.0)
+    assert res["signalled"] == [] and [f["reason"] for f in res["failed"]] == [f"not a stale holder: {going}"]
+    status = scene.agent.ok("status")
+    stale = [a for a in status["anomalies"] if a["kind"] == "stale_holder"]
+    assert {a["pid"] for a in stale} == {scene.pids["stale"]}, stale  # nvidiactl alone names no GPU: not flagged
+    # `stop` with no run named acts on the current run, which has ended: it names the run still going, stops nothing.
+    reply = scene.agent.request("stop", grace_s=1)
+    assert not reply["ok"] and reply["error"] == (
+        f"run {second_dir.name} is not running (failed): nothing to stop; still going here: {scene.run_dir.name} "
+        "(stop --run ID stops one)"
+    ), reply
+    assert pid_alive(scene.run_holder)
