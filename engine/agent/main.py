@@ -18,6 +18,7 @@ from engine.agent import monitor_cmds, net_cmds, run_cmds
 from engine.agent.commands import HANDLERS, handler
 from engine.agent.server import Agent
 from engine.host import agents
+from engine.protocol import MAX_SIMULATED_GPUS
 
 COMMAND_MODULES = (monitor_cmds, run_cmds, net_cmds)  # imported for their @handler registrations
 
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         "--readonly", action="store_true", help="refuse every command that launches, stops, restarts or signals"
     )
     ns = parser.parse_args(argv)
+    if not 0 <= ns.simulate_gpus <= MAX_SIMULATED_GPUS:
+        parser.error(f"--simulate-gpus must be 0..{MAX_SIMULATED_GPUS}, got {ns.simulate_gpus}")
     run_root = (ns.run_root or default_run_root()).expanduser()
     agent = build_agent(run_root, ns.simulate_gpus, readonly=ns.readonly)
     entry = agents.register(run_root)  # kill-stale and the anomalies know an agent by this record, not its name

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from engine.host.gpus import GpuSample
-from engine.protocol import GpuInfo
+from engine.protocol import MAX_SIMULATED_GPUS, GpuInfo
 
 ENV_SIM_SCRIPT = "SPECDEC_SIM_SCRIPT"
 SIM_MEM_TOTAL_MIB = 143771.0  # what an H200 reports
@@ -42,8 +42,8 @@ class SimulatedGpus:
     error: str | None = None
 
     def __init__(self, count: int, script_path: str | None = None, seed: int | None = None) -> None:
-        if count <= 0:
-            raise SimError("simulated GPU count must be positive")
+        if not 0 < count <= MAX_SIMULATED_GPUS:
+            raise SimError(f"simulated GPU count must be 1..{MAX_SIMULATED_GPUS}")
         self.count = count
         self._lock = threading.Lock()
         self._rng = random.Random(seed)

@@ -12,6 +12,9 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+# `--simulate-gpus N` (client and agent): more than any one host has, and a bound, so a typo builds no millions.
+MAX_SIMULATED_GPUS = 64
+
 # Milestones of a launch, in order.
 MILESTONES: tuple[str, ...] = ("submitted", "started", "output", "first-step")
 

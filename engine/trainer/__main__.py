@@ -28,6 +28,7 @@ import faulthandler
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import stackdump
@@ -173,15 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     if words[:1] == ["eval"]:
         from engine.trainer.serve.evaluate import main as eval_main
 
-        return eval_main(words[1:])
+        return interruptible("eval", eval_main, words[1:])
     if words[:1] == ["regenerate"]:
         from engine.trainer.verifier.regenerate import main as regenerate_main
 
-        return regenerate_main(words[1:])
+        return interruptible("regenerate", regenerate_main, words[1:])
     if words[:1] == ["serve-check"]:
         from engine.trainer.serve.serve_check import main as serve_check_main
 
-        return serve_check_main(words[1:])
+        return interruptible("serve-check", serve_check_main, words[1:])
     args = parse_args(argv)
     try:
         cfg = resolve_config(args)
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from engine.trainer.data.rows import LoadingStopped
         from engine.trainer.run.loop import TrainingRun
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers exist: stopped, nothing built, as a stop later is
+        return stopped_in_build(events, info, "stopped (SIGINT) while importing torch")
     except Exception as exc:
         events.emit(RunEndEvent(ok=False, reason=f"import failed: {type(exc).__name__}: {exc}", step=0))
         raise
@@ -263,6 +266,16 @@ def main(argv: list[str] | None = None) -> int:
         leave_now(events, code, "left without interpreter teardown: a heartbeat thread is still in a store call")
     events.close()
     return code
+
+
+def interruptible(name: str, command: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run a subcommand; Ctrl-C ends it with one line and exit 130, not a traceback (regenerate's output stays
+    valid, and a rerun resumes it)."""
+    try:
+        return command(argv)
+    except KeyboardInterrupt:
+        print(f"specdec-train {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 def stopped_in_build(events: EventLog, info: RankInfo, reason: str) -> int:

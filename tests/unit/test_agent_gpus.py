@@ -207,3 +207,24 @@ def test_sim_script_file_from_the_environment_is_applied_and_reloaded(
     os.utime(script, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
     sim.sample()
     assert sim.script_error is not None and "sim.json" in sim.script_error
+
+
+def test_a_simulated_gpu_count_past_the_bound_is_refused_by_the_source_the_agent_and_the_client() -> None:
+    """`--simulate-gpus 50000000` grew the agent to 7.5 GB at 100 % CPU until the client gave up after 30 s."""
+    import subprocess
+    import sys
+
+    from engine.protocol import MAX_SIMULATED_GPUS
+
+    assert SimulatedGpus(MAX_SIMULATED_GPUS).count == MAX_SIMULATED_GPUS
+    with pytest.raises(SimError, match=f"must be 1..{MAX_SIMULATED_GPUS}"):
+        SimulatedGpus(MAX_SIMULATED_GPUS + 1)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    for cmd in (
+        [sys.executable, "-m", "engine.agent.main", "--simulate-gpus", "50000000"],
+        [sys.executable, "-m", "tui", "status", "local", "--simulate-gpus", "50000000"],
+    ):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+        assert done.returncode == 2, (cmd, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr and "50000000" in done.stderr.splitlines()[-1], done.stderr

@@ -46,6 +46,14 @@ def count_arg(text: str) -> int:
     return int(text)
 
 
+def gpu_count_arg(text: str) -> int:
+    """``--simulate-gpus N``: 0 (off) to protocol.MAX_SIMULATED_GPUS."""
+    count = count_arg(text)
+    if count > protocol.MAX_SIMULATED_GPUS:
+        raise argparse.ArgumentTypeError(f"at most {protocol.MAX_SIMULATED_GPUS} simulated GPUs, got {count}")
+    return count
+
+
 def run_id_arg(text: str) -> str:
     """A run id as the host names run directories (so it can never step out of <run-root>/runs)."""
     try:
@@ -92,7 +100,7 @@ def common_parser() -> Parser:
     g.add_argument("--profile", metavar="NAME", help="run profile from the config file")
     g.add_argument("--config", metavar="FILE", help="config file with run profiles (TOML)")
     g.add_argument(
-        "--simulate-gpus", type=count_arg, default=0, metavar="N", help="show N simulated GPUs (labelled simulated)"
+        "--simulate-gpus", type=gpu_count_arg, default=0, metavar="N", help="show N simulated GPUs (labelled simulated)"
     )
     g.add_argument(
         "--connect-timeout", type=positive_float, default=10.0, metavar="S", help="SSH connect timeout (default 10)"

@@ -467,8 +467,12 @@ def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Dr
     rope_offset = rope_offset_of(meta.get("config") or {})
     embed, vocab = target.embed_weight().to(device), ckpt.load_vocab(path).to(device)
     drafter = Drafter(dcfg, embed, vocab, ttt_rope_offset=rope_offset)
+    try:
+        state = ckpt.load_drafter_state(path, name)
+    except Exception as exc:  # torch.load raises many types for a damaged file; each is this one error to the user
+        raise ValueError(f"cannot load {path / (name + '.pt')}: {type(exc).__name__}: {exc}") from exc
     # the weights as `specdec-train export` writes them (bfloat16): the counts are those of the drafter served
-    drafter.load_state_dict(as_exported(ckpt.load_drafter_state(path, name)["model"]))
+    drafter.load_state_dict(as_exported(state["model"]))
     return drafter.to(device).eval()
 
 
@@ -518,7 +522,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key in ("k", "conversations", "max_new_tokens"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
+    if args.k > MAX_K:
+        ap.error(f"--k must be <= {MAX_K} (draft tokens a round)")
+    from engine.trainer.verifier.model import device_refusal
+
+    reason = device_refusal(args.device)
+    if reason is not None:
+        ap.error(f"--device {args.device}: {reason}")
     return args
+
+
+MAX_K = 64  # draft tokens a round: servers chain a handful; the histogram is k + 1 long
+
+
+def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    """ValueError naming the first token id outside the target's vocabulary (an embedding lookup would fail)."""
+    for i, prompt in enumerate(prompts):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt {i}: token id {bad} is outside the target's vocabulary (0..{vocab_size - 1})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     except ckpt.CheckpointNotFound as exc:
         return usage(str(exc))
     meta = ckpt.read_meta(path)
+    known = list(meta.get("drafters") or [])
+    unknown = [n for n in args.drafter or [] if n not in known]
+    if unknown:  # before the target loads
+        return usage(f"--drafter {unknown[0]}: {path} has {', '.join(known) or 'no drafters'}")
     cfg: dict[str, Any] = meta.get("config") or {}
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -564,9 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = chosen_prompts(
             args, tokenizer, str(cfg.get("data", "shipped")), int(cfg.get("eval_holdout", 32)), int(cfg.get("seed", 0))
         )
+        check_token_ids(prompts, target.vocab_size)
     except (ValueError, OSError) as exc:
         return usage(str(exc))
-    names = args.drafter or list(meta.get("drafters") or [])
+    names = args.drafter or known
     drafters = {name: functools.partial(load_drafter, path, name, target, device) for name in names}
     rope_offset = True if args.as_served else rope_offset_of(cfg)
     subject = {"checkpoint": str(path), "step": meta.get("step")}
@@ -606,7 +633,10 @@ def report(
     autocast = torch.bfloat16 if device.type == "cuda" else None
     results: dict[str, Any] = {}
     for name, load in drafters.items():
-        drafter = load()
+        try:
+            drafter = load()
+        except ValueError as exc:  # a drafter file it cannot read (load_drafter): one line, exit 2
+            return usage(str(exc))
         t0 = time.perf_counter()
 
         def progress(i: int, stats: AcceptanceStats, name: str = name) -> None:
@@ -689,6 +719,7 @@ def evaluate_export(args: Any, say: Callable[[str], None]) -> int:
         )
         loaded = load_exported(Path(args.export), target.embed_weight())
         prompts = chosen_prompts(args, tokenizer, args.data, defaults.eval_holdout, defaults.seed)
+        check_token_ids(prompts, target.vocab_size)
     except (ExportedDrafterError, ValueError, OSError) as exc:
         return usage(str(exc))
     say(f"{args.export}: target {args.target}, layers {target.layer_ids}, {len(prompts)} prompts")

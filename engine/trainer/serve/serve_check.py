@@ -68,6 +68,8 @@ def vllm_missing(python: str) -> str | None:
         proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except FileNotFoundError:
         return f"vLLM not checked: {python} does not exist"
+    except OSError as exc:  # a directory, a file without the execute bit, not a program at all
+        return f"vLLM not checked: {python} cannot be run ({exc.strerror or exc})"
     except subprocess.TimeoutExpired:
         return f"vLLM not checked: {python} did not answer in {PROBE_TIMEOUT_S} s"
     if proc.returncode == 0:

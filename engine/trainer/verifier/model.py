@@ -379,6 +379,23 @@ def logsumexp_float32(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.logsumexp(logits[:, i : i + step].float(), dim=-1) for i in range(0, t, step)], dim=1)
 
 
+def device_refusal(spec: str) -> str | None:
+    """Why ``spec`` is no device this machine can run on (None: it is one)."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        return "not a device (cpu, cuda, cuda:N)"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return "not a device (cpu, cuda, cuda:N)"
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA device torch can use"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def load_tokenizer(spec: str) -> Any:
     if spec in ("tiny", "tiny-trained"):
         from engine.trainer.verifier.tiny_tokenizer import build_tiny_tokenizer

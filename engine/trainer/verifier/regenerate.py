@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -564,8 +565,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.max_length is None:
         args.max_length = args.max_new_tokens + LONGEST_BUCKET
-    if args.temperature < 0:
-        ap.error("--temperature must be >= 0")
+    if not 0 <= args.temperature < math.inf:  # NaN too: it compares false, and sampled as if greedy
+        ap.error("--temperature must be a number >= 0")
+    from engine.trainer.verifier.model import device_refusal
+
+    reason = device_refusal(args.device)
+    if reason is not None:
+        ap.error(f"--device {args.device}: {reason}")
     for key in ("batch_size", "max_new_tokens", "max_length"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")

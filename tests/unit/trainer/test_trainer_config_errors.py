@@ -266,3 +266,33 @@ def test_the_cli_refuses_a_config_file_with_a_5000_digit_integer_in_one_line(tmp
     done = _train("--config", str(path), "--print-config")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr == f"specdec-train: config error: {path}: not valid TOML: an integer of more than 4300 digits\n"
+
+
+@pytest.mark.parametrize(
+    ("word", "module"),
+    [
+        ("eval", "engine.trainer.serve.evaluate"),
+        ("regenerate", "engine.trainer.verifier.regenerate"),
+        ("serve-check", "engine.trainer.serve.serve_check"),
+    ],
+)
+def test_ctrl_c_in_a_subcommand_is_one_line_and_exit_130_not_a_traceback(
+    word: str, module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib
+
+    from engine.trainer import __main__ as trainer_main
+
+    seen: list[list[str]] = []
+
+    def interrupted(argv: list[str]) -> int:
+        seen.append(argv)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), "main", interrupted)
+    # main's process-wide set-up (fault handler on stderr, SIGUSR1 stack dumps) stays out of the test process
+    monkeypatch.setattr(trainer_main.faulthandler, "enable", lambda *_a, **_k: None)
+    monkeypatch.setattr(trainer_main.stackdump, "install", lambda *_a, **_k: None)
+    assert trainer_main.main([word, "--some", "args"]) == 130
+    assert seen == [["--some", "args"]]
+    assert capsys.readouterr().err == f"specdec-train {word}: interrupted\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,30 @@ def test_training_with_eval_every_emits_eval_events_and_the_cli_reads_the_checkp
     assert set(report["drafters"]) == {"drafter0", "drafter1"}
     assert report["step"] == 4 and report["ttt_rope_offset"] is True
     assert all(1.0 <= r["tau"] <= 4.0 for r in report["drafters"].values())
+
+    # Input it cannot use: exit 2 and one line, not a traceback.
+    newest = out / "checkpoints" / "step_00000004"
+    assert main(["--checkpoint", str(out), "--drafter", "nosuch"]) == 2
+    assert capsys.readouterr().err == f"specdec-train eval: --drafter nosuch: {newest} has drafter0, drafter1\n"
+    ids = tmp_path / "ids.json"
+    ids.write_text("[[1, 2], [3, 999999999]]")
+    assert main(["--checkpoint", str(out), "--prompt-ids", str(ids)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("specdec-train eval: prompt 1: token id 999999999 is outside the target's vocabulary (0..")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(newest, damaged)
+    (damaged / "drafter0.pt").write_bytes((damaged / "drafter0.pt").read_bytes()[:100])
+    assert main(["--checkpoint", str(damaged), "--conversations", "1", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"specdec-train eval: cannot load {damaged / 'drafter0.pt'}: "), err
+    bad_args = [["--device", "foo"], ["--k", "99999999999999999999"], ["--k", "65"]]
+    if not torch.cuda.is_available():
+        bad_args.append(["--device", "cuda"])
+    for bad in bad_args:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--checkpoint", str(out), *bad])
+        assert exit_.value.code == 2, bad
+        assert "Traceback" not in capsys.readouterr().err
 
 
 def test_eval_of_a_directory_without_checkpoints_is_a_usage_error(

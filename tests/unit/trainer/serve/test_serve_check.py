@@ -62,6 +62,18 @@ def test_a_vllm_python_that_does_not_exist_is_named(run_dir: Path, tmp_path: Pat
     assert proc.stderr.splitlines() == [f"specdec-train serve-check: vLLM not checked: {missing} does not exist"]
 
 
+def test_a_vllm_python_that_cannot_be_run_is_named_in_one_line(run_dir: Path, tmp_path: Path) -> None:
+    """A directory, or a file without the execute bit: a PermissionError traceback before."""
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\n")
+    for python in (tmp_path, script):
+        proc = serve_check(str(run_dir), "--vllm-python", str(python))
+        assert proc.returncode == EXIT_NO_VLLM, proc.stderr[-2000:]
+        assert proc.stderr.splitlines() == [
+            f"specdec-train serve-check: vLLM not checked: {python} cannot be run (Permission denied)"
+        ]
+
+
 def test_a_directory_without_a_checkpoint_is_a_usage_error(tmp_path: Path) -> None:
     proc = serve_check(str(tmp_path))
     assert proc.returncode == EXIT_USAGE

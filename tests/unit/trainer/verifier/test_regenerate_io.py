@@ -306,6 +306,24 @@ def test_the_default_reply_length_covers_the_longest_training_bucket() -> None:
     assert args.max_length >= args.max_new_tokens + longest  # a prompt as long as a bucket still fits
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--temperature", "nan", "--temperature must be a number >= 0"),  # it ran greedy, saying "temperature nan"
+        ("--temperature", "inf", "--temperature must be a number >= 0"),
+        ("--temperature", "-1", "--temperature must be a number >= 0"),
+        ("--device", "foo", "--device foo: not a device (cpu, cuda, cuda:N)"),
+    ],
+)
+def test_settings_it_cannot_use_exit_2_before_anything_loads(
+    option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        regen.parse_args(["--target", "t", "--out", "o.jsonl", option, value])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
 def test_a_conversation_is_kept_up_to_the_last_turn_that_fits(target_dir: Path, tmp_path: Path) -> None:
     long_turn = {"messages": [u("short"), a("first"), u("word " * 60), a("second"), u("more"), a("third")]}
     source = write_lines(tmp_path / "in.jsonl", [PLAIN[0], long_turn, {"messages": [u("word " * 60), a("x")]}])
