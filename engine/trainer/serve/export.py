@@ -417,9 +417,13 @@ def _umask() -> int:
 def _write_atomically(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
     from safetensors.torch import save_file
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:  # a file on the way, a read-only or vanished parent
+        where = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+        raise ExportError(f"{out_dir}: cannot write an export there ({where})") from None
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         # safetensors creates the file 0600; an export is read by a server that may run as another user, so it
@@ -669,9 +673,9 @@ def run(args: argparse.Namespace) -> int:
         results = export_every_drafter(
             Path(args.checkpoint), Path(args.out_dir), fmt=args.fmt, drafter=args.drafter, verifier=args.verifier
         )
-    except (ExportError, ckpt.CheckpointNotFound) as exc:
+    except (ExportError, ckpt.CheckpointNotFound) as exc:  # input it cannot export: one line, exit 2
         print(f"specdec-train export: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     if len(results) > 1:
         print(f"{len(results)} drafters, each in its own folder (--drafter NAME exports one):")
     for result in results:

@@ -380,12 +380,23 @@ def test_the_documented_command_exports_each_drafter_of_an_independent_run_into_
 # --- bad input: one clear line, nothing written ----------------------------------------------------------------
 def assert_refused(capsys: Any, argv: list[str], out_dir: Path, message: str) -> None:
     before = set(out_dir.parent.iterdir()) if out_dir.parent.exists() else set()
-    assert train_main(["export", *argv]) == 1
+    assert train_main(["export", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("specdec-train export: error: ") and "\n" not in err
     assert message in err, err
     after = set(out_dir.parent.iterdir()) if out_dir.parent.exists() else set()
     assert after == before  # no output dir, no temporary left behind
+
+
+def test_an_out_dir_under_a_file_is_refused(tmp_path: Path, capsys: Any) -> None:
+    path = write_checkpoint(tmp_path / "out", {"drafter0": tiny_drafter(0)[0]})
+    (tmp_path / "afile").write_text("keep me\n")
+    served = tmp_path / "afile" / "sub"
+    assert train_main(["export", str(path), str(served)]) == 2
+    err = capsys.readouterr().err
+    afile = tmp_path / "afile"
+    assert err == f"specdec-train export: error: {served}: cannot write an export there ({afile}: File exists)\n"
+    assert (tmp_path / "afile").read_text() == "keep me\n"
 
 
 def test_missing_path_is_refused(tmp_path: Path, capsys: Any) -> None:
