@@ -341,3 +341,19 @@ def test_follow_gets_every_line_when_the_ssh_link_drops_during_its_first_seconds
     assert follow.returncode != 3, notes
     assert "[reconnecting: " in notes and "[reconnected after " in notes, notes
     assert got == data, f"{len(got)} of {len(data)} bytes; notes: {notes}"
+
+
+@pytest.mark.tmux
+def test_follow_ends_once_the_run_has_ended_and_its_last_lines_are_out(cli: Callable[..., Any], run_root: Path) -> None:
+    """`logs -f` on the current run waited forever after the run ended (on another run it said so and exited), where
+    `docker logs -f` and `kubectl logs -f` end with the container: every line, then one line on stderr, exit 0."""
+    job = "echo first; sleep 3; echo last; printf 'no newline'"
+    launched = cli("launch", "local", "--run-root", str(run_root), "--wait", "output", "--json", "--", "sh", "-c", job)
+    assert launched.returncode == 0, launched.output
+    run_id = json.loads(launched.stdout)["run_id"]
+    follow = cli("logs", "local", "--run-root", str(run_root), "-f", timeout_s=45)
+    assert follow.returncode == 0, follow.output
+    assert follow.stdout.endswith("first\nlast\nno newline"), follow.stdout
+    assert follow.stderr.splitlines()[-1] == f"[run {run_id} exited: nothing more to follow]", follow.stderr
+    ended = cli("logs", "local", "--run-root", str(run_root), "-f", timeout_s=45)  # already over: at once
+    assert ended.returncode == 0 and ended.stdout.endswith("no newline") and ended.elapsed_s < 15, ended.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -357,15 +358,23 @@ async def _print_last_lines(session: Session, args: argparse.Namespace, out: Log
     return tail
 
 
+RUN_OVER = frozenset({"exited", "failed", "stopped", "vanished", "rebooted"})  # run states with no more output
+LOG_QUIET_S = 1.5  # after a run's end, this long without a log event: its output is all here
+
+
 async def cmd_logs(args: argparse.Namespace) -> int:
     async def body(session: Session) -> int:
         out = LogOutput(sys.stdout.fileno(), raw=args.raw)
         ended = asyncio.Event()
         reader_gone = False
+        followed: str | None = None  # the run whose log is followed, once the tail names it
+        run_over: str | None = None  # its end as a run event said it (exited, failed, ...)
+        last_log = time.monotonic()
 
         def on_event(ev: ClientEvent) -> None:
-            nonlocal reader_gone
+            nonlocal reader_gone, run_over, last_log
             if isinstance(ev, protocol.LogEvent) and not reader_gone:
+                last_log = time.monotonic()
                 # Written whole before the next event is read: the session's resume offset (bytes received) is
                 # then always the bytes on stdout, and a slow reader slows the stream down (TCP back-pressure).
                 try:
@@ -373,6 +382,9 @@ async def cmd_logs(args: argparse.Namespace) -> int:
                 except BrokenPipeError:
                     reader_gone = True
                     ended.set()
+            elif isinstance(ev, protocol.RunEvent) and ev.run is not None and ev.run.run_id == followed:
+                if ev.run.state in RUN_OVER and run_over is None:
+                    run_over = ev.run.state
             elif isinstance(ev, protocol.LogResetEvent):
                 err(f"[log {ev.reason}: following from byte {ev.offset}]")
             elif isinstance(ev, Undecodable) and ev.ev in ("log", "log_reset"):  # only what this command prints
@@ -396,9 +408,18 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         if not tail.current:
             err(f"[run {tail.run_id} is not the current run: it has nothing more to follow]")
             return EXIT_OK
+        followed = tail.run_id
         session.resume_from({"offset": tail.offset, "inode": tail.inode} if tail.inode is not None else None, None)
         await session.start_streams(gpu_interval_s=5.0, procs_interval_s=5.0)
-        await ended.wait()
+        # As `docker logs -f` and `kubectl logs -f` do: once the run has ended and its last bytes came (nothing for
+        # LOG_QUIET_S after the end was seen), there is nothing more to follow.
+        while not ended.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), timeout=0.25)
+            if run_over is not None and not ended.is_set() and time.monotonic() - last_log >= LOG_QUIET_S:
+                out.flush(final=True)
+                err(f"[run {followed} {run_over}: nothing more to follow]")
+                return EXIT_OK
         return _reader_gone() if reader_gone else EXIT_CONNECTION
 
     return await with_session(args, body, reconnect=args.follow)
