@@ -111,3 +111,16 @@ def test_an_event_line_without_end_is_skipped_and_counted_never_held_whole(tmp_p
     for _ in range(4):
         state = sc.poll(budget_bytes=2 * scanner.EVENT_LINE_MAX_BYTES)
     assert state.stage == "training"
+
+
+def test_runs_are_listed_by_launch_time_not_by_when_their_directory_last_changed(tmp_path: Path) -> None:
+    """A run's directory changes when it ends (exit.json): sorted by mtime, an older run that ended was listed as
+    newer than a run launched after it. Generated ids spell the launch time; a chosen id falls back to mtime."""
+    older = records.new_run_id(1_800_000_000.0)
+    newer = records.new_run_id(1_800_000_060.0)
+    for name in (older, newer, "my-run"):
+        records.run_dir_for(tmp_path, name).mkdir(parents=True)
+    os.utime(records.run_dir_for(tmp_path, newer), (1_800_000_070.0, 1_800_000_070.0))
+    os.utime(records.run_dir_for(tmp_path, "my-run"), (1_800_000_030.0, 1_800_000_030.0))
+    os.utime(records.run_dir_for(tmp_path, older), (1_800_000_090.0, 1_800_000_090.0))  # it ended last
+    assert [p.name for p in records.list_runs(tmp_path)] == [older, "my-run", newer]

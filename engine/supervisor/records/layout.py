@@ -20,6 +20,7 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import re
@@ -115,9 +116,26 @@ def set_current(run_root: Path | str, run_dir: Path) -> None:
 
 
 def list_runs(run_root: Path | str) -> list[Path]:
-    """Run directories, oldest first (by name: generated ids sort by time)."""
+    """Run directories, oldest first: by the launch time a generated id spells (new_run_id), else by the
+    directory's mtime (a chosen id). Not by mtime alone: a run's directory changes when it ends, and a run that
+    ended then sorted after newer ones still going."""
     try:
-        entries = sorted(runs_dir(run_root).iterdir(), key=lambda p: (p.stat().st_mtime, p.name))
+        entries = [p for p in runs_dir(run_root).iterdir() if p.is_dir()]
     except OSError:
         return []
-    return [p for p in entries if p.is_dir()]
+    return sorted(entries, key=lambda p: (_started_key(p), p.name))
+
+
+_GENERATED_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{4}")
+
+
+def _started_key(run_dir: Path) -> float:
+    """When the run was launched: the local time its generated id spells, else its directory's mtime."""
+    m = _GENERATED_ID.fullmatch(run_dir.name)
+    if m is not None:
+        with contextlib.suppress(ValueError, OverflowError):
+            return time.mktime(time.strptime(m.group(1), "%Y%m%d-%H%M%S"))
+    try:
+        return run_dir.stat().st_mtime
+    except OSError:  # removed since it was listed
+        return 0.0
