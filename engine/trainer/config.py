@@ -389,12 +389,15 @@ def _depth_words(layers: list[int], cfg: TrainerConfig) -> str:
     )
 
 
+def target_problem(spec: str) -> str | None:
+    """Why ``spec`` names no target this machine can load (None: a built-in preset or a local directory)."""
+    if spec in BUILTIN_TARGETS or Path(spec).expanduser().is_dir():
+        return None
+    return f"{spec!r} is neither a built-in preset ({', '.join(BUILTIN_TARGETS)}) nor a local directory"
+
+
 _RULES: tuple[_Rule, ...] = (
-    (
-        "target",
-        lambda v, _: v in BUILTIN_TARGETS or Path(v).expanduser().is_dir(),
-        lambda v, _: f"{v!r} is neither a built-in preset ({', '.join(BUILTIN_TARGETS)}) nor a local directory",
-    ),
+    ("target", lambda v, _: target_problem(v) is None, lambda v, _: str(target_problem(v))),
     _one_of("drafter_mode", DRAFTER_MODES),
     _one_of("schedule", SCHEDULES),
     _one_of("on_thread_error", THREAD_ERROR_POLICIES),

@@ -524,11 +524,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.k > MAX_K:
         ap.error(f"--k must be <= {MAX_K} (draft tokens a round)")
+    from engine.trainer.config import target_problem
     from engine.trainer.verifier.model import device_refusal
 
     reason = device_refusal(args.device)
     if reason is not None:
         ap.error(f"--device {args.device}: {reason}")
+    reason = target_problem(args.target) if args.target else None
+    if reason is not None:
+        ap.error(f"--target {reason}")
     return args
 
 
@@ -545,6 +549,7 @@ def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.trainer import checkpoint as ckpt
+    from engine.trainer.config import target_problem
     from engine.trainer.verifier.model import load_target, load_tokenizer
 
     args = parse_args(argv)
@@ -569,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = str(cfg.get("target", "tiny"))
+    problem = target_problem(spec)
+    if problem is not None:  # trained against a target directory moved or removed since
+        return usage(f"{path}: its target {problem}")
     tokenizer = load_tokenizer(spec)
     layer_ids = meta.get("target_layers") or cfg.get("target_layers")
     if not layer_ids:

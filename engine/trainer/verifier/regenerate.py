@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from engine.trainer.config import PRESETS, TrainerConfig, data_file_problem, file_kind
+from engine.trainer.config import PRESETS, TrainerConfig, data_file_problem, file_kind, target_problem
 from engine.trainer.data.cache import file_sha256
 from engine.trainer.data.rows import SKIP_NOT_JSON as SKIP_NOT_JSON  # a reason rows are counted under
 from engine.trainer.data.rows import BadRow, Row, check_turns, read_rows
@@ -572,6 +572,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reason = device_refusal(args.device)
     if reason is not None:
         ap.error(f"--device {args.device}: {reason}")
+    reason = target_problem(args.target)
+    if reason is not None:
+        ap.error(f"--target {reason}")
     for key in ("batch_size", "max_new_tokens", "max_length"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")

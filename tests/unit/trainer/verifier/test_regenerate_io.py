@@ -300,7 +300,7 @@ def test_the_cli_refuses_a_tampered_progress_file_in_one_line(
 
 
 def test_the_default_reply_length_covers_the_longest_training_bucket() -> None:
-    args = regen.parse_args(["--target", "t", "--out", "o.jsonl"])
+    args = regen.parse_args(["--target", "tiny-trained", "--out", "o.jsonl"])
     longest = max([*TrainerConfig().buckets, *(b for p in PRESETS.values() for b in p.get("buckets", []))])
     assert args.max_new_tokens >= longest
     assert args.max_length >= args.max_new_tokens + longest  # a prompt as long as a bucket still fits
@@ -313,13 +313,19 @@ def test_the_default_reply_length_covers_the_longest_training_bucket() -> None:
         ("--temperature", "inf", "--temperature must be a number >= 0"),
         ("--temperature", "-1", "--temperature must be a number >= 0"),
         ("--device", "foo", "--device foo: not a device (cpu, cuda, cuda:N)"),
+        (
+            "--target",
+            "/nonexistent",
+            "--target '/nonexistent' is neither a built-in preset (tiny, llama3-8b-shape, "
+            "tiny-trained) nor a local directory",
+        ),
     ],
 )
 def test_settings_it_cannot_use_exit_2_before_anything_loads(
     option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        regen.parse_args(["--target", "t", "--out", "o.jsonl", option, value])
+        regen.parse_args(["--target", "tiny-trained", "--out", "o.jsonl", option, value])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
 
