@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= ns.simulate_gpus <= MAX_SIMULATED_GPUS:
         parser.error(f"--simulate-gpus must be 0..{MAX_SIMULATED_GPUS}, got {ns.simulate_gpus}")
     run_root = (ns.run_root or default_run_root()).expanduser()
+    if run_root.exists() and not run_root.is_dir():  # every answer would be about no run at all
+        parser.error(f"--run-root {run_root} is not a directory")
     agent = build_agent(run_root, ns.simulate_gpus, readonly=ns.readonly)
     entry = agents.register(run_root)  # kill-stale and the anomalies know an agent by this record, not its name
     try:

@@ -72,6 +72,25 @@ def test_usage_errors_exit_2(cli: Cli, argv: list[str]) -> None:
     assert "Traceback" not in r.output
 
 
+def test_a_verb_that_reads_no_profile_still_refuses_a_bad_one_and_a_run_root_that_is_a_file(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """`status --profile nosuch` and `--config BAD` were ignored (exit 0); `--run-root FILE` reported "run none"."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = [\n")
+    for argv, words in (
+        (["--profile", "nosuch"], "no such profile: nosuch (--profile)"),
+        (["--config", str(bad)], f"{bad}: not valid TOML"),
+        (["--run-root", str(afile)], f"--run-root {afile} is not a directory"),
+    ):
+        for verb in ("status", "doctor"):
+            r = cli(verb, "local", *argv)
+            assert r.returncode == 2, (verb, argv, r.output)
+            assert words in r.stderr.splitlines()[-1] and "Traceback" not in r.output, r.output
+
+
 def test_bad_profile_file_exits_2_naming_file_and_key(cli: Cli, tmp_path: Path) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text('[profiles.demo]\ncommand = "bash run.sh"\n')

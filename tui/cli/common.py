@@ -149,6 +149,17 @@ def _ask_passphrase(identity: str) -> str | None:
 
 
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
+    if args.target == "local" and args.pct is None and args.run_root:
+        root = os.path.expanduser(args.run_root)
+        if os.path.exists(root) and not os.path.isdir(root):  # said here as bad input, before an agent starts
+            raise UsageError(f"--run-root {args.run_root} is not a directory")
+    if getattr(args, "profile", None) or getattr(args, "config", None):
+        from tui.profiles import ProfileError, resolve_profile
+
+        try:  # a verb that reads no profile still refuses one that is not there, rather than ignore it silently
+            resolve_profile(args.profile, args.config)
+        except ProfileError as exc:
+            raise UsageError(str(exc)) from None
     return ConnectOptions(
         pct=args.pct,
         identity=args.identity,
