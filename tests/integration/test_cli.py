@@ -63,6 +63,8 @@ def test_status_without_nvml_says_why_and_exits_0(cli: Cli, run_root: Path) -> N
         ["launch", "local", "--wait", "forever"],
         ["status", "local", "--", "echo", "hi"],
         ["status", "user@"],
+        ["stacks", "local", "--timeout", "0"],
+        ["status", "local", "--simulate-gpus", "65"],
     ],
     ids=lambda a: " ".join(a),
 )

@@ -21,6 +21,7 @@ from tui.cli.common import (
     UsageError,
     count_arg,
     err,
+    positive_float,
     print_json,
     run_id_arg,
     say_link_state,
@@ -536,7 +537,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("stacks", parents=[common], help="every thread's stack of the live run")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="how long to wait for the dump")
+    p.add_argument("--timeout", type=positive_float, default=10.0, metavar="S", help="how long to wait for the dump")
     p.add_argument("--run", type=run_id_arg, metavar="ID", help="that run (must be live); default: current")
     p.set_defaults(func=cmd_stacks)
 
