@@ -21,18 +21,17 @@ from engine.supervisor.common import KILL_WAIT_S, Progress, SupervisorError, noo
 
 
 def supervised_run_pids(run_root: Path | str, ended: set[str] | None = None) -> set[int]:
-    """The processes of the current run and of every other run under ``run_root`` that has not ended (no exit
-    record): a second launch makes itself current, and the first run's processes, still training, are not stale.
-    ``ended``: the caller's cache of run ids known to have ended (an exit record never goes away), filled here."""
+    """The processes of every run under ``run_root`` that has not ended (no exit record), the current one or not:
+    a second launch makes itself current, and the first run's processes, still training, are not stale. What an
+    ended run left behind is not protected here. ``ended``: the caller's cache of run ids known to have ended (an
+    exit record never goes away), filled here."""
     stats = procs.all_stats()
     ended = ended if ended is not None else set()
-    dirs = [rd for rd in records.list_runs(run_root) if rd.name not in ended]
-    current = records.current_run_dir(run_root)
-    if current is not None and current not in dirs:
-        dirs.append(current)
     out: set[int] = set()
-    for rd in dirs:
-        if rd != current and records.read_exit(rd) is not None:
+    for rd in records.list_runs(run_root):
+        if rd.name in ended:
+            continue
+        if records.read_exit(rd) is not None:
             ended.add(rd.name)
             continue
         out |= records.run_pids(records.read_launch(rd), stats)

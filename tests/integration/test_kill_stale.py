@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -344,3 +345,28 @@ def test_a_run_still_going_after_a_second_launch_became_current_is_never_stale(s
         "(stop --run ID stops one)"
     ), reply
     assert pid_alive(scene.run_holder)
+
+
+def test_what_an_ended_run_left_behind_is_still_flagged_stale(scene: Scene) -> None:
+    """Only runs that have not ended are protected (supervised_run_pids): a process the current run's job left
+    holding a GPU after the job exited is a stale holder in the anomalies, as before."""
+    hold = HOLD.format(ignore="").replace("\n", "; ")
+    job = ["bash", "-c", f'{sys.executable} -c "$0" "$1" & sleep 1; exit 0', hold, str(scene.dev / "nvidia0")]
+    launched = scene.agent.ok("launch", command=job)
+    run_dir = Path(launched["run_dir"])
+    boot = procs.read_boot_id()
+    wait_until(lambda: records.read_run(run_dir, boot).state in ("exited", "failed"), 20, "the job to exit")
+
+    def leftover() -> int | None:
+        launch = records.read_json(run_dir / records.LAUNCH_JSON) or {}
+        members = procs.group_members(launch.get("job_pgid") or 0, procs.all_stats())
+        return next((pid for pid in members if holds(pid, scene.dev / "nvidia0")), None)
+
+    left = leftover()
+    if left is None:
+        pytest.skip("the wrapper ended the job's process group with the job: nothing was left behind")
+    try:
+        stale = [a for a in scene.agent.ok("status")["anomalies"] if a["kind"] == "stale_holder"]
+        assert left in {a["pid"] for a in stale}, stale
+    finally:
+        os.kill(left, signal.SIGKILL)
