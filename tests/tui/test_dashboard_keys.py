@@ -63,6 +63,29 @@ async def test_launch_sends_the_profiles_spec(recorded_app: Callable[..., Dashbo
         assert args["cwd"] == "/root/work" and args["env"] == {"A": "1"} and args["profile"] == "demo"
 
 
+async def test_l_while_a_run_is_live_asks_before_a_second_run_hides_it(
+    recorded_app: Callable[..., DashboardApp],
+) -> None:
+    """A second launch becomes the current run and the live one goes on out of sight: `l` asks first, naming it."""
+    session = session_with_run()
+    app = recorded_app(session, profile=Profile(name="demo", command=["bash", "start_training.sh"]))
+    async with app.run_test(size=SIZE) as pilot:
+        started(app, session)
+        await pilot.press("l")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        body = str(app.screen.query_one("#confirm-body").render())
+        assert f"run {RUN_ID}" in body and "is still running" in body and f"stop --run {RUN_ID}" in body, body
+        assert session.requests == []  # nothing is sent before the answer
+        await pilot.press("n")
+        await wait_until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+        assert session.requests == []
+        await pilot.press("l")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: "launch" in session.commands(), what="launch request")
+        assert session.requests[-1][1]["command"] == ["bash", "start_training.sh"]
+
+
 async def test_restart_confirmed_asks_the_agent_to_relaunch_the_recorded_spec(
     recorded_app: Callable[..., DashboardApp],
 ) -> None:

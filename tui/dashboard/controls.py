@@ -155,8 +155,24 @@ class RunControl:
         if self.refused("launch"):
             return
         spec = self._launch_spec()
-        if spec is not None:
-            self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
+        if spec is None:
+            return
+        run = self.state.run
+        if run is not None and run.state in ("starting", "running"):
+            # A second run becomes the current one on screen; the live one goes on out of sight, so ask first.
+            body = (
+                f"{self._run_label()} is still {run.state}. A second run starts beside it and becomes the one shown "
+                f"here; the first goes on (`runs` lists it, `stop --run {run.run_id}` stops it).\n"
+                f"Command: {shlex.join(spec.command)}"
+            )
+            self._confirm(
+                "Launch a second run?",
+                body,
+                lambda: self.app.run_worker(self._launch(spec), group="command", exit_on_error=False),
+                "Launch",
+            )
+            return
+        self.app.run_worker(self._launch(spec), group="command", exit_on_error=False)
 
     async def _launch(self, spec: protocol.LaunchSpec) -> None:
         self.app.notify(f"launching {shlex.join(spec.command)}", timeout=4)
