@@ -123,10 +123,12 @@ class Monitor:
             return set()
         return records.run_pids(records.read_launch(run.run_dir))
 
-    def supervised_pids(self, run_pids: set[int]) -> set[int]:
-        """``run_pids`` and the processes of the run root's other runs still going: none of them is a stale holder
-        (a second launch made itself current while the first trains on)."""
-        return run_pids | kill_stale.supervised_run_pids(self.run_root, self._ended_runs)
+    def supervised_pids(self, run: RunInfo | None, run_pids: set[int]) -> set[int]:
+        """``run_pids`` (``run``'s, the current run's) and the processes of the run root's other runs still going:
+        none of them is a stale holder (a second launch made itself current while the first trains on). Most of the
+        time no other run is going, and this reads no process table."""
+        counted = run.run_id if run is not None and run.state == "running" else None  # run_pids holds its processes
+        return run_pids | kill_stale.supervised_run_pids(self.run_root, self._ended_runs, exclude=counted)
 
     def _run_tree(self, run_pids: set[int], with_threads: bool = True) -> list[ProcInfo]:
         out: list[ProcInfo] = []
@@ -247,7 +249,7 @@ class Monitor:
             holders = self.holders(sample, run_pids)
             self._poll_engine(run)
             tree = self._run_tree(run_pids, with_threads)
-            items = self.anomalies_for(sample, holders, run, self.supervised_pids(run_pids))
+            items = self.anomalies_for(sample, holders, run, self.supervised_pids(run, run_pids))
             return Snapshot(_now(), sample, holders, run, run_pids, tree, items)
 
     def host_info(self) -> dict[str, Any]:
@@ -411,7 +413,7 @@ class Subscription:
                 if procs_due:
                     run = mon.current_run()
                     run_pids = mon.run_pids(run)
-                    not_stale = mon.supervised_pids(run_pids)
+                    not_stale = mon.supervised_pids(run, run_pids)
                 sample = mon.gpu_sample(run)
                 if procs_due:
                     holders = mon.holders(sample, run_pids)
@@ -709,7 +711,7 @@ def _doctor(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str,
             mon.gpu_source.error,
             snap.sample.gpus,
             snap.holders,
-            mon.supervised_pids(snap.run_pids),
+            mon.supervised_pids(snap.run, snap.run_pids),
             running,
         ),
         python=args.get("python") if isinstance(args.get("python"), str) else None,

@@ -111,8 +111,8 @@ def _stop(agent: Agent, cmd_id: int | None, args: dict[str, Any]) -> dict[str, A
 def _runs_still_going(agent: Agent, current: Path, most: int = 5) -> list[str]:
     """Ids of the run root's runs other than ``current`` that are starting or running, newest first."""
     going = []
-    for rd in reversed(records.list_runs(agent.run_root)):
-        if rd.name == current.name or records.read_exit(rd) is not None:
+    for rd in reversed(records.unended_runs(agent.run_root)):
+        if rd.name == current.name:
             continue
         if records.read_run(rd, agent.boot_id, agent.scanners).state in ("starting", "running"):
             going.append(rd.name)

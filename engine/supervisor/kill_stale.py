@@ -20,20 +20,17 @@ from engine.supervisor import records
 from engine.supervisor.common import KILL_WAIT_S, Progress, SupervisorError, noop, state_of, wait_until
 
 
-def supervised_run_pids(run_root: Path | str, ended: set[str] | None = None) -> set[int]:
+def supervised_run_pids(run_root: Path | str, ended: set[str] | None = None, exclude: str | None = None) -> set[int]:
     """The processes of every run under ``run_root`` that has not ended (no exit record), the current one or not:
     a second launch makes itself current, and the first run's processes, still training, are not stale. What an
-    ended run left behind is not protected here. ``ended``: the caller's cache of run ids known to have ended (an
-    exit record never goes away), filled here."""
+    ended run left behind is not protected here. ``ended``: records.unended_runs's cache. ``exclude``: a run id
+    whose processes the caller has already (the process table is then read only when another run is going)."""
+    dirs = [rd for rd in records.unended_runs(run_root, ended) if rd.name != exclude]
+    if not dirs:
+        return set()
     stats = procs.all_stats()
-    ended = ended if ended is not None else set()
     out: set[int] = set()
-    for rd in records.list_runs(run_root):
-        if rd.name in ended:
-            continue
-        if records.read_exit(rd) is not None:
-            ended.add(rd.name)
-            continue
+    for rd in dirs:
         out |= records.run_pids(records.read_launch(rd), stats)
     return out
 
@@ -73,7 +70,7 @@ def _classify(
 ) -> tuple[list[protocol.HolderInfo], list[tuple[protocol.HolderInfo, str]]]:
     current = records.current_run_dir(run_root)
     ours = records.run_pids(records.read_launch(current)) if current is not None else set()
-    going = supervised_run_pids(run_root) - ours
+    going = supervised_run_pids(run_root, exclude=current.name if current is not None else None) - ours
     protected = _protected_pids()
     view = nvml or NvmlView()
     candidates: list[protocol.HolderInfo] = []

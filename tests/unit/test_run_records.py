@@ -124,3 +124,17 @@ def test_runs_are_listed_by_launch_time_not_by_when_their_directory_last_changed
     os.utime(records.run_dir_for(tmp_path, "my-run"), (1_800_000_030.0, 1_800_000_030.0))
     os.utime(records.run_dir_for(tmp_path, older), (1_800_000_090.0, 1_800_000_090.0))  # it ended last
     assert [p.name for p in records.list_runs(tmp_path)] == [older, "my-run", newer]
+
+
+def test_unended_runs_are_those_without_an_exit_record_and_the_ended_ones_are_cached(tmp_path: Path) -> None:
+    ended_run, going, also_going = (records.new_run_id(1_800_000_000.0 + 60 * i) for i in range(3))
+    for name in (ended_run, going, also_going):
+        records.run_dir_for(tmp_path, name).mkdir(parents=True)
+    (records.run_dir_for(tmp_path, ended_run) / records.EXIT_JSON).write_text(json.dumps({"exit_code": 0}))
+    cache: set[str] = set()
+    assert [p.name for p in records.unended_runs(tmp_path, cache)] == [going, also_going]
+    assert cache == {ended_run}
+    (records.run_dir_for(tmp_path, going) / records.EXIT_JSON).write_text(json.dumps({"exit_code": 1}))
+    assert [p.name for p in records.unended_runs(tmp_path, cache)] == [also_going]
+    assert cache == {ended_run, going}
+    assert records.unended_runs(tmp_path / "nowhere") == []

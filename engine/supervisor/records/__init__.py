@@ -70,7 +70,7 @@ from engine.supervisor.records.layout import (
     set_current,
 )
 from engine.supervisor.records.log_failure import Failure, FailureScan, last_step_in
-from engine.supervisor.records.read import last_lines, rank_last_lines, read_milestones, read_run
+from engine.supervisor.records.read import last_lines, rank_last_lines, read_milestones, read_run, unended_runs
 from engine.supervisor.records.scanner import (
     LOG_LINE_MAX_BYTES,
     RankState,
@@ -140,6 +140,7 @@ __all__ = [
     "set_current",
     "signal_name",
     "stopped_cause",
+    "unended_runs",
     "write_exit_record",
     "write_json_atomic",
 ]

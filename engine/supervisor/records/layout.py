@@ -123,7 +123,12 @@ def list_runs(run_root: Path | str) -> list[Path]:
         entries = [p for p in runs_dir(run_root).iterdir() if p.is_dir()]
     except OSError:
         return []
-    return sorted(entries, key=lambda p: (_started_key(p), p.name))
+    return oldest_first(entries)
+
+
+def oldest_first(run_dirs: list[Path]) -> list[Path]:
+    """``run_dirs`` in launch order (list_runs's)."""
+    return sorted(run_dirs, key=lambda p: (_started_key(p), p.name))
 
 
 _GENERATED_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{4}")

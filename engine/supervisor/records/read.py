@@ -21,7 +21,7 @@ from engine.supervisor.records.documents import (
     read_launch,
     read_submitted,
 )
-from engine.supervisor.records.layout import MILESTONES_JSON, OUTPUT_LOG, RESTARTS_JSON
+from engine.supervisor.records.layout import MILESTONES_JSON, OUTPUT_LOG, RESTARTS_JSON, oldest_first, runs_dir
 from engine.supervisor.records.scanner import ScannerCache, ScanState, new_scanner
 
 
@@ -103,6 +103,24 @@ def read_run(run_dir: Path | str, boot_id: str, scanners: ScannerCache | None = 
     info.milestones = read_milestones(rd, launch, scan)
     _read_restarts(rd, info)
     return info
+
+
+def unended_runs(run_root: Path | str, ended: set[str] | None = None) -> list[Path]:
+    """The run directories with no exit record yet (starting, running, or gone without writing one), oldest first.
+    ``ended``: a caller's cache of the run ids known to have ended (an exit record never goes away), filled here, so
+    a caller asking every few seconds reads only the runs not yet ended."""
+    ended = ended if ended is not None else set()
+    try:
+        entries = [p for p in runs_dir(run_root).iterdir() if p.name not in ended and p.is_dir()]
+    except OSError:
+        return []
+    out = []
+    for rd in entries:
+        if read_exit(rd) is not None:
+            ended.add(rd.name)
+        else:
+            out.append(rd)
+    return oldest_first(out)
 
 
 def _nodes_of(spec: dict[str, Any]) -> tuple[int | None, int | None]:

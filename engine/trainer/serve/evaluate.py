@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.protocol import EvalEvent
+from engine.trainer.config import target_problem
 from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
@@ -524,7 +525,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.k > MAX_K:
         ap.error(f"--k must be <= {MAX_K} (draft tokens a round)")
-    from engine.trainer.config import target_problem
     from engine.trainer.verifier.model import device_refusal
 
     reason = device_refusal(args.device)
@@ -549,7 +549,6 @@ def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.trainer import checkpoint as ckpt
-    from engine.trainer.config import target_problem
     from engine.trainer.verifier.model import load_target, load_tokenizer
 
     args = parse_args(argv)
