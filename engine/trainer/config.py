@@ -40,6 +40,10 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "merged", "flex", "sdpa")
 CUDA_STREAMS: tuple[str, ...] = ("per_thread", "per_device")
 OVERLAP_STEPS: tuple[str, ...] = ("auto", "on", "off")
+# Where the drafter's head and loss run (engine/trainer/draft/rows.py): the positions each TTT step trains, or all.
+HEAD_POSITIONS_TRAINED = "trained"
+HEAD_POSITIONS_ALL = "all"
+HEAD_POSITIONS: tuple[str, ...] = (HEAD_POSITIONS_TRAINED, HEAD_POSITIONS_ALL)
 DISTRIBUTED: tuple[str, ...] = ("auto", "off")
 # The drafter's Linear GEMMs (engine/trainer/draft/fp8.py): bf16, or FP8 with row-wise scales (all three GEMMs of
 # each Linear, or grad_weight kept in bf16), as torchao's float8 recipes "rowwise" and "rowwise_with_gw_hp".
@@ -170,6 +174,11 @@ class TrainerConfig:
     # device (the fused optimizer's found_inf), not by a host check. A step's event comes once the next forward
     # is queued. auto: on for CUDA drafters (on the CPU every launch runs at once: nothing to overlap); on, off.
     overlap_steps: str = "auto"
+    # The drafter's head and loss run on the positions each TTT step trains only ("trained": the loss mask's and the
+    # draft vocabulary's positions, gathered once a step; engine/trainer/draft/rows.py) or on every position ("all",
+    # as SpecForge does). The same losses, counts and gradients; "trained" saves the head's GEMMs and the loss's
+    # reductions over the positions that train nothing.
+    head_positions: str = HEAD_POSITIONS_TRAINED
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU
     seed: int = 0
     output_dir: str = "runs/specdec-engine"
@@ -405,6 +414,7 @@ _RULES: tuple[_Rule, ...] = (
     _one_of("attention", ATTENTION_IMPLS),
     _one_of("cuda_streams", CUDA_STREAMS),
     _one_of("overlap_steps", OVERLAP_STEPS),
+    _one_of("head_positions", HEAD_POSITIONS),
     _one_of("drafter_fp8", DRAFTER_FP8),
     _one_of("loss_mean", LOSS_MEANS),
     _one_of("loss", LOSSES),

@@ -70,6 +70,7 @@ TARGET_ONLY = False  # profile --target-only: the target forward alone (no draft
 DRY = False  # --dry-run: the baseline and profile modes on the CPU with the tiny target (the code path, not a figure)
 CAST_ONCE = True  # the sides' and profile's drafter worker casts its weights once (--set cast_weights_once=false)
 FP8 = False  # the sides' and profile's target with FP8 decoder Linears (--set target_fp8=true; CUDA with FP8 only)
+HEAD_POSITIONS = "trained"  # the sides' and profile's drafter head and loss rows (--set head_positions="all")
 DRAFTER_FP8 = "off"  # the sides' and profile's drafter GEMMs (--set drafter_fp8="rowwise"; engine/trainer/draft/fp8.py)
 
 
@@ -172,6 +173,16 @@ def mode_baseline(steps: int, warm: int) -> dict[str, Any]:
     }
 
 
+def trained_share(position_mask: Any) -> list[float]:
+    """Per TTT step, the share of the batch's positions it trains (what head_positions "trained" computes the
+    head and the loss on). Random tokens through a random target: the target's top token lands in the draft
+    vocabulary about DRAFT_VOCAB / vocab of the time (a trained target on real text: most of the time)."""
+    from engine.trainer.draft.rows import trained_rows
+
+    rows = trained_rows(position_mask, None, TTT)
+    return [round(c / position_mask.numel(), 4) for c in rows.counts]
+
+
 def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
     """The engine's DrafterWorker on ``parts``' drafter alone: fused AdamW, bf16 autocast, one bucket, no queue."""
     import torch
@@ -209,6 +220,7 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
         buckets=(SEQ,),
         batch_size=BATCH,
         cast_weights_once=CAST_ONCE,
+        head_positions=HEAD_POSITIONS,
         drafter_fp8=DRAFTER_FP8,
     )
     return DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
@@ -282,6 +294,7 @@ def mode_sides(steps: int, warm: int, compile_target: bool) -> dict[str, Any]:
             )
             for n in (2, 4, 8)
         },
+        "trained_share": trained_share(out.position_mask),
         "target_gib": target_gib,
         "drafter_gib": drafter_gib,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -496,6 +509,7 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
     return {
         "mode": f"profile batch_size={BATCH}"
         + ("" if CAST_ONCE else " cast_weights_once=false")
+        + (f" head_positions={HEAD_POSITIONS}" if HEAD_POSITIONS != "trained" else "")
         + (" target_fp8=true" if FP8 else "")
         + (f" drafter_fp8={DRAFTER_FP8}" if DRAFTER_FP8 != "off" else ""),
         "target": target_kernels,
@@ -504,6 +518,7 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
         "drafter": drafter_kernels,
         "drafter_mfu_kernels": f["drafter"] / (drafter_kernels["kernel_ms"] / 1000) / (PEAK_TFLOPS * 1e12),
         "drafter_phase_ms": phase,
+        "trained_share": trained_share(out.position_mask),
         "ttt_forward_ms": [round(v, 2) for v in fwd_ms],
         # Steps 1..TTT-2's backward (layer, head and loss) by the hooks; the last step's and step 0's (with
         # the fc) are the rest of the backward phase.
@@ -556,6 +571,17 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     else:
         tok_s = float("nan")
     f = flops(engine.targets[0].config, engine.workers[0].training.drafter.cfg, SEQ, TTT, cfg.batch_size)
+    share = None
+    if engine.source is not None and engine.vocab is not None:  # the share of positions batch 0 trains per TTT step
+        target, hb = engine.targets[0], engine.source.batch(0)
+        with torch.no_grad():
+            got = target.run(
+                hb.input_ids.to(target.device),
+                hb.loss_mask.to(target.device),
+                engine.vocab.draft_to_target.to(target.device),
+                engine.vocab.t2d(target.vocab_size).to(target.device),
+            )
+        share = trained_share(got.position_mask)
     ms = [e["ms"] for t, e in steps_ev if e["step"] > warm]
     tms = [e["target_ms"] for t, e in steps_ev if e["step"] > warm]
     return {
@@ -568,6 +594,8 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "mfu_per_gpu": (f["target"] + f["drafter"]) * tok_s / tokens_per_step / len(gpus) / (PEAK_TFLOPS * 1e12),
         "phase_ms": {k: sum(m[k] for m in ms) / max(1, len(ms)) for k in ("fetch", "fwd", "bwd", "opt")},
         "producer_target_ms": sum(tms) / max(1, len(tms)),
+        "head_positions": cfg.head_positions,
+        "trained_share": share,
         "build_s": built - t0,
         "warmup_s": (training[0] - built) if training else None,
         "start_to_first_step_s": first_step - t0,
@@ -649,13 +677,14 @@ def main() -> int:
     )
     ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()
-    global BATCH, CAST_ONCE, DRAFTER_FP8, DRY, FP8, SEQ, DRAFT_VOCAB, TARGET_ONLY
+    global BATCH, CAST_ONCE, DRAFTER_FP8, DRY, FP8, HEAD_POSITIONS, SEQ, DRAFT_VOCAB, TARGET_ONLY
     BATCH = a.batch
     CAST_ONCE = "cast_weights_once=false" not in a.set
     FP8 = "target_fp8=true" in a.set
     from engine.trainer.config import parse_override  # stdlib only
 
     DRAFTER_FP8 = next((str(v) for k, v in map(parse_override, a.set) if k == "drafter_fp8"), DRAFTER_FP8)
+    HEAD_POSITIONS = next((str(v) for k, v in map(parse_override, a.set) if k == "head_positions"), HEAD_POSITIONS)
     if FP8 and a.dry_run:
         print("bench_engine.py: --set target_fp8=true needs an FP8 GPU; the dry run has none", file=sys.stderr)
         return 2

@@ -382,6 +382,7 @@ def part_unroll(
     from engine.trainer.draft.attention import TTTAttention
     from engine.trainer.draft.loss import soft_cross_entropy, total_loss
     from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
+    from engine.trainer.draft.rows import trained_rows
     from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 
     apply_dynamo_config()
@@ -397,6 +398,9 @@ def part_unroll(
     target_z = target_z.to(device)
     mask = (torch.rand(b, t, generator=g) > 0.1).float().to(device)
     embeddings = step_embeddings(ids, drafter.embed_table, steps)
+    # The engine's step gathers the rows each TTT step trains (head_positions "trained", draft/rows.py); the float32
+    # reference runs the head and the loss on every position, as SpecForge does.
+    rows = trained_rows(mask, None, steps)
     fast = TTTAttention("flex" if device.type == "cuda" else "sdpa", compiled=compiled)
     ways = {
         "engine": (GuardedFunction(ttt_step, compiled=compiled, name="ttt_step"), "off"),
@@ -407,7 +411,7 @@ def part_unroll(
         ways[f"fp8_{recipe}"] = (GuardedFunction(ttt_step, compiled=compiled, name=f"ttt_step_fp8_{recipe}"), recipe)
 
     def unroll(
-        step_fn: Any, attention: TTTAttention, bf16: bool, fp8: str = "off"
+        step_fn: Any, attention: TTTAttention, bf16: bool, fp8: str = "off", on_rows: bool = True
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         drafter.zero_grad(set_to_none=True)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
@@ -425,6 +429,7 @@ def part_unroll(
                 loss_mask=mask,
                 weight_dtype=torch.bfloat16 if bf16 else None,
                 fp8=fp8,
+                rows=rows if on_rows else None,
             )
         total_loss(losses).backward()
         return losses.detach().float(), {n: p.grad.float() for n, p in drafter.named_parameters() if p.grad is not None}
@@ -441,7 +446,7 @@ def part_unroll(
         fn = GuardedFunction(ttt_step, compiled=compiled_step, name=f"ttt_step_{impl}")
         with compile_guard():
             got[f"{impl}_{'compiled' if compiled_step else 'eager'}"] = unroll(fn, attention, bf16=True)
-    ref_losses, ref_grads = unroll(None, TTTAttention("sdpa"), bf16=False)
+    ref_losses, ref_grads = unroll(None, TTTAttention("sdpa"), bf16=False, on_rows=False)
     for name, (losses, grads) in got.items():
         out[f"{name}_loss_rel_err"] = float(((losses - ref_losses).abs() / ref_losses.abs().clamp_min(1e-30)).max())
         errs = {n: float((grads[n] - r).norm() / r.norm().clamp_min(1e-30)) for n, r in ref_grads.items()}

@@ -23,6 +23,10 @@ row with ``lse_t = +inf`` has ``p = 0`` (the shifted tail).
 
 The total trained on is ``sum_i 0.8**i * loss_i`` (SpecForge's ``ploss_decay``).
 
+The positions may also come gathered, as rows (``head_positions = "trained"``, draft/rows.py): ``logits`` and the
+target ``(N, Vd)``, ``mask`` a weight per row, and ``positions`` the batch's ``B*T`` for the ``all_positions`` mean.
+The sums are the same; only the untrained positions' zero terms are left out.
+
 LK losses (``loss = "lk_lambda" | "lk_alpha"``; arXiv 2602.23881, SpecForge's ``lk_loss_type``, its
 ``specforge/core/lk_loss.py``) train on the acceptance rate itself. Per position, with ``q = softmax(z)`` and
 ``p~`` the target's probabilities of the draft tokens out of its WHOLE vocabulary (not renormalised: a served
@@ -72,6 +76,7 @@ def _soft_cross_entropy(
     mask: torch.Tensor,  # (B, T): the position mask m, shifted
     loss_mask: torch.Tensor | None,  # (B, T): the data's loss mask l, shifted
     mean: str,
+    positions: int | None = None,  # the batch's B*T when the rows are a gathered subset (draft/rows.py)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, count: each ()
     m = mask.to(torch.float32)
     z = logits.float()
@@ -80,7 +85,8 @@ def _soft_cross_entropy(
     # together, with no log-probabilities tensor between them (sum_v p_v is 1 up to rounding, 0 past the tail).
     per_position = torch.logsumexp(z, dim=-1) * p.sum(dim=-1) - (p * z).sum(dim=-1)
     summed = (per_position * m).sum()
-    denominator = float(m.numel()) if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
+    every = float(m.numel() if positions is None else positions)
+    denominator = every if mean == LOSS_MEAN_ALL else m.sum().clamp_min(1.0)
     loss = summed / denominator
     # argmax z_t is argmax p (exp is increasing); past the tail both are 0 and m is 0.
     hits = (logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).to(torch.float32) * m
@@ -94,9 +100,10 @@ def soft_cross_entropy(
     target_lse: torch.Tensor,
     mask: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
+    positions: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss over all B*T positions, correct top-1 count, accuracy denominator): SpecForge's normalisation."""
-    return _soft_cross_entropy(logits, target_logits, target_lse, mask, loss_mask, LOSS_MEAN_ALL)
+    return _soft_cross_entropy(logits, target_logits, target_lse, mask, loss_mask, LOSS_MEAN_ALL, positions)
 
 
 def soft_cross_entropy_masked_mean(
@@ -105,9 +112,10 @@ def soft_cross_entropy_masked_mean(
     target_lse: torch.Tensor,
     mask: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
+    positions: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss over the masked positions only, correct top-1 count, accuracy denominator)."""
-    return _soft_cross_entropy(logits, target_logits, target_lse, mask, loss_mask, LOSS_MEAN_MASKED)
+    return _soft_cross_entropy(logits, target_logits, target_lse, mask, loss_mask, LOSS_MEAN_MASKED, positions)
 
 
 LK_EPS = 1e-8  # the acceptance means' denominator floor (SpecForge's _masked_mean eps)
@@ -143,11 +151,12 @@ def lk_loss(kind: str, mean: str, kl_scale: float = 1.0, kl_decay: float = 1.0) 
         target_lse: torch.Tensor,
         mask: torch.Tensor,
         loss_mask: torch.Tensor | None = None,
+        positions: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         accept, log_accept = acceptance_rates(logits, target_logits, target_lse, mask)
         # the soft cross-entropy against the target renormalised over the draft vocabulary, and the top-1 counts
         draft_lse = torch.logsumexp(target_logits.float(), dim=-1)
-        ce, correct, count = _soft_cross_entropy(logits, target_logits, draft_lse, mask, loss_mask, mean)
+        ce, correct, count = _soft_cross_entropy(logits, target_logits, draft_lse, mask, loss_mask, mean, positions)
         if kind == LOSS_LK_ALPHA:
             return -log_accept, correct, count
         weight = kl_scale * torch.exp(-kl_decay * accept.detach())

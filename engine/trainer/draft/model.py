@@ -45,6 +45,7 @@ from engine.trainer.config import DRAFTER_FP8, DRAFTER_FP8_OFF, DRAFTER_FP8_ROWW
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import Fp8Weight, Layouts, project, weight_layouts
+from engine.trainer.draft.rows import TrainedRows
 
 # (logits, target_logits, target_lse, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator);
 # see loss.py.
@@ -276,6 +277,7 @@ def ttt_step(
     loss_mask: torch.Tensor | None = None,  # (B, T), unshifted
     documents: torch.Tensor | None = None,  # (B, T): packed rows' conversation numbers (data/packing.py)
     weights: Weights | None = None,  # Drafter.cast_weights or fp8_weights: the Linears' weights, made once
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # (index, weight) of the rows it trains (draft/rows.py)
 ) -> tuple[torch.Tensor, ...]:  # hidden (B, T, H), k_all, v_all (B, Hkv, (i+1)*T, D), loss, correct, count ()
     """One TTT step, decoder layer through loss: a pure function of its inputs (checkpoint- and compile-safe).
 
@@ -284,18 +286,34 @@ def ttt_step(
     when given, is the accuracy's denominator (see loss.py). ``documents``: a shifted target counts only inside the
     position's own conversation (never across a packed row's boundary). Compiled as one graph on CUDA
     (norms, rotary, flex attention, MLP, head and loss fused where they can be). ``weights``: the layer's and
-    the head's Linear weights to use instead of the modules' own (see ``Drafter.cast_weights``).
+    the head's Linear weights to use instead of the modules' own (see ``Drafter.cast_weights``). ``rows``: the
+    head and the loss run on those rows of ``B*T`` only, the positions this step trains (draft/rows.py); the
+    same loss, accuracy and gradients as over every position.
     """
     step_qkv = shift_rows(emb_qkv, shift - 1)
     hidden, k_all, v_all = layer(hidden, None, cos, sin, prior_k, prior_v, mask, attention, weights, step_qkv)
-    logits = project(norm(hidden), weights[HEAD] if weights is not None else lm_head.weight, lm_head.bias)
-    target_i, mask_i = shift_left(target_logits, shift), shift_left(position_mask, shift)
-    lse_i = shift_left(target_lse, shift, float("inf"))  # p = 0 past the end
+    head = weights[HEAD] if weights is not None else lm_head.weight
+    mask_i = shift_left(position_mask, shift)
     loss_mask_i = shift_left(loss_mask, shift) if loss_mask is not None else None
     if documents is not None:
         inside = same_document_after(documents, shift)
         mask_i = mask_i * inside.to(mask_i.dtype)
         loss_mask_i = loss_mask_i * inside.to(loss_mask_i.dtype) if loss_mask_i is not None else None
+    if rows is not None:
+        index, weight = rows
+        b, t, h = hidden.shape
+        # Row r trains position index[r] against the target at index[r] + shift: the same sequence, never past it
+        # (padding rows, weight 0, are clamped inside the batch).
+        source = (index + shift).clamp_max(b * t - 1)
+        logits = project(norm(hidden.reshape(b * t, h).index_select(0, index)), head, lm_head.bias)
+        target_rows = target_logits.reshape(b * t, -1).index_select(0, source)
+        lse_rows = target_lse.reshape(b * t).index_select(0, source)
+        loss, correct, _ = loss_fn(logits, target_rows, lse_rows, weight, None, positions=b * t)
+        count = (loss_mask_i if loss_mask_i is not None else mask_i).sum()
+        return hidden, k_all, v_all, loss, correct, count
+    logits = project(norm(hidden), head, lm_head.bias)
+    target_i = shift_left(target_logits, shift)
+    lse_i = shift_left(target_lse, shift, float("inf"))  # p = 0 past the end
     if loss_mask_i is None:
         loss, correct, count = loss_fn(logits, target_i, lse_i, mask_i)
     else:
@@ -406,6 +424,7 @@ class Drafter(nn.Module):
         weight_dtype: torch.dtype | None = None,  # cast the TTT steps' Linear weights once (cast_weights)
         fp8: str = DRAFTER_FP8_OFF,  # drafter_fp8: the Linears' GEMMs in FP8 (draft/fp8.py), weights from fp8_weights
         fp8_layouts: Callable[..., Any] | None = None,  # fp8_weights' layouts_fn (the engine's compiled one)
+        rows: TrainedRows | None = None,  # the rows each step trains (draft/rows.py): head and loss on those only
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, counts: each (ttt_steps,)
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
 
@@ -416,7 +435,11 @@ class Drafter(nn.Module):
         (packed rows): positions, attention and shifted targets stay inside each conversation. ``weight_dtype``:
         the steps run on ``cast_weights(weight_dtype)`` instead of the parameters themselves. ``fp8`` (a recipe, not
         "off"): every Linear, fc and the head included, runs its GEMMs in FP8 on ``fp8_weights``, made once here.
+        ``rows`` (``trained_rows`` of this batch's ``position_mask`` and ``documents``): each step's head and loss
+        run on the positions it trains only (draft/rows.py); the same losses, counts and gradients.
         """
+        if rows is not None and len(rows.index) < ttt_steps:
+            raise ValueError(f"rows: {len(rows.index)} TTT steps of rows for a {ttt_steps}-step unroll")
         if fp8 not in DRAFTER_FP8:  # callers past the config (benchmarks) must not run another recipe than named
             raise ValueError(f"fp8: got {fp8!r}; allowed: {', '.join(DRAFTER_FP8)}")
         seq_len = input_ids.shape[1]
@@ -442,7 +465,8 @@ class Drafter(nn.Module):
             mask = attention.prepare(input_ids.device, seq_len, i, documents)  # outside any compiled region
             cos, sin = rotary[i]
             args = (self.layer, self.norm, self.lm_head, hidden, emb_qkv, cos, sin, prior_k, prior_v, mask, attention)
-            tail = (target_logits, target_lse, position_mask, i + 1, loss_fn, loss_mask, documents, weights)
+            tail: tuple[Any, ...] = (target_logits, target_lse, position_mask, i + 1, loss_fn, loss_mask, documents)
+            tail = (*tail, weights) if rows is None else (*tail, weights, rows.step(i))
             if grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(step, *args, *tail, use_reentrant=False)
             else:

@@ -376,8 +376,10 @@ def build_producers(
     vocab: DraftVocab,
     control: ThreadControl,
     trained: int,
+    rows_ttt_steps: int = 0,
 ) -> list[Producer]:
-    """One producer thread per target, feeding every drafter's route through the shared dispatcher."""
+    """One producer thread per target, feeding every drafter's route through the shared dispatcher
+    (``rows_ttt_steps``: the TTT steps each batch's trained rows are made for, 0 for none; Producer)."""
     return [
         Producer(
             f"target{p}",
@@ -389,6 +391,7 @@ def build_producers(
             draft_ids=vocab.draft_to_target,
             t2d=vocab.t2d(target.vocab_size),
             control=control,
+            rows_ttt_steps=rows_ttt_steps,
         )
         for p, target in enumerate(targets)
     ]

@@ -26,7 +26,7 @@ import torch
 
 from engine.protocol import VOCAB_COVERAGE_WARN, CheckpointEvent, RunEndEvent, StageEvent
 from engine.trainer import checkpoint as ckpt
-from engine.trainer.config import DRAFTER_FP8_OFF, TrainerConfig
+from engine.trainer.config import DRAFTER_FP8_OFF, HEAD_POSITIONS_TRAINED, TrainerConfig
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.rows import LoadingStopped
 from engine.trainer.data.sources import BatchSource, ConversationSource
@@ -178,8 +178,9 @@ class TrainingRun:
         routes = [Route(q, d) for q, d in zip(self.queues, ddevs, strict=True)]
         trained = max(ledger.trained for ledger in self._ledgers)
         assert self.vocab is not None
+        rows_ttt = cfg.ttt_steps if cfg.head_positions == HEAD_POSITIONS_TRAINED else 0
         self.producers = build_producers(
-            self.targets, self.source, routes, self.dispatcher, self.vocab, self.control, trained
+            self.targets, self.source, routes, self.dispatcher, self.vocab, self.control, trained, rows_ttt
         )
         if cfg.cuda_streams == "per_device":
             share_streams(self.producers, self.workers)

@@ -19,6 +19,7 @@ import torch
 
 from engine.trainer.data.dispatch import Dispatcher
 from engine.trainer.data.sources import BatchSource, HostBatch
+from engine.trainer.draft.rows import TrainedRows, trained_rows
 from engine.trainer.threads.compile import apply_dynamo_config
 from engine.trainer.threads.control import ThreadControl
 from engine.trainer.threads.health import name_os_thread
@@ -42,6 +43,7 @@ class DeviceBatch:
     loss_mask: torch.Tensor | None = None  # (B, T) the data's loss mask: the accuracy's denominator (loss.py)
     documents: torch.Tensor | None = None  # (B, T) packed rows' conversation numbers (data/packing.py), or None
     useful_tokens: int | None = None  # tokens inside conversations (None: every token is)
+    rows: TrainedRows | None = None  # the rows each TTT step trains (draft/rows.py), made by the producer, or None
 
     @property
     def tokens(self) -> int:
@@ -52,7 +54,8 @@ class DeviceBatch:
             stream = torch.cuda.current_stream()
             stream.wait_event(self.ready)
             tensors = (self.input_ids, self.hidden3, self.target_logits, self.target_lse, self.position_mask)
-            for t in (*tensors, self.loss_mask, self.documents):
+            rows = (*self.rows.index, *self.rows.weight) if self.rows is not None else ()
+            for t in (*tensors, self.loss_mask, self.documents, *rows):
                 if t is not None:
                     t.record_stream(stream)
 
@@ -73,6 +76,7 @@ class TargetBatch:
     target: TargetOutput  # hidden states, target distribution and masks of those ids
     ready: Any  # torch.cuda.Event recorded after the target's forward, or None on the CPU
     target_ms: float
+    rows: TrainedRows | None = None  # the rows each TTT step trains (draft/rows.py), when the drafters want them
 
 
 class Producer:
@@ -88,7 +92,11 @@ class Producer:
         draft_ids: torch.Tensor,
         t2d: torch.Tensor,
         control: ThreadControl,
+        rows_ttt_steps: int = 0,
     ) -> None:
+        """``rows_ttt_steps``: make each batch's ``trained_rows`` for that many TTT steps (0: none; the drafters'
+        head_positions "trained"): here, right after the target's forward, the one read of their counts to the
+        host waits for the target, not for a drafter."""
         self.name = name
         self.target = target
         self.source = source
@@ -97,6 +105,7 @@ class Producer:
         self.draft_ids = draft_ids.to(target.device)
         self.t2d = t2d.to(target.device)
         self.control = control
+        self.rows_ttt_steps = rows_ttt_steps
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.finished = threading.Event()
         self.failed = False
@@ -120,20 +129,22 @@ class Producer:
         docs = hb.documents.to(dev, non_blocking=True) if hb.documents is not None else None
         # In the dtype the target was loaded in; packed rows: no token attends across a conversation.
         out = self.target.run(ids, mask, self.draft_ids, self.t2d, documents=docs)
+        rows = trained_rows(out.position_mask, docs, self.rows_ttt_steps) if self.rows_ttt_steps else None
         ready = None
         if dev.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         ms = (time.perf_counter() - t0) * 1000.0
-        return TargetBatch(hb, ids, docs, out, ready, ms)
+        return TargetBatch(hb, ids, docs, out, ready, ms, rows)
 
     def _batch_for(self, route: Route, out: TargetBatch) -> DeviceBatch:
         got = out.target
         tensors = [out.input_ids, got.hidden3, got.target_logits, got.target_lse, got.position_mask, got.loss_mask]
-        documents = out.documents
+        documents, rows = out.documents, out.rows
         if route.device != self.target.device:
             tensors = [t.to(route.device, non_blocking=True) for t in tensors]
             documents = documents.to(route.device, non_blocking=True) if documents is not None else None
+            rows = rows.to(route.device, non_blocking=True) if rows is not None else None
         ready = out.ready
         if route.device != self.target.device and self.target.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -149,6 +160,7 @@ class Producer:
             loss_mask=tensors[5],
             documents=documents,
             useful_tokens=out.host.useful_tokens,
+            rows=rows,
         )
         batch.ready = ready
         batch.target_ms = out.target_ms

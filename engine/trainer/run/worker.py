@@ -22,11 +22,12 @@ import torch
 
 from engine.protocol import NonFiniteGradEvent, StepEvent
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
-from engine.trainer.config import DRAFTER_FP8_OFF, TrainerConfig
+from engine.trainer.config import DRAFTER_FP8_OFF, HEAD_POSITIONS_TRAINED, TrainerConfig
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss, weighted_total
 from engine.trainer.draft.model import Drafter
+from engine.trainer.draft.rows import TrainedRows, trained_rows
 from engine.trainer.run.distributed import CrossRank
 from engine.trainer.run.producer import DeviceBatch
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard, lending_guard
@@ -321,6 +322,7 @@ class WorkerSettings:
     cast_weights_once: bool = True  # under autocast: the TTT steps share one cast of the weights (Drafter.forward)
     drafter_fp8: str = DRAFTER_FP8_OFF  # the Linears' GEMMs in FP8 (draft/fp8.py), on weights quantised once a step
     overlap_steps: str = "auto"  # the next forward launched before a step's numbers are read (config.py); auto: CUDA
+    head_positions: str = HEAD_POSITIONS_TRAINED  # "trained": head and loss on the rows each step trains (rows.py)
     max_grad_norm: float = 1.0
     nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
     log_every: int = 1  # a step event every log_every steps (and at step 1)
@@ -403,8 +405,18 @@ class DrafterWorker:
         dtype = self.training.autocast_dtype
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.training.device.type, dtype=dtype)
 
+    def rows(self, batch: DeviceBatch) -> TrainedRows | None:
+        """The rows each TTT step of ``batch`` trains (head_positions "trained"): the producer's, or made here."""
+        if self.settings.head_positions != HEAD_POSITIONS_TRAINED:
+            return None
+        ttt = self.settings.ttt_steps
+        if batch.rows is not None and len(batch.rows.index) >= ttt:
+            return batch.rows
+        return trained_rows(batch.position_mask, batch.documents, ttt)
+
     def forward(self, batch: DeviceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-TTT-position losses, correct counts and token counts of one batch (the unrolled drafter)."""
+        rows = self.rows(batch)
         with self._autocast():
             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.training.drafter(
                 batch.hidden3,
@@ -422,6 +434,7 @@ class DrafterWorker:
                 weight_dtype=self.weight_dtype,
                 fp8=self.settings.drafter_fp8,
                 fp8_layouts=self.training.fp8_layouts,
+                rows=rows,
             )
         return out
 

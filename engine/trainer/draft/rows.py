@@ -1,0 +1,94 @@
+"""The positions each TTT step trains on, so that the head and the loss run on those rows only.
+
+A position counts in step ``i``'s loss only where its shifted position mask is set (the data's loss mask, the
+target's top token in the draft vocabulary, inside its own conversation when rows are packed); everywhere else
+its loss and its gradient are zero. The decoder layer must still run at every position (its keys and hidden states
+feed the other positions and the next step), but the draft-vocabulary head (``B*T x H x Vd``, about a third of a
+step's GEMM work at the 8B shape) and the loss's reductions over ``Vd`` need not: ``head_positions = "trained"``
+gathers the trained rows first and runs the head and the loss on them (draft/model.py ``ttt_step``). The losses,
+accuracies and gradients are the same sums over the same terms, in another order.
+
+What it saves is the untrained share of positions: on conversations the prompts (loss mask 0) and the positions
+whose target token is outside the draft vocabulary; on random tokens through a random target (the throughput
+benchmark) about three quarters of the positions, since the target's top token then falls in a 32k draft
+vocabulary out of 128k about one time in four.
+
+Shapes: step ``i``'s rows are padded up to a multiple of ``ROW_QUANTUM`` (at least ``ROW_QUANTUM``) with row 0 at
+weight 0, so a row count is never 0 or 1 (sizes a compiled graph would specialise on) and the FP8 GEMMs get a
+multiple of 16; the row dimension is marked dynamic, so one compiled graph per step takes every count. The counts
+are read to the host once an unroll (``torch.nonzero_static`` needs them); the producer does that right after the
+target's forward, off the drafter's critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.trainer.data.packing import same_document_after
+
+ROW_QUANTUM = 16  # row counts are padded to a multiple of this (draft/fp8.py's MATMUL_ALIGN), never below it
+
+
+@dataclass(frozen=True)
+class TrainedRows:
+    """Per TTT step ``i``: the flat ``(b * T + t)`` positions it trains (``index``, int64) and a weight per row
+    (``weight``, float32: 1 for a trained position, 0 for padding). Position ``t`` of step ``i`` predicts the target
+    at ``t + i + 1``, in the same row (the rows never reach past their sequence)."""
+
+    index: tuple[torch.Tensor, ...]
+    weight: tuple[torch.Tensor, ...]
+    counts: tuple[int, ...]  # trained positions per step (the unpadded row counts)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TrainedRows:
+        return TrainedRows(
+            tuple(t.to(device, non_blocking=non_blocking) for t in self.index),
+            tuple(t.to(device, non_blocking=non_blocking) for t in self.weight),
+            self.counts,
+        )
+
+    def step(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``i``'s (index, weight), their row dimension marked dynamic for torch.compile."""
+        index, weight = self.index[i], self.weight[i]
+        mark_rows_dynamic(index, weight)
+        return index, weight
+
+
+def mark_rows_dynamic(*tensors: torch.Tensor) -> None:
+    """Dim 0 of each tensor is a row count that changes from batch to batch: one compiled graph for all of them."""
+    try:
+        import torch._dynamo as dynamo
+    except ImportError:  # pragma: no cover - torch without dynamo: nothing compiles
+        return
+    for t in tensors:
+        dynamo.mark_dynamic(t, 0)
+
+
+def step_masks(position_mask: torch.Tensor, documents: torch.Tensor | None, ttt_steps: int) -> torch.Tensor:
+    """``(ttt_steps, B, T)`` bool: step ``i``'s shifted position mask (draft/model.py ``ttt_step``'s ``mask_i``)."""
+    b, t = position_mask.shape
+    out = torch.zeros(ttt_steps, b, t, dtype=torch.bool, device=position_mask.device)
+    held = position_mask > 0
+    for i in range(ttt_steps):
+        shift = i + 1
+        if shift >= t:
+            continue
+        step = held[:, shift:]
+        if documents is not None:
+            step = step & same_document_after(documents, shift)[:, : t - shift]
+        out[i, :, : t - shift] = step
+    return out
+
+
+def trained_rows(position_mask: torch.Tensor, documents: torch.Tensor | None, ttt_steps: int) -> TrainedRows:
+    """The rows every TTT step of this batch trains (one device-to-host read of the counts)."""
+    masks = step_masks(position_mask, documents, ttt_steps).flatten(1)  # (ttt_steps, B*T)
+    counts = [int(c) for c in masks.sum(dim=1).tolist()]
+    index, weight = [], []
+    for i, count in enumerate(counts):
+        size = max(ROW_QUANTUM, -(-count // ROW_QUANTUM) * ROW_QUANTUM)
+        rows = torch.nonzero_static(masks[i], size=size, fill_value=0).squeeze(1)
+        index.append(rows)
+        weight.append((torch.arange(size, device=rows.device) < count).to(torch.float32))
+    return TrainedRows(tuple(index), tuple(weight), tuple(counts))
