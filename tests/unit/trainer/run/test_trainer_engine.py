@@ -226,6 +226,24 @@ def test_two_drafter_threads_learn_on_the_shipped_corpus(tmp_path: Path) -> None
         assert torch.equal(pa, pb)
 
 
+def test_head_on_trained_rows_trains_what_every_row_trains(tmp_path: Path, small_corpus: Path) -> None:
+    """head_positions "trained" (the default: the producer gathers each TTT step's trained rows) against "all":
+    the same batches give the same losses and accuracies step by step, and the same weights at the end."""
+    got = {}
+    for mode in ("trained", "all"):
+        cfg = make_config(tmp_path / mode, small_corpus, steps=6, log_every=1, head_positions=mode)
+        engine, rec = build(cfg, tmp_path / mode)
+        assert engine.run() == 0
+        steps = rec.of("step")
+        assert [e["step"] for e in steps] == list(range(1, 7))
+        got[mode] = (steps, [p.detach().clone() for p in engine.workers[0].training.drafter.parameters()])
+    for a, b in zip(got["trained"][0], got["all"][0], strict=True):
+        assert a["acc"] == b["acc"], (a["step"], a["acc"], b["acc"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    for pa, pb in zip(got["trained"][1], got["all"][1], strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
