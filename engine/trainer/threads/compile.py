@@ -243,7 +243,12 @@ def apply_dynamo_config() -> None:
 
 def _signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device), value.requires_grad)
+        # A dimension marked dynamic (torch._dynamo.mark_dynamic: draft/rows.py's row counts) is one graph for every
+        # size, so one signature: "*", not the size of the call.
+        dynamic = getattr(value, "_dynamo_dynamic_indices", ())
+        shape = tuple("*" if i in dynamic else d for i, d in enumerate(value.shape))
+        stride = tuple("*" if dynamic else d for d in value.stride())
+        return ("T", shape, stride, value.dtype, str(value.device), value.requires_grad)
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
     if isinstance(value, dict):

@@ -20,8 +20,8 @@ from engine.trainer.config import (
     LOSS_MEAN_MASKED,
     LOSS_SOFT_CE,
 )
-from engine.trainer.draft.fp8 import cpu_rowwise_supported
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.fp8 import cpu_rowwise_supported
 from engine.trainer.draft.loss import loss_function, total_loss
 from engine.trainer.draft.model import DraftConfig, Drafter, shift_left, ttt_step
 from engine.trainer.draft.rows import ROW_QUANTUM, step_masks, trained_rows
@@ -161,12 +161,14 @@ def test_compiled_steps_take_every_row_count_with_one_graph_each() -> None:
     with compile_guard():
         unroll(model, batch(seed=1, keep=0.9), rows=True, loss_fn=loss_fn, step_fn=step)
     step.mark_warm()
-    graphs = step.graph_count()
+    graphs, signatures = step.graph_count(), len(step._seen)
     for seed, keep in ((2, 0.3), (3, 0.6), (4, 0.05)):
         b = batch(seed=seed, keep=keep)
         got = unroll(model, b, rows=True, loss_fn=loss_fn, step_fn=step)
         assert_same(unroll(model, b, rows=False, loss_fn=loss_fn), got)
     assert step.graph_count() == graphs, "a new row count compiled another graph"
+    # and is no new signature to the guard (which would take the compile lock alone for every batch)
+    assert len(step._seen) == signatures, "a new row count made another signature"
     assert step.events == [], step.events
 
 
