@@ -17,6 +17,10 @@
 #   sh tests/device/throughput_runs.sh ab [BATCH]      the engine bf16 on another tree (.peer/base.tar: `git archive
 #       COMMIT -o .peer/base.tar`, carried with .peer), then on this one, in one call: a change's A/B in the whole
 #       engine (<= 560 s).
+#   sh tests/device/throughput_runs.sh rows [BATCH]     the engine bf16 with head_positions = "all" (the head and the loss
+#       on every position, as SpecForge), then with the default "trained" (on the rows each TTT step trains,
+#       engine/trainer/draft/rows.py): the change's A/B in the whole engine, with the share of positions trained
+#       (trained_share; random tokens through a random target train about a quarter of them) (<= 480 s).
 #   sh tests/device/throughput_runs.sh cast [BATCH]    the engine bf16 with cast_weights_once = false, then with the
 #       default (true): the candidate's A/B (~330 s, at most 480).
 #   sh tests/device/throughput_runs.sh chat [BATCH]    real chat lengths in one call: SpecForge's step with --lengths chat
@@ -61,6 +65,10 @@ engine() {  # $1: the plan, $2: the seconds it may take in all, $3: the seconds 
         --out "$OUT" > "$OUT/engine.txt" 2>&1
     echo "engine exit $?" >> "$OUT/engine.txt"
     grep -E '"mode"|"tok_s"|mfu|"error"|phase|"fwd"|"bwd"|"opt"|producer_target_ms|peak_gib|wall_s' "$OUT/engine.txt"
+    python3 -c 'import json, sys
+for r in json.load(open(sys.argv[1])):
+    if isinstance(r, dict) and "trained_share" in r:
+        print("trained_share", r.get("mode"), r.get("head_positions"), r.get("trained_share"))' "$OUT/bench_engine.json" 2>/dev/null
 }
 peer() {  # $1: the seconds SpecForge's step may take; SF_ARGS passes through to its sf_peer.py
     if [ ! -f .peer/specforge/run.sh ]; then
@@ -99,6 +107,9 @@ case "$PART" in
         ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
+        ;;
+    rows)
+        engine 'engine --set head_positions="all";engine' 480 235
         ;;
     chat)
         export SF_ARGS="--lengths chat --batch $B"
