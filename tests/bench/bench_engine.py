@@ -575,13 +575,13 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     if engine.source is not None and engine.vocab is not None:  # the share of positions batch 0 trains per TTT step
         target, hb = engine.targets[0], engine.source.batch(0)
         with torch.no_grad():
-            got = target.run(
+            first = target.run(
                 hb.input_ids.to(target.device),
                 hb.loss_mask.to(target.device),
                 engine.vocab.draft_to_target.to(target.device),
                 engine.vocab.t2d(target.vocab_size).to(target.device),
             )
-        share = trained_share(got.position_mask)
+        share = trained_share(first.position_mask)
     ms = [e["ms"] for t, e in steps_ev if e["step"] > warm]
     tms = [e["target_ms"] for t, e in steps_ev if e["step"] > warm]
     return {

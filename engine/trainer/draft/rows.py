@@ -13,11 +13,14 @@ whose target token is outside the draft vocabulary; on random tokens through a r
 benchmark) about three quarters of the positions, since the target's top token then falls in a 32k draft
 vocabulary out of 128k about one time in four.
 
-Shapes: step ``i``'s rows are padded up to a multiple of ``ROW_QUANTUM`` (at least ``ROW_QUANTUM``) with row 0 at
-weight 0, so a row count is never 0 or 1 (sizes a compiled graph would specialise on) and the FP8 GEMMs get a
-multiple of 16; the row dimension is marked dynamic, so one compiled graph per step takes every count. The counts
-are read to the host once an unroll (``torch.nonzero_static`` needs them); the producer does that right after the
-target's forward, off the drafter's critical path.
+Shapes: step ``i``'s rows are padded with row 0 at weight 0 up to the next count that is 8 more than a multiple of
+16 (at least 8), and the row dimension is marked dynamic, so one compiled graph per step takes every count. Such a
+count is never 0 or 1 (sizes a compiled graph specialises on) and never equal to a static size of the step: those
+are multiples of 16 (``B*T``, the hidden size, the vocabularies), and a graph first compiled at a count equal to one
+was specialised to it on an H100 (the three TTT steps whose warm-up count was padded to ``B*T`` compiled again at
+the first real batch; the four padded to ``B*T - 16`` did not). The counts are read to the host once an unroll
+(``torch.nonzero_static`` needs them); the producer does that right after the target's forward, off the drafter's
+critical path.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch
 
 from engine.trainer.data.packing import same_document_after
 
-ROW_QUANTUM = 16  # row counts are padded to a multiple of this (draft/fp8.py's MATMUL_ALIGN), never below it
+ROW_QUANTUM = 16  # row counts are padded up to ROW_OFFSET more than a multiple of this (see above)
+ROW_OFFSET = 8
 
 
 @dataclass(frozen=True)
@@ -81,13 +85,19 @@ def step_masks(position_mask: torch.Tensor, documents: torch.Tensor | None, ttt_
     return out
 
 
+def row_count(count: int) -> int:
+    """The padded row count for ``count`` trained positions: the least ``n >= max(count, ROW_OFFSET)`` with
+    ``n % ROW_QUANTUM == ROW_OFFSET`` (never 0 or 1, never a multiple of 16)."""
+    return max(ROW_OFFSET, count + (ROW_OFFSET - count) % ROW_QUANTUM)
+
+
 def trained_rows(position_mask: torch.Tensor, documents: torch.Tensor | None, ttt_steps: int) -> TrainedRows:
     """The rows every TTT step of this batch trains (one device-to-host read of the counts)."""
     masks = step_masks(position_mask, documents, ttt_steps).flatten(1)  # (ttt_steps, B*T)
     counts = [int(c) for c in masks.sum(dim=1).tolist()]
     index, weight = [], []
     for i, count in enumerate(counts):
-        size = max(ROW_QUANTUM, -(-count // ROW_QUANTUM) * ROW_QUANTUM)
+        size = row_count(count)
         rows = torch.nonzero_static(masks[i], size=size, fill_value=0).squeeze(1)
         index.append(rows)
         weight.append((torch.arange(size, device=rows.device) < count).to(torch.float32))

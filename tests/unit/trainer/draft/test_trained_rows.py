@@ -24,7 +24,7 @@ from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import cpu_rowwise_supported
 from engine.trainer.draft.loss import loss_function, total_loss
 from engine.trainer.draft.model import DraftConfig, Drafter, shift_left, ttt_step
-from engine.trainer.draft.rows import ROW_QUANTUM, step_masks, trained_rows
+from engine.trainer.draft.rows import ROW_OFFSET, ROW_QUANTUM, step_masks, trained_rows
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 
 TTT_STEPS = 3
@@ -133,11 +133,22 @@ def test_rows_are_the_shifted_trained_positions_padded_with_weight_zero() -> Non
         count = int(want.sum())
         index, weight = rows.index[i], rows.weight[i]
         assert rows.counts[i] == count
-        assert index.numel() % ROW_QUANTUM == 0 and index.numel() >= max(count, ROW_QUANTUM)
+        # padded to 8 more than a multiple of 16: never 0 or 1, never a static size such as B*T
+        assert index.numel() % ROW_QUANTUM == ROW_OFFSET and count <= index.numel() < count + ROW_QUANTUM
         assert torch.equal(index[:count], want.flatten().nonzero().squeeze(1))
         assert torch.equal(weight, (torch.arange(index.numel()) < count).float())
         # every trained position's target lies in its own sequence
         assert bool(((index[:count] % SEQ) + shift < SEQ).all())
+
+
+def test_an_all_trained_batch_pads_its_rows_past_the_batch_not_to_its_size() -> None:
+    """The warm-up's synthetic batch trains every position: counts B*(T - shift), which padding to a multiple of 16
+    took to exactly B*T for the first steps, and the graphs compiled at that count were compiled again on an H100."""
+    for b, t in ((4, 2048), (2, 32), (1, 128), (3, 256)):
+        rows = trained_rows(torch.ones(b, t), None, 7)
+        sizes = [i.numel() for i in rows.index]
+        assert rows.counts == tuple(b * (t - s) for s in range(1, 8))
+        assert all(n % 16 == 8 and n != b * t for n in sizes), (b, t, sizes)
 
 
 def test_a_step_with_nothing_to_train_counts_zero_and_gives_no_gradient() -> None:
