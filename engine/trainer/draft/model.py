@@ -288,7 +288,9 @@ def ttt_step(
     (norms, rotary, flex attention, MLP, head and loss fused where they can be). ``weights``: the layer's and
     the head's Linear weights to use instead of the modules' own (see ``Drafter.cast_weights``). ``rows``: the
     head and the loss run on those rows of ``B*T`` only, the positions this step trains (draft/rows.py); the
-    same loss, accuracy and gradients as over every position.
+    same loss, accuracy and gradients as over every position, up to rounding. (With the drafter's GEMMs in FP8 the
+    head's weight gradient scales each feature by its largest value over the rows it is given: an untrained row
+    no longer sets that scale, so values near e4m3's smallest round differently.)
     """
     step_qkv = shift_rows(emb_qkv, shift - 1)
     hidden, k_all, v_all = layer(hidden, None, cos, sin, prior_k, prior_v, mask, attention, weights, step_qkv)

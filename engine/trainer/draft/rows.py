@@ -14,13 +14,13 @@ benchmark) about three quarters of the positions, since the target's top token t
 vocabulary out of 128k about one time in four.
 
 Shapes: step ``i``'s rows are padded with row 0 at weight 0 up to the next count that is 8 more than a multiple of
-16 (at least 8), and the row dimension is marked dynamic, so one compiled graph per step takes every count. Such a
-count is never 0 or 1 (sizes a compiled graph specialises on) and never equal to a static size of the step: those
-are multiples of 16 (``B*T``, the hidden size, the vocabularies), and a graph first compiled at a count equal to one
-was specialised to it on an H100 (the three TTT steps whose warm-up count was padded to ``B*T`` compiled again at
-the first real batch; the four padded to ``B*T - 16`` did not). The counts are read to the host once an unroll
-(``torch.nonzero_static`` needs them); the producer does that right after the target's forward, off the drafter's
-critical path.
+16 (at least 8; one quantum more where that would be ``B*T``), and the row dimension is marked dynamic, so one
+compiled graph per step takes every count. Such a count is never 0 or 1 (sizes a compiled graph specialises on),
+never ``B*T``, and never any other multiple of 16 (the hidden sizes and vocabularies of real models, and ``B*T``
+when the buckets are): a graph first compiled at a count equal to a static size of the step was specialised to it
+on an H100 (the three TTT steps whose warm-up count was padded to ``B*T`` compiled again at the first real batch;
+the four padded to ``B*T - 16`` did not). The counts are read to the host once an unroll (``torch.nonzero_static``
+needs them); the producer does that right after the target's forward, off the drafter's critical path.
 """
 
 from __future__ import annotations
@@ -85,10 +85,22 @@ def step_masks(position_mask: torch.Tensor, documents: torch.Tensor | None, ttt_
     return out
 
 
-def row_count(count: int) -> int:
-    """The padded row count for ``count`` trained positions: the least ``n >= max(count, ROW_OFFSET)`` with
-    ``n % ROW_QUANTUM == ROW_OFFSET`` (never 0 or 1, never a multiple of 16)."""
-    return max(ROW_OFFSET, count + (ROW_OFFSET - count) % ROW_QUANTUM)
+def row_count(count: int, positions: int) -> int:
+    """The padded row count for ``count`` trained positions out of ``positions`` (``B*T``): the least
+    ``n >= max(count, ROW_OFFSET)`` with ``n % ROW_QUANTUM == ROW_OFFSET``, or the next such ``n`` where that one
+    is ``positions`` (never 0 or 1, never ``B*T``, never a multiple of 16)."""
+    size = max(ROW_OFFSET, count + (ROW_OFFSET - count) % ROW_QUANTUM)
+    return size + ROW_QUANTUM if size == positions else size
+
+
+def nonzero_padded(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """``mask.nonzero()`` of a 1-D mask padded with 0 to ``size`` entries (``size`` >= the count): in one kernel
+    without a host read where ``torch.nonzero_static`` runs on the device (CUDA from torch 2.6), else in two."""
+    try:
+        return torch.nonzero_static(mask, size=size, fill_value=0).squeeze(1)
+    except (NotImplementedError, RuntimeError):  # torch 2.5's CUDA has no nonzero_static kernel
+        rows = mask.nonzero().squeeze(1)
+        return torch.cat((rows, rows.new_zeros(size - rows.numel())))
 
 
 def trained_rows(position_mask: torch.Tensor, documents: torch.Tensor | None, ttt_steps: int) -> TrainedRows:
@@ -97,8 +109,8 @@ def trained_rows(position_mask: torch.Tensor, documents: torch.Tensor | None, tt
     counts = [int(c) for c in masks.sum(dim=1).tolist()]
     index, weight = [], []
     for i, count in enumerate(counts):
-        size = row_count(count)
-        rows = torch.nonzero_static(masks[i], size=size, fill_value=0).squeeze(1)
+        size = row_count(count, masks.shape[1])
+        rows = nonzero_padded(masks[i], size)
         index.append(rows)
         weight.append((torch.arange(size, device=rows.device) < count).to(torch.float32))
     return TrainedRows(tuple(index), tuple(weight), tuple(counts))

@@ -143,12 +143,28 @@ def test_rows_are_the_shifted_trained_positions_padded_with_weight_zero() -> Non
 
 def test_an_all_trained_batch_pads_its_rows_past_the_batch_not_to_its_size() -> None:
     """The warm-up's synthetic batch trains every position: counts B*(T - shift), which padding to a multiple of 16
-    took to exactly B*T for the first steps, and the graphs compiled at that count were compiled again on an H100."""
-    for b, t in ((4, 2048), (2, 32), (1, 128), (3, 256)):
+    took to exactly B*T for the first steps, and the graphs compiled at that count were compiled again on an H100.
+    Buckets need not be multiples of 16: a B*T of 8 more than one is stepped over too."""
+    for b, t in ((4, 2048), (2, 32), (1, 128), (3, 256), (2, 100), (1, 1000), (1, 24)):
         rows = trained_rows(torch.ones(b, t), None, 7)
         sizes = [i.numel() for i in rows.index]
         assert rows.counts == tuple(b * (t - s) for s in range(1, 8))
         assert all(n % 16 == 8 and n != b * t for n in sizes), (b, t, sizes)
+
+
+def test_rows_without_nonzero_static_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.5's CUDA has no nonzero_static kernel: the rows are then made by nonzero and padded."""
+    b = batch(packed=True)
+    want = trained_rows(b["position_mask"], b["documents"], TTT_STEPS)
+
+    def missing(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from the 'CUDA' backend")
+
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    got = trained_rows(b["position_mask"], b["documents"], TTT_STEPS)
+    assert got.counts == want.counts
+    for a, c in zip(want.index, got.index, strict=True):
+        assert torch.equal(a, c)
 
 
 def test_a_step_with_nothing_to_train_counts_zero_and_gives_no_gradient() -> None:
@@ -185,8 +201,10 @@ def test_compiled_steps_take_every_row_count_with_one_graph_each() -> None:
 
 @pytest.mark.skipif(not cpu_rowwise_supported(), reason="this torch's CPU _scaled_mm takes no row-wise scales")
 def test_trained_rows_with_the_drafter_gemms_in_fp8() -> None:
-    """Row-wise scales are per token (a gathered row quantises as it did in place) and the weight gradient's
-    per-feature scales see the same non-zero rows: FP8 on the trained rows gives FP8 on every row's numbers."""
+    """Row-wise scales are per token (a gathered row quantises as it did in place); the head's weight gradient
+    scales each feature over the rows it is given, which no longer include the untrained ones: with activations of
+    one scale, as here and in training, that moves only values near e4m3's smallest (the scales are powers of two),
+    and the numbers agree to 1e-4."""
     model = drafter(draft_vocab=16)
     b = batch(draft_vocab=16)
     loss_fn = loss_function(LOSS_MEAN_ALL, LOSS_SOFT_CE)
