@@ -546,6 +546,19 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "ttt_steps": TTT,
         "draft_vocab_size": DRAFT_VOCAB,
     }
+    if DRY:  # the whole mode's code on the CPU (tiny target, eager): what a device call would run, without one
+        overrides.update(
+            {
+                "target": "tiny",
+                "target_devices": ["cpu"],
+                "drafter_devices": ["cpu"],
+                "compile": False,
+                "compile_target": False,
+                "attention": "sdpa",
+                "cuda_streams": "per_thread",
+                "torch_threads": 1,
+            }
+        )
     overrides.update(dict(parse_override(s) for s in extra))
     cfg = from_dict(overrides, preset("h200-single"))
     events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
@@ -600,7 +613,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "warmup_s": (training[0] - built) if training else None,
         "start_to_first_step_s": first_step - t0,
         "warmup_per_thread_s": [w.warmup_s for w in engine.workers],
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": 0.0 if DRY else torch.cuda.max_memory_allocated() / 2**30,
         "steps_seen": len(steps_ev),
         # Replicas on several GPUs: equal weight digests on every GPU at the end (checked, not assumed).
         "weights_equal_across_gpus": len(set(digests.values())) == 1 if digests else None,
@@ -673,7 +686,9 @@ def main() -> int:
     ap.add_argument("--plan", default="baseline;sides;engine")
     ap.add_argument("--batch", type=int, default=1, help="batch size of every mode (the engine: --set batch_size)")
     ap.add_argument(
-        "--dry-run", action="store_true", help="baseline, profile: the code path on the CPU (tiny target, seq 128)"
+        "--dry-run",
+        action="store_true",
+        help="baseline, profile, engine: the code path on the CPU (tiny target, seq 128)",
     )
     ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()

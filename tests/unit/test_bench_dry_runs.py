@@ -87,6 +87,19 @@ def test_bench_engine_modes_run_on_the_cpu(mode: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rows", ["trained", "all"])
+def test_bench_engine_engine_mode_runs_on_the_cpu(rows: str, tmp_path: Path) -> None:
+    """The table's engine rows (throughput_runs.sh): the whole engine and the result code after it. Session 17 lost a
+    device call to a name clash there, raised only after both engine runs had finished."""
+    argv = [str(BENCH / "bench_engine.py"), "engine", "--dry-run", "--steps", "2", "--warm", "1"]
+    (res,) = results([*argv, "--set", f'head_positions="{rows}"', "--out", str(tmp_path)])
+    assert res["exit_code"] == 0 and res["failures"] == [] and res["compile_events"] == []
+    assert res["tok_s"] > 0 and res["steps_seen"] == 3 and res["head_positions"] == rows
+    share = res["trained_share"]
+    assert len(share) == 7 and all(0 < s <= 1 for s in share)  # one share per TTT step
+
+
+@pytest.mark.slow
 def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_path: Path) -> None:
     """The quality bench's own path (no SpecForge, no vLLM): our engine on the bench's batches, both losses, each
     export counted by `specdec-train eval --export`, the table's rows and comparison."""
