@@ -438,7 +438,8 @@ class Drafter(nn.Module):
         the steps run on ``cast_weights(weight_dtype)`` instead of the parameters themselves. ``fp8`` (a recipe, not
         "off"): every Linear, fc and the head included, runs its GEMMs in FP8 on ``fp8_weights``, made once here.
         ``rows`` (``trained_rows`` of this batch's ``position_mask`` and ``documents``): each step's head and loss
-        run on the positions it trains only (draft/rows.py); the same losses, counts and gradients.
+        run on the positions it trains only (draft/rows.py); the same losses, counts and gradients up to rounding
+        (see ``ttt_step``).
         """
         if rows is not None and len(rows.index) < ttt_steps:
             raise ValueError(f"rows: {len(rows.index)} TTT steps of rows for a {ttt_steps}-step unroll")
