@@ -3,7 +3,7 @@ drafters exported as vLLM loads them and served by vLLM.
 
     python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
         [--data regen|shipped|FILE] [--device cpu|cuda] [--phase all|train|serve] [--serve all|first-seed|none]
-        [--temperatures 0,1] [--draft-sample-method probabilistic] [--work DIR] [--out RESULT.json]
+        [--temperatures 0,1] [--draft-sample-method probabilistic] [--layers 3,5,7] [--work DIR] [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
     python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
 
@@ -201,6 +201,8 @@ def train_ours(
             f"checkpoint_every={a.steps}", f"log_every={max(1, a.steps // 10)}", f'data="{train}"', "eval_holdout=0",
             f"seed={seed}", f'loss="{loss}"', f"lk_kl_scale={a.kl_scale}", f"lk_kl_decay={a.kl_decay}",
             f"torch_threads={a.threads}", f'data_cache_dir="{cell.parent / "data_cache"}"']  # fmt: skip
+    if a.layers:
+        sets.append(f"target_layers={a.layers}")
     if out.exists():
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out)]
@@ -227,6 +229,8 @@ def train_specforge(
            "--max-grad-norm", str(CLIP), "--ttt", str(TTT), "--loss", loss, "--kl-scale", str(a.kl_scale),
            "--kl-decay", str(a.kl_decay), "--device", a.device, "--work", str(cell / "sf-work"), "--out", str(export),
            "--threads", str(a.threads)]  # fmt: skip
+    if a.layers:
+        cmd += ["--layers", ",".join(str(i) for i in a.layers)]
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     out = run(cmd, env=env, log=cell / "train.log")
@@ -474,6 +478,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rejection-sample-method", default="standard", choices=["standard", "block"])
     ap.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"])
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--layers", type=lambda v: [int(i) for i in v.split(",")], default=None,
+                    help="the target layers both trainers capture, as output ids (e.g. 3,5,7; the exports tell the "
+                         "servers); default each trainer's own (the same for Llama targets)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out prompts are served")
     ap.add_argument("--out", type=Path, help="the result JSON (default: WORK/result.json)")
@@ -557,7 +564,8 @@ def main() -> int:
                               "device": a.device, "k": a.k, "max_new_tokens": a.max_new_tokens,
                               "recipe": {"buckets": BUCKETS, "batch_size": BATCH, "ttt": TTT,
                                          "draft_vocab": DRAFT_VOCAB, "lr": LR, "max_grad_norm": CLIP,
-                                         "kl_scale": a.kl_scale, "kl_decay": a.kl_decay}}  # fmt: skip
+                                         "kl_scale": a.kl_scale, "kl_decay": a.kl_decay,
+                                         "target_layers": a.layers or "each trainer's default"}}  # fmt: skip
     failed = 0  # T > 0 rows whose first-position check failed: left out of the table, and the exit code is 1
     if not cells:  # e.g. --phase serve on cells trained against other target weights (cached per weights' sha256)
         print(f"bench_quality: no trained cells under {work / f'steps{a.steps}'}; train them first (--phase train)",

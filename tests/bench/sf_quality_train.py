@@ -62,9 +62,11 @@ def write_target_skeleton(target_dir: Path, path: Path) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-def draft_config_file(tcfg: dict[str, Any], draft_vocab: int, path: Path) -> Path:
+def draft_config_file(tcfg: dict[str, Any], draft_vocab: int, path: Path, layers: list[int] | None = None) -> Path:
     """SpecForge's configs/llama3-8B-eagle3.json with the target's shapes, as sf_peer.py scales it for tiny targets,
-    plus the target's head_dim and rope (the served drafter's rotary must be the target's)."""
+    plus the target's head_dim and rope (the served drafter's rotary must be the target's). ``layers`` (target layer
+    OUTPUT ids, 0-based): SpecForge captures those (its resolver reads ``eagle_config``'s ids, SGLang's sense) and
+    vLLM is told them as layer inputs (the top-level ids, each + 1); None: everyone's default."""
     rope = tcfg.get("rope_parameters") or {}
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -89,6 +91,9 @@ def draft_config_file(tcfg: dict[str, Any], draft_vocab: int, path: Path) -> Pat
         "vocab_size": tcfg["vocab_size"],
         "draft_vocab_size": draft_vocab,
     }
+    if layers is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layers)}
+        cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in layers]
     path.write_text(json.dumps(cfg, indent=1))
     return path
 
@@ -114,7 +119,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     draft_vocab = int(vocab["d2t"].numel())
     skeleton = work / "target-skeleton"
     write_target_skeleton(target_dir, skeleton)
-    draft_json = draft_config_file(tcfg, draft_vocab, work / "draft_config.json")
+    draft_json = draft_config_file(tcfg, draft_vocab, work / "draft_config.json", a.layers)
     dtype = "bfloat16" if cuda else "float32"
     attn = a.attn if a.attn != "auto" else ("flex_attention" if cuda else "sdpa")
     from specforge.config import Config
@@ -271,6 +276,8 @@ def main() -> int:
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True, help="the export directory to write")
     ap.add_argument("--json", help="write the result object here too")
+    ap.add_argument("--layers", type=lambda v: [int(i) for i in v.split(",")], default=None,
+                    help="the target layers to capture, as output ids (e.g. 3,5,7); default SpecForge's")  # fmt: skip
     a = ap.parse_args()
     try:
         res = run(a)
