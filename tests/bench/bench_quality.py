@@ -452,6 +452,17 @@ def offline_accept(export: Path, target_dir: Path, prompts: list[list[int]], pos
 
 
 # --- the run --------------------------------------------------------------------------------------------------------
+def layer_ids(value: str) -> list[int]:
+    """``--layers``: three target layer output ids, e.g. ``3,5,7``."""
+    try:
+        ids = [int(i) for i in value.split(",")]
+    except ValueError:
+        ids = []
+    if len(ids) != 3 or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: three layer numbers >= 0, e.g. 3,5,7")
+    return ids
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", nargs="?", default="run", choices=["run", "check-lk", "offline-accept"])
@@ -478,7 +489,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rejection-sample-method", default="standard", choices=["standard", "block"])
     ap.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"])
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--layers", type=lambda v: [int(i) for i in v.split(",")], default=None,
+    ap.add_argument("--layers", type=layer_ids, default=None,
                     help="the target layers both trainers capture, as output ids (e.g. 3,5,7; the exports tell the "
                          "servers); default each trainer's own (the same for Llama targets)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -541,11 +552,13 @@ def main() -> int:
     prompts = served_prompts(work, target_dir, a.prompts)
     site = ensure_specforge_site(a.peer, a.sf_site, cuda) if "specforge" in a.trainers and a.peer else a.sf_site
     cells: list[dict[str, Any]] = []
+    # Cells trained on other target layers are others: a directory of their own.
+    cells_dir = work / (f"steps{a.steps}" + (f"-layers{'-'.join(str(i) for i in a.layers)}" if a.layers else ""))
     for seed in a.seeds:
         batches, vocab = batches_and_vocab(work, train, target_dir, seed, a.steps)
         for loss in a.losses:
             for trainer in a.trainers:
-                cell_dir = work / f"steps{a.steps}" / f"{trainer}-{loss}-s{seed}"
+                cell_dir = cells_dir / f"{trainer}-{loss}-s{seed}"
                 cell_dir.mkdir(parents=True, exist_ok=True)
                 done = cell_dir / "trained.json"
                 if not done.is_file() and a.phase in ("all", "train"):
@@ -568,7 +581,7 @@ def main() -> int:
                                          "target_layers": a.layers or "each trainer's default"}}  # fmt: skip
     failed = 0  # T > 0 rows whose first-position check failed: left out of the table, and the exit code is 1
     if not cells:  # e.g. --phase serve on cells trained against other target weights (cached per weights' sha256)
-        print(f"bench_quality: no trained cells under {work / f'steps{a.steps}'}; train them first (--phase train)",
+        print(f"bench_quality: no trained cells under {cells_dir}; train them first (--phase train)",
               file=sys.stderr)  # fmt: skip
         return 2
     if a.phase in ("all", "serve") and cells:
