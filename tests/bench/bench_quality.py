@@ -416,16 +416,20 @@ def check_lk(site: Path) -> dict[str, Any]:
 # --- offline first-draft acceptance (no vLLM) --------------------------------------------------------------------
 def offline_accept(export: Path, target_dir: Path, prompts: list[list[int]], positions: int, temperature: float,
                    seed: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Along a trajectory sampled from the target at ``temperature`` from each prompt (``positions`` tokens), the
-    mean over positions of the export's first draft's acceptance probability: sum_v min(p, q) with q the drafter's
-    distribution at that temperature (probabilistic drafting), p(argmax q) (greedy drafting)."""
+    """Along a trajectory sampled from the target at ``temperature`` from each prompt (at most ``positions``
+    tokens, ending where the target samples a stop token, as served), the mean over positions of the export's first
+    draft's acceptance probability: sum_v min(p, q) with q the drafter's distribution at that temperature
+    (probabilistic drafting), p(argmax q) (greedy drafting)."""
     import torch
 
     from engine.trainer.serve.evaluate import DrafterProposer, target_forward
     from engine.trainer.serve.exported import aux_layer_ids, load_exported, read_config
     from engine.trainer.verifier.model import load_target, load_tokenizer
+    from engine.trainer.verifier.stops import stop_ids
 
-    target = load_target(str(target_dir), torch.device("cpu"), tokenizer=load_tokenizer(str(target_dir)),
+    tokenizer = load_tokenizer(str(target_dir))
+    stops = stop_ids(tokenizer, target_dir)
+    target = load_target(str(target_dir), torch.device("cpu"), tokenizer=tokenizer,
                          layer_ids=aux_layer_ids(read_config(export)), seed=0, dtype=torch.float32)  # fmt: skip
     proposer = DrafterProposer(load_exported(export, target.embed_weight()).drafter, rope_offset=True)
     forward, d2t, vocab = target_forward(target), proposer.d2t, int(target.embed_weight().shape[0])
@@ -437,6 +441,8 @@ def offline_accept(export: Path, target_dir: Path, prompts: list[list[int]], pos
         logits, _ = forward(seq)
         seq.append(int(torch.multinomial(torch.softmax(logits[-1].float() / temperature, -1), 1, generator=g)))
         for _ in range(positions):
+            if seq[-1] in stops:  # the reply ended: serving drafts no further
+                break
             logits, hidden3 = forward(seq)
             p = torch.softmax(logits[-1].float() / temperature, -1)
             draft_logits = proposer.chain_logits(seq, hidden3[:, : len(seq) - 1], 1)[0]
@@ -448,7 +454,8 @@ def offline_accept(export: Path, target_dir: Path, prompts: list[list[int]], pos
             n += 1
             seq.append(int(torch.multinomial(p, 1, generator=g)))
     return {"export": str(export), "temperature": temperature, "prompts": len(prompts), "positions": n,
-            "expected_first_accept_probabilistic": overlap / n, "expected_first_accept_greedy": greedy / n}  # fmt: skip
+            "expected_first_accept_probabilistic": overlap / max(n, 1),
+            "expected_first_accept_greedy": greedy / max(n, 1)}  # fmt: skip
 
 
 # --- the run --------------------------------------------------------------------------------------------------------
