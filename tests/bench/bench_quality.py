@@ -49,7 +49,8 @@ memory and nearly every draft is rejected); quality_vllm.py says what it patches
 drafts' acceptance probabilities min(1, p / q), p from the target's raw logits at that temperature (quality_vllm.py's
 ``audit``); a count outside expected +- (4 sd + 2) is reported as a failed check and that row does not measure the
 drafter. ``offline-accept`` gives an export's expected first-draft acceptance along trajectories sampled from the
-target (our target forward and drafter, no vLLM): sum_v min(p, q) (probabilistic drafting) and p(argmax q) (greedy).
+target up to its stop token (our target forward and drafter, no vLLM; the same trajectories for every export):
+sum_v min(p, q) (probabilistic drafting) and p(argmax q) (greedy).
 
 Not part of CI (tests/bench is ignored by pytest). Results: tests/bench/results/quality_*.txt.
 """
