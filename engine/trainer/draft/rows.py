@@ -19,8 +19,11 @@ compiled graph per step takes every count. Such a count is never 0 or 1 (sizes a
 never ``B*T``, and never any other multiple of 16 (the hidden sizes and vocabularies of real models, and ``B*T``
 when the buckets are): a graph first compiled at a count equal to a static size of the step was specialised to it
 on an H100 (the three TTT steps whose warm-up count was padded to ``B*T`` compiled again at the first real batch;
-the four padded to ``B*T - 16`` did not). The counts are read to the host once an unroll (``torch.nonzero_static``
-needs them); the producer does that right after the target's forward, off the drafter's critical path.
+the four padded to ``B*T - 16`` did not). Not solved by this padding: at the 8B shape a warm-up count stepped over
+``B*T`` (8200 at ``B*T = 8192``, TTT step 1) still compiled once more at the first real batch, and counts below
+``B*T`` did not; the guard behind it was not found (tests/bench/results/throughput_rows_h100.txt). The counts are
+read to the host once an unroll (``torch.nonzero_static`` needs them); the producer does that right after the
+target's forward, off the drafter's critical path.
 """
 
 from __future__ import annotations
