@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from engine import stackdump
 from engine.protocol import ENV_EVENTS_PATH, ENV_RUN_DIR, RunEndEvent
@@ -260,10 +262,15 @@ def main(argv: list[str] | None = None) -> int:
             leave_now(events, 1, f"setup failed: {type(exc).__name__}: {exc}")
         raise
     code = engine.run()
-    if code != 0 and info.launched:
-        leave_now(events, code, engine.control.abort_reason or "failed")
-    if engine.finalize_unsafe:
-        leave_now(events, code, "left without interpreter teardown: a heartbeat thread is still in a store call")
+    if info.launched:
+        # A torchrun rank never runs interpreter teardown, even after a clean run: its records are written and its
+        # process group left by now, and the C++ destructors that teardown runs (gloo pairs, the store client) can
+        # abort the process (SIGABRT) when a peer closes its sockets meanwhile; torchrun then fails a finished run.
+        if code != 0:
+            leave_now(events, code, engine.control.abort_reason or "failed")
+        if engine.finalize_unsafe:
+            leave_now(events, code, "left without interpreter teardown: a heartbeat thread is still in a store call")
+        leave_now(events, code, None)
     events.close()
     return code
 
@@ -289,11 +296,14 @@ def stopped_in_build(events: EventLog, info: RankInfo, reason: str) -> int:
     return 0
 
 
-def leave_now(events: EventLog, code: int, reason: str) -> None:
-    """A failed rank exits at once: its peers' next collective then fails fast (naming it) instead of waiting
-    out the timeout, and interpreter teardown cannot block on threads stuck in a collective."""
+def leave_now(events: EventLog, code: int, reason: str | None) -> NoReturn:
+    """A torchrun rank exits at once, without interpreter teardown: a failed one so that its peers' next
+    collective fails fast (naming it) instead of waiting out the timeout; any one so that teardown cannot block
+    on threads stuck in a collective or abort in a destructor. ``reason``: the one line said on stderr."""
     events.close()
-    print(f"specdec-train: {reason}", file=sys.stderr)
+    if reason is not None:
+        print(f"specdec-train: {reason}", file=sys.stderr)
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

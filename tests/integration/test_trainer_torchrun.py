@@ -2,9 +2,9 @@
 
 Each rank is the threaded engine (two drafter threads inside); ranks meet once per step in one all-reduce.
 What is pinned: the acceptance command exits 0; drafter weights are equal on every rank after N steps (each
-rank writes a digest, compared here); every batch index is trained exactly once per epoch across the world;
-a stop seen by one rank stops every rank at the same step; a node whose torchrun agent is killed stops the
-other node within seconds, non-zero, with an error naming the peer rank.
+rank writes a digest, compared here); a rank leaves without interpreter teardown; every batch index is trained
+exactly once per epoch across the world; a stop seen by one rank stops every rank at the same step; a node whose
+torchrun agent is killed stops the other node within seconds, non-zero, with an error naming the peer rank.
 """
 
 from __future__ import annotations
@@ -45,6 +45,38 @@ def env() -> dict[str, str]:
     e.pop("SPECDEC_RUN_DIR", None)
     e["OMP_NUM_THREADS"] = "1"
     return e
+
+
+TEARDOWN_HOOK = """
+import atexit, os, sys
+from pathlib import Path
+
+def _mark():
+    who = "rank" if sys.argv[0].endswith(os.path.join("engine", "trainer", "__main__.py")) else "other"
+    Path(os.environ["TEARDOWN_MARKS"], f"{who}.{os.getpid()}").touch()
+
+atexit.register(_mark)
+"""
+
+
+def teardown_marks(tmp: Path, e: dict[str, str]) -> Path:
+    """A sitecustomize on PYTHONPATH that leaves a mark for every process that runs interpreter teardown (its
+    atexit handlers): the torchrun agent does, a rank must not (gloo/store destructors there can SIGABRT)."""
+    site, marks = tmp / "site", tmp / "marks"
+    site.mkdir()
+    marks.mkdir()
+    (site / "sitecustomize.py").write_text(TEARDOWN_HOOK, encoding="utf-8")
+    e["PYTHONPATH"] = str(site) + os.pathsep + e["PYTHONPATH"]
+    e["TEARDOWN_MARKS"] = str(marks)
+    return marks
+
+
+def failed(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a failed torchrun printed: the tails, and a rank's fatal error (faulthandler's thread stacks come
+    before its long list of extension modules, which alone would fill the stderr tail)."""
+    fatal = proc.stderr.find("Fatal Python error")
+    head = proc.stderr[fatal : fatal + 4000] + "\n...\n" if fatal >= 0 else ""
+    return proc.stdout[-3000:] + head + proc.stderr[-3000:]
 
 
 def torchrun(*args: str) -> list[str]:
@@ -95,7 +127,7 @@ def test_acceptance_command_trains_cpu_demo_as_two_gloo_ranks(tmp_path: Path) ->
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     took = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc)
     records = rank_records(out)
     assert sorted(records) == [0, 1]
     # cpu-demo is independent mode (a two-point learning-rate sweep): each drafter is averaged with the same
@@ -120,8 +152,13 @@ def test_two_ranks_of_two_replicas_keep_equal_weights_and_train_every_index_once
     # 40 conversations, batch 2: 20 batches per epoch; 2 ranks x 2 replicas x 10 steps = 40 batches = 2 epochs.
     config = write_config(tmp_path, corpus_lines=40, steps=10, checkpoint_every=4, output_dir=str(out))
     cmd = torchrun("--standalone", "--nproc-per-node", "2", "-m", "engine.trainer", "--config", str(config))
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    e = env()
+    marks = teardown_marks(tmp_path, e)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, failed(proc)
+    # Both ranks left without interpreter teardown (the agent ran it: the hook works).
+    kinds = sorted(p.name.split(".")[0] for p in marks.iterdir())
+    assert "other" in kinds and "rank" not in kinds, kinds
     records = rank_records(out)
     digests = {d for r in records.values() for d in r["weights_sha256"].values()}
     assert len(digests) == 1, f"drafter weights differ across ranks/replicas: {records}"
@@ -187,7 +224,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resume_contin
         text=True,
         timeout=RUN_TIMEOUT_S,
     )
-    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert more.returncode == 0, failed(more)
     assert f"resumed from step_{stopped_at:08d}" in more.stdout
     meta = json.loads((out / "checkpoints" / f"step_{stopped_at + 2:08d}" / "meta.json").read_text())
     # Two ranks x two replicas trained 4 * stopped_at global indices; one process then two steps of two replicas.
