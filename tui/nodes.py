@@ -316,6 +316,7 @@ class Launched:
     failed_rank: int | None = None
     hung: bool = False  # the failing node's deadline passed with its process alive
     lost: bool = False  # a node's link was lost
+    bad_input: bool = False  # a node refused the launch because the request itself was wrong (exit 2)
     stopped: list[str] = field(default_factory=list)  # the nodes stopped because of the failure
     results: dict[str, protocol.WaitResult] = field(default_factory=dict)  # each node's wait, by label
     last_lines: list[str] = field(default_factory=list)  # the failing node's
@@ -399,6 +400,7 @@ async def launch_run(
                 cause=f"node {node.label}: launch refused: {exc.message}; {then}",
                 failed_node=node.label,
                 lost=exc.lost,
+                bad_input=exc.bad_input,
                 stopped=[n.label for n, _, _ in stopped],
             )
         run_id = run_id or str(reply["run_id"])

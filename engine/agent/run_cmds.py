@@ -19,7 +19,7 @@ from engine.agent.monitor_cmds import monitor_of
 from engine.agent.server import Agent, CommandError
 from engine.host.holders import NvmlView
 from engine.supervisor import kill_stale, launch, records, serve_check, stacks, stop, wait
-from engine.supervisor.common import SupervisorError
+from engine.supervisor.common import BadRequest, SupervisorError
 
 
 def _num(args: dict[str, Any], key: str, default: float | None, minimum: float = 0.0) -> float | None:
@@ -33,9 +33,12 @@ def _num(args: dict[str, Any], key: str, default: float | None, minimum: float =
 
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
-    """A supervisor's refusal (a sentence for the user) becomes the command's error reply."""
+    """A supervisor's refusal (a sentence for the user) becomes the command's error reply; a bad request's says
+    that the request was the problem (``error_kind`` "input")."""
     try:
         yield
+    except BadRequest as exc:
+        raise CommandError(str(exc), kind=protocol.ERROR_KIND_INPUT) from exc
     except SupervisorError as exc:
         raise CommandError(str(exc)) from exc
 

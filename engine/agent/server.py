@@ -26,7 +26,12 @@ Handler = Callable[["Agent", "int | None", dict[str, Any]], dict[str, Any]]
 
 
 class CommandError(Exception):
-    """A command failed for a reason the user should read (bad argument, nothing to stop, ...)."""
+    """A command failed for a reason the user should read (bad argument, nothing to stop, ...). ``kind``: "input"
+    when the request itself was wrong (the reply's ``error_kind``; a headless client exits 2 on it)."""
+
+    def __init__(self, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 # Commands that change the host (start or signal processes, write run records): the agent finishes them even when
@@ -170,7 +175,7 @@ class Agent:
         try:
             result = fn(self, cmd_id, args)
         except CommandError as exc:
-            self.emit(protocol.event("reply", id=cmd_id, ok=False, result=None, error=str(exc)))
+            self.emit(protocol.event("reply", id=cmd_id, ok=False, result=None, error=str(exc), error_kind=exc.kind))
         except Exception as exc:  # a handler bug becomes a visible error reply, and the agent lives on
             tb = traceback.format_exc(limit=8)
             self.emit(

@@ -23,6 +23,7 @@ anomalies   items: [Anomaly]                    the complete current list (repla
 milestone   run_id, milestone, t, ok, cause     a launch milestone reached or failed
 progress    id, message                         progress of a long command (stop, kill_stale) before its reply
 reply       id, ok, result, error               the answer to a command
+            (+ error_kind: "input" when the request itself was wrong, e.g. a launch's cwd that is not there)
 warning     message                             something the user should see that is not an error of a command
 error       message                             the agent itself hit a problem it cannot attach to a command
             (also: a malformed command line is answered with ``error``; the agent never dies of bad input)
@@ -147,6 +148,7 @@ class ReplyEvent:
     ok: bool
     result: Any = None
     error: str | None = None
+    error_kind: str | None = None  # ERROR_KIND_INPUT: the request itself was wrong (bad input), else None
 
 
 @dataclass

@@ -25,6 +25,9 @@ EXIT_USAGE = 2
 EXIT_CONNECTION = 3
 EXIT_HUNG = 4
 
+# A refused command's reply says "input" (``error_kind``) when the request itself was wrong: exit EXIT_USAGE.
+ERROR_KIND_INPUT = "input"
+
 # Environment variables the supervisor sets for the job (the engine writes its events there).
 ENV_RUN_DIR = "SPECDEC_RUN_DIR"
 ENV_EVENTS_PATH = "SPECDEC_EVENTS"

@@ -17,6 +17,12 @@ class SupervisorError(Exception):
     """A request that cannot be carried out; the message is a sentence for the user."""
 
 
+class BadRequest(SupervisorError):
+    """The request itself is wrong (a working directory that is not there, an empty command word, a run id taken):
+    bad input, not a failure to carry it out. The agent's reply says so (``error_kind = "input"``) and a headless
+    client exits 2 on it, as it does for its own bad arguments."""
+
+
 def noop(_: str) -> None:
     return None
 

@@ -23,7 +23,7 @@ import engine
 from engine import protocol
 from engine.host import procs
 from engine.supervisor import records, tmux
-from engine.supervisor.common import SupervisorError
+from engine.supervisor.common import BadRequest, SupervisorError
 from engine.supervisor.records import SubmittedRecord
 
 
@@ -34,50 +34,50 @@ def coerce_spec(raw: protocol.LaunchSpec | dict[str, Any]) -> protocol.LaunchSpe
     elif isinstance(raw, dict):
         data = dict(raw)
     else:
-        raise SupervisorError("launch needs an object of LaunchSpec fields")
+        raise BadRequest("launch needs an object of LaunchSpec fields")
     known = set(protocol.LaunchSpec.__dataclass_fields__)
     unknown = sorted(set(data) - known)
     if unknown:
-        raise SupervisorError(f"unknown launch fields {unknown}; known: {sorted(known)}")
+        raise BadRequest(f"unknown launch fields {unknown}; known: {sorted(known)}")
     command = data.get("command")
     if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
-        raise SupervisorError("launch needs a command: a non-empty list of strings (argv, never a shell line)")
+        raise BadRequest("launch needs a command: a non-empty list of strings (argv, never a shell line)")
     if not command[0]:
-        raise SupervisorError("the command's first word is empty")
+        raise BadRequest("the command's first word is empty")
     env = data.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise SupervisorError("env must map strings to strings")
+        raise BadRequest("env must map strings to strings")
     if any(not k or "=" in k or "\0" in k for k in env):
-        raise SupervisorError("env names must be non-empty and contain neither '=' nor NUL")
+        raise BadRequest("env names must be non-empty and contain neither '=' nor NUL")
     deadlines = data.get("deadlines_s") or {}
     if not isinstance(deadlines, dict):
-        raise SupervisorError("deadlines_s must map milestones to seconds")
+        raise BadRequest("deadlines_s must map milestones to seconds")
     for name, value in deadlines.items():
         if name not in protocol.MILESTONES:
-            raise SupervisorError(f"unknown milestone {name!r} in deadlines_s; milestones: {list(protocol.MILESTONES)}")
+            raise BadRequest(f"unknown milestone {name!r} in deadlines_s; milestones: {list(protocol.MILESTONES)}")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise SupervisorError(f"deadline for {name!r} must be a positive number of seconds")
+            raise BadRequest(f"deadline for {name!r} must be a positive number of seconds")
     pattern = data.get("step_pattern") or r"step=\d+"
     try:
         re.compile(pattern.encode())
     except (re.error, AttributeError) as exc:
-        raise SupervisorError(f"step_pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+        raise BadRequest(f"step_pattern {pattern!r} is not a valid regular expression: {exc}") from exc
     run_id = data.get("run_id")
     if run_id is not None:
         try:
             protocol.validate_run_id(run_id)
         except protocol.RunIdError as exc:
-            raise SupervisorError(str(exc)) from exc
+            raise BadRequest(str(exc)) from exc
     cwd = data.get("cwd")
     if cwd is not None and not isinstance(cwd, str):
-        raise SupervisorError("cwd must be a string")
+        raise BadRequest("cwd must be a string")
     profile = data.get("profile")
     policy: dict[str, Any] | None = None
     if data.get("restart") is not None:
         try:
             policy = protocol.parse_policy(data["restart"]).as_dict()
         except protocol.PolicyError as exc:
-            raise SupervisorError(f"launch field {exc}") from exc
+            raise BadRequest(f"launch field {exc}") from exc
     return protocol.LaunchSpec(
         command=list(command),
         cwd=cwd,
@@ -123,7 +123,7 @@ def _claim_run_id(root: Path, wanted: str | None, use_tmux: bool) -> tuple[str, 
         if session is not None and tmux.has_session(session):
             if wanted is None:
                 continue
-            raise SupervisorError(
+            raise BadRequest(
                 f"tmux session {session!r} already exists (run id {run_id!r} clashes with it); pick another run id, "
                 f"or end that session with: {shlex.join(tmux.base_argv())} kill-session -t ={session}"
             )
@@ -132,7 +132,7 @@ def _claim_run_id(root: Path, wanted: str | None, use_tmux: bool) -> tuple[str, 
         except FileExistsError as exc:
             if wanted is None:
                 continue
-            raise SupervisorError(f"run {run_id!r} already exists at {run_dir}; pick another run id") from exc
+            raise BadRequest(f"run {run_id!r} already exists at {run_dir}; pick another run id") from exc
         except OSError as exc:
             raise SupervisorError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from exc
         return run_id, run_dir, session
@@ -164,10 +164,10 @@ def launch(spec_in: protocol.LaunchSpec | dict[str, Any], run_root: Path | str) 
     check_run_root(root)
     cwd = os.path.expanduser(spec.cwd) if spec.cwd else os.path.expanduser("~")
     if not os.path.isabs(cwd):
-        raise SupervisorError(f"working directory {cwd!r} must be an absolute path on the host")
+        raise BadRequest(f"working directory {cwd!r} must be an absolute path on the host")
     if not os.path.isdir(cwd):
         what = "is not a directory" if os.path.exists(cwd) else "does not exist"
-        raise SupervisorError(f"working directory {cwd} {what} on the host")
+        raise BadRequest(f"working directory {cwd} {what} on the host")
     spec.cwd = cwd
     use_tmux = tmux.available()
     if use_tmux:

@@ -167,12 +167,14 @@ def test_unwritable_run_root_is_a_clear_error(pool: AgentPool, tmp_path: Path, b
             subprocess.run(["chattr", "-i", str(bad_root)], check=True)
     assert reply["ok"] is False
     assert reply["error"].startswith(f"run root {bad_root} is not writable: {expected}"), reply["error"]
+    assert reply.get("error_kind") is None  # the request was fine; the host could not carry it out (exit 1)
 
 
 def test_missing_working_directory_is_a_clear_error_before_anything_starts(agent: AgentClient, pool: AgentPool) -> None:
     reply = agent.request("launch", command=["true"], cwd="/does/not/exist", run_id="nocwd")
     assert reply["ok"] is False
     assert reply["error"] == "working directory /does/not/exist does not exist on the host"
+    assert reply["error_kind"] == "input"  # the request was wrong: a headless client exits 2
     assert not (pool.root / "runs" / "nocwd").exists()
     res = subprocess.run(
         ["tmux", "-L", os.environ["SPECDEC_TMUX_SOCKET"], "has-session", "-t", "=specdec-nocwd"], capture_output=True

@@ -70,8 +70,10 @@ def test_launch_cwd_names_the_jobs_directory_relative_to_where_it_was_typed(run_
     done, res = _launch(tmp_path, "local", "--run-root", str(run_root), "--cwd", "proj")
     assert done.returncode == 0 and res["ok"] is True, done.stdout + done.stderr
     assert f"ran in {tmp_path / 'proj'}" in _output(run_root, res["run_id"])
+    # A directory that is not there is bad input, not a failed run: exit 2, as for the client's own bad arguments.
     missing, res = _launch(tmp_path, "local", "--run-root", str(run_root), "--cwd", "nowhere")
-    assert missing.returncode == 1 and f"{tmp_path / 'nowhere'} does not exist" in res["cause"], missing.stdout
+    assert missing.returncode == 2 and f"{tmp_path / 'nowhere'} does not exist" in res["cause"], missing.stdout
+    assert res["cause"].startswith("launch refused: ") and res["ok"] is False
 
 
 @pytest.mark.ssh
@@ -82,6 +84,10 @@ def test_launch_cwd_reaches_a_remote_host(sshd: Any, run_root: Path, tmp_path: P
     done, res = _launch(tmp_path, *args)
     assert done.returncode == 0 and res["ok"] is True, done.stdout + done.stderr
     assert f"ran in {tmp_path / 'remote-proj'}" in _output(run_root, res["run_id"])
+    # The remote agent's refusal says the request was wrong: exit 2 across the wire too.
+    args = [sshd.target, *sshd.args(), "--run-root", str(run_root), "--cwd", str(tmp_path / "not-there")]
+    missing, res = _launch(tmp_path, *args)
+    assert missing.returncode == 2 and "not-there does not exist on the host" in res["cause"], missing.stdout
 
 
 @pytest.mark.parametrize("name", ["#(touch M)", "ends-in;", "#{pane_pid}#[fg=red]"])

@@ -302,6 +302,21 @@ def test_a_node_that_fails_to_start_is_named_and_the_node_already_started_is_sto
         stop_both(cli, cfg)
 
 
+def test_a_launch_refused_as_bad_input_exits_2_and_starts_nothing(
+    sshd_pair: list[Any], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    cfg, roots, labels = two_node_profile(sshd_pair, tmp_path)
+    missing = tmp_path / "not-there"
+    r = cli("launch", "--profile", "two", "--config", str(cfg), "--cwd", str(missing), "--wait", "first-step",
+            "--json", "--", "sh", "-c", STEPPING, timeout_s=120)  # fmt: skip
+    assert r.returncode == 2, r.output
+    result = json.loads(r.stdout)
+    assert result["cause"] == (
+        f"node {labels[0]}: launch refused: working directory {missing} does not exist on the host; nothing was started"
+    ), result
+    assert not any((root / "runs").is_dir() and any((root / "runs").iterdir()) for root in roots)
+
+
 def agent_pids(run_root: Path) -> list[int]:
     """The agents serving ``run_root`` (their argv names it after --run-root), by /proc."""
     found = []

@@ -23,6 +23,7 @@ from tui.cli.common import (
     EXIT_FAILED,
     EXIT_HUNG,
     EXIT_OK,
+    EXIT_USAGE,
     UsageError,
     err,
     print_json,
@@ -203,6 +204,8 @@ def _report_launch(args: argparse.Namespace, nodes: list[Node], done: Launched, 
             say("    " + tag_line(done.failed_node or "?", str(line).rstrip("\n")))
     if done.hung:
         return EXIT_HUNG
+    if done.bad_input:
+        return EXIT_USAGE
     return EXIT_CONNECTION if done.lost else EXIT_FAILED
 
 

@@ -13,6 +13,7 @@ from tui.cli.common import (
     EXIT_FAILED,
     EXIT_HUNG,
     EXIT_OK,
+    EXIT_USAGE,
     UsageError,
     err,
     positive_float,
@@ -106,7 +107,9 @@ class _MilestonePrinter:
         say(f"  {'✓' if ev.ok else '✗'} {ev.milestone:<11} {time.monotonic() - self.t0:6.2f} s")
 
 
-def _refused(wait: str | None, message: str, elapsed_s: float, as_json: bool) -> int:
+def _refused(wait: str | None, message: str, elapsed_s: float, as_json: bool, bad_input: bool = False) -> int:
+    """A launch (or restart) the agent refused: exit 2 when the request itself was wrong (a cwd that is not there,
+    a run id taken), 1 when it could not be carried out."""
     obj = {
         "ok": False,
         "milestone": wait or "submitted",
@@ -121,7 +124,7 @@ def _refused(wait: str | None, message: str, elapsed_s: float, as_json: bool) ->
         print_json(obj)
     else:
         err(f"launch refused: {message}")
-    return EXIT_FAILED
+    return EXIT_USAGE if bad_input else EXIT_FAILED
 
 
 async def wait_and_report(
@@ -195,7 +198,7 @@ async def launch_and_wait(
         except CommandFailed as exc:
             if exc.lost:
                 raise
-            return _refused(wait, exc.message, time.monotonic() - printer.t0, as_json)
+            return _refused(wait, exc.message, time.monotonic() - printer.t0, as_json, exc.bad_input)
         launched.setdefault("command", spec.command)
         return await wait_and_report(
             session,
@@ -305,7 +308,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
                 except CommandFailed as exc:
                     if exc.lost:
                         raise
-                    return _refused(args.wait, exc.message, time.monotonic() - printer.t0, args.json)
+                    return _refused(args.wait, exc.message, time.monotonic() - printer.t0, args.json, exc.bad_input)
                 if not args.json:
                     say(f"previous run {done.previous_run_id}")
                 return await wait_and_report(

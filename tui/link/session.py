@@ -78,11 +78,16 @@ class AgentSession(Protocol):
 class CommandFailed(Exception):
     """A command got an error reply, no reply in time, or the connection went away under it."""
 
-    def __init__(self, message: str, *, cmd: str | None = None, lost: bool = False) -> None:
+    def __init__(self, message: str, *, cmd: str | None = None, lost: bool = False, kind: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.cmd = cmd
         self.lost = lost  # True when the connection broke before the reply
+        self.kind = kind  # the reply's error_kind: protocol.ERROR_KIND_INPUT when the request itself was wrong
+
+    @property
+    def bad_input(self) -> bool:
+        return self.kind == protocol.ERROR_KIND_INPUT
 
 
 class ReplyNotUnderstood(CommandFailed):
@@ -456,7 +461,7 @@ class Session:
         except ReplyNotUnderstood as exc:
             raise ReplyNotUnderstood(f"{cmd}: {exc.message}", cmd=cmd) from None
         if not reply.ok:
-            raise CommandFailed(reply.error or f"{cmd} failed", cmd=cmd)
+            raise CommandFailed(reply.error or f"{cmd} failed", cmd=cmd, kind=reply.error_kind)
         result = reply.result
         return result if isinstance(result, dict) else {"value": result}
 
