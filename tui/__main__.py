@@ -1,7 +1,8 @@
 """The ``specdec-tui`` command line: connect (the dashboard) and the headless commands (README: Using it).
 
-Exit codes: 0 ok; 1 the command or the run failed; 2 usage error; 3 connection, authentication or
-host key failure; 4 ``launch --wait``: deadline passed with the process alive but no progress.
+Exit codes: 0 ok; 1 the command or the run failed; 2 usage error (also a launch the host refused as bad
+input: a cwd not there, a run id taken); 3 connection, authentication or host key failure; 4 ``launch --wait``:
+deadline passed with the process alive but no progress.
 """
 
 from __future__ import annotations

@@ -400,7 +400,9 @@ async def cmd_kill_stale(args: argparse.Namespace) -> int:
 
 
 def _add_wait_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wait", choices=WAIT_CHOICES, help="wait for this milestone (exit 0 reached, 1 failed, 4 hung)")
+    p.add_argument(
+        "--wait", choices=WAIT_CHOICES, help="wait for this milestone (exit 0 reached, 1 failed, 2 bad input, 4 hung)"
+    )
     p.add_argument("--timeout", type=positive_float, metavar="S", help="give up waiting after S seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
