@@ -2,9 +2,9 @@
 drafters exported as vLLM loads them and served by vLLM.
 
     python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
-        [--data regen|shipped|FILE] [--device cpu|cuda] [--phase all|train|serve] [--serve all|first-seed|none]
-        [--temperatures 0,1] [--samples 1] [--draft-sample-method probabilistic] [--layers 3,5,7] [--work DIR]
-        [--out RESULT.json]
+        [--data regen|shipped|FILE] [--device cpu|cuda] [--jobs 1] [--phase all|train|serve]
+        [--serve all|first-seed|none] [--temperatures 0,1] [--samples 1] [--draft-sample-method probabilistic]
+        [--layers 3,5,7] [--work DIR] [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
     python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
 
@@ -69,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,7 @@ def batches_and_vocab(work: Path, train: Path, target_dir: Path, seed: int, step
     from engine.trainer.data.vocab import build_draft_vocab
     from engine.trainer.verifier.model import load_tokenizer
 
-    bpath, vpath = work / f"batches-s{seed}-{steps}.pt", work / "vocab.pt"
+    bpath, vpath = work / f"batches-s{seed}-{steps}.pt", work / f"vocab-s{seed}.pt"  # per seed: --jobs read them
     tokenizer = load_tokenizer(str(target_dir))
     source = ConversationSource(tokenizer, train, buckets=BUCKETS, batch_size=BATCH, seed=seed, eval_holdout=0,
                                 cache_dir=work / "data_cache")  # fmt: skip
@@ -493,6 +494,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kl-decay", type=float, default=1.0)
     ap.add_argument("--device", default="cpu", help="where both trainers train: cpu, cuda (serving is on the CPU)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of each trainer (cpu-demo's 1)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells trained at once (keep jobs x threads <= cores)")
     ap.add_argument("--phase", default="all", choices=["all", "train", "serve"])
     ap.add_argument("--serve", default="all", choices=["all", "first-seed", "none"])
     ap.add_argument("--temperatures", default="0,1")
@@ -516,8 +518,8 @@ def parse_args() -> argparse.Namespace:
                                                                                            "lk_alpha")]  # fmt: skip
     if bad or not a.seeds or a.steps < 1 or not 1 <= a.prompts <= HELDOUT:
         ap.error(f"bad --trainers/--losses/--seeds/--steps: {bad or a.seeds or a.steps}")
-    if a.samples < 1:
-        ap.error(f"--samples must be at least 1, not {a.samples}")
+    if a.samples < 1 or a.jobs < 1:
+        ap.error(f"--samples and --jobs must be at least 1, not {a.samples} and {a.jobs}")
     needs_site = a.command != "offline-accept" and "specforge" in a.trainers
     if needs_site and a.peer is None and not (a.sf_site / ".ready").is_file():
         ap.error("--peer PEER_DIR is needed to install SpecForge (or --sf-site of an installed one)")
@@ -568,25 +570,43 @@ def main() -> int:
     cells: list[dict[str, Any]] = []
     # Cells trained on other target layers are others: a directory of their own.
     cells_dir = work / (f"steps{a.steps}" + (f"-layers{'-'.join(str(i) for i in a.layers)}" if a.layers else ""))
+    plan: list[Path] = []  # the cells' directories, in table order
+    todo: list[tuple[int, str, str, Path, Path, Path]] = []  # + that seed's batches and vocab: cells to train
     for seed in a.seeds:
         batches, vocab = batches_and_vocab(work, train, target_dir, seed, a.steps)
         for loss in a.losses:
             for trainer in a.trainers:
                 cell_dir = cells_dir / f"{trainer}-{loss}-s{seed}"
                 cell_dir.mkdir(parents=True, exist_ok=True)
-                done = cell_dir / "trained.json"
-                if not done.is_file() and a.phase in ("all", "train"):
-                    say(f"training {trainer} {loss} seed {seed}: {a.steps} steps on {a.device}")
-                    if trainer == "ours":
-                        res = train_ours(cell_dir, a, train, target_dir, seed, loss)
-                        res["tok_s"] = tokens_per_second(batches, res.pop("span"))
-                    else:
-                        res = train_specforge(cell_dir, a, site, target_dir, batches, vocab, seed, loss)
-                    res.update(trainer=trainer, loss=loss, seed=seed, device=a.device)
-                    done.write_text(json.dumps(res))
-                    say(f"  {trainer} {loss} seed {seed}: {res['train_wall_s']} s, {res.get('tok_s')} tok/s")
-                if done.is_file():
-                    cells.append({**json.loads(done.read_text()), "dir": str(cell_dir), "served": {}})
+                plan.append(cell_dir)
+                if not (cell_dir / "trained.json").is_file() and a.phase in ("all", "train"):
+                    todo.append((seed, loss, trainer, cell_dir, batches, vocab))
+
+    def train_cell(seed: int, loss: str, trainer: str, cell_dir: Path, batches: Path, vocab: Path) -> None:
+        say(f"training {trainer} {loss} seed {seed}: {a.steps} steps on {a.device}")
+        if trainer == "ours":
+            res = train_ours(cell_dir, a, train, target_dir, seed, loss)
+            res["tok_s"] = tokens_per_second(batches, res.pop("span"))
+        else:
+            res = train_specforge(cell_dir, a, site, target_dir, batches, vocab, seed, loss)
+        res.update(trainer=trainer, loss=loss, seed=seed, device=a.device, jobs=a.jobs)
+        (cell_dir / "trained.json").write_text(json.dumps(res))
+        say(f"  {trainer} {loss} seed {seed}: {res['train_wall_s']} s, {res.get('tok_s')} tok/s")
+
+    # Cells are separate processes: --jobs N trains N at once (each with --threads torch threads; tok/s is
+    # comparable across cells only while jobs x threads fits the cores). The first failure stops what has not
+    # started and is raised once the running cells are done (each finished cell is kept: a rerun skips it).
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        futures = [pool.submit(train_cell, *job) for job in todo]
+        for future in futures:
+            if future.exception() is not None:
+                for other in futures:
+                    other.cancel()
+                raise future.exception()  # type: ignore[misc]
+    for cell_dir in plan:
+        done = cell_dir / "trained.json"
+        if done.is_file():
+            cells.append({**json.loads(done.read_text()), "dir": str(cell_dir), "served": {}})
     result: dict[str, Any] = {"target": info, "steps": a.steps, "seeds": a.seeds, "data": str(data),
                               "device": a.device, "k": a.k, "max_new_tokens": a.max_new_tokens,
                               "recipe": {"buckets": BUCKETS, "batch_size": BATCH, "ttt": TTT,

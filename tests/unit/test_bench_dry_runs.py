@@ -101,8 +101,8 @@ def test_bench_engine_engine_mode_runs_on_the_cpu(rows: str, tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_path: Path) -> None:
-    """The quality bench's own path (no SpecForge, no vLLM): our engine on the bench's batches, both losses, each
-    export counted by `specdec-train eval --export`, the table's rows and comparison."""
+    """The quality bench's own path (no SpecForge, no vLLM): our engine on the bench's batches, both losses trained at
+    once (--jobs 2), each export counted by `specdec-train eval --export`, the table's rows and comparison."""
     from engine.trainer.verifier.builtin import Recipe, ensure_built
 
     small = ensure_built(Recipe(hidden=32, layers=8, head_dim=32, steps=6, batch_size=4, seq_len=32),
@@ -110,12 +110,13 @@ def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_pat
     out = tmp_path / "result.json"
     argv = [str(BENCH / "bench_quality.py"), "--trainers", "ours", "--losses", "soft_ce,lk_lambda", "--steps", "2",
             "--seeds", "0", "--data", "shipped", "--serve", "none", "--temperatures", "0", "--max-new-tokens", "4",
-            "--prompts", "4",
+            "--prompts", "4", "--jobs", "2",
             "--target-dir", str(small), "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
     (res,) = results(argv, timeout_s=480)
     assert res["cells"] == 2
     report = json.loads(out.read_text())
     assert report["target"]["recipe_hash"] == small.name and len(report["target"]["weights_sha256"]) == 64
+    assert [(c["loss"], c["jobs"]) for c in report["cells"]] == [("soft_ce", 2), ("lk_lambda", 2)]  # table order
     rows = {(r["trainer"], r["loss"]): r for r in report["rows"]}
     assert set(rows) == {("ours", "soft_ce"), ("ours", "lk_lambda")}
     for row in rows.values():
