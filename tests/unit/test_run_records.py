@@ -126,6 +126,21 @@ def test_runs_are_listed_by_launch_time_not_by_when_their_directory_last_changed
     assert [p.name for p in records.list_runs(tmp_path)] == [older, "my-run", newer]
 
 
+def test_runs_launched_within_one_second_are_listed_in_the_order_their_submitted_records_say(tmp_path: Path) -> None:
+    """Two generated ids of one second differ only in their random part: the launch time submitted.json records
+    orders them (CI saw `runs` list a run launched second as the older one). A run of that second with no
+    submitted.json yet (being launched) comes last of its second."""
+    t = 1_800_000_000.0
+    second, first = f"{records.new_run_id(t)[:-4]}0000", f"{records.new_run_id(t)[:-4]}ffff"  # names say the opposite
+    pending, earlier = f"{records.new_run_id(t)[:-4]}0001", records.new_run_id(t - 1)
+    for name, at in ((first, t + 0.1), (second, t + 0.7), (pending, None), (earlier, t - 0.5)):
+        run_dir = records.run_dir_for(tmp_path, name)
+        run_dir.mkdir(parents=True)
+        if at is not None:
+            (run_dir / records.SUBMITTED_JSON).write_text(json.dumps({"t": at, "phase": "accepted"}))
+    assert [p.name for p in records.list_runs(tmp_path)] == [earlier, first, second, pending]
+
+
 def test_unended_runs_are_those_without_an_exit_record_and_the_ended_ones_are_cached(tmp_path: Path) -> None:
     ended_run, going, also_going = (records.new_run_id(1_800_000_000.0 + 60 * i) for i in range(3))
     for name in (ended_run, going, also_going):

@@ -13,9 +13,6 @@ earlier than the job (a group id reused after the run ended names someone else's
 from __future__ import annotations
 
 import functools
-import json
-import os
-import stat
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -23,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 from engine import protocol
 from engine.host import procs
-from engine.supervisor.records.layout import EXIT_JSON, LAUNCH_JSON, SUBMITTED_JSON
+from engine.supervisor.records.layout import EXIT_JSON, LAUNCH_JSON, SUBMITTED_JSON, read_json
 
 R = TypeVar("R", bound="Record")
 
@@ -174,29 +171,6 @@ def run_pids(launch: LaunchRecord | None, table: dict[int, procs.ProcStat] | Non
     if launch.job_pgid is not None:
         out.update(procs.group_members(launch.job_pgid, stats, launch.job_start_ticks))
     return out
-
-
-RECORD_MAX_BYTES = 16 << 20  # a run record is a few KiB; one bigger than this is not ours
-
-
-def read_json(path: Path | str) -> dict[str, Any] | None:
-    """A JSON object from a file; None when missing or not (yet) a JSON object. Only a regular file is read (a FIFO
-    planted in a run directory would block the open and the read for good), at most RECORD_MAX_BYTES."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            data = fh.read(RECORD_MAX_BYTES + 1)
-        if len(data) > RECORD_MAX_BYTES:
-            return None
-        obj = json.loads(data)
-    except (OSError, ValueError, RecursionError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def read_launch(run_dir: Path | str) -> LaunchRecord | None:

@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import json
+import math
 import os
 import re
 import secrets
+import stat
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from engine.protocol import RunIdError, validate_run_id
 
@@ -127,8 +132,24 @@ def list_runs(run_root: Path | str) -> list[Path]:
 
 
 def oldest_first(run_dirs: list[Path]) -> list[Path]:
-    """``run_dirs`` in launch order (list_runs's)."""
-    return sorted(run_dirs, key=lambda p: (_started_key(p), p.name))
+    """``run_dirs`` in launch order (list_runs's). Runs launched within one second (their generated ids differ only
+    in the random part) are ordered by the launch time their submitted.json records."""
+    keyed = [(_started_key(p), p) for p in run_dirs]
+    per_second = Counter(k for k, _ in keyed)
+
+    def order(item: tuple[float, Path]) -> tuple[float, float, str]:
+        started, p = item
+        return started, _submitted_t(p) if per_second[started] > 1 else 0.0, p.name
+
+    return [p for _, p in sorted(keyed, key=order)]
+
+
+def _submitted_t(run_dir: Path) -> float:
+    """The launch time submitted.json records; +inf when it has none (yet): such a run sorts after its second's."""
+    t = (read_json(run_dir / SUBMITTED_JSON) or {}).get("t")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+        return float(t)
+    return math.inf
 
 
 _GENERATED_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{4}")
@@ -144,3 +165,26 @@ def _started_key(run_dir: Path) -> float:
         return run_dir.stat().st_mtime
     except OSError:  # removed since it was listed
         return 0.0
+
+
+RECORD_MAX_BYTES = 16 << 20  # a run record is a few KiB; one bigger than this is not ours
+
+
+def read_json(path: Path | str) -> dict[str, Any] | None:
+    """A JSON object from a file; None when missing or not (yet) a JSON object. Only a regular file is read (a FIFO
+    planted in a run directory would block the open and the read for good), at most RECORD_MAX_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = fh.read(RECORD_MAX_BYTES + 1)
+        if len(data) > RECORD_MAX_BYTES:
+            return None
+        obj = json.loads(data)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
