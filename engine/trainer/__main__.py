@@ -267,10 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         # process group left by now, and the C++ destructors that teardown runs (gloo pairs, the store client) can
         # abort the process (SIGABRT) when a peer closes its sockets meanwhile; torchrun then fails a finished run.
         if code != 0:
-            leave_now(events, code, engine.control.abort_reason or "failed")
-        if engine.finalize_unsafe:
-            leave_now(events, code, "left without interpreter teardown: a heartbeat thread is still in a store call")
-        leave_now(events, code, None)
+            reason: str | None = engine.control.abort_reason or "failed"
+        elif engine.finalize_unsafe:
+            reason = "left without interpreter teardown: a heartbeat thread is still in a store call"
+        else:
+            reason = None
+        leave_now(events, code, reason)
     events.close()
     return code
 

@@ -599,10 +599,11 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
         futures = [pool.submit(train_cell, *job) for job in todo]
         for future in futures:
-            if future.exception() is not None:
+            failure = future.exception()
+            if failure is not None:
                 for other in futures:
                     other.cancel()
-                raise future.exception()  # type: ignore[misc]
+                raise failure
     for cell_dir in plan:
         done = cell_dir / "trained.json"
         if done.is_file():
@@ -649,10 +650,9 @@ def main() -> int:
                         f"{check['vllm_accepted_first']} of {check['vllm_first_drafts']}, expected "
                         f"{check['accepted_expected']} +- {check['sd']}: "
                         f"{'ok' if check['ok'] else 'FAILED: this row does not measure the drafter'}")  # fmt: skip
-        for c in cells:  # greedy counts by our eval of the export: the drafters not served, and a check on the others
+        # Greedy counts by our eval of the export: the drafters not served, and a check on the others (T 0 only).
+        for c in cells if 0.0 in a.temperatures else []:
             name = f"{c['trainer']}-{c['loss']}-s{c['seed']}"
-            if 0.0 not in a.temperatures:
-                break
             if name in served_names and a.serve != "all" and 0.0 not in c["served"]:
                 continue
             counted = counts_of_eval(Path(c["dir"]) / "export", a, target_dir, prompts)
@@ -662,7 +662,7 @@ def main() -> int:
                     v["drafts"], v["accepted_per_position"])  # fmt: skip
                 say(f"{name}: eval --count vllm {counted['drafts']} {counted['accepted_per_position']} vs vLLM "
                     f"{v['drafts']} {v['accepted_per_position']}")  # fmt: skip
-            elif 0.0 in a.temperatures:
+            else:
                 c["served"][0.0] = counted
         rows = summarize(cells, a.k)
         comparisons = {}
