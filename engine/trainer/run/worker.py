@@ -454,7 +454,11 @@ class DrafterWorker:
         # The target's logits in its dtype, as the producer hands them, with their float32 log-sum-exp.
         target_logits = torch.randn(b, bucket, cfg.draft_vocab_size, generator=g).to(device, dtype)
         target_lse = torch.logsumexp(target_logits.float(), dim=-1)
-        mask = torch.ones(b, bucket).to(device)
+        # A prompt untrained at the start of each row, as in conversations: the trained rows' counts (draft/rows.py)
+        # stay below B*T in every TTT step, as real batches' do. A warm-up whose counts stepped over B*T (every
+        # position trained: 8200 at B*T = 8192, TTT step 1) compiled that step again at the first real batch on an
+        # H100 at the 8B shape, and counts below B*T did not.
+        mask = (torch.arange(bucket) >= bucket // 4).float().expand(b, bucket).contiguous().to(device)
         # Packed runs warm up on packed rows (two conversations a row), so the first real batch compiles nothing.
         halves = (torch.arange(bucket) >= bucket // 2).long().expand(b, bucket).contiguous()
         documents = halves if self.settings.packing else None

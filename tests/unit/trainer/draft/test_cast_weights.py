@@ -31,6 +31,7 @@ from engine.trainer.draft.model import (
     Drafter,
     ttt_step,
 )
+from engine.trainer.draft.rows import trained_rows
 from engine.trainer.run.worker import DrafterTraining, DrafterWorker, WorkerLinks, WorkerSettings
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 from engine.trainer.threads.control import ThreadControl
@@ -224,6 +225,40 @@ def test_a_compiled_step_takes_fresh_cast_weights_every_step_without_recompiling
     assert compiles == []  # no recompile event after warm-up
 
 
+def cpu_worker(model: Drafter, settings: WorkerSettings, autocast: torch.dtype | None) -> DrafterWorker:
+    """A drafter worker on the CPU, its step and attention eager, as the engine builds one (no thread started)."""
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
+    training = DrafterTraining(
+        model,
+        torch.device("cpu"),
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        TTTAttention("sdpa", compiled=False),
+        GuardedFunction(ttt_step, compiled=False, name="ttt_step"),
+        hidden_dtype=autocast or torch.float32,
+        autocast_dtype=autocast,
+    )
+    events = EventLog(None, stdout=io.StringIO())
+    control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
+    return DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_warm_up_batch_trains_fewer_rows_than_the_batch_holds_in_every_ttt_step(packing: bool) -> None:
+    """The trained rows' padded counts stay below B*T, as real batches' do: a warm-up count stepped over B*T
+    compiled its TTT step again at the first real batch on an H100 (draft/rows.py)."""
+    settings = WorkerSettings.from_config(from_dict({"batch_size": 4, "ttt_steps": 7, "packing": packing}))
+    worker = cpu_worker(drafter(), settings, torch.bfloat16)
+    batch = worker.synthetic_batch(64)
+    positions = 4 * 64
+    rows = trained_rows(batch.position_mask, batch.documents, 7)
+    sizes = [len(index) for index in rows.index]
+    assert all(size < positions for size in sizes), sizes
+    assert min(rows.counts) > positions // 2  # most positions still train: the warm-up's graphs see real work
+    torch.testing.assert_close(batch.loss_mask, batch.position_mask)  # equal, and two tensors
+    assert batch.loss_mask is not batch.position_mask
+
+
 def test_checkpointed_steps_recompute_on_the_same_cast_weights() -> None:
     """grad_checkpointing recomputes each step in the backward, after the forward returned: it gets the cast
     weights as arguments, so the recomputed steps' gradients reach the same cast (and equal the stored run's)."""
@@ -249,20 +284,7 @@ def test_the_worker_hands_the_drafter_its_autocast_dtype_to_cast_once(
     settings = WorkerSettings.from_config(from_dict({"cast_weights_once": value, "batch_size": 2}))
     assert settings.cast_weights_once is value
     model = drafter(autocast or torch.float32)
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
-    training = DrafterTraining(
-        model,
-        torch.device("cpu"),
-        opt,
-        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-        TTTAttention("sdpa", compiled=False),
-        GuardedFunction(ttt_step, compiled=False, name="ttt_step"),
-        hidden_dtype=autocast or torch.float32,
-        autocast_dtype=autocast,
-    )
-    events = EventLog(None, stdout=io.StringIO())
-    control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
-    worker = DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
+    worker = cpu_worker(model, settings, autocast)
     seen: list[torch.dtype | None] = []
     forward = model.forward
 
