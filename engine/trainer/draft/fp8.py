@@ -36,6 +36,9 @@ AMAX_FLOOR = 1e-12  # an all-zero row keeps a finite scale
 MATMUL_ALIGN = 16  # _scaled_mm's operands: every size a multiple of this
 
 
+Layouts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # rows, row_scale, cols, col_scale
+
+
 class Fp8Weight(NamedTuple):
     """A Linear's weight for one training step: the cast weight and its two e4m3 layouts with their scales."""
 
@@ -45,6 +48,9 @@ class Fp8Weight(NamedTuple):
     cols: torch.Tensor  # (in, out) e4m3, W^T scaled per input column: grad_input's operand
     col_scale: torch.Tensor  # (1, in) float32
     grad_weight_fp8: bool  # grad_weight in FP8 ("rowwise") or as a bf16 GEMM ("rowwise_gw_hp")
+    # fc's: its input (the target's states, which take no gradient) in both layouts, quantised with the weights
+    # (``input_layouts``); None: the input is quantised where it is used (the steps' Linears, fused in their graph)
+    fixed_input: Layouts | None = None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +72,17 @@ def _pad_tokens(x_t: torch.Tensor) -> torch.Tensor:
     """(features, tokens) with zero tokens appended up to a multiple of MATMUL_ALIGN (a static shape: no branch)."""
     extra = -x_t.shape[-1] % MATMUL_ALIGN
     return F.pad(x_t, (0, extra)) if extra else x_t
+
+
+def input_layouts(x: torch.Tensor) -> Layouts:
+    """A fixed input (tokens, in) in both e4m3 layouts: rows (tokens', in) per token with scales (tokens', 1), the
+    forward's operand; cols (in, tokens') per input feature along the tokens with scales (1, in), grad_weight's.
+    tokens' is the token count padded with zero tokens to a multiple of MATMUL_ALIGN (the forward drops their rows)."""
+    extra = -x.shape[0] % MATMUL_ALIGN
+    x = F.pad(x, (0, 0, 0, extra)) if extra else x
+    rows, row_scale = quantize_rows(x)
+    cols, col_scale = quantize_rows(x.t())
+    return rows, row_scale, cols, col_scale.reshape(1, -1)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -102,18 +119,57 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_x, grad_w.to(ctx.weight_dtype), None, None, None, None, None
 
 
-Layouts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # rows, row_scale, cols, col_scale
+class _Fp8MatmulFixedInput(torch.autograd.Function):
+    """``_Fp8Matmul`` for an input that takes no gradient and comes quantised (``input_layouts``): no pass over the
+    input here, forward or backward; only grad_weight's quantisation of the incoming gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        weight: torch.Tensor,  # (out, in): only its gradient is made here
+        rows: torch.Tensor,
+        row_scale: torch.Tensor,
+        x: torch.Tensor,  # (M, in) as given: grad_weight's operand when that GEMM is bf16
+        x_rows: torch.Tensor,  # (M', in) e4m3, M' = M padded to a multiple of MATMUL_ALIGN
+        x_row_scale: torch.Tensor,  # (M', 1)
+        x_cols: torch.Tensor,  # (in, M') e4m3
+        x_col_scale: torch.Tensor,  # (1, in)
+        grad_weight_fp8: bool,
+    ) -> torch.Tensor:  # (M, out) bf16
+        if grad_weight_fp8:
+            ctx.save_for_backward(x_cols, x_col_scale)
+        else:
+            ctx.save_for_backward(x)
+        ctx.grad_weight_fp8 = grad_weight_fp8
+        ctx.weight_dtype = weight.dtype
+        return _scaled_mm(x_rows, rows, x_row_scale, row_scale)[: x.shape[0]]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grad_weight_fp8:
+            x_cols, x_col_scale = ctx.saved_tensors
+            gtq, gt_scale = quantize_rows(_pad_tokens(grad.t()))  # per output feature, along the tokens
+            grad_w = _scaled_mm(gtq, x_cols, gt_scale, x_col_scale)
+        else:
+            (x,) = ctx.saved_tensors
+            grad_w = grad.t().to(torch.bfloat16) @ x.to(torch.bfloat16)
+        return (grad_w.to(ctx.weight_dtype), *([None] * 8))
 
 
-def weight_layouts(weights: dict[str, torch.Tensor]) -> dict[str, Layouts]:
-    """Both e4m3 layouts of each weight (detached) with their scales, as ``Fp8Weight`` holds them. One call for all
-    of a drafter's weights: compiled (run/assembly.py ``fp8_layouts``), a few fused kernels instead of a dozen eager
-    passes per weight."""
+def weight_layouts(
+    weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor] | None = None
+) -> dict[str, Layouts]:
+    """Both e4m3 layouts of each weight (detached) with their scales, as ``Fp8Weight`` holds them, and of each fixed
+    input (``input_layouts``; fc's, flattened to (tokens, in)), under the same names. One call for all of a
+    drafter's weights and fc's input: compiled (run/assembly.py ``fp8_layouts``), a few fused kernels instead of a
+    dozen eager passes per weight (and four over fc's input, the largest activation)."""
     out: dict[str, Layouts] = {}
     for name, w in weights.items():
         rows, row_scale = quantize_rows(w)
         cols, col_scale = quantize_rows(w.t())
         out[name] = (rows, row_scale.reshape(1, -1), cols, col_scale.reshape(1, -1))
+    for name, x in (inputs or {}).items():
+        out[name] = input_layouts(x)
     return out
 
 
@@ -125,9 +181,13 @@ def fp8_weight(weight: torch.Tensor, *, grad_weight_fp8: bool) -> Fp8Weight:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """``x @ W^T`` (x (..., in)) with its three GEMMs in FP8 (grad_weight in bf16 where the weight says): bf16 out."""
+    """``x @ W^T`` (x (..., in)) with its three GEMMs in FP8 (grad_weight in bf16 where the weight says): bf16 out.
+    A weight with a ``fixed_input`` takes that input's layouts, made from this ``x`` (which takes no gradient)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = _Fp8Matmul.apply(flat, w.weight, w.rows, w.row_scale, w.cols, w.col_scale, w.grad_weight_fp8)
+    if w.fixed_input is not None:
+        out = _Fp8MatmulFixedInput.apply(w.weight, w.rows, w.row_scale, flat, *w.fixed_input, w.grad_weight_fp8)
+    else:
+        out = _Fp8Matmul.apply(flat, w.weight, w.rows, w.row_scale, w.cols, w.col_scale, w.grad_weight_fp8)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -22,8 +22,8 @@ unroll makes it once (``DraftDecoderLayer.embedding_qkv``) and every step takes 
 in another order (a float64 test holds it to 1e-10 against every step projecting its own tokens).
 
 ``drafter_fp8`` (draft/fp8.py): ``Drafter.fp8_weights`` quantises every Linear's weight once an unroll (fc, the two
-q/k/v halves apart, o, the MLP, the head) and each matmul runs as ``project`` over an ``Fp8Weight``: forward and both
-gradients as row-wise scaled e4m3 GEMMs.
+q/k/v halves apart, o, the MLP, the head), and fc's input with them, and each matmul runs as ``project`` over an
+``Fp8Weight``: forward and both gradients as row-wise scaled e4m3 GEMMs.
 
 Weights start as Hugging Face initialises a Llama (and as SpecForge's draft model does through
 ``post_init``): every Linear ``normal(0, initializer_range)`` with zero bias, every RMSNorm weight one.
@@ -112,6 +112,7 @@ CAST_WEIGHTS: tuple[str, ...] = (QKV, "o_proj", "gate_proj", "up_proj", "down_pr
 # Drafter.fp8_weights: every Linear GEMM's weight, the stacked q/k/v as its two halves (each its own matmul, so each
 # its own row scales), and fc, which runs once an unroll before the steps.
 FC = "fc"
+FC_INPUT = "fc.input"  # fc's input (the target's states) in fp8.weight_layouts' call: quantised with the weights
 QKV_EMBEDDING, QKV_HIDDEN = "qkv_proj.embedding", "qkv_proj.hidden"
 FP8_WEIGHTS: tuple[str, ...] = (FC, QKV_EMBEDDING, QKV_HIDDEN, "o_proj", "gate_proj", "up_proj", "down_proj", HEAD)
 # A Linear's weight as the steps take it: a tensor (the parameter, or its cast) or, under drafter_fp8, an Fp8Weight.
@@ -448,7 +449,8 @@ class Drafter(nn.Module):
         seq_len = input_ids.shape[1]
         weights: Weights | None = None
         if fp8 != DRAFTER_FP8_OFF:
-            weights = self.fp8_weights(weight_dtype, grad_weight_fp8=fp8 == DRAFTER_FP8_ROWWISE, layouts_fn=fp8_layouts)
+            gw_fp8 = fp8 == DRAFTER_FP8_ROWWISE
+            weights = self.fp8_weights(weight_dtype, grad_weight_fp8=gw_fp8, layouts_fn=fp8_layouts, fc_input=hidden3)
         elif weight_dtype is not None:
             weights = self.cast_weights(weight_dtype)
         if documents is None:
@@ -456,6 +458,8 @@ class Drafter(nn.Module):
         else:
             rotary = self.document_rotary(documents, ttt_steps)
         hidden = project(hidden3, weights[FC]) if weights is not None and FC in weights else self.fc(hidden3)
+        if weights is not None:
+            weights = {name: w for name, w in weights.items() if name != FC}  # the steps' (fc runs once, here)
         with torch.no_grad():
             emb = F.embedding(shift_left(input_ids, 1), self.embed_table)  # the tokens step 0 reads
         # The embedding half of q/k/v once for the unroll: every step reads the same tokens, shifted (shift_rows).
@@ -501,21 +505,36 @@ class Drafter(nn.Module):
         return {name: weight(name).to(dtype) for name in CAST_WEIGHTS}
 
     def fp8_weights(
-        self, dtype: torch.dtype | None, *, grad_weight_fp8: bool, layouts_fn: Callable[..., Any] | None = None
+        self,
+        dtype: torch.dtype | None,
+        *,
+        grad_weight_fp8: bool,
+        layouts_fn: Callable[..., Any] | None = None,
+        fc_input: torch.Tensor | None = None,
     ) -> Weights:
         """Every Linear's weight (FP8_WEIGHTS) cast to ``dtype`` (None: as it is) and quantised to e4m3, once a
         training step: the steps' gradients meet at the cast, as ``cast_weights``'s do, and reach the parameters
         (their dtype unchanged) once. ``grad_weight_fp8``: the weight gradients' GEMMs in FP8 too (draft/fp8.py).
         ``layouts_fn``: fp8.weight_layouts as the engine runs it (compiled on CUDA, under the compile guard); None:
-        eager."""
+        eager. ``fc_input`` (the target's states fc will take, (..., 3H)): quantised in the same call, both layouts,
+        and carried by fc's weight (``Fp8Weight.fixed_input``), so fc's GEMMs make no pass over it of their own."""
         layer, h = self.layer, self.cfg.hidden_size
         qkv = layer.qkv_weight()
         tensors = {FC: self.fc.weight, QKV_EMBEDDING: qkv[:, :h], QKV_HIDDEN: qkv[:, h:], HEAD: self.lm_head.weight}
         tensors |= {name: getattr(layer, name).weight for name in FP8_WEIGHTS if name not in tensors}
         casts = {name: tensors[name].to(dtype or tensors[name].dtype) for name in FP8_WEIGHTS}
         # Detached inputs: no graph is recorded, in grad mode still (the mode the compiled function was warmed in).
-        layouts: dict[str, Layouts] = (layouts_fn or weight_layouts)({n: c.detach() for n, c in casts.items()})
-        return {name: Fp8Weight(casts[name], *layouts[name], grad_weight_fp8=grad_weight_fp8) for name in FP8_WEIGHTS}
+        detached = {n: c.detach() for n, c in casts.items()}
+        if fc_input is None:
+            layouts: dict[str, Layouts] = (layouts_fn or weight_layouts)(detached)
+        else:
+            inputs = {FC_INPUT: fc_input.detach().reshape(-1, fc_input.shape[-1])}
+            layouts = (layouts_fn or weight_layouts)(detached, inputs)
+        fixed = {FC: layouts[FC_INPUT]} if fc_input is not None else {}
+        return {
+            name: Fp8Weight(casts[name], *layouts[name], grad_weight_fp8=grad_weight_fp8, fixed_input=fixed.get(name))
+            for name in FP8_WEIGHTS
+        }
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

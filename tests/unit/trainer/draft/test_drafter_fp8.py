@@ -19,8 +19,16 @@ from test_cast_weights import losses_and_grads as cast_unroll
 
 from engine.trainer.config import DRAFTER_FP8_ROWWISE, DRAFTER_FP8_ROWWISE_GW_HP
 from engine.trainer.draft import model as draft_model
-from engine.trainer.draft.fp8 import Fp8Weight, fp8_linear, fp8_weight, misaligned, quantize_rows, weight_layouts
-from engine.trainer.draft.model import FP8_WEIGHTS, Drafter, ttt_step
+from engine.trainer.draft.fp8 import (
+    Fp8Weight,
+    fp8_linear,
+    fp8_weight,
+    input_layouts,
+    misaligned,
+    quantize_rows,
+    weight_layouts,
+)
+from engine.trainer.draft.model import FC, FC_INPUT, FP8_WEIGHTS, Drafter, ttt_step
 from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config, compile_guard
 
 E4M3_MAX = 448.0
@@ -152,6 +160,43 @@ def test_an_input_that_needs_no_gradient_gets_no_fp8_input_gradient_gemm(monkeyp
     assert len(calls) == 3 and xg.grad is not None
 
 
+@pytest.mark.parametrize("grad_weight_fp8", [True, False])
+@pytest.mark.parametrize("tokens", [37, 48])
+def test_an_input_quantised_ahead_gives_the_same_output_and_weight_gradient_bit_for_bit(
+    grad_weight_fp8: bool, tokens: int
+) -> None:
+    """fc's input comes quantised with the weights (input_layouts, in the engine's compiled call): the GEMMs and
+    their results are the ones quantising it in place gives, tokens off the 16 grid (37) or on it (48) alike."""
+    x, w, dy = operands(tokens=tokens)
+    results = []
+    for ahead in (False, True):
+        weight = w.detach().clone().requires_grad_()
+        fw = fp8_weight(weight, grad_weight_fp8=grad_weight_fp8)
+        if ahead:
+            fw = fw._replace(fixed_input=input_layouts(x))
+        out = fp8_linear(x.detach(), fw)
+        out.backward(dy)
+        assert weight.grad is not None
+        results.append((out, weight.grad))
+    (out_a, grad_a), (out_b, grad_b) = results
+    assert out_b.shape == (tokens, w.shape[0]) and out_b.dtype == torch.bfloat16
+    assert torch.equal(out_a, out_b) and torch.equal(grad_a, grad_b)
+    assert grad_b.abs().sum() > 0  # a gradient, not zeros
+
+
+def test_input_layouts_pad_the_tokens_with_zeros_and_scale_per_token_and_per_feature() -> None:
+    x, _, _ = operands(tokens=37, d_in=64)
+    rows, row_scale, cols, col_scale = input_layouts(x)
+    assert [tuple(t.shape) for t in (rows, row_scale, cols, col_scale)] == [(48, 64), (48, 1), (64, 48), (1, 64)]
+    assert rows.dtype == cols.dtype == torch.float8_e4m3fn and cols.is_contiguous()
+    assert bits(rows[37:]).eq(0).all() and bits(cols[:, 37:]).eq(0).all()  # the zero tokens add nothing
+    want_rows, want_row_scale = quantize_rows(x)
+    assert torch.equal(bits(rows[:37]), bits(want_rows)) and torch.equal(row_scale[:37], want_row_scale)
+    padded = torch.cat([x, x.new_zeros(11, 64)])
+    want_cols, want_col_scale = quantize_rows(padded.t())
+    assert torch.equal(bits(cols), bits(want_cols)) and torch.equal(col_scale, want_col_scale.reshape(1, -1))
+
+
 def test_an_unknown_recipe_is_refused_where_the_drafter_runs_not_run_as_another() -> None:
     with pytest.raises(ValueError, match="rowise"):
         losses_and_grads(drafter(), "rowise")
@@ -193,17 +238,39 @@ def test_an_fp8_unroll_stays_near_the_bf16_one_and_every_linear_gets_its_gradien
 
 
 def test_the_weights_are_quantised_once_an_unroll_not_once_a_ttt_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[list[str]] = []
+    calls: list[tuple[list[str], list[str]]] = []
 
-    def counting(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        calls.append(list(weights))
-        assert not any(w.requires_grad for w in weights.values())  # detached: no graph through the quantisation
-        return weight_layouts(weights)
+    def counting(weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        calls.append((list(weights), list(inputs or {})))
+        tensors = [*weights.values(), *(inputs or {}).values()]
+        assert not any(w.requires_grad for w in tensors)  # detached: no graph through the quantisation
+        return weight_layouts(weights, inputs)
 
     monkeypatch.setattr(draft_model, "weight_layouts", counting)
     losses_and_grads(drafter(), DRAFTER_FP8_ROWWISE)
-    # one call for fc, the two q/k/v halves, o, gate, up, down and lm_head, for the whole TTT unroll
-    assert calls == [list(FP8_WEIGHTS)] and len(FP8_WEIGHTS) == 8
+    # one call for fc, the two q/k/v halves, o, gate, up, down and lm_head, and fc's input, for the whole TTT unroll
+    assert calls == [(list(FP8_WEIGHTS), [FC_INPUT])] and len(FP8_WEIGHTS) == 8
+
+
+def test_fc_takes_its_input_quantised_with_the_weights_and_the_steps_get_no_fc(monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed: list[bool] = []
+    real = draft_model.project
+
+    def recording(x: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            fixed.append(weight.fixed_input is not None)
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(draft_model, "project", recording)
+    step_weights: list[list[str]] = []
+
+    def step(*args: Any) -> Any:
+        step_weights.append(list(next(a for a in args if isinstance(a, dict))))  # the step's weights
+        return ttt_step(*args)
+
+    losses_and_grads(drafter(), DRAFTER_FP8_ROWWISE, step)
+    assert fixed[0] and not any(fixed[1:])  # fc's first, on its quantised input; the steps' Linears quantise theirs
+    assert step_weights and all(FC not in names for names in step_weights)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

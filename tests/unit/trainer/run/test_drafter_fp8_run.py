@@ -63,9 +63,9 @@ def test_a_run_with_fp8_drafter_gemms_learns_and_keeps_float32_parameters(
 ) -> None:
     quantised: list[list[str]] = []
 
-    def counting(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        quantised.append(list(weights))
-        return weight_layouts(weights)
+    def counting(weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        quantised.append(list(weights) + list(inputs or {}))
+        return weight_layouts(weights, inputs)
 
     monkeypatch.setattr(assembly, "weight_layouts", counting)  # what the engine's guarded function runs
     made: list[bool] = []
@@ -81,9 +81,10 @@ def test_a_run_with_fp8_drafter_gemms_learns_and_keeps_float32_parameters(
     worker = engine.workers[0]
     engine_line = next(line for line in said.splitlines() if "engine: " in line)
     assert "drafter GEMMs FP8 rowwise" in engine_line  # the run says what its drafter runs in
-    # Every training step (and the warm-up's one forward) quantised the drafter's 8 weights in one call, all three
-    # GEMMs of each in FP8.
-    assert quantised == [list(draft_model.FP8_WEIGHTS)] * (40 + 1) and made == [True] * (40 + 1)
+    # Every training step (and the warm-up's one forward) quantised the drafter's 8 weights and fc's input in one
+    # call, all three GEMMs of each in FP8.
+    once = [*draft_model.FP8_WEIGHTS, draft_model.FC_INPUT]
+    assert quantised == [once] * (40 + 1) and made == [True] * (40 + 1)
     losses = [e["loss_total"] for e in seen if e["kind"] == "step"]
     assert len(losses) == 40
     start, end = sum(losses[:3]) / 3, sum(losses[-5:]) / 5
