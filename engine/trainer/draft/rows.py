@@ -21,7 +21,10 @@ when the buckets are): a graph first compiled at a count equal to a static size 
 on an H100 (the three TTT steps whose warm-up count was padded to ``B*T`` compiled again at the first real batch;
 the four padded to ``B*T - 16`` did not). Not solved by this padding: at the 8B shape a warm-up count stepped over
 ``B*T`` (8200 at ``B*T = 8192``, TTT step 1) still compiled once more at the first real batch, and counts below
-``B*T`` did not; the guard behind it was not found (tests/bench/results/throughput_rows_h100.txt). The counts are
+``B*T`` did not; the guard behind it was not found (tests/bench/results/throughput_rows_h100.txt). So the warm-up
+batch (run/worker.py ``synthetic_batch``) leaves a prompt untrained and its counts stay below ``B*T``: the first
+real batch then compiled nothing on an H100. A batch that trains nearly every position can still step over ``B*T``
+and compile that step once more (a compile event, serialised by the guard). The counts are
 read to the host once an unroll (``torch.nonzero_static`` needs them); the producer does that right after the
 target's forward, off the drafter's critical path.
 """
