@@ -4,7 +4,7 @@ drafters exported as vLLM loads them and served by vLLM.
     python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
         [--data regen|shipped|FILE] [--device cpu|cuda] [--jobs 1] [--phase all|train|serve]
         [--serve all|first-seed|none] [--temperatures 0,1] [--samples 1] [--draft-sample-method probabilistic]
-        [--layers 3,5,7] [--work DIR] [--out RESULT.json]
+        [--layers 3,5,7] [--average-last N] [--work DIR] [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
     python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
 
@@ -85,6 +85,7 @@ SF_PINS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0"
            "typing-extensions==4.16.0", "accelerate"]  # fmt: skip
 TRAINERS = ("ours", "specforge")
 BUCKETS, BATCH, TTT, DRAFT_VOCAB, LR, CLIP = [128, 256], 2, 3, 128, 2e-3, 1.0
+AVERAGE_EVERY = 100  # --average-last: steps between the checkpoints averaged
 HELDOUT, HELDOUT_SEED = 32, 0
 
 
@@ -199,10 +200,13 @@ def train_ours(
 ) -> dict[str, Any]:
     out, export = cell / "run", cell / "export"
     dev = a.device
+    # --average-last N: a checkpoint every AVERAGE_EVERY steps, the export made from the mean of the last N
+    every = AVERAGE_EVERY if a.average_last > 1 else a.steps
     sets = [f'target="{target_dir}"', f'target_devices=["{dev}"]', f'drafter_devices=["{dev}"]',
             f"drafter_lrs=[{LR}]", f"max_grad_norm={CLIP}", f"ttt_steps={TTT}", f"draft_vocab_size={DRAFT_VOCAB}",
             f"buckets={BUCKETS}", f"batch_size={BATCH}", "step_delay_s=0", f"steps={a.steps}",
-            f"checkpoint_every={a.steps}", f"log_every={max(1, a.steps // 10)}", f'data="{train}"', "eval_holdout=0",
+            f"checkpoint_every={every}", f"keep_checkpoints={max(2, a.average_last)}",
+            f"log_every={max(1, a.steps // 10)}", f'data="{train}"', "eval_holdout=0",
             f"seed={seed}", f'loss="{loss}"', f"lk_kl_scale={a.kl_scale}", f"lk_kl_decay={a.kl_decay}",
             f"torch_threads={a.threads}", f'data_cache_dir="{cell.parent / "data_cache"}"']  # fmt: skip
     if a.layers:
@@ -217,9 +221,29 @@ def train_ours(
     events = [json.loads(ln) for ln in (out / "events.jsonl").read_text().splitlines() if '"step"' in ln]
     steps = [e for e in events if e.get("kind") == "step"]
     first, last = steps[0], steps[-1]
+    averaged = average_checkpoints(out, a.average_last) if a.average_last > 1 else []
     run([sys.executable, "-m", "engine.trainer", "export", str(out), str(export)], env=engine_env())
     return {"steps": int(last["step"]), "train_wall_s": round(wall, 1), "span": [first["step"], first["t"], last["t"]],
-            "loss_first_last": [first.get("loss_total"), last.get("loss_total")]}  # fmt: skip
+            "loss_first_last": [first.get("loss_total"), last.get("loss_total")],
+            **({"averaged_steps": averaged} if averaged else {})}  # fmt: skip
+
+
+def average_checkpoints(run_dir: Path, n: int) -> list[int]:
+    """The newest checkpoint's weights replaced by the mean of the last ``n`` checkpoints' (its optimizer and data
+    position stay), so that ``export`` writes the averaged drafter. Returns the averaged checkpoints' steps."""
+    import torch
+
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))[-n:]
+    if len(ckpts) < n:
+        raise RuntimeError(f"--average-last {n}: {len(ckpts)} checkpoints in {run_dir / 'checkpoints'}")
+    models = [torch.load(c / "drafter0.pt", map_location="cpu", weights_only=False)["model"] for c in ckpts]
+    newest = torch.load(ckpts[-1] / "drafter0.pt", map_location="cpu", weights_only=False)
+    newest["model"] = {
+        k: (sum(m[k].double() for m in models) / n).to(v.dtype) if v.is_floating_point() else v
+        for k, v in newest["model"].items()
+    }
+    torch.save(newest, ckpts[-1] / "drafter0.pt")
+    return [int(c.name.split("_")[-1]) for c in ckpts]
 
 
 def train_specforge(
@@ -507,6 +531,9 @@ def parse_args() -> argparse.Namespace:
                     help="the target layers both trainers capture, as output ids (e.g. 3,5,7; the exports tell the "
                          "servers); default each trainer's own (the same for Llama targets)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--average-last", type=int, default=1,
+                    help=f"ours: export the mean of the last N checkpoints, one every {AVERAGE_EVERY} steps "
+                         "(1: the last weights); the cells go to a directory of their own")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out prompts are served")
     ap.add_argument("--out", type=Path, help="the result JSON (default: WORK/result.json)")
     a = ap.parse_args()
@@ -518,8 +545,10 @@ def parse_args() -> argparse.Namespace:
                                                                                            "lk_alpha")]  # fmt: skip
     if bad or not a.seeds or a.steps < 1 or not 1 <= a.prompts <= HELDOUT:
         ap.error(f"bad --trainers/--losses/--seeds/--steps: {bad or a.seeds or a.steps}")
-    if a.samples < 1 or a.jobs < 1:
-        ap.error(f"--samples and --jobs must be at least 1, not {a.samples} and {a.jobs}")
+    if a.samples < 1 or a.jobs < 1 or a.average_last < 1:
+        ap.error(f"--samples, --jobs, --average-last: at least 1, not {a.samples}, {a.jobs}, {a.average_last}")
+    if a.average_last * AVERAGE_EVERY > a.steps:
+        ap.error(f"--average-last {a.average_last}: {a.steps} steps hold {a.steps // AVERAGE_EVERY} checkpoints")
     needs_site = a.command != "offline-accept" and "specforge" in a.trainers
     if needs_site and a.peer is None and not (a.sf_site / ".ready").is_file():
         ap.error("--peer PEER_DIR is needed to install SpecForge (or --sf-site of an installed one)")
@@ -569,7 +598,8 @@ def main() -> int:
     site = ensure_specforge_site(a.peer, a.sf_site, cuda) if "specforge" in a.trainers and a.peer else a.sf_site
     cells: list[dict[str, Any]] = []
     # Cells trained on other target layers are others: a directory of their own.
-    cells_dir = work / (f"steps{a.steps}" + (f"-layers{'-'.join(str(i) for i in a.layers)}" if a.layers else ""))
+    cells_dir = work / (f"steps{a.steps}" + (f"-layers{'-'.join(str(i) for i in a.layers)}" if a.layers else "")
+                        + (f"-avg{a.average_last}" if a.average_last > 1 else ""))  # fmt: skip
     plan: list[Path] = []  # the cells' directories, in table order
     todo: list[tuple[int, str, str, Path, Path, Path]] = []  # + that seed's batches and vocab: cells to train
     for seed in a.seeds:

