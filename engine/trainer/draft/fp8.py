@@ -20,8 +20,8 @@ compiled by the engine on CUDA when ``compile`` is on), not in every TTT step: t
 masters, or what the run keeps), their gradients reach them through the cast weight an ``Fp8Weight`` carries, and
 exports are unchanged. fc's input (the target's states, which take no gradient) is quantised in the same call, in
 both layouts (``input_layouts``), and fc's weight carries them (``Fp8Weight.fixed_input``): fc runs outside the
-compiled step, where quantising it per use took about 4 ms a step in eager passes (on one H100 at the 8B shape,
-batch 4, the whole step went from 302.9 to 298.8 ms).
+compiled step, where quantising it per use took about 4 ms a step in eager passes (at the 8B shape, batch 4, the
+whole step took 302.9 ms before on one H100 and 298.8 ms after on another).
 
 Every matrix size must be a multiple of 16 (``_scaled_mm``); a token count that is not is padded with zero tokens
 for grad_weight (they add nothing).
