@@ -547,7 +547,7 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"bad --trainers/--losses/--seeds/--steps: {bad or a.seeds or a.steps}")
     if a.samples < 1 or a.jobs < 1 or a.average_last < 1:
         ap.error(f"--samples, --jobs, --average-last: at least 1, not {a.samples}, {a.jobs}, {a.average_last}")
-    if a.average_last * AVERAGE_EVERY > a.steps:
+    if a.average_last > 1 and a.average_last * AVERAGE_EVERY > a.steps:
         ap.error(f"--average-last {a.average_last}: {a.steps} steps hold {a.steps // AVERAGE_EVERY} checkpoints")
     needs_site = a.command != "offline-accept" and "specforge" in a.trainers
     if needs_site and a.peer is None and not (a.sf_site / ".ready").is_file():
