@@ -126,6 +126,10 @@ class TrainerConfig:
     warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # > 0: export and eval serve an exponential moving average of the drafter's weights over the training steps
+    # (mean age about 1 / (1 - ema_decay) steps; engine/trainer/draft/average.py), not the last weights; training
+    # still steps the trained weights. 0: off. Costs one float32 copy of the trainable weights per drafter thread.
+    ema_decay: float = 0.0
     # AdamW's (beta1, beta2); SpecForge keeps torch's [0.9, 0.999] (the specforge preset).
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # A step whose gradients are NaN or infinite is skipped (no update, an event and an anomaly); this many in a
@@ -489,6 +493,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     ("weight_decay", lambda v, _: 0 <= v < math.inf, "a number >= 0, finite"),
     ("max_grad_norm", lambda v, _: v > 0, "a positive number"),
+    ("ema_decay", lambda v, _: 0 <= v < 1, "a number in [0, 1) (0: off; e.g. 0.995)"),
     ("nonfinite_grad_limit", lambda v, _: v >= 1, "an integer >= 1 (skipped steps in a row)"),
     *_positive_seconds("heartbeat_interval_s", "stall_after_s", "starve_after_s", "stop_grace_s"),
     ("step_delay_s", lambda v, _: v >= 0, "a number of seconds >= 0"),

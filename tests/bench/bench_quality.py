@@ -4,7 +4,7 @@ drafters exported as vLLM loads them and served by vLLM.
     python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
         [--data regen|shipped|FILE] [--device cpu|cuda] [--jobs 1] [--phase all|train|serve]
         [--serve all|first-seed|none] [--temperatures 0,1] [--samples 1] [--draft-sample-method probabilistic]
-        [--layers 3,5,7] [--average-last N] [--work DIR] [--out RESULT.json]
+        [--layers 3,5,7] [--average-last N] [--ema-decay D] [--work DIR] [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
     python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
 
@@ -211,6 +211,8 @@ def train_ours(
             f"torch_threads={a.threads}", f'data_cache_dir="{cell.parent / "data_cache"}"']  # fmt: skip
     if a.layers:
         sets.append(f"target_layers={a.layers}")
+    if a.ema_decay:
+        sets.append(f"ema_decay={a.ema_decay}")
     if out.exists():
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out)]
@@ -223,6 +225,9 @@ def train_ours(
     first, last = steps[0], steps[-1]
     averaged = average_checkpoints(out, a.average_last) if a.average_last > 1 else []
     run([sys.executable, "-m", "engine.trainer", "export", str(out), str(export)], env=engine_env())
+    if a.ema_decay:  # the last trained weights too: the same run without the average, paired by seed
+        run([sys.executable, "-m", "engine.trainer", "export", str(out), str(cell / "export-trained"),
+             "--trained-weights"], env=engine_env())  # fmt: skip
     return {"steps": int(last["step"]), "train_wall_s": round(wall, 1), "span": [first["step"], first["t"], last["t"]],
             "loss_first_last": [first.get("loss_total"), last.get("loss_total")],
             **({"averaged_steps": averaged} if averaged else {})}  # fmt: skip
@@ -534,6 +539,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--average-last", type=int, default=1,
                     help=f"ours: export the mean of the last N checkpoints, one every {AVERAGE_EVERY} steps "
                          "(1: the last weights); the cells go to a directory of their own")  # fmt: skip
+    ap.add_argument("--ema-decay", type=float, default=0.0,
+                    help="ours: train with ema_decay D and export the weights' moving average (export-trained/: "
+                         "the same run's last trained weights); the cells go to a directory of their own")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out prompts are served")
     ap.add_argument("--out", type=Path, help="the result JSON (default: WORK/result.json)")
     a = ap.parse_args()
@@ -547,6 +555,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"bad --trainers/--losses/--seeds/--steps: {bad or a.seeds or a.steps}")
     if a.samples < 1 or a.jobs < 1 or a.average_last < 1:
         ap.error(f"--samples, --jobs, --average-last: at least 1, not {a.samples}, {a.jobs}, {a.average_last}")
+    if not 0 <= a.ema_decay < 1:
+        ap.error(f"--ema-decay {a.ema_decay}: a number in [0, 1)")
     if a.average_last > 1 and a.average_last * AVERAGE_EVERY > a.steps:
         ap.error(f"--average-last {a.average_last}: {a.steps} steps hold {a.steps // AVERAGE_EVERY} checkpoints")
     needs_site = a.command != "offline-accept" and "specforge" in a.trainers
@@ -599,7 +609,8 @@ def main() -> int:
     cells: list[dict[str, Any]] = []
     # Cells trained on other target layers are others: a directory of their own.
     cells_dir = work / (f"steps{a.steps}" + (f"-layers{'-'.join(str(i) for i in a.layers)}" if a.layers else "")
-                        + (f"-avg{a.average_last}" if a.average_last > 1 else ""))  # fmt: skip
+                        + (f"-avg{a.average_last}" if a.average_last > 1 else "")
+                        + (f"-ema{a.ema_decay:g}" if a.ema_decay else ""))  # fmt: skip
     plan: list[Path] = []  # the cells' directories, in table order
     todo: list[tuple[int, str, str, Path, Path, Path]] = []  # + that seed's batches and vocab: cells to train
     for seed in a.seeds:

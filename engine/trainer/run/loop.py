@@ -402,6 +402,8 @@ class TrainingRun:
                 w.training.drafter,
                 next((t for t in self.targets if t.device == w.training.device), target0),
                 w.training.autocast_dtype,
+                # ema_decay: the average is what export serves, so it is what is measured
+                served=w.averaged_drafter if w.average is not None else None,
             )
             for w in workers
         }

@@ -25,6 +25,7 @@ from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
 from engine.trainer.config import DRAFTER_FP8_OFF, HEAD_POSITIONS_TRAINED, TrainerConfig
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.average import EMA_KEY, WeightAverage
 from engine.trainer.draft.loss import accuracies, loss_function, soft_cross_entropy, total_loss, weighted_total
 from engine.trainer.draft.model import Drafter
 from engine.trainer.draft.rows import TrainedRows, trained_rows
@@ -324,6 +325,7 @@ class WorkerSettings:
     overlap_steps: str = "auto"  # the next forward launched before a step's numbers are read (config.py); auto: CUDA
     head_positions: str = HEAD_POSITIONS_TRAINED  # "trained": head and loss on the rows each step trains (rows.py)
     max_grad_norm: float = 1.0
+    ema_decay: float = 0.0  # > 0: a moving average of the weights beside them (draft/average.py), in checkpoints
     nonfinite_grad_limit: int = 8  # skipped steps in a row that stop the run
     log_every: int = 1  # a step event every log_every steps (and at step 1)
     checkpoint_every: int = 0  # 0: no periodic checkpoint (only at the end and on a stop)
@@ -389,6 +391,8 @@ class DrafterWorker:
         self.next_index: int | None = None  # the batch whose forward is launched ahead (overlap), not yet trained
         self.step = 0  # restore_state sets a resumed step
         self.params = training.drafter.trainable_parameters()
+        decay = settings.ema_decay
+        self.average = WeightAverage(training.drafter, decay) if decay > 0 else None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.finished = threading.Event()
         self.warm = threading.Event()
@@ -522,6 +526,8 @@ class DrafterWorker:
         grad_norm = clipped_step(optimizer, self.params, self.settings.max_grad_norm)
         self.training.scheduler.step()  # the schedule follows the step count, skipped steps included
         optimizer.zero_grad(set_to_none=True)
+        if self.average is not None:  # queued after the update; a skipped step moves it toward unchanged weights
+            self.average.update()
         launched.mark()
         acc = accuracies(launched.correct.detach(), launched.counts.detach())
         values = torch.cat([launched.losses.detach().float(), acc.float(), grad_norm.detach().float().reshape(1)])
@@ -585,6 +591,11 @@ class DrafterWorker:
                 f"{step} in thread {self.name}; every one was skipped, the weights are those before them"
             )
 
+    def averaged_drafter(self) -> Drafter:
+        """ema_decay: a copy of the drafter holding the weights' moving average (what export serves)."""
+        assert self.average is not None
+        return self.average.swapped_in(self.training.drafter)
+
     def capture_state(self) -> dict[str, Any]:
         training = self.training
         return {
@@ -594,6 +605,7 @@ class DrafterWorker:
             "step": self.step,
             "data_position": self.links.ledger.state(),
             "rng": rng_state(training.device),
+            **({EMA_KEY: self.average.state()} if self.average is not None else {}),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -603,6 +615,8 @@ class DrafterWorker:
         # restored from one state would share (and each update) the same moments.
         training.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         training.scheduler.load_state_dict(state["scheduler"])
+        if self.average is not None:  # a checkpoint without one (ema_decay newly set) starts it from these weights
+            self.average.restore(state.get(EMA_KEY))
         self.step = int(state["step"])
         # Checkpoints before the ledger kept one integer: every index below it trained.
         self.links.ledger.restore(state.get("data_position") or {"watermark": int(state.get("next_index", 0))})

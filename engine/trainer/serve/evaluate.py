@@ -60,6 +60,7 @@ from engine.trainer.config import target_problem
 from engine.trainer.data.holdout import heldout_indices
 from engine.trainer.data.sources import load_conversations, shipped_corpus_path
 from engine.trainer.draft.attention import TTTAttention
+from engine.trainer.draft.average import served_weights
 from engine.trainer.draft.model import Drafter, rotary_tables
 from engine.trainer.serve.exported import as_exported
 from engine.trainer.verifier.stops import StopIds, first_stop, stop_set, target_stop_ids
@@ -380,6 +381,8 @@ class EvalSubject:
     drafter: Drafter
     target: Any
     autocast_dtype: torch.dtype | None
+    # The drafter as served, where that is not the trained one (ema_decay: a copy holding the weights' average).
+    served: Callable[[], Drafter] | None = None
 
 
 class PeriodicEvaluation:
@@ -430,7 +433,8 @@ class PeriodicEvaluation:
 
     def run(self, thread: str, step: int, subject: EvalSubject) -> dict[str, Any]:
         t0 = time.perf_counter()
-        proposer = DrafterProposer(subject.drafter, rope_offset=self.rope_offset, autocast_dtype=subject.autocast_dtype)
+        drafter = subject.served() if subject.served is not None else subject.drafter
+        proposer = DrafterProposer(drafter, rope_offset=self.rope_offset, autocast_dtype=subject.autocast_dtype)
         beat = self.beat
 
         def alive(_done: int, _stats: AcceptanceStats) -> None:
@@ -459,7 +463,7 @@ class PeriodicEvaluation:
 # --- the command line ----------------------------------------------------------------------------------------
 
 
-def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Drafter:
+def load_drafter(path: Path, name: str, target: Any, device: torch.device, *, trained_weights: bool = False) -> Drafter:
     from engine.trainer import checkpoint as ckpt
     from engine.trainer.draft.model import DraftConfig
 
@@ -472,8 +476,12 @@ def load_drafter(path: Path, name: str, target: Any, device: torch.device) -> Dr
         state = ckpt.load_drafter_state(path, name)
     except Exception as exc:  # torch.load raises many types for a damaged file; each is this one error to the user
         raise ValueError(f"cannot load {path / (name + '.pt')}: {type(exc).__name__}: {exc}") from exc
+    try:  # the weights export serves: the moving average where the run kept one (ema_decay), else the trained ones
+        weights, _which = served_weights(state, trained=trained_weights)
+    except ValueError as exc:
+        raise ValueError(f"{path / (name + '.pt')}: {exc}") from exc
     # the weights as `specdec-train export` writes them (bfloat16): the counts are those of the drafter served
-    drafter.load_state_dict(as_exported(state["model"]))
+    drafter.load_state_dict(as_exported(weights))
     return drafter.to(device).eval()
 
 
@@ -519,6 +527,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--outputs", action="store_true", help="add each prompt's generated token ids to --json")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument(
+        "--trained-weights",
+        action="store_true",
+        help="--checkpoint of a run with ema_decay > 0: the last trained weights, not their average (the default)",
+    )
     args = ap.parse_args(argv)
     for key in ("k", "conversations", "max_new_tokens"):
         if getattr(args, key) < 1:
@@ -601,7 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         return usage(str(exc))
     names = args.drafter or known
-    drafters = {name: functools.partial(load_drafter, path, name, target, device) for name in names}
+    drafters = {
+        name: functools.partial(load_drafter, path, name, target, device, trained_weights=args.trained_weights)
+        for name in names
+    }
     rope_offset = True if args.as_served else rope_offset_of(cfg)
     subject = {"checkpoint": str(path), "step": meta.get("step")}
     return report(

@@ -49,6 +49,7 @@ import torch
 
 from engine.protocol import ExportEvent
 from engine.trainer import checkpoint as ckpt
+from engine.trainer.draft.average import served_weights
 from engine.trainer.threads.metrics import EventLog, events_path_for
 
 FORMATS: tuple[str, ...] = ("eagle3", "speculators")
@@ -103,6 +104,7 @@ class ExportResult:
     picked: str | None = None  # how the checkpoint was chosen, when the input was an output directory
     events_path: Path | None = None
     notes: list[str] = field(default_factory=list)
+    weights: str = "trained"  # or the moving average's words (ema_decay; draft/average.py served_weights)
 
 
 def choose_drafter(meta: dict[str, Any], name: str | None) -> str:
@@ -131,7 +133,11 @@ def _read_meta(checkpoint: Path) -> dict[str, Any]:
     return meta
 
 
-def _load_model_state(checkpoint: Path, drafter: str) -> dict[str, torch.Tensor]:
+def _load_model_state(
+    checkpoint: Path, drafter: str, *, trained_weights: bool = False
+) -> tuple[dict[str, torch.Tensor], str]:
+    """(the weights a drafter state serves, which they are): the moving average where the run kept one
+    (ema_decay), unless ``trained_weights``."""
     try:
         state = ckpt.load_drafter_state(checkpoint, drafter)
     except FileNotFoundError as exc:
@@ -141,10 +147,13 @@ def _load_model_state(checkpoint: Path, drafter: str) -> dict[str, torch.Tensor]
         ) from exc
     except Exception as exc:  # torch.load raises many types for a damaged file; each is this one error to the user
         raise ExportError(f"cannot load {checkpoint / (drafter + '.pt')}: {type(exc).__name__}: {exc}") from exc
-    model = state.get("model") if isinstance(state, dict) else None
-    if not isinstance(model, dict):
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise ExportError(f"{checkpoint / (drafter + '.pt')} has no model state")
-    return {str(k): v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    try:
+        model, which = served_weights(state, trained=trained_weights)
+    except ValueError as exc:
+        raise ExportError(f"{checkpoint / (drafter + '.pt')}: {exc}") from exc
+    return {str(k): v for k, v in model.items() if isinstance(v, torch.Tensor)}, which
 
 
 # --- names, shapes and config -------------------------------------------------------------------------------------
@@ -501,6 +510,7 @@ def export_checkpoint(
     drafter: str | None = None,
     verifier: str | None = None,
     record: bool = True,
+    trained_weights: bool = False,
 ) -> ExportResult:
     """Validate everything, then write ``out_dir`` atomically; ExportError or checkpoint.CheckpointNotFound (nothing
     written) for bad input."""
@@ -512,7 +522,7 @@ def export_checkpoint(
     _check_out_dir(out_dir)
     meta = _read_meta(checkpoint)
     name = choose_drafter(meta, drafter)
-    state = _load_model_state(checkpoint, name)
+    state, weights = _load_model_state(checkpoint, name, trained_weights=trained_weights)
     tensors = served_tensors(state, meta, fmt)
     step = int(meta.get("step", -1))
     cfg = meta.get("config") or {}
@@ -523,6 +533,7 @@ def export_checkpoint(
         "target": cfg.get("target"),
         "target_layers": list(meta["target_layers"]),
         "ttt_steps": cfg.get("ttt_steps"),
+        "weights": weights,
     }
     if "ttt_rope_offset" in cfg:
         provenance["ttt_rope_offset"] = cfg["ttt_rope_offset"]
@@ -530,7 +541,7 @@ def export_checkpoint(
     config = build_config(meta, fmt, verifier=chosen_verifier, provenance=provenance)
     size = _write_atomically(out_dir, config, tensors)
     params = sum(t.numel() for k, t in tensors.items() if t.is_floating_point())
-    result = ExportResult(out_dir, checkpoint, step, name, fmt, params, size, picked)
+    result = ExportResult(out_dir, checkpoint, step, name, fmt, params, size, picked, weights=weights)
     if fmt == "speculators" and chosen_verifier is None:
         result.notes.append("verifier name_or_path is null (built-in target); pass --verifier DIR to name one")
     if record:
@@ -631,7 +642,8 @@ def summary_lines(result: ExportResult) -> list[str]:
     recorded = f"; recorded in {result.events_path}" if result.events_path else ""
     lines.append(
         f"exported {result.drafter} of {result.checkpoint.name} (step {result.step}) -> {result.out_dir} "
-        f"[{result.fmt}]: {result.params / 1e6:.2f}M params, bfloat16, {_human_bytes(result.size_bytes)}{recorded}"
+        f"[{result.fmt}]: {result.params / 1e6:.2f}M params, bfloat16, {_human_bytes(result.size_bytes)}, "
+        f"{result.weights} weights{recorded}"
     )
     lines.append(
         f'serve: vllm speculative_config={{"method": "eagle3", "model": "{result.out_dir}", '
@@ -649,29 +661,54 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="which drafter state (independent mode has one per drafter; without it each goes to OUT_DIR/<name>/)",
     )
     ap.add_argument("--verifier", help="speculators layout: the target's name or directory to record as verifier")
+    ap.add_argument(
+        "--trained-weights",
+        action="store_true",
+        help="a run with ema_decay > 0: export the last trained weights, not their moving average (the default)",
+    )
 
 
 def export_every_drafter(
-    source: Path, out_dir: Path, *, fmt: str = "eagle3", drafter: str | None = None, verifier: str | None = None
+    source: Path,
+    out_dir: Path,
+    *,
+    fmt: str = "eagle3",
+    drafter: str | None = None,
+    verifier: str | None = None,
+    trained_weights: bool = False,
 ) -> list[ExportResult]:
     """One export, or, for a checkpoint of several drafters (independent mode) and no ``drafter`` named, one per
     drafter in ``out_dir/<drafter>/``: every drafter is checked before the first is written."""
     checkpoint, _picked = ckpt.resolve_checkpoint(Path(source).expanduser().absolute())
     names = [str(d) for d in _read_meta(checkpoint).get("drafters") or []]
     if drafter is not None or len(names) <= 1:
-        return [export_checkpoint(source, out_dir, fmt=fmt, drafter=drafter, verifier=verifier)]
+        return [
+            export_checkpoint(
+                source, out_dir, fmt=fmt, drafter=drafter, verifier=verifier, trained_weights=trained_weights
+            )
+        ]
     out_dir = Path(out_dir).expanduser().absolute()
     _check_out_dir(out_dir)
     meta = _read_meta(checkpoint)
     for name in names:  # a bad state fails here, before anything is written
-        served_tensors(_load_model_state(checkpoint, name), meta, fmt)
-    return [export_checkpoint(source, out_dir / name, fmt=fmt, drafter=name, verifier=verifier) for name in names]
+        served_tensors(_load_model_state(checkpoint, name, trained_weights=trained_weights)[0], meta, fmt)
+    return [
+        export_checkpoint(
+            source, out_dir / name, fmt=fmt, drafter=name, verifier=verifier, trained_weights=trained_weights
+        )
+        for name in names
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         results = export_every_drafter(
-            Path(args.checkpoint), Path(args.out_dir), fmt=args.fmt, drafter=args.drafter, verifier=args.verifier
+            Path(args.checkpoint),
+            Path(args.out_dir),
+            fmt=args.fmt,
+            drafter=args.drafter,
+            verifier=args.verifier,
+            trained_weights=args.trained_weights,
         )
     except (ExportError, ckpt.CheckpointNotFound) as exc:  # input it cannot export: one line, exit 2
         print(f"specdec-train export: error: {exc}", file=sys.stderr)
