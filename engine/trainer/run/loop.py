@@ -31,6 +31,7 @@ from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.rows import LoadingStopped
 from engine.trainer.data.sources import BatchSource, ConversationSource
 from engine.trainer.data.vocab import DraftVocab, build_draft_vocab
+from engine.trainer.draft.average import EMA_KEY
 from engine.trainer.draft.model import DraftConfig, Drafter
 from engine.trainer.run.assembly import (
     attention_impl,
@@ -185,6 +186,7 @@ class TrainingRun:
         if cfg.cuda_streams == "per_device":
             share_streams(self.producers, self.workers)
         self._report_lost_steps()
+        self._report_dropped_average(resume)
         self._stop_if_signalled("the drafters were built")  # before the FP8 check's forwards and the warm-up
         # before the evaluation, which may keep them
         check_fp8_targets(cfg, self.targets, self.vocab, self.source, self.events)
@@ -358,6 +360,18 @@ class TrainingRun:
         if replicas and "data_position" not in state:
             # Before the ledger, replica r trained indices r, r + n, ...: step s means all below s * n.
             worker.links.ledger.restore({"watermark": worker.step * len(self._ledgers)})
+
+    def _report_dropped_average(self, resume: ResumePoint) -> None:
+        """A checkpoint with a weight average resumed under ema_decay = 0: the average is not carried on (say so)."""
+        if self.cfg.ema_decay > 0 or resume.path is None:
+            return
+        kept = [s[EMA_KEY] for s in resume.states.values() if isinstance(s.get(EMA_KEY), dict)]
+        if kept:
+            self.events.stage(
+                "checkpoint",
+                f"resumed from {resume.path.name}, which keeps a weight average (ema_decay {kept[0].get('decay')}); "
+                "this run has ema_decay = 0: the average is dropped and export will serve the trained weights",
+            )
 
     def _report_lost_steps(self) -> None:
         """A resumed run names the steps the previous run made after the checkpoint it resumes from."""

@@ -185,3 +185,28 @@ def ckpt_events(out: Path) -> list[dict[str, Any]]:
     import json
 
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_a_resume_that_turns_the_average_off_says_so_and_one_that_turns_it_on_starts_it(
+    corpus_head: Callable[[int], Path], tmp_path: Path
+) -> None:
+    corpus = corpus_head(64)
+    _run(tmp_path / "off", corpus, 2, ema_decay=DECAY)
+    off = _run(tmp_path / "off", corpus, 3)
+    assert off.resumed_from is not None and off.workers[0].average is None
+    stages = [e for e in ckpt_events(tmp_path / "off") if e.get("kind") == "stage" and "average" in e.get("detail", "")]
+    assert len(stages) == 1 and "ema_decay 0.9" in stages[0]["detail"] and "dropped" in stages[0]["detail"]
+    path, _ = ckpt.resolve_checkpoint(tmp_path / "off")
+    assert EMA_KEY not in ckpt.load_drafter_state(path, "replicas")
+    assert export.export_checkpoint(tmp_path / "off", tmp_path / "x-off", record=False).weights == "trained"
+
+    _run(tmp_path / "on", corpus, 2)
+    on = _run(tmp_path / "on", corpus, 3, ema_decay=DECAY)
+    worker = on.workers[0]
+    assert on.resumed_from is not None and worker.average is not None
+    assert worker.average.updates == 1  # started from the resumed weights at step 2, then one step
+    assert not [
+        e for e in ckpt_events(tmp_path / "on") if e.get("kind") == "stage" and "average" in e.get("detail", "")
+    ]
+    path, _ = ckpt.resolve_checkpoint(tmp_path / "on")
+    assert ckpt.load_drafter_state(path, "replicas")[EMA_KEY]["updates"] == 1
