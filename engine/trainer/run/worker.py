@@ -35,7 +35,7 @@ from engine.trainer.threads.compile import GuardedFunction, apply_dynamo_config,
 from engine.trainer.threads.control import NonFiniteGradient, NonFiniteLoss, PeerFailure, ThreadControl
 from engine.trainer.threads.health import name_os_thread
 from engine.trainer.threads.metrics import step_line
-from engine.trainer.threads.queue import BoundedQueue, QueueClosed, QueueTimeout
+from engine.trainer.threads.queue import BoundedQueue, ProducerFailed, QueueClosed, QueueTimeout
 
 GET_POLL_S = 0.25
 
@@ -644,6 +644,13 @@ class DrafterWorker:
                 continue
             except QueueClosed:
                 return None
+            except ProducerFailed:
+                # The producer's failure has already failed the run (thread_error, then queue.fail): it is the
+                # root cause, named once. A drafter woken by it is not a second failure. Raised only if the run
+                # still goes on, which queue.fail's one caller never leaves it doing.
+                if control.should_exit:
+                    return None
+                raise
             if batch.index >= 0 and links.ledger.is_done(batch.index):
                 continue  # independent mode: this drafter trained it before the resume
             self._fetch_ms = (time.perf_counter() - t0) * 1000.0

@@ -183,6 +183,27 @@ def test_producer_exception_reaches_the_engine(
     assert engine.workers[0].step < 50
 
 
+def test_a_producer_failure_is_the_one_thread_error_while_a_drafter_waits_on_its_queue(
+    tmp_path: Path, small_corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drafter is blocked in its queue's get when the producer fails: the failure wakes it (queue.fail), and it
+    ends with the run instead of being reported as a second failed thread (on a loaded machine the usual case)."""
+    engine, rec = build(make_config(tmp_path, small_corpus, steps=5), tmp_path)
+    worker = engine.workers[0]
+
+    def compute(*_args: Any, **_kwargs: Any) -> Any:
+        assert worker.warm.wait(60)
+        time.sleep(0.5)  # the drafter is in its queue's get by now: nothing was produced
+        raise ValueError("target exploded")
+
+    monkeypatch.setattr(engine.producers[0], "compute", compute)
+    assert engine.run() == 1
+    assert [e["thread"] for e in rec.of("thread_error")] == ["target0"]
+    end = rec.of("run_end")[-1]
+    assert end["ok"] is False and "target0" in end["reason"] and "target exploded" in end["reason"]
+    assert worker.step == 0
+
+
 def test_nan_loss_stops_the_run_naming_step_and_thread(tmp_path: Path, small_corpus: Path) -> None:
     engine, rec = build(make_config(tmp_path, small_corpus, steps=20, on_thread_error="continue"), tmp_path)
 
