@@ -18,6 +18,7 @@ queued on the drafter's stream after its optimizer step (no host sync).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, TypeVar
 
 import torch
@@ -77,8 +78,6 @@ class WeightAverage:
     def swapped_in(self, module: M) -> M:
         """A copy of ``module`` holding the average, its buffers (the target's embedding table, the vocabulary
         maps) shared, not copied: for an evaluation between steps; the trained module is untouched."""
-        import copy
-
         twin = copy.deepcopy(module, {id(b): b for b in module.buffers()})
         named = dict(twin.named_parameters())
         for name, shadow in zip(self.names, self.shadow, strict=True):

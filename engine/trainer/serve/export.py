@@ -147,9 +147,9 @@ def _load_model_state(
         ) from exc
     except Exception as exc:  # torch.load raises many types for a damaged file; each is this one error to the user
         raise ExportError(f"cannot load {checkpoint / (drafter + '.pt')}: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+    if not isinstance(state, dict):
         raise ExportError(f"{checkpoint / (drafter + '.pt')} has no model state")
-    try:
+    try:  # served_weights checks the model state and the average against it
         model, which = served_weights(state, trained=trained_weights)
     except ValueError as exc:
         raise ExportError(f"{checkpoint / (drafter + '.pt')}: {exc}") from exc
