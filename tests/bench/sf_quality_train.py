@@ -12,8 +12,9 @@ forward where the capture server would be): SpecForge's ``Config``, ``build_mode
 * the target is a servable Hugging Face directory (the bench's built ``tiny-trained``), not a random one;
 * the batches are the bench's (the same token ids, loss masks and order as our engine trains on for this seed), the
   draft vocabulary is the bench's (ours, passed as SpecForge's ``vocab_mapping_path``);
-* the hyperparameters both trainers expose are the bench's (lr, constant schedule, no warm-up, grad clip, TTT
-  length, seed); LK losses are SpecForge's ``lk_loss_type`` / ``kl_scale`` / ``kl_decay``;
+* the hyperparameters both trainers expose are the bench's (lr, schedule and warm-up share: constant and none, or
+  SpecForge's default cosine and 0.015; grad clip, TTT length, seed); LK losses are SpecForge's ``lk_loss_type`` /
+  ``kl_scale`` / ``kl_decay``;
 * on the CPU: float32 end to end (SpecForge's ``TargetHead`` hard-codes bfloat16: cast back to float32 so the
   target's logits are those of our float32 engine), SDPA attention (flex has no CPU backward), SpecForge's reference
   loss ``core/loss.py _compute_loss`` in place of its Triton kernel, no ``torch.compile`` (``--compile auto``: on
@@ -22,7 +23,8 @@ forward where the capture server would be): SpecForge's ``Config``, ``build_mode
   ``LlamaForCausalLMEagle3`` directory vLLM and SGLang load.
 
     python3 sf_quality_train.py --target DIR --batches FILE --vocab FILE --steps N --seed S --out EXPORT_DIR \\
-        [--loss soft_ce|lk_lambda|lk_alpha] [--device cpu|cuda] [--json RESULT.json]
+        [--loss soft_ce|lk_lambda|lk_alpha] [--device cpu|cuda] [--schedule constant|cosine --warmup-ratio R]
+        [--json RESULT.json]
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "data": {"hidden_states_path": str(feat_dir), "max_length": max(int(x.shape[1]) for x in ids_list)},
         "training": {"strategy": "eagle3", "num_epochs": 1, "max_steps": a.steps,
                      "batch_size": int(ids_list[0].shape[0]),
-                     "learning_rate": a.lr, "lr_scheduler": "constant", "warmup_ratio": 0.0,
+                     "learning_rate": a.lr, "lr_scheduler": a.schedule, "warmup_ratio": a.warmup_ratio,
                      "max_grad_norm": a.max_grad_norm, "ttt_length": a.ttt, "attention_backend": attn,
                      "save_interval": 0, "log_interval": 1, "seed": a.seed, "lk_loss_type": LK_TYPES[a.loss],
                      "kl_scale": a.kl_scale, "kl_decay": a.kl_decay},
@@ -266,6 +268,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--ttt", type=int, default=3)
+    ap.add_argument("--schedule", choices=["constant", "cosine"], default="constant")
+    ap.add_argument("--warmup-ratio", type=float, default=0.0)
     ap.add_argument("--loss", choices=sorted(LK_TYPES), default="soft_ce")
     ap.add_argument("--kl-scale", type=float, default=1.0)
     ap.add_argument("--kl-decay", type=float, default=1.0)

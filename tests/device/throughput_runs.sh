@@ -47,6 +47,8 @@
 #       target_fp8 = true, then with target_fp8 = true and the drafter's GEMMs in FP8 (drafter_fp8 = "rowwise",
 #       engine/trainer/draft/fp8.py): issue 44's 2.0x against SpecForge. The table's budget (<= 585 s): the peer
 #       <= 140, each engine mode <= 230 (cold compile 130-190 s).
+#   sh tests/device/throughput_runs.sh ends [BATCH]   SpecForge's step and, in the same call, the engine bf16 (issue 44's
+#       1.4x) and with target_fp8 and drafter_fp8 "rowwise" (its 2.0x): both ends of the table in one call (<= 585 s).
 #   sh tests/device/throughput_runs.sh fp8drafter_gw [BATCH]  the engine with target_fp8 and drafter_fp8 "rowwise",
 #       then "rowwise_gw_hp" (the weight gradients' GEMMs in bf16): what the accuracy-leaning recipe costs (<= 450 s).
 #   sh tests/device/throughput_runs.sh fp8drafter_check [BATCH]  where the FP8 drafter's step spends its time
@@ -168,6 +170,10 @@ case "$PART" in
     fp8drafter)
         peer 140
         engine "engine --set target_fp8=true;engine --set target_fp8=true --set drafter_fp8=rowwise" 445 230
+        ;;
+    ends)
+        peer 140
+        engine "engine;engine --set target_fp8=true --set drafter_fp8=rowwise" 445 230
         ;;
     fp8drafter_gw)
         engine "engine --set target_fp8=true --set drafter_fp8=rowwise;engine --set target_fp8=true --set drafter_fp8=rowwise_gw_hp" 450 225
