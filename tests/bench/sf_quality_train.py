@@ -219,7 +219,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     def logger(metrics: dict[str, Any], step: int) -> None:
         stamps.append((step, time.perf_counter(), float(metrics.get("loss", float("nan")))))
         if step == 1 or step % max(1, a.steps // 10) == 0 or step == a.steps:
-            log(f"step {step}: loss {stamps[-1][2]:.4f}")
+            log(f"step {step}: loss {stamps[-1][2]:.4f}, lr {float(metrics.get('lr', float('nan'))):.3g}")
 
     controller = TrainerController(core, run_id=cfg.run_id, output_dir=cfg.output_dir, save_interval=0,
                                    log_interval=1, max_steps=a.steps, total_steps=a.steps, num_epochs=1,
