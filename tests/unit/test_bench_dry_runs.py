@@ -8,6 +8,7 @@ checks their results, not their timings.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -123,6 +124,43 @@ def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_pat
         assert row["sources"] == ["eval"] and row["steps"] == 2 and 1.0 <= row["tau_mean"] <= 4.0
         assert len(row["per_position"]) == 3 and len(row["per_position_conditional"]) == 3
     assert report["comparisons"]["ours lk_lambda/soft_ce T 0"]["beyond_spread"] == "unknown (one seed: no spread)"
+
+
+@pytest.mark.slow
+def test_bench_quality_gives_both_trainers_the_cosine_schedule_and_tables_the_averages_last_weights(
+    tmp_path: Path,
+) -> None:
+    """--schedule cosine reaches our engine (its logged learning rate decays), and under --ema-decay the same run's
+    last weights are a row of their own (ours-last), compared with the average seed by seed."""
+    from engine.trainer.verifier.builtin import Recipe, ensure_built
+
+    small = ensure_built(Recipe(hidden=32, layers=8, head_dim=32, steps=6, batch_size=4, seq_len=32),
+                         root=tmp_path / "targets", progress=lambda _line: None)  # fmt: skip
+    out = tmp_path / "result.json"
+    argv = [str(BENCH / "bench_quality.py"), "--trainers", "ours", "--losses", "soft_ce", "--steps", "4",
+            "--seeds", "0", "--data", "shipped", "--serve", "none", "--temperatures", "0", "--max-new-tokens", "4",
+            "--prompts", "4", "--ema-decay", "0.9", "--schedule", "cosine",
+            "--target-dir", str(small), "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    (res,) = results(argv, timeout_s=480)
+    assert res["cells"] == 2  # the average and the last weights of one run
+    report = json.loads(out.read_text())
+    assert report["recipe"]["schedule"] == "cosine" and report["recipe"]["warmup_ratio"] == 0.015
+    assert [(c["trainer"], Path(c["export"]).name) for c in report["cells"]] == [
+        ("ours", "export"), ("ours-last", "export-trained")]  # fmt: skip
+    assert [r["trainer"] for r in report["rows"]] == ["ours", "ours-last"]
+    paired = report["comparisons"]["ours - ours-last soft_ce T 0"]
+    assert paired["seeds"] == [0] and len(paired["diffs"]) == 1
+    (events,) = (tmp_path / "work").glob("*/steps4-ema0.9-cosine/ours-soft_ce-s0/run/events.jsonl")
+    lrs = [e["lr"] for e in map(json.loads, events.read_text().splitlines()) if e.get("kind") == "step"]
+    assert len(lrs) == 4 and all(a > b for a, b in itertools.pairwise(lrs)), lrs  # cosine, not constant
+
+
+def test_the_weight_average_device_check_passes_on_the_cpu(tmp_path: Path) -> None:
+    """tests/device/run's weight-average item (tests/device/ema_check.py), dry: the engine's checkpoints every step,
+    the recurrence and the first update checked, the export serving the average."""
+    argv = [sys.executable, str(REPO / "tests" / "device" / "ema_check.py"), "--cpu", "--out", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=240, check=False)
+    assert done.returncode == 0 and done.stdout.startswith("PASS weight average on the CPU"), done.stdout + done.stderr
 
 
 def test_bench_quality_caches_regenerated_replies_per_target_weights(
