@@ -35,6 +35,17 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """For a test that compiles the engine's ``ttt_step`` and counts its graphs: dynamo keeps compiled graphs per code
+    object for the whole process, so the graphs earlier tests compiled (other shapes, FP8 or bf16) count toward the
+    recompile limit, and some orders of the tests fill it (a ``fallback`` where none is). Starts from none."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tmux_socket() -> Iterator[str]:
     """The private tmux socket name (``tmux -L NAME``) of this test session; its server dies at teardown."""

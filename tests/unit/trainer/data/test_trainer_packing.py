@@ -345,6 +345,7 @@ def test_packing_random_tokens_is_a_config_error() -> None:
         from_dict({"target": "llama3-8b-shape", "packing": True})
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_ttt_step_compiles_nothing_new_for_later_packed_batches(target: FrozenTarget) -> None:
     """Dynamo (eager backend, flex forward on the CPU) keeps one graph per TTT step across packed batches, each
     with its own documents, BlockMasks and rotary tables: packing does not recompile per batch."""

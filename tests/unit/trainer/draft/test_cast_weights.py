@@ -149,6 +149,7 @@ def test_uncompiled_cast_once_changes_nothing_bit_for_bit_but_the_stacked_qkv_gr
             assert torch.equal(grads_per_step[name], grads_once[name]), name
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_cast_once_gives_eager_numerics_and_per_step_casts_a_bf16_sum_away() -> None:
     apply_dynamo_config()
     model = drafter()
@@ -167,6 +168,7 @@ def test_compiled_cast_once_gives_eager_numerics_and_per_step_casts_a_bf16_sum_a
         assert rel < 1e-2 and cos > 0.9999, (name, rel, cos)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_steps_hand_each_linear_weight_one_gradient_cast_once_instead_of_one_per_ttt_step() -> None:
     """The point of it: compiled per-step casts hand each weight ``ttt_steps`` fp32 gradients to add (on the
     H200, TTT 7: six additions for each of 12 tensors a step, 72 kernels; the 8 Linears' 48 go); one cast hands
@@ -207,6 +209,7 @@ def test_cast_weights_are_the_linears_in_the_asked_dtype_and_carry_gradients_to_
         assert g is not None and torch.equal(g, torch.ones_like(g))
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_step_takes_fresh_cast_weights_every_step_without_recompiling() -> None:
     """The cast tensors are new each training step: graph inputs, not constants, so nothing compiles again."""
     apply_dynamo_config()

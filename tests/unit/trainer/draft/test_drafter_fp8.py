@@ -334,6 +334,7 @@ def test_the_quantisation_compiled_by_inductor_gives_the_eager_layouts_bit_for_b
             assert torch.equal(bits(got), bits(ref)), name
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_fp8_step_gives_eager_numerics_and_takes_fresh_weights_without_recompiling() -> None:
     apply_dynamo_config()
     model = drafter()

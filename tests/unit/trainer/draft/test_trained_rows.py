@@ -179,6 +179,7 @@ def test_a_step_with_nothing_to_train_counts_zero_and_gives_no_gradient() -> Non
     assert all(float(g.abs().sum()) == 0.0 for g in some[3].values())
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_steps_take_every_row_count_with_one_graph_each() -> None:
     apply_dynamo_config()
     torch._dynamo.reset()

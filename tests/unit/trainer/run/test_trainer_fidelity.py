@@ -307,6 +307,7 @@ def test_help_screen_and_chart_tooltip_say_what_loss_i_and_acc_i_divide_by() -> 
         assert "divided by the positions in the data's loss mask" in text
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_ttt_step_keeps_one_graph_per_step_and_bucket_with_per_step_rope() -> None:
     # Dynamo with the eager backend (fast on the CPU): the per-step rotary tables are inputs of the compiled
     # step, so training compiles ttt_steps x buckets graphs during warm-up and none afterwards.
