@@ -7,8 +7,9 @@ the target's matmuls at FP8 rate; under ``compile_target`` the activation scalin
 of each matmul.
 
 What stays in the model's dtype: the embeddings, the norms, attention itself, ``lm_head``, whose logits
-define the drafter's training targets (the draft-vocabulary logits and the position mask), and MoE routers
-(``SKIPPED_MODULES``).
+define the drafter's training targets (the draft-vocabulary logits and the position mask), MoE routers
+(``SKIPPED_MODULES``), and whatever lies outside the decoder's layers (a multimodal wrapper's vision tower and
+projector: text never runs them; ``load_target`` quantises the decoder layers only).
 
 The exact target stays reachable: ``quantize_linears(keep_exact=True)`` keeps each replaced Linear's original
 weight tensor (the same storage, no copy), and inside ``exact_linears(model)`` every ``Fp8Linear`` runs the exact

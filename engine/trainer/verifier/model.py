@@ -464,6 +464,7 @@ def load_target(
         model = load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
     ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
     use_causal_fast_path(model)
-    if fp8:
-        quantize_linears(model, keep_exact=keep_exact)
+    if fp8:  # the text decoder's Linears only: a multimodal wrapper's vision tower never runs here
+        for layer in decoder_layers(model):
+            quantize_linears(layer, keep_exact=keep_exact)
     return FrozenTarget(model, tokenizer, ids, device)

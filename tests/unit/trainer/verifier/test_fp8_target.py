@@ -3,6 +3,9 @@ exact, and the exact weights kept for an exact forward (the evaluation's) until 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +21,7 @@ from engine.trainer.verifier.fp8 import (
     quantize_linears,
     release_exact,
 )
-from engine.trainer.verifier.model import FrozenTarget, load_target, load_tokenizer
+from engine.trainer.verifier.model import FrozenTarget, decoder_layers, load_target, load_tokenizer
 
 
 def test_fp8_linear_matches_the_linear_within_e4m3_rounding() -> None:
@@ -181,6 +184,22 @@ class Llama4Moe(nn.Module):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
         self.shared_expert = QwenMlp(hidden)
+
+
+def test_a_multimodal_wrapper_gets_fp8_in_its_text_decoder_only(family_dir: Callable[[str], Path]) -> None:
+    """Gemma-3 as released: the text decoder inside a vision wrapper. The vision tower never runs on text, so its
+    Linears stay as loaded (quantising them only cost memory and time, and a vision size off the 16 grid would have
+    stopped the target's load); every Linear of the decoder's layers is FP8."""
+    path = str(family_dir("gemma-3"))
+    target = load_target(path, torch.device("cpu"), tokenizer=load_tokenizer(path), layer_ids=None, seed=0,
+                         dtype=torch.float32, fp8=True)  # fmt: skip
+    layers = decoder_layers(target.model)
+    inside = {id(m) for m in layers.modules()}
+    fp8 = [n for n, m in target.model.named_modules() if isinstance(m, Fp8Linear)]
+    assert fp8 and all(id(target.model.get_submodule(n)) in inside for n in fp8), fp8
+    assert not any(isinstance(m, nn.Linear) for m in layers.modules())
+    vision = [n for n, m in target.model.named_modules() if isinstance(m, nn.Linear) and "vision" in n]
+    assert vision, "the family's vision tower was expected in the loaded wrapper"
 
 
 def test_quantize_linears_leaves_moe_routers_exact_and_quantises_experts_and_dense_gate_proj() -> None:
