@@ -476,7 +476,9 @@ def combined_run(parts: list[NodeRun], rank_nodes: dict[int, str] | None = None)
     the node, the rank and the cause at its root (a node whose own rank failed, before one that saw a peer go).
 
     ``rank_nodes`` (global rank -> node label, when known): while only a survivor has said that a peer rank went
-    away, the failure is placed on the node of that rank, in the survivor's words, until that node says more."""
+    away, the failure is placed on the node of that rank, in the survivor's words, until that node says more.
+    Without the map, the node the survivor's records name for that rank (``failed_node``, a node rank) is found
+    among the parts by their own node rank."""
     ids = sorted({p.run.run_id for p in parts if p.run is not None})
     failed = [p for p in parts if p.run is not None and p.run.state in ("failed", "vanished", "rebooted")]
     unreachable = [p for p in parts if p.error is not None]
@@ -497,6 +499,8 @@ def combined_run(parts: list[NodeRun], rank_nodes: dict[int, str] | None = None)
         out.update(state="failed", failed_node=root.label, failed_rank=root.run.failed_rank)
         out["cause"] = f"node {root.label}: {root.run.cause or root.run.state}"
         peer = (rank_nodes or {}).get(root.run.failed_rank) if root.run.failed_rank is not None else None
+        if peer is None and root.run.failed_node is not None:
+            peer = next((p.label for p in parts if p.run is not None and p.run.node_rank == root.run.failed_node), None)
         if _is_peer_echo(root.run.cause) and peer is not None and peer != root.label:
             out["failed_node"] = peer
             out["cause"] = (

@@ -120,7 +120,15 @@ def test_while_only_the_survivor_has_spoken_the_failure_sits_on_the_node_of_the_
     combined = combined_run(parts, rank_nodes={0: "a", 1: "b"})
     assert (combined["failed_node"], combined["failed_rank"]) == ("b", 1), combined
     assert combined["cause"].startswith("node b: rank 1 failed or left the run (node a saw it go: "), combined
-    assert combined_run(parts)["failed_node"] == "a"  # no rank map: the survivor, in its words
+    assert combined_run(parts)["failed_node"] == "a"  # no rank map, no node ranks: the survivor, in its words
+    # `status --profile` has no rank map; the survivor's records name the rank's node (node 1), and each part says
+    # its own node rank: the failure sits on node 1 from the first status that shows it.
+    said = protocol.RunInfo(run_id="r1", run_dir="/d", state="failed", cause=echo, failed_rank=1, failed_node=1,
+                            ended_at=10.0, node_rank=0)  # fmt: skip
+    alive = protocol.RunInfo(run_id="r1", run_dir="/d", state="running", node_rank=1)
+    placed = combined_run([NodeRun("a", said), NodeRun("b", alive)])
+    assert (placed["failed_node"], placed["failed_rank"]) == ("b", 1), placed
+    assert placed["cause"].startswith("node b: rank 1 failed or left the run (node a saw it go: "), placed
 
 
 def test_log_lines_are_tagged_by_node_and_a_further_ranks_by_node_and_rank() -> None:
