@@ -462,9 +462,10 @@ def load_target(
         from transformers import AutoModelForCausalLM
 
         model = load_pretrained(AutoModelForCausalLM, str(Path(spec).expanduser()), dtype).to(device)
-    ids = layer_ids if layer_ids is not None else default_layer_ids(len(decoder_layers(model)))
+    layers = decoder_layers(model)
+    ids = layer_ids if layer_ids is not None else default_layer_ids(len(layers))
     use_causal_fast_path(model)
     if fp8:  # the text decoder's Linears only: a multimodal wrapper's vision tower never runs here
-        for layer in decoder_layers(model):
+        for layer in layers:
             quantize_linears(layer, keep_exact=keep_exact)
     return FrozenTarget(model, tokenizer, ids, device)
