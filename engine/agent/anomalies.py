@@ -345,6 +345,7 @@ def compile_anomalies(state: EngineState) -> list[Anomaly]:
                 message=(
                     f"{thread}: {fn} recompiled {n}x after warm-up (each stalls the thread while it compiles); "
                     f"last for: {_short(ev.signature or '', 120)}"
+                    + (f" (the guard that failed: {_short(ev.guard, 120)})" if ev.guard else "")
                 ),
             )
         )

@@ -75,7 +75,7 @@ engine() {  # $1: the plan, $2: the seconds it may take in all, $3: the seconds 
 for r in json.load(open(sys.argv[1])):
     if isinstance(r, dict) and "trained_share" in r:
         print("trained_share", r.get("mode"), r.get("head_positions"), r.get("trained_share"),
-              "compile events", [(e.get("what"), e.get("function")) for e in r.get("compile_events") or []],
+              "compile events", [(e.get("what"), e.get("function"), e.get("guard")) for e in r.get("compile_events") or []],
               "failures", len(r.get("failures") or []))' "$OUT/bench_engine.json" 2>/dev/null
 }
 peer() {  # $1: the seconds SpecForge's step may take; SF_ARGS passes through to its sf_peer.py

@@ -25,7 +25,9 @@ step, device and grad mode here) up to its recompile limit, then silently runs t
 every new signature. ``recompile_limit_for`` sizes the limit from the run, and a ``GuardedFunction`` reports
 to its listeners (the engine writes them as ``compile`` events) every graph compiled after the calling
 thread called ``mark_warm`` ("recompile") and every new signature left to eager because the limit was hit
-("fallback"), counted from dynamo's cache entries for the function's code.
+("fallback"), counted from dynamo's cache entries for the function's code. A recompile of an input signature
+that already had a graph (a dimension marked dynamic keeps one signature for every size) names the guard of that
+graph that failed (``CompileEvent.guard``, from dynamo's record of guard failures), so its cause is on the screen.
 """
 
 from __future__ import annotations
@@ -273,9 +275,14 @@ def _dynamo_limit() -> int:
     return int(limit) if limit is not None else _recompile_limit
 
 
+def _code_of(fn: Callable[..., Any]) -> Any:
+    """The code object dynamo caches ``fn``'s graphs under (a function's, or a module's ``forward``), or None."""
+    return getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
+
+
 def _graph_counter(fn: Callable[..., Any]) -> Callable[[], int] | None:
     """How many graphs dynamo holds for ``fn``'s code (a function's, or a module's ``forward``), or None."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
+    code = _code_of(fn)
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError:  # pragma: no cover - a torch without the cache-entry view: no compile events
@@ -283,6 +290,42 @@ def _graph_counter(fn: Callable[..., Any]) -> Callable[[], int] | None:
     if code is None:
         return None
     return lambda: len(_debug_get_cache_entry_list(code))
+
+
+def _newest_graph_id(code: Any) -> str | None:
+    """The compile id ("0/3") of the graph dynamo compiled last for ``code`` (its cache lists the newest first)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(code)
+        return str(entries[0].compile_id) if entries else None
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without compile ids: no reasons
+        return None
+
+
+def _guard_failures(code: Any) -> list[str]:
+    """The guard failures dynamo recorded for ``code`` so far, one per graph whose guards a call failed before it
+    compiled a new one ("0/3: <the first guard of graph 0/3 that failed>"), oldest first."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # pragma: no cover
+        return []
+    return list(guard_failures.get(code, ()))
+
+
+def failed_guard(reasons: list[str], graph_id: str | None) -> str | None:
+    """Of the guard failures a recompile recorded, the one of graph ``graph_id`` (the newest graph of the same
+    input signature: why it no longer fits), as one line without dynamo's source comment; None when that graph's
+    is not among them."""
+    if graph_id is None:
+        return None
+    prefix = f"{graph_id}: "
+    for reason in reasons:
+        if reason.startswith(prefix):
+            line = reason[len(prefix) :].split("\n", 1)[0]
+            line = line.split("  #", 1)[0].strip()  # dynamo appends "# file:line in function" to the guard
+            return line if len(line) <= 300 else line[:297] + "..."
+    return None
 
 
 def _describe(key: Any) -> str:
@@ -323,7 +366,9 @@ class GuardedFunction:
         self._fn = torch.compile(fn, dynamic=False, backend=backend) if compiled else fn
         self._seen: set[Any] = set()
         self._seen_lock = threading.Lock()
+        self._code = _code_of(fn) if compiled else None
         self._graphs = _graph_counter(fn) if compiled else None
+        self._graph_ids: dict[Any, str] = {}  # input signature -> the compile id of its newest graph
         self._warm: set[tuple[int, bool]] = set()  # (thread ident, grad mode) pairs that finished warm-up
         self._fell_back = False
         self.retries = 0
@@ -356,16 +401,25 @@ class GuardedFunction:
                 # Refused before tracing; repeating the call is safe for the pure functions guarded here.
         with contextlib.nullcontext() if _LOCK.held_alone() else _LOCK.writing():
             before = self._graphs() if self._graphs is not None else None
+            failures = len(_guard_failures(self._code)) if before is not None else 0
             out = self._fn(*args, **kwargs)
             if before is not None and self._graphs is not None:
-                self._after_call(key, known, before, self._graphs())
+                after = self._graphs()
+                reason = None
+                if after > before:
+                    reason = failed_guard(_guard_failures(self._code)[failures:], self._graph_ids.get(key))
+                    newest = _newest_graph_id(self._code)
+                    if newest is not None:
+                        self._graph_ids[key] = newest
+                self._after_call(key, known, before, after, reason)
         with self._seen_lock:
             self._seen.add(key)
         return out
 
-    def _after_call(self, key: Any, known: bool, before: int, after: int) -> None:
+    def _after_call(self, key: Any, known: bool, before: int, after: int, reason: str | None = None) -> None:
         """Alone: a graph compiled by a warm thread is a recompile; a known signature that compiled nothing
-        had its guards fail only in company (a retry); a new one left uncompiled at the limit, a fallback."""
+        had its guards fail only in company (a retry); a new one left uncompiled at the limit, a fallback.
+        ``reason``: for a known signature compiled again, the guard of its newest graph that failed."""
         limit = _dynamo_limit()
         warm = (threading.get_ident(), key[0]) in self._warm
         if after > before and warm:
@@ -379,9 +433,9 @@ class GuardedFunction:
             self._fell_back = True
         else:
             return  # a first compile during warm-up, or a new signature that an existing graph's guards accept
-        self._report(what, key, after, limit)
+        self._report(what, key, after, limit, reason if what == "recompile" else None)
 
-    def _report(self, what: str, key: Any, graphs: int, limit: int) -> None:
+    def _report(self, what: str, key: Any, graphs: int, limit: int, reason: str | None = None) -> None:
         event = CompileEvent(
             what=what,
             function=self.name,
@@ -389,6 +443,7 @@ class GuardedFunction:
             graphs=graphs,
             limit=limit,
             signature=_describe(key),
+            guard=reason,
         )
         self.events.append(event)
         for listener in list(self.listeners):

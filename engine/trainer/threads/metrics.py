@@ -114,7 +114,8 @@ def compile_message(event: CompileEvent) -> str:
             f"{who}: compile fallback: {fn} hit the recompile limit ({graphs} of {limit} graphs); new input "
             f"signatures run eagerly from here (slow); last signature: {sig}"
         )
-    return f"{who}: {fn} recompiled after warm-up (graph {graphs}, limit {limit}) for signature: {sig}"
+    because = f"; the guard that failed: {event.guard}" if event.guard else ""
+    return f"{who}: {fn} recompiled after warm-up (graph {graphs}, limit {limit}) for signature: {sig}{because}"
 
 
 def compile_listener(events: EventLog) -> Callable[[CompileEvent], None]:

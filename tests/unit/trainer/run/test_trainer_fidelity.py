@@ -290,6 +290,58 @@ def test_a_known_signature_that_recompiles_after_warm_up_is_an_event_too() -> No
     assert seen == []
     fn(torch.randn(3), torch.ones(3), torch.ones(3))  # same shapes, but dynamo guards on the aliasing
     assert [(e.what, e.graphs) for e in seen] == [("recompile", 2)]
+    assert seen[0].guard is not None and "a" in seen[0].guard and "b" in seen[0].guard, seen[0].guard
+
+
+def rows_branch(x: torch.Tensor) -> torch.Tensor:
+    # A branch on a dynamic row count: dynamo guards the graph on the side it traced.
+    return x * 2 if x.shape[0] > 8192 else x + 1
+
+
+def test_a_recompile_of_a_known_signature_names_the_guard_that_failed() -> None:
+    """A row count marked dynamic is one signature; a graph traced at a count above a threshold it branches on
+    holds only for counts above it, and the first count below compiles again: the event and its anomaly name the
+    guard, so the cause is on the screen and not only in TORCH_LOGS."""
+    fn = guard.GuardedFunction(rows_branch, compiled=True, name="ttt_step", backend="eager")
+    events = EventLog(None, stdout=io.StringIO())
+    seen: list[dict[str, Any]] = []
+    events.listeners.append(seen.append)
+    lines: list[str] = []
+    events.say = lines.append  # type: ignore[method-assign]
+    fn.listeners.append(compile_listener(events))
+
+    def rows(n: int) -> torch.Tensor:
+        x = torch.zeros(n, 2)
+        torch._dynamo.mark_dynamic(x, 0)
+        return x
+
+    try:
+        assert fn(rows(12296)).sum() == 0  # the warm-up's count, above the branch
+        fn.mark_warm()
+        fn(rows(9000))  # the same side: the same graph
+        assert seen == []
+        assert fn(rows(4232)).sum() == 4232 * 2  # below: compiled again
+    finally:
+        events.close()
+    assert [(e["what"], e["graphs"]) for e in seen] == [("recompile", 2)]
+    reason = seen[0]["guard"]
+    assert reason == "8193 <= x.size()[0]", reason  # torch 2.13's words (CI's pin), one line, no source comment
+    assert any("the guard that failed: " + reason in line for line in lines), lines
+    state = EngineState()
+    state.feed(decode_engine_event(seen[0]))
+    (anomaly,) = [a for a in engine_anomalies(state, now=seen[0]["t"], running=True) if a.kind == "recompile"]
+    assert anomaly.message.endswith(f"(the guard that failed: {reason})"), anomaly.message
+
+
+def test_failed_guard_picks_the_graph_of_the_signature_and_drops_dynamo_comments() -> None:
+    reasons = [
+        "0/0: k == 1                                  #   # model.py:6 in f\nUser stack trace:\n  File x",
+        "0/3: 8192 < L['rows'].size()[0]              #   # rows.py:9 in f",
+    ]
+    assert guard.failed_guard(reasons, "0/3") == "8192 < L['rows'].size()[0]"
+    assert guard.failed_guard(reasons, "0/0") == "k == 1"
+    assert guard.failed_guard(reasons, "0/1") is None
+    assert guard.failed_guard(reasons, None) is None
 
 
 def test_recompile_limit_is_sized_from_steps_buckets_and_devices() -> None:
