@@ -23,8 +23,11 @@ the four padded to ``B*T - 16`` did not). Not solved by this padding: at the 8B 
 ``B*T`` (8200 at ``B*T = 8192``, TTT step 1) still compiled once more at the first real batch, and counts below
 ``B*T`` did not; the guard behind it was not found (tests/bench/results/throughput_rows_h100.txt). So the warm-up
 batch (run/worker.py ``synthetic_batch``) leaves a prompt untrained and its counts stay below ``B*T``: the first
-real batch then compiled nothing on an H100. A batch that trains nearly every position can still step over ``B*T``
-and compile that step once more (a compile event, serialised by the guard). The counts are
+real batch then compiled nothing on an H100 at batch 4. At batch 8 (warm-up counts about 12,280, real ones 4,230)
+every step compiled again at the first real batch, so a count guard is not about ``B*T`` alone (8,184 and below
+never failed, 8,200 and above did: a size near 8,192); warm-up now trains at two prompt shares, a quarter and three
+quarters of each row (run/worker.py ``WARMUP_PROMPT_SHARES``), so counts on both sides compile there. A guard that
+still fails is a compile event, serialised by the guard, and names the guard (threads/compile.py). The counts are
 read to the host once an unroll (``torch.nonzero_static`` needs them); the producer does that right after the
 target's forward, off the drafter's critical path.
 """

@@ -38,6 +38,13 @@ from engine.trainer.threads.metrics import step_line
 from engine.trainer.threads.queue import BoundedQueue, ProducerFailed, QueueClosed, QueueTimeout
 
 GET_POLL_S = 0.25
+# Warm-up trains every bucket with each row's first quarter untrained (a prompt), then, where the compiled steps take
+# a row count, with its first three quarters untrained. One graph a step for every count is the aim (draft/rows.py),
+# but a graph traced at one count can carry a guard that counts on the other side of some size fail; warming up on
+# both sides makes that second graph in warm-up, not at the first real batch. On one H100 at the 8B shape, batch 8
+# (counts about 12,280 in warm-up, 4,230 in real batches) compiled every TTT step again at the first real batch;
+# batch 4 (6,100 and 2,100) compiled nothing again, and a warm-up count of 8,200 at batch 4 did.
+WARMUP_PROMPT_SHARES = (0.25, 0.75)
 
 
 WAIT_SLICE_S = 0.5  # a member waiting at the barrier wakes this often (abort checks, liveness beats)
@@ -448,7 +455,9 @@ class DrafterWorker:
             total_loss(losses).backward()
         return losses.detach(), correct.detach(), counts.detach()
 
-    def synthetic_batch(self, bucket: int) -> DeviceBatch:
+    def synthetic_batch(self, bucket: int, prompt_share: float = WARMUP_PROMPT_SHARES[0]) -> DeviceBatch:
+        """A warm-up batch of random tensors shaped as the producer's, each row's first ``prompt_share`` of
+        positions untrained (a prompt)."""
         g = torch.Generator(device="cpu").manual_seed(bucket)
         cfg = self.training.drafter.cfg
         device, dtype = self.training.device, self.training.hidden_dtype
@@ -462,7 +471,7 @@ class DrafterWorker:
         # stay below B*T in every TTT step, as real batches' do. A warm-up whose counts stepped over B*T (every
         # position trained: 8200 at B*T = 8192, TTT step 1) compiled that step again at the first real batch on an
         # H100 at the 8B shape, and counts below B*T did not.
-        mask = (torch.arange(bucket) >= bucket // 4).float().expand(b, bucket).contiguous().to(device)
+        mask = (torch.arange(bucket) >= int(bucket * prompt_share)).float().expand(b, bucket).contiguous().to(device)
         # Packed runs warm up on packed rows (two conversations a row), so the first real batch compiles nothing.
         halves = (torch.arange(bucket) >= bucket // 2).long().expand(b, bucket).contiguous()
         documents = halves if self.settings.packing else None
@@ -479,14 +488,23 @@ class DrafterWorker:
             documents=documents.to(device) if documents is not None else None,
         )
 
+    def warm_up_shares(self) -> tuple[float, ...]:
+        """The prompt shares warm-up trains at: both of WARMUP_PROMPT_SHARES where a compiled step takes a row
+        count (head_positions "trained"), else the first alone."""
+        rows = self.settings.head_positions == HEAD_POSITIONS_TRAINED
+        return WARMUP_PROMPT_SHARES if rows and self.training.step_fn.compiled else WARMUP_PROMPT_SHARES[:1]
+
     def warm_up(self) -> float:
-        """Forward and backward of every bucket under the compile guard (first compiles and block masks)."""
+        """Forward and backward of every bucket under the compile guard (first compiles and block masks), at
+        each of WARMUP_PROMPT_SHARES: a graph a count on one side of a row-count guard cannot take is made here,
+        not at the first real batch on that side."""
         t0 = time.perf_counter()
         training = self.training
         with compile_guard():
             for bucket in self.settings.buckets:
-                self.forward_backward(self.synthetic_batch(bucket))
-                training.optimizer.zero_grad(set_to_none=True)
+                for share in self.warm_up_shares():
+                    self.forward_backward(self.synthetic_batch(bucket, share))
+                    training.optimizer.zero_grad(set_to_none=True)
             if training.device.type == "cuda":
                 torch.cuda.synchronize(training.device)
         training.step_fn.mark_warm()  # a graph compiled in this thread from now on is a recompile (an event)

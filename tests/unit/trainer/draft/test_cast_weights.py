@@ -10,6 +10,7 @@ and a cosine of 0.9999 (measured 0.2 %).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable
 from typing import Any
@@ -260,6 +261,46 @@ def test_the_warm_up_batch_trains_fewer_rows_than_the_batch_holds_in_every_ttt_s
     assert min(rows.counts) > positions // 2  # most positions still train: the warm-up's graphs see real work
     torch.testing.assert_close(batch.loss_mask, batch.position_mask)  # equal, and two tensors
     assert batch.loss_mask is not batch.position_mask
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize(
+    ("compiled", "head_positions", "shares"),
+    [(True, "trained", 2), (False, "trained", 1), (True, "all", 1)],
+    ids=["compiled-rows", "eager", "compiled-every-position"],
+)
+def test_warm_up_trains_row_counts_on_both_sides_of_half_the_batch_where_a_compiled_step_takes_them(
+    compiled: bool, head_positions: str, shares: int
+) -> None:
+    """Where the compiled steps take a row count, warm-up runs every bucket twice: with most positions trained and
+    with few, so a graph whose count guard real batches on the other side would fail is made in warm-up (at batch 8
+    on an H100 every TTT step compiled again at the first real batch after a warm-up on one side only)."""
+    settings = WorkerSettings.from_config(
+        from_dict({"batch_size": 4, "ttt_steps": 7, "buckets": [SEQ], "head_positions": head_positions})
+    )
+    worker = cpu_worker(drafter(), settings, torch.bfloat16)
+    if compiled:
+        step_fn = GuardedFunction(ttt_step, compiled=True, name="ttt_step", backend="aot_eager")
+        worker.training = dataclasses.replace(worker.training, step_fn=step_fn)
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    forward_backward = worker.forward_backward
+
+    def spy(batch: Any) -> Any:
+        counts = trained_rows(batch.position_mask, batch.documents, 7).counts
+        seen.append((batch.bucket, counts))
+        return forward_backward(batch)
+
+    worker.forward_backward = spy  # type: ignore[method-assign]
+    worker.warm_up()
+    assert [bucket for bucket, _ in seen] == [SEQ] * shares
+    counts = [c for _, c in seen]
+    half = 4 * SEQ // 2
+    assert min(counts[0]) > half, counts  # most positions train: the graphs see real work
+    if shares == 2:
+        assert max(counts[1]) < half, counts  # and few: the other side of any count between them
+    if compiled and head_positions == "trained":
+        assert worker.training.step_fn.graph_count() == 7  # one graph a TTT step took both (eager CPU backend)
+        assert worker.training.step_fn.events == []
 
 
 def test_checkpointed_steps_recompute_on_the_same_cast_weights() -> None:
