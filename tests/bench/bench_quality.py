@@ -42,7 +42,8 @@ Reported per (trainer, loss, temperature): τ = 1 + accepted / drafts (vLLM's me
 mean and sample standard deviation over seeds, per-position rates pooled over seeds (unconditional: accepted at i /
 drafts; conditional: accepted at i / accepted at i-1), steps, training tok/s (tokens of steps 2..N over their wall
 time). Ratio ours / SpecForge per (loss, temperature), "beyond the spread" when the means differ by more than the sum
-of the two seed standard deviations. ``--ema-decay D`` trains our cells with ``ema_decay = D`` (the engine's moving
+of the two seed standard deviations, and beside it Welch's t with its two-sided p-value (how likely a gap this large
+is between trainers that serve alike, given the seeds; the sum of sds is the stricter reading). ``--ema-decay D`` trains our cells with ``ema_decay = D`` (the engine's moving
 average of the drafter's weights) and exports both the average (``export/``, what is served) and the same run's last
 weights (``export-trained/``), served and tabled as the trainer ``ours-last`` (each seed its own control: the
 average minus the last weights, paired by seed). ``--phase train`` only trains and exports (e.g. on a
@@ -67,6 +68,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -403,18 +405,56 @@ def summarize(cells: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast below the mean: use the symmetry
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c if abs(c) > tiny else 1.0 + num / tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-14:
+            break
+    return front * (f - 1.0)
+
+
+def welch(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """Welch's t of mean(x) - mean(y), its degrees of freedom and the two-sided p-value (Student's t): how likely a
+    gap this large is between two trainers whose served tau is the same, given these seeds' spreads."""
+    vx, vy = statistics.variance(x) / len(x), statistics.variance(y) / len(y)
+    if vx + vy == 0.0:
+        return math.inf, float("nan"), 0.0
+    t = (statistics.fmean(x) - statistics.fmean(y)) / math.sqrt(vx + vy)
+    df = (vx + vy) ** 2 / (vx**2 / (len(x) - 1) + vy**2 / (len(y) - 1))
+    return t, df, _betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
 def compare(rows: list[dict[str, Any]], a_key: tuple[str, str], b_key: tuple[str, str], temp: float) -> dict[str, Any]:
     pick = {(r["trainer"], r["loss"], r["temperature"]): r for r in rows}
     x, y = pick.get((*a_key, temp)), pick.get((*b_key, temp))
     if x is None or y is None:
         return {}
     gap, spread = x["tau_mean"] - y["tau_mean"], x["tau_sd"] + y["tau_sd"]
+    out: dict[str, Any] = {"ratio": x["tau_mean"] / y["tau_mean"], "gap": gap, "spread": spread,
+                           "seeds": [len(x["tau"]), len(y["tau"])]}  # fmt: skip
     if min(len(x["tau"]), len(y["tau"])) < 2:
-        beyond = "unknown (one seed: no spread)"
+        out["beyond_spread"] = "unknown (one seed: no spread)"
     else:
-        beyond = "no" if abs(gap) <= spread else ("yes, higher" if gap > 0 else "yes, lower")
-    return {"ratio": x["tau_mean"] / y["tau_mean"], "gap": gap, "spread": spread, "beyond_spread": beyond,
-            "seeds": [len(x["tau"]), len(y["tau"])]}  # fmt: skip
+        out["beyond_spread"] = "no" if abs(gap) <= spread else ("yes, higher" if gap > 0 else "yes, lower")
+        out["welch_t"], out["welch_df"], out["welch_p"] = welch(x["tau"], y["tau"])
+    return out
 
 
 def table_lines(rows: list[dict[str, Any]], comparisons: dict[str, Any]) -> list[str]:
@@ -433,8 +473,11 @@ def table_lines(rows: list[dict[str, Any]], comparisons: dict[str, Any]) -> list
             lines.append(f"{name}, paired by seed: {each}, mean {c['mean']:+.3f} +- {c['sd']:.3f}, "
                          f"higher in {c['higher']} of {len(c['diffs'])}")  # fmt: skip
         elif c:
+            welch_p = ""
+            if "welch_p" in c:
+                welch_p = f"; Welch t {c['welch_t']:.2f}, df {c['welch_df']:.1f}, p {c['welch_p']:.2g}"
             lines.append(f"{name}: ratio {c['ratio']:.4f}, gap {c['gap']:+.3f} vs spread {c['spread']:.3f} "
-                         f"(sum of sds): beyond the spread: {c['beyond_spread']}")  # fmt: skip
+                         f"(sum of sds): beyond the spread: {c['beyond_spread']}{welch_p}")  # fmt: skip
     return lines
 
 

@@ -254,3 +254,35 @@ def test_the_vllm_cpu_workaround_expands_as_the_triton_kernel_and_the_audit_flag
     no_counters = check({**t1, "audit": audit}, {"drafts": 290, "accepted_per_position": []})
     assert no_counters is not None and not no_counters["ok"]
     assert check(t1, {"drafts": 0, "accepted_per_position": []}) is None  # nothing drafted: nothing to check
+
+
+def test_bench_quality_welch_p_values_are_students_t() -> None:
+    """The comparison's Welch t and two-sided p: textbook Student's t values (t 2.0 at 10 df: 0.0734; t 1 at 1 df,
+    the Cauchy: 0.5; t 10 at 5 df: 1.7e-4), and a comparison of two trainers' seeds carries them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_quality_welch", BENCH / "bench_quality.py")
+    assert spec is not None and spec.loader is not None
+    bq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bq)
+
+    def two_sided(t: float, df: float) -> float:
+        return float(bq._betainc(df / 2.0, 0.5, df / (df + t * t)))
+
+    assert two_sided(2.0, 10) == pytest.approx(0.073388, abs=1e-6)
+    assert two_sided(1.0, 1) == pytest.approx(0.5, abs=1e-9)
+    assert two_sided(10.0, 5) == pytest.approx(1.7095e-4, rel=1e-3)
+    assert two_sided(0.0, 4) == pytest.approx(1.0)
+    # Equal variances and sizes: Welch's df is n1 + n2 - 2 = 4 and its t the pooled one.
+    t, df, p = bq.welch([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
+    assert t == pytest.approx(-1.224745, abs=1e-6) and df == pytest.approx(4.0) and p == pytest.approx(0.2879, abs=1e-4)
+    rows = [
+        {"trainer": "ours", "loss": "soft_ce", "temperature": 0.0, "tau": [2.06, 2.01, 2.02], "tau_mean": 2.03,
+         "tau_sd": 0.0265},
+        {"trainer": "specforge", "loss": "soft_ce", "temperature": 0.0, "tau": [1.96, 1.92, 1.95], "tau_mean": 1.9433,
+         "tau_sd": 0.0208},
+    ]  # fmt: skip
+    c = bq.compare(rows, ("ours", "soft_ce"), ("specforge", "soft_ce"), 0.0)
+    assert c["beyond_spread"] == "yes, higher" and 0 < c["welch_p"] < 0.05 and c["welch_t"] > 0
+    line = bq.table_lines([], {"ours / SpecForge soft_ce T 0": c})[-1]
+    assert "Welch t" in line and f"p {c['welch_p']:.2g}" in line
