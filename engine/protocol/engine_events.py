@@ -153,7 +153,8 @@ class CompileEvent:
     limit: int | None = None
     signature: str | None = None
     # A recompile of an input signature compiled before: the guard of that graph that failed (dynamo's words,
-    # e.g. "L['rows'][0].size()[0] <= 8192"); None for a new signature or where dynamo gave none.
+    # e.g. "8193 <= x.size()[0]": traced at a count above 8192, called with one below); None for a new signature or
+    # where dynamo gave none.
     guard: str | None = None
     t: float | None = None
     rank: int | None = None
