@@ -154,6 +154,8 @@ def launch(args: argparse.Namespace, out: Path, label: str, force_at: int) -> di
         "ok": bool(ends and ends[-1].get("ok")),
         "last_step": max([int(e.get("step") or 0) for e in steps + ends[-1:]], default=0),
         "recompiles": sum(1 for e in compiles if e.get("what") == "recompile"),
+        # the guard each recompile names (the forced one changes a global every graph guards on: the thread count)
+        "guards": [e.get("guard") for e in compiles if e.get("what") == "recompile"],
         "fallbacks": sum(1 for e in compiles if e.get("what") == "fallback"),
         "fx_death": "symbolically trace a dynamo-optimized function" in text,
         "soak": soak,
@@ -227,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             f"compile soak, recompile forced mid-run: {len(forced)} runs x {args.steps} steps, "
             f"{sum(1 for r in forced if not alive(r))} deaths, "
             f"{sum(r['recompiles'] for r in forced)} recompiles (events), all serialised",
+        ),
+        (
+            bool(forced) and all(r["guards"] and all(r["guards"]) for r in forced),
+            f"compile soak, the forced recompiles name their guard: "
+            f"{sum(sum(1 for g in r['guards'] if g) for r in forced)} of {sum(r['recompiles'] for r in forced)} "
+            f"events, e.g. {next((g for r in forced for g in r['guards'] if g), None)!r}",
         ),
     ]
     for ok, text in lines:
