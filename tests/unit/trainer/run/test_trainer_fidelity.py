@@ -290,7 +290,7 @@ def test_a_known_signature_that_recompiles_after_warm_up_is_an_event_too() -> No
     assert seen == []
     fn(torch.randn(3), torch.ones(3), torch.ones(3))  # same shapes, but dynamo guards on the aliasing
     assert [(e.what, e.graphs) for e in seen] == [("recompile", 2)]
-    assert seen[0].guard is not None and "a" in seen[0].guard and "b" in seen[0].guard, seen[0].guard
+    assert seen[0].guard == "a is b", seen[0].guard  # the aliasing guard of the first graph, in torch 2.13's words
 
 
 def rows_branch(x: torch.Tensor) -> torch.Tensor:
