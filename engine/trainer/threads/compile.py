@@ -280,8 +280,9 @@ def _code_of(fn: Callable[..., Any]) -> Any:
     return getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
 
 
-def _graph_counter(fn: Callable[..., Any]) -> Callable[[], int] | None:
-    """How many graphs dynamo holds for ``fn``'s code (a function's, or a module's ``forward``), or None."""
+def _cache_entries(fn: Callable[..., Any]) -> Callable[[], list[Any]] | None:
+    """A call giving dynamo's cache entries for ``fn``'s code, one per compiled graph, the newest first; None where
+    this torch has no view of them (no compile events then)."""
     code = _code_of(fn)
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -289,28 +290,18 @@ def _graph_counter(fn: Callable[..., Any]) -> Callable[[], int] | None:
         return None
     if code is None:
         return None
-    return lambda: len(_debug_get_cache_entry_list(code))
-
-
-def _newest_graph_id(code: Any) -> str | None:
-    """The compile id ("0/3") of the graph dynamo compiled last for ``code`` (its cache lists the newest first)."""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        entries = _debug_get_cache_entry_list(code)
-        return str(entries[0].compile_id) if entries else None
-    except (ImportError, AttributeError):  # pragma: no cover - a torch without compile ids: no reasons
-        return None
+    return lambda: _debug_get_cache_entry_list(code)
 
 
 def _guard_failures(code: Any) -> list[str]:
-    """The guard failures dynamo recorded for ``code`` so far, one per graph whose guards a call failed before it
-    compiled a new one ("0/3: <the first guard of graph 0/3 that failed>"), oldest first."""
+    """The guard failures dynamo recorded for ``code`` so far (its own list: read, never change), one per graph
+    whose guards a call failed before it compiled a new one ("0/3: <the first guard of graph 0/3 that failed>"),
+    oldest first."""
     try:
         from torch._dynamo.utils import guard_failures
     except ImportError:  # pragma: no cover
         return []
-    return list(guard_failures.get(code, ()))
+    return guard_failures.get(code, [])
 
 
 def failed_guard(reasons: list[str], graph_id: str | None) -> str | None:
@@ -367,7 +358,7 @@ class GuardedFunction:
         self._seen: set[Any] = set()
         self._seen_lock = threading.Lock()
         self._code = _code_of(fn) if compiled else None
-        self._graphs = _graph_counter(fn) if compiled else None
+        self._entries = _cache_entries(fn) if compiled else None
         self._graph_ids: dict[Any, str] = {}  # input signature -> the compile id of its newest graph
         self._warm: set[tuple[int, bool]] = set()  # (thread ident, grad mode) pairs that finished warm-up
         self._fell_back = False
@@ -377,7 +368,7 @@ class GuardedFunction:
 
     def graph_count(self) -> int | None:
         """Graphs dynamo holds for this function's code (None when not compiled or not countable)."""
-        return self._graphs() if self._graphs is not None else None
+        return len(self._entries()) if self._entries is not None else None
 
     def mark_warm(self) -> None:
         """From now on a graph compiled in the calling thread, in the current grad mode, is a recompile after
@@ -400,18 +391,18 @@ class GuardedFunction:
                     raise
                 # Refused before tracing; repeating the call is safe for the pure functions guarded here.
         with contextlib.nullcontext() if _LOCK.held_alone() else _LOCK.writing():
-            before = self._graphs() if self._graphs is not None else None
-            failures = len(_guard_failures(self._code)) if before is not None else 0
+            before = self.graph_count()
+            failures = len(_guard_failures(self._code))
             out = self._fn(*args, **kwargs)
-            if before is not None and self._graphs is not None:
-                after = self._graphs()
+            if before is not None and self._entries is not None:
+                entries = self._entries()
                 reason = None
-                if after > before:
+                if len(entries) > before:
                     reason = failed_guard(_guard_failures(self._code)[failures:], self._graph_ids.get(key))
-                    newest = _newest_graph_id(self._code)
+                    newest = getattr(entries[0], "compile_id", None)  # the graph just made for this signature
                     if newest is not None:
-                        self._graph_ids[key] = newest
-                self._after_call(key, known, before, after, reason)
+                        self._graph_ids[key] = str(newest)
+                self._after_call(key, known, before, len(entries), reason)
         with self._seen_lock:
             self._seen.add(key)
         return out
