@@ -53,7 +53,10 @@
 #       the same call, the engine with both FP8 at batch 8 (twice the tokens a step: the optimizer, the casts and the
 #       weights' quantisation spread over more tokens): goal 3's larger-batch candidate. Batch 8's shapes compile
 #       cold (417 s for the row in session 23, 381 s of it before the first timed step): give the call the whole
-#       600 s (<= 575).
+#       600 s (<= 575). Then the FP8 quantisation kernels' source (tests/device/kernel_source.py, $OUT/kernels).
+#   sh tests/device/throughput_runs.sh peer8          SpecForge's step at batch 4, then at batch 8 (a card of 141 GB: its
+#       batch 4 holds 50.9 GiB, 59.8 reserved): what SpecForge gains from the larger batch the engine's fp8batch8 row
+#       runs, a ratio within one call (<= 400 s).
 #   sh tests/device/throughput_runs.sh fp8drafter_gw [BATCH]  the engine with target_fp8 and drafter_fp8 "rowwise",
 #       then "rowwise_gw_hp" (the weight gradients' GEMMs in bf16): what the accuracy-leaning recipe costs (<= 450 s).
 #   sh tests/device/throughput_runs.sh fp8drafter_check [BATCH]  where the FP8 drafter's step spends its time
@@ -61,7 +64,8 @@
 #       throughput_h200_issue25.txt's call A, an H200 on an older tree), then its
 #       numerics at the 8B drafter shape: the compiled unroll (TTT 7) in bf16 and with drafter_fp8 "rowwise" and
 #       "rowwise_gw_hp", each one's losses and gradients against float32 eager (bench_kernels.py --parts unroll
-#       --unroll-fp8; the CPU's small shape: bf16 0.9 %, FP8 9 % worst gradient) (<= 575 s).
+#       --unroll-fp8; the CPU's small shape: bf16 0.9 %, FP8 9 % worst gradient) (<= 575 s); the profile's
+#       FP8 quantisation kernels' source (tests/device/kernel_source.py) goes to $OUT/kernels.
 set -u
 OUT=${OUT:-/tmp/out}
 PART=${1:-table}
@@ -87,6 +91,12 @@ peer() {  # $1: the seconds SpecForge's step may take; SF_ARGS passes through to
     echo "specforge exit $? (124 after the record: its teardown outlasts the timeout)"
     grep -o '"tok_s": [0-9.]*\|"useful_tok_s": [0-9.]*\|"padding_share": [0-9.]*\|"step_ms": [0-9.]*\|"target_forward_ms": [0-9.]*\|"peak_gib": [0-9.]*' \
         "$OUT/specforge_peer.json" | tr '\n' ' '; echo
+}
+fp8_kernels() {  # the FP8 quantisation kernels' source from inductor's cache, after a run that compiled them
+    python3 tests/device/kernel_source.py --out "$OUT/kernels" \
+        triton_red_fused__scaled_mm__to_copy_add_ceil_clamp_clamp_min_clone_div_exp2 \
+        triton_red_fused__scaled_mm__to_copy_ceil_clamp_clamp_min \
+        triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_clamp_min_div_mul_silu | cut -c1-240
 }
 table() {  # $1: extra engine --set arguments
     peer 140
@@ -184,6 +194,13 @@ case "$PART" in
         peer 130  # 98 s in session 23
         B=8
         engine "engine --set target_fp8=true --set drafter_fp8=rowwise" 445 440  # 417 s of 420 in session 23
+        fp8_kernels
+        ;;
+    peer8)
+        peer 150
+        mv "$OUT/specforge_peer.json" "$OUT/specforge_peer_b4.json"
+        export SF_ARGS="--batch 8"
+        peer 240
         ;;
     fp8drafter_gw)
         engine "engine --set target_fp8=true --set drafter_fp8=rowwise;engine --set target_fp8=true --set drafter_fp8=rowwise_gw_hp" 450 225
@@ -193,6 +210,7 @@ case "$PART" in
             --batch "$B" --steps 5 --warm 3 > "$OUT/profile_fp8drafter.txt" 2>&1
         echo "profile fp8 drafter exit $?"
         grep RESULT "$OUT/profile_fp8drafter.txt" | cut -c1-6000
+        fp8_kernels
         timeout 340 python3 tests/bench/bench_kernels.py --parts unroll --warm 1 --iters 3 --unroll-ways engine \
             --unroll-fp8 rowwise,rowwise_gw_hp --out "$OUT/unroll_fp8" > "$OUT/unroll_fp8.txt" 2>&1
         echo "unroll fp8 exit $?"
@@ -206,6 +224,6 @@ for way in ("engine", "fp8_rowwise", "fp8_rowwise_gw_hp"):
 PY
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|chat|ab|cast|lengths|profile|attention|kernels|fp8|fp8drafter|fp8drafter_gw|fp8drafter_check [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|chat|ab|cast|lengths|profile|attention|kernels|fp8|fp8drafter|ends|fp8batch8|peer8|fp8drafter_gw|fp8drafter_check [BATCH]"; exit 2
         ;;
 esac

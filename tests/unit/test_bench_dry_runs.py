@@ -298,3 +298,34 @@ def test_bench_quality_welch_p_values_are_students_t() -> None:
     assert c["beyond_spread"] == "yes, higher" and 0 < c["welch_p"] < 0.05 and c["welch_t"] > 0
     line = bq.table_lines([], {"ours / SpecForge soft_ce T 0": c})[-1]
     assert "Welch t" in line and f"p {c['welch_p']:.2g}" in line
+
+
+def test_kernel_source_copies_inductors_kernels_by_name_prefix(tmp_path: Path) -> None:
+    """tests/device/kernel_source.py: a profile's cut kernel name finds every kernel it starts in a cached graph
+    module written as inductor writes them, with the lines that launch it; a name that is not there exits 1."""
+    cache, out = tmp_path / "cache" / "ab", tmp_path / "out"
+    cache.mkdir(parents=True)
+    module = (
+        "triton_red_fused_amax_silu_0 = async_compile.triton('triton_red_fused_amax_silu_0', '''\n"
+        "@triton.jit\ndef triton_red_fused_amax_silu_0(in_ptr0, out_ptr0, xnumel, rnumel):\n    pass\n''', "
+        "device_str='cuda')\n"
+        "triton_red_fused_amax_silu_clone_1 = async_compile.triton('triton_red_fused_amax_silu_clone_1', '''\n"
+        "def triton_red_fused_amax_silu_clone_1(in_ptr0):\n    pass\n''', device_str='cuda')\n"
+        "triton_poi_fused_add_2 = async_compile.triton('triton_poi_fused_add_2', '''\ndef other(): pass\n''')\n"
+        "def call(args):\n"
+        "    buf0 = empty_strided_cuda((8192, 1), (1, 1), torch.float32)\n"
+        "    triton_red_fused_amax_silu_0.run(arg0_1, buf0, 8192, 14336, stream=stream0)\n"
+    )
+    (cache / "cxyz.py").write_text(module)
+    script = REPO / "tests" / "device" / "kernel_source.py"
+    argv = [sys.executable, str(script), "--cache", str(tmp_path / "cache"), "--out", str(out), "triton_red_fused_amax"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "triton_red_fused_amax_silu_0.py", "triton_red_fused_amax_silu_clone_1.py"]  # fmt: skip
+    first = (out / "triton_red_fused_amax_silu_0.py").read_text()
+    assert "def triton_red_fused_amax_silu_0(in_ptr0, out_ptr0, xnumel, rnumel)" in first and "other" not in first
+    assert "#     triton_red_fused_amax_silu_0.run(arg0_1, buf0, 8192, 14336, stream=stream0)" in first
+    assert "#     buf0 = empty_strided_cuda((8192, 1)" in first
+    missing = subprocess.run([*argv[:-1], "triton_per_fused_nothing"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "triton_per_fused_nothing: not found in 1 modules" in missing.stdout
