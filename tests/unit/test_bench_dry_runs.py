@@ -329,3 +329,15 @@ def test_kernel_source_copies_inductors_kernels_by_name_prefix(tmp_path: Path) -
     assert "#     buf0 = empty_strided_cuda((8192, 1)" in first
     missing = subprocess.run([*argv[:-1], "triton_per_fused_nothing"], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "triton_per_fused_nothing: not found in 1 modules" in missing.stdout
+
+
+def test_bench_quant_ways_agree_with_the_engines_quantisation_on_the_cpu() -> None:
+    """tests/bench/bench_quant.py --dry-run: every way the CPU runs returns the engine's eight tensors (shapes
+    checked in compare), split_amax with the same scales exactly; dequantised within half a top e4m3 step."""
+    (res,) = results([str(BENCH / "bench_quant.py"), "--dry-run"], timeout_s=300)
+    ways = res["ways"]
+    assert set(ways) == {"engine", "split_amax", "two_graphs"}, ways
+    assert all("error" not in w for w in ways.values()), ways
+    assert ways["split_amax"]["scales_differ_share"] == 0.0 and ways["engine"]["dequantised_max_diff"] == 0.0
+    assert all(w["dequantised_max_diff"] <= 32 / 448 + 1e-6 for w in ways.values()), ways
+    assert res["eager_engine"]["dequantised_max_diff"] <= 32 / 448 + 1e-6, res
