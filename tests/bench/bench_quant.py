@@ -8,13 +8,16 @@ engine's profile (session 23, one H100, batch 4) inductor's fused kernel for thi
 4.6x the memory floor of what it reads and writes. Each way here computes the same eight tensors from the same
 ``dh``, gate and up outputs (M tokens x N features, bf16), compiled as the engine compiles its step:
 
-  engine        the engine's expressions (``fp8.quantize_rows`` on the gradient and on its padded transpose)
+  engine        the expressions the composed Linears run (``fp8.quantize_rows`` on each gradient and on its padded
+                transpose), fused by inductor as in the step before session 24
   split_amax    the per-feature maxima as two reductions (blocks of tokens, then the blocks), the transposed
                 quantisation written row-major then transposed as e4m3 (1 byte an element, not the bf16 input)
   two_graphs    silu's backward in one compiled graph (dg, du written in bf16), the quantisations in another:
                 what un-fusing them costs or saves
-  triton        (CUDA) one kernel for both maxima of both gradients (atomic max per tile), the scales as the
-                engine rounds them, one kernel writing the four e4m3 layouts
+  triton_BMxBN  (CUDA) the engine's op since session 24 (engine/trainer/draft/fp8_mlp.py ``triton_gated_grads``):
+                one kernel for both maxima of both gradients (an atomic max per tile), the scales as quantize_rows
+                rounds them, one kernel writing the four e4m3 layouts; per tile shape (tokens x features)
+  engine_op     the op as the compiled step calls it (``specdec::fp8_gated_grads``, the 64x128 tile)
 
 Each way is checked against the engine's (compiled): the share of scales that differ (powers of two: a maximum in
 fp32 or rounded to bf16 first can cross one) and the largest difference of the dequantised values in units of a
@@ -32,6 +35,7 @@ One ``RESULT {json}`` line; each way's line first.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -47,39 +51,26 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.trainer.draft import fp8  # noqa: E402
+from engine.trainer.draft import fp8, fp8_mlp  # noqa: E402
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU builds of torch: the dry run leaves the Triton way out
-    triton = None
+TILES = ((64, 128), (128, 64), (32, 256), (64, 64))  # the Triton way's (tokens, features) tiles timed
 
 Outputs = tuple[torch.Tensor, ...]  # for dg then du: rows, row_scale, cols, col_scale
 SPLIT_BLOCK = 64  # split_amax: tokens per first-stage block
 
 
-def silu_grads(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dg, du) of ``silu(g) * u`` for the incoming gradient dh, as autograd's decomposition computes them."""
-    du = dh * F.silu(g)
-    dg = torch.ops.aten.silu_backward(dh * u, g)
-    return dg, du
-
-
-def engine_quant(x: torch.Tensor) -> Outputs:
-    rows, row_scale = fp8.quantize_rows(x)
-    cols, col_scale = fp8.quantize_rows(fp8._pad_tokens(x.t()))
-    return rows, row_scale, cols, col_scale
+silu_grads = fp8_mlp.silu_mul_grads
+engine_quant = fp8_mlp.quantize_both
 
 
 def engine_way(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Outputs:
+    """The composed backward's expressions (two FP8 Linears under autograd's silu * up), compiled by the caller."""
     dg, du = silu_grads(dh, g, u)
     return (*engine_quant(dg), *engine_quant(du))
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    amax = amax.float().clamp_min(fp8.AMAX_FLOOR)
-    return torch.exp2(torch.ceil(torch.log2(amax / fp8.E4M3_MAX)))
+    return fp8_mlp.pow2_scales(amax.float())
 
 
 def split_quant(x: torch.Tensor) -> Outputs:
@@ -97,75 +88,6 @@ def split_quant(x: torch.Tensor) -> Outputs:
 def split_way(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Outputs:
     dg, du = silu_grads(dh, g, u)
     return (*split_quant(dg), *split_quant(du))
-
-
-if triton is not None:
-
-    @triton.jit
-    def _grads(dh_ptr, g_ptr, u_ptr, offs, mask):
-        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
-        # rounded to bf16 as the engine's gradients are before they are quantised
-        du = (dh * (g * s)).to(tl.bfloat16).to(tl.float32)
-        dg = ((dh * u).to(tl.bfloat16).to(tl.float32) * (s * (1.0 + g * (1.0 - s)))).to(tl.bfloat16).to(tl.float32)
-        return dg, du
-
-    @triton.jit
-    def _amax_kernel(dh_ptr, g_ptr, u_ptr, dg_row, dg_col, du_row, du_col, M, N, BM: tl.constexpr, BN: tl.constexpr):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        offs = rm[:, None] * N + rn[None, :]
-        dg, du = _grads(dh_ptr, g_ptr, u_ptr, offs, mask)
-        dg, du = tl.abs(dg), tl.abs(du)
-        tl.atomic_max(dg_row + rm, tl.max(dg, 1), mask=rm < M)
-        tl.atomic_max(du_row + rm, tl.max(du, 1), mask=rm < M)
-        tl.atomic_max(dg_col + rn, tl.max(dg, 0), mask=rn < N)
-        tl.atomic_max(du_col + rn, tl.max(du, 0), mask=rn < N)
-
-    @triton.jit
-    def _store_quant(grad, rs_ptr, cs_ptr, rows_ptr, cols_ptr, rm, rn, offs, offs_t, mask, mask_t, M, N):
-        rs = tl.load(rs_ptr + rm, mask=rm < M, other=1.0)
-        cs = tl.load(cs_ptr + rn, mask=rn < N, other=1.0)
-        tl.store(rows_ptr + offs, tl.clamp(grad / rs[:, None], -448.0, 448.0).to(tl.float8e4nv), mask=mask)
-        tl.store(cols_ptr + offs_t, tl.clamp(grad / cs[None, :], -448.0, 448.0).to(tl.float8e4nv), mask=mask_t)
-
-    @triton.jit
-    def _quant_kernel(
-        dh_ptr, g_ptr, u_ptr, dg_rs, dg_cs, du_rs, du_cs, dg_rows, dg_cols, du_rows, du_cols, M, N, MP,
-        BM: tl.constexpr, BN: tl.constexpr,
-    ):  # fmt: skip
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        offs = rm[:, None] * N + rn[None, :]
-        offs_t = rn[None, :] * MP + rm[:, None]  # (N, MP) transposed, MP: M padded with zero tokens
-        mask_t = (rm[:, None] < MP) & (rn[None, :] < N)
-        dg, du = _grads(dh_ptr, g_ptr, u_ptr, offs, mask)
-        _store_quant(dg, dg_rs, dg_cs, dg_rows, dg_cols, rm, rn, offs, offs_t, mask, mask_t, M, N)
-        _store_quant(du, du_rs, du_cs, du_rows, du_cols, rm, rn, offs, offs_t, mask, mask_t, M, N)
-
-
-def triton_way(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, bm: int = 64, bn: int = 128) -> Outputs:
-    """The hand-written way: one kernel for both maxima of both gradients (an atomic max per tile and row or
-    column), the scales as the engine rounds them, one kernel writing the four e4m3 layouts."""
-    m, n = dh.shape
-    mp = m + (-m % fp8.MATMUL_ALIGN)
-    amax = torch.zeros(2 * (m + n), device=dh.device, dtype=torch.float32)
-    dg_row, dg_col, du_row, du_col = amax.split([m, n, m, n])
-    grid = (triton.cdiv(mp, bm), triton.cdiv(n, bn))
-    _amax_kernel[grid](dh, g, u, dg_row, dg_col, du_row, du_col, m, n, BM=bm, BN=bn)
-    dg_rs, dg_cs, du_rs, du_cs = (_pow2_scale(a) for a in (dg_row, dg_col, du_row, du_col))
-    e4m3 = torch.float8_e4m3fn
-    dg_rows, du_rows = (torch.empty(m, n, device=dh.device, dtype=e4m3) for _ in range(2))
-    dg_cols, du_cols = (torch.empty(n, mp, device=dh.device, dtype=e4m3) for _ in range(2))
-    _quant_kernel[grid](
-        dh, g, u, dg_rs, dg_cs, du_rs, du_cs, dg_rows, dg_cols, du_rows, du_cols, m, n, mp, BM=bm, BN=bn
-    )
-    return (dg_rows, dg_rs.unsqueeze(1), dg_cols, dg_cs.unsqueeze(1),
-            du_rows, du_rs.unsqueeze(1), du_cols, du_cs.unsqueeze(1))  # fmt: skip
 
 
 def compare(ref: Outputs, got: Outputs) -> dict[str, Any]:
@@ -231,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     grads_c, quant_c = compile_(silu_grads), compile_(lambda x, y: (*engine_quant(x), *engine_quant(y)))
     ways["two_graphs"] = lambda dh, g, u: quant_c(*grads_c(dh, g, u))
-    if triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        ways["triton"] = triton_way
+    if fp8_mlp.triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        for tile in TILES:  # the engine's kernels (fp8_mlp.triton_gated_grads), called directly
+            ways[f"triton_{tile[0]}x{tile[1]}"] = functools.partial(fp8_mlp.triton_gated_grads, tile=tile)
+        ways["engine_op"] = torch.compile(lambda dh, g, u: fp8_mlp.gated_grads(dh, g, u))  # as the step calls it
     t0 = time.perf_counter()
     reference = ways["engine"](dh, g, u)  # the engine's step as compiled: what each way is held to
     engine_first_s = time.perf_counter() - t0

@@ -23,7 +23,8 @@ in another order (a float64 test holds it to 1e-10 against every step projecting
 
 ``drafter_fp8`` (draft/fp8.py): ``Drafter.fp8_weights`` quantises every Linear's weight once an unroll (fc, the two
 q/k/v halves apart, o, the MLP, the head), and fc's input with them, and each matmul runs as ``project`` over an
-``Fp8Weight``: forward and both gradients as row-wise scaled e4m3 GEMMs.
+``Fp8Weight``: forward and both gradients as row-wise scaled e4m3 GEMMs; gate and up as one node (draft/fp8_mlp.py)
+whose backward quantises both gradients in one op.
 
 Weights start as Hugging Face initialises a Llama (and as SpecForge's draft model does through
 ``post_init``): every Linear ``normal(0, initializer_range)`` with zero bias, every RMSNorm weight one.
@@ -45,6 +46,7 @@ from engine.trainer.config import DRAFTER_FP8, DRAFTER_FP8_OFF, DRAFTER_FP8_ROWW
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import Fp8Weight, Layouts, project, weight_layouts
+from engine.trainer.draft.fp8_mlp import fp8_gated_mlp, fused_eligible
 from engine.trainer.draft.rows import TrainedRows
 
 # (logits, target_logits, target_lse, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator);
@@ -233,7 +235,12 @@ class DraftDecoderLayer(nn.Module):
         attn = attn.transpose(1, 2).reshape(b, t, nh * d)
         h_out = hidden + linear("o_proj", attn)
         m = self.post_attention_layernorm(h_out)
-        h_out = h_out + linear("down_proj", F.silu(linear("gate_proj", m)) * linear("up_proj", m))
+        gate, up = (weights[n] if weights is not None else None for n in ("gate_proj", "up_proj"))
+        if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight) and fused_eligible(gate, up):
+            act = fp8_gated_mlp(m, gate, up)  # FP8: one node, its backward's quantisations in one op
+        else:
+            act = F.silu(linear("gate_proj", m)) * linear("up_proj", m)
+        h_out = h_out + linear("down_proj", act)
         return h_out, k_all, v_all
 
 

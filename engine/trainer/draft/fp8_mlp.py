@@ -1,0 +1,216 @@
+"""The drafter's gated MLP input in FP8 as one autograd node: ``silu(m @ Wg^T) * (m @ Wu^T)`` (``drafter_fp8``).
+
+Composed from two ``fp8_linear`` calls and autograd's ``silu(g) * u``, the backward turns the gradient ``dh`` into
+gate's and up's output gradients (``dg``, ``du``: silu's backward) and quantises each twice, per token along the
+features (grad_input's operand) and per feature along the tokens (grad_weight's, written transposed: e4m3 GEMMs
+take K-major operands). Compiled, inductor fused that into reductions that took 1.95 ms a TTT step at the 8B shape
+and batch 4 on an H100, about 4.6x the memory floor of what they read and write (session 23's profile).
+
+Here one node does it: the forward quantises ``m`` once for both GEMMs; the backward makes the eight tensors
+(``gated_grads``: each gradient's e4m3 rows with their per-token scales, its transposed e4m3 columns with their
+per-feature scales) in one custom op, then runs the four GEMMs, quantising ``m``'s transpose once for both weight
+gradients. On CUDA with Triton the op is two kernels (both gradients' row and column maxima in one pass over tiles,
+then the four layouts in one more); elsewhere it is the expressions ``_Fp8Matmul`` uses (the CPU's path, and the
+reference the CUDA kernels are held to by tests/bench/bench_quant.py).
+
+Only for ``grad_weight_fp8`` (the "rowwise" recipe): "rowwise_gw_hp" keeps the bf16 gradients for its bf16 weight
+GEMMs and composes the two Linears as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.trainer.draft.fp8 import (
+    AMAX_FLOOR,
+    E4M3_MAX,
+    MATMUL_ALIGN,
+    Fp8Weight,
+    _pad_tokens,
+    _scaled_mm,
+    quantize_rows,
+)
+
+try:  # CUDA hosts' torch ships Triton; CPU builds do not, and take the expressions
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# dg's then du's: rows (M, N) e4m3, row scales (M, 1) float32, cols (N, M') e4m3, col scales (N, 1) float32
+GatedGrads = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]
+TILE_TOKENS, TILE_FEATURES = 64, 128  # the CUDA kernels' tile (tests/bench/bench_quant.py times others)
+
+
+def silu_mul_grads(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of ``silu(g) * u`` for the incoming gradient ``dh``, as autograd's decomposition makes them."""
+    du = dh * F.silu(g)
+    dg = torch.ops.aten.silu_backward(dh * u, g)
+    return dg, du
+
+
+def quantize_both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, N) per token (rows (M, N) e4m3, scales (M, 1)) and per feature along the tokens, transposed and padded
+    with zero tokens to a multiple of MATMUL_ALIGN (cols (N, M') e4m3, scales (N, 1)): ``_Fp8Matmul``'s two."""
+    rows, row_scale = quantize_rows(x)
+    cols, col_scale = quantize_rows(_pad_tokens(x.t()))
+    return rows, row_scale, cols, col_scale
+
+
+def _gated_grads_reference(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> GatedGrads:
+    dg, du = silu_mul_grads(dh, g, u)
+    return (*quantize_both(dg), *quantize_both(du))
+
+
+@torch.library.custom_op("specdec::fp8_gated_grads", mutates_args=())
+def gated_grads(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> GatedGrads:
+    """dg and du of ``silu(g) * u`` for ``dh`` (all (M, N) bf16), each quantised per token and per feature along the
+    tokens (``quantize_both``). The expressions here; CUDA with Triton registers two kernels below."""
+    return _gated_grads_reference(dh, g, u)
+
+
+@gated_grads.register_fake
+def _gated_grads_fake(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> GatedGrads:
+    m, n = dh.shape
+    mp = m + (-m % MATMUL_ALIGN)
+    out: list[torch.Tensor] = []
+    for _ in range(2):
+        out += [dh.new_empty(m, n, dtype=torch.float8_e4m3fn), dh.new_empty(m, 1, dtype=torch.float32)]
+        out += [dh.new_empty(n, mp, dtype=torch.float8_e4m3fn), dh.new_empty(n, 1, dtype=torch.float32)]
+    return tuple(out)  # type: ignore[return-value]
+
+
+def pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """``quantize_rows``'s scales from maxima: the smallest power of two at or above ``amax / 448``."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(AMAX_FLOOR) / E4M3_MAX)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul_grads(dh_ptr, g_ptr, u_ptr, offs, mask):
+        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        # bf16 where autograd's eager decomposition rounds: silu(g), dh * u, and the two gradients
+        du = (dh * (g * s).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        dgu = (dh * u).to(tl.bfloat16).to(tl.float32)
+        dg = (dgu * (s * (1.0 + g * (1.0 - s)))).to(tl.bfloat16).to(tl.float32)
+        return dg, du
+
+    @triton.jit
+    def _amax_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+        """Each tile's row and column maxima of |dg| and |du|, merged by atomic max into amax: dg's rows (M), dg's
+        columns (N), du's rows (M), du's columns (N), in that order."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        dg, du = _silu_mul_grads(dh_ptr, g_ptr, u_ptr, rm[:, None] * N + rn[None, :], mask)
+        dg, du = tl.abs(dg), tl.abs(du)
+        tl.atomic_max(amax_ptr + rm, tl.max(dg, 1), mask=rm < M)
+        tl.atomic_max(amax_ptr + M + rn, tl.max(dg, 0), mask=rn < N)
+        tl.atomic_max(amax_ptr + M + N + rm, tl.max(du, 1), mask=rm < M)
+        tl.atomic_max(amax_ptr + 2 * M + N + rn, tl.max(du, 0), mask=rn < N)
+
+    @triton.jit
+    def _store_layouts(grad, row_scale_ptr, col_scale_ptr, rows_ptr, cols_ptr, rm, rn, M, N, MP):
+        row_scale = tl.load(row_scale_ptr + rm, mask=rm < M, other=1.0)
+        col_scale = tl.load(col_scale_ptr + rn, mask=rn < N, other=1.0)
+        rows = tl.clamp(grad / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        cols = tl.clamp(grad / col_scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(rows_ptr + rm[:, None] * N + rn[None, :], rows, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        # transposed, (N, MP): the padding tokens' columns (rm in [M, MP)) are written as zeros
+        tl.store(cols_ptr + rn[None, :] * MP + rm[:, None], cols, mask=(rm[:, None] < MP) & (rn[None, :] < N))
+
+    @triton.jit
+    def _layouts_kernel(dh_ptr, g_ptr, u_ptr, scale_ptr, dg_rows, dg_cols, du_rows, du_cols, M, N, MP,
+                        BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        dg, du = _silu_mul_grads(dh_ptr, g_ptr, u_ptr, rm[:, None] * N + rn[None, :], mask)
+        _store_layouts(dg, scale_ptr, scale_ptr + M, dg_rows, dg_cols, rm, rn, M, N, MP)
+        _store_layouts(du, scale_ptr + M + N, scale_ptr + 2 * M + N, du_rows, du_cols, rm, rn, M, N, MP)
+
+    def triton_gated_grads(
+        dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tile: tuple[int, int] = (TILE_TOKENS, TILE_FEATURES)
+    ) -> GatedGrads:
+        """``gated_grads`` in two Triton kernels (contiguous (M, N) bf16 inputs on one CUDA device)."""
+        dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
+        m, n = dh.shape
+        mp = m + (-m % MATMUL_ALIGN)
+        bm, bn = tile
+        grid = (triton.cdiv(mp, bm), triton.cdiv(n, bn))
+        amax = torch.zeros(2 * (m + n), device=dh.device, dtype=torch.float32)
+        # kernels launch on the current device: the inputs' (TRITON_INTERPRET=1 runs them on the CPU's tensors)
+        with torch.cuda.device(dh.device) if dh.is_cuda else contextlib.nullcontext():
+            _amax_kernel[grid](dh, g, u, amax, m, n, BM=bm, BN=bn)
+            scales = pow2_scales(amax)
+            e4m3 = torch.float8_e4m3fn
+            dg_rows, du_rows = (torch.empty(m, n, device=dh.device, dtype=e4m3) for _ in range(2))
+            dg_cols, du_cols = (torch.empty(n, mp, device=dh.device, dtype=e4m3) for _ in range(2))
+            _layouts_kernel[grid](dh, g, u, scales, dg_rows, dg_cols, du_rows, du_cols, m, n, mp, BM=bm, BN=bn)
+        dg_rs, dg_cs, du_rs, du_cs = (s.unsqueeze(1) for s in scales.split([m, n, m, n]))
+        return dg_rows, dg_rs, dg_cols, dg_cs, du_rows, du_rs, du_cols, du_cs
+
+    gated_grads.register_kernel("cuda")(triton_gated_grads)
+
+
+class _Fp8GatedMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        m: torch.Tensor,  # (M, in)
+        gate_weight: torch.Tensor,  # (N, in): only its gradient is made here
+        gate_rows: torch.Tensor,
+        gate_row_scale: torch.Tensor,
+        gate_cols: torch.Tensor,
+        gate_col_scale: torch.Tensor,
+        up_weight: torch.Tensor,
+        up_rows: torch.Tensor,
+        up_row_scale: torch.Tensor,
+        up_cols: torch.Tensor,
+        up_col_scale: torch.Tensor,
+    ) -> torch.Tensor:  # (M, N) bf16
+        mq, m_scale = quantize_rows(m)
+        g = _scaled_mm(mq, gate_rows, m_scale, gate_row_scale)
+        u = _scaled_mm(mq, up_rows, m_scale, up_row_scale)
+        ctx.save_for_backward(m, g, u, gate_cols, gate_col_scale, up_cols, up_col_scale)
+        ctx.weight_dtypes = (gate_weight.dtype, up_weight.dtype)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        m, g, u, gate_cols, gate_col_scale, up_cols, up_col_scale = ctx.saved_tensors
+        dg_rows, dg_rs, dg_cols, dg_cs, du_rows, du_rs, du_cols, du_cs = gated_grads(dh.to(g.dtype), g, u)
+        grad_m = _scaled_mm(dg_rows, gate_cols, dg_rs, gate_col_scale) + _scaled_mm(
+            du_rows, up_cols, du_rs, up_col_scale
+        )
+        mtq, mt_scale = quantize_rows(_pad_tokens(m.t()))  # per input feature along the tokens, once for both
+        mt_scale = mt_scale.reshape(1, -1)
+        grad_gate = _scaled_mm(dg_cols, mtq, dg_cs, mt_scale).to(ctx.weight_dtypes[0])
+        grad_up = _scaled_mm(du_cols, mtq, du_cs, mt_scale).to(ctx.weight_dtypes[1])
+        none4 = (None,) * 4
+        return grad_m.to(m.dtype), grad_gate, *none4, grad_up, *none4
+
+
+def fused_eligible(gate: torch.Tensor | Fp8Weight, up: torch.Tensor | Fp8Weight) -> bool:
+    """Whether gate and up take ``fp8_gated_mlp``: both FP8 with their weight gradients in FP8, no fixed input."""
+    return all(isinstance(w, Fp8Weight) and w.grad_weight_fp8 and w.fixed_input is None for w in (gate, up))
+
+
+def fp8_gated_mlp(m: torch.Tensor, gate: Fp8Weight, up: Fp8Weight) -> torch.Tensor:
+    """``silu(m @ Wg^T) * (m @ Wu^T)`` (m (..., in)) with its six GEMMs in FP8 and one quantisation node: bf16 out."""
+    flat = m.reshape(-1, m.shape[-1])
+    out = _Fp8GatedMlp.apply(
+        flat, gate.weight, gate.rows, gate.row_scale, gate.cols, gate.col_scale,
+        up.weight, up.rows, up.row_scale, up.cols, up.col_scale,
+    )  # fmt: skip
+    return out.reshape(*m.shape[:-1], out.shape[-1])
