@@ -16,7 +16,8 @@
 #       a TTT step): the candidate's A/B in the whole engine (<= 585 s).
 #   sh tests/device/throughput_runs.sh ab [BATCH]      the engine bf16 on another tree (.peer/base.tar: `git archive
 #       COMMIT -o .peer/base.tar`, carried with .peer), then on this one, in one call: a change's A/B in the whole
-#       engine (<= 560 s).
+#       engine (<= 560 s). AB_SETS passes --set arguments to both (e.g. AB_SETS="--set target_fp8=true --set
+#       drafter_fp8=rowwise" for a change to the FP8 drafter).
 #   sh tests/device/throughput_runs.sh rows [BATCH]     the engine bf16 with head_positions = "all" (the head and the loss
 #       on every position, as SpecForge), then with the default "trained" (on the rows each TTT step trains,
 #       engine/trainer/draft/rows.py): the change's A/B in the whole engine, with the share of positions trained
@@ -121,8 +122,8 @@ case "$PART" in
     ab)
         if [ ! -f .peer/base.tar ]; then echo "no .peer/base.tar: git archive COMMIT -o .peer/base.tar, carry .peer"; exit 2; fi
         rm -rf /tmp/base && mkdir -p /tmp/base "$OUT/base" && tar -xf .peer/base.tar -C /tmp/base
-        (cd /tmp/base && OUT="$OUT/base" && engine "engine" 275 265)
-        engine "engine" 275 265
+        (cd /tmp/base && OUT="$OUT/base" && engine "engine ${AB_SETS:-}" 275 265)
+        engine "engine ${AB_SETS:-}" 275 265
         ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
