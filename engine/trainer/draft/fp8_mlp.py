@@ -20,6 +20,7 @@ GEMMs and composes the two Linears as before.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ GatedGrads = tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]
 TILE_TOKENS, TILE_FEATURES = 64, 128  # the CUDA kernels' tile (tests/bench/bench_quant.py times others)
+_LAUNCH_LOCK = threading.Lock()
 
 
 def silu_mul_grads(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,8 +151,10 @@ if triton is not None:
         bm, bn = tile
         grid = (triton.cdiv(mp, bm), triton.cdiv(n, bn))
         amax = torch.zeros(2 * (m + n), device=dh.device, dtype=torch.float32)
-        # kernels launch on the current device: the inputs' (TRITON_INTERPRET=1 runs them on the CPU's tensors)
-        with torch.cuda.device(dh.device) if dh.is_cuda else contextlib.nullcontext():
+        # Kernels launch on the current device: the inputs' (TRITON_INTERPRET=1 runs them on the CPU's tensors). The
+        # lock: drafter threads on other GPUs launch one at a time, so a kernel's first launch (Triton compiles it,
+        # once a device) is made by one thread; a launch is queued, not waited on, so the lock is held microseconds.
+        with _LAUNCH_LOCK, torch.cuda.device(dh.device) if dh.is_cuda else contextlib.nullcontext():
             _amax_kernel[grid](dh, g, u, amax, m, n, BM=bm, BN=bn)
             scales = pow2_scales(amax)
             e4m3 = torch.float8_e4m3fn
