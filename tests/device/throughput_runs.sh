@@ -18,6 +18,9 @@
 #       COMMIT -o .peer/base.tar`, carried with .peer), then on this one, in one call: a change's A/B in the whole
 #       engine (<= 560 s). AB_SETS passes --set arguments to both (e.g. AB_SETS="--set target_fp8=true --set
 #       drafter_fp8=rowwise" for a change to the FP8 drafter).
+#   sh tests/device/throughput_runs.sh fp8ab [BATCH]   SpecForge's step, then the engine with target_fp8 and drafter_fp8
+#       "rowwise" on another tree (.peer/base.tar, as ab) and on this one: an FP8 drafter change's A/B and both
+#       trees' ratios to SpecForge in one call (<= 590 s: the peer <= 140, each tree <= 225).
 #   sh tests/device/throughput_runs.sh rows [BATCH]     the engine bf16 with head_positions = "all" (the head and the loss
 #       on every position, as SpecForge), then with the default "trained" (on the rows each TTT step trains,
 #       engine/trainer/draft/rows.py): the change's A/B in the whole engine, with the share of positions trained
@@ -125,6 +128,13 @@ case "$PART" in
         (cd /tmp/base && OUT="$OUT/base" && engine "engine ${AB_SETS:-}" 275 265)
         engine "engine ${AB_SETS:-}" 275 265
         ;;
+    fp8ab)
+        if [ ! -f .peer/base.tar ]; then echo "no .peer/base.tar: git archive COMMIT -o .peer/base.tar, carry .peer"; exit 2; fi
+        rm -rf /tmp/base && mkdir -p /tmp/base "$OUT/base" && tar -xf .peer/base.tar -C /tmp/base
+        peer 140
+        (cd /tmp/base && OUT="$OUT/base" && engine "engine --set target_fp8=true --set drafter_fp8=rowwise" 225 215)
+        engine "engine --set target_fp8=true --set drafter_fp8=rowwise" 225 215
+        ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235
         ;;
@@ -225,6 +235,6 @@ for way in ("engine", "fp8_rowwise", "fp8_rowwise_gw_hp"):
 PY
         ;;
     *)
-        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|chat|ab|cast|lengths|profile|attention|kernels|fp8|fp8drafter|ends|fp8batch8|peer8|fp8drafter_gw|fp8drafter_check [BATCH]"; exit 2
+        echo "usage: sh tests/device/throughput_runs.sh table|overlap|batch|stages|chat|ab|cast|lengths|profile|attention|kernels|fp8|fp8drafter|ends|fp8ab|fp8batch8|peer8|fp8drafter_gw|fp8drafter_check [BATCH]"; exit 2
         ;;
 esac
