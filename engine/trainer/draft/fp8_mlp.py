@@ -122,9 +122,24 @@ if triton is not None:
         tl.atomic_max(amax_ptr + 2 * M + N + rn, tl.max(du, 0), mask=rn < N)
 
     @triton.jit
-    def _store_layouts(grad, row_scale_ptr, col_scale_ptr, rows_ptr, cols_ptr, rm, rn, M, N, MP):
-        row_scale = tl.load(row_scale_ptr + rm, mask=rm < M, other=1.0)
-        col_scale = tl.load(col_scale_ptr + rn, mask=rn < N, other=1.0)
+    def _pow2_scale(amax):
+        """pow2_scales in the kernel: 2 ** ceil(log2(max(amax, AMAX_FLOOR) / 448)) from the float's bits (exact for
+        the normal floats these are; the division rounds to nearest, as torch's)."""
+        v = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+        bits = v.to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _store_layouts(grad, amax_ptr, rs_ptr, cs_ptr, rows_ptr, cols_ptr, rm, rn, M, N, MP):
+        """One gradient's tile: its e4m3 rows and transposed columns; the scales, by the tiles of the first
+        column (row scales) and of the first row (column scales) of the grid."""
+        row_scale = _pow2_scale(tl.load(amax_ptr + rm, mask=rm < M, other=0.0))
+        col_scale = _pow2_scale(tl.load(amax_ptr + M + rn, mask=rn < N, other=0.0))
+        if tl.program_id(1) == 0:
+            tl.store(rs_ptr + rm, row_scale, mask=rm < M)
+        if tl.program_id(0) == 0:
+            tl.store(cs_ptr + rn, col_scale, mask=rn < N)
         rows = tl.clamp(grad / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
         cols = tl.clamp(grad / col_scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
         tl.store(rows_ptr + rm[:, None] * N + rn[None, :], rows, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -132,36 +147,39 @@ if triton is not None:
         tl.store(cols_ptr + rn[None, :] * MP + rm[:, None], cols, mask=(rm[:, None] < MP) & (rn[None, :] < N))
 
     @triton.jit
-    def _layouts_kernel(dh_ptr, g_ptr, u_ptr, scale_ptr, dg_rows, dg_cols, du_rows, du_cols, M, N, MP,
-                        BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    def _layouts_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, dg_rs, dg_cs, du_rs, du_cs, dg_rows, dg_cols, du_rows,
+                        du_cols, M, N, MP, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         dg, du = _silu_mul_grads(dh_ptr, g_ptr, u_ptr, rm[:, None] * N + rn[None, :], mask)
-        _store_layouts(dg, scale_ptr, scale_ptr + M, dg_rows, dg_cols, rm, rn, M, N, MP)
-        _store_layouts(du, scale_ptr + M + N, scale_ptr + 2 * M + N, du_rows, du_cols, rm, rn, M, N, MP)
+        _store_layouts(dg, amax_ptr, dg_rs, dg_cs, dg_rows, dg_cols, rm, rn, M, N, MP)
+        _store_layouts(du, amax_ptr + M + N, du_rs, du_cs, du_rows, du_cols, rm, rn, M, N, MP)
 
     def triton_gated_grads(
         dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tile: tuple[int, int] = (TILE_TOKENS, TILE_FEATURES)
     ) -> GatedGrads:
-        """``gated_grads`` in two Triton kernels (contiguous (M, N) bf16 inputs on one CUDA device)."""
+        """``gated_grads`` in two Triton kernels (contiguous (M, N) bf16 inputs on one CUDA device). Eight fresh
+        tensors, none a view of another (a custom op's outputs may not alias)."""
         dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
         m, n = dh.shape
         mp = m + (-m % MATMUL_ALIGN)
         bm, bn = tile
         grid = (triton.cdiv(mp, bm), triton.cdiv(n, bn))
         amax = torch.zeros(2 * (m + n), device=dh.device, dtype=torch.float32)
+        e4m3, f32 = torch.float8_e4m3fn, torch.float32
+        dg_rows, du_rows = (torch.empty(m, n, device=dh.device, dtype=e4m3) for _ in range(2))
+        dg_cols, du_cols = (torch.empty(n, mp, device=dh.device, dtype=e4m3) for _ in range(2))
+        dg_rs, du_rs = (torch.empty(m, 1, device=dh.device, dtype=f32) for _ in range(2))
+        dg_cs, du_cs = (torch.empty(n, 1, device=dh.device, dtype=f32) for _ in range(2))
         # Kernels launch on the current device: the inputs' (TRITON_INTERPRET=1 runs them on the CPU's tensors). The
         # lock: drafter threads on other GPUs launch one at a time, so a kernel's first launch (Triton compiles it,
         # once a device) is made by one thread; a launch is queued, not waited on, so the lock is held microseconds.
         with _LAUNCH_LOCK, torch.cuda.device(dh.device) if dh.is_cuda else contextlib.nullcontext():
             _amax_kernel[grid](dh, g, u, amax, m, n, BM=bm, BN=bn)
-            scales = pow2_scales(amax)
-            e4m3 = torch.float8_e4m3fn
-            dg_rows, du_rows = (torch.empty(m, n, device=dh.device, dtype=e4m3) for _ in range(2))
-            dg_cols, du_cols = (torch.empty(n, mp, device=dh.device, dtype=e4m3) for _ in range(2))
-            _layouts_kernel[grid](dh, g, u, scales, dg_rows, dg_cols, du_rows, du_cols, m, n, mp, BM=bm, BN=bn)
-        dg_rs, dg_cs, du_rs, du_cs = (s.unsqueeze(1) for s in scales.split([m, n, m, n]))
+            _layouts_kernel[grid](
+                dh, g, u, amax, dg_rs, dg_cs, du_rs, du_cs, dg_rows, dg_cols, du_rows, du_cols, m, n, mp, BM=bm, BN=bn
+            )
         return dg_rows, dg_rs, dg_cols, dg_cs, du_rows, du_rs, du_cols, du_cs
 
     gated_grads.register_kernel("cuda")(triton_gated_grads)
