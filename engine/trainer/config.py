@@ -51,6 +51,9 @@ DRAFTER_FP8_OFF = "off"
 DRAFTER_FP8_ROWWISE = "rowwise"
 DRAFTER_FP8_ROWWISE_GW_HP = "rowwise_gw_hp"
 DRAFTER_FP8: tuple[str, ...] = (DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE, DRAFTER_FP8_ROWWISE_GW_HP)
+DRAFTER_FP8_MLP_COMPOSED = "composed"
+DRAFTER_FP8_MLP_FUSED = "fused"
+DRAFTER_FP8_MLP: tuple[str, ...] = (DRAFTER_FP8_MLP_COMPOSED, DRAFTER_FP8_MLP_FUSED)
 LOCAL_DEVICE = "cuda:local"  # cuda:<LOCAL_RANK> of a torchrun rank (engine/trainer/run/distributed.py)
 DATA_RANDOM = "random"
 DATA_SHIPPED = "shipped"
@@ -155,6 +158,10 @@ class TrainerConfig:
     # in bf16; "off": bf16 (or float32) as the dtype says. The weights are quantised once a step; the parameters,
     # checkpoints and exports are unchanged. CUDA 9.0+ (or the CPU on torch 2.13+), every Linear size a multiple of 16.
     drafter_fp8: str = DRAFTER_FP8_OFF
+    # Under drafter_fp8 = "rowwise": the MLP's gate and up as two FP8 Linears under autograd ("composed"), or as one
+    # node whose backward makes both gradients' four e4m3 layouts in one op (draft/fp8_mlp.py; two Triton kernels
+    # on CUDA): "fused". The same numbers (bit for bit on the CPU); fused is a candidate until timed on a GPU.
+    drafter_fp8_mlp: str = DRAFTER_FP8_MLP_COMPOSED
     # auto: flex on CUDA, sdpa on the CPU. merged (block 0 in a fused causal kernel, the TTT diagonals merged by
     # log-sum-exp) runs on the CPU only: its CUDA gradients were measured wrong (run/assembly.py).
     attention: str = "auto"
@@ -420,6 +427,7 @@ _RULES: tuple[_Rule, ...] = (
     _one_of("overlap_steps", OVERLAP_STEPS),
     _one_of("head_positions", HEAD_POSITIONS),
     _one_of("drafter_fp8", DRAFTER_FP8),
+    _one_of("drafter_fp8_mlp", DRAFTER_FP8_MLP),
     _one_of("loss_mean", LOSS_MEANS),
     _one_of("loss", LOSSES),
     (

@@ -9,12 +9,12 @@ engine's profile (session 23, one H100, batch 4) inductor's fused kernel for thi
 ``dh``, gate and up outputs (M tokens x N features, bf16), compiled as the engine compiles its step:
 
   engine        the expressions the composed Linears run (``fp8.quantize_rows`` on each gradient and on its padded
-                transpose), fused by inductor as in the step before session 24
+                transpose), fused by inductor as in the step (drafter_fp8_mlp = "composed", the default)
   split_amax    the per-feature maxima as two reductions (blocks of tokens, then the blocks), the transposed
                 quantisation written row-major then transposed as e4m3 (1 byte an element, not the bf16 input)
   two_graphs    silu's backward in one compiled graph (dg, du written in bf16), the quantisations in another:
                 what un-fusing them costs or saves
-  triton_BMxBN  (CUDA) the engine's op since session 24 (engine/trainer/draft/fp8_mlp.py ``triton_gated_grads``):
+  triton_BMxBN  (CUDA) the engine's op under drafter_fp8_mlp = "fused" (draft/fp8_mlp.py ``triton_gated_grads``):
                 one kernel for both maxima of both gradients (an atomic max per tile), the scales as quantize_rows
                 rounds them, one kernel writing the four e4m3 layouts; per tile shape (tokens x features)
   engine_op     the op as the compiled step calls it (``specdec::fp8_gated_grads``, the 64x128 tile)

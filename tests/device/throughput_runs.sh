@@ -19,8 +19,8 @@
 #       engine (<= 560 s). AB_SETS passes --set arguments to both (e.g. AB_SETS="--set target_fp8=true --set
 #       drafter_fp8=rowwise" for a change to the FP8 drafter).
 #   sh tests/device/throughput_runs.sh fp8ab [BATCH]   SpecForge's step, then the engine with target_fp8 and drafter_fp8
-#       "rowwise" on another tree (.peer/base.tar, as ab) and on this one: an FP8 drafter change's A/B and both
-#       trees' ratios to SpecForge in one call (<= 590 s: the peer <= 140, each tree <= 225).
+#       "rowwise", its MLP composed (the default) and then fused (drafter_fp8_mlp = "fused", draft/fp8_mlp.py): the
+#       candidate's A/B and both rows' ratios to SpecForge in one call (<= 590 s: the peer <= 140, each row <= 215).
 #   sh tests/device/throughput_runs.sh rows [BATCH]     the engine bf16 with head_positions = "all" (the head and the loss
 #       on every position, as SpecForge), then with the default "trained" (on the rows each TTT step trains,
 #       engine/trainer/draft/rows.py): the change's A/B in the whole engine, with the share of positions trained
@@ -129,11 +129,8 @@ case "$PART" in
         engine "engine ${AB_SETS:-}" 275 265
         ;;
     fp8ab)
-        if [ ! -f .peer/base.tar ]; then echo "no .peer/base.tar: git archive COMMIT -o .peer/base.tar, carry .peer"; exit 2; fi
-        rm -rf /tmp/base && mkdir -p /tmp/base "$OUT/base" && tar -xf .peer/base.tar -C /tmp/base
         peer 140
-        (cd /tmp/base && OUT="$OUT/base" && engine "engine --set target_fp8=true --set drafter_fp8=rowwise" 225 215)
-        engine "engine --set target_fp8=true --set drafter_fp8=rowwise" 225 215
+        engine "engine --set target_fp8=true --set drafter_fp8=rowwise;engine --set target_fp8=true --set drafter_fp8=rowwise --set drafter_fp8_mlp=fused" 445 215
         ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235

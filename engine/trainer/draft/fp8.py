@@ -56,6 +56,8 @@ class Fp8Weight(NamedTuple):
     # fc's: its input (the target's states, which take no gradient) in both layouts, quantised with the weights
     # (``input_layouts``); None: the input is quantised where it is used (the steps' Linears, fused in their graph)
     fixed_input: Layouts | None = None
+    # gate's and up's under drafter_fp8_mlp = "fused": the layer runs the pair as one node (draft/fp8_mlp.py)
+    fused_mlp: bool = False
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

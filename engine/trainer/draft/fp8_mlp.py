@@ -13,8 +13,9 @@ gradients. On CUDA with Triton the op is two kernels (both gradients' row and co
 then the four layouts in one more); elsewhere it is the expressions ``_Fp8Matmul`` uses (the CPU's path, and the
 reference the CUDA kernels are held to by tests/bench/bench_quant.py).
 
-Only for ``grad_weight_fp8`` (the "rowwise" recipe): "rowwise_gw_hp" keeps the bf16 gradients for its bf16 weight
-GEMMs and composes the two Linears as before.
+Taken with ``drafter_fp8_mlp = "fused"`` (the config; "composed", two ``fp8_linear`` calls, stays the default until
+the kernels are timed in the whole engine on a GPU), and only for ``grad_weight_fp8`` (the "rowwise" recipe):
+"rowwise_gw_hp" keeps the bf16 gradients for its bf16 weight GEMMs and composes the two Linears.
 """
 
 from __future__ import annotations
@@ -223,9 +224,10 @@ class _Fp8GatedMlp(torch.autograd.Function):
         return grad_m.to(m.dtype), grad_gate, *none4, grad_up, *none4
 
 
-def fused_eligible(gate: torch.Tensor | Fp8Weight, up: torch.Tensor | Fp8Weight) -> bool:
-    """Whether gate and up take ``fp8_gated_mlp``: both FP8 with their weight gradients in FP8, no fixed input."""
-    return all(isinstance(w, Fp8Weight) and w.grad_weight_fp8 and w.fixed_input is None for w in (gate, up))
+def fused_eligible(gate: Fp8Weight, up: Fp8Weight) -> bool:
+    """Whether gate and up take ``fp8_gated_mlp``: marked for it (drafter_fp8_mlp = "fused"), their weight gradients
+    in FP8 ("rowwise"), no fixed input."""
+    return all(w.fused_mlp and w.grad_weight_fp8 and w.fixed_input is None for w in (gate, up))
 
 
 def fp8_gated_mlp(m: torch.Tensor, gate: Fp8Weight, up: Fp8Weight) -> torch.Tensor:

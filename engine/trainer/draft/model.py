@@ -23,8 +23,8 @@ in another order (a float64 test holds it to 1e-10 against every step projecting
 
 ``drafter_fp8`` (draft/fp8.py): ``Drafter.fp8_weights`` quantises every Linear's weight once an unroll (fc, the two
 q/k/v halves apart, o, the MLP, the head), and fc's input with them, and each matmul runs as ``project`` over an
-``Fp8Weight``: forward and both gradients as row-wise scaled e4m3 GEMMs; gate and up as one node (draft/fp8_mlp.py)
-whose backward quantises both gradients in one op.
+``Fp8Weight``: forward and both gradients as row-wise scaled e4m3 GEMMs (with ``drafter_fp8_mlp = "fused"``, gate and
+up as one node whose backward quantises both gradients in one op: draft/fp8_mlp.py).
 
 Weights start as Hugging Face initialises a Llama (and as SpecForge's draft model does through
 ``post_init``): every Linear ``normal(0, initializer_range)`` with zero bias, every RMSNorm weight one.
@@ -42,7 +42,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engine.trainer.config import DRAFTER_FP8, DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE
+from engine.trainer.config import (
+    DRAFTER_FP8,
+    DRAFTER_FP8_MLP,
+    DRAFTER_FP8_MLP_COMPOSED,
+    DRAFTER_FP8_MLP_FUSED,
+    DRAFTER_FP8_OFF,
+    DRAFTER_FP8_ROWWISE,
+)
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import Fp8Weight, Layouts, project, weight_layouts
@@ -434,6 +441,7 @@ class Drafter(nn.Module):
         weight_dtype: torch.dtype | None = None,  # cast the TTT steps' Linear weights once (cast_weights)
         fp8: str = DRAFTER_FP8_OFF,  # drafter_fp8: the Linears' GEMMs in FP8 (draft/fp8.py), weights from fp8_weights
         fp8_layouts: Callable[..., Any] | None = None,  # fp8_weights' layouts_fn (the engine's compiled one)
+        fp8_mlp: str = DRAFTER_FP8_MLP_COMPOSED,  # drafter_fp8_mlp: "fused" runs gate and up as one FP8 node
         rows: TrainedRows | None = None,  # the rows each step trains (draft/rows.py): head and loss on those only
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # loss, correct, counts: each (ttt_steps,)
         """Unrolled TTT. Returns per-step (loss, correct count, counted positions), each a ``(ttt_steps,)`` tensor.
@@ -453,11 +461,19 @@ class Drafter(nn.Module):
             raise ValueError(f"rows: {len(rows.index)} TTT steps of rows for a {ttt_steps}-step unroll")
         if fp8 not in DRAFTER_FP8:  # callers past the config (benchmarks) must not run another recipe than named
             raise ValueError(f"fp8: got {fp8!r}; allowed: {', '.join(DRAFTER_FP8)}")
+        if fp8_mlp not in DRAFTER_FP8_MLP:
+            raise ValueError(f"fp8_mlp: got {fp8_mlp!r}; allowed: {', '.join(DRAFTER_FP8_MLP)}")
         seq_len = input_ids.shape[1]
         weights: Weights | None = None
         if fp8 != DRAFTER_FP8_OFF:
             gw_fp8 = fp8 == DRAFTER_FP8_ROWWISE
-            weights = self.fp8_weights(weight_dtype, grad_weight_fp8=gw_fp8, layouts_fn=fp8_layouts, fc_input=hidden3)
+            weights = self.fp8_weights(
+                weight_dtype,
+                grad_weight_fp8=gw_fp8,
+                layouts_fn=fp8_layouts,
+                fc_input=hidden3,
+                fused_mlp=fp8_mlp == DRAFTER_FP8_MLP_FUSED,
+            )
         elif weight_dtype is not None:
             weights = self.cast_weights(weight_dtype)
         if documents is None:
@@ -518,13 +534,16 @@ class Drafter(nn.Module):
         grad_weight_fp8: bool,
         layouts_fn: Callable[..., Any] | None = None,
         fc_input: torch.Tensor | None = None,
+        fused_mlp: bool = False,
     ) -> Weights:
         """Every Linear's weight (FP8_WEIGHTS) cast to ``dtype`` (None: as it is) and quantised to e4m3, once a
         training step: the steps' gradients meet at the cast, as ``cast_weights``'s do, and reach the parameters
         (their dtype unchanged) once. ``grad_weight_fp8``: the weight gradients' GEMMs in FP8 too (draft/fp8.py).
         ``layouts_fn``: fp8.weight_layouts as the engine runs it (compiled on CUDA, under the compile guard); None:
         eager. ``fc_input`` (the target's states fc will take, (..., 3H)): quantised in the same call, both layouts,
-        and carried by fc's weight (``Fp8Weight.fixed_input``), so fc's GEMMs make no pass over it of their own."""
+        and carried by fc's weight (``Fp8Weight.fixed_input``), so fc's GEMMs make no pass over it of their own.
+        ``fused_mlp``: gate's and up's weights say so (``Fp8Weight.fused_mlp``), and the layer runs them as one node
+        (draft/fp8_mlp.py) where their weight gradients are FP8."""
         layer, h = self.layer, self.cfg.hidden_size
         qkv = layer.qkv_weight()
         tensors = {FC: self.fc.weight, QKV_EMBEDDING: qkv[:, :h], QKV_HIDDEN: qkv[:, h:], HEAD: self.lm_head.weight}
@@ -538,8 +557,15 @@ class Drafter(nn.Module):
             inputs = {FC_INPUT: fc_input.detach().reshape(-1, fc_input.shape[-1])}
             layouts = (layouts_fn or weight_layouts)(detached, inputs)
         fixed = {FC: layouts[FC_INPUT]} if fc_input is not None else {}
+        fused = {"gate_proj", "up_proj"} if fused_mlp else set()
         return {
-            name: Fp8Weight(casts[name], *layouts[name], grad_weight_fp8=grad_weight_fp8, fixed_input=fixed.get(name))
+            name: Fp8Weight(
+                casts[name],
+                *layouts[name],
+                grad_weight_fp8=grad_weight_fp8,
+                fixed_input=fixed.get(name),
+                fused_mlp=name in fused,
+            )
             for name in FP8_WEIGHTS
         }
 

@@ -22,7 +22,7 @@ import torch
 
 from engine.protocol import NonFiniteGradEvent, StepEvent
 from engine.trainer.checkpoint import rng_state, set_rng_state, to_cpu
-from engine.trainer.config import DRAFTER_FP8_OFF, HEAD_POSITIONS_TRAINED, TrainerConfig
+from engine.trainer.config import DRAFTER_FP8_MLP_COMPOSED, DRAFTER_FP8_OFF, HEAD_POSITIONS_TRAINED, TrainerConfig
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.average import EMA_KEY, WeightAverage
@@ -329,6 +329,7 @@ class WorkerSettings:
     grad_checkpointing: bool = False
     cast_weights_once: bool = True  # under autocast: the TTT steps share one cast of the weights (Drafter.forward)
     drafter_fp8: str = DRAFTER_FP8_OFF  # the Linears' GEMMs in FP8 (draft/fp8.py), on weights quantised once a step
+    drafter_fp8_mlp: str = DRAFTER_FP8_MLP_COMPOSED  # "fused": gate and up as one FP8 node (draft/fp8_mlp.py)
     overlap_steps: str = "auto"  # the next forward launched before a step's numbers are read (config.py); auto: CUDA
     head_positions: str = HEAD_POSITIONS_TRAINED  # "trained": head and loss on the rows each step trains (rows.py)
     max_grad_norm: float = 1.0
@@ -444,6 +445,7 @@ class DrafterWorker:
                 documents=batch.documents,
                 weight_dtype=self.weight_dtype,
                 fp8=self.settings.drafter_fp8,
+                fp8_mlp=self.settings.drafter_fp8_mlp,
                 fp8_layouts=self.training.fp8_layouts,
                 rows=rows,
             )

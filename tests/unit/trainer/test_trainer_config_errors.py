@@ -250,8 +250,17 @@ def test_a_toml_file_the_parser_gives_up_on_is_a_config_error_naming_it(
         (["--set", "output_dir=/"], "output_dir: '/' is the root directory"),
         (["--output-dir", "/etc"], "output_dir: '/etc' is a system directory"),
         (["--set", 'drafter_fp8="e5m2"'], "drafter_fp8: got 'e5m2'; allowed: off, rowwise, rowwise_gw_hp"),
+        (["--set", 'drafter_fp8_mlp="triton"'], "drafter_fp8_mlp: got 'triton'; allowed: composed, fused"),
     ],
-    ids=["set-huge-int", "set-deep", "set-lr-inf", "set-output-root", "output-dir-etc", "set-drafter-fp8"],
+    ids=[
+        "set-huge-int",
+        "set-deep",
+        "set-lr-inf",
+        "set-output-root",
+        "output-dir-etc",
+        "set-drafter-fp8",
+        "set-drafter-fp8-mlp",
+    ],
 )
 def test_the_cli_refuses_huge_integers_deep_nesting_and_bad_values_in_one_line(args: list[str], line: str) -> None:
     done = _train("--preset", "cpu-demo", *args, "--print-config")

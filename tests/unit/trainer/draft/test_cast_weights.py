@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.trainer.config import DRAFTER_FP8_OFF, from_dict
+from engine.trainer.config import DRAFTER_FP8_MLP_COMPOSED, DRAFTER_FP8_OFF, from_dict
 from engine.trainer.data.dispatch import IndexLedger
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.loss import soft_cross_entropy, total_loss
@@ -98,6 +98,7 @@ def losses_and_grads(
     grad_checkpointing: bool = False,
     fp8: str = DRAFTER_FP8_OFF,
     fp8_layouts: Callable[..., Any] | None = None,
+    fp8_mlp: str = DRAFTER_FP8_MLP_COMPOSED,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
     ids, hidden3, target_z, target_lse, mask = batch()
     model.zero_grad(set_to_none=True)
@@ -117,6 +118,7 @@ def losses_and_grads(
             weight_dtype=weight_dtype,
             fp8=fp8,
             fp8_layouts=fp8_layouts,
+            fp8_mlp=fp8_mlp,
         )
     total = total_loss(losses)
     edges = gradient_edges(model, total)

@@ -1,6 +1,6 @@
-"""drafter_fp8's gated MLP as one node (engine/trainer/draft/fp8_mlp.py): the same numbers as the two FP8 Linears
-and autograd's ``silu(g) * u`` it replaces, bit for bit where both run eager (the CPU's expressions), and where the
-unroll takes it ("rowwise") or not ("rowwise_gw_hp")."""
+"""drafter_fp8's gated MLP as one node (engine/trainer/draft/fp8_mlp.py, drafter_fp8_mlp = "fused"): the same
+numbers as the two FP8 Linears and autograd's ``silu(g) * u`` it replaces, bit for bit where both run eager (the
+CPU's expressions), and where the unroll takes it (asked for, under "rowwise") or not."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ import torch.nn.functional as F
 from test_cast_weights import TTT_STEPS, drafter  # same folder: pytest puts it on sys.path
 from test_cast_weights import losses_and_grads as cast_unroll
 
-from engine.trainer.config import DRAFTER_FP8_ROWWISE, DRAFTER_FP8_ROWWISE_GW_HP
+from engine.trainer.config import (
+    DRAFTER_FP8_MLP_COMPOSED,
+    DRAFTER_FP8_MLP_FUSED,
+    DRAFTER_FP8_ROWWISE,
+    DRAFTER_FP8_ROWWISE_GW_HP,
+)
 from engine.trainer.draft import fp8_mlp
+from engine.trainer.draft import fp8_mlp as fp8_mlp_module
 from engine.trainer.draft.fp8 import fp8_linear, fp8_weight
 from engine.trainer.draft.model import ttt_step
 
@@ -51,8 +57,8 @@ def run(m: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, dh: torch.Tensor, f
 def test_the_fused_node_gives_the_composed_linears_numbers_bit_for_bit(tokens: int) -> None:
     """Output, the input's gradient and both weights' gradients equal the two FP8 Linears with autograd's silu * up,
     tokens off the 16 grid (37: grad_weight pads zero tokens) or on it (48)."""
-    ops = operands(tokens)
-    composed, fused = run(*ops, fused=False), run(*ops, fused=True)
+    m, wg, wu, dh = operands(tokens)
+    composed, fused = run(m, wg, wu, dh, fused=False), run(m, wg, wu, dh, fused=True)
     for name, a, b in zip(("out", "grad m", "grad gate", "grad up"), composed, fused, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
@@ -80,21 +86,37 @@ def test_gated_grads_quantises_silus_gradients_per_token_and_per_feature_transpo
         assert cols.view(torch.uint8)[:, 37:].eq(0).all()
 
 
-@pytest.mark.parametrize(("fp8", "fused_calls"), [(DRAFTER_FP8_ROWWISE, 1), (DRAFTER_FP8_ROWWISE_GW_HP, 0)])
-def test_the_unroll_takes_the_fused_node_for_rowwise_only(
-    fp8: str, fused_calls: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("fp8", "fp8_mlp", "fused_calls"),
+    [
+        (DRAFTER_FP8_ROWWISE, DRAFTER_FP8_MLP_FUSED, 1),
+        (DRAFTER_FP8_ROWWISE, DRAFTER_FP8_MLP_COMPOSED, 0),
+        (DRAFTER_FP8_ROWWISE_GW_HP, DRAFTER_FP8_MLP_FUSED, 0),
+    ],
+)
+def test_the_unroll_takes_the_fused_node_where_asked_and_the_weight_gradients_are_fp8(
+    fp8: str, fp8_mlp: str, fused_calls: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ "rowwise" runs every TTT step's gate and up as the one node; "rowwise_gw_hp" (bf16 weight gradients, which
-    need the bf16 dg and du) composes the two Linears as before."""
+    """drafter_fp8_mlp = "fused" under "rowwise" runs every TTT step's gate and up as the one node, with the unroll's
+    losses and gradients those of the composed Linears (eager CPU: bit for bit); "composed" (the default) and
+    "rowwise_gw_hp" (bf16 weight gradients, which need the bf16 dg and du) compose the two Linears."""
     calls: list[int] = []
-    real = fp8_mlp.gated_grads
+    real = fp8_mlp_module.gated_grads
 
     def counting(*args: Any) -> Any:
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(fp8_mlp, "gated_grads", counting)
+    monkeypatch.setattr(fp8_mlp_module, "gated_grads", counting)
     model = drafter()
-    _, grads, _ = cast_unroll(model, torch.bfloat16, ttt_step, fp8=fp8)
-    assert grads["layer.gate_proj.weight"].abs().sum() > 0 and grads["layer.up_proj.weight"].abs().sum() > 0
+    losses, grads, _ = cast_unroll(model, torch.bfloat16, ttt_step, fp8=fp8, fp8_mlp=fp8_mlp)
     assert len(calls) == fused_calls * TTT_STEPS, calls  # once a TTT step's backward, or never
+    want_losses, want_grads, _ = cast_unroll(model, torch.bfloat16, ttt_step, fp8=fp8)
+    assert torch.equal(losses, want_losses)
+    assert grads.keys() == want_grads.keys() and all(torch.equal(grads[k], want_grads[k]) for k in grads)
+    assert grads["layer.gate_proj.weight"].abs().sum() > 0 and grads["layer.up_proj.weight"].abs().sum() > 0
+
+
+def test_an_unknown_mlp_way_is_refused_not_run_as_another() -> None:
+    with pytest.raises(ValueError, match="fp8_mlp: got 'fuse'; allowed: composed, fused"):
+        cast_unroll(drafter(), torch.bfloat16, ttt_step, fp8=DRAFTER_FP8_ROWWISE, fp8_mlp="fuse")
