@@ -72,6 +72,7 @@ CAST_ONCE = True  # the sides' and profile's drafter worker casts its weights on
 FP8 = False  # the sides' and profile's target with FP8 decoder Linears (--set target_fp8=true; CUDA with FP8 only)
 HEAD_POSITIONS = "trained"  # the sides' and profile's drafter head and loss rows (--set head_positions="all")
 DRAFTER_FP8 = "off"  # the sides' and profile's drafter GEMMs (--set drafter_fp8="rowwise"; engine/trainer/draft/fp8.py)
+DRAFTER_FP8_MLP = "composed"  # and their MLP under it (--set drafter_fp8_mlp="fused"; engine/trainer/draft/fp8_mlp.py)
 
 
 def build_parts(compiled: bool, attn: str) -> dict[str, Any]:
@@ -222,6 +223,7 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
         cast_weights_once=CAST_ONCE,
         head_positions=HEAD_POSITIONS,
         drafter_fp8=DRAFTER_FP8,
+        drafter_fp8_mlp=DRAFTER_FP8_MLP,
     )
     return DrafterWorker("drafter0", 0, training, settings, WorkerLinks(BoundedQueue(1), control, IndexLedger()))
 
@@ -511,7 +513,8 @@ def mode_profile(steps: int, warm: int) -> dict[str, Any]:
         + ("" if CAST_ONCE else " cast_weights_once=false")
         + (f" head_positions={HEAD_POSITIONS}" if HEAD_POSITIONS != "trained" else "")
         + (" target_fp8=true" if FP8 else "")
-        + (f" drafter_fp8={DRAFTER_FP8}" if DRAFTER_FP8 != "off" else ""),
+        + (f" drafter_fp8={DRAFTER_FP8}" if DRAFTER_FP8 != "off" else "")
+        + (f" drafter_fp8_mlp={DRAFTER_FP8_MLP}" if DRAFTER_FP8_MLP != "composed" else ""),
         "target": target_kernels,
         "target_mfu_kernels": target_mfu,
         "attention_impl": target.config._attn_implementation,
@@ -692,13 +695,14 @@ def main() -> int:
     )
     ap.add_argument("--target-only", action="store_true", help="profile: the target forward alone")
     a = ap.parse_args()
-    global BATCH, CAST_ONCE, DRAFTER_FP8, DRY, FP8, HEAD_POSITIONS, SEQ, DRAFT_VOCAB, TARGET_ONLY
+    global BATCH, CAST_ONCE, DRAFTER_FP8, DRAFTER_FP8_MLP, DRY, FP8, HEAD_POSITIONS, SEQ, DRAFT_VOCAB, TARGET_ONLY
     BATCH = a.batch
     CAST_ONCE = "cast_weights_once=false" not in a.set
     FP8 = "target_fp8=true" in a.set
     from engine.trainer.config import parse_override  # stdlib only
 
     DRAFTER_FP8 = next((str(v) for k, v in map(parse_override, a.set) if k == "drafter_fp8"), DRAFTER_FP8)
+    DRAFTER_FP8_MLP = next((str(v) for k, v in map(parse_override, a.set) if k == "drafter_fp8_mlp"), DRAFTER_FP8_MLP)
     HEAD_POSITIONS = next((str(v) for k, v in map(parse_override, a.set) if k == "head_positions"), HEAD_POSITIONS)
     if FP8 and a.dry_run:
         print("bench_engine.py: --set target_fp8=true needs an FP8 GPU; the dry run has none", file=sys.stderr)

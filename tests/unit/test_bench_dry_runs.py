@@ -70,6 +70,10 @@ def test_the_fp8_drafter_unroll_and_profile_run_on_the_cpu(tmp_path: Path) -> No
     argv = [str(BENCH / "bench_engine.py"), "profile", "--dry-run", "--steps", "1", "--warm", "1"]
     (res,) = results([*argv, "--set", "drafter_fp8=rowwise", "--out", str(tmp_path)])
     assert res["mode"] == "profile batch_size=1 drafter_fp8=rowwise" and res["drafter"]["kernel_ms"] > 0
+    # the fused MLP candidate (drafter_fp8_mlp = "fused"): its op in the profiled step (the CPU's expressions)
+    (res,) = results([*argv, "--set", "drafter_fp8=rowwise", "--set", "drafter_fp8_mlp=fused", "--out", str(tmp_path)])
+    assert res["mode"] == "profile batch_size=1 drafter_fp8=rowwise drafter_fp8_mlp=fused", res["mode"]
+    assert res["drafter"]["kernel_ms"] > 0
 
 
 @pytest.mark.slow
