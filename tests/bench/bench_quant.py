@@ -14,7 +14,7 @@ engine's profile (session 23, one H100, batch 4) inductor's fused kernel for thi
                 quantisation written row-major then transposed as e4m3 (1 byte an element, not the bf16 input)
   two_graphs    silu's backward in one compiled graph (dg, du written in bf16), the quantisations in another:
                 what un-fusing them costs or saves
-  triton_BMxBN  (CUDA) the engine's op under drafter_fp8_mlp = "fused" (draft/fp8_mlp.py ``triton_gated_grads``):
+  triton_BMxBN  (CUDA) the engine's op under drafter_fp8_mlp = "fused" (draft/fp8_mlp_triton.py):
                 one kernel for both maxima of both gradients (an atomic max per tile), the scales as quantize_rows
                 rounds them, one kernel writing the four e4m3 layouts; per tile shape (tokens x features)
   engine_op     the op as the compiled step calls it (``specdec::fp8_gated_grads``, the 64x128 tile)
@@ -153,10 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     grads_c, quant_c = compile_(silu_grads), compile_(lambda x, y: (*engine_quant(x), *engine_quant(y)))
     ways["two_graphs"] = lambda dh, g, u: quant_c(*grads_c(dh, g, u))
-    if fp8_mlp.triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        for tile in TILES:  # the engine's kernels (fp8_mlp.triton_gated_grads), called directly
-            ways[f"triton_{tile[0]}x{tile[1]}"] = functools.partial(fp8_mlp.triton_gated_grads, tile=tile)
-        ways["engine_op"] = torch.compile(lambda dh, g, u: fp8_mlp.gated_grads(dh, g, u))  # as the step calls it
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            from engine.trainer.draft import fp8_mlp_triton
+        except ImportError as exc:
+            print(f"no Triton ({exc}): the Triton ways left out", flush=True)
+        else:
+            for tile in TILES:  # the engine's kernels (fp8_mlp_triton.triton_gated_grads), called directly
+                ways[f"triton_{tile[0]}x{tile[1]}"] = functools.partial(fp8_mlp_triton.triton_gated_grads, tile=tile)
+            if device.type == "cuda":  # the op as the compiled step calls it, its CUDA kernels registered
+                fp8_mlp.register_cuda_kernels()
+                ways["engine_op"] = torch.compile(lambda dh, g, u: fp8_mlp.gated_grads(dh, g, u))
     t0 = time.perf_counter()
     reference = ways["engine"](dh, g, u)  # the engine's step as compiled: what each way is held to
     engine_first_s = time.perf_counter() - t0

@@ -53,7 +53,7 @@ from engine.trainer.config import (
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import Fp8Weight, Layouts, project, weight_layouts
-from engine.trainer.draft.fp8_mlp import fp8_gated_mlp, fused_eligible
+from engine.trainer.draft.fp8_mlp import fp8_gated_mlp, fused_eligible, register_cuda_kernels
 from engine.trainer.draft.rows import TrainedRows
 
 # (logits, target_logits, target_lse, position_mask[, loss_mask]) -> (loss, correct count, accuracy denominator);
@@ -463,6 +463,8 @@ class Drafter(nn.Module):
             raise ValueError(f"fp8: got {fp8!r}; allowed: {', '.join(DRAFTER_FP8)}")
         if fp8_mlp not in DRAFTER_FP8_MLP:
             raise ValueError(f"fp8_mlp: got {fp8_mlp!r}; allowed: {', '.join(DRAFTER_FP8_MLP)}")
+        if fp8_mlp == DRAFTER_FP8_MLP_FUSED and hidden3.is_cuda:
+            register_cuda_kernels()  # once a process (the engine's config check made it already; benchmarks here)
         seq_len = input_ids.shape[1]
         weights: Weights | None = None
         if fp8 != DRAFTER_FP8_OFF:

@@ -20,6 +20,7 @@ from engine.trainer.config import (
     BUILTIN_TARGETS,
     DATA_RANDOM,
     DATA_SHIPPED,
+    DRAFTER_FP8_MLP_FUSED,
     DRAFTER_FP8_OFF,
     ConfigError,
     TrainerConfig,
@@ -29,6 +30,7 @@ from engine.trainer.data.sources import BatchSource, ConversationSource, RandomT
 from engine.trainer.data.vocab import DraftVocab
 from engine.trainer.draft.attention import TTTAttention
 from engine.trainer.draft.fp8 import cpu_rowwise_supported, misaligned, weight_layouts
+from engine.trainer.draft.fp8_mlp import register_cuda_kernels
 from engine.trainer.draft.loss import needs_full_vocab_lse
 from engine.trainer.draft.model import DraftConfig, Drafter, ttt_step
 from engine.trainer.run.distributed import map_devices
@@ -136,6 +138,14 @@ def check_drafter_fp8(cfg: TrainerConfig, ddevs: list[torch.device]) -> None:
         reason = fp8_unsupported_reason(dev, key="drafter_fp8")
         if reason is not None:
             raise ConfigError(reason)
+    if cfg.drafter_fp8_mlp == DRAFTER_FP8_MLP_FUSED and any(d.type == "cuda" for d in ddevs):
+        try:
+            register_cuda_kernels()  # the fused MLP's Triton kernels: here, before a thread starts, or a clear refusal
+        except ImportError as exc:
+            raise ConfigError(
+                f"drafter_fp8_mlp = 'fused' needs Triton on CUDA, which does not import here ({exc}); "
+                "use drafter_fp8_mlp = 'composed'"
+            ) from None
     path = Path(cfg.target).expanduser()
     if cfg.target in BUILTIN_TARGETS or not (path / "config.json").is_file():
         return  # a built-in is built, not read: the check after the drafters are built is its only one

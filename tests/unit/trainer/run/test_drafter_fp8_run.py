@@ -4,6 +4,7 @@ with one line naming the key."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -169,3 +170,29 @@ def test_a_cpu_torch_without_row_wise_scaled_mm_is_refused(monkeypatch: pytest.M
     monkeypatch.setattr(assembly, "cpu_rowwise_supported", lambda: False)
     with pytest.raises(ConfigError, match=r"^drafter_fp8: torch .*'s CPU _scaled_mm takes no row-wise scales"):
         check_drafter_fp8(from_dict({"drafter_fp8": "rowwise"}), [torch.device("cpu")])
+
+
+def test_the_fused_mlp_on_cuda_registers_its_triton_kernels_before_a_run_or_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """drafter_fp8_mlp = "fused" on a CUDA drafter: the config check imports Triton and registers the op's CUDA
+    kernels before any thread starts; where Triton does not import (this CPU build of torch has none), one line says
+    so and names the way out. The CPU needs neither. (The device check itself is stubbed: no GPU here.)"""
+    from engine.trainer.draft import fp8_mlp
+
+    monkeypatch.setattr(assembly, "fp8_unsupported_reason", lambda dev, key: None)
+    monkeypatch.setattr(fp8_mlp, "_cuda_kernels", False)
+    cfg = make_config(tmp_path / "out", drafter_fp8_mlp="fused")
+    check_drafter_fp8(cfg, [torch.device("cpu")])  # the CPU takes the op's expressions: nothing to import
+    assert fp8_mlp._cuda_kernels is False
+    if importlib.util.find_spec("triton") is None:
+        with pytest.raises(ConfigError) as err:
+            check_drafter_fp8(cfg, [torch.device("cpu"), torch.device("cuda:0")])
+        message = str(err.value)
+        assert message.startswith("drafter_fp8_mlp = 'fused' needs Triton on CUDA, which does not import here (")
+        assert message.endswith("; use drafter_fp8_mlp = 'composed'") and "\n" not in message
+    else:  # a host with Triton: the kernels are registered, once
+        check_drafter_fp8(cfg, [torch.device("cuda:0")])
+        assert fp8_mlp._cuda_kernels is True
+    composed = make_config(tmp_path / "out", drafter_fp8_mlp="composed")
+    check_drafter_fp8(composed, [torch.device("cuda:0")])  # composed: Triton is not asked for
