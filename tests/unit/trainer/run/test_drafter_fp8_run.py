@@ -196,3 +196,30 @@ def test_the_fused_mlp_on_cuda_registers_its_triton_kernels_before_a_run_or_is_r
         assert fp8_mlp._cuda_kernels is True
     composed = make_config(tmp_path / "out", drafter_fp8_mlp="composed")
     check_drafter_fp8(composed, [torch.device("cuda:0")])  # composed: Triton is not asked for
+
+
+def test_a_fused_mlp_run_reaches_the_one_node_every_step_and_trains_as_the_composed_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """drafter_fp8_mlp = "fused" from the config to the worker's unroll: every TTT step's backward of every training
+    step makes its gradients' layouts in the one op; the run's losses are the composed run's (the CPU: bit for bit)."""
+    from engine.trainer.draft import fp8_mlp
+
+    assert WorkerSettings.from_config(from_dict({"drafter_fp8_mlp": "fused"})).drafter_fp8_mlp == "fused"
+    assert WorkerSettings.from_config(from_dict({})).drafter_fp8_mlp == "composed"
+    calls: list[int] = []
+    real = fp8_mlp.gated_grads
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(fp8_mlp, "gated_grads", counting)
+    losses = {}
+    for way in ("composed", "fused"):
+        calls.clear()
+        _, seen, _ = run(make_config(tmp_path / way, steps=8, drafter_fp8_mlp=way), tmp_path / way)
+        losses[way] = [e["loss_total"] for e in seen if e["kind"] == "step"]
+        # 8 training steps and the warm-up's one, 2 TTT steps each: or none, composed
+        assert len(calls) == (0 if way == "composed" else (8 + 1) * 2), (way, len(calls))
+    assert len(losses["fused"]) == 8 and losses["fused"] == losses["composed"]
