@@ -5,8 +5,10 @@ Two kernels over (tokens x features) tiles of the incoming gradient ``dh`` and t
 eager decomposition rounds) and merges each tile's row and column maxima of both into one float32 buffer by atomic
 max; the second makes them again and writes, for each, the e4m3 rows scaled per token, the e4m3 columns scaled per
 feature and written transposed ((N, M') with M' the tokens padded with zeros to a multiple of 16), and the scales
-(powers of two, from the maxima's float bits: ``fp8.quantize_rows``'s). Reads 12 bytes an element (dh, g, u twice),
-writes 4. Imported by ``fp8_mlp.register_cuda_kernels`` only: the module needs Triton.
+(powers of two, from the maxima's float bits: ``fp8.quantize_rows``'s; values are multiplied by the exact
+reciprocal). A NaN or infinite gradient gives its row and column an infinite scale, so the GEMMs that take them
+come out non-finite, as the composed path's do, rather than quantised to finite values. Offsets are int64. Reads 12
+bytes an element (dh, g, u twice), writes 4. Imported by ``fp8_mlp.register_cuda_kernels`` only: it needs Triton.
 """
 
 from __future__ import annotations
@@ -42,14 +44,22 @@ def _silu_mul_grads(dh_ptr, g_ptr, u_ptr, offs, mask):
 
 
 @triton.jit
+def _abs_nan_inf(x):
+    """|x| with NaN as +inf: a non-finite gradient gives its row and column an infinite maximum, so their scales are
+    infinite and the GEMMs that take them non-finite, as the composed path's NaN maxima make them (tl.max and the
+    float max Triton emits drop NaN: a NaN would otherwise be quantised as a finite value)."""
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
 def _amax_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
     """Each tile's row and column maxima of |dg| and |du|, merged by atomic max into amax: dg's rows (M), dg's
     columns (N), du's rows (M), du's columns (N), in that order."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    dg, du = _silu_mul_grads(dh_ptr, g_ptr, u_ptr, rm[:, None] * N + rn[None, :], mask)
-    dg, du = tl.abs(dg), tl.abs(du)
+    dg, du = _silu_mul_grads(dh_ptr, g_ptr, u_ptr, rm[:, None].to(tl.int64) * N + rn[None, :], mask)
+    dg, du = _abs_nan_inf(dg), _abs_nan_inf(du)
     tl.atomic_max(amax_ptr + rm, tl.max(dg, 1), mask=rm < M)
     tl.atomic_max(amax_ptr + M + rn, tl.max(dg, 0), mask=rn < N)
     tl.atomic_max(amax_ptr + M + N + rm, tl.max(du, 1), mask=rm < M)
@@ -58,29 +68,37 @@ def _amax_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, M, N, BM: tl.constexpr, BN: tl.
 
 @triton.jit
 def _pow2_scale(amax):
-    """pow2_scales in the kernel: 2 ** ceil(log2(max(amax, AMAX_FLOOR) / 448)) from the float's bits (exact for
-    the normal floats these are; the division rounds to nearest, as torch's)."""
+    """(scale, 1 / scale) for maxima: pow2_scales' 2 ** ceil(log2(max(amax, AMAX_FLOOR) / 448)) from the float's
+    bits (exact for the normal floats these are; the division rounds to nearest, as torch's), and its reciprocal
+    from the same exponent, so quantising multiplies exactly (Triton's float division is not correctly rounded).
+    An infinite maximum (a non-finite gradient) gives an infinite scale and a zero reciprocal."""
     v = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
     bits = v.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = (tl.maximum(127 - exponent, 0) << 23).to(tl.float32, bitcast=True)  # 2 ** -exponent; 0 past the range
+    return scale, inverse
 
 
 @triton.jit
 def _store_layouts(grad, amax_ptr, rs_ptr, cs_ptr, rows_ptr, cols_ptr, rm, rn, M, N, MP):
     """One gradient's tile: its e4m3 rows and transposed columns; the scales, by the tiles of the first
     column (row scales) and of the first row (column scales) of the grid."""
-    row_scale = _pow2_scale(tl.load(amax_ptr + rm, mask=rm < M, other=0.0))
-    col_scale = _pow2_scale(tl.load(amax_ptr + M + rn, mask=rn < N, other=0.0))
+    row_scale, row_inverse = _pow2_scale(tl.load(amax_ptr + rm, mask=rm < M, other=0.0))
+    col_scale, col_inverse = _pow2_scale(tl.load(amax_ptr + M + rn, mask=rn < N, other=0.0))
     if tl.program_id(1) == 0:
         tl.store(rs_ptr + rm, row_scale, mask=rm < M)
     if tl.program_id(0) == 0:
         tl.store(cs_ptr + rn, col_scale, mask=rn < N)
-    rows = tl.clamp(grad / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
-    cols = tl.clamp(grad / col_scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
-    tl.store(rows_ptr + rm[:, None] * N + rn[None, :], rows, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    nan = tl.PropagateNan.ALL  # a NaN gradient stays NaN in e4m3, as the composed path's clamp keeps it
+    rows = tl.clamp(grad * row_inverse[:, None], -448.0, 448.0, propagate_nan=nan).to(tl.float8e4nv)
+    cols = tl.clamp(grad * col_inverse[None, :], -448.0, 448.0, propagate_nan=nan).to(tl.float8e4nv)
+    # int64 offsets: M x N passes 2 ** 31 from about 150k tokens at N 14336
+    rows_at = rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(rows_ptr + rows_at, rows, mask=(rm[:, None] < M) & (rn[None, :] < N))
     # transposed, (N, MP): the padding tokens' columns (rm in [M, MP)) are written as zeros
-    tl.store(cols_ptr + rn[None, :] * MP + rm[:, None], cols, mask=(rm[:, None] < MP) & (rn[None, :] < N))
+    cols_at = rn[None, :].to(tl.int64) * MP + rm[:, None]
+    tl.store(cols_ptr + cols_at, cols, mask=(rm[:, None] < MP) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -89,7 +107,7 @@ def _layouts_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, dg_rs, dg_cs, du_rs, du_cs, 
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    dg, du = _silu_mul_grads(dh_ptr, g_ptr, u_ptr, rm[:, None] * N + rn[None, :], mask)
+    dg, du = _silu_mul_grads(dh_ptr, g_ptr, u_ptr, rm[:, None].to(tl.int64) * N + rn[None, :], mask)
     _store_layouts(dg, amax_ptr, dg_rs, dg_cs, dg_rows, dg_cols, rm, rn, M, N, MP)
     _store_layouts(du, amax_ptr + M + N, du_rs, du_cs, du_rows, du_cols, rm, rn, M, N, MP)
 

@@ -463,7 +463,7 @@ class Drafter(nn.Module):
             raise ValueError(f"fp8: got {fp8!r}; allowed: {', '.join(DRAFTER_FP8)}")
         if fp8_mlp not in DRAFTER_FP8_MLP:
             raise ValueError(f"fp8_mlp: got {fp8_mlp!r}; allowed: {', '.join(DRAFTER_FP8_MLP)}")
-        if fp8_mlp == DRAFTER_FP8_MLP_FUSED and hidden3.is_cuda:
+        if fp8 == DRAFTER_FP8_ROWWISE and fp8_mlp == DRAFTER_FP8_MLP_FUSED and hidden3.is_cuda:
             register_cuda_kernels()  # once a process (the engine's config check made it already; benchmarks here)
         seq_len = input_ids.shape[1]
         weights: Weights | None = None

@@ -22,6 +22,7 @@ from engine.trainer.config import (
     DATA_SHIPPED,
     DRAFTER_FP8_MLP_FUSED,
     DRAFTER_FP8_OFF,
+    DRAFTER_FP8_ROWWISE,
     ConfigError,
     TrainerConfig,
 )
@@ -138,7 +139,8 @@ def check_drafter_fp8(cfg: TrainerConfig, ddevs: list[torch.device]) -> None:
         reason = fp8_unsupported_reason(dev, key="drafter_fp8")
         if reason is not None:
             raise ConfigError(reason)
-    if cfg.drafter_fp8_mlp == DRAFTER_FP8_MLP_FUSED and any(d.type == "cuda" for d in ddevs):
+    fused = cfg.drafter_fp8 == DRAFTER_FP8_ROWWISE and cfg.drafter_fp8_mlp == DRAFTER_FP8_MLP_FUSED
+    if fused and any(d.type == "cuda" for d in ddevs):  # (rowwise_gw_hp composes the Linears: no kernels asked for)
         try:
             register_cuda_kernels()  # the fused MLP's Triton kernels: here, before a thread starts, or a clear refusal
         except ImportError as exc:

@@ -194,8 +194,12 @@ def test_the_fused_mlp_on_cuda_registers_its_triton_kernels_before_a_run_or_is_r
     else:  # a host with Triton: the kernels are registered, once
         check_drafter_fp8(cfg, [torch.device("cuda:0")])
         assert fp8_mlp._cuda_kernels is True
-    composed = make_config(tmp_path / "out", drafter_fp8_mlp="composed")
-    check_drafter_fp8(composed, [torch.device("cuda:0")])  # composed: Triton is not asked for
+    monkeypatch.setattr(fp8_mlp, "_cuda_kernels", False)
+    for way, recipe in (("composed", "rowwise"), ("fused", "rowwise_gw_hp")):  # neither runs the fused node
+        check_drafter_fp8(
+            make_config(tmp_path / "out", drafter_fp8=recipe, drafter_fp8_mlp=way), [torch.device("cuda:0")]
+        )
+        assert fp8_mlp._cuda_kernels is False  # Triton not asked for
 
 
 def test_a_fused_mlp_run_reaches_the_one_node_every_step_and_trains_as_the_composed_one(
