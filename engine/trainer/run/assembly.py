@@ -144,8 +144,9 @@ def check_drafter_fp8(cfg: TrainerConfig, ddevs: list[torch.device]) -> None:
         try:
             register_cuda_kernels()  # the fused MLP's Triton kernels: here, before a thread starts, or a clear refusal
         except ImportError as exc:
+            said = (str(exc).splitlines() or [type(exc).__name__])[0]  # one line, whatever the import said
             raise ConfigError(
-                f"drafter_fp8_mlp = 'fused' needs Triton on CUDA, which does not import here ({exc}); "
+                f"drafter_fp8_mlp = 'fused' needs Triton on CUDA, which does not import here ({said}); "
                 "use drafter_fp8_mlp = 'composed'"
             ) from None
     path = Path(cfg.target).expanduser()
