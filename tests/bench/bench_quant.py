@@ -25,9 +25,12 @@ row's range (e4m3's rounding alone keeps it within 32/448 = 0.071, half its top 
 eager engine expressions are compared the same way, for scale. The floor is the bytes read and written once (three
 bf16 inputs, four e4m3 outputs) at the bandwidth a device-to-device copy reaches here.
 
-    python3 tests/bench/bench_quant.py [--tokens 8192 --features 14336] [--out DIR]   (one GPU; ~1-2 minutes)
+    python3 tests/bench/bench_quant.py [--tokens 8192 --features 14336 --hidden 4096] [--out DIR]   (one GPU; ~1-2 min)
     python3 tests/bench/bench_quant.py --dry-run                                      (the CPU, small shapes)
     TRITON_INTERPRET=1 python3 tests/bench/bench_quant.py --dry-run          (with Triton installed: its way too)
+
+Then the whole node (``time_the_node``), forward and backward compiled, composed against fused: each one's ms and
+the fused one's relative distance from the composed one (output, input and weight gradients).
 
 One ``RESULT {json}`` line; each way's line first.
 """
@@ -127,10 +130,63 @@ def timed(fn: Callable[[], object], warm: int, iters: int, device: torch.device)
     return statistics.median(times)
 
 
+def time_the_node(m: int, n: int, h: int, warm: int, iters: int, device: torch.device) -> dict[str, Any]:
+    """The whole MLP input node, forward and backward, compiled: the two FP8 Linears under autograd's silu * up
+    ("composed", the engine's default) against the one node (``drafter_fp8_mlp = "fused"``), on the same m (M x H)
+    and gate/up weights (N x H, bf16, their layouts made once as the engine makes them a step). Each way's ms, and
+    how far the fused way's output and gradients are from the composed way's (relative error norms)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(m, h, device=device, generator=gen).bfloat16()
+    wg, wu = (torch.randn(n, h, device=device, generator=gen).mul_(0.02).bfloat16() for _ in range(2))
+    dout = torch.randn(m, n, device=device, generator=gen).mul_(1e-3).bfloat16()
+    layouts = fp8.weight_layouts({"g": wg, "u": wu})
+    if device.type == "cuda":
+        fp8_mlp.register_cuda_kernels()
+
+    def node(fused: bool) -> Callable[..., torch.Tensor]:
+        def forward(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
+            gate = fp8.Fp8Weight(wg, *layouts["g"], grad_weight_fp8=True, fused_mlp=fused)
+            up = fp8.Fp8Weight(wu, *layouts["u"], grad_weight_fp8=True, fused_mlp=fused)
+            if fused:
+                return fp8_mlp.fp8_gated_mlp(x, gate, up)
+            return F.silu(fp8.fp8_linear(x, gate)) * fp8.fp8_linear(x, up)
+
+        return torch.compile(forward)
+
+    def run(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        xr, wgr, wur = (t.detach().requires_grad_() for t in (x, wg, wu))
+        out = fn(xr, wgr, wur)
+        out.backward(dout)
+        assert xr.grad is not None and wgr.grad is not None and wur.grad is not None
+        return out.detach(), xr.grad, wgr.grad, wur.grad
+
+    res: dict[str, Any] = {"tokens": m, "features": n, "hidden": h}
+    outs = {}
+    for way, fused in (("composed", False), ("fused", True)):
+        fn = node(fused)
+        try:
+            outs[way] = run(fn)
+            res[f"{way}_ms"] = round(timed(lambda fn=fn: run(fn), warm, iters, device), 4)  # type: ignore[misc]
+        except Exception as e:  # a way that fails is its row
+            res[f"{way}_error"] = f"{type(e).__name__}: {e}"[:2000]
+    if len(outs) == 2:
+        res["fused_rel_err"] = {
+            name: round(float((f.float() - c.float()).norm() / c.float().norm().clamp_min(1e-30)), 6)
+            for name, c, f in zip(
+                ("out", "grad_m", "grad_gate", "grad_up"), outs["composed"], outs["fused"], strict=True
+            )
+        }
+    print(f"node (M {m}, N {n}, H {h}), forward and backward compiled: composed {res.get('composed_ms')} ms, fused "
+          f"{res.get('fused_ms')} ms; fused against composed (relative) {res.get('fused_rel_err')}"
+          + "".join(f"; {k}: {v[:300]}" for k, v in res.items() if k.endswith("_error")), flush=True)  # fmt: skip
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192, help="M: batch x sequence (8192: batch 4 x 2048)")
     ap.add_argument("--features", type=int, default=14336, help="N: the MLP's intermediate size (the 8B's)")
+    ap.add_argument("--hidden", type=int, default=4096, help="H: the node's input size (the 8B's)")
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true", help="the CPU at small shapes: the code path, not a figure")
@@ -194,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               f"scales differing {check['scales_differ_share']:.1e}, dequantised max diff "
               f"{check['dequantised_max_diff']:.3f} of a row's range; first call {compile_s:.1f} s",
               flush=True)  # fmt: skip
+    result["node"] = time_the_node(m, n, a.hidden if not a.dry_run else 64, a.warm, a.iters, device)
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "quant.json").write_text(json.dumps(result, indent=1))

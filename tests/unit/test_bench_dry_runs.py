@@ -337,7 +337,8 @@ def test_kernel_source_copies_inductors_kernels_by_name_prefix(tmp_path: Path) -
 
 def test_bench_quant_ways_agree_with_the_engines_quantisation_on_the_cpu() -> None:
     """tests/bench/bench_quant.py --dry-run: every way the CPU runs returns the engine's eight tensors (shapes
-    checked in compare), split_amax with the same scales exactly; dequantised within half a top e4m3 step."""
+    checked in compare), split_amax with the same scales exactly; dequantised within half a top e4m3 step; and the
+    whole node composed and fused, compiled, forward and backward."""
     (res,) = results([str(BENCH / "bench_quant.py"), "--dry-run"], timeout_s=300)
     ways = res["ways"]
     assert set(ways) == {"engine", "split_amax", "two_graphs"}, ways
@@ -345,3 +346,8 @@ def test_bench_quant_ways_agree_with_the_engines_quantisation_on_the_cpu() -> No
     assert ways["split_amax"]["scales_differ_share"] == 0.0 and ways["engine"]["dequantised_max_diff"] == 0.0
     assert all(w["dequantised_max_diff"] <= 32 / 448 + 1e-6 for w in ways.values()), ways
     assert res["eager_engine"]["dequantised_max_diff"] <= 32 / 448 + 1e-6, res
+    # the whole node, composed against fused, compiled: both ran; the same forward, gradients within e4m3's flips
+    node = res["node"]
+    assert node["composed_ms"] > 0 and node["fused_ms"] > 0 and not any(k.endswith("_error") for k in node), node
+    errors = node["fused_rel_err"]
+    assert errors["out"] == 0.0 and all(0 <= errors[k] < 0.05 for k in ("grad_m", "grad_gate", "grad_up")), errors
