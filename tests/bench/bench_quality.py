@@ -621,7 +621,9 @@ def parse_args() -> argparse.Namespace:
                          "default: 1.5 %% warm-up, cosine decay to 0); the cells go to a directory of their "
                          "own")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out prompts are served")
-    ap.add_argument("--out", type=Path, help="the result JSON (default: WORK/result.json)")
+    ap.add_argument("--out", type=Path,
+                    help="the result JSON (default: result-PHASE.json beside the cells, so a train phase, a serve "
+                         "phase and a whole run of each variant keep their own)")  # fmt: skip
     a = ap.parse_args()
     a.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     a.trainers = [t for t in a.trainers.split(",") if t]
@@ -824,7 +826,7 @@ def main() -> int:
                           f"s{c['seed']} T {temp:g}: {got}")  # fmt: skip
     else:
         result["cells"] = cells
-    out = a.out or work / "result.json"
+    out = a.out or cells_dir / f"result-{a.phase}.json"  # a serve-only phase keeps the train phase's result
     out.write_text(json.dumps(result, indent=1, default=str))
     print("RESULT " + json.dumps({"out": str(out), "cells": len(cells), "failed_checks": failed}))
     return 1 if failed else 0

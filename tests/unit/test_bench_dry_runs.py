@@ -128,6 +128,12 @@ def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_pat
         assert row["sources"] == ["eval"] and row["steps"] == 2 and 1.0 <= row["tau_mean"] <= 4.0
         assert len(row["per_position"]) == 3 and len(row["per_position_conditional"]) == 3
     assert report["comparisons"]["ours lk_lambda/soft_ce T 0"]["beyond_spread"] == "unknown (one seed: no spread)"
+    # A later phase without --out writes its own file beside the cells: the earlier result is not overwritten.
+    before = out.read_text()
+    (res,) = results([*argv[: argv.index("--out")], "--phase", "serve"], timeout_s=480)
+    assert res["out"] == str(tmp_path / "work" / f"{small.name}-{report['target']['weights_sha256'][:16]}-shipped"
+                             / "steps2" / "result-serve.json"), res  # fmt: skip
+    assert json.loads(Path(res["out"]).read_text())["cells"] and out.read_text() == before
 
 
 @pytest.mark.slow
