@@ -41,7 +41,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +54,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.trainer.draft import fp8, fp8_mlp  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tests" / "bench"))  # bench_kernels: its timer
+from bench_kernels import timer  # noqa: E402
 
 TILES = ((64, 128), (128, 64), (32, 256), (64, 64))  # the Triton way's (tokens, features) tiles timed
 
@@ -72,17 +74,13 @@ def engine_way(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Outputs:
     return (*engine_quant(dg), *engine_quant(du))
 
 
-def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    return fp8_mlp.pow2_scales(amax.float())
-
-
 def split_quant(x: torch.Tensor) -> Outputs:
     rows, row_scale = fp8.quantize_rows(x)
     m, n = x.shape
     pad = -m % SPLIT_BLOCK
     blocks = F.pad(x, (0, 0, 0, pad)).view(-1, SPLIT_BLOCK, n)
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=1).amax(dim=0)  # (n,)
-    col_scale = _pow2_scale(amax).unsqueeze(0)  # (1, n)
+    col_scale = fp8.pow2_scales(amax.float()).unsqueeze(0)  # (1, n)
     q = (x.float() / col_scale).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(torch.float8_e4m3fn)
     cols = fp8._pad_tokens(q.t().view(torch.uint8)).view(torch.float8_e4m3fn).contiguous()
     return rows, row_scale, cols, col_scale.t()
@@ -108,26 +106,6 @@ def compare(ref: Outputs, got: Outputs) -> dict[str, Any]:
         diff = (q_ref.float() * s_ref - q_got.float() * s_got).abs() / (fp8.E4M3_MAX * s_ref)
         out["dequantised_max_diff"] = max(out["dequantised_max_diff"], float(diff.max()))
     return out
-
-
-def timed(fn: Callable[[], object], warm: int, iters: int, device: torch.device) -> float:
-    """Median ms of ``iters`` calls after ``warm`` (CUDA events on a GPU, wall time on the CPU)."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def time_the_node(m: int, n: int, h: int, warm: int, iters: int, device: torch.device) -> dict[str, Any]:
@@ -166,7 +144,7 @@ def time_the_node(m: int, n: int, h: int, warm: int, iters: int, device: torch.d
         fn = node(fused)
         try:
             outs[way] = run(fn)
-            res[f"{way}_ms"] = round(timed(lambda fn=fn: run(fn), warm, iters, device), 4)  # type: ignore[misc]
+            res[f"{way}_ms"] = round(timer(device)(lambda fn=fn: run(fn), warm, iters), 4)  # type: ignore[misc]
         except Exception as e:  # a way that fails is its row
             res[f"{way}_error"] = f"{type(e).__name__}: {e}"[:2000]
     if len(outs) == 2:
@@ -226,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     result_eager = compare(reference, engine_way(dh, g, u))
     # the floor: three bf16 inputs read and four e4m3 layouts written once, at a device copy's bandwidth
     big = torch.empty(3 * m * n, device=device, dtype=torch.bfloat16)
-    copy_ms = timed(lambda: big.clone(), a.warm, a.iters, device)
+    copy_ms = timer(device)(lambda: big.clone(), a.warm, a.iters)
     bytes_moved = 3 * m * n * 2 + 4 * m * n
     gbps = 2 * big.numel() * 2 / (copy_ms * 1e-3) / 1e9
     floor_ms = bytes_moved / (gbps * 1e9) * 1e3
@@ -239,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             got = fn(dh, g, u)
             compile_s = engine_first_s if name == "engine" else time.perf_counter() - t0
             check = compare(reference, got)
-            ms = timed(lambda fn=fn: fn(dh, g, u), a.warm, a.iters, device)  # type: ignore[misc]
+            ms = timer(device)(lambda fn=fn: fn(dh, g, u), a.warm, a.iters)  # type: ignore[misc]
         except Exception as e:  # one way's failure (a Triton compile error) is its row, not the run's
             result["ways"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"{name:>11}: failed: {type(e).__name__}: {str(e)[:600]}", flush=True)

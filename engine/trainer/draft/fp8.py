@@ -60,11 +60,15 @@ class Fp8Weight(NamedTuple):
     fused_mlp: bool = False
 
 
+def pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The scales for float32 maxima: the smallest power of two at or above ``max(amax, AMAX_FLOOR) / 448``."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(AMAX_FLOOR) / E4M3_MAX)))
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3, row-major, the float32 scale per row as a column): ``x ~= q * scale``, scale a power of two."""
     # Few passes over x where it runs eager (the weights, fc): the max without an |x| copy, one float32 temporary.
-    amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1, keepdim=True).float().clamp_min(AMAX_FLOOR)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    scale = pow2_scales(torch.linalg.vector_norm(x, ord=math.inf, dim=-1, keepdim=True).float())
     # The clamp: log2's rounding could put a scale a power of two low, and e4m3fn turns what exceeds 448 into NaN.
     q = (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
     return q, scale

@@ -28,8 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.trainer.draft.fp8 import (
-    AMAX_FLOOR,
-    E4M3_MAX,
     MATMUL_ALIGN,
     Fp8Weight,
     _pad_tokens,
@@ -79,11 +77,6 @@ def _gated_grads_fake(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Gat
         out += [dh.new_empty(m, n, dtype=torch.float8_e4m3fn), dh.new_empty(m, 1, dtype=torch.float32)]
         out += [dh.new_empty(n, mp, dtype=torch.float8_e4m3fn), dh.new_empty(n, 1, dtype=torch.float32)]
     return tuple(out)  # type: ignore[return-value]
-
-
-def pow2_scales(amax: torch.Tensor) -> torch.Tensor:
-    """``quantize_rows``'s scales from maxima: the smallest power of two at or above ``amax / 448``."""
-    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(AMAX_FLOOR) / E4M3_MAX)))
 
 
 _cuda_kernels = False

@@ -68,7 +68,7 @@ def _amax_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, M, N, BM: tl.constexpr, BN: tl.
 
 @triton.jit
 def _pow2_scale(amax):
-    """(scale, 1 / scale) for maxima: pow2_scales' 2 ** ceil(log2(max(amax, AMAX_FLOOR) / 448)) from the float's
+    """(scale, 1 / scale) for maxima: fp8.pow2_scales' 2 ** ceil(log2(max(amax, AMAX_FLOOR) / 448)) from the float's
     bits (exact for the normal floats these are; the division rounds to nearest, as torch's), and its reciprocal
     from the same exponent, so quantising multiplies exactly (Triton's float division is not correctly rounded).
     An infinite maximum (a non-finite gradient) gives an infinite scale and a zero reciprocal."""

@@ -4,7 +4,6 @@ CPU's expressions), and where the unroll takes it (asked for, under "rowwise") o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_cast_weights import TTT_STEPS, drafter  # same folder: pytest puts it on sys.path
 from test_cast_weights import losses_and_grads as cast_unroll
+from test_drafter_fp8 import two_torch_threads  # noqa: F401  (the autouse fixture: two torch threads here too)
 
 from engine.trainer.config import (
     DRAFTER_FP8_MLP_COMPOSED,
@@ -23,14 +23,6 @@ from engine.trainer.draft import fp8_mlp
 from engine.trainer.draft import fp8_mlp as fp8_mlp_module
 from engine.trainer.draft.fp8 import fp8_linear, fp8_weight
 from engine.trainer.draft.model import ttt_step
-
-
-@pytest.fixture(autouse=True, scope="module")
-def two_torch_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(before, 2))
-    yield
-    torch.set_num_threads(before)
 
 
 def operands(tokens: int, d_in: int = 64, d_ff: int = 96) -> tuple[torch.Tensor, ...]:
