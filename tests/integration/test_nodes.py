@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from support.agent import checkout_env
 from support.waiting import wait_until
-from torchrun_support import TINY_ENGINE_TOML
+from torchrun_support import TINY_ENGINE_TOML, complete_events
 
 from engine.host import procs
 from engine.supervisor import records
@@ -69,19 +69,11 @@ def write_profile(tmp: Path, nodes: list[str], extra: str = "") -> Path:
     return cfg
 
 
-def events(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def rank_pids(run_dir: Path) -> dict[int, int]:
     """Global rank -> pid, from the ranks' ``distributed`` stage events in this node's run directory."""
     out: dict[int, int] = {}
     for path in sorted(run_dir.glob("events*.jsonl")):
-        for e in events(path):
+        for e in complete_events(path):
             if e.get("stage") == "distributed" and isinstance(e.get("rank"), int):
                 out[int(e["rank"])] = int(e["pid"])
     return out
@@ -181,7 +173,7 @@ def test_one_launch_reaches_first_step_on_both_nodes_status_logs_and_restart_cov
         relaunched = json.loads(again.stdout)
         assert relaunched["ok"] and relaunched["run_id"] != run.run_id, relaunched
         assert_nothing_left(run, again.output)  # the first run's ranks, on both nodes
-        ends = [[e for e in events(d / "events.jsonl") if e["kind"] == "run_end"] for d in run.dirs]
+        ends = [[e for e in complete_events(d / "events.jsonl") if e["kind"] == "run_end"] for d in run.dirs]
         # Both ranks stopped cleanly, at the same step (the stop is agreed inside the step's all-reduce).
         assert all(e and e[-1]["ok"] for e in ends) and ends[0][-1]["step"] == ends[1][-1]["step"], ends
         second = run_of(cfg, labels, [d.parent.parent for d in run.dirs], relaunched["run_id"])

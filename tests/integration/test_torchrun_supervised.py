@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from support.agent import checkout_env
 from support.waiting import wait_until
-from torchrun_support import TINY_ENGINE_TOML, wait_listening
+from torchrun_support import TINY_ENGINE_TOML, complete_events, wait_listening
 
 from engine.host import procs
 from engine.supervisor import records
@@ -63,21 +63,13 @@ def launch_cli(root: Path, command: list[str], *opts: str) -> list[str]:
             "--", *command]  # fmt: skip
 
 
-def events(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def rank_pid(run_dir: Path, rank: int, timeout_s: float) -> int:
     """The pid global rank ``rank`` reported in its ``distributed`` stage event, in whichever events file of the
     run directory it writes (a node's first rank writes events.jsonl), by a bounded wait."""
 
     def reported() -> int | None:
         for path in sorted(run_dir.glob("events*.jsonl")):
-            for e in events(path):
+            for e in complete_events(path):
                 if e.get("stage") == "distributed" and e.get("rank") == rank:
                     return int(e["pid"])
         return None
@@ -104,7 +96,7 @@ def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(
         assert r.returncode == 0, r.output + "\n".join(records.last_lines(rd / records.OUTPUT_LOG, 40))
         first_step = records.read_json(rd / records.MILESTONES_JSON)["first-step"]  # type: ignore[index]
         for name in ("events.jsonl", "events.rank1.jsonl"):
-            steps = [e["t"] for e in events(rd / name) if e["kind"] == "step"]
+            steps = [e["t"] for e in complete_events(rd / name) if e["kind"] == "step"]
             assert steps and min(steps) <= first_step + 1e-3, f"{name}: first-step before this rank stepped"
         pids = {rank: rank_pid(rd, rank, 5) for rank in (0, 1)}
 
@@ -122,7 +114,7 @@ def test_first_step_covers_both_ranks_stacks_name_both_and_stop_leaves_no_rank(
         assert stop.returncode == 0, stop.output
         assert not [p for p in pids.values() if alive(p)], f"ranks alive after stop: {pids}\n{stop.output}"
         files = ("events.jsonl", "events.rank1.jsonl")
-        ends = {n: [e for e in events(rd / n) if e["kind"] == "run_end"] for n in files}
+        ends = {n: [e for e in complete_events(rd / n) if e["kind"] == "run_end"] for n in files}
         # Every rank agreed on the stop (SIGTERM reached both): a clean end on the same step, no SIGKILL needed.
         assert all(e and "SIGTERM" in e[-1]["reason"] for e in ends.values()), ends
         assert ends["events.jsonl"][-1]["step"] == ends["events.rank1.jsonl"][-1]["step"]
@@ -222,8 +214,8 @@ def test_two_loopback_nodes_train_under_the_supervisor_and_a_killed_node_stops_t
     try:
         dirs = launch_two_nodes(tmp_path, roots, waits)
         # c10d's rendezvous numbers the nodes in the order they join (not by --node-rank): ask the events.
-        killed = next(e for e in events(dirs[1] / "events.jsonl") if e.get("stage") == "distributed")
-        survivor = next(e for e in events(dirs[0] / "events.jsonl") if e.get("stage") == "distributed")
+        killed = next(e for e in complete_events(dirs[1] / "events.jsonl") if e.get("stage") == "distributed")
+        survivor = next(e for e in complete_events(dirs[0] / "events.jsonl") if e.get("stage") == "distributed")
         node1_rank = int(killed["pid"])
         agent1 = records.read_json(dirs[1] / records.LAUNCH_JSON)["job_pgid"]  # type: ignore[index]
         t_kill = time.time()

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from support.waiting import wait_until
-from torchrun_support import TINY_ENGINE_TOML, wait_listening
+from torchrun_support import TINY_ENGINE_TOML, complete_events, wait_listening
 
 from engine.trainer.data.sources import shipped_corpus_path
 
@@ -254,7 +254,7 @@ def test_a_stop_while_the_data_is_tokenized_ends_every_rank_as_stopped_within_se
     try:
         wait_until(
             lambda: (
-                any(e.get("detail", "").startswith("tokenized ") for e in events_if(out / "events.jsonl"))
+                any(e.get("detail", "").startswith("tokenized ") for e in complete_events(out / "events.jsonl"))
                 or proc.poll() is not None
             ),
             RUN_TIMEOUT_S,
@@ -281,26 +281,11 @@ def test_a_stop_while_the_data_is_tokenized_ends_every_rank_as_stopped_within_se
     assert stop_s < 20.0, f"the ranks took {stop_s:.1f} s to stop"
 
 
-def events_if(path: Path) -> list[dict[str, Any]]:
-    """``events(path)``, or none while the file is not there yet; a last line still being written is skipped."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def wait_for_step_then_pid(path: Path, step: int, timeout_s: float) -> int:
     """The pid of the rank writing ``path`` once it has reported ``step`` (bounded wait on the file)."""
 
     def stepped() -> int | None:
-        if not path.exists():
-            return None
-        evs = events(path)
+        evs = complete_events(path)
         pid = next((e["pid"] for e in evs if e.get("stage") == "distributed"), None)
         if pid is not None and any(e["kind"] == "step" and e["step"] >= step for e in evs):
             return int(pid)

@@ -3,7 +3,10 @@ of model), and a wait for node 0's rendezvous store."""
 
 from __future__ import annotations
 
+import json
 import socket
+from pathlib import Path
+from typing import Any
 
 from support.waiting import wait_until
 
@@ -36,3 +39,16 @@ def wait_listening(port: int, timeout_s: float) -> None:
             return s.connect_ex(("127.0.0.1", port)) == 0
 
     wait_until(listening, timeout_s, f"a listener on 127.0.0.1:{port}", interval_s=0.1)
+
+
+def complete_events(path: Path) -> list[dict[str, Any]]:
+    """The events in a rank's ``events*.jsonl`` so far, none while it is not there yet.
+
+    The rank is still writing it, so only lines ended by a newline are read: the last one may be half written
+    (a flake seen in the full suite). A torn line before the end still fails the parse."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
