@@ -34,8 +34,10 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -544,7 +546,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "log_every": 1,
         "checkpoint_every": 0,
         "resume": False,
-        "output_dir": f"/tmp/bench-engine-{os.getpid()}",
+        "output_dir": tempfile.mkdtemp(prefix="bench-engine-"),  # removed once read (a --set output_dir is kept)
         "buckets": [SEQ],
         "ttt_steps": TTT,
         "draft_vocab_size": DRAFT_VOCAB,
@@ -562,6 +564,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
                 "torch_threads": 1,
             }
         )
+    own_dir = overrides["output_dir"]
     overrides.update(dict(parse_override(s) for s in extra))
     cfg = from_dict(overrides, preset("h200-single"))
     events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
@@ -574,6 +577,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     code = engine.run()
     record = Path(cfg.output_dir) / "ranks" / "rank0.json"
     digests = json.loads(record.read_text())["weights_sha256"] if record.exists() else {}
+    shutil.rmtree(own_dir, ignore_errors=True)
     steps_ev = [(t, e) for t, e in got if e["kind"] == "step"]
     training = [t for t, e in got if e["kind"] == "stage" and e["stage"] == "training"]
     first_step = steps_ev[0][0] if steps_ev else float("nan")
@@ -618,6 +622,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
         "warmup_per_thread_s": [w.warmup_s for w in engine.workers],
         "peak_gib": 0.0 if DRY else torch.cuda.max_memory_allocated() / 2**30,
         "steps_seen": len(steps_ev),
+        "output_dir": cfg.output_dir,  # gone by now unless a --set named it
         # Replicas on several GPUs: equal weight digests on every GPU at the end (checked, not assumed).
         "weights_equal_across_gpus": len(set(digests.values())) == 1 if digests else None,
         "compile_events": [e for _t, e in got if e["kind"] == "compile"],  # recompiles after warm-up, fallbacks
@@ -627,7 +632,7 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
 
 def mode_ranks(steps: int, warm: int, extra: list[str], nproc: int, timeout_s: float) -> dict[str, Any]:
     """The engine as ``nproc`` torchrun ranks of one node (h200-single per rank: rank L on cuda:L)."""
-    out = Path(f"/tmp/bench-ranks-{os.getpid()}")
+    out = Path(tempfile.mkdtemp(prefix="bench-ranks-"))  # removed once read
     sets = [
         f"steps={warm + steps}",
         "log_every=1",
@@ -663,6 +668,7 @@ def mode_ranks(steps: int, warm: int, extra: list[str], nproc: int, timeout_s: f
     records = {int(f.stem[4:]): json.loads(f.read_text()) for f in sorted((out / "ranks").glob("rank*.json"))}
     digests = {d for r in records.values() for d in r["weights_sha256"].values()}
     tok_s = sum(per_rank.values()) if per_rank else float("nan")
+    shutil.rmtree(out, ignore_errors=True)
     return {
         "mode": f"ranks nproc={nproc} " + " ".join(extra),
         "exit_code": p.returncode,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "tests" / "bench"
 
 
-def results(argv: list[str], timeout_s: int = 240) -> list[dict[str, Any]]:
+def results(argv: list[str], timeout_s: int = 240, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     done = subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=timeout_s, check=False
+        [sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=timeout_s, check=False, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -97,7 +98,12 @@ def test_bench_engine_engine_mode_runs_on_the_cpu(rows: str, tmp_path: Path) -> 
     """The table's engine rows (throughput_runs.sh): the whole engine and the result code after it. Session 17 lost a
     device call to a name clash there, raised only after both engine runs had finished."""
     argv = [str(BENCH / "bench_engine.py"), "engine", "--dry-run", "--steps", "2", "--warm", "1"]
-    (res,) = results([*argv, "--set", f'head_positions="{rows}"', "--out", str(tmp_path)])
+    scratch = tmp_path / "tmp"  # the run's output directory goes here, and away once read (CI left two a run)
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    (res,) = results([*argv, "--set", f'head_positions="{rows}"', "--out", str(tmp_path / "out")], env=env)
+    made = Path(res["output_dir"])  # (torch's compile cache also lands in TMPDIR: not ours to remove)
+    assert made.parent == scratch and made.name.startswith("bench-engine-") and not made.exists()
     assert res["exit_code"] == 0 and res["failures"] == [] and res["compile_events"] == []
     assert res["tok_s"] > 0 and res["steps_seen"] == 3 and res["head_positions"] == rows
     share = res["trained_share"]
