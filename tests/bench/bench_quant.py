@@ -22,8 +22,10 @@ engine's profile (session 23, one H100, batch 4) inductor's fused kernel for thi
 Each way is checked against the engine's (compiled): the share of scales that differ (powers of two: a maximum in
 fp32 or rounded to bf16 first can cross one) and the largest difference of the dequantised values in units of a
 row's range (e4m3's rounding alone keeps it within 32/448 = 0.071, half its top step at twice the scale); the
-eager engine expressions are compared the same way, for scale. The floor is the bytes read and written once (three
-bf16 inputs, four e4m3 outputs) at the bandwidth a device-to-device copy reaches here.
+eager engine expressions are compared the same way, for scale. Each way is also held to those eager expressions
+(``against_eager``): the op's kernels round where eager autograd does, so there they should agree to e4m3's
+rounding with (nearly) every scale equal; tests/device/run's fused-MLP item checks that. The floor is the bytes
+read and written once (three bf16 inputs, four e4m3 outputs) at the bandwidth a device-to-device copy reaches here.
 
     python3 tests/bench/bench_quant.py [--tokens 8192 --features 14336 --hidden 4096] [--out DIR]   (one GPU; ~1-2 min)
     python3 tests/bench/bench_quant.py --dry-run                                      (the CPU, small shapes)
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     reference = ways["engine"](dh, g, u)  # the engine's step as compiled: what each way is held to
     engine_first_s = time.perf_counter() - t0
-    result_eager = compare(reference, engine_way(dh, g, u))
+    eager = engine_way(dh, g, u)  # the same expressions uncompiled: what the op's kernels round as (autograd's bf16)
+    result_eager = compare(reference, eager)
     # the floor: three bf16 inputs read and four e4m3 layouts written once, at a device copy's bandwidth
     big = torch.empty(3 * m * n, device=device, dtype=torch.bfloat16)
     copy_ms = timer(device)(lambda: big.clone(), a.warm, a.iters)
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             got = fn(dh, g, u)
             compile_s = engine_first_s if name == "engine" else time.perf_counter() - t0
-            check = compare(reference, got)
+            check = {**compare(reference, got), "against_eager": compare(eager, got)}
             ms = timer(device)(lambda fn=fn: fn(dh, g, u), a.warm, a.iters)  # type: ignore[misc]
         except Exception as e:  # one way's failure (a Triton compile error) is its row, not the run's
             result["ways"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
