@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine import protocol
 from engine.host import net
-from tui.link.session import ConnectOptions
-from tui.nodes import NodeRun, combined_run, node_spec, resolve_nodes, tag_line
+from tui.link.session import CommandFailed, ConnectOptions
+from tui.nodes import NodeRun, combined_run, launch_run, node_spec, resolve_nodes, tag_line
 from tui.profiles import Profile, ProfileError, load_profiles, resolve_profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -181,3 +183,53 @@ def test_a_node_log_line_that_never_ends_is_cut_not_kept() -> None:
     assert written and all(w.startswith("[gpu-a]") for w in written)
     lines.feed(b" done\nstep=1\n")
     assert written[-1].endswith("step=1")
+
+
+class ScriptedNode:
+    """A node's session for ``launch_run``: what a launch spec reads of it (the interpreter, where the engine is),
+    and each command answered from ``answers`` (a reply, or a CommandFailed to raise), what it was asked kept."""
+
+    def __init__(self, answers: dict[str, dict[str, Any] | CommandFailed]) -> None:
+        self.answers = answers
+        self.asked: list[tuple[str, dict[str, Any]]] = []
+        self.opts, self.agent, self.engine_pythonpath = ConnectOptions(python="/usr/bin/python3"), None, "/srv/engine"
+
+    async def request(self, cmd: str, *, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
+        self.asked.append((cmd, args))
+        answer = self.answers[cmd]
+        if isinstance(answer, CommandFailed):
+            raise answer
+        return answer
+
+    async def ask(self, reply: type[Any], cmd: str, *, timeout_s: float | None = None, **args: Any) -> Any:
+        return protocol.from_json(reply, await self.request(cmd, timeout_s=timeout_s, **args), cmd)
+
+
+@pytest.mark.parametrize("kind", [protocol.ERROR_KIND_INPUT, None])
+def test_a_launch_the_second_node_refuses_stops_the_first_by_run_id_and_keeps_the_refusals_kind(
+    kind: str | None,
+) -> None:
+    """Node 0 started, node 1 refused: node 0's part is stopped (by the run's id), the cause names node 1 and what
+    was stopped, and a refusal of the request itself stays bad input (the CLI's exit 2). On loopback both nodes share
+    one filesystem and one profile, so no request node 0 accepts is refused by node 1 there: hence a script."""
+    nodes = resolve_nodes(["gpu-a", "gpu-b"], Profile(name="p"), ConnectOptions())
+    probe = {"hostname": "h", "port": 29500}
+    first = ScriptedNode({
+        "rendezvous": probe,
+        "launch": {"run_id": "r1", "run_dir": "/runs/r1"},
+        "run_info": {"run": {"run_id": "r1", "run_dir": "/runs/r1", "state": "running"}},
+        "stop": {"stopped": True, "steps": ["SIGTERM to the run's process group; it exited"], "run_id": "r1"},
+    })  # fmt: skip
+    refusal = CommandFailed("working directory /w does not exist on the host", cmd="launch", kind=kind)
+    second = ScriptedNode({"rendezvous": probe, "launch": refusal})
+    nodes[0].session, nodes[1].session = first, second  # type: ignore[assignment]
+    done = asyncio.run(launch_run(nodes, Profile(name="p"), command=None, cwd=lambda _n: "/w", wait="first-step",
+                                  timeout_s=10))  # fmt: skip
+    assert not done.ok and done.run_id == "r1" and done.failed_node == "gpu-b" and done.bad_input == (kind is not None)
+    assert done.cause == "node gpu-b: launch refused: working directory /w does not exist on the host; stopped gpu-a"
+    assert done.stopped == ["gpu-a"]
+    launched = [args for cmd, args in second.asked if cmd == "launch"]
+    assert len(launched) == 1 and launched[0]["run_id"] == "r1"  # node 1 was asked under node 0's run id
+    stops = [args for cmd, args in first.asked if cmd == "stop"]
+    assert len(stops) == 1 and stops[0]["run_id"] == "r1"  # by its id, never "the node's current run"
+    assert not any(cmd == "wait" for cmd, _ in first.asked + second.asked)  # no wait after a refusal
