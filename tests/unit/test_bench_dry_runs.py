@@ -139,7 +139,19 @@ def test_bench_quality_trains_exports_and_counts_our_drafters_on_the_cpu(tmp_pat
     (res,) = results([*argv[: argv.index("--out")], "--phase", "serve"], timeout_s=480)
     assert res["out"] == str(tmp_path / "work" / f"{small.name}-{report['target']['weights_sha256'][:16]}-shipped"
                              / "steps2" / "result-serve.json"), res  # fmt: skip
-    assert json.loads(Path(res["out"]).read_text())["cells"] and out.read_text() == before
+    last_out = Path(res["out"])
+    last = json.loads(last_out.read_text())
+    assert last["cells"] and out.read_text() == before
+    # --turns all: the same 4 conversations up to each of their assistant turns, counted into a file of its own
+    (res,) = results([*argv[: argv.index("--out")], "--phase", "serve", "--turns", "all"], timeout_s=480)
+    every_out = Path(res["out"])
+    assert every_out == last_out.parent / "result-serve-all-turns.json", res
+    every, work = json.loads(every_out.read_text()), last_out.parents[1]
+    assert every["serving"]["prompts_served"] == len(json.loads((work / "prompts-all-turns.json").read_text())) > 4
+    assert len(json.loads((work / "prompts.json").read_text())) == 4 and json.loads(last_out.read_text()) == last
+    drafts = [(a["served"]["0.0"]["drafts"], b["served"]["0.0"]["drafts"])
+              for a, b in zip(last["cells"], every["cells"], strict=True)]  # fmt: skip
+    assert all(0 < d_last < d_every for d_last, d_every in drafts), drafts  # the last turns are among every turn
 
 
 @pytest.mark.slow
