@@ -341,7 +341,8 @@ def serve(python: Path, a: argparse.Namespace, target_dir: Path, prompts: Path, 
         req.write_text(json.dumps(request))
         worker = Path(tmp) / "quality_vllm.py"  # outside tests/bench: nothing beside it shadows a module of vLLM's
         shutil.copyfile(BENCH / "quality_vllm.py", worker)
-        say(f"vLLM {VLLM_VERSION} serving {len(drafters)} drafters at temperatures {a.temperatures}")
+        say(f"vLLM {VLLM_VERSION} serving {len(drafters)} drafters at temperatures {a.temperatures} (its "
+            f"progress: tail -f {work / 'vllm.log'})")  # fmt: skip
         out = run([str(python), str(worker), str(req)], env=env, log=work / "vllm.log")
     return [json.loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")]
 
