@@ -54,6 +54,15 @@ DRAFTER_FP8: tuple[str, ...] = (DRAFTER_FP8_OFF, DRAFTER_FP8_ROWWISE, DRAFTER_FP
 DRAFTER_FP8_MLP_COMPOSED = "composed"
 DRAFTER_FP8_MLP_FUSED = "fused"
 DRAFTER_FP8_MLP: tuple[str, ...] = (DRAFTER_FP8_MLP_COMPOSED, DRAFTER_FP8_MLP_FUSED)
+
+
+def fused_mlp_runs(drafter_fp8: str, drafter_fp8_mlp: str) -> bool:
+    """Whether gate and up run as the one fused FP8 node (engine/trainer/draft/fp8_mlp.py), and so whether CUDA
+    needs its Triton kernels: asked for, under "rowwise" ("rowwise_gw_hp" composes the two Linears for its bf16
+    weight GEMMs; "off" has no FP8 node)."""
+    return drafter_fp8 == DRAFTER_FP8_ROWWISE and drafter_fp8_mlp == DRAFTER_FP8_MLP_FUSED
+
+
 LOCAL_DEVICE = "cuda:local"  # cuda:<LOCAL_RANK> of a torchrun rank (engine/trainer/run/distributed.py)
 DATA_RANDOM = "random"
 DATA_SHIPPED = "shipped"

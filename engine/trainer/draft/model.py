@@ -46,9 +46,9 @@ from engine.trainer.config import (
     DRAFTER_FP8,
     DRAFTER_FP8_MLP,
     DRAFTER_FP8_MLP_COMPOSED,
-    DRAFTER_FP8_MLP_FUSED,
     DRAFTER_FP8_OFF,
     DRAFTER_FP8_ROWWISE,
+    fused_mlp_runs,
 )
 from engine.trainer.data.packing import document_positions, same_document_after
 from engine.trainer.draft.attention import TTTAttention
@@ -463,7 +463,8 @@ class Drafter(nn.Module):
             raise ValueError(f"fp8: got {fp8!r}; allowed: {', '.join(DRAFTER_FP8)}")
         if fp8_mlp not in DRAFTER_FP8_MLP:
             raise ValueError(f"fp8_mlp: got {fp8_mlp!r}; allowed: {', '.join(DRAFTER_FP8_MLP)}")
-        if fp8 == DRAFTER_FP8_ROWWISE and fp8_mlp == DRAFTER_FP8_MLP_FUSED and hidden3.is_cuda:
+        fused_mlp = fused_mlp_runs(fp8, fp8_mlp)
+        if fused_mlp and hidden3.is_cuda:
             register_cuda_kernels()  # once a process (the engine's config check made it already; benchmarks here)
         seq_len = input_ids.shape[1]
         weights: Weights | None = None
@@ -474,7 +475,7 @@ class Drafter(nn.Module):
                 grad_weight_fp8=gw_fp8,
                 layouts_fn=fp8_layouts,
                 fc_input=hidden3,
-                fused_mlp=fp8_mlp == DRAFTER_FP8_MLP_FUSED,
+                fused_mlp=fused_mlp,
             )
         elif weight_dtype is not None:
             weights = self.cast_weights(weight_dtype)

@@ -20,11 +20,10 @@ from engine.trainer.config import (
     BUILTIN_TARGETS,
     DATA_RANDOM,
     DATA_SHIPPED,
-    DRAFTER_FP8_MLP_FUSED,
     DRAFTER_FP8_OFF,
-    DRAFTER_FP8_ROWWISE,
     ConfigError,
     TrainerConfig,
+    fused_mlp_runs,
 )
 from engine.trainer.data.dispatch import Dispatcher, IndexLedger
 from engine.trainer.data.sources import BatchSource, ConversationSource, RandomTokenSource, shipped_corpus_path
@@ -139,8 +138,7 @@ def check_drafter_fp8(cfg: TrainerConfig, ddevs: list[torch.device]) -> None:
         reason = fp8_unsupported_reason(dev, key="drafter_fp8")
         if reason is not None:
             raise ConfigError(reason)
-    fused = cfg.drafter_fp8 == DRAFTER_FP8_ROWWISE and cfg.drafter_fp8_mlp == DRAFTER_FP8_MLP_FUSED
-    if fused and any(d.type == "cuda" for d in ddevs):  # (rowwise_gw_hp composes the Linears: no kernels asked for)
+    if fused_mlp_runs(cfg.drafter_fp8, cfg.drafter_fp8_mlp) and any(d.type == "cuda" for d in ddevs):
         try:
             register_cuda_kernels()  # the fused MLP's Triton kernels: here, before a thread starts, or a clear refusal
         except ImportError as exc:
