@@ -78,10 +78,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
+R = TypeVar("R")
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parents[1]
 sys.path.insert(0, str(REPO))
@@ -116,6 +119,20 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, log: Path | None =
         tail = "\n".join(text.splitlines()[-15:])
         raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {done.returncode}:\n{tail}")
     return done.stdout
+
+
+def in_jobs(fn: Callable[[T], R], items: list[T], jobs: int) -> list[R]:
+    """``fn`` of each item, ``jobs`` at a time (each call runs its own process), results in item order. The first
+    failure stops what has not started and is raised once the running calls are done."""
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        for future in futures:
+            failure = future.exception()
+            if failure is not None:
+                for other in futures:
+                    other.cancel()
+                raise failure
+    return [f.result() for f in futures]
 
 
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -739,16 +756,8 @@ def main() -> int:
         say(f"  {trainer} {loss} seed {seed}: {res['train_wall_s']} s, {res.get('tok_s')} tok/s")
 
     # Cells are separate processes: --jobs N trains N at once (each with --threads torch threads; tok/s is
-    # comparable across cells only while jobs x threads fits the cores). The first failure stops what has not
-    # started and is raised once the running cells are done (each finished cell is kept: a rerun skips it).
-    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        futures = [pool.submit(train_cell, *job) for job in todo]
-        for future in futures:
-            failure = future.exception()
-            if failure is not None:
-                for other in futures:
-                    other.cancel()
-                raise failure
+    # comparable across cells only while jobs x threads fits the cores). Each finished cell is kept: a rerun skips it.
+    in_jobs(lambda job: train_cell(*job), todo, a.jobs)
     for cell_dir in plan:
         done = cell_dir / "trained.json"
         if done.is_file():
@@ -812,8 +821,7 @@ def main() -> int:
             say(f"counted {c['trainer']}-{c['loss']}-s{c['seed']}: tau {tau_of(got):.3f} ({got['drafts']} drafts)")
             return got
 
-        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-            counts = list(pool.map(count, to_count))
+        counts = in_jobs(count, to_count, a.jobs)
         for c, counted in zip(to_count, counts, strict=True):
             name = f"{c['trainer']}-{c['loss']}-s{c['seed']}"
             if 0.0 in c["served"]:
