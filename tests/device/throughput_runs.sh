@@ -25,6 +25,9 @@
 #       on every position, as SpecForge), then with the default "trained" (on the rows each TTT step trains,
 #       engine/trainer/draft/rows.py): the change's A/B in the whole engine, with the share of positions trained
 #       (trained_share; random tokens through a random target train about a quarter of them) (<= 480 s).
+#   sh tests/device/throughput_runs.sh fp8mlp [BATCH]  the fused FP8 MLP alone, without the peer: bench_quant.py at the 8B's
+#       MLP with tests/device/run's item-7 verdict (tests/device/quant_check.py), then fp8ab's two engine rows, composed
+#       and fused: the candidate's A/B in the whole engine where the budget has no room for SpecForge (<= 580 s).
 #   sh tests/device/throughput_runs.sh cast [BATCH]    the engine bf16 with cast_weights_once = false, then with the
 #       default (true): the candidate's A/B (~330 s, at most 480).
 #   sh tests/device/throughput_runs.sh chat [BATCH]    real chat lengths in one call: SpecForge's step with --lengths chat
@@ -131,6 +134,11 @@ case "$PART" in
     fp8ab)
         peer 140
         engine "engine --set target_fp8=true --set drafter_fp8=rowwise;engine --set target_fp8=true --set drafter_fp8=rowwise --set drafter_fp8_mlp=fused" 445 215
+        ;;
+    fp8mlp)
+        timeout 150 python3 tests/bench/bench_quant.py --out "$OUT/quant" > "$OUT/quant.txt" 2>&1
+        python3 tests/device/quant_check.py "$OUT/quant/quant.json"
+        engine "engine --set target_fp8=true --set drafter_fp8=rowwise;engine --set target_fp8=true --set drafter_fp8=rowwise --set drafter_fp8_mlp=fused" 430 210
         ;;
     cast)
         engine "engine --set cast_weights_once=false;engine" 480 235

@@ -90,9 +90,10 @@ def _store_layouts(grad, amax_ptr, rs_ptr, cs_ptr, rows_ptr, cols_ptr, rm, rn, M
         tl.store(rs_ptr + rm, row_scale, mask=rm < M)
     if tl.program_id(0) == 0:
         tl.store(cs_ptr + rn, col_scale, mask=rn < N)
-    nan = tl.PropagateNan.ALL  # a NaN gradient stays NaN in e4m3, as the composed path's clamp keeps it
-    rows = tl.clamp(grad * row_inverse[:, None], -448.0, 448.0, propagate_nan=nan).to(tl.float8e4nv)
-    cols = tl.clamp(grad * col_inverse[None, :], -448.0, 448.0, propagate_nan=nan).to(tl.float8e4nv)
+    # a NaN gradient stays NaN in e4m3, as the composed path's clamp keeps it. PropagateNan is named in each call:
+    # Triton's compiler turns a local assignment into a tensor, and an enum is none ("cannot convert ... to tensor")
+    rows = tl.clamp(grad * row_inverse[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+    cols = tl.clamp(grad * col_inverse[None, :], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
     # int64 offsets: M x N passes 2 ** 31 from about 150k tokens at N 14336
     rows_at = rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(rows_ptr + rows_at, rows, mask=(rm[:, None] < M) & (rn[None, :] < N))
