@@ -27,6 +27,7 @@ import argparse
 import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,9 @@ def one_run(args: argparse.Namespace, engine_argv: list[str]) -> int:
 def launch(args: argparse.Namespace, out: Path, label: str, force_at: int) -> dict[str, Any]:
     layout = CPU_LAYOUT if args.cpu else [*GPU_LAYOUT, f'attention="{args.attention}"']
     run_dir = out / label
+    # A soak run starts a new run: an earlier soak's run of this label (its log is rewritten below too) would hold
+    # checkpoints that the engine refuses to prune against (resume = false), and the run would die at its config.
+    shutil.rmtree(run_dir, ignore_errors=True)
     engine_argv = ["--preset", "cpu-demo", "--output-dir", str(run_dir)]
     for item in [*layout, *COMMON, f"steps={args.steps}"]:
         engine_argv += ["--set", item]
