@@ -199,7 +199,9 @@ def bench_worker(parts: dict[str, Any], step_fn: Any) -> Any:
     from engine.trainer.threads.metrics import EventLog
     from engine.trainer.threads.queue import BoundedQueue
 
-    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
+    # The engine's human lines (stage=..., step=...) to stderr: a mode that runs past --timeout-s shows in its record
+    # how far it got (the build, the warm-up, which step); stdout keeps the RESULT line alone.
+    events = EventLog(None, stdout=sys.stderr)
     control = ThreadControl(events, HealthBoard(events, stall_after_s=60, starve_after_s=60), "stop")
     opt = torch.optim.AdamW(parts["drafter"].trainable_parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -567,7 +569,9 @@ def mode_engine(steps: int, warm: int, extra: list[str]) -> dict[str, Any]:
     own_dir = overrides["output_dir"]
     overrides.update(dict(parse_override(s) for s in extra))
     cfg = from_dict(overrides, preset("h200-single"))
-    events = EventLog(None, stdout=open(os.devnull, "w"))  # noqa: SIM115
+    # The engine's human lines (stage=..., step=...) to stderr: a mode that runs past --timeout-s shows in its record
+    # how far it got (the build, the warm-up, which step); stdout keeps the RESULT line alone.
+    events = EventLog(None, stdout=sys.stderr)
     got: list[tuple[float, dict[str, Any]]] = []
     events.listeners.append(lambda ev: got.append((time.perf_counter(), ev)))
     t0 = time.perf_counter()
@@ -743,7 +747,8 @@ def main() -> int:
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             res = json.loads(lines[-1][7:]) if lines else {"mode": item, "error": p.stderr[-3000:]}
         except subprocess.TimeoutExpired as exc:
-            res = {"mode": item, "error": f"timeout after {a.timeout_s} s", "stderr": str(exc.stderr)[-2000:]}
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            res = {"mode": item, "error": f"timeout after {a.timeout_s} s", "stderr": err[-2000:]}
         res["wall_s"] = round(time.perf_counter() - t0, 1)
         results.append(res)
         print(json.dumps(res, indent=1, default=str), flush=True)
