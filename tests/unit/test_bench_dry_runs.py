@@ -377,3 +377,61 @@ def test_bench_quant_ways_agree_with_the_engines_quantisation_on_the_cpu() -> No
     assert node["composed_ms"] > 0 and node["fused_ms"] > 0 and not any(k.endswith("_error") for k in node), node
     errors = node["fused_rel_err"]
     assert errors["out"] == 0.0 and all(0 <= errors[k] < 0.05 for k in ("grad_m", "grad_gate", "grad_up")), errors
+
+
+def test_the_fused_mlp_verdict_passes_the_gpus_record_and_fails_each_defect() -> None:
+    """tests/device/quant_check.py, item 7's verdict, on the record session 26's H200 gave (trimmed to what it reads)
+    and on that record with one defect each: a kernel that did not compile (session 26's H100), a tile whose scales
+    drift from eager, the op missing on a GPU, a NaN in the node; and a record that is not there."""
+    sys.path.insert(0, str(REPO / "tests" / "device"))
+    try:
+        import quant_check
+    finally:
+        sys.path.pop(0)
+    exact = {"scales_differ_share": 0.0, "dequantised_max_diff": 0.008928571827709675}
+    gpu: dict[str, Any] = {
+        "floor_ms": 0.2891,
+        "ways": {
+            "engine": {"ms": 1.348, "against_eager": {"scales_differ_share": 0.0081, "dequantised_max_diff": 0.0714}},
+            **{f"triton_{t}": {"ms": 0.95, "against_eager": dict(exact)} for t in ("64x128", "128x64", "32x256")},
+            "engine_op": {"ms": 1.027, "against_eager": dict(exact)},
+        },
+        "node": {"composed_ms": 6.7082, "fused_ms": 6.0687,
+                 "fused_rel_err": {"out": 0.0, "grad_m": 0.016858, "grad_gate": 0.038786, "grad_up": 0.034171}},
+    }  # fmt: skip
+    ok, lines = quant_check.verdict(gpu, dry=False)
+    assert ok and lines[0].startswith("PASS fused FP8 MLP (triton_64x128, triton_128x64, triton_32x256, engine_op)")
+    assert (
+        lines[1]
+        == "#   quantisation 1.348 ms composed, 1.027 ms the op (floor 0.289); node 6.7082 ms composed, 6.0687 ms fused"
+    )
+
+    def broken(edit: Any) -> tuple[bool, str]:
+        record = json.loads(json.dumps(gpu))
+        edit(record)
+        ok, lines = quant_check.verdict(record, dry=False)
+        return ok, lines[0]
+
+    compile_error = "CompilationError: at 7:4: def _layouts_kernel(...)"
+    cases = {
+        "triton_64x128: CompilationError": lambda r: r["ways"].__setitem__("triton_64x128", {"error": compile_error}),
+        "triton_32x256: scales differing 1.0e-02": lambda r: r["ways"]["triton_32x256"]["against_eager"].update(
+            scales_differ_share=0.01
+        ),
+        "triton_128x64: scales differing 0.0e+00, dequantised 0.143": lambda r: r["ways"]["triton_128x64"][
+            "against_eager"
+        ].update(dequantised_max_diff=0.143),
+        "the op's CUDA kernels did not run": lambda r: r["ways"].pop("engine_op"),
+        "node: fused against composed": lambda r: r["node"]["fused_rel_err"].update(grad_up=float("nan")),
+    }
+    for says, edit in cases.items():
+        ok, line = broken(edit)
+        assert not ok and line.startswith("FAIL fused FP8 MLP") and says in line, (says, line)
+    # the CPU's dry run runs no kernel: no FAIL for that alone, but still one for a bad node
+    cpu = {"floor_ms": 0.004, "ways": {"engine": gpu["ways"]["engine"]}, "node": gpu["node"]}
+    ok, lines = quant_check.verdict(cpu, dry=True)
+    assert ok and lines == [
+        "PASS fused FP8 MLP (no Triton here: the kernels not run): node fused vs composed worst 3.9e-02"
+    ]
+    assert quant_check.verdict(cpu, dry=False)[0] is False
+    assert quant_check.main(["/nonexistent/quant.json"]) == 1
