@@ -32,7 +32,8 @@ here (accepted at position i / drafts, unconditional), not ``per_position_condit
 are recomputed each round (one target forward per round), which is plenty for small targets and bounded
 evaluations, and keeps the arithmetic the same as training's.
 
-    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--conversations 8] [--max-new-tokens 64] [--json]
+    specdec-train eval --checkpoint runs/cpu-demo [--k 5] [--conversations 8] [--turns last|all] [--max-new-tokens 64]
+        [--json]
     specdec-train eval --export DIR --target tiny-trained [--data shipped] [--k 3] [--count vllm] [--json]
 
 A checkpoint's drafter is evaluated with its weights rounded to bfloat16 as ``export`` writes them, so its counts
@@ -323,13 +324,25 @@ def data_path_of(data: str) -> Path:
     return shipped_corpus_path() if data == DATA_SHIPPED else Path(data).expanduser()
 
 
-def heldout_prompts(tokenizer: Any, data: str, holdout: int, seed: int, count: int) -> list[list[int]]:
+TURNS = ("last", "all")
+
+
+def heldout_prompts(
+    tokenizer: Any, data: str, holdout: int, seed: int, count: int, turns: str = "last"
+) -> list[list[int]]:
+    """The first ``count`` held-out conversations as prompts: each up to its last assistant turn (``turns`` "last"),
+    or up to each of its assistant turns in order ("all": every reply of a conversation is counted, about 2.6 prompts
+    a conversation on the shipped corpus; held out whole, so no turn was trained on)."""
     if tokenizer is None:
         raise ValueError("the target has no tokenizer (random-weight preset): acceptance needs real text")
     if holdout <= 0:
         raise ValueError("eval_holdout = 0: no held-out conversations to evaluate on")
-    convs = heldout_conversations(data_path_of(data), holdout, seed)
-    return [prompt_ids(tokenizer, c) for c in convs[:count]]
+    if turns not in TURNS:
+        raise ValueError(f"turns: got {turns!r}; allowed: {', '.join(TURNS)}")
+    convs = heldout_conversations(data_path_of(data), holdout, seed)[:count]
+    if turns == "last":
+        return [prompt_ids(tokenizer, c) for c in convs]
+    return [prompt_ids(tokenizer, c[: i + 1]) for c in convs for i, m in enumerate(c) if m["role"] == "assistant"]
 
 
 def evaluate(
@@ -501,7 +514,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target", help="with --export: the target (tiny-trained or a Hugging Face directory)")
     ap.add_argument("--data", default="shipped", help="with --export: the data whose held-out conversations prompt")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per round (chain length)")
-    ap.add_argument("--conversations", type=int, default=16, help="held-out prompts to decode")
+    ap.add_argument("--conversations", type=int, default=16, help="held-out conversations to decode")
+    ap.add_argument(
+        "--turns",
+        choices=TURNS,
+        default="last",
+        help="each conversation up to its last assistant turn, or up to each of them (all: about 2.6x the prompts "
+        "on the shipped data, so a tighter count for the same held-out conversations)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     ap.add_argument("--drafter", action="append", help="only this drafter (repeatable); default: all")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
@@ -538,6 +558,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.k > MAX_K:
         ap.error(f"--k must be <= {MAX_K} (draft tokens a round)")
+    if args.prompt_ids and args.turns != "last":
+        ap.error("--turns all: picks turns of the held-out conversations, not of --prompt-ids (already prompts)")
     from engine.trainer.verifier.model import device_refusal
 
     reason = device_refusal(args.device)
@@ -635,7 +657,7 @@ def chosen_prompts(args: Any, tokenizer: Any, data: str, holdout: int, seed: int
     """``--prompt-ids`` (its first ``--conversations``), else the held-out conversations' prompts of ``data``."""
     if args.prompt_ids:
         return read_prompt_ids(Path(args.prompt_ids))[: args.conversations]
-    return heldout_prompts(tokenizer, data, holdout, seed, args.conversations)
+    return heldout_prompts(tokenizer, data, holdout, seed, args.conversations, args.turns)
 
 
 def report(
@@ -688,6 +710,7 @@ def report(
         "as_served": args.as_served,
         "counting": args.count,
         "ignore_eos": args.ignore_eos,
+        "turns": "prompt ids" if args.prompt_ids else args.turns,
         "drafters": results,
     }
     if args.json:
@@ -697,6 +720,7 @@ def report(
         f"{heading}, target {spec} layers {target.layer_ids}, k={args.k}, "
         f"rope offset {rope_offset}{' (as served)' if args.as_served else ''}, counting {args.count}"
         f"{', ignoring eos' if args.ignore_eos else ''}"
+        f"{f', {len(prompts)} prompts (every assistant turn)' if args.turns == 'all' else ''}"
     )
     for name, r in results.items():
         cond = " ".join(f"{v:.3f}" for v in r["per_position_conditional"])

@@ -251,3 +251,22 @@ def test_eval_of_an_unreadable_export_exits_2_with_one_line(tmp_path: Path) -> N
     assert done.returncode == 2, done.stderr
     lines = [ln for ln in done.stderr.splitlines() if not ln.startswith("eval: ")]
     assert len(lines) == 1 and "norm_before_residual is set" in lines[0], done.stderr
+
+
+def test_eval_on_every_turn_counts_more_prompts_of_the_same_conversations_and_says_so(
+    run: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--turns all``: the same held-out conversations, each reply a prompt; the report names the turns; with
+    ``--prompt-ids`` (already prompts) it is refused, exit 2."""
+    out, _exported, _corpus = run
+    last = _eval("--checkpoint", str(out), capsys=capsys)
+    every = _eval("--checkpoint", str(out), "--turns", "all", capsys=capsys)
+    assert last["turns"] == "last" and every["turns"] == "all"
+    assert every["drafters"]["replicas"]["prompts"] > last["drafters"]["replicas"]["prompts"] == 3
+    assert every["drafters"]["replicas"]["rounds"] > last["drafters"]["replicas"]["rounds"]
+    ids = out.parent / "ids.json"
+    ids.write_text("[[1, 2, 3]]")
+    with pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", str(out), "--prompt-ids", str(ids), "--turns", "all"])
+    assert exc.value.code == 2
+    assert "--turns all: picks turns of the held-out conversations, not of --prompt-ids" in capsys.readouterr().err

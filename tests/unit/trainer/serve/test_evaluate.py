@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -342,3 +343,25 @@ def test_vllm_counting_counts_the_drafts_past_the_stop_token_and_keeps_the_outpu
 def test_unknown_counting_is_refused() -> None:
     with pytest.raises(ValueError, match="one of stop, vllm"):
         evaluate(next_token_target, CountingUp(), [[0]], k=K, max_new_tokens=4, eos_id=None, counting="sglang")
+
+
+def test_every_turn_prompts_each_reply_of_the_held_out_conversations_and_ends_with_the_last_turns(
+    tiny_target: FrozenTarget,
+) -> None:
+    """``turns = "all"``: each of the first ``count`` held-out conversations up to each of its assistant turns, in
+    order; its last prompt is the "last" mode's prompt of that conversation, and no conversation outside them enters."""
+    from engine.trainer.serve.evaluate import heldout_conversations
+
+    tok = tiny_target.tokenizer
+    convs = heldout_conversations(shipped_corpus_path(), 32, 0)[:6]
+    replies = [sum(m["role"] == "assistant" for m in c) for c in convs]
+    last = heldout_prompts(tok, "shipped", holdout=32, seed=0, count=6)
+    every = heldout_prompts(tok, "shipped", holdout=32, seed=0, count=6, turns="all")
+    assert len(every) == sum(replies) > len(last) == 6
+    ends = [sum(replies[: i + 1]) - 1 for i in range(6)]
+    assert [every[i] for i in ends] == last
+    for i, n in enumerate(replies):  # a conversation's prompts grow turn by turn
+        own = every[ends[i] - n + 1 : ends[i] + 1]
+        assert all(len(a) < len(b) for a, b in itertools.pairwise(own))
+    with pytest.raises(ValueError, match=r"^turns: got 'first'; allowed: last, all$"):
+        heldout_prompts(tok, "shipped", holdout=32, seed=0, count=6, turns="first")
