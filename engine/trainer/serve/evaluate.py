@@ -514,7 +514,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target", help="with --export: the target (tiny-trained or a Hugging Face directory)")
     ap.add_argument("--data", default="shipped", help="with --export: the data whose held-out conversations prompt")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per round (chain length)")
-    ap.add_argument("--conversations", type=int, default=16, help="held-out conversations to decode")
+    ap.add_argument(
+        "--conversations", type=int, default=16, help="held-out conversations to decode (with --prompt-ids: prompts)"
+    )
     ap.add_argument(
         "--turns",
         choices=TURNS,
