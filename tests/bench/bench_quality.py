@@ -196,23 +196,13 @@ def training_file(work: Path, data: Path) -> Path:
 def served_prompts(work: Path, target_dir: Path, count: int, turns: str = "last") -> Path:
     """The served prompts as token ids, in a file: the first ``count`` held-out conversations, each up to its last
     assistant turn (``turns`` "last", the bench's prompts since session 14), or up to each of its assistant turns in
-    order ("all": 82 prompts from the 32; the conversations are held out whole, so every turn is unseen)."""
-    from engine.trainer.serve.evaluate import heldout_conversations, heldout_prompts
+    order ("all": 82 prompts from the 32; the conversations are held out whole, so every turn is unseen): the
+    prompts ``specdec-train eval --turns`` decodes."""
+    from engine.trainer.serve.evaluate import heldout_prompts
     from engine.trainer.verifier.model import load_tokenizer
 
-    tokenizer = load_tokenizer(str(target_dir))
-    if turns == "last":
-        path = work / "prompts.json"
-        prompts = heldout_prompts(tokenizer, "shipped", HELDOUT, HELDOUT_SEED, count)
-    else:
-        from engine.trainer.data.sources import shipped_corpus_path
-        from engine.trainer.serve.evaluate import prompt_ids
-
-        path = work / "prompts-all-turns.json"
-        convs = heldout_conversations(shipped_corpus_path(), HELDOUT, HELDOUT_SEED)[:count]
-        prompts = [
-            prompt_ids(tokenizer, c[: i + 1]) for c in convs for i, m in enumerate(c) if m["role"] == "assistant"
-        ]
+    prompts = heldout_prompts(load_tokenizer(str(target_dir)), "shipped", HELDOUT, HELDOUT_SEED, count, turns)
+    path = work / ("prompts.json" if turns == "last" else "prompts-all-turns.json")
     path.write_text(json.dumps(prompts))
     return path
 
