@@ -28,8 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: engine/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench_quant's TILES
 
-TILES = ((64, 128), (128, 64), (32, 256), (64, 64))  # bench_quant.py's; checked equal below
-
 
 def compile_kernels() -> dict[str, object]:
     import triton
@@ -50,6 +48,8 @@ def compile_kernels() -> dict[str, object]:
     }  # fmt: skip
     target = GPUTarget("cuda", 90, 32)
     out: dict[str, object] = {"triton": triton.__version__, "target": "cuda sm_90", "kernels": {}}
+    from bench_quant import TILES  # the tiles the device bench times
+
     for tile in TILES:
         for name, signature in signatures.items():
             t0 = time.perf_counter()
@@ -145,9 +145,6 @@ def _compare_layouts(
 
 
 def main(argv: list[str]) -> int:
-    import bench_quant
-
-    assert tuple(bench_quant.TILES) == TILES, "bench_quant.py's tiles changed: update TILES here"
     mode = argv[0] if argv else ""
     if mode == "compile":
         result = compile_kernels()

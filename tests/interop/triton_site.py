@@ -15,12 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from speculators_venv import RegistryUnreachable  # beside this file: the interop checks' one "cannot run here"
+
 TRITON_VERSION = "3.6.0"
 PIP_TIMEOUT_S = 600
-
-
-class RegistryUnreachable(RuntimeError):
-    """pip could not fetch the wheel: the check cannot run here (not a failure of the kernels)."""
 
 
 def site_dir() -> Path:
